@@ -1,0 +1,53 @@
+# Starling — entry points. `make run` and `make test` each do the whole install first.
+SHELL := /bin/bash
+PY_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.starling-installed
+APT_PKGS := libgmp-dev nftables iproute2 iptables
+RUN_SECONDS ?= 0
+PYTEST_ARGS ?=
+
+.PHONY: install sysdeps run test test-fast lint bench chaos fuzz clean
+
+install: $(STAMP)
+
+# Debian packages: libgmp-dev for libp2p's fastecdsa build, nftables/iproute2/iptables for the network lab.
+sysdeps:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages:$$missing"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "warning: missing Debian packages:$$missing (run as root, or install them yourself)"; fi; \
+	fi
+
+$(STAMP): pyproject.toml | sysdeps
+	@test -x $(PY) || $(PY_SYS) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: the local CPU wheel; an unpinned torch would pull GBs of CUDA packages.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) check
+	@touch $(STAMP)
+
+# The embedded default: a local swarm (bootstrap + 3 peers) on 127.0.0.1 with a live status view.
+run: install
+	$(PY) -m node.localswarm --peers 3 --seconds $(RUN_SECONDS)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not lab" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check p2p protocols node tests bench
+
+bench: install
+	$(PY) bench/discovery.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

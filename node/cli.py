@@ -1,0 +1,251 @@
+"""The `starling` command: init | run | status.
+
+Exit codes are part of the contract operators' scripts rely on: 0 success, 1 "no daemon" for status,
+2 bad input or a start-up problem the operator must fix (bad option, port in use, corrupt identity,
+second daemon on the same home). User errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_NO_DAEMON, EXIT_USAGE = 0, 1, 2
+SHUTDOWN_GRACE_S = 9.0
+
+log = logging.getLogger("starling.cli")
+
+
+def _die(msg: str, code: int = EXIT_USAGE) -> int:
+    print(f"starling: error: {msg}", file=sys.stderr)
+    return code
+
+
+def _parse_set(values: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ValueError(f"--set {item!r}: expected SECTION.OPTION=VALUE")
+        out[key.strip()] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="starling", description="Decentralized peer-to-peer training daemon.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def home_arg(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--home", help="node directory (default: $STARLING_HOME, else ~/.starling)")
+
+    sp = sub.add_parser("init", help="create the node's identity and a commented config.toml")
+    home_arg(sp)
+    sp.add_argument("--swarm", help="swarm name to write into config.toml")
+
+    sp = sub.add_parser("run", help="run the daemon in the foreground (systemd-friendly)")
+    home_arg(sp)
+    sp.add_argument("--listen", action="append", default=None, metavar="MULTIADDR")
+    sp.add_argument("--announce", action="append", default=None, metavar="MULTIADDR")
+    sp.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR")
+    sp.add_argument("--swarm")
+    sp.add_argument("--no-train", action="store_true", help="network-only node (bootstrap/relay host)")
+    sp.add_argument("--metrics-port", type=int, default=None)
+    sp.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+    sp.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
+                    help="any config option, e.g. --set train.inner_steps=20")
+
+    sp = sub.add_parser("status", help="show what the local daemon is doing")
+    home_arg(sp)
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+# --- init -------------------------------------------------------------------------------------------------
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from node.config import CONFIG_FILE, ConfigError, NodeConfig, render_config_file, resolve_home
+    from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity, peer_id_of
+
+    home = resolve_home(args.home)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        os.chmod(home, 0o700)
+        key_pair, created = load_or_create_identity(home / IDENTITY_FILE)
+    except IdentityError as e:
+        return _die(str(e))
+    except OSError as e:
+        return _die(f"{home}: {e.strerror or e}")
+    config_path = home / CONFIG_FILE
+    if args.swarm is not None:
+        try:
+            NodeConfig(swarm=args.swarm).validate()
+        except ValueError as e:
+            return _die(str(e))
+    if not config_path.exists():
+        overrides = {"node": {"swarm": args.swarm}} if args.swarm else {}
+        config_path.write_text(render_config_file(overrides))
+    elif args.swarm is not None:
+        print(f"note: {config_path} exists and was left unchanged", file=sys.stderr)
+    try:
+        from node.config import load_config
+
+        load_config(home)
+    except ConfigError as e:
+        return _die(str(e))
+    if created:
+        print(f"created identity in {home / IDENTITY_FILE}", file=sys.stderr)
+    print(peer_id_of(key_pair))
+    return EXIT_OK
+
+
+# --- run --------------------------------------------------------------------------------------------------
+
+
+def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    o: dict[str, Any] = _parse_set(args.set)
+    if args.listen is not None:
+        o["node.listen"] = args.listen
+    if args.announce is not None:
+        o["node.announce"] = args.announce
+    if args.bootstrap is not None:
+        o["node.bootstrap"] = args.bootstrap
+    if args.swarm is not None:
+        o["node.swarm"] = args.swarm
+    if args.metrics_port is not None:
+        o["node.metrics_port"] = args.metrics_port
+    if args.log_level is not None:
+        o["node.log_level"] = args.log_level
+    return o
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from node.config import ConfigError, load_config, resolve_home
+    from node.lock import HomeLock, LockError
+    from node.logs import setup_logging
+    from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
+
+    home = resolve_home(args.home)
+    try:
+        overrides = _run_overrides(args)
+        home.mkdir(parents=True, exist_ok=True)
+        cfg = load_config(home, overrides=overrides)
+    except (ConfigError, ValueError) as e:
+        return _die(str(e))
+    except OSError as e:
+        return _die(f"{home}: {e.strerror or e}")
+    setup_logging(cfg.node.log_level)
+    lock = HomeLock(home)
+    try:
+        lock.acquire()
+    except LockError as e:
+        return _die(str(e))
+    try:
+        try:
+            key_pair, created = load_or_create_identity(home / IDENTITY_FILE)
+        except IdentityError as e:
+            return _die(str(e))
+        if created:
+            log.info("created a new identity in %s", home / IDENTITY_FILE)
+        import trio
+
+        from node.daemon import Daemon, StartupError
+
+        train = not args.no_train
+        try:
+            daemon = Daemon(cfg, home, key_pair, train=train)
+        except ValueError as e:
+            return _die(str(e))
+        try:
+            trio.run(_run_until_signal, daemon)
+        except StartupError as e:
+            return _die(str(e))
+        except KeyboardInterrupt:
+            pass
+        log.info("stopped")
+        return EXIT_OK
+    finally:
+        lock.release()
+
+
+async def _run_until_signal(daemon: Any) -> None:
+    """Run the daemon until SIGTERM/SIGINT, then cancel it and give it a bounded time to drain."""
+    import trio
+
+    from node.daemon import StartupError
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                async for signum in signals:
+                    log.info("received %s, stopping", signal.Signals(signum).name)
+                    _arm_hard_stop()
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(watch)
+            try:
+                await daemon.run()
+            except StartupError:
+                nursery.cancel_scope.cancel()
+                raise
+
+
+def _arm_hard_stop() -> None:
+    """If a graceful stop overruns its budget (a wedged library task), exit anyway, and say so."""
+
+    def stop() -> None:
+        time.sleep(SHUTDOWN_GRACE_S)
+        log.warning("graceful stop took longer than %.0fs; exiting now", SHUTDOWN_GRACE_S)
+        logging.shutdown()
+        os._exit(EXIT_OK)
+
+    threading.Thread(target=stop, daemon=True, name="hard-stop").start()
+
+
+# --- status -----------------------------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from node.config import resolve_home
+    from node.control import SOCKET_FILE, ControlError, request_sync
+    from node.status_view import render_status
+
+    home = resolve_home(args.home)
+    try:
+        answer = request_sync(home / SOCKET_FILE, {"cmd": "status"})
+    except ControlError as e:
+        if args.json:
+            print(json.dumps({"running": False, "error": str(e)}))
+        else:
+            print(f"starling: {e}", file=sys.stderr)
+        return EXIT_NO_DAEMON
+    if not answer.get("ok"):
+        return _die(f"daemon error: {answer.get('error')}", EXIT_NO_DAEMON)
+    status = answer["status"]
+    if args.json:
+        print(json.dumps(status, indent=None, sort_keys=True))
+    else:
+        print(render_status(status))
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"init": cmd_init, "run": cmd_run, "status": cmd_status}
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The readable `starling status` view, rendered from the same dict that `--json` prints.
+
+Rendering from the JSON keeps the two views honest with each other: there is one source of truth, the
+daemon's status(), and this module only formats it. Every section is optional, so an older daemon or a
+network-only node renders fine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def short(peer_id: str) -> str:
+    return peer_id[:6] + ".." + peer_id[-6:] if len(peer_id) > 14 else peer_id
+
+
+def _dur(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def render_status(st: dict[str, Any]) -> str:
+    out: list[str] = []
+    out.append(f"starling {st.get('version', '?')}  peer {st.get('peer_id', '?')}")
+    out.append(
+        f"swarm {st.get('swarm', '?')!r}  role {st.get('role', '?')}  up {_dur(st.get('uptime_s', 0))}"
+        + (f"  reachability {st['reachability']}" if "reachability" in st else "")
+    )
+    for a in st.get("addrs", []):
+        out.append(f"  listening {a}")
+    conns = st.get("connections", {})
+    peers = st.get("connected_peers", [])
+    out.append(
+        f"connections: {len(peers)} connected (target {conns.get('target', '?')}, cap {conns.get('cap', '?')}),"
+        f" {conns.get('candidates', 0)} known, {conns.get('dialing', 0)} dialing,"
+        f" {conns.get('backing_off', 0)} backing off"
+    )
+    detail = {p.get("peer_id"): p for p in st.get("peers", []) if isinstance(p, dict)}
+    if peers:
+        rows = [["peer", "path", "rtt_ms"]]
+        for p in peers:
+            d = detail.get(p, {})
+            rows.append([short(p), str(d.get("path", "-")), _fmt(d.get("rtt_ms"), ".1f")])
+        out.extend(_table(rows))
+    disc = st.get("discovery")
+    if disc:
+        out.append(
+            f"discovery: {disc.get('members_found', 0)} members found in the DHT,"
+            f" routing table {disc.get('routing_table', 0)}, {disc.get('lookups', 0)} lookups"
+            + (f"  (last error: {disc['last_error']})" if disc.get("last_error") else "")
+        )
+    tr = st.get("training")
+    if tr:
+        out.append(
+            f"training: {tr.get('task', '?')} on {tr.get('device', '?')}  state {tr.get('state', '?')}"
+            f"  step {_fmt(tr.get('step'))}  outer {_fmt(tr.get('outer_step'))}"
+            f"  loss {_fmt(tr.get('loss'), '.4f')}  val {_fmt(tr.get('val_loss'), '.4f')}"
+            f"  {_fmt(tr.get('samples_per_s'), '.1f')} samples/s"
+            + (f"  restarts {tr['restarts']}" if tr.get("restarts") else "")
+        )
+    sy = st.get("sync")
+    if sy:
+        out.append(
+            f"sync: {sy.get('rounds', 0)} rounds ({sy.get('solo_rounds', 0)} solo, {sy.get('failures', 0)} failed),"
+            f" {sy.get('distinct_partners', 0)} partners, last {short(str(sy.get('last_partner') or '-'))}"
+            f" in {_fmt(sy.get('last_duration_s'), '.2f')}s, wire {sy.get('wire_dtype', '?')}"
+        )
+    members = st.get("members")
+    if members:
+        rows = [["member", "state", "step", "loss", "samples/s", "last seen"]]
+        for m in members:
+            rows.append([
+                short(str(m.get("peer_id", "?"))),
+                str(m.get("state", "?")),
+                _fmt(m.get("outer_step")),
+                _fmt(m.get("loss"), ".4f"),
+                _fmt(m.get("samples_per_s"), ".1f"),
+                (_dur(m["last_seen_s"]) + " ago") if isinstance(m.get("last_seen_s"), (int, float)) else "-",
+            ])
+        out.append(f"members: {len(members)}")
+        out.extend(_table(rows))
+    return "\n".join(out)

@@ -1,0 +1,191 @@
+"""Connection management: keep about `target` connections to swarm members, never more than `cap`.
+
+Why our own manager: `host.connect()` costs at least 250 ms even on loopback (py-libp2p pitfall 4), so
+dials run concurrently, each under its own deadline, and the manager's loop never waits for a dial. A
+peer that fails gets an exponential back-off with jitter, so one dead or slow address never delays the
+others and never turns into a retry storm. Bootstrap peers are ordinary candidates that are never
+forgotten: an unreachable bootstrap address is retried with back-off, with a warning, not a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import multiaddr
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+log = logging.getLogger("starling.connmgr")
+
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 60.0
+MAX_CONCURRENT_DIALS = 8
+TICK_S = 0.5
+
+
+@dataclass
+class Candidate:
+    """A peer we may dial: its addresses and its dial history."""
+
+    peer_id: ID
+    addrs: list[multiaddr.Multiaddr]
+    source: str  # "bootstrap", "dht", ...
+    permanent: bool = False  # bootstrap peers are never forgotten
+    failures: int = 0
+    next_attempt: float = 0.0
+    last_error: str = ""
+    connected_since: float | None = None
+
+
+@dataclass
+class ConnManager:
+    host: IHost
+    target: int = 8
+    cap: int = 32
+    dial_timeout: float = 10.0
+    on_connected: Callable[[ID], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    candidates: dict[ID, Candidate] = field(default_factory=dict)
+    _dialing: set[ID] = field(default_factory=set)
+    _wake: trio.Event = field(default_factory=trio.Event)
+    _known_connected: set[ID] = field(default_factory=set)
+
+    # --- inputs ------------------------------------------------------------------------------------------
+
+    def add_candidate(self, info: PeerInfo, *, source: str, permanent: bool = False) -> None:
+        """Remember a peer to dial (from bootstrap config or discovery); its addresses are merged."""
+        if info.peer_id == self.host.get_id():
+            return
+        cand = self.candidates.get(info.peer_id)
+        if cand is None:
+            cand = self.candidates[info.peer_id] = Candidate(info.peer_id, [], source, permanent)
+            self._wake.set()
+        cand.permanent = cand.permanent or permanent
+        for a in info.addrs:
+            if str(a) not in {str(x) for x in cand.addrs}:
+                cand.addrs.append(a)
+
+    def add_candidates(self, infos: Iterable[PeerInfo], *, source: str) -> None:
+        for info in infos:
+            self.add_candidate(info, source=source)
+
+    # --- views -------------------------------------------------------------------------------------------
+
+    def connected(self) -> list[ID]:
+        return [p for p in self.host.get_connected_peers() if p != self.host.get_id()]
+
+    def status(self) -> dict[str, object]:
+        now = self.clock()
+        return {
+            "target": self.target,
+            "cap": self.cap,
+            "connected": len(self.connected()),
+            "candidates": len(self.candidates),
+            "dialing": len(self._dialing),
+            "backing_off": sum(1 for c in self.candidates.values() if c.next_attempt > now),
+        }
+
+    # --- the loop ----------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                self._tick(nursery)
+                with trio.move_on_after(TICK_S):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    def _tick(self, nursery: trio.Nursery) -> None:
+        connected = set(self.connected())
+        now = self.clock()
+        for peer_id in connected - self._known_connected:
+            cand = self.candidates.get(peer_id)
+            if cand is not None:
+                cand.failures, cand.next_attempt, cand.connected_since = 0, 0.0, now
+            if self.on_connected is not None:
+                self.on_connected(peer_id)
+        for peer_id in self._known_connected - connected:
+            cand = self.candidates.get(peer_id)
+            if cand is not None:
+                cand.connected_since = None
+        self._known_connected = connected
+
+        if len(connected) > self.cap:
+            self._prune(connected, nursery)
+            return
+        # Bootstrap peers are dialed even when the target is met: they are how a node rejoins the DHT.
+        want = self.target - len(connected) - len(self._dialing)
+        due = [
+            c
+            for c in self.candidates.values()
+            if c.peer_id not in connected and c.peer_id not in self._dialing and c.next_attempt <= now and c.addrs
+        ]
+        random.shuffle(due)
+        due.sort(key=lambda c: (not c.permanent, c.failures))
+        for cand in due:
+            if len(self._dialing) >= MAX_CONCURRENT_DIALS:
+                break
+            if want <= 0 and not cand.permanent:
+                continue
+            want -= 1
+            self._dialing.add(cand.peer_id)
+            nursery.start_soon(self._dial, cand)
+
+    def _prune(self, connected: set[ID], nursery: trio.Nursery) -> None:
+        """Close the newest non-bootstrap connections above the cap."""
+        excess = len(connected) - self.cap
+        victims = sorted(
+            (p for p in connected if not (p in self.candidates and self.candidates[p].permanent)),
+            key=lambda p: -(self.candidates[p].connected_since or 0) if p in self.candidates else 0,
+        )[:excess]
+        for peer_id in victims:
+            log.debug("over the connection cap (%d): closing %s", self.cap, peer_id)
+            nursery.start_soon(self._disconnect, peer_id)
+
+    async def _disconnect(self, peer_id: ID) -> None:
+        with trio.move_on_after(5):
+            try:
+                await self.host.disconnect(peer_id)
+            except Exception as e:  # a peer already gone is fine
+                log.debug("disconnect %s: %s", peer_id, e)
+
+    async def _dial(self, cand: Candidate) -> None:
+        try:
+            ok = False
+            with trio.move_on_after(self.dial_timeout):
+                try:
+                    await self.host.connect(PeerInfo(cand.peer_id, list(cand.addrs)))
+                    ok = True
+                except Exception as e:  # libp2p raises many types for an unreachable peer
+                    cand.last_error = f"{type(e).__name__}: {e}"[:200]
+            if not ok and not cand.last_error:
+                cand.last_error = f"timed out after {self.dial_timeout:.0f}s"
+            if ok:
+                cand.failures, cand.next_attempt, cand.last_error = 0, 0.0, ""
+                log.debug("connected to %s (%s)", cand.peer_id, cand.source)
+            else:
+                cand.failures += 1
+                delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (cand.failures - 1)) * random.uniform(0.8, 1.2)
+                cand.next_attempt = self.clock() + delay
+                level = logging.WARNING if cand.permanent else logging.DEBUG
+                log.log(
+                    level,
+                    "cannot reach %s peer %s at %s: %s; retrying in %.0fs",
+                    cand.source,
+                    cand.peer_id,
+                    ", ".join(str(a) for a in cand.addrs),
+                    cand.last_error,
+                    delay,
+                )
+                if not cand.permanent and cand.failures >= 8:
+                    del self.candidates[cand.peer_id]  # discovery will bring it back if it reappears
+        finally:
+            self._dialing.discard(cand.peer_id)
+            self._wake.set()

@@ -1,0 +1,133 @@
+"""Swarm discovery over the Kademlia DHT.
+
+Every member of swarm S advertises itself as a *provider* of one key derived from S, and looks up the
+other providers of that key. So a peer that knows only a bootstrap node ends up knowing every member:
+the bootstrap node merely seeds its routing table. Provider records are re-announced periodically (the
+DHT forgets them), and lookups run fast at start-up, then settle to `interval`.
+
+py-libp2p's DHT ignores `protocol_prefix` (pitfall 5), so two different swarms share one DHT; the key is
+namespaced by the swarm name, and only peers that advertise that key become candidates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+
+import trio
+from libp2p.abc import IHost
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.tools.anyio_service import background_trio_service
+
+from p2p.connmgr import ConnManager
+
+log = logging.getLogger("starling.discovery")
+
+LOOKUP_TIMEOUT_S = 10.0
+FAST_INTERVAL_S = 2.0
+FAST_ROUNDS = 10
+REPROVIDE_S = 60.0
+
+
+def swarm_key(swarm: str) -> str:
+    """The DHT key (hex multihash, sha2-256) under which the members of `swarm` are providers."""
+    digest = hashlib.sha256(f"/starling/v1/swarm/{swarm}".encode()).hexdigest()
+    return "1220" + digest
+
+
+class SwarmDiscovery:
+    """Runs the DHT and feeds swarm members found in it to the connection manager."""
+
+    def __init__(self, host: IHost, connmgr: ConnManager, swarm: str, *, interval: float = 10.0) -> None:
+        self.host = host
+        self.connmgr = connmgr
+        self.swarm = swarm
+        self.key = swarm_key(swarm)
+        self.interval = interval
+        self.dht = KadDHT(host, DHTMode.SERVER)
+        self.members_found: set[ID] = set()
+        self.lookups = 0
+        self.last_error = ""
+        self._wake = trio.Event()
+        self._in_table: set[ID] = set()
+
+    def peer_connected(self, peer_id: ID) -> None:
+        """Called by the connection manager: a fresh connection is a chance to refresh our records."""
+        self._wake.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with background_trio_service(self.dht):
+            task_status.started()
+            last_provide = -REPROVIDE_S
+            rounds = 0
+            while True:
+                await self._add_connected_to_routing_table()
+                now = trio.current_time()
+                if now - last_provide >= REPROVIDE_S or rounds < FAST_ROUNDS:
+                    if await self._provide():
+                        last_provide = now
+                await self._lookup()
+                rounds += 1
+                delay = FAST_INTERVAL_S if rounds < FAST_ROUNDS else self.interval
+                with trio.move_on_after(delay):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    async def _add_connected_to_routing_table(self) -> None:
+        """Connected Starling peers all run the DHT in server mode, so they seed our routing table."""
+        for peer_id in self.host.get_connected_peers():
+            if peer_id in self._in_table:
+                continue
+            with trio.move_on_after(LOOKUP_TIMEOUT_S):
+                try:
+                    if await self.dht.add_peer(peer_id, skip_server_mode_check=True):
+                        self._in_table.add(peer_id)
+                except Exception as e:
+                    log.debug("routing table add %s: %s", peer_id, e)
+
+    async def _provide(self) -> bool:
+        if self.dht.get_routing_table_size() == 0:
+            return False
+        with trio.move_on_after(LOOKUP_TIMEOUT_S):
+            try:
+                return bool(await self.dht.provide(self.key))
+            except Exception as e:
+                self.last_error = f"provide: {e}"
+                log.debug("provide failed: %s", e)
+        return False
+
+    async def _lookup(self) -> None:
+        if self.dht.get_routing_table_size() == 0:
+            return
+        with trio.move_on_after(LOOKUP_TIMEOUT_S):
+            try:
+                providers = await self.dht.find_providers(self.key, count=64)
+            except Exception as e:
+                self.last_error = f"lookup: {e}"
+                log.debug("find_providers failed: %s", e)
+                return
+            self.lookups += 1
+            fresh = [p for p in providers if p.peer_id != self.host.get_id() and p.addrs]
+            for p in fresh:
+                if p.peer_id not in self.members_found:
+                    log.info("discovered swarm member %s", p.peer_id)
+                self.members_found.add(p.peer_id)
+            self.connmgr.add_candidates(fresh, source="dht")
+
+    def status(self) -> dict[str, object]:
+        return {
+            "members_found": len(self.members_found),
+            "routing_table": self.dht.get_routing_table_size(),
+            "lookups": self.lookups,
+            "last_error": self.last_error,
+        }
+
+
+def make_on_connected(*callbacks: Callable[[ID], None]) -> Callable[[ID], None]:
+    def on_connected(peer_id: ID) -> None:
+        for cb in callbacks:
+            cb(peer_id)
+
+    return on_connected
