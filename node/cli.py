@@ -166,10 +166,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             return _die(str(e))
         try:
             trio.run(_run_until_signal, daemon)
-        except StartupError as e:
-            return _die(str(e))
         except KeyboardInterrupt:
             pass
+        except BaseException as e:
+            startup = _find_exception(e, StartupError)
+            if startup is None:
+                raise
+            return _die(str(startup))
         log.info("stopped")
         return EXIT_OK
     finally:
@@ -197,6 +200,18 @@ async def _run_until_signal(daemon: Any) -> None:
             except StartupError:
                 nursery.cancel_scope.cancel()
                 raise
+
+
+def _find_exception(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first `kind` inside `exc`, looking through trio's exception groups."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find_exception(inner, kind)
+            if found is not None:
+                return found
+    return None
 
 
 def _arm_hard_stop() -> None:
