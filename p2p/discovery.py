@@ -19,6 +19,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.connmgr import ConnManager
@@ -29,6 +30,8 @@ LOOKUP_TIMEOUT_S = 10.0
 FAST_INTERVAL_S = 2.0
 FAST_ROUNDS = 10
 REPROVIDE_S = 60.0
+QUERY_TIMEOUT_S = 5.0
+MAX_PROVIDER_QUERIES = 20
 
 
 def swarm_key(swarm: str) -> str:
@@ -103,7 +106,7 @@ class SwarmDiscovery:
             return
         with trio.move_on_after(LOOKUP_TIMEOUT_S):
             try:
-                providers = await self.dht.find_providers(self.key, count=64)
+                providers = await self._find_providers()
             except Exception as e:
                 self.last_error = f"lookup: {e}"
                 log.debug("find_providers failed: %s", e)
@@ -115,6 +118,45 @@ class SwarmDiscovery:
                     log.info("discovered swarm member %s", p.peer_id)
                 self.members_found.add(p.peer_id)
             self.connmgr.add_candidates(fresh, source="dht")
+
+    async def _find_providers(self) -> list[PeerInfo]:
+        """Providers of the swarm key: what we hold locally plus an iterative network lookup.
+
+        py-libp2p's `find_providers` returns the local provider list whenever it is non-empty, and a node
+        that provides the key always has itself in that list, so it would never ask the network again.
+        We run the lookup ourselves (closest peers, then GET_PROVIDERS on each, following closer peers),
+        through the provider store's per-peer query.
+        """
+        store = self.dht.provider_store
+        key = bytes.fromhex(self.key)
+        found: dict[ID, PeerInfo] = {p.peer_id: p for p in store.get_providers(key)}
+        closest = await self.dht.peer_routing.find_closest_peers_network(key)
+        queue = [p for p in closest if p != self.host.get_id()]
+        queried: set[ID] = set()
+        while queue and len(queried) < MAX_PROVIDER_QUERIES:
+            batch, queue = queue[:3], queue[3:]
+            closer: list[ID] = []
+
+            async def ask(peer_id: ID) -> None:
+                queried.add(peer_id)
+                with trio.move_on_after(QUERY_TIMEOUT_S):
+                    try:
+                        providers, closer_peers = await store._get_providers_from_peer_with_closers(peer_id, key)
+                    except Exception as e:
+                        log.debug("GET_PROVIDERS from %s: %s", peer_id, e)
+                        return
+                    for p in providers:
+                        found.setdefault(p.peer_id, p)
+                        store.add_provider(key, p)
+                    closer.extend(closer_peers)
+
+            async with trio.open_nursery() as nursery:
+                for peer_id in batch:
+                    nursery.start_soon(ask, peer_id)
+            for peer_id in closer:
+                if peer_id not in queried and peer_id not in queue and peer_id != self.host.get_id():
+                    queue.append(peer_id)
+        return list(found.values())
 
     def status(self) -> dict[str, object]:
         return {

@@ -1,0 +1,126 @@
+"""How long N local daemons take to become fully connected through DHT discovery.
+
+Starts one bootstrap daemon, then N-1 daemons that know only the bootstrap address, all as separate
+processes on 127.0.0.1, and records two moments for the swarm: every node has *discovered* every other
+one (DHT provider lookups), and every node is *connected* to every other one. `node.target_peers` is set
+to N-1 so that a full mesh is the goal (the default target of 8 would stop short of it at N = 16).
+
+Usage: python bench/discovery.py [--sizes 8 16] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from node.control import ControlError, request_sync  # noqa: E402
+
+STARLING = [sys.executable, "-m", "node.cli"]
+
+
+def status(home: Path) -> dict | None:
+    try:
+        answer = request_sync(home / "control.sock", {"cmd": "status"}, timeout=5)
+    except ControlError:
+        return None
+    return answer.get("status")
+
+
+def run_once(n: int, root: Path, timeout: float = 120.0) -> dict[str, float]:
+    procs: list[subprocess.Popen] = []
+    homes = [root / f"n{i}" for i in range(n)]
+    common = ["--no-train", "--listen", "/ip4/127.0.0.1/tcp/0", "--swarm", f"bench{n}",
+              "--set", f"node.target_peers={min(32, n - 1)}", "--log-level", "warning"]
+
+    def spawn(home: Path, extra: list[str]) -> subprocess.Popen:
+        home.mkdir(parents=True)
+        return subprocess.Popen([*STARLING, "run", "--home", str(home), *common, *extra],
+                                stdout=subprocess.DEVNULL, stderr=open(home / "log", "wb"))
+
+    try:
+        procs.append(spawn(homes[0], []))
+        while (st := status(homes[0])) is None or not st["addrs"]:
+            time.sleep(0.1)
+        boot = st["addrs"][0]
+        t0 = time.monotonic()
+        for home in homes[1:]:
+            procs.append(spawn(home, ["--bootstrap", boot]))
+        t_discovered = t_connected = None
+        while time.monotonic() - t0 < timeout and (t_connected is None or t_discovered is None):
+            sts = [status(h) for h in homes]
+            if all(sts):
+                ids = {s["peer_id"] for s in sts}
+                if t_discovered is None and all(s["discovery"]["members_found"] >= n - 2 for s in sts[1:]):
+                    t_discovered = time.monotonic() - t0
+                if t_connected is None and all(ids - {s["peer_id"]} <= set(s["connected_peers"]) for s in sts):
+                    t_connected = time.monotonic() - t0
+            time.sleep(0.2)
+        if t_discovered is None and all(sts):
+            print("  members found per node:", [s["discovery"]["members_found"] for s in sts], flush=True)
+        return {"n": n, "discovered_s": t_discovered or float("nan"), "connected_s": t_connected or float("nan")}
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def write_docs(rows: list[dict[str, float]], command: str) -> None:
+    path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+    section = ["## Discovery", "",
+               f"`{command}` on {os.cpu_count()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}.",
+               "Daemons start together (processes, loopback), only the bootstrap address is given; time from start "
+               "until every node has found every other in the DHT, and until the mesh is complete.", "",
+               "| daemons | all discovered (s) | fully connected (s) |", "|---|---|---|"]
+    section += [f"| {r['n']} | {r['discovered_s']:.1f} | {r['connected_s']:.1f} |" for r in rows]
+    replace_section(path, "## Discovery", "\n".join(section) + "\n")
+
+
+def replace_section(path: Path, heading: str, body: str) -> None:
+    """Replace one `## ` section of docs/benchmarks.md (or append it), leaving the others alone."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section says the command that produced it.\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
+    if start is None:
+        text = text.rstrip("\n") + "\n\n" + body
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        text = "".join(lines[:start]) + body + ("\n" if end < len(lines) else "") + "".join(lines[end:])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--write-docs", action="store_true")
+    args = p.parse_args()
+    rows = []
+    for n in args.sizes:
+        root = Path(tempfile.mkdtemp(prefix=f"starling-disc{n}-"))
+        try:
+            r = run_once(n, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        rows.append(r)
+        print(f"{n:3d} daemons: all discovered in {r['discovered_s']:.1f}s, fully connected in {r['connected_s']:.1f}s",
+              flush=True)
+    if args.write_docs:
+        write_docs(rows, "python bench/discovery.py " + " ".join(sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
