@@ -1,0 +1,133 @@
+"""Deployment files are valid for the tools that consume them: systemd and Docker Compose.
+
+Each test is skipped (with the reason) when its tool is missing; `make install` installs Debian's
+`systemd` (systemd-analyze) and `docker-compose` packages so that they run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+UNIT = REPO / "deploy" / "systemd" / "starling.service"
+COMPOSE = REPO / "docker" / "docker-compose.yml"
+TOOL_TIMEOUT_S = 60
+
+
+def unit_assignments(text: str) -> dict[str, list[str]]:
+    """``Section.Key`` -> every value assigned to it, in order (systemd allows repeated keys)."""
+    out: dict[str, list[str]] = {}
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(f"{section}.{key.strip()}", []).append(value.strip())
+    return out
+
+
+@pytest.fixture
+def verifiable_unit(tmp_path: Path) -> Path:
+    """A copy of the unit whose ExecStart binary exists here (verify checks that it is executable)."""
+    starling = Path(sys.executable).parent / "starling"
+    binary = str(starling) if os.access(starling, os.X_OK) else "/bin/true"
+    lines = []
+    for line in UNIT.read_text().splitlines():
+        if line.startswith("ExecStart=/usr/local/bin/starling"):
+            line = line.replace("/usr/local/bin/starling", binary, 1)
+        lines.append(line)
+    copy = tmp_path / "starling.service"
+    copy.write_text("\n".join(lines) + "\n")
+    return copy
+
+
+def systemd_analyze() -> str:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze not installed (Debian package: systemd)")
+    return tool
+
+
+def compose_command() -> list[str]:
+    """docker-compose (v1, Debian's package) or the `docker compose` v2 plugin, whichever is here."""
+    if tool := shutil.which("docker-compose"):
+        return [tool]
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True,
+                                 timeout=TOOL_TIMEOUT_S).returncode == 0:
+        return [docker, "compose"]
+    pytest.skip("neither docker-compose nor the docker compose plugin is installed (Debian package: docker-compose)")
+
+
+def run_compose(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STARLING_", "COMPOSE_"))}
+    return subprocess.run([*compose_command(), "-f", str(COMPOSE), *args], capture_output=True, text=True,
+                          timeout=TOOL_TIMEOUT_S, env=env, cwd=REPO)
+
+
+def test_systemd_unit_passes_systemd_analyze_verify(verifiable_unit: Path) -> None:
+    result = subprocess.run([systemd_analyze(), "verify", str(verifiable_unit)], capture_output=True,
+                            text=True, timeout=TOOL_TIMEOUT_S, cwd=verifiable_unit.parent)
+    # verify exits 0 on mere warnings (unknown keys, unparsable values): those must not appear either.
+    complaints = [line for line in (result.stdout + result.stderr).splitlines() if "starling.service" in line]
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert complaints == []
+
+
+def test_systemd_unit_hardening_keeps_exposure_at_or_below_3(verifiable_unit: Path) -> None:
+    tool = systemd_analyze()
+    result = subprocess.run([tool, "security", "--offline=yes", "--threshold=30", str(verifiable_unit)],
+                            capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, cwd=verifiable_unit.parent)
+    if "--offline" in result.stderr and "unrecognized" in result.stderr:
+        pytest.skip("systemd-analyze too old for `security --offline` (needs systemd >= 250)")
+    overall = [line for line in result.stdout.splitlines() if "Overall exposure level" in line]
+
+    assert result.returncode == 0, overall or result.stderr
+
+
+def test_systemd_unit_is_a_notify_service_with_watchdog_and_state_directory() -> None:
+    unit = unit_assignments(UNIT.read_text())
+
+    assert unit["Service.Type"] == ["notify"]
+    assert unit["Service.NotifyAccess"] == ["main"]
+    assert unit["Service.ExecStart"] == ["/usr/local/bin/starling run"]
+    assert unit["Service.Restart"] == ["on-failure"]
+    assert unit["Service.WatchdogSec"] == ["60"]
+    assert unit["Service.TimeoutStopSec"] == ["30"]
+    assert unit["Service.StateDirectory"] == ["starling"]
+    assert "STARLING_HOME=/var/lib/starling" in unit["Service.Environment"]
+    assert unit["Service.ProtectSystem"] == ["strict"]
+    assert unit["Service.NoNewPrivileges"] == ["yes"]
+
+
+def test_compose_file_validates() -> None:
+    result = run_compose("config", "-q")
+
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_has_bootstrap_and_trainer_sharing_the_bootstrap_address_file() -> None:
+    services = run_compose("config", "--services")
+    volumes = run_compose("config", "--volumes")
+    rendered = run_compose("config")
+    assert rendered.returncode == 0, rendered.stderr
+
+    def flag_values(flag: str) -> set[str]:
+        return {line.split(f"{flag}=", 1)[1].strip() for line in rendered.stdout.splitlines() if f"{flag}=" in line}
+
+    assert set(services.stdout.split()) == {"bootstrap", "trainer"}
+    assert {"bootstrap-home", "bootstrap-addr"} <= set(volumes.stdout.split())
+    written, read = flag_values("--addr-file"), flag_values("--bootstrap-file")
+    assert len(written) == 1
+    assert written == read
