@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--listen", action="append", default=None, metavar="MULTIADDR")
     sp.add_argument("--announce", action="append", default=None, metavar="MULTIADDR")
     sp.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR")
+    sp.add_argument("--bootstrap-file", action="append", default=None, metavar="PATH",
+                    help="file of bootstrap multiaddrs, one per line; waited for and re-read")
+    sp.add_argument("--addr-file", metavar="PATH", help="write this node's multiaddrs here once listening")
     sp.add_argument("--swarm")
     sp.add_argument("--no-train", action="store_true", help="network-only node (bootstrap/relay host)")
     sp.add_argument("--metrics-port", type=int, default=None)
@@ -118,6 +121,10 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         o["node.announce"] = args.announce
     if args.bootstrap is not None:
         o["node.bootstrap"] = args.bootstrap
+    if args.bootstrap_file is not None:
+        o["node.bootstrap_files"] = args.bootstrap_file
+    if args.addr_file is not None:
+        o["node.addr_file"] = args.addr_file
     if args.swarm is not None:
         o["node.swarm"] = args.swarm
     if args.metrics_port is not None:

@@ -39,6 +39,8 @@ class NodeConfig:
     listen: list[str] = opt(["/ip4/0.0.0.0/tcp/4001"], "libp2p listen multiaddrs (TCP)")
     announce: list[str] = opt([], "addresses to advertise instead of the listen ones (e.g. a public IP)")
     bootstrap: list[str] = opt([], "bootstrap peers, full multiaddrs ending in /p2p/<peer id>")
+    bootstrap_files: list[str] = opt([], "files listing bootstrap multiaddrs, one per line (re-read while running)")
+    addr_file: str = opt("", "write this node's dialable multiaddrs to this file once listening ('' = off)")
     target_peers: int = opt(8, "connections the node keeps open to swarm members")
     max_peers: int = opt(32, "hard cap on connections to swarm members")
     dial_timeout: float = opt(10.0, "seconds one dial may take")

@@ -22,6 +22,7 @@ from libp2p.crypto.keys import KeyPair
 from node.config import Config
 from node.control import SOCKET_FILE, serve_control
 from p2p.addrs import parse_bootstrap, parse_listen
+from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
 from p2p.connmgr import ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
 from p2p.host import build_host
@@ -114,6 +115,11 @@ class Daemon:
             for a in self.host.get_addrs():
                 log.info("listening on %s", a)
             async with trio.open_nursery() as nursery:
+                if self.cfg.node.addr_file:
+                    write_addr_file(Path(self.cfg.node.addr_file), [str(a) for a in self.host.get_addrs()])
+                if self.cfg.node.bootstrap_files:
+                    paths = [Path(p) for p in self.cfg.node.bootstrap_files]
+                    nursery.start_soon(watch_bootstrap_files, paths, self.connmgr)
                 await nursery.start(serve_control, self.home / SOCKET_FILE, self._handle_control)
                 await nursery.start(self.connmgr.run)
                 await nursery.start(self.discovery.run)

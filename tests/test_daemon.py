@@ -123,3 +123,14 @@ def test_five_daemons_find_each_other_through_the_dht_from_one_bootstrap(group: 
         assert others <= set(st["connected_peers"])
     # Peers learned the others from the DHT, not only from the bootstrap node.
     assert all(d.status()["discovery"]["members_found"] >= 3 for d in peers)
+
+
+def test_bootstrap_through_shared_addr_file_even_when_written_late(group: DaemonGroup, tmp_path: Path) -> None:
+    shared = tmp_path / "shared" / "addrs"
+    late = group.start("b", *LOOPBACK, "--bootstrap-file", str(shared))  # the file does not exist yet
+    late.wait_status()
+    boot = group.start("a", *LOOPBACK, "--addr-file", str(shared))
+    boot_id = boot.wait_status()["peer_id"]
+    assert all(line.endswith("/p2p/" + boot_id) for line in shared.read_text().split())
+    late.wait_status(lambda s: boot_id in s["connected_peers"], timeout=40)
+    assert "waiting for bootstrap file" in late.log()
