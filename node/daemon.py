@@ -21,6 +21,8 @@ from libp2p.crypto.keys import KeyPair
 
 from node.config import Config
 from node.control import SOCKET_FILE, serve_control
+from node.metrics import Metrics, serve_metrics
+from node.sdnotify import Notifier, summarize_status, watchdog_loop
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
 from p2p.connmgr import ConnManager
@@ -78,6 +80,9 @@ class Daemon:
             self.connmgr.add_candidate(parse_bootstrap(text), source="bootstrap", permanent=True)
         self.supervisor: Any = None
         self.ready = trio.Event()
+        # The worker process must not inherit NOTIFY_SOCKET: only the daemon speaks to systemd.
+        self.notifier = Notifier.from_env(unset_environment=True)
+        self.metrics = Metrics()
 
     # --- status ------------------------------------------------------------------------------------------
 
@@ -109,6 +114,7 @@ class Daemon:
     # --- run ---------------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        node = self.cfg.node
         async with self.host.run(self.listen_addrs):
             self._check_listening()
             log.info("peer id %s, swarm %r", self.peer_id, self.cfg.node.swarm)
@@ -127,9 +133,29 @@ class Daemon:
                     self.supervisor = self._make_supervisor()
                     if self.supervisor is not None:
                         nursery.start_soon(self.supervisor.run)
+                if node.metrics_port:
+                    try:
+                        await nursery.start(serve_metrics, self.metrics, node.metrics_host, node.metrics_port)
+                    except OSError as e:
+                        raise StartupError(
+                            f"cannot serve metrics on {node.metrics_host}:{node.metrics_port}: {e.strerror or e}"
+                        ) from None
+                    log.info("metrics on http://%s:%d/metrics", node.metrics_host, node.metrics_port)
+                    nursery.start_soon(self._refresh_metrics)
                 self.ready.set()
+                self.notifier.ready(summarize_status(self.status()))
+                nursery.start_soon(watchdog_loop, self.notifier, lambda: summarize_status(self.status()))
                 task_status.started()
-                await trio.sleep_forever()
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    self.notifier.stopping("stopping")
+
+    async def _refresh_metrics(self) -> None:
+        """Gauges follow the status once a second; events (rounds) are observed where they happen."""
+        while True:
+            self.metrics.update_from_status(self.status())
+            await trio.sleep(1.0)
 
     def _check_listening(self) -> None:
         bound = self.host.get_transport_addrs()

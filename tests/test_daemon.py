@@ -134,3 +134,48 @@ def test_bootstrap_through_shared_addr_file_even_when_written_late(group: Daemon
     assert all(line.endswith("/p2p/" + boot_id) for line in shared.read_text().split())
     late.wait_status(lambda s: boot_id in s["connected_peers"], timeout=40)
     assert "waiting for bootstrap file" in late.log()
+
+
+def test_systemd_notify_ready_and_stopping_reach_the_notify_socket(group: DaemonGroup, tmp_path: Path) -> None:
+    sock_path = tmp_path / "notify.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(str(sock_path))
+    server.settimeout(20)
+    try:
+        d = group.start("a", *LOOPBACK, env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "2000000"})
+        messages: list[str] = []
+        while not any("READY=1" in m for m in messages):
+            messages.append(server.recv(4096).decode())
+        assert any("STATUS=" in m for m in messages)
+        while not any("WATCHDOG=1" in m for m in messages):
+            messages.append(server.recv(4096).decode())
+        d.signal(signal.SIGTERM)
+        while not any("STOPPING=1" in m for m in messages):
+            messages.append(server.recv(4096).decode())
+        assert d.proc.wait(10) == 0
+    finally:
+        server.close()
+
+
+def test_metrics_endpoint_serves_prometheus_text(group: DaemonGroup) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    d = group.start("a", *LOOPBACK, "--metrics-port", str(port))
+    d.wait_status()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    names = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert "starling_connected_peers" in names or any(n.startswith("starling_") for n in names)
