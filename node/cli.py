@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("status", help="show what the local daemon is doing")
     home_arg(sp)
     sp.add_argument("--json", action="store_true", help="print one JSON object")
+    sp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                    help="refresh the readable view in place (default every 2 s) until Ctrl+C")
     return p
 
 
@@ -242,6 +244,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     from node.status_view import render_status
 
     home = resolve_home(args.home)
+    if args.watch is not None:
+        if args.json:
+            return _die("--watch and --json cannot be combined")
+        return _watch_status(home, max(0.2, args.watch))
     try:
         answer = request_sync(home / SOCKET_FILE, {"cmd": "status"})
     except ControlError as e:
@@ -258,6 +264,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(render_status(status))
     return EXIT_OK
+
+
+def _watch_status(home: Path, interval: float) -> int:
+    """Redraw the readable status in place; a daemon that goes away is shown, not fatal."""
+    from node.control import SOCKET_FILE, ControlError, request_sync
+    from node.status_view import render_status
+
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    try:
+        while True:
+            try:
+                answer = request_sync(home / SOCKET_FILE, {"cmd": "status"})
+                body = render_status(answer["status"]) if answer.get("ok") else f"daemon error: {answer.get('error')}"
+            except ControlError as e:
+                body = f"starling: {e}"
+            stamp = time.strftime("%H:%M:%S")
+            sys.stdout.write(f"{clear}{body}\n\n(refreshing every {interval:g}s at {stamp}; Ctrl+C to quit)\n")
+            sys.stdout.flush()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
