@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `starling status | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":
