@@ -1,0 +1,1170 @@
+"""Swarm state as signed CRDTs: every node holds the whole swarm view, any two nodes that talk converge.
+
+There is no master and no lighthouse. Each node keeps a replica (:class:`SwarmState`) of a small set of
+*signed records* and merges whatever records reach it, by gossip or by anti-entropy, in any order, any
+number of times. The merge rule is a join (commutative, associative, idempotent), so replicas that have
+seen the same records hold the same state, whatever the order of delivery.
+
+Records (one per key, the key derived from the record):
+
+``m:<peer>`` :class:`MemberRecord`
+    The peer's self-description: addresses, reachability, role, progress, loss, throughput, software
+    version, manifest hash, heartbeat and a ``left`` flag (the departure marker of a graceful stop).
+    Last-writer-wins by the author's hybrid logical clock (:mod:`node.hlc`).
+``c:<peer>`` :class:`CounterRecord`
+    The peer's entry of a grow-only counter: total samples and tokens it has trained. Merge keeps the
+    *largest* entry, so a peer's contribution never shrinks, even if it restarts without its state.
+    The swarm-wide total is the sum over peers.
+``manifest`` :class:`ManifestRecord`
+    The run manifest (task, model hash, optimizer hash, protocol version), written by the swarm's first
+    node. Concurrent founders are resolved deterministically: the record with the *lowest* HLC wins
+    (exact ties: lowest body hash). A node that has seen the swarm has observed the founder's clock, so
+    whatever it could sign later carries a higher HLC and can never displace the founder's manifest.
+
+Ordering. Each signed record has an ``order`` tuple of integers: ``(wall_ms, logical, h)`` for member
+and manifest records, ``(samples, tokens, wall_ms, logical, h)`` for counter records, where ``h`` is the
+first 8 bytes of the SHA-256 of the signed body (a tie-break that makes the order total). The order is
+also what a digest carries, so two replicas can tell who has the newer record without shipping it.
+
+Signing. A record travels as an envelope ``{v, body, pubkey, sig}`` (msgpack). ``sig`` is the author's
+libp2p signature over a domain tag plus the exact ``body`` bytes, and ``pubkey`` is the author's
+serialized libp2p public key. A record is accepted only if the signature verifies *and* the peer ID
+derived from ``pubkey`` is the peer the record describes: nobody can speak for another peer. Forged,
+unsigned, malformed and oversized records are dropped and counted in :attr:`SwarmState.rejected`.
+Decoding is strict: sizes are checked before decoding, every field's type and range is checked, unknown
+fields and unknown versions are refused, and every failure is one exception type, :class:`RecordError`.
+
+Failure detection is a local view, not replicated state: a member whose heartbeat is older than
+``suspect_after`` is ``suspect``, older than ``gone_after`` is ``gone``; its record is kept (history).
+Bounded memory: beyond ``max_members`` peers, the longest-gone (then longest-suspect) peers are evicted;
+a small tombstone remembers what was evicted so that anti-entropy does not bring it straight back, and
+evicted counter entries stay in the swarm-wide totals.
+
+The replica is plain synchronous code with an injectable clock; the daemon calls it from one trio task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import tempfile
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgpack
+from libp2p.crypto.keys import KeyPair, PublicKey
+from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.peer.id import ID
+
+from node.hlc import MAX_LOGICAL, MAX_WALL_MS, HybridLogicalClock, Timestamp
+
+# --------------------------------------------------------------------------------------------------
+# Format constants and limits
+
+#: Version of the envelope, record body, digest and state-file formats.
+FORMAT_VERSION = 1
+#: Domain separation for signatures: a signature over a state record can never be replayed as a
+#: signature over anything else the same key signs (and vice versa).
+SIGNING_DOMAIN = b"starling/state-record/v1\x00"
+
+MAX_ENVELOPE_BYTES = 12 * 1024
+MAX_BODY_BYTES = 8 * 1024
+MAX_PUBKEY_BYTES = 1024
+MAX_SIGNATURE_BYTES = 1024
+MAX_PEER_ID_CHARS = 128
+MAX_ADDRS = 16
+MAX_ADDR_CHARS = 256
+MAX_LABEL_CHARS = 32  # reachability, role
+MAX_VERSION_CHARS = 64
+MAX_HASH_CHARS = 128
+MAX_TASK_CHARS = 256
+MAX_UINT63 = 2**63 - 1
+MAX_UINT64 = 2**64 - 1
+
+MANIFEST_KEY = "manifest"
+MEMBER_PREFIX = "m:"
+COUNTER_PREFIX = "c:"
+
+# Reasons a record is rejected (keys of SwarmState.rejected).
+TOO_LARGE = "too_large"
+MALFORMED = "malformed"
+UNSUPPORTED_VERSION = "unsupported_version"
+BAD_SIGNATURE = "bad_signature"
+WRONG_SIGNER = "wrong_signer"
+CLOCK_SKEW = "clock_skew"
+CAPACITY = "capacity"
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+
+
+class RecordError(ValueError):
+    """A record, envelope or digest that is not acceptable. ``reason`` is one of the module's reason
+    constants (``malformed``, ``bad_signature``, ...) and is what rejection counters are keyed by."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class ManifestMismatch(Exception):
+    """This node's run manifest differs from the swarm's; it must not train with this swarm."""
+
+    def __init__(
+        self, swarm_hash: str, local_hash: str, *, founder: str | None = None, fields: tuple[str, ...] = ()
+    ) -> None:
+        self.swarm_hash = swarm_hash
+        self.local_hash = local_hash
+        self.founder = founder
+        self.fields = fields
+        founded = f" (founded by {founder})" if founder else ""
+        differ = f"; they differ in {', '.join(fields)}" if fields else ""
+        super().__init__(
+            f"run manifest mismatch: this node's manifest is {local_hash} but the swarm's is "
+            f"{swarm_hash}{founded}{differ}. Join with the same task, model config, optimizer config and "
+            f"protocol version as the swarm, or start a separate swarm."
+        )
+
+
+class StateFileError(Exception):
+    """The persisted swarm state cannot be read. The caller decides whether to start empty."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(
+            f"swarm state file {path} {problem}; move it aside or delete it to start with an empty view"
+        )
+        self.path = path
+
+
+# --------------------------------------------------------------------------------------------------
+# Field validation: one function per field type, each returns the normalised value or raises.
+
+Validator = Callable[[str, object], object]
+
+
+def _bad(name: str, problem: str) -> RecordError:
+    return RecordError(MALFORMED, f"field {name!r} {problem}")
+
+
+def _int_field(lo: int, hi: int) -> Validator:
+    def check(name: str, value: object) -> int:
+        if type(value) is not int:  # `type is` also refuses bool, which is an int subclass
+            raise _bad(name, f"must be an integer, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            raise _bad(name, f"is {value}, outside [{lo}, {hi}]")
+        return value
+
+    return check
+
+
+def _float_field(lo: float = -math.inf, *, optional: bool = False) -> Validator:
+    def check(name: str, value: object) -> float | None:
+        if value is None and optional:
+            return None
+        if type(value) is not float:
+            raise _bad(name, f"must be a float, got {type(value).__name__}")
+        if not math.isfinite(value) or value < lo:
+            raise _bad(name, f"is {value}, must be finite and >= {lo}")
+        return value
+
+    return check
+
+
+def _str_field(max_chars: int, min_chars: int = 0) -> Validator:
+    def check(name: str, value: object) -> str:
+        if type(value) is not str:
+            raise _bad(name, f"must be a string, got {type(value).__name__}")
+        if not min_chars <= len(value) <= max_chars:
+            raise _bad(name, f"has {len(value)} characters, allowed {min_chars}..{max_chars}")
+        return value
+
+    return check
+
+
+def _bool_field(name: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise _bad(name, f"must be a boolean, got {type(value).__name__}")
+    return value
+
+
+def _addrs_field(name: str, value: object) -> tuple[str, ...]:
+    if type(value) is not list:
+        raise _bad(name, f"must be a list, got {type(value).__name__}")
+    if len(value) > MAX_ADDRS:
+        raise _bad(name, f"has {len(value)} entries, at most {MAX_ADDRS} allowed")
+    check = _str_field(MAX_ADDR_CHARS, 1)
+    return tuple(str(check(f"{name}[{i}]", item)) for i, item in enumerate(value))
+
+
+def _hlc_field(name: str, value: object) -> Timestamp:
+    if type(value) is not list or len(value) != 2:
+        raise _bad(name, "must be a [wall_ms, logical] pair")
+    wall = _int_field(0, MAX_WALL_MS)(f"{name}.wall_ms", value[0])
+    logical = _int_field(0, MAX_LOGICAL)(f"{name}.logical", value[1])
+    return Timestamp(int(wall), int(logical))
+
+
+_PEER_ID = _str_field(MAX_PEER_ID_CHARS, 1)
+_COUNT = _int_field(0, MAX_UINT63)
+
+
+# --------------------------------------------------------------------------------------------------
+# Record types
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a swarm trains: two nodes may average only if their manifests are equal."""
+
+    task: str
+    model_hash: str
+    optimizer_hash: str
+    protocol_version: int
+
+    @cached_property
+    def hash(self) -> str:
+        """SHA-256 (hex) over a canonical encoding of the four fields."""
+        canonical = msgpack.packb(
+            [FORMAT_VERSION, self.task, self.model_hash, self.optimizer_hash, self.protocol_version],
+            use_bin_type=True,
+        )
+        return hashlib.sha256(canonical).hexdigest()
+
+    def differences(self, other: Manifest) -> tuple[str, ...]:
+        """Names of the fields in which ``other`` differs from this manifest."""
+        names = ("task", "model_hash", "optimizer_hash", "protocol_version")
+        return tuple(n for n in names if getattr(self, n) != getattr(other, n))
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """A peer's self-description, last-writer-wins by HLC. Only the peer itself can sign one."""
+
+    kind: ClassVar[str] = "member"
+
+    peer_id: str
+    hlc: Timestamp
+    addrs: tuple[str, ...] = ()
+    reachability: str = "unknown"  # e.g. unknown / public / private / relayed
+    role: str = "trainer"
+    outer_step: int = 0
+    step: int = 0
+    loss: float | None = None
+    val_loss: float | None = None
+    samples_per_s: float = 0.0
+    version: str = ""
+    manifest_hash: str = ""
+    heartbeat: float = 0.0  # author's wall time (seconds) when it wrote the record
+    left: bool = False  # departure marker: the peer stopped gracefully
+
+    @property
+    def key(self) -> str:
+        return MEMBER_PREFIX + self.peer_id
+
+
+@dataclass(frozen=True)
+class CounterRecord:
+    """A peer's entry in the swarm-wide grow-only counter: its running totals of work done."""
+
+    kind: ClassVar[str] = "counter"
+
+    peer_id: str
+    hlc: Timestamp
+    samples: int = 0
+    tokens: int = 0
+
+    @property
+    def key(self) -> str:
+        return COUNTER_PREFIX + self.peer_id
+
+
+@dataclass(frozen=True)
+class ManifestRecord:
+    """The swarm's run manifest, signed by the node that founded the swarm."""
+
+    kind: ClassVar[str] = "manifest"
+
+    peer_id: str
+    hlc: Timestamp
+    task: str
+    model_hash: str
+    optimizer_hash: str
+    protocol_version: int
+
+    @property
+    def key(self) -> str:
+        return MANIFEST_KEY
+
+    @property
+    def manifest(self) -> Manifest:
+        return Manifest(self.task, self.model_hash, self.optimizer_hash, self.protocol_version)
+
+
+Record = MemberRecord | CounterRecord | ManifestRecord
+
+_SCHEMAS: dict[str, tuple[type[Record], dict[str, Validator]]] = {
+    MemberRecord.kind: (
+        MemberRecord,
+        {
+            "peer_id": _PEER_ID,
+            "hlc": _hlc_field,
+            "addrs": _addrs_field,
+            "reachability": _str_field(MAX_LABEL_CHARS),
+            "role": _str_field(MAX_LABEL_CHARS),
+            "outer_step": _COUNT,
+            "step": _COUNT,
+            "loss": _float_field(optional=True),
+            "val_loss": _float_field(optional=True),
+            "samples_per_s": _float_field(0.0),
+            "version": _str_field(MAX_VERSION_CHARS),
+            "manifest_hash": _str_field(MAX_HASH_CHARS),
+            "heartbeat": _float_field(0.0),
+            "left": _bool_field,
+        },
+    ),
+    CounterRecord.kind: (
+        CounterRecord,
+        {"peer_id": _PEER_ID, "hlc": _hlc_field, "samples": _COUNT, "tokens": _COUNT},
+    ),
+    ManifestRecord.kind: (
+        ManifestRecord,
+        {
+            "peer_id": _PEER_ID,
+            "hlc": _hlc_field,
+            "task": _str_field(MAX_TASK_CHARS),
+            "model_hash": _str_field(MAX_HASH_CHARS),
+            "optimizer_hash": _str_field(MAX_HASH_CHARS),
+            "protocol_version": _int_field(0, 2**32 - 1),
+        },
+    ),
+}
+
+
+def _describe_keys(keys: Iterable[object]) -> str:
+    shown = sorted(repr(k)[:40] for k in keys)
+    return ", ".join(shown[:5]) + (", ..." if len(shown) > 5 else "")
+
+
+def _check_map(m: Mapping[Any, Any], expected: Iterable[str], what: str) -> None:
+    """Exact key set: missing and unknown keys are both refused (new fields mean a new version)."""
+    expected = set(expected)
+    keys = set(m)
+    if keys != expected:
+        problems = []
+        if expected - keys:
+            problems.append(f"missing {_describe_keys(expected - keys)}")
+        if keys - expected:
+            problems.append(f"unexpected {_describe_keys(keys - expected)}")
+        raise RecordError(MALFORMED, f"{what}: {'; '.join(problems)}")
+
+
+def _check_version(m: Mapping[Any, Any], what: str) -> None:
+    if "v" not in m:
+        raise RecordError(MALFORMED, f"{what} has no version field")
+    if type(m["v"]) is not int or m["v"] != FORMAT_VERSION:
+        raise RecordError(
+            UNSUPPORTED_VERSION, f"{what} version {m['v']!r}, this node speaks {FORMAT_VERSION}"
+        )
+
+
+def _record_from_wire(m: Mapping[Any, Any]) -> Record:
+    _check_version(m, "record")
+    kind = m.get("kind")
+    if not isinstance(kind, str) or kind not in _SCHEMAS:
+        raise RecordError(MALFORMED, f"unknown record kind {kind!r}"[:120])
+    cls, schema = _SCHEMAS[kind]
+    _check_map(m, ["v", "kind", *schema], f"{kind} record")
+    values = {name: check(name, m[name]) for name, check in schema.items()}
+    return cls(**values)  # type: ignore[arg-type]
+
+
+def _record_to_wire(record: Record) -> dict[str, object]:
+    wire: dict[str, object] = {"v": FORMAT_VERSION, "kind": record.kind}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        wire[f.name] = list(value) if isinstance(value, tuple) else value
+    # Validate what we are about to sign with the very checks receivers apply, so a bad local value
+    # fails here, loudly, instead of being silently dropped by every peer.
+    _record_from_wire(wire)
+    return wire
+
+
+def _unpack(data: bytes, *, max_items: int, max_str: int, max_bin: int) -> object:
+    """msgpack decode with allocation limits; any failure is a ``malformed`` RecordError."""
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=max_str,
+            max_bin_len=max_bin,
+            max_array_len=max_items,
+            max_map_len=max_items,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types (ValueError, ExtraData, StackError, ...)
+        raise RecordError(MALFORMED, f"not valid msgpack ({type(exc).__name__}: {str(exc)[:80]})") from None
+
+
+def _pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def encode_body(record: Record) -> bytes:
+    """The canonical body bytes of a record: what is signed and hashed."""
+    return _pack(_record_to_wire(record))
+
+
+def decode_body(body: bytes) -> Record:
+    """Strictly decode a record body (no signature check)."""
+    if len(body) > MAX_BODY_BYTES:
+        raise RecordError(TOO_LARGE, f"record body of {len(body)} bytes, limit {MAX_BODY_BYTES}")
+    m = _unpack(body, max_items=64, max_str=MAX_TASK_CHARS * 4, max_bin=0)
+    if not isinstance(m, dict):
+        raise RecordError(MALFORMED, "record body is not a map")
+    return _record_from_wire(m)
+
+
+# --------------------------------------------------------------------------------------------------
+# Signed records and verification
+
+
+def _order_of(record: Record, body: bytes) -> tuple[int, ...]:
+    h = int.from_bytes(hashlib.sha256(body).digest()[:8], "big")
+    if isinstance(record, CounterRecord):
+        return (record.samples, record.tokens, record.hlc.wall_ms, record.hlc.logical, h)
+    return (record.hlc.wall_ms, record.hlc.logical, h)
+
+
+@dataclass(frozen=True)
+class SignedRecord:
+    """A verified (or locally signed) record together with its exact wire bytes.
+
+    Obtain one from :func:`sign_record` or :meth:`Verifier.decode`; ``data`` is what to publish.
+    """
+
+    data: bytes
+    record: Record
+    order: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        return self.record.key
+
+    @property
+    def kind(self) -> str:
+        return self.record.kind
+
+    @property
+    def peer_id(self) -> str:
+        return self.record.peer_id
+
+
+def peer_id_of(public_key: PublicKey) -> str:
+    """The base58 libp2p peer ID of a public key."""
+    return ID.from_pubkey(public_key).to_base58()
+
+
+def sign_record(record: Record, key_pair: KeyPair) -> SignedRecord:
+    """Sign ``record`` with ``key_pair``, which must be the key of the peer the record describes."""
+    author = peer_id_of(key_pair.public_key)
+    if author != record.peer_id:
+        raise ValueError(f"key of peer {author} cannot sign a record for peer {record.peer_id}")
+    body = encode_body(record)
+    signature = key_pair.private_key.sign(SIGNING_DOMAIN + body)
+    envelope = {
+        "v": FORMAT_VERSION,
+        "body": body,
+        "pubkey": key_pair.public_key.serialize(),
+        "sig": signature,
+    }
+    return SignedRecord(_pack(envelope), record, _order_of(record, body))
+
+
+class Verifier:
+    """Decodes and verifies envelopes, caching verified results by content hash.
+
+    Gossip and anti-entropy deliver the same bytes many times; the cache turns every repeat into one
+    SHA-256 instead of a signature verification. Only successes are cached (bounded, LRU), so junk
+    cannot evict much and a forged record is re-checked (and re-counted) every time.
+    """
+
+    def __init__(self, cache_size: int = 4096) -> None:
+        self._cache: OrderedDict[bytes, SignedRecord] = OrderedDict()
+        self._cache_size = cache_size
+        self.verifications = 0  # signature checks actually performed (observable cache effect)
+
+    def remember(self, signed: SignedRecord) -> None:
+        """Seed the cache with a record this node signed itself."""
+        self._store(hashlib.sha256(signed.data).digest(), signed)
+
+    def _store(self, digest: bytes, signed: SignedRecord) -> None:
+        self._cache[digest] = signed
+        self._cache.move_to_end(digest)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    def decode(self, data: bytes) -> SignedRecord:
+        """Decode an envelope, verify its signature and author; raise :class:`RecordError` if bad."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise RecordError(MALFORMED, f"expected bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) > MAX_ENVELOPE_BYTES:
+            raise RecordError(TOO_LARGE, f"record of {len(data)} bytes, limit {MAX_ENVELOPE_BYTES}")
+        digest = hashlib.sha256(data).digest()
+        cached = self._cache.get(digest)
+        if cached is not None:
+            self._cache.move_to_end(digest)
+            return cached
+
+        env = _unpack(data, max_items=8, max_str=16, max_bin=MAX_BODY_BYTES)
+        if not isinstance(env, dict):
+            raise RecordError(MALFORMED, "record envelope is not a map")
+        _check_version(env, "envelope")
+        _check_map(env, ["v", "body", "pubkey", "sig"], "envelope")
+        body, pubkey, sig = env["body"], env["pubkey"], env["sig"]
+        for name, value, limit in (
+            ("body", body, MAX_BODY_BYTES),
+            ("pubkey", pubkey, MAX_PUBKEY_BYTES),
+            ("sig", sig, MAX_SIGNATURE_BYTES),
+        ):
+            if type(value) is not bytes or len(value) > limit:
+                raise _bad(name, f"must be at most {limit} bytes")
+        record = decode_body(body)
+
+        try:
+            public_key = deserialize_public_key(pubkey)
+        except Exception as exc:  # protobuf, unknown key type, bad curve point, ...
+            raise RecordError(MALFORMED, f"bad public key ({type(exc).__name__})") from None
+        self.verifications += 1
+        try:
+            valid = bool(public_key.verify(SIGNING_DOMAIN + body, sig))
+        except Exception:  # some key types raise on malformed signatures instead of returning False
+            valid = False
+        if not valid:
+            raise RecordError(BAD_SIGNATURE, f"signature does not verify for the record of {record.peer_id}")
+        author = peer_id_of(public_key)
+        if author != record.peer_id:
+            raise RecordError(WRONG_SIGNER, f"record for {record.peer_id} is signed by {author}")
+
+        signed = SignedRecord(data, record, _order_of(record, body))
+        self._store(digest, signed)
+        return signed
+
+
+def _newer(kind: str, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether order ``a`` wins over order ``b`` for a record of ``kind`` (manifest: lowest wins)."""
+    return a < b if kind == ManifestRecord.kind else a > b
+
+
+def join(a: SignedRecord, b: SignedRecord) -> SignedRecord:
+    """The CRDT merge of two records for the same key: the winner.
+
+    Member records: highest HLC. Counter entries: largest (samples, tokens), then HLC. Manifest: lowest
+    HLC (the founder's). Equal orders (only possible for byte-different signatures of one body) fall
+    back to the smaller envelope bytes, so the result never depends on argument order.
+    """
+    if a.key != b.key:
+        raise ValueError(f"cannot join records for different keys {a.key!r} and {b.key!r}")
+    if a.order != b.order:
+        return a if _newer(a.kind, a.order, b.order) else b
+    return a if a.data <= b.data else b
+
+
+def _beats(a: SignedRecord, b: SignedRecord) -> bool:
+    """Whether ``a`` strictly wins over ``b`` (a different record that the join picks)."""
+    return a.data != b.data and join(a, b) is a
+
+
+# --------------------------------------------------------------------------------------------------
+# Digests (anti-entropy summaries)
+
+Digest = dict[str, tuple[int, ...]]
+
+
+def _digest_arity(key: str) -> int | None:
+    if key == MANIFEST_KEY:
+        return 3
+    if key.startswith(MEMBER_PREFIX) and 1 <= len(key) - 2 <= MAX_PEER_ID_CHARS:
+        return 3
+    if key.startswith(COUNTER_PREFIX) and 1 <= len(key) - 2 <= MAX_PEER_ID_CHARS:
+        return 5
+    return None
+
+
+def encode_digest(digest: Mapping[str, tuple[int, ...]]) -> bytes:
+    """Wire form of a digest: ``{v, entries: {key: [order...]}}``."""
+    return _pack({"v": FORMAT_VERSION, "entries": {k: list(v) for k, v in digest.items()}})
+
+
+def decode_digest(data: bytes, *, max_entries: int = 65536) -> Digest:
+    """Strictly decode a digest received from a peer; raises :class:`RecordError`."""
+    limit = 64 + max_entries * (MAX_PEER_ID_CHARS + 64)
+    if len(data) > limit:
+        raise RecordError(TOO_LARGE, f"digest of {len(data)} bytes, limit {limit}")
+    m = _unpack(data, max_items=max_entries, max_str=MAX_PEER_ID_CHARS + 2, max_bin=0)
+    if not isinstance(m, dict):
+        raise RecordError(MALFORMED, "digest is not a map")
+    _check_version(m, "digest")
+    _check_map(m, ["v", "entries"], "digest")
+    entries = m["entries"]
+    if not isinstance(entries, dict):
+        raise RecordError(MALFORMED, "digest entries are not a map")
+    out: Digest = {}
+    for key, value in entries.items():
+        arity = _digest_arity(key) if isinstance(key, str) else None
+        if arity is None:
+            raise RecordError(MALFORMED, f"bad digest key {key!r}"[:120])
+        if type(value) is not list or len(value) != arity:
+            raise RecordError(MALFORMED, f"digest entry {key!r} must be a list of {arity} integers"[:120])
+        check = _int_field(0, MAX_UINT64)
+        out[key] = tuple(int(check(f"digest[{key}]", x)) for x in value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The replica
+
+
+class MemberState(StrEnum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"  # heartbeat older than suspect_after
+    GONE = "gone"  # heartbeat older than gone_after; record kept as history
+    LEFT = "left"  # the peer published a departure
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """A member as this node currently sees it."""
+
+    record: MemberRecord
+    state: MemberState
+    last_seen: float  # wall-clock seconds; min(author's heartbeat, local receipt time)
+
+    @property
+    def peer_id(self) -> str:
+        return self.record.peer_id
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Swarm-wide totals of the grow-only counter."""
+
+    samples: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    changed: int = 0  # records that changed the state
+    unchanged: int = 0  # duplicates and records older than what is held
+    rejected: int = 0  # forged, malformed, too far in the future, or no room
+
+
+@dataclass
+class _Entry:
+    signed: SignedRecord
+    received_at: float  # local wall time when this version arrived
+
+
+@dataclass(frozen=True)
+class _Tombstone:
+    order: tuple[int, ...]
+    samples: int = 0
+    tokens: int = 0
+
+
+# Names update_self accepts; peer_id, hlc, heartbeat and left are managed by the replica.
+_SELF_FIELDS = frozenset(f.name for f in dataclasses.fields(MemberRecord)) - {
+    "peer_id",
+    "hlc",
+    "heartbeat",
+    "left",
+}
+_FLOAT_FIELDS = frozenset({"samples_per_s"})
+_OPTIONAL_FLOAT_FIELDS = frozenset({"loss", "val_loss"})
+
+
+class SwarmState:
+    """One node's replica of the swarm state.
+
+    Local writes (:meth:`update_self`, :meth:`depart`, :meth:`add_progress`, :meth:`set_manifest`)
+    return the :class:`SignedRecord` to publish (``.data``). Incoming records go through
+    :meth:`merge` / :meth:`apply`. Anti-entropy between two nodes A and B::
+
+        B sends encode_digest(B.digest())
+        A sends A.missing_for(decode_digest(...))   -> B.apply(those records)
+        (and the same the other way round)
+
+    ``max_members`` bounds the number of peers held (self included, and never evicted);
+    ``max_tombstones`` (default ``4 * max_members``) bounds the memory of evicted peers.
+    """
+
+    def __init__(
+        self,
+        me: KeyPair,
+        *,
+        suspect_after: float = 30.0,
+        gone_after: float = 120.0,
+        max_members: int = 1024,
+        max_tombstones: int | None = None,
+        max_drift_s: float = 600.0,
+        clock: Callable[[], float] = time.time,
+        verifier: Verifier | None = None,
+    ) -> None:
+        if not 0 < suspect_after < gone_after:
+            raise ValueError(f"need 0 < suspect_after < gone_after, got {suspect_after} and {gone_after}")
+        if max_members < 1:
+            raise ValueError(f"max_members must be at least 1, got {max_members}")
+        self._me = me
+        self.peer_id = peer_id_of(me.public_key)
+        self.suspect_after = suspect_after
+        self.gone_after = gone_after
+        self.max_members = max_members
+        self.max_tombstones = 4 * max_members if max_tombstones is None else max_tombstones
+        self._clock = clock
+        self._hlc = HybridLogicalClock(clock, max_drift_s=max_drift_s)
+        self._verifier = verifier if verifier is not None else Verifier()
+        self._members: dict[str, _Entry] = {}
+        self._counters: dict[str, _Entry] = {}
+        self._manifest: _Entry | None = None
+        self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
+        self._retired = [0, 0]  # samples, tokens of evicted counter entries
+        #: Rejected records by reason (``malformed``, ``bad_signature``, ``wrong_signer``, ...).
+        self.rejected: Counter[str] = Counter()
+
+    def _now(self) -> float:
+        return float(self._clock())
+
+    # ---- local writes ---------------------------------------------------------------------------
+
+    def _sign_and_store(self, record: Record) -> SignedRecord:
+        signed = sign_record(record, self._me)
+        self._verifier.remember(signed)
+        self._store(signed, received_at=self._now(), check_drift=False)
+        return signed
+
+    def update_self(self, **fields: Any) -> SignedRecord:
+        """Publish a new version of this node's member record (fields not given keep their value).
+
+        Also the heartbeat: call it periodically even with no changes. A non-finite ``loss`` or
+        ``val_loss`` is published as ``None`` (unknown). Raises ``ValueError`` for unknown fields or
+        values peers would refuse (:class:`RecordError` is a ``ValueError``).
+        """
+        unknown = set(fields) - _SELF_FIELDS
+        if unknown:
+            raise ValueError(f"update_self: unknown or managed fields {sorted(unknown)}")
+        for name in _OPTIONAL_FLOAT_FIELDS & fields.keys():
+            value = fields[name]
+            fields[name] = float(value) if value is not None and math.isfinite(value) else None
+        for name in _FLOAT_FIELDS & fields.keys():
+            fields[name] = float(fields[name])
+        if "addrs" in fields:
+            fields["addrs"] = tuple(fields["addrs"])
+        return self._write_self(fields, left=False)
+
+    def depart(self) -> SignedRecord:
+        """Publish the departure marker (state ``left``); call on a graceful stop.
+
+        A later :meth:`update_self` (a restart) makes the node a live member again.
+        """
+        return self._write_self({}, left=True)
+
+    def _write_self(self, fields: dict[str, Any], *, left: bool) -> SignedRecord:
+        current = self._members.get(self.peer_id)
+        base = current.signed.record if current else MemberRecord(self.peer_id, Timestamp(0, 0))
+        assert isinstance(base, MemberRecord)
+        record = dataclasses.replace(base, **fields, hlc=self._hlc.now(), heartbeat=self._now(), left=left)
+        return self._sign_and_store(record)
+
+    def add_progress(self, samples: int = 0, tokens: int = 0) -> SignedRecord:
+        """Add work done by this node to its counter entry and return the record to publish."""
+        if samples < 0 or tokens < 0:
+            raise ValueError(f"progress must not be negative, got samples={samples} tokens={tokens}")
+        current = self._counters.get(self.peer_id)
+        base = current.signed.record if current else CounterRecord(self.peer_id, Timestamp(0, 0))
+        assert isinstance(base, CounterRecord)
+        record = CounterRecord(
+            self.peer_id, self._hlc.now(), samples=base.samples + samples, tokens=base.tokens + tokens
+        )
+        return self._sign_and_store(record)
+
+    def set_manifest(self, manifest: Manifest) -> SignedRecord | None:
+        """Found the swarm with ``manifest`` unless it already has one.
+
+        Call it after the first sync with the bootstrap peers (or with none, for the first node). If the
+        swarm already has a manifest, nothing is published: returns ``None`` when it is equal and raises
+        :class:`ManifestMismatch` when it differs.
+        """
+        if self._manifest is not None:
+            self.check_manifest(manifest)
+            return None
+        record = ManifestRecord(
+            self.peer_id,
+            self._hlc.now(),
+            manifest.task,
+            manifest.model_hash,
+            manifest.optimizer_hash,
+            manifest.protocol_version,
+        )
+        return self._sign_and_store(record)
+
+    # ---- merging --------------------------------------------------------------------------------
+
+    def merge(self, record: SignedRecord | bytes) -> bool:
+        """Merge one record from anywhere; True if it changed the state.
+
+        Every record is verified (signature and author), also ones passed as :class:`SignedRecord`;
+        repeats are cheap (cache). Rejected records are counted in :attr:`rejected`, never raised.
+        A newer record of this node's own, signed in an earlier run, is stored like any other; the
+        next :meth:`update_self` (the periodic heartbeat) supersedes it.
+        """
+        return self._merge(record) == "changed"
+
+    def apply(self, records: Iterable[SignedRecord | bytes]) -> ApplyResult:
+        """Merge a batch (e.g. what a peer sent in anti-entropy) and summarise what happened."""
+        outcomes = Counter(self._merge(r) for r in records)
+        return ApplyResult(outcomes["changed"], outcomes["unchanged"], outcomes["rejected"])
+
+    def _merge(self, record: SignedRecord | bytes) -> str:
+        data = record.data if isinstance(record, SignedRecord) else record
+        try:
+            signed = self._verifier.decode(data)
+        except RecordError as exc:
+            self.rejected[exc.reason] += 1
+            return "rejected"
+        return self._store(signed, received_at=self._now(), check_drift=True)
+
+    def _store(self, signed: SignedRecord, *, received_at: float, check_drift: bool) -> str:
+        """Insert a verified record if it wins; returns "changed", "unchanged" or "rejected"."""
+        record = signed.record
+        # Our own records are exempt: if this host's clock is now behind the one that signed our earlier
+        # records, adopting their timestamps is the only way our next records can supersede them.
+        if check_drift and record.peer_id != self.peer_id and self._hlc.too_far_ahead(record.hlc):
+            self.rejected[CLOCK_SKEW] += 1
+            return "rejected"
+        # Observe every verified timestamp: after a restart this is how the node learns that its own
+        # earlier records exist and makes its next ones newer.
+        self._hlc.adopt(record.hlc)
+
+        if isinstance(record, ManifestRecord):
+            if self._manifest is not None and not _beats(signed, self._manifest.signed):
+                return "unchanged"
+            self._manifest = _Entry(signed, received_at)
+            return "changed"
+
+        table = self._members if isinstance(record, MemberRecord) else self._counters
+        pid = record.peer_id
+        current = table.get(pid)
+        if current is not None:
+            if not _beats(signed, current.signed):
+                return "unchanged"
+            table[pid] = _Entry(signed, received_at)
+            return "changed"
+
+        tomb = self._tombstones.get(signed.key)
+        if tomb is not None and not _newer(signed.kind, signed.order, tomb.order):
+            return "unchanged"  # evicted here on purpose; do not let anti-entropy resurrect it
+        is_new_peer = pid not in self._members and pid not in self._counters
+        if is_new_peer and self._peer_count() >= self.max_members:
+            # Make room; if nobody can go, refuse the newcomer (but never this node's own records).
+            if not self._evict_one() and pid != self.peer_id:
+                self.rejected[CAPACITY] += 1
+                return "rejected"
+        if tomb is not None:  # the peer is back with newer state: its entry is live again
+            del self._tombstones[signed.key]
+            self._retired[0] -= tomb.samples
+            self._retired[1] -= tomb.tokens
+        table[pid] = _Entry(signed, received_at)
+        return "changed"
+
+    # ---- anti-entropy ---------------------------------------------------------------------------
+
+    def digest(self) -> Digest:
+        """Compact summary ``key -> order`` of everything held (evicted keys included, so peers do not
+        resend them)."""
+        out: Digest = {key: tomb.order for key, tomb in self._tombstones.items()}
+        for entry in self._entries():
+            out[entry.signed.key] = entry.signed.order
+        return out
+
+    def missing_for(self, their_digest: Mapping[str, tuple[int, ...]]) -> list[bytes]:
+        """Encoded records the peer with ``their_digest`` lacks or holds an older version of.
+
+        ``their_digest`` must come from :func:`decode_digest` (or :meth:`digest`).
+        """
+        out = []
+        for entry in self._entries():
+            signed = entry.signed
+            theirs = their_digest.get(signed.key)
+            if theirs is None or _newer(signed.kind, signed.order, tuple(theirs)):
+                out.append(signed.data)
+        return out
+
+    def _entries(self) -> Iterable[_Entry]:
+        if self._manifest is not None:
+            yield self._manifest
+        yield from self._members.values()
+        yield from self._counters.values()
+
+    # ---- views ----------------------------------------------------------------------------------
+
+    def _state_of(self, last_seen: float, left: bool, now: float) -> MemberState:
+        if left:
+            return MemberState.LEFT
+        age = now - last_seen
+        if age > self.gone_after:
+            return MemberState.GONE
+        if age > self.suspect_after:
+            return MemberState.SUSPECT
+        return MemberState.ALIVE
+
+    def _view(self, entry: _Entry, now: float) -> MemberView:
+        record = entry.signed.record
+        assert isinstance(record, MemberRecord)
+        # The author's heartbeat says how old the news is (a record that reaches us late is old news);
+        # the receipt time caps it, so a peer whose clock runs ahead cannot look alive forever.
+        last_seen = min(record.heartbeat, entry.received_at)
+        return MemberView(record, self._state_of(last_seen, record.left, now), last_seen)
+
+    def members(self, now: float | None = None) -> list[MemberView]:
+        """Every member held (self included), sorted by peer ID, with its liveness state."""
+        now = self._now() if now is None else now
+        return [self._view(self._members[pid], now) for pid in sorted(self._members)]
+
+    def member(self, peer_id: str, now: float | None = None) -> MemberView | None:
+        entry = self._members.get(peer_id)
+        return None if entry is None else self._view(entry, self._now() if now is None else now)
+
+    def counters(self) -> Totals:
+        """Swarm-wide samples and tokens trained (evicted peers' entries included)."""
+        samples, tokens = self._retired
+        for entry in self._counters.values():
+            record = entry.signed.record
+            assert isinstance(record, CounterRecord)
+            samples += record.samples
+            tokens += record.tokens
+        return Totals(samples, tokens)
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The swarm's run manifest, if this node knows one."""
+        if self._manifest is None:
+            return None
+        record = self._manifest.signed.record
+        assert isinstance(record, ManifestRecord)
+        return record.manifest
+
+    def check_manifest(self, local: Manifest | str) -> None:
+        """Raise :class:`ManifestMismatch` if ``local`` (a manifest or its hash) is not the swarm's.
+
+        Does nothing while the swarm's manifest is unknown.
+        """
+        if self._manifest is None:
+            return
+        record = self._manifest.signed.record
+        assert isinstance(record, ManifestRecord)
+        swarm = record.manifest
+        local_hash = local.hash if isinstance(local, Manifest) else local
+        if local_hash != swarm.hash:
+            fields = swarm.differences(local) if isinstance(local, Manifest) else ()
+            raise ManifestMismatch(swarm.hash, local_hash, founder=record.peer_id, fields=fields)
+
+    # ---- bounds ---------------------------------------------------------------------------------
+
+    def _peer_count(self) -> int:
+        return len(self._members.keys() | self._counters.keys())
+
+    def _evict_one(self) -> bool:
+        """Evict the peer longest gone (or left), else longest suspect; never an alive peer or self."""
+        now = self._now()
+        candidates = []
+        for pid in self._members.keys() | self._counters.keys():
+            if pid == self.peer_id:
+                continue
+            if pid in self._members:
+                view = self._view(self._members[pid], now)
+                state, last_seen = view.state, view.last_seen
+            else:  # only a counter entry so far: judge it by when it arrived
+                last_seen = self._counters[pid].received_at
+                state = self._state_of(last_seen, False, now)
+            if state is not MemberState.ALIVE:
+                rank = 1 if state is MemberState.SUSPECT else 0
+                candidates.append((rank, last_seen, pid))
+        if not candidates:
+            return False
+        self._evict(min(candidates)[2])
+        return True
+
+    def _evict(self, pid: str) -> None:
+        member = self._members.pop(pid, None)
+        if member is not None:
+            self._tombstones[member.signed.key] = _Tombstone(member.signed.order)
+        counter = self._counters.pop(pid, None)
+        if counter is not None:
+            record = counter.signed.record
+            assert isinstance(record, CounterRecord)
+            self._tombstones[counter.signed.key] = _Tombstone(
+                counter.signed.order, record.samples, record.tokens
+            )
+            self._retired[0] += record.samples
+            self._retired[1] += record.tokens
+        self._trim_tombstones()
+
+    def _trim_tombstones(self) -> None:
+        while len(self._tombstones) > self.max_tombstones:
+            # The oldest memory of an eviction goes; its counter contribution stays in the totals. Should
+            # that peer's old entry ever come back it would be counted twice: a bounded, rare error.
+            self._tombstones.popitem(last=False)
+
+    # ---- persistence ----------------------------------------------------------------------------
+
+    def _max_file_bytes(self) -> int:
+        records = 2 * self.max_members + 2
+        return 1024 + records * (MAX_ENVELOPE_BYTES + 32) + self.max_tombstones * (MAX_PEER_ID_CHARS + 96)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the state atomically: temp file in the same directory, fsync, rename, fsync dir."""
+        path = Path(path)
+        snapshot = {
+            "v": FORMAT_VERSION,
+            "format": "starling-swarm-state",
+            "records": [[e.signed.data, e.received_at] for e in self._entries()],
+            "tombstones": [[k, list(t.order), t.samples, t.tokens] for k, t in self._tombstones.items()],
+            "retired": list(self._retired),
+        }
+        data = _pack(snapshot)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], me: KeyPair, **kwargs: Any) -> SwarmState:
+        """Restore a state saved by :meth:`save`; a missing file gives an empty state.
+
+        Raises :class:`StateFileError` if the file is unreadable or not a state file. Records in it are
+        re-verified; any that fail are dropped and counted in :attr:`rejected`.
+        """
+        path = Path(path)
+        state = cls(me, **kwargs)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return state
+        except OSError as exc:
+            raise StateFileError(path, f"cannot be read ({exc.strerror})") from None
+        if size > state._max_file_bytes():
+            raise StateFileError(path, f"is {size} bytes, more than this configuration can hold")
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise StateFileError(path, f"cannot be read ({exc.strerror})") from None
+        try:
+            snapshot = state._parse_snapshot(raw)
+        except RecordError as exc:
+            raise StateFileError(path, f"is not a valid swarm state file ({exc.detail})") from None
+
+        records, tombstones, retired = snapshot
+        now = state._now()
+        for key, order, samples, tokens in tombstones:
+            state._tombstones[key] = _Tombstone(order, samples, tokens)
+        state._trim_tombstones()
+        state._retired = list(retired)
+        for data, received_at in records:
+            try:
+                signed = state._verifier.decode(data)
+            except RecordError as exc:
+                state.rejected[exc.reason] += 1
+                continue
+            # Accepted once already: no drift check (the clock may have moved since); receipt times
+            # from a clock that has since gone backwards are capped at now.
+            state._store(signed, received_at=min(received_at, now), check_drift=False)
+        return state
+
+    def _parse_snapshot(
+        self, raw: bytes
+    ) -> tuple[list[tuple[bytes, float]], list[tuple[str, tuple[int, ...], int, int]], tuple[int, int]]:
+        items = max(2 * self.max_members + 2, self.max_tombstones) + 16
+        snap = _unpack(raw, max_items=items, max_str=MAX_PEER_ID_CHARS + 32, max_bin=MAX_ENVELOPE_BYTES)
+        if not isinstance(snap, dict):
+            raise RecordError(MALFORMED, "top level is not a map")
+        _check_version(snap, "state file")
+        _check_map(snap, ["v", "format", "records", "tombstones", "retired"], "state file")
+        if snap["format"] != "starling-swarm-state":
+            raise RecordError(MALFORMED, f"format is {snap['format']!r}"[:120])
+        if type(snap["records"]) is not list or type(snap["tombstones"]) is not list:
+            raise RecordError(MALFORMED, "records and tombstones must be lists")
+        records = []
+        for item in snap["records"]:
+            if type(item) is not list or len(item) != 2 or type(item[0]) is not bytes:
+                raise RecordError(MALFORMED, "a record entry is not [bytes, received_at]")
+            received_at = _float_field(0.0)("received_at", item[1])
+            records.append((item[0], float(received_at)))  # type: ignore[arg-type]
+        tombstones = []
+        for item in snap["tombstones"]:
+            if type(item) is not list or len(item) != 4 or not isinstance(item[0], str):
+                raise RecordError(MALFORMED, "a tombstone is not [key, order, samples, tokens]")
+            key, order = item[0], item[1]
+            arity = _digest_arity(key)
+            if arity is None or type(order) is not list or len(order) != arity:
+                raise RecordError(MALFORMED, f"bad tombstone for {key!r}"[:120])
+            check = _int_field(0, MAX_UINT64)
+            order_t = tuple(int(check("tombstone order", x)) for x in order)
+            tombstones.append((key, order_t, int(_COUNT("samples", item[2])), int(_COUNT("tokens", item[3]))))
+        retired = snap["retired"]
+        if type(retired) is not list or len(retired) != 2:
+            raise RecordError(MALFORMED, "retired must be [samples, tokens]")
+        return records, tombstones, (int(_COUNT("samples", retired[0])), int(_COUNT("tokens", retired[1])))
+
+
+__all__ = [
+    "ApplyResult",
+    "CounterRecord",
+    "Digest",
+    "Manifest",
+    "ManifestMismatch",
+    "ManifestRecord",
+    "MemberRecord",
+    "MemberState",
+    "MemberView",
+    "Record",
+    "RecordError",
+    "SignedRecord",
+    "StateFileError",
+    "SwarmState",
+    "Totals",
+    "Verifier",
+    "decode_body",
+    "decode_digest",
+    "encode_body",
+    "encode_digest",
+    "join",
+    "peer_id_of",
+    "sign_record",
+]
