@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print one JSON object")
     sp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                     help="refresh the readable view in place (default every 2 s) until Ctrl+C")
+    sp = sub.add_parser("plot", help="draw loss against step for every member this node has heard of")
+    home_arg(sp)
+    sp.add_argument("--out", default="loss.png", help="PNG file to write (default: loss.png)")
     return p
 
 
@@ -266,6 +269,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from node.config import resolve_home
+    from node.plot import plot_main  # matplotlib is imported only when plotting
+
+    return plot_main(resolve_home(args.home), Path(args.out))
+
+
 def _watch_status(home: Path, interval: float) -> int:
     """Redraw the readable status in place; a daemon that goes away is shown, not fatal."""
     from node.control import SOCKET_FILE, ControlError, request_sync
@@ -289,7 +299,7 @@ def _watch_status(home: Path, interval: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"init": cmd_init, "run": cmd_run, "status": cmd_status}
+    handlers = {"init": cmd_init, "run": cmd_run, "status": cmd_status, "plot": cmd_plot}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
