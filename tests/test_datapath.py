@@ -1,0 +1,525 @@
+"""p2p.datapath: key agreement, the encrypted side channel, and the session listener."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+import trio
+
+from p2p.datapath import (
+    MAGIC,
+    DataPathListener,
+    KeyAgreement,
+    Role,
+    SecureChannel,
+    SessionKeys,
+    connect_datapath,
+    new_session_id,
+)
+from protocols.codec import ChunkPlan, get_codec, recv_tensor, send_tensor
+from protocols.wire import (
+    PlainFrameChannel,
+    ProtocolError,
+    Reason,
+    TrioByteStream,
+    read_exactly,
+)
+
+torch.set_num_threads(1)
+
+PROTO = "/starling/avg/1.0.0"
+TIMEOUT = 10
+
+
+def agree(
+    *,
+    initiator_view: tuple[bytes, bytes, str] = (b"peer-a", b"peer-b", PROTO),
+    responder_view: tuple[bytes, bytes, str] = (b"peer-b", b"peer-a", PROTO),
+) -> tuple[SessionKeys, SessionKeys]:
+    """Both halves of a key agreement; each view is (local id, remote id, protocol id)."""
+    a, b = KeyAgreement(), KeyAgreement()
+    sid = new_session_id()
+    ki = a.derive(
+        role=Role.INITIATOR,
+        peer_public_key=b.public_key,
+        session_id=sid,
+        local_peer_id=initiator_view[0],
+        remote_peer_id=initiator_view[1],
+        protocol_id=initiator_view[2],
+    )
+    kr = b.derive(
+        role=Role.RESPONDER,
+        peer_public_key=a.public_key,
+        session_id=sid,
+        local_peer_id=responder_view[0],
+        remote_peer_id=responder_view[1],
+        protocol_id=responder_view[2],
+    )
+    return ki, kr
+
+
+@asynccontextmanager
+async def serving(**kwargs: object) -> AsyncIterator[tuple[DataPathListener, tuple[str, int]]]:
+    listener = DataPathListener("127.0.0.1", 0, **kwargs)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(listener.serve)
+        yield listener, ("127.0.0.1", port)
+        nursery.cancel_scope.cancel()
+
+
+async def connect_both(
+    listener: DataPathListener, addr: tuple[str, int], ki: SessionKeys, kr: SessionKeys
+) -> tuple[SecureChannel, SecureChannel]:
+    async with listener.expect(kr, timeout=TIMEOUT) as pending:
+        initiator = await connect_datapath(addr, ki, timeout=TIMEOUT)
+        responder = await pending.wait()
+    return initiator, responder
+
+
+def socket_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    a, b = trio.socket.socketpair()
+    return trio.SocketStream(a), trio.SocketStream(b)
+
+
+class Tap:
+    """A man in the middle: the sender's frames land here, the test decides what reaches the receiver."""
+
+    def __init__(self, *, max_frame_size: int = 1 << 16) -> None:
+        ki, kr = agree()
+        sender_end, self._inbox = socket_pair()
+        self._outbox, receiver_end = socket_pair()
+        self.sender = SecureChannel(sender_end, ki, max_frame_size=max_frame_size)
+        self.receiver = SecureChannel(receiver_end, kr, max_frame_size=max_frame_size)
+
+    async def capture(self) -> bytes:
+        """The next raw frame the sender wrote (header and ciphertext)."""
+        stream = TrioByteStream(self._inbox)
+        header = await read_exactly(stream, 5, limit=5)
+        (size,) = struct.unpack(">I", header[:4])
+        return header + await read_exactly(stream, size, limit=1 << 20)
+
+    async def deliver(self, raw: bytes) -> None:
+        await self._outbox.send_all(raw)
+
+    async def cut(self) -> None:
+        await self._outbox.aclose()
+
+
+async def expect_protocol_error(
+    reason: Reason, fn: Callable[..., Awaitable[object]], *args: object, **kwargs: object
+) -> ProtocolError:
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(ProtocolError) as exc:
+            await fn(*args, **kwargs)
+    assert exc.value.reason is reason, exc.value
+    return exc.value
+
+
+async def assert_closed_by_peer(stream: trio.SocketStream) -> None:
+    """The listener hung up: EOF, or a reset when it closed with our bytes still unread."""
+    with trio.fail_after(TIMEOUT):
+        try:
+            assert await stream.receive_some(100) == b""
+        except trio.BrokenResourceError:
+            pass
+    await stream.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Key agreement
+# ---------------------------------------------------------------------------------------------
+
+
+def test_each_side_receives_with_the_key_the_other_sends_with() -> None:
+    ki, kr = agree()
+    assert ki.send_key == kr.recv_key and ki.recv_key == kr.send_key
+    assert ki.send_key != ki.recv_key and ki.session_id == kr.session_id
+
+
+@pytest.mark.parametrize(
+    "responder_view",
+    [
+        (b"peer-b", b"peer-x", PROTO),  # responder believes it talks to someone else
+        (b"peer-x", b"peer-a", PROTO),  # keys agreed for another local identity
+        (b"peer-b", b"peer-a", "/starling/snapshot/1.0.0"),  # another protocol
+    ],
+)
+def test_keys_are_bound_to_both_peer_ids_and_the_protocol(responder_view: tuple[bytes, bytes, str]) -> None:
+    ki, kr = agree(responder_view=responder_view)
+    assert ki.send_key != kr.recv_key and ki.recv_key != kr.send_key
+
+
+def test_keys_differ_between_sessions() -> None:
+    assert agree()[0].send_key != agree()[0].send_key
+
+
+def test_an_ephemeral_key_cannot_be_used_twice() -> None:
+    a, b = KeyAgreement(), KeyAgreement()
+    kwargs = dict(
+        peer_public_key=b.public_key,
+        session_id=new_session_id(),
+        local_peer_id=b"a",
+        remote_peer_id=b"b",
+        protocol_id=PROTO,
+    )
+    a.derive(role=Role.INITIATOR, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        a.derive(role=Role.INITIATOR, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("public_key", [bytes(32), b"\x01" + bytes(31), b"short"])
+def test_low_order_or_malformed_peer_keys_are_refused(public_key: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        KeyAgreement().derive(
+            role=Role.RESPONDER,
+            peer_public_key=public_key,
+            session_id=new_session_id(),
+            local_peer_id=b"a",
+            remote_peer_id=b"b",
+            protocol_id=PROTO,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Transfers over loopback
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback() -> None:
+    ki, kr = agree()
+    x, y = torch.randn(1_500_000), torch.randn(1_250_000)  # 6 MB and 5 MB, in both directions at once
+    got_x, got_y = torch.empty_like(x), torch.empty_like(y)
+    codec = get_codec("fp32")
+    plan_x, plan_y = ChunkPlan.for_frame_size(x.numel(), codec), ChunkPlan.for_frame_size(y.numel(), codec)
+    async with serving() as (listener, addr):
+        initiator, responder = await connect_both(listener, addr, ki, kr)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_tensor, initiator, x, plan_x)
+                nursery.start_soon(recv_tensor, initiator, got_y, plan_y)
+                nursery.start_soon(send_tensor, responder, y, plan_y)
+                nursery.start_soon(recv_tensor, responder, got_x, plan_x)
+        await initiator.aclose()
+        assert await responder.recv() == b""
+        await responder.aclose()
+    assert torch.equal(got_x.view(torch.int32), x.view(torch.int32))
+    assert torch.equal(got_y.view(torch.int32), y.view(torch.int32))
+    assert initiator.bytes_sent == responder.bytes_received
+
+
+async def test_int8_transfer_accumulates_into_an_fp32_sum() -> None:
+    ki, kr = agree()
+    x, base = torch.randn(300_000), torch.randn(300_000)
+    codec = get_codec("int8")
+    plan = ChunkPlan.for_frame_size(x.numel(), codec)
+    acc = base.clone()
+    async with serving() as (listener, addr):
+        initiator, responder = await connect_both(listener, addr, ki, kr)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_tensor, initiator, x, plan)
+            await recv_tensor(responder, acc, plan, accumulate=True)
+        await initiator.aclose()
+        await responder.aclose()
+    expected = base.clone()
+    for start, stop in plan:
+        codec.decode_into(codec.encode(x[start:stop]), expected[start:stop], accumulate=True)
+    assert torch.equal(acc, expected)
+
+
+async def test_sender_stopping_mid_tensor_gives_the_receiver_a_clean_error() -> None:
+    ki, kr = agree()
+    x = torch.randn(600_000)
+    plan = ChunkPlan.for_frame_size(x.numel(), get_codec("bf16"))
+    async with serving() as (listener, addr):
+        initiator, responder = await connect_both(listener, addr, ki, kr)
+
+        async def send_one_chunk_then_stop() -> None:
+            await initiator.send(get_codec("bf16").encode(x[: plan.chunk_elems]))
+            await initiator.aclose()  # an authenticated close, but only one chunk in
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_one_chunk_then_stop)
+            await expect_protocol_error(Reason.TRUNCATED, recv_tensor, responder, torch.empty_like(x), plan)
+        await responder.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Framing attacks
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_frames_pass_through_an_honest_tap() -> None:
+    tap = Tap()
+    await tap.sender.send(b"hello")
+    await tap.deliver(await tap.capture())
+    assert await tap.receiver.recv() == b"hello"
+
+
+@pytest.mark.parametrize("offset", [3, 4, 5, 12, -1], ids=["length", "kind", "ciphertext", "payload", "tag"])
+async def test_a_flipped_bit_anywhere_fails_authentication(offset: int) -> None:
+    tap = Tap()
+    await tap.sender.send(b"x" * 64)
+    raw = bytearray(await tap.capture())
+    raw[offset] ^= 0x01
+    await tap.deliver(bytes(raw))
+    if offset == 3:  # a longer announced length: the receiver waits for bytes that never come
+        await tap.cut()
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(ProtocolError) as exc:
+            await tap.receiver.recv()
+    assert exc.value.reason in (Reason.AUTH, Reason.TRUNCATED, Reason.MALFORMED)
+    if offset != 3:
+        assert exc.value.reason is not Reason.TRUNCATED
+
+
+async def test_a_replayed_frame_fails_authentication() -> None:
+    tap = Tap()
+    await tap.sender.send(b"pay me once")
+    raw = await tap.capture()
+    await tap.deliver(raw)
+    assert await tap.receiver.recv() == b"pay me once"
+    await tap.deliver(raw)
+    await expect_protocol_error(Reason.AUTH, tap.receiver.recv)
+
+
+async def test_reordered_frames_fail_authentication() -> None:
+    tap = Tap()
+    await tap.sender.send(b"first")
+    await tap.sender.send(b"second")
+    first, second = await tap.capture(), await tap.capture()
+    await tap.deliver(second + first)
+    await expect_protocol_error(Reason.AUTH, tap.receiver.recv)
+
+
+async def test_a_dropped_frame_fails_authentication_of_the_next() -> None:
+    tap = Tap()
+    await tap.sender.send(b"first")
+    await tap.sender.send(b"second")
+    await tap.capture()
+    await tap.deliver(await tap.capture())
+    await expect_protocol_error(Reason.AUTH, tap.receiver.recv)
+
+
+async def test_frames_reflected_back_to_their_sender_fail_authentication() -> None:
+    ki, kr = agree()
+    a_end, b_end = socket_pair()
+    sender = SecureChannel(a_end, ki)
+    mirror = SecureChannel(b_end, ki)  # same keys, same role: it tries to read the sender's own frames
+    await sender.send(b"echo")
+    await expect_protocol_error(Reason.AUTH, mirror.recv)
+
+
+async def test_a_cut_connection_is_truncation_not_a_clean_close() -> None:
+    tap = Tap()
+    await tap.sender.send(b"partial")
+    raw = await tap.capture()
+    await tap.deliver(raw[:-3])
+    await tap.cut()
+    await expect_protocol_error(Reason.TRUNCATED, tap.receiver.recv)
+
+
+async def test_a_forged_close_frame_fails_authentication() -> None:
+    tap = Tap()
+    await tap.deliver(struct.pack(">IB", 16, 1) + bytes(16))
+    await expect_protocol_error(Reason.AUTH, tap.receiver.recv)
+
+
+async def test_an_oversized_frame_is_refused_from_its_header_alone() -> None:
+    tap = Tap(max_frame_size=1024)
+    await tap.deliver(struct.pack(">IB", 1 << 30, 0))  # and no payload: must not wait for it
+    await expect_protocol_error(Reason.TOO_LARGE, tap.receiver.recv)
+
+
+async def test_a_frame_larger_than_the_callers_buffer_is_refused_before_reading() -> None:
+    tap = Tap()
+    await tap.sender.send(b"y" * 100)
+    await tap.deliver(await tap.capture())
+    await expect_protocol_error(Reason.BAD_SIZE, tap.receiver.recv_into, bytearray(10))
+
+
+async def test_a_channel_is_unusable_after_an_error() -> None:
+    tap = Tap()
+    await tap.deliver(struct.pack(">IB", 20, 0) + bytes(20))
+    await expect_protocol_error(Reason.AUTH, tap.receiver.recv)
+    await expect_protocol_error(Reason.BROKEN, tap.receiver.recv)
+
+
+async def test_send_refuses_empty_and_oversized_payloads() -> None:
+    tap = Tap(max_frame_size=8)
+    for bad in (b"", b"x" * 9):
+        with pytest.raises(ValueError):
+            await tap.sender.send(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Listener
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_a_stranger_with_wrong_keys_does_not_consume_the_session() -> None:
+    ki, kr = agree()
+    forged = SessionKeys(kr.session_id, Role.INITIATOR, bytes(range(32)), bytes(range(1, 33)))
+    async with serving() as (listener, addr):
+        async with listener.expect(kr, timeout=TIMEOUT) as pending:
+            await expect_protocol_error(Reason.TRUNCATED, connect_datapath, addr, forged, timeout=TIMEOUT)
+            initiator = await connect_datapath(addr, ki, timeout=TIMEOUT)
+            responder = await pending.wait()
+        await initiator.send(b"still mine")
+        assert await responder.recv() == b"still mine"
+        assert listener.rejected == 1
+        await initiator.aclose()
+        await responder.aclose()
+
+
+async def test_keys_agreed_for_another_peer_cannot_connect() -> None:
+    ki, kr = agree(responder_view=(b"peer-b", b"mallory", PROTO))
+    async with serving() as (listener, addr):
+        async with listener.expect(kr, timeout=TIMEOUT):
+            with trio.fail_after(TIMEOUT), pytest.raises(ProtocolError):
+                await connect_datapath(addr, ki, timeout=TIMEOUT)
+
+
+async def test_an_unknown_session_is_turned_away() -> None:
+    ki, _ = agree()
+    async with serving() as (listener, addr):
+        await expect_protocol_error(Reason.TRUNCATED, connect_datapath, addr, ki, timeout=TIMEOUT)
+        assert listener.rejected == 1
+
+
+async def test_a_connection_without_the_magic_is_closed() -> None:
+    async with serving() as (listener, addr):
+        stream = await trio.open_tcp_stream(*addr)
+        await stream.send_all(b"GET / HTTP/1.1\r\n\r\n" + bytes(8))
+        await assert_closed_by_peer(stream)
+
+
+async def test_a_silent_connection_is_dropped_after_the_handshake_timeout() -> None:
+    async with serving(handshake_timeout=0.2) as (listener, addr):
+        stream = await trio.open_tcp_stream(*addr)
+        await stream.send_all(MAGIC[:3])
+        await assert_closed_by_peer(stream)
+        assert listener.rejected == 1
+
+
+async def test_an_expectation_times_out_and_then_refuses_the_late_partner() -> None:
+    ki, kr = agree()
+    async with serving() as (listener, addr):
+        async with listener.expect(kr, timeout=0.1) as pending:
+            with pytest.raises(trio.TooSlowError):
+                await pending.wait()
+        await expect_protocol_error(Reason.TRUNCATED, connect_datapath, addr, ki, timeout=TIMEOUT)
+
+
+async def test_a_session_id_cannot_be_registered_twice() -> None:
+    _, kr = agree()
+    listener = DataPathListener()
+    listener.expect(kr, timeout=1)
+    with pytest.raises(ValueError):
+        listener.expect(kr, timeout=1)
+
+
+async def test_a_channel_that_arrived_but_was_never_collected_is_closed() -> None:
+    ki, kr = agree()
+    async with serving() as (listener, addr):
+        async with listener.expect(kr, timeout=TIMEOUT):
+            initiator = await connect_datapath(addr, ki, timeout=TIMEOUT)
+        # The responder never called wait(); leaving the block closed its end cleanly.
+        with trio.fail_after(TIMEOUT):
+            assert await initiator.recv() == b""
+        await initiator.aclose()
+
+
+async def test_roles_must_match_the_side() -> None:
+    ki, kr = agree()
+    with pytest.raises(ValueError):
+        DataPathListener().expect(ki, timeout=1)
+    with pytest.raises(ValueError):
+        await connect_datapath(("127.0.0.1", 9), kr, timeout=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Over real libp2p hosts: keys agreed on a Noise stream, bytes on the side channel or the fallback
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_keys_agreed_over_a_libp2p_stream_open_the_side_channel_and_the_fallback_works() -> None:
+    import multiaddr
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from p2p.host import build_host
+    from protocols.wire import LibP2PByteStream, recv_msg, send_msg
+
+    x = torch.randn(200_000)
+    codec = get_codec("bf16")
+    plan = ChunkPlan.for_frame_size(x.numel(), codec, max_frame_size=65536)
+    via_side_channel, via_fallback = torch.empty_like(x), torch.empty_like(x)
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    host_a, host_b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    done = trio.Event()
+
+    async with (
+        serving() as (listener, addr),
+        host_a.run(listen_addrs=listen),
+        host_b.run(listen_addrs=listen),
+    ):
+
+        async def responder(net_stream: object) -> None:
+            control = LibP2PByteStream(net_stream)
+            request = await recv_msg(control)
+            mine = KeyAgreement()
+            keys = mine.derive(
+                role=Role.RESPONDER,
+                peer_public_key=request["pub"],
+                session_id=(sid := new_session_id()),
+                local_peer_id=host_b.get_id().to_bytes(),
+                remote_peer_id=net_stream.muxed_conn.peer_id.to_bytes(),  # type: ignore[attr-defined]
+                protocol_id=PROTO,
+            )
+            async with listener.expect(keys, timeout=TIMEOUT) as pending:
+                await send_msg(control, {"pub": mine.public_key, "sid": sid, "port": listener.port})
+                async with await pending.wait() as channel:
+                    await recv_tensor(channel, via_side_channel, plan)
+            fallback = PlainFrameChannel(control, max_frame_size=65536)
+            await recv_tensor(fallback, via_fallback, plan)
+            done.set()
+
+        host_b.set_stream_handler(PROTO, responder)  # type: ignore[arg-type]
+        await host_a.connect(info_from_p2p_addr(host_b.get_addrs()[0]))
+        net_stream = await host_a.new_stream(host_b.get_id(), [PROTO])
+        control = LibP2PByteStream(net_stream)
+        mine = KeyAgreement()
+        await send_msg(control, {"pub": mine.public_key})
+        with trio.fail_after(TIMEOUT):
+            reply = await recv_msg(control)
+        keys = mine.derive(
+            role=Role.INITIATOR,
+            peer_public_key=reply["pub"],
+            session_id=reply["sid"],
+            local_peer_id=host_a.get_id().to_bytes(),
+            remote_peer_id=host_b.get_id().to_bytes(),
+            protocol_id=PROTO,
+        )
+        async with await connect_datapath(("127.0.0.1", reply["port"]), keys, timeout=TIMEOUT) as channel:
+            await send_tensor(channel, x, plan)
+        await send_tensor(PlainFrameChannel(control, max_frame_size=65536), x, plan)
+        with trio.fail_after(TIMEOUT):
+            await done.wait()
+        await control.aclose()
+
+    expected = torch.empty_like(x)
+    codec.decode_into(codec.encode(x), expected)
+    assert torch.equal(via_side_channel, expected) and torch.equal(via_fallback, expected)
+
+
+async def test_an_unreachable_data_path_is_a_protocol_error_so_callers_can_fall_back() -> None:
+    ki, _ = agree()
+    probe = trio.socket.socket()
+    await probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a port that was free a moment ago and has no listener now
+    await expect_protocol_error(Reason.BROKEN, connect_datapath, ("127.0.0.1", port), ki, timeout=TIMEOUT)
