@@ -1,0 +1,642 @@
+"""Replicate the swarm state (:mod:`node.crdt`) over libp2p: gossip for speed, anti-entropy for certainty.
+
+Every node holds a full replica of the swarm state. :class:`StateReplicator` keeps it in step with the
+rest of the swarm:
+
+* **Heartbeat.** Every ``heartbeat_s`` it re-signs this node's member record from ``self_fields()``
+  (progress, loss, addresses, ...). Peers judge liveness by these heartbeats (suspect, gone).
+* **Gossip.** Every record this node writes is published on the gossipsub topic
+  ``starling/<swarm>/state``; records from peers are merged as they arrive, in the topic validator,
+  so a forged record is refused at the first honest hop instead of being forwarded through the swarm.
+  Gossip is only an accelerator: a message may be dropped anywhere, and nothing relies on it.
+* **Anti-entropy.** Every ``anti_entropy_s`` with a random connected peer, and at once on a new
+  connection, it runs a ``/starling/state/1.0.0`` session (:mod:`protocols.state`): both digests are
+  exchanged and each side sends what the other lacks. This is what makes replicas converge, whatever
+  gossip lost; a partition heals within one session after the halves reconnect.
+* **Compatibility.** The session handshake carries the swarm name and run manifest hash. A peer that
+  differs is refused, with an ERROR naming both hashes logged once per peer on both sides; it is
+  reported by :meth:`StateReplicator.incompatible_peers` and never offered to the averager. Gossip is
+  accepted only from peers that passed the handshake, so an incompatible node cannot leak its state
+  (or its manifest) into the swarm through gossip either.
+* **Manifest.** When the swarm has no run manifest yet, a node with a local manifest founds it after its
+  first successful session (or, alone, after a short grace period); a node whose manifest differs from
+  the swarm's reports it in :attr:`StateReplicator.manifest_error`.
+* **Persistence.** The replica is saved atomically every ``save_s`` and on stop; :func:`load_state`
+  restores it on start.
+* **Graceful stop.** On cancellation the node publishes its departure (``left``), waits briefly for it
+  to go out, and saves. That part is shielded from the cancellation and bounded in time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from libp2p.pubsub.gossipsub import PROTOCOL_ID as MESHSUB_V10
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as MESHSUB_V11
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12 as MESHSUB_V12
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.tools.anyio_service import background_trio_service
+
+from node.crdt import (
+    Manifest,
+    ManifestMismatch,
+    MemberState,
+    MemberView,
+    SignedRecord,
+    StateFileError,
+    SwarmState,
+)
+from protocols import state as protocol
+from protocols.state import LocalInfo, SyncRefused
+from protocols.wire import LibP2PByteStream, ProtocolError
+
+log = logging.getLogger("starling.replicator")
+
+#: File name of the persisted replica under the node's HOME.
+STATE_FILE = "state.msgpack"
+
+#: Gossipsub protocol versions offered, newest first. (1.3+ adds extension machinery we do not use.)
+GOSSIP_PROTOCOLS = (MESHSUB_V12, MESHSUB_V11, MESHSUB_V10)
+#: Mesh degree: enough redundancy that one slow peer does not delay a record, small enough that a
+#: record costs each node a handful of sends.
+GOSSIP_DEGREE, GOSSIP_DEGREE_LOW, GOSSIP_DEGREE_HIGH = 6, 4, 12
+
+MAX_OUTBOUND_SESSIONS = 4  # anti-entropy sessions this node initiates at once
+MAX_INBOUND_SESSIONS = 8  # sessions it serves at once; more are answered "busy"
+OUTBOX_SIZE = 64  # records waiting to be published; beyond it they are dropped (anti-entropy carries them)
+MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
+STARTUP_TIMEOUT_S = 10.0
+PUBLISH_TIMEOUT_S = 5.0
+GOODBYE_TIMEOUT_S = 2.0  # publishing the departure on stop
+STOP_TIMEOUT_S = 5.0  # everything done on stop, goodbye included
+POLL_S = 1.0  # how often the anti-entropy loop looks for connections it was not told about
+
+
+def gossip_topic(swarm: str) -> str:
+    return f"starling/{swarm}/state"
+
+
+def load_state(path: Path, me: KeyPair, **kwargs: Any) -> SwarmState:
+    """Restore the replica saved at ``path`` (an empty one if there is none).
+
+    A file that cannot be read as a swarm state is moved aside (``<name>.corrupt``) with a warning and
+    the node starts with an empty view: the swarm will resend everything through anti-entropy, so
+    refusing to start would cost the operator more than the file is worth.
+    """
+    try:
+        return SwarmState.load(path, me, **kwargs)
+    except StateFileError as exc:
+        aside = path.with_name(path.name + ".corrupt")
+        try:
+            path.replace(aside)
+            log.warning("%s; moved it to %s and starting with an empty view", exc, aside)
+        except OSError as move_error:
+            log.warning(
+                "%s; could not move it aside (%s); starting with an empty view", exc, move_error.strerror
+            )
+        return SwarmState(me, **kwargs)
+
+
+@dataclass
+class ReplicationStats:
+    """Counters of what the replicator did, for status and metrics."""
+
+    sessions_ok: int = 0
+    session_failures: Counter[str] = field(default_factory=Counter)  # by reason: timeout, malformed, ...
+    records_sent: int = 0  # through anti-entropy
+    records_received: int = 0  # through anti-entropy (changed or not)
+    records_changed: int = 0  # received through anti-entropy and new to this node
+    gossip_published: int = 0
+    gossip_received: int = 0  # gossip messages merged (any outcome)
+    gossip_refused: int = 0  # forwarded by a peer that has not passed the handshake, or invalid
+    gossip_dropped: int = 0  # own records not published because the outbox was full
+    manifest_mismatches: int = 0  # refused sessions with incompatible peers (both directions)
+    saves: int = 0
+    save_errors: int = 0
+    last_save: float | None = None  # wall time
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["session_failures"] = dict(self.session_failures)
+        return out
+
+
+class StateReplicator:
+    """Keeps one node's :class:`SwarmState` replicated with its peers (see the module docstring).
+
+    ``self_fields`` returns the fields of this node's member record (addrs, role, version, outer_step,
+    step, loss, val_loss, samples_per_s, reachability, manifest_hash); it is called on every heartbeat.
+    ``local_manifest`` returns the run manifest this node trains with (None for a network-only node).
+    ``gossip=False`` keeps the node out of the gossip topic (it neither publishes nor receives), so it
+    relies on anti-entropy alone; tests use it to prove that anti-entropy closes every gap.
+    """
+
+    def __init__(
+        self,
+        host: IHost,
+        state: SwarmState,
+        swarm: str,
+        *,
+        path: Path | None,
+        self_fields: Callable[[], dict[str, Any]],
+        local_manifest: Callable[[], Manifest | None] = lambda: None,
+        heartbeat_s: float = 2.0,
+        anti_entropy_s: float = 5.0,
+        save_s: float = 10.0,
+        gossip: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        for name, value in (
+            ("heartbeat_s", heartbeat_s),
+            ("anti_entropy_s", anti_entropy_s),
+            ("save_s", save_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.host = host
+        self.state = state
+        self.swarm = swarm
+        self.topic = gossip_topic(swarm)
+        self.path = path
+        self.self_fields = self_fields
+        self.local_manifest = local_manifest
+        self.heartbeat_s = heartbeat_s
+        self.anti_entropy_s = anti_entropy_s
+        self.save_s = save_s
+        self.gossip = gossip
+        self._clock = clock
+        self.stats = ReplicationStats()
+        #: Set when this node's manifest differs from the swarm's (it must not train with this swarm).
+        self.manifest_error: ManifestMismatch | None = None
+        #: The running pubsub service (None when not running); exposed for tests and diagnostics.
+        self.pubsub: Pubsub | None = None
+
+        self._me = host.get_id()
+        # Peers that passed the handshake (gossip is accepted from them) and peers refused as
+        # incompatible (with the reason); both bounded, oldest forgotten first.
+        self._verified: OrderedDict[str, None] = OrderedDict()
+        self._incompatible: OrderedDict[str, SyncRefused] = OrderedDict()
+        self._prompt: set[ID] = set()  # peers to sync with as soon as a session slot is free
+        self._in_flight: set[ID] = set()
+        self._known_connected: set[ID] = set()
+        self._inbound = 0
+        self._wake = trio.Event()
+        self._synced_once = False
+        self._save_failing = False
+        self._found_after = 0.0  # trio time after which a lone node founds the manifest
+        self._outbox_send, self._outbox_recv = trio.open_memory_channel[bytes](OUTBOX_SIZE)
+        # Limits derived from the replica's capacity: its digest and the records it may hold.
+        self._max_digest_entries = max(
+            protocol.DEFAULT_MAX_DIGEST_ENTRIES, 2 * state.max_members + state.max_tombstones + 1
+        )
+        self._max_records = max(protocol.DEFAULT_MAX_RECORDS, 2 * state.max_members + 1)
+
+    # ---- inputs from the daemon -----------------------------------------------------------------
+
+    def peer_connected(self, peer_id: ID) -> None:
+        """A connection to ``peer_id`` opened: sync with it now (also retries a peer refused before,
+        which may have restarted with the right configuration)."""
+        if peer_id != self._me:
+            self._prompt.add(peer_id)
+            self._wake.set()
+
+    def refresh(self) -> None:
+        """Re-sign and publish this node's member record now (e.g. right after an outer step) rather
+        than at the next heartbeat."""
+        self._heartbeat()
+
+    def add_progress(self, samples: int = 0, tokens: int = 0) -> None:
+        """Add work done by this node to the swarm-wide counter and publish the new entry."""
+        self._publish(self.state.add_progress(samples, tokens))
+
+    # ---- views ----------------------------------------------------------------------------------
+
+    def incompatible_peers(self) -> set[str]:
+        """Peer IDs (base58) refused as incompatible: another swarm or another run manifest."""
+        return set(self._incompatible)
+
+    def alive_members(self) -> list[MemberView]:
+        """Averaging candidates: alive members other than this node, not known to be incompatible,
+        and whose published manifest hash (when both are known) equals this node's."""
+        ours = self._manifest_hash()
+        me = self.state.peer_id
+        return [
+            view
+            for view in self.state.members(self._clock())
+            if view.state is MemberState.ALIVE
+            and view.peer_id != me
+            and view.peer_id not in self._incompatible
+            and (not ours or not view.record.manifest_hash or view.record.manifest_hash == ours)
+        ]
+
+    def status(self) -> dict[str, Any]:
+        """``{"members": [...], "swarm_totals": {...}}`` for ``starling status --json``."""
+        now = self._clock()
+        views = self.state.members(now)
+        members = [self._member_status(view, now) for view in views]
+        by_state = Counter(view.state.value for view in views)
+        totals = self.state.counters()
+        swarm_manifest = self.state.manifest
+        return {
+            "members": members,
+            "swarm_totals": {
+                "members": {s.value: by_state.get(s.value, 0) for s in MemberState},
+                "samples": totals.samples,
+                "tokens": totals.tokens,
+                "rejected": dict(self.state.rejected),
+                "manifest_hash": swarm_manifest.hash if swarm_manifest is not None else None,
+                "manifest_error": str(self.manifest_error) if self.manifest_error is not None else None,
+                "incompatible_peers": sorted(self._incompatible),
+                "replication": self.stats.as_dict(),
+            },
+        }
+
+    def _member_status(self, view: MemberView, now: float) -> dict[str, Any]:
+        r = view.record
+        return {
+            "peer_id": r.peer_id,
+            "self": r.peer_id == self.state.peer_id,
+            "state": view.state.value,
+            "role": r.role,
+            "version": r.version,
+            "outer_step": r.outer_step,
+            "step": r.step,
+            "loss": r.loss,
+            "val_loss": r.val_loss,
+            "samples_per_s": r.samples_per_s,
+            "reachability": r.reachability,
+            "addrs": list(r.addrs),
+            "manifest_hash": r.manifest_hash,
+            "incompatible": r.peer_id in self._incompatible,
+            "last_seen": round(view.last_seen, 3),
+            "last_seen_s": round(max(0.0, now - view.last_seen), 1),
+        }
+
+    # ---- running --------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the state protocol, run gossip and the periodic loops until cancelled.
+
+        The work lives in :meth:`_serve`, shielded from cancellation: when this task is cancelled it
+        only tells :meth:`_serve` to stop, which then says goodbye and saves within ``STOP_TIMEOUT_S``.
+        (Shielding this task's own code would not be enough: pubsub's sender tasks, which carry the
+        goodbye to the peers, would be cancelled with it.)
+        """
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            try:
+                await nursery.start(self._serve, stop)
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                stop.set()
+
+    async def _serve(
+        self, stop: trio.Event, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            with trio.CancelScope(shield=True) as scope:
+                self._found_after = trio.current_time() + 2 * self.anti_entropy_s
+                self._heartbeat()  # our own record exists before anyone asks for it
+                self.host.set_stream_handler(protocol.PROTOCOL_ID, self._handle_stream)
+                try:
+                    pubsub, router = self._make_pubsub()
+                    async with background_trio_service(pubsub), background_trio_service(router):
+                        with trio.fail_after(STARTUP_TIMEOUT_S):
+                            await pubsub.wait_until_ready()
+                        subscription = None
+                        if self.gossip:
+                            pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
+                            subscription = await pubsub.subscribe(self.topic)
+                        self.pubsub = pubsub
+                        async with trio.open_nursery() as loops:
+                            # Pubsub learns of connections from network events; peers that were already
+                            # connected before it existed must be introduced to it explicitly.
+                            for peer in self._connected():
+                                loops.start_soon(self._introduce, pubsub, peer)
+                            if subscription is not None:
+                                loops.start_soon(self._drain, subscription)
+                                loops.start_soon(self._publisher, pubsub)
+                            loops.start_soon(self._heartbeat_loop)
+                            loops.start_soon(self._anti_entropy_loop)
+                            loops.start_soon(self._save_loop)
+                            task_status.started()
+                            await stop.wait()
+                            scope.deadline = trio.current_time() + STOP_TIMEOUT_S
+                            loops.cancel_scope.cancel()
+                        await self._goodbye(pubsub)
+                finally:
+                    self.pubsub = None
+                    self.host.remove_stream_handler(protocol.PROTOCOL_ID)
+        finally:
+            self._save()
+
+    def _make_pubsub(self) -> tuple[Pubsub, GossipSub]:
+        """Gossipsub tuned per py-libp2p-notes pitfall 6: 1 s heartbeat (the default 120 s leaves the
+        mesh unbuilt for minutes) and no silent per-peer rate limit (the default drops a busy peer's
+        records without a word)."""
+        router = GossipSub(
+            protocols=list(GOSSIP_PROTOCOLS),
+            degree=GOSSIP_DEGREE,
+            degree_low=GOSSIP_DEGREE_LOW,
+            degree_high=GOSSIP_DEGREE_HIGH,
+            heartbeat_initial_delay=0.1,
+            heartbeat_interval=1,
+            spam_protection_enabled=False,
+        )
+        return Pubsub(self.host, router), router
+
+    async def _introduce(self, pubsub: Pubsub, peer: ID) -> None:
+        with trio.move_on_after(STARTUP_TIMEOUT_S):
+            await pubsub.ensure_peer_stream(peer, timeout=STARTUP_TIMEOUT_S)
+
+    def _connected(self) -> set[ID]:
+        return {p for p in self.host.get_connected_peers() if p != self._me}
+
+    # ---- local writes and gossip ----------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await trio.sleep(self.heartbeat_s)
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        fields = self.self_fields()
+        try:
+            signed = self.state.update_self(**fields)
+        except ValueError as exc:  # a value peers would refuse: keep the previous record, say why
+            log.error("cannot publish this node's member record: %s", exc)
+        else:
+            self._publish(signed)
+        self._check_manifest()
+
+    def _check_manifest(self) -> None:
+        """Found the swarm's manifest if nobody has, or notice that ours differs from the swarm's."""
+        local = self.local_manifest()
+        if local is None:
+            return
+        if self.state.manifest is None:
+            # Wait for a first sync, so that a node joining an existing swarm adopts its manifest
+            # rather than racing it with its own; a lone node founds after a grace period.
+            if self._synced_once or trio.current_time() >= self._found_after:
+                signed = self.state.set_manifest(local)
+                if signed is not None:
+                    log.info("founded the swarm's run manifest %s", local.hash)
+                    self._publish(signed)
+            return
+        try:
+            self.state.check_manifest(local)
+        except ManifestMismatch as exc:
+            if self.manifest_error is None or self.manifest_error.swarm_hash != exc.swarm_hash:
+                log.error("%s", exc)
+            self.manifest_error = exc
+        else:
+            self.manifest_error = None
+
+    def _publish(self, signed: SignedRecord) -> None:
+        if not self.gossip:
+            return
+        try:
+            self._outbox_send.send_nowait(signed.data)
+        except trio.WouldBlock:
+            self.stats.gossip_dropped += 1
+
+    async def _publisher(self, pubsub: Pubsub) -> None:
+        async for data in self._outbox_recv:
+            with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                try:
+                    await pubsub.publish(self.topic, data)
+                    self.stats.gossip_published += 1
+                except Exception as exc:  # py-libp2p raises assorted types; anti-entropy covers the loss
+                    log.debug("gossip publish failed: %s", exc)
+
+    def _validate_gossip(self, forwarder: ID, message: rpc_pb2.Message) -> bool:
+        """Gossipsub topic validator, and the point where gossip is merged into the replica.
+
+        Returning False keeps gossipsub from delivering and forwarding the message: records from a peer
+        that has not passed the handshake (possibly another run) and records the replica refuses
+        (forged, malformed, too far in the future) go no further than this node.
+        """
+        if forwarder != self._me and forwarder.to_base58() not in self._verified:
+            self.stats.gossip_refused += 1
+            return False
+        self.stats.gossip_received += 1
+        result = self.state.apply([message.data])
+        if result.rejected:
+            self.stats.gossip_refused += 1
+            return False
+        return True
+
+    async def _drain(self, subscription: Any) -> None:
+        """Keep the subscription queue empty (it holds 32 messages and drops the rest with a warning);
+        the records were already merged by the validator."""
+        async for _message in subscription:
+            pass
+
+    async def _goodbye(self, pubsub: Pubsub) -> None:
+        """Publish the departure marker, then wait (briefly) until pubsub's per-peer queues are empty:
+        publish() only enqueues, and the queues die with the service."""
+        signed = self.state.depart()
+        if not self.gossip:
+            return
+        with trio.move_on_after(GOODBYE_TIMEOUT_S):
+            try:
+                await pubsub.publish(self.topic, signed.data)
+            except Exception as exc:  # best effort; peers will see this node go suspect instead
+                log.debug("publishing the departure failed: %s", exc)
+                return
+            while any(len(queue) for queue in pubsub.peer_queues.values()):
+                await trio.sleep(0.02)
+            await trio.sleep(0.05)  # the sender tasks have popped the message; let them write it
+
+    # ---- anti-entropy ---------------------------------------------------------------------------
+
+    def _manifest_hash(self) -> str:
+        local = self.local_manifest()
+        if local is not None:
+            return local.hash
+        swarm = self.state.manifest
+        return swarm.hash if swarm is not None else ""
+
+    def _local_info(self) -> LocalInfo:
+        me = self.state.member(self.state.peer_id)
+        return LocalInfo(me.record.version if me else "", self.swarm, self._manifest_hash())
+
+    async def _anti_entropy_loop(self) -> None:
+        async with trio.open_nursery() as sessions:
+            next_round = trio.current_time()
+            while True:
+                connected = self._connected()
+                # Connections nobody told us about (e.g. inbound ones) are synced with promptly too.
+                self._prompt |= connected - self._known_connected
+                self._known_connected = connected
+                now = trio.current_time()
+                if now >= next_round:
+                    candidates = [
+                        p
+                        for p in connected
+                        if p not in self._in_flight and p.to_base58() not in self._incompatible
+                    ]
+                    if candidates:
+                        self._prompt.add(random.choice(candidates))
+                    next_round = now + self.anti_entropy_s * random.uniform(0.8, 1.2)
+                for peer in list(self._prompt):
+                    if len(self._in_flight) >= MAX_OUTBOUND_SESSIONS:
+                        break
+                    self._prompt.discard(peer)
+                    if peer in connected and peer not in self._in_flight:
+                        self._in_flight.add(peer)
+                        sessions.start_soon(self._sync_with, peer)
+                self._prompt &= connected
+                with trio.move_on_at(min(next_round, now + POLL_S)):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    async def _sync_with(self, peer: ID) -> None:
+        try:
+            with trio.move_on_after(protocol.SESSION_TIMEOUT_S) as scope:
+                try:
+                    stream = await self.host.new_stream(peer, [protocol.PROTOCOL_ID])
+                except Exception as exc:  # py-libp2p raises many types for a peer it cannot reach
+                    self.stats.session_failures["open"] += 1
+                    log.debug("cannot open a state stream to %s: %s", peer, exc)
+                    return
+                await self._session(peer, stream, initiator=True)
+            if scope.cancelled_caught:
+                self.stats.session_failures["timeout"] += 1
+        finally:
+            self._in_flight.discard(peer)
+            self._wake.set()
+
+    async def _handle_stream(self, stream: INetStream) -> None:
+        """Stream handler of ``/starling/state/1.0.0`` (runs in libp2p's task, one per session)."""
+        peer = stream.muxed_conn.peer_id
+        if self._inbound >= MAX_INBOUND_SESSIONS:
+            byte_stream = LibP2PByteStream(stream)
+            try:
+                await protocol.refuse_busy(byte_stream, self._local_info())
+            except ProtocolError:
+                pass
+            await _close(byte_stream, graceful=True)
+            return
+        self._inbound += 1
+        try:
+            await self._session(peer, stream, initiator=False)
+        finally:
+            self._inbound -= 1
+
+    async def _session(self, peer: ID, stream: INetStream, *, initiator: bool) -> None:
+        """One session on an open stream, either side; records the outcome, never raises for the peer's
+        failures."""
+        byte_stream = LibP2PByteStream(stream)
+        side = protocol.initiate if initiator else protocol.respond
+        graceful = False
+        try:
+            result = await side(
+                byte_stream,
+                self.state,
+                self._local_info(),
+                max_records=self._max_records,
+                max_digest_entries=self._max_digest_entries,
+            )
+        except SyncRefused as exc:
+            graceful = True  # the Error message must reach the initiator before the stream closes
+            self._refused(peer.to_base58(), exc)
+        except ProtocolError as exc:
+            self.stats.session_failures[exc.reason.value] += 1
+            log.debug("state session with %s failed: %s", peer, exc)
+        except trio.TooSlowError:
+            self.stats.session_failures["timeout"] += 1
+            log.debug("state session with %s timed out", peer)
+        except Exception as exc:
+            # py-libp2p's muxers occasionally raise outside the IOException tree that LibP2PByteStream
+            # normalises; whatever a peer or its transport does must not take the replicator down.
+            self.stats.session_failures["error"] += 1
+            log.warning("unexpected error in a state session with %s: %r", peer, exc, exc_info=True)
+        else:
+            graceful = True
+            self._synced(peer.to_base58(), result)
+        finally:
+            await _close(byte_stream, graceful=graceful)
+
+    def _synced(self, peer: str, result: protocol.SessionResult) -> None:
+        self.stats.sessions_ok += 1
+        self.stats.records_sent += result.sent
+        self.stats.records_received += result.received
+        self.stats.records_changed += result.changed
+        _remember(self._verified, peer, None)
+        if self._incompatible.pop(peer, None) is not None:
+            log.info(
+                "peer %s is compatible again (manifest %s)", peer, result.peer_manifest_hash or "unknown"
+            )
+        if not self._synced_once:
+            self._synced_once = True
+            self._check_manifest()
+
+    def _refused(self, peer: str, exc: SyncRefused) -> None:
+        if not exc.incompatible:
+            self.stats.session_failures[exc.code] += 1
+            return
+        self.stats.manifest_mismatches += 1
+        self._verified.pop(peer, None)
+        previous = self._incompatible.get(peer)
+        if previous is None or (previous.code, previous.remote) != (exc.code, exc.remote):
+            log.error("peer %s: %s; it is excluded from state sync and averaging", peer, exc)
+        _remember(self._incompatible, peer, exc)
+
+    # ---- persistence ----------------------------------------------------------------------------
+
+    async def _save_loop(self) -> None:
+        while True:
+            await trio.sleep(self.save_s)
+            self._save()
+
+    def _save(self) -> None:
+        """Save the replica (synchronously: it is small, and a snapshot must not see concurrent merges)."""
+        if self.path is None:
+            return
+        try:
+            self.state.save(self.path)
+        except OSError as exc:
+            self.stats.save_errors += 1
+            if not self._save_failing:  # once per streak of failures, not every save_s
+                log.warning("cannot save the swarm state to %s: %s", self.path, exc.strerror or exc)
+            self._save_failing = True
+        else:
+            self._save_failing = False
+            self.stats.saves += 1
+            self.stats.last_save = self._clock()
+
+
+def _remember(table: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """Insert or refresh ``key`` in a bounded LRU table."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > MAX_TRACKED_PEERS:
+        table.popitem(last=False)
+
+
+async def _close(stream: LibP2PByteStream, *, graceful: bool) -> None:
+    """Close a session's stream (reset it after a failure); bounded, and done even when cancelled."""
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            if graceful:
+                await stream.aclose()
+            else:
+                await stream.reset()
+        except Exception as exc:  # the stream is finished either way
+            log.debug("closing a state stream: %s", exc)

@@ -1,0 +1,574 @@
+"""Swarm-state replication: the /starling/state/1.0.0 anti-entropy protocol and the StateReplicator.
+
+The protocol tests run both sides over in-memory streams. The replicator tests run 3-4 real libp2p hosts
+on 127.0.0.1 in one trio loop, each with its own SwarmState and StateReplicator, with short intervals.
+Convergence is judged on *identical digests*, so those tests keep heartbeats long (the state is quiet
+once the test's own updates are in) and drive updates explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from multiaddr import Multiaddr
+
+from node import crdt
+from node.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
+from node.hlc import Timestamp
+from node.replicator import StateReplicator, load_state
+from p2p.host import build_host
+from protocols import state as protocol
+from protocols.state import LocalInfo, SyncRefused
+from protocols.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, send_msg
+
+SWARM = "test-swarm"
+MANIFEST_A = Manifest("stdlib-lm", "a" * 64, "b" * 64, 1)
+MANIFEST_B = Manifest("stdlib-lm", "c" * 64, "b" * 64, 1)
+HEARTBEAT_S = 0.2
+ANTI_ENTROPY_S = 0.5
+QUIET_HEARTBEAT_S = 60.0  # no heartbeat during the test: the state changes only when the test says
+
+
+async def eventually(predicate: Callable[[], bool], what: str, *, timeout: float = 10.0) -> None:
+    """Wait until ``predicate()`` holds; fail the test after ``timeout`` seconds."""
+    with trio.move_on_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+        return
+    pytest.fail(f"not within {timeout:.0f}s: {what}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The protocol over in-memory streams
+
+
+class FakeReplica:
+    """A replica that holds nothing and offers fixed records: a rogue or test peer's side."""
+
+    def __init__(self, records: Iterable[bytes] = ()) -> None:
+        self.records = list(records)
+        self.applied: list[bytes] = []
+
+    def digest(self) -> Mapping[str, tuple[int, ...]]:
+        return {}
+
+    def missing_for(self, their_digest: Mapping[str, tuple[int, ...]]) -> list[bytes]:
+        return list(self.records)
+
+    def apply(self, records: Iterable[bytes]) -> ApplyResult:
+        batch = list(records)
+        self.applied.extend(batch)
+        return ApplyResult(unchanged=len(batch))
+
+
+def replica_with_progress(samples: int, **fields: Any) -> SwarmState:
+    state = SwarmState(create_new_key_pair())
+    state.update_self(**fields)
+    state.add_progress(samples=samples)
+    return state
+
+
+def info(manifest_hash: str = "", swarm: str = SWARM) -> LocalInfo:
+    return LocalInfo("0.1.0", swarm, manifest_hash)
+
+
+async def run_session(
+    initiator: protocol.Replica,
+    responder: protocol.Replica,
+    initiator_info: LocalInfo,
+    responder_info: LocalInfo,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """Run both sides over a memory stream pair; returns each side's result or exception."""
+    a, b = trio.testing.memory_stream_pair()
+    outcome: dict[str, Any] = {}
+
+    async def side(name: str, fn: Any, stream: Any, replica: protocol.Replica, local: LocalInfo) -> None:
+        try:
+            outcome[name] = await fn(TrioByteStream(stream), replica, local, **kwargs)
+        except (SyncRefused, ProtocolError, trio.TooSlowError) as exc:
+            outcome[name] = exc
+        finally:
+            await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(side, "i", protocol.initiate, a, initiator, initiator_info)
+        nursery.start_soon(side, "r", protocol.respond, b, responder, responder_info)
+    return outcome["i"], outcome["r"]
+
+
+async def test_one_session_gives_both_replicas_what_they_lacked() -> None:
+    a = replica_with_progress(10, step=1)
+    b = replica_with_progress(20, step=2)
+    a_result, b_result = await run_session(a, b, info(), info())
+    assert a.digest() == b.digest()
+    assert {m.peer_id for m in a.members()} == {a.peer_id, b.peer_id}
+    assert a.counters().samples == b.counters().samples == 30
+    assert (a_result.sent, a_result.received, a_result.changed) == (2, 2, 2)
+    assert (b_result.sent, b_result.received, b_result.changed) == (2, 2, 2)
+    # A second session finds nothing to send either way.
+    a_again, _ = await run_session(a, b, info(), info())
+    assert (a_again.sent, a_again.received) == (0, 0)
+
+
+async def test_manifest_mismatch_is_refused_on_both_sides_naming_both_hashes() -> None:
+    a, b = replica_with_progress(1), replica_with_progress(2)
+    a_error, b_error = await run_session(a, b, info(MANIFEST_A.hash), info(MANIFEST_B.hash))
+    for error in (a_error, b_error):
+        assert isinstance(error, SyncRefused) and error.incompatible
+        assert MANIFEST_A.hash in str(error) and MANIFEST_B.hash in str(error)
+    assert (a_error.local, a_error.remote) == (MANIFEST_A.hash, MANIFEST_B.hash)
+    assert (b_error.local, b_error.remote) == (MANIFEST_B.hash, MANIFEST_A.hash)
+    assert b.peer_id not in {m.peer_id for m in a.members()}  # no state moved
+
+
+async def test_a_node_without_a_manifest_syncs_with_any_and_learns_the_swarms() -> None:
+    swarm_node = replica_with_progress(1)
+    swarm_node.set_manifest(MANIFEST_A)
+    fresh = replica_with_progress(0)
+    await run_session(fresh, swarm_node, info(""), info(MANIFEST_A.hash))
+    assert fresh.manifest == MANIFEST_A
+
+
+async def test_a_peer_of_another_swarm_is_refused() -> None:
+    a_error, b_error = await run_session(FakeReplica(), FakeReplica(), info(swarm="one"), info(swarm="two"))
+    assert isinstance(a_error, SyncRefused) and a_error.code == protocol.SWARM_MISMATCH
+    assert isinstance(b_error, SyncRefused) and "'one'" in str(b_error) and "'two'" in str(b_error)
+
+
+async def test_a_busy_responder_is_not_taken_for_an_incompatible_one() -> None:
+    ours, theirs = trio.testing.memory_stream_pair()
+
+    async def busy_responder() -> None:
+        stream = TrioByteStream(theirs)
+        await recv_as(stream, protocol.Hello, max_bytes=1 << 20)
+        await protocol.refuse_busy(stream, info())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(busy_responder)
+        with pytest.raises(SyncRefused) as excinfo:
+            await protocol.initiate(TrioByteStream(ours), FakeReplica(), info())
+    assert excinfo.value.code == protocol.BUSY and not excinfo.value.incompatible
+
+
+async def test_a_silent_peer_runs_into_the_session_deadline() -> None:
+    a, _b = trio.testing.memory_stream_pair()
+    with pytest.raises(trio.TooSlowError):
+        await protocol.respond(TrioByteStream(a), FakeReplica(), info(), timeout_s=0.2)
+
+
+async def test_more_records_than_the_session_limit_is_a_protocol_error() -> None:
+    ours, theirs = trio.testing.memory_stream_pair()
+    peer = TrioByteStream(theirs)
+    replica = FakeReplica()
+
+    async def initiator_sending_too_much() -> None:
+        await send_msg(peer, protocol.Hello("x", SWARM, "", crdt.encode_digest({})))
+        await recv_as(peer, protocol.Hello, max_bytes=1 << 20)
+        await recv_as(peer, protocol.Records)
+        await send_msg(peer, protocol.Records([b"r1", b"r2", b"r3"], done=True))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(initiator_sending_too_much)
+        with pytest.raises(ProtocolError) as excinfo:
+            await protocol.respond(TrioByteStream(ours), replica, info(), max_records=2)
+    assert excinfo.value.reason is Reason.TOO_LARGE
+    assert replica.applied == []
+
+
+def test_record_batches_respect_the_count_and_byte_limits() -> None:
+    small = [b"x" * 100] * (protocol.MAX_BATCH_RECORDS + 1)
+    assert [len(b) for b in protocol._batches(small)] == [protocol.MAX_BATCH_RECORDS, 1]
+    big = [b"y" * crdt.MAX_ENVELOPE_BYTES] * 40
+    batches = list(protocol._batches(big))
+    assert all(sum(map(len, b)) <= protocol.MAX_BATCH_BYTES for b in batches)
+    assert sum(map(len, batches)) == 40
+
+
+# ---------------------------------------------------------------------------------------------------
+# Replicators on real libp2p hosts
+
+
+@dataclass
+class Node:
+    key: KeyPair
+    host: Any
+    state: SwarmState
+    rep: StateReplicator
+    fields: dict[str, Any]
+    path: Path | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    stopped: trio.Event = field(default_factory=trio.Event)
+    host_nursery: Any = None
+
+    @property
+    def pid(self) -> str:
+        return self.state.peer_id
+
+    def member_ids(self) -> set[str]:
+        return {m.peer_id for m in self.state.members()}
+
+    def member_state(self, pid: str) -> MemberState | None:
+        view = self.state.member(pid)
+        return None if view is None else view.state
+
+
+def make_replicator(
+    host: Any,
+    state: SwarmState,
+    fields: dict[str, Any],
+    *,
+    path: Path | None = None,
+    manifest: Manifest | None = None,
+    heartbeat_s: float = QUIET_HEARTBEAT_S,
+    gossip: bool = True,
+    save_s: float = 10.0,
+) -> StateReplicator:
+    return StateReplicator(
+        host,
+        state,
+        SWARM,
+        path=path,
+        self_fields=lambda: dict(fields),
+        local_manifest=lambda: manifest,
+        heartbeat_s=heartbeat_s,
+        anti_entropy_s=ANTI_ENTROPY_S,
+        save_s=save_s,
+        gossip=gossip,
+    )
+
+
+class Cluster:
+    """Hosts and replicators for one test. Each host runs in its own task of the cluster's nursery,
+    with a nursery of its own for its replicator, so a replicator can stop and restart on a live host."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.nodes: list[Node] = []
+
+    async def add(
+        self, *, tmp_path: Path | None = None, manifest: Manifest | None = None, **kwargs: Any
+    ) -> Node:
+        key = create_new_key_pair()
+        host = build_host(key)
+        state = SwarmState(key)
+        fields: dict[str, Any] = {"role": "trainer", "version": "0.1.0", "step": 0}
+        if manifest is not None:
+            fields["manifest_hash"] = manifest.hash
+        path = tmp_path / f"state-{len(self.nodes)}.msgpack" if tmp_path is not None else None
+        rep = make_replicator(host, state, fields, path=path, manifest=manifest, **kwargs)
+        node = Node(key, host, state, rep, fields, path)
+        node.host_nursery = await self.nursery.start(self._serve_host, host)
+        await self.start(node)
+        self.nodes.append(node)
+        return node
+
+    @staticmethod
+    async def _serve_host(host: Any, task_status: trio.TaskStatus[trio.Nursery]) -> None:
+        async with host.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]), trio.open_nursery() as nursery:
+            task_status.started(nursery)
+            await trio.sleep_forever()
+
+    async def start(self, node: Node) -> None:
+        node.scope, node.stopped = trio.CancelScope(), trio.Event()
+
+        async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                with node.scope:
+                    await node.rep.run(task_status=task_status)
+            finally:
+                node.stopped.set()
+
+        await node.host_nursery.start(run)
+
+    async def stop(self, node: Node) -> None:
+        """A graceful stop of the node's replicator (its host stays up)."""
+        node.scope.cancel()
+        with trio.fail_after(10):
+            await node.stopped.wait()
+
+    async def connect(self, *pairs: tuple[Node, Node]) -> None:
+        """Connect pairs concurrently (each dial costs >= 250 ms) and tell both replicators, as the
+        daemon's connection manager does."""
+
+        async def one(a: Node, b: Node) -> None:
+            await a.host.connect(info_from_p2p_addr(b.host.get_addrs()[0]))
+            a.rep.peer_connected(b.host.get_id())
+            b.rep.peer_connected(a.host.get_id())
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for a, b in pairs:
+                    nursery.start_soon(one, a, b)
+
+
+@asynccontextmanager
+async def cluster() -> AsyncIterator[Cluster]:
+    async with trio.open_nursery() as nursery:
+        yield Cluster(nursery)
+        nursery.cancel_scope.cancel()
+
+
+def identical(nodes: list[Node]) -> bool:
+    first = nodes[0].state.digest()
+    return all(n.state.digest() == first for n in nodes[1:])
+
+
+async def test_replicas_on_a_chain_converge_to_identical_state() -> None:
+    async with cluster() as c:
+        nodes = [await c.add() for _ in range(4)]
+        await c.connect((nodes[0], nodes[1]), (nodes[1], nodes[2]), (nodes[2], nodes[3]))
+        for i, node in enumerate(nodes):
+            node.fields["step"] = 100 + i
+            node.rep.refresh()
+            node.rep.add_progress(samples=10 * (i + 1), tokens=1)
+        everyone = {n.pid for n in nodes}
+        await eventually(lambda: identical(nodes) and nodes[0].member_ids() == everyone, "identical digests")
+        for node in nodes:
+            status = node.rep.status()
+            assert {m["peer_id"]: m["step"] for m in status["members"]} == {
+                n.pid: 100 + i for i, n in enumerate(nodes)
+            }
+            assert all(m["state"] == "alive" for m in status["members"])
+            totals = status["swarm_totals"]
+            assert (totals["samples"], totals["tokens"]) == (100, 4)
+            assert totals["members"]["alive"] == 4
+
+
+async def test_heartbeats_publish_the_fields_the_daemon_reports() -> None:
+    async with cluster() as c:
+        a, b = await c.add(heartbeat_s=HEARTBEAT_S), await c.add(heartbeat_s=HEARTBEAT_S)
+        await c.connect((a, b))
+        a.fields.update(outer_step=7, loss=2.5, samples_per_s=123.0)  # no refresh(): the heartbeat carries it
+        await eventually(
+            lambda: (view := b.state.member(a.pid)) is not None and view.record.outer_step == 7, "heartbeat"
+        )
+        member = next(m for m in b.rep.status()["members"] if m["peer_id"] == a.pid)
+        assert (member["loss"], member["samples_per_s"], member["state"]) == (2.5, 123.0, "alive")
+        assert member["last_seen_s"] >= 0 and abs(member["last_seen"] - time.time()) < 60
+        assert [v.peer_id for v in b.rep.alive_members()] == [a.pid]
+
+
+async def test_a_node_without_gossip_catches_up_through_anti_entropy_alone() -> None:
+    async with cluster() as c:
+        nodes = [await c.add() for _ in range(3)]
+        await c.connect((nodes[0], nodes[1]), (nodes[1], nodes[2]))
+        for i, node in enumerate(nodes):
+            node.rep.add_progress(samples=i + 1)
+        await eventually(lambda: identical(nodes), "the first three converge")
+
+        late = await c.add(gossip=False)
+        late.rep.add_progress(samples=1000)
+        await c.connect((late, nodes[0]))
+        nodes[2].fields["step"] = 5  # an update after the late node joined, two hops away from it
+        nodes[2].rep.refresh()
+        everyone = nodes + [late]
+        await eventually(
+            lambda: identical(everyone) and late.member_ids() == {n.pid for n in everyone},
+            "late node caught up",
+        )
+        assert late.state.member(nodes[2].pid).record.step == 5  # type: ignore[union-attr]
+        assert late.state.counters().samples == 1006
+        # Nothing reached it by gossip, and its own records reached nodes it is not connected to.
+        assert late.rep.stats.gossip_received == 0 and late.rep.stats.records_changed > 0
+        assert late.pid in nodes[2].member_ids()
+
+
+async def test_a_partition_heals_to_identical_state_after_reconnecting() -> None:
+    async with cluster() as c:
+        nodes = [await c.add() for _ in range(4)]
+        left, right = nodes[:2], nodes[2:]
+        await c.connect((left[0], left[1]), (right[0], right[1]))
+        for round_ in range(3):  # both halves keep updating while apart
+            for node in nodes:
+                node.fields["step"] = round_
+                node.rep.refresh()
+                node.rep.add_progress(samples=1)
+            await trio.sleep(0.1)
+        await eventually(lambda: identical(left) and identical(right), "each half converges")
+        assert not left[0].member_ids() & {n.pid for n in right}
+
+        await c.connect((left[1], right[0]))
+        await eventually(lambda: identical(nodes), "the halves merge", timeout=10.0)
+        for node in nodes:
+            assert node.member_ids() == {n.pid for n in nodes}
+            assert node.state.counters().samples == 12
+
+
+def forged_member_record(victim: str, attacker: KeyPair, *, victim_key: KeyPair | None = None) -> bytes:
+    """A well-formed member record for ``victim`` saying it left, signed by ``attacker``.
+
+    With ``victim_key``, the envelope carries the victim's public key (the signature then does not
+    verify); without it, the attacker's own key (it verifies, but for the wrong peer).
+    """
+    record = MemberRecord(
+        victim, Timestamp(int(time.time() * 1000) + 1000, 0), heartbeat=time.time(), left=True
+    )
+    body = encode_body(record)
+    pubkey = (victim_key or attacker).public_key.serialize()
+    signature = attacker.private_key.sign(crdt.SIGNING_DOMAIN + body)
+    return msgpack.packb({"v": 1, "body": body, "pubkey": pubkey, "sig": signature}, use_bin_type=True)
+
+
+async def test_forged_records_are_rejected_counted_and_not_spread() -> None:
+    async with cluster() as c:
+        a, b, victim = await c.add(), await c.add(), await c.add()
+        await c.connect((a, b), (b, victim))
+        await eventually(lambda: identical([a, b, victim]), "converged")
+        attacker = create_new_key_pair()
+
+        # Through gossip, injected at node a.
+        assert a.rep.pubsub is not None
+        await a.rep.pubsub.publish(a.rep.topic, forged_member_record(victim.pid, attacker))
+        await eventually(lambda: a.state.rejected[crdt.WRONG_SIGNER] >= 1, "gossip forgery counted")
+        assert a.rep.status()["swarm_totals"]["rejected"][crdt.WRONG_SIGNER] >= 1
+
+        # Through anti-entropy, from a rogue host that speaks the protocol.
+        rogue = build_host(attacker)
+        async with rogue.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            await rogue.connect(info_from_p2p_addr(b.host.get_addrs()[0]))
+            stream = await rogue.new_stream(b.host.get_id(), [protocol.PROTOCOL_ID])
+            forged = forged_member_record(victim.pid, attacker, victim_key=victim.key)
+            result = await protocol.initiate(LibP2PByteStream(stream), FakeReplica([forged]), info())
+            await stream.close()
+        assert result.sent == 1
+        assert b.rep.status()["swarm_totals"]["rejected"][crdt.BAD_SIGNATURE] == 1
+
+        await trio.sleep(2 * ANTI_ENTROPY_S)  # give a forgery the chance to travel, were it accepted
+        # The gossip forgery stopped at a (its validator refused to forward it) ...
+        assert b.state.rejected[crdt.WRONG_SIGNER] == victim.state.rejected[crdt.WRONG_SIGNER] == 0
+        # ... and no node took either forgery as the victim's word.
+        for node in (a, b, victim):
+            assert node.member_state(victim.pid) is MemberState.ALIVE
+            assert attacker_pid(attacker) not in node.member_ids()
+
+
+def attacker_pid(key: KeyPair) -> str:
+    return crdt.peer_id_of(key.public_key)
+
+
+async def test_manifest_mismatch_is_refused_logged_once_and_reported_on_both_sides(caplog: Any) -> None:
+    caplog.set_level(logging.ERROR, logger="starling.replicator")
+    async with cluster() as c:
+        a, b = await c.add(manifest=MANIFEST_A), await c.add(manifest=MANIFEST_A)
+        await c.connect((a, b))
+        await eventually(lambda: a.state.manifest == b.state.manifest == MANIFEST_A, "swarm founded")
+
+        odd = await c.add(manifest=MANIFEST_B)
+        await c.connect((odd, a))
+        await eventually(
+            lambda: a.rep.incompatible_peers() == {odd.pid} and odd.rep.incompatible_peers() == {a.pid},
+            "both sides refuse",
+        )
+        mismatches = a.rep.stats.manifest_mismatches + odd.rep.stats.manifest_mismatches
+        a.rep.peer_connected(odd.host.get_id())  # a reconnect retries the handshake ...
+        odd.rep.peer_connected(a.host.get_id())
+        await eventually(
+            lambda: a.rep.stats.manifest_mismatches + odd.rep.stats.manifest_mismatches >= mismatches + 2,
+            "refused again",
+        )
+
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        about_odd = [m for m in errors if m.startswith(f"peer {odd.pid}")]
+        about_a = [m for m in errors if m.startswith(f"peer {a.pid}")]
+        assert len(about_odd) == 1 and len(about_a) == 1  # ... but is logged once per peer
+        for message in about_odd + about_a:
+            assert MANIFEST_A.hash in message and MANIFEST_B.hash in message
+
+        # The odd node's state went nowhere, and nobody offers it for averaging.
+        assert odd.pid not in a.member_ids() | b.member_ids()
+        assert odd.pid not in {v.peer_id for v in a.rep.alive_members()}
+        totals = a.rep.status()["swarm_totals"]
+        assert totals["incompatible_peers"] == [odd.pid] and totals["replication"]["manifest_mismatches"] >= 1
+        assert totals["manifest_hash"] == MANIFEST_A.hash
+
+
+async def test_a_node_whose_manifest_differs_from_the_swarms_it_knows_reports_it(caplog: Any) -> None:
+    caplog.set_level(logging.ERROR, logger="starling.replicator")
+    async with cluster() as c:
+        node = await c.add(manifest=MANIFEST_B)
+        await c.stop(node)
+        # As after a restart with a changed config: the saved view holds the swarm's manifest A.
+        founder = SwarmState(create_new_key_pair())
+        founded = founder.set_manifest(MANIFEST_A)
+        assert founded is not None and node.state.merge(founded)
+        node.rep = make_replicator(node.host, node.state, node.fields, manifest=MANIFEST_B)
+        await c.start(node)
+        assert node.rep.manifest_error is not None  # checked on the first heartbeat, at start
+        error = node.rep.status()["swarm_totals"]["manifest_error"]
+        assert MANIFEST_A.hash in error and MANIFEST_B.hash in error
+        assert MANIFEST_A.hash in caplog.text and MANIFEST_B.hash in caplog.text
+
+
+async def test_a_graceful_stop_publishes_left_and_saves(tmp_path: Path) -> None:
+    async with cluster() as c:
+        nodes = [await c.add(tmp_path=tmp_path, heartbeat_s=HEARTBEAT_S) for _ in range(3)]
+        a, b, leaving = nodes
+        await c.connect((a, b), (b, leaving), (a, leaving))
+        others = {a.host.get_id(), b.host.get_id()}
+
+        def gossip_mesh_ready() -> bool:
+            pubsub = leaving.rep.pubsub
+            return pubsub is not None and set(pubsub.router.mesh.get(leaving.rep.topic, ())) >= others  # type: ignore[attr-defined]
+
+        await eventually(gossip_mesh_ready, "gossip mesh formed")
+        await eventually(
+            lambda: all(n.member_state(leaving.pid) is MemberState.ALIVE for n in (a, b)), "alive"
+        )
+
+        await c.stop(leaving)
+        await eventually(
+            lambda: all(n.member_state(leaving.pid) is MemberState.LEFT for n in (a, b)), "departure seen"
+        )
+        assert leaving.path is not None
+        saved = SwarmState.load(leaving.path, leaving.key)
+        assert saved.member(leaving.pid).state is MemberState.LEFT  # type: ignore[union-attr]
+        assert saved.member(a.pid) is not None
+
+
+async def test_state_is_saved_periodically_and_restored_on_restart(tmp_path: Path) -> None:
+    async with cluster() as c:
+        a = await c.add(tmp_path=tmp_path, save_s=0.2)
+        b = await c.add()
+        await c.connect((a, b))
+        b.rep.add_progress(samples=7)
+        a.rep.add_progress(samples=5)
+        await eventually(lambda: identical([a, b]), "converged")
+        assert a.path is not None
+        await eventually(lambda: a.rep.stats.saves >= 1 and a.path.exists(), "periodic save")  # type: ignore[union-attr]
+        await c.stop(a)
+        await eventually(lambda: b.member_state(a.pid) is MemberState.LEFT, "a left")
+
+        restored = load_state(a.path, a.key)
+        assert restored.member(b.pid) is not None and restored.counters().samples == 12
+        # Restart on the restored state: the new heartbeat supersedes the departure everywhere.
+        a.state = restored
+        a.rep = make_replicator(a.host, restored, a.fields, path=a.path)
+        await c.start(a)
+        a.rep.peer_connected(b.host.get_id())
+        await eventually(lambda: b.member_state(a.pid) is MemberState.ALIVE, "a is back")
+        assert restored.member(a.pid).state is MemberState.ALIVE  # type: ignore[union-attr]
+
+
+def test_a_corrupt_state_file_is_moved_aside_and_an_empty_state_used(tmp_path: Path, caplog: Any) -> None:
+    path = tmp_path / "state.msgpack"
+    path.write_bytes(b"\x00not a state file")
+    key = create_new_key_pair()
+    with caplog.at_level(logging.WARNING, logger="starling.replicator"):
+        state = load_state(path, key)
+    assert state.members() == [] and not path.exists()
+    assert (tmp_path / "state.msgpack.corrupt").read_bytes() == b"\x00not a state file"
+    assert "moved it to" in caplog.text
