@@ -1,18 +1,389 @@
-"""The daemon's side of an outer step: find a partner and average, or answer with a solo step.
+"""The daemon's side of an outer step: pair with one random partner and average, or step solo.
 
-This module is the seam between the trainer's supervisor (which publishes `(phi, Delta)` in shared
-memory) and the gossip averaging protocol. Until a partner can be found, every outer step is answered
-with n = 1: the worker then applies NoLoCo's solo step, so a lone node trains correctly.
+The worker publishes `(phi, Delta)` in shared memory and the supervisor calls `Averager.exchange`. For
+up to `sync.pair_window_s` the node both *asks* random eligible partners and *accepts* requests from
+partners that are ready themselves; whichever pairing happens first completes this outer step. No node
+ever waits for more than one partner, and a partner that is busy, refuses, fails or misses its deadline
+costs a back-off for that partner and, at worst, a solo step here.
+
+Crossing requests (A asks B while B asks A) become one exchange: the request of the smaller PeerID wins.
+Deadlines come from each link's measured throughput (an EWMA), not from a fixed timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import hashlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+import trio
+from libp2p.peer.id import ID
 
-def make_exchange(daemon: Any) -> Callable[[Any], Awaitable[int]]:
-    async def exchange(request: Any) -> int:
-        return 1  # solo: no gossip partner yet (see protocols/avg.py once it lands)
+from node.sync_config import SyncConfig
+from p2p.datapath import DataPathListener
+from protocols import avg
+from protocols.avg import Declined, Tensors
+from protocols.wire import ProtocolError
 
-    return exchange
+log = logging.getLogger("starling.averager")
+
+BACKOFF_MAX_S = 300.0
+RATE_EWMA = 0.5
+
+
+def layout_hash(layout: Any) -> str:
+    return hashlib.sha256(msgpack.packb([[n, list(s)] for n, s in layout])).hexdigest()
+
+
+@dataclass
+class _Pending:
+    """This node's published outer step while it looks for a partner."""
+
+    request: Any  # node.supervisor.ExchangeRequest
+    tensors: Tensors
+    layout_hash: str
+    claimed_by: str | None = None  # partner peer id once an exchange owns the outputs; "solo" when closed
+    initiating_to: str | None = None
+    result: int = 1
+    done: trio.Event = field(default_factory=trio.Event)
+    transfer_finished: trio.Event = field(default_factory=trio.Event)
+    transfer_scope: trio.CancelScope | None = None
+
+
+@dataclass
+class _Link:
+    """What we know of one partner: measured rate and back-off."""
+
+    rate_bps: float
+    failures: int = 0
+    next_try: float = 0.0
+    rounds: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class Averager:
+    def __init__(
+        self,
+        host: Any,
+        cfg: SyncConfig,
+        *,
+        manifest_hash: Callable[[], str | None],
+        eligible_peers: Callable[[], list[str]] | None = None,
+        metrics: Any = None,
+        listen_host: str = "127.0.0.1",
+    ) -> None:
+        self.host = host
+        self.cfg = cfg
+        self.manifest_hash = manifest_hash
+        self.eligible_peers = eligible_peers
+        self.metrics = metrics
+        self.listener = DataPathListener(listen_host, cfg.datapath_port, max_frame_size=avg.MAX_FRAME) if cfg.datapath else None
+        self.me = str(host.get_id())
+        self._pending: _Pending | None = None
+        self._links: dict[str, _Link] = {}
+        self.stats: dict[str, Any] = {
+            "rounds": 0,
+            "solo_rounds": 0,
+            "failures": 0,
+            "declined": 0,
+            "last_partner": None,
+            "last_duration_s": None,
+            "last_bytes": None,
+            "last_path": None,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "last_error": None,
+        }
+        self._partners: set[str] = set()
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.host.set_stream_handler(avg.PROTOCOL_ID, self._handle_stream)
+        async with trio.open_nursery() as nursery:
+            if self.listener is not None:
+                await nursery.start(self.listener.serve)
+            task_status.started()
+            await trio.sleep_forever()
+
+    def status(self) -> dict[str, Any]:
+        st = dict(self.stats)
+        st["distinct_partners"] = len(self._partners)
+        st["wire_dtype"] = self.cfg.wire_dtype
+        st["datapath_port"] = self.listener.port if self.listener is not None else None
+        st["per_peer"] = {
+            p: {"rounds": link.rounds, "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
+                "rate_mbps": round(link.rate_bps * 8 / 1e6, 1), "failures": link.failures}
+            for p, link in self._links.items()
+        }
+        st["state"] = "pairing" if self._pending is not None else "idle"
+        return st
+
+    # --- the supervisor's call ---------------------------------------------------------------------------
+
+    async def exchange(self, request: Any) -> int:
+        """Average this outer step with one partner; returns 2, or 1 for a solo step."""
+        pending = _Pending(
+            request,
+            Tensors(request.phi, request.delta, request.phi_out, request.delta_out),
+            layout_hash(request.layout),
+        )
+        began = trio.current_time()
+        self._pending = pending
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pair, pending)
+                await pending.done.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._pending = None
+            if pending.transfer_scope is not None and not pending.transfer_finished.is_set():
+                # We are being cancelled while a responder transfer writes into the outputs: stop it
+                # and wait for it to let go of the shared memory before the worker reuses it.
+                pending.transfer_scope.cancel()
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                    await pending.transfer_finished.wait()
+        if pending.result < 2:
+            self.stats["solo_rounds"] += 1
+        log.debug("outer step %d: %s after %.2fs", request.outer_step,
+                  "averaged" if pending.result >= 2 else "solo", trio.current_time() - began)
+        return pending.result
+
+    async def _pair(self, pending: _Pending) -> None:
+        deadline = trio.current_time() + self.cfg.pair_window_s
+        while pending.claimed_by is None and trio.current_time() < deadline:
+            partner = self._choose_partner()
+            if partner is None:
+                await trio.sleep(random.uniform(0.1, 0.4))
+                continue
+            await self._try_partner(pending, partner)
+            if pending.claimed_by is None:
+                await trio.sleep(random.uniform(0.05, 0.2))
+        if pending.claimed_by is None:
+            pending.claimed_by = "solo"  # close the door to late requests
+            pending.result = 1
+            pending.done.set()
+
+    def _choose_partner(self) -> str | None:
+        now = trio.current_time()
+        connected = {str(p) for p in self.host.get_connected_peers()}
+        pool = connected if self.eligible_peers is None else connected & set(self.eligible_peers())
+        pool.discard(self.me)
+        ready = [p for p in pool if self._link(p).next_try <= now]
+        return random.choice(ready) if ready else None
+
+    def _link(self, peer: str) -> _Link:
+        link = self._links.get(peer)
+        if link is None:
+            link = self._links[peer] = _Link(rate_bps=self.cfg.assumed_rate_mbps * 1e6 / 8)
+        return link
+
+    def _transfer_deadline(self, peer: str, numel: int) -> float:
+        plan = avg.make_plan(numel, self.cfg.wire_dtype, 4096)
+        expected = 2 * plan.total_bytes / max(self._link(peer).rate_bps, 1.0)
+        return 10.0 + self.cfg.deadline_slack * expected
+
+    def _request_fields(self, pending: _Pending) -> dict[str, Any]:
+        return {
+            "outer_step": pending.request.outer_step,
+            "manifest_hash": self.manifest_hash() or "none",
+            "layout_hash": pending.layout_hash,
+            "wire_dtype": self.cfg.wire_dtype,
+            "int8_block": 4096,
+            "datapath": self.listener is not None,
+        }
+
+    async def _try_partner(self, pending: _Pending, partner: str) -> None:
+        pending.initiating_to = partner
+        began = trio.current_time()
+        claimed_here = False
+        numel = pending.tensors.phi.numel()
+        try:
+            stream = None
+            with trio.fail_after(self.cfg.handshake_timeout_s):
+                stream = await self.host.new_stream(ID.from_base58(partner), [avg.PROTOCOL_ID])
+            remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
+
+            def claim() -> bool:
+                nonlocal claimed_here
+                if pending.claimed_by is not None:
+                    return False  # a crossing request claimed this step meanwhile
+                pending.claimed_by = partner
+                claimed_here = True
+                return True
+
+            try:
+                result = await avg.initiate(
+                    stream,
+                    self._request_fields(pending),
+                    pending.tensors,
+                    local_peer_id=self.host.get_id().to_bytes(),
+                    remote_peer_id=ID.from_base58(partner).to_bytes(),
+                    remote_ip=remote[0] if remote else None,
+                    handshake_timeout=self.cfg.handshake_timeout_s,
+                    transfer_deadline=self._transfer_deadline(partner, numel),
+                    on_accept=claim,
+                )
+            finally:
+                with trio.move_on_after(1) as cs:
+                    cs.shield = True
+                    try:
+                        await stream.close()
+                    except Exception:  # closing a stream the partner already reset
+                        pass
+        except Declined as e:
+            self.stats["declined"] += 1
+            self._back_off(partner, soft=True)
+            log.debug("partner %s declined: %s", partner, e)
+            return
+        except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
+            self._fail(partner, e, trio.current_time() - began)
+            if claimed_here:  # our exchange owned this step and failed: solo, nothing applied
+                pending.result = 1
+                pending.done.set()
+            return
+        finally:
+            pending.initiating_to = None
+        self._succeed(partner, result)
+        pending.result = 2
+        pending.done.set()
+
+    # --- the responder -----------------------------------------------------------------------------------
+
+    async def _handle_stream(self, stream: Any) -> None:
+        partner = str(stream.muxed_conn.peer_id)
+        try:
+            request = await avg.read_request(stream, self.cfg.handshake_timeout_s)
+        except (ProtocolError, trio.TooSlowError) as e:
+            self._fail(partner, e, 0.0, count=isinstance(e, ProtocolError))
+            await _reset(stream)
+            return
+        pending = self._pending
+        verdict = self._judge(request, pending, partner)
+        if verdict is not None:
+            await avg.answer(stream, verdict[0], verdict[1], pending.request.outer_step if pending else 0)
+            await _close(stream)
+            return
+        assert pending is not None
+        pending.claimed_by = partner
+        began = trio.current_time()
+        try:
+            with trio.CancelScope() as scope:
+                pending.transfer_scope = scope
+                result = await avg.respond(
+                    stream,
+                    request,
+                    pending.tensors,
+                    outer_step=pending.request.outer_step,
+                    listener=self.listener,
+                    local_peer_id=self.host.get_id().to_bytes(),
+                    remote_peer_id=stream.muxed_conn.peer_id.to_bytes(),
+                    handshake_timeout=self.cfg.handshake_timeout_s,
+                    transfer_deadline=self._transfer_deadline(partner, request.numel),
+                )
+            if scope.cancelled_caught:
+                raise trio.TooSlowError("cancelled by shutdown")
+        except Exception as e:  # ProtocolError, TooSlowError, a reset stream: all end in a solo step
+            self._fail(partner, e, trio.current_time() - began)
+            pending.result = 1
+            pending.done.set()
+            await _reset(stream)
+            return
+        finally:
+            pending.transfer_finished.set()
+        self._succeed(partner, result)
+        pending.result = 2
+        pending.done.set()
+        await _close(stream)
+
+    def _judge(self, req: avg.AvgRequest, pending: _Pending | None, partner: str) -> tuple[str, str] | None:
+        """None to accept, else (verdict, reason)."""
+        ours = self.manifest_hash() or "none"
+        if req.manifest_hash != ours:
+            log.error("refusing %s: run manifest %s differs from ours %s", partner, req.manifest_hash[:12], ours[:12])
+            return ("refuse", f"manifest mismatch: yours {req.manifest_hash}, ours {ours}")
+        if pending is None:
+            return ("busy", "not ready (training between outer steps)")
+        if req.layout_hash != pending.layout_hash or req.numel != pending.tensors.phi.numel():
+            return ("refuse", f"parameter layout mismatch: yours {req.layout_hash[:12]}, ours {pending.layout_hash[:12]}")
+        gap = abs(req.outer_step - pending.request.outer_step)
+        if gap > self.cfg.max_step_gap:
+            return ("refuse", f"outer steps too far apart: yours {req.outer_step}, ours {pending.request.outer_step}")
+        if req.wire_dtype not in ("fp32", "bf16", "int8"):
+            return ("refuse", f"unknown wire dtype {req.wire_dtype!r}")
+        if pending.claimed_by is not None:
+            return ("busy", "already exchanging")
+        if pending.initiating_to is not None:
+            if pending.initiating_to == partner and partner < self.me:
+                return None  # crossing requests: the smaller PeerID's request wins
+            return ("busy", "crossing request" if pending.initiating_to == partner else "asking someone else")
+        return None
+
+    # --- bookkeeping -------------------------------------------------------------------------------------
+
+    def _succeed(self, partner: str, result: avg.TransferResult) -> None:
+        link = self._link(partner)
+        measured = (result.bytes_sent + result.bytes_received) / 2 / max(result.duration_s, 1e-3)
+        link.rate_bps = measured if link.rounds == 0 else (1 - RATE_EWMA) * link.rate_bps + RATE_EWMA * measured
+        link.rounds += 1
+        link.failures = 0
+        link.next_try = 0.0
+        link.bytes_sent += result.bytes_sent
+        link.bytes_received += result.bytes_received
+        self._partners.add(partner)
+        total = result.bytes_sent + result.bytes_received
+        self.stats.update(
+            rounds=self.stats["rounds"] + 1,
+            last_partner=partner,
+            last_duration_s=round(result.duration_s, 3),
+            last_bytes=total,
+            last_path=result.path,
+            bytes_sent=self.stats["bytes_sent"] + result.bytes_sent,
+            bytes_received=self.stats["bytes_received"] + result.bytes_received,
+        )
+        if self.metrics is not None:
+            self.metrics.observe_round(result.duration_s, total, partner, True)
+        log.info("averaged with %s over the %s in %.2fs (%.1f MB)", partner, result.path, result.duration_s, total / 1e6)
+
+    def _fail(self, partner: str, error: BaseException, duration: float, *, count: bool = True) -> None:
+        text = f"{type(error).__name__}: {error}"[:300]
+        self.stats["last_error"] = f"{partner}: {text}"
+        if count:
+            self.stats["failures"] += 1
+            self._back_off(partner)
+            if self.metrics is not None:
+                self.metrics.observe_round(duration, 0, partner, False)
+        log.warning("exchange with %s failed: %s", partner, text)
+
+    def _back_off(self, partner: str, *, soft: bool = False) -> None:
+        link = self._link(partner)
+        if soft:
+            link.next_try = trio.current_time() + random.uniform(0.5, 1.5)
+            return
+        link.failures += 1
+        delay = min(BACKOFF_MAX_S, self.cfg.backoff_s * 2 ** (link.failures - 1))
+        link.next_try = trio.current_time() + delay * random.uniform(0.8, 1.2)
+
+
+async def _close(stream: Any) -> None:
+    with trio.move_on_after(1) as cs:
+        cs.shield = True
+        try:
+            await stream.close()
+        except Exception:
+            pass
+
+
+async def _reset(stream: Any) -> None:
+    with trio.move_on_after(1) as cs:
+        cs.shield = True
+        try:
+            await stream.reset()
+        except Exception:
+            pass
+

@@ -1,0 +1,41 @@
+"""The `[sync]` section: how a node pairs with a partner and moves tensors at each outer step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from node.config import opt
+
+WIRE_DTYPES = ("fp32", "bf16", "int8")
+
+
+@dataclass
+class SyncConfig:
+    wire_dtype: str = opt("bf16", "tensor encoding on the wire: fp32 | bf16 | int8 (blockwise, fp32 accumulation)")
+    max_step_gap: int = opt(4, "refuse partners whose outer step differs from ours by more than this")
+    pair_window_s: float = opt(5.0, "seconds to look for a partner before taking a solo outer step")
+    handshake_timeout_s: float = opt(5.0, "seconds a partner has to answer a pairing request")
+    assumed_rate_mbps: float = opt(100.0, "link rate assumed for a partner before it is measured (Mbit/s)")
+    deadline_slack: float = opt(3.0, "a transfer may take this many times its expected duration (plus 10 s)")
+    datapath: bool = opt(True, "move bulk tensors over a direct encrypted TCP side channel when reachable")
+    datapath_port: int = opt(0, "TCP port of the side channel (0 = any free port)")
+    allow_relay_bulk: bool = opt(False, "allow averaging with peers reachable only through a relay")
+    backoff_s: float = opt(10.0, "first back-off after a failed exchange with a partner (doubles, max 5 min)")
+
+    def validate(self) -> None:
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"sync.wire_dtype: one of {', '.join(WIRE_DTYPES)}")
+        if not 0 <= self.max_step_gap <= 1000:
+            raise ValueError("sync.max_step_gap: must be between 0 and 1000")
+        if not 0.1 <= self.pair_window_s <= 600:
+            raise ValueError("sync.pair_window_s: must be between 0.1 and 600 seconds")
+        if not 0.5 <= self.handshake_timeout_s <= 120:
+            raise ValueError("sync.handshake_timeout_s: must be between 0.5 and 120 seconds")
+        if not 0.01 <= self.assumed_rate_mbps <= 1_000_000:
+            raise ValueError("sync.assumed_rate_mbps: must be between 0.01 and 1000000")
+        if not 1.0 <= self.deadline_slack <= 100:
+            raise ValueError("sync.deadline_slack: must be between 1 and 100")
+        if not 0 <= self.datapath_port <= 65535:
+            raise ValueError("sync.datapath_port: must be a port number (0 = any)")
+        if not 0.1 <= self.backoff_s <= 3600:
+            raise ValueError("sync.backoff_s: must be between 0.1 and 3600 seconds")

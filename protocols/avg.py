@@ -1,0 +1,300 @@
+"""`/starling/avg/1.0.0`: one pairwise averaging exchange of `(phi, Delta)` between two trainers.
+
+Control flow on the libp2p stream (Noise-authenticated, so both PeerIDs are proven):
+
+    initiator                                   responder
+    AvgRequest(step, manifest, layout, numel,
+               wire dtype, chunking, X25519 key) ->
+                                             <- AvgAnswer(accept | busy | refuse, its X25519 key,
+                                                          session id, side-channel port)
+    [connect the encrypted TCP side channel, or not]
+    AvgPath(datapath | stream)               ->
+    phi, Delta  (chunks, both directions at once, over the side channel or this stream)
+
+Both sides then hold the same two pairs of (wire-encoded) tensors and compute the same mean: the
+sender's own contribution goes through the same codec round trip as what it sent, so the two means are
+bit-identical whatever the wire dtype. Received bytes land directly in the caller's output tensors
+(shared memory), so an exchange needs no model-sized buffer beyond those; the caller uses the outputs
+only when `run_transfer` returns, so a failure never leaves a half-applied update.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import trio
+
+from p2p.datapath import DataPathListener, KeyAgreement, Role, connect_datapath, new_session_id
+from protocols.codec import ChunkPlan, Fp32Codec, TensorCodec, get_codec, recv_tensor, send_tensor
+from protocols.wire import (
+    FrameChannel,
+    LibP2PByteStream,
+    PlainFrameChannel,
+    ProtocolError,
+    Reason,
+    recv_as,
+    send_msg,
+    spec,
+)
+
+log = logging.getLogger("starling.avg")
+
+PROTOCOL_ID = "/starling/avg/1.0.0"
+MAX_CONTROL_BYTES = 16 * 1024
+MAX_NUMEL = 1 << 34  # 16 G parameters: refuse anything a real model could not be
+MAX_FRAME = 1 << 20
+DATAPATH_CONNECT_S = 5.0
+
+HASH_LEN = 64  # sha256 hex
+
+
+@dataclass(frozen=True)
+class AvgRequest:
+    KIND: ClassVar[str] = "avg.request"
+    VERSION: ClassVar[int] = 1
+    outer_step: int = spec(ge=0, le=1 << 40)
+    manifest_hash: str = spec(min_len=1, max_len=HASH_LEN)
+    layout_hash: str = spec(min_len=1, max_len=HASH_LEN)
+    numel: int = spec(ge=1, le=MAX_NUMEL)
+    wire_dtype: str = spec(min_len=1, max_len=8)
+    int8_block: int = spec(ge=16, le=1 << 20)
+    chunk_elems: int = spec(ge=1, le=1 << 28)
+    pubkey: bytes = spec(min_len=32, max_len=32)
+    datapath: bool = spec(default=True)
+
+
+@dataclass(frozen=True)
+class AvgAnswer:
+    KIND: ClassVar[str] = "avg.answer"
+    VERSION: ClassVar[int] = 1
+    verdict: str = spec(min_len=1, max_len=8)  # accept | busy | refuse
+    reason: str = spec(max_len=300, default="")
+    outer_step: int = spec(ge=0, le=1 << 40, default=0)
+    pubkey: bytes = spec(max_len=32, default=b"")
+    session_id: bytes = spec(max_len=64, default=b"")
+    datapath_port: int = spec(ge=0, le=65535, default=0)
+
+    def __post_init__(self) -> None:
+        if self.verdict not in ("accept", "busy", "refuse"):
+            raise ValueError(f"unknown verdict {self.verdict!r}")
+        if self.verdict == "accept" and (len(self.pubkey) != 32 or not self.session_id):
+            raise ValueError("an accept needs a 32-byte key and a session id")
+
+
+@dataclass(frozen=True)
+class AvgPath:
+    KIND: ClassVar[str] = "avg.path"
+    VERSION: ClassVar[int] = 1
+    path: str = spec(min_len=1, max_len=8)  # datapath | stream
+
+    def __post_init__(self) -> None:
+        if self.path not in ("datapath", "stream"):
+            raise ValueError(f"unknown path {self.path!r}")
+
+
+class Declined(Exception):
+    """The partner answered busy or refuse; not a failure of the partner."""
+
+    def __init__(self, verdict: str, reason: str) -> None:
+        super().__init__(f"{verdict}: {reason}")
+        self.verdict = verdict
+        self.reason = reason
+
+
+@dataclass
+class Tensors:
+    """This side's inputs and the outputs the group means go into (flat fp32, same length)."""
+
+    phi: torch.Tensor
+    delta: torch.Tensor
+    phi_out: torch.Tensor
+    delta_out: torch.Tensor
+
+
+@dataclass
+class TransferResult:
+    path: str
+    bytes_sent: int
+    bytes_received: int
+    duration_s: float
+
+
+def make_plan(numel: int, wire_dtype: str, int8_block: int, chunk_elems: int | None = None) -> ChunkPlan:
+    codec = get_codec(wire_dtype, int8_block=int8_block)
+    if chunk_elems is None:
+        return ChunkPlan.for_frame_size(numel, codec, MAX_FRAME)
+    return ChunkPlan.from_header(numel, codec, chunk_elems, MAX_FRAME)
+
+
+async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int, int]:
+    """Send our phi and Delta while receiving theirs into the outputs (both directions at once, or the
+    socket buffers fill up and both sides wait forever)."""
+    sent = received = 0
+
+    async def send_side() -> None:
+        nonlocal sent
+        sent += await send_tensor(channel, t.phi, plan)
+        sent += await send_tensor(channel, t.delta, plan)
+
+    async def recv_side() -> None:
+        nonlocal received
+        received += await recv_tensor(channel, t.phi_out, plan)
+        received += await recv_tensor(channel, t.delta_out, plan)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_side)
+        nursery.start_soon(recv_side)
+    return sent, received
+
+
+def _finish_means(t: Tensors, codec: TensorCodec, plan: ChunkPlan) -> None:
+    """outputs hold the partner's values; turn them into the group means, identically on both sides.
+
+    Runs in a worker thread (torch releases the GIL), chunk by chunk so it never allocates more than
+    one chunk beyond the outputs.
+    """
+    for theirs in (t.phi_out, t.delta_out):
+        if not bool(torch.isfinite(theirs).all()):
+            raise ProtocolError(Reason.BAD_FIELD, "partner sent non-finite values")
+    for mine, out in ((t.phi, t.phi_out), (t.delta, t.delta_out)):
+        if isinstance(codec, Fp32Codec):
+            out.add_(mine).mul_(0.5)
+            continue
+        scratch = torch.empty(min(plan.chunk_elems, plan.numel), dtype=torch.float32)
+        for start, stop in plan:
+            own = scratch[: stop - start]
+            # Decode plainly, then add: a fused decode-and-accumulate would round differently from the
+            # partner's plain decode of the same bytes, and the two means would differ in the last bit.
+            codec.decode_into(codec.encode(mine[start:stop]), own)
+            out[start:stop].add_(own)
+        out.mul_(0.5)
+
+
+async def run_transfer(channel: FrameChannel, t: Tensors, plan: ChunkPlan, path: str) -> TransferResult:
+    began = trio.current_time()
+    sent, received = await _swap(channel, t, plan)
+    await trio.to_thread.run_sync(_finish_means, t, plan.codec, plan)
+    return TransferResult(path, sent, received, trio.current_time() - began)
+
+
+async def initiate(
+    stream: object,
+    request_fields: dict,
+    tensors: Tensors,
+    *,
+    local_peer_id: bytes,
+    remote_peer_id: bytes,
+    remote_ip: str | None,
+    handshake_timeout: float,
+    transfer_deadline: float,
+    on_accept: callable | None = None,
+) -> TransferResult:
+    """The initiator's side. Raises Declined, ProtocolError or trio.TooSlowError; outputs are valid only
+    when it returns."""
+    control = LibP2PByteStream(stream)
+    mine = KeyAgreement()
+    numel = tensors.phi.numel()
+    plan = make_plan(numel, request_fields["wire_dtype"], request_fields["int8_block"])
+    request = AvgRequest(numel=numel, chunk_elems=plan.chunk_elems, pubkey=mine.public_key, **request_fields)
+    with trio.fail_after(handshake_timeout):
+        await send_msg(control, request, max_bytes=MAX_CONTROL_BYTES)
+        answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
+    if answer.verdict != "accept":
+        raise Declined(answer.verdict, answer.reason)
+    if on_accept is not None and not on_accept():
+        raise Declined("busy", "we were claimed by a crossing request meanwhile")
+    keys = mine.derive(
+        role=Role.INITIATOR,
+        peer_public_key=answer.pubkey,
+        session_id=answer.session_id,
+        local_peer_id=local_peer_id,
+        remote_peer_id=remote_peer_id,
+        protocol_id=PROTOCOL_ID,
+    )
+    with trio.fail_after(transfer_deadline):
+        channel: FrameChannel | None = None
+        if request.datapath and answer.datapath_port and remote_ip:
+            try:
+                channel = await connect_datapath(
+                    (remote_ip, answer.datapath_port), keys, timeout=DATAPATH_CONNECT_S
+                )
+            except (ProtocolError, trio.TooSlowError) as e:
+                log.debug("side channel to %s:%d unavailable (%s); using the libp2p stream", remote_ip,
+                          answer.datapath_port, e)
+        await send_msg(control, AvgPath("datapath" if channel else "stream"), max_bytes=MAX_CONTROL_BYTES)
+        if channel is not None:
+            async with channel:
+                return await run_transfer(channel, tensors, plan, "datapath")
+        return await run_transfer(PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream")
+
+
+async def read_request(stream: object, timeout: float) -> AvgRequest:
+    with trio.fail_after(timeout):
+        return await recv_as(LibP2PByteStream(stream), AvgRequest, max_bytes=MAX_CONTROL_BYTES)
+
+
+async def answer(stream: object, verdict: str, reason: str = "", outer_step: int = 0) -> None:
+    """Send a busy/refuse answer (best effort: the asker may already be gone)."""
+    with trio.move_on_after(2):
+        try:
+            await send_msg(LibP2PByteStream(stream), AvgAnswer(verdict=verdict, reason=reason[:300],
+                                                               outer_step=outer_step),
+                           max_bytes=MAX_CONTROL_BYTES)
+        except ProtocolError:
+            pass
+
+
+async def respond(
+    stream: object,
+    request: AvgRequest,
+    tensors: Tensors,
+    *,
+    outer_step: int,
+    listener: DataPathListener | None,
+    local_peer_id: bytes,
+    remote_peer_id: bytes,
+    handshake_timeout: float,
+    transfer_deadline: float,
+) -> TransferResult:
+    """The responder's side, after the caller decided to accept `request`."""
+    control = LibP2PByteStream(stream)
+    if request.numel != tensors.phi.numel():
+        raise ProtocolError(Reason.BAD_FIELD, f"numel {request.numel} != ours {tensors.phi.numel()}")
+    try:
+        plan = make_plan(request.numel, request.wire_dtype, request.int8_block, request.chunk_elems)
+    except ValueError as e:
+        raise ProtocolError(Reason.BAD_FIELD, str(e)) from None
+    mine = KeyAgreement()
+    session_id = new_session_id()
+    keys = mine.derive(
+        role=Role.RESPONDER,
+        peer_public_key=request.pubkey,
+        session_id=session_id,
+        local_peer_id=local_peer_id,
+        remote_peer_id=remote_peer_id,
+        protocol_id=PROTOCOL_ID,
+    )
+    accept = AvgAnswer(
+        verdict="accept",
+        outer_step=outer_step,
+        pubkey=mine.public_key,
+        session_id=session_id,
+        datapath_port=listener.port if (listener is not None and request.datapath) else 0,
+    )
+    with trio.fail_after(transfer_deadline):
+        if accept.datapath_port and listener is not None:
+            async with listener.expect(keys, timeout=handshake_timeout + DATAPATH_CONNECT_S) as pending:
+                await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
+                path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
+                if path.path == "datapath":
+                    async with await pending.wait() as channel:
+                        return await run_transfer(channel, tensors, plan, "datapath")
+        else:
+            await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
+            path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
+            if path.path == "datapath":
+                raise ProtocolError(Reason.BAD_FIELD, "partner chose a side channel we did not offer")
+        return await run_transfer(PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream")

@@ -1,0 +1,135 @@
+"""Pairwise averaging between two real libp2p hosts: exact means, both data paths, refusals, failures."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+import multiaddr
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from node.averager import Averager
+from node.sync_config import SyncConfig
+from p2p.host import build_host
+
+LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+LAYOUT = [("w", (1000, 300)), ("b", (300,))]
+NUMEL = 1000 * 300 + 300
+
+
+@dataclass
+class Request:
+    outer_step: int
+    phi: torch.Tensor
+    delta: torch.Tensor
+    phi_out: torch.Tensor = field(default_factory=lambda: torch.full((NUMEL,), float("nan")))
+    delta_out: torch.Tensor = field(default_factory=lambda: torch.full((NUMEL,), float("nan")))
+    layout: list = field(default_factory=lambda: LAYOUT)
+
+
+def request(seed: int, outer_step: int = 3) -> Request:
+    g = torch.Generator().manual_seed(seed)
+    return Request(outer_step, torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g) * 0.01)
+
+
+async def pair(stack: AsyncExitStack, cfg_a: SyncConfig, cfg_b: SyncConfig, *, manifest_b: str = "m1"):
+    hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+    for h in hosts:
+        await stack.enter_async_context(h.run(LISTEN))
+    nursery = await stack.enter_async_context(trio.open_nursery())
+    avs = [
+        Averager(hosts[0], cfg_a, manifest_hash=lambda: "m1"),
+        Averager(hosts[1], cfg_b, manifest_hash=lambda: manifest_b),
+    ]
+    for a in avs:
+        await nursery.start(a.run)
+    await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+    return avs, nursery
+
+
+async def exchange_both(avs, reqs) -> list[int]:
+    results = [0, 0]
+
+    async def one(i: int) -> None:
+        results[i] = await avs[i].exchange(reqs[i])
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            n.start_soon(one, 0)
+            n.start_soon(one, 1)
+    return results
+
+
+@pytest.mark.parametrize("datapath", [True, False], ids=["side-channel", "libp2p-stream"])
+async def test_two_nodes_end_with_the_exact_fp32_mean(datapath: bool) -> None:
+    cfg = SyncConfig(wire_dtype="fp32", datapath=datapath, pair_window_s=10)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        reqs = [request(1), request(2)]
+        assert await exchange_both(avs, reqs) == [2, 2]
+        phi_mean = (reqs[0].phi + reqs[1].phi) * 0.5
+        delta_mean = (reqs[0].delta + reqs[1].delta) * 0.5
+        for r in reqs:
+            assert torch.equal(r.phi_out, phi_mean) and torch.equal(r.delta_out, delta_mean)
+        st = avs[0].status()
+        assert st["rounds"] == 1 and st["distinct_partners"] == 1
+        assert st["last_path"] == ("datapath" if datapath else "stream")
+        assert st["bytes_sent"] == 2 * NUMEL * 4
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+async def test_both_partners_compute_bit_identical_means_with_lossy_wire_dtypes(dtype: str) -> None:
+    cfg = SyncConfig(wire_dtype=dtype, pair_window_s=10)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        reqs = [request(5), request(6)]
+        assert await exchange_both(avs, reqs) == [2, 2]
+        assert torch.equal(reqs[0].phi_out, reqs[1].phi_out)
+        assert torch.equal(reqs[0].delta_out, reqs[1].delta_out)
+        exact = (reqs[0].phi + reqs[1].phi) * 0.5
+        assert (reqs[0].phi_out - exact).abs().max() < 0.05
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_partner_with_another_manifest_is_refused_and_both_step_solo() -> None:
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=1.5)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg, manifest_b="other")
+        reqs = [request(1), request(2)]
+        assert await exchange_both(avs, reqs) == [1, 1]
+        assert avs[0].status()["rounds"] == 0 and avs[0].status()["solo_rounds"] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_partners_whose_outer_steps_are_too_far_apart_refuse() -> None:
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=1.5, max_step_gap=2)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        assert await exchange_both(avs, [request(1, outer_step=3), request(2, outer_step=10)]) == [1, 1]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_alone_takes_a_solo_step_after_the_pairing_window() -> None:
+    cfg = SyncConfig(pair_window_s=0.5)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        with trio.fail_after(5):
+            assert await avs[0].exchange(request(1)) == 1  # the partner is connected but never ready
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_partner_that_sends_non_finite_values_is_rejected_with_no_update() -> None:
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=5)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        bad = request(2)
+        bad.delta[123] = float("nan")
+        results = await exchange_both(avs, [request(1), bad])
+        assert results[0] == 1  # the honest node rejected the poisoned values and stepped solo
+        assert avs[0].status()["failures"] == 1
+        nursery.cancel_scope.cancel()
