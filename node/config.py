@@ -45,6 +45,9 @@ class NodeConfig:
     max_peers: int = opt(32, "hard cap on connections to swarm members")
     dial_timeout: float = opt(10.0, "seconds one dial may take")
     discovery_interval: float = opt(10.0, "seconds between DHT lookups for swarm members once settled")
+    heartbeat_s: float = opt(2.0, "seconds between this node's signed heartbeats to the swarm state")
+    suspect_after: float = opt(15.0, "a member silent this long is shown as suspect")
+    gone_after: float = opt(60.0, "a member silent this long is shown as gone (its history is kept)")
     log_level: str = opt("info", "debug | info | warning | error")
     metrics_port: int = opt(0, "Prometheus metrics port on 127.0.0.1 (0 = off)")
     metrics_host: str = opt("127.0.0.1", "address the metrics endpoint binds")
@@ -79,6 +82,10 @@ class NodeConfig:
             raise ValueError("node.dial_timeout: must be between 0.5 and 120 seconds")
         if not 1 <= self.discovery_interval <= 3600:
             raise ValueError("node.discovery_interval: must be between 1 and 3600 seconds")
+        if not 0.2 <= self.heartbeat_s <= 600:
+            raise ValueError("node.heartbeat_s: must be between 0.2 and 600 seconds")
+        if not self.heartbeat_s < self.suspect_after < self.gone_after:
+            raise ValueError("node.suspect_after / node.gone_after: need heartbeat_s < suspect_after < gone_after")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError("node.log_level: one of debug, info, warning, error")
         if not 0 <= self.metrics_port <= 65535:

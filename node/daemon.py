@@ -1,14 +1,20 @@
 """The Starling daemon: one trio process that owns the libp2p host and everything built on it.
 
-The daemon is a tree of tasks in one nursery (control socket, connection manager, discovery, and the
-trainer's supervisor when training); cancelling the nursery stops them all. Each component owns its own
-deadlines, so no remote peer can hold the daemon. The trainer runs in a separate worker process: the
-daemon only ever waits on it through a pipe, never on torch.
+The daemon is a tree of tasks in one nursery (control socket, connection manager, discovery, swarm-state
+replication, averaging, and the trainer's supervisor when training); cancelling the nursery stops them
+all. Each component owns its own deadlines, so no remote peer can hold the daemon. The trainer runs in
+a separate worker process: the daemon only ever waits on it through a pipe, never on torch.
+
+Stopping: cancelling the nursery stops every component at once; the slow ones shield their own bounded
+clean-up (the supervisor lets the worker checkpoint, the replicator publishes our departure and saves the
+state), and the libp2p host is closed only after the whole nursery has finished, so those goodbyes still
+reach the peers.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import socket
 import time
@@ -19,9 +25,13 @@ from typing import Any
 import trio
 from libp2p.crypto.keys import KeyPair
 
+from node.averager import Averager
 from node.config import Config
 from node.control import SOCKET_FILE, serve_control
+from node.crdt import Manifest
+from node.history import HISTORY_FILE, HistoryError, LossHistory, atomic_write_bytes
 from node.metrics import Metrics, serve_metrics
+from node.replicator import STATE_FILE, StateReplicator, load_state
 from node.sdnotify import Notifier, summarize_status, watchdog_loop
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
@@ -29,8 +39,11 @@ from p2p.connmgr import ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
 from p2p.host import build_host
 from p2p.identity import peer_id_of
+from protocols.avg import PROTOCOL_ID as AVG_PROTOCOL
 
 log = logging.getLogger("starling.daemon")
+
+HISTORY_SAVE_S = 30.0
 
 
 def starling_version() -> str:
@@ -75,14 +88,105 @@ class Daemon:
             self.host, target=node.target_peers, cap=node.max_peers, dial_timeout=node.dial_timeout
         )
         self.discovery = SwarmDiscovery(self.host, self.connmgr, node.swarm, interval=node.discovery_interval)
-        self.connmgr.on_connected = make_on_connected(self.discovery.peer_connected)
         for text in node.bootstrap:
             self.connmgr.add_candidate(parse_bootstrap(text), source="bootstrap", permanent=True)
-        self.supervisor: Any = None
-        self.ready = trio.Event()
+
+        state = load_state(
+            home / STATE_FILE, key_pair, suspect_after=node.suspect_after, gone_after=node.gone_after
+        )
+        self.replicator = StateReplicator(
+            self.host,
+            state,
+            node.swarm,
+            path=home / STATE_FILE,
+            self_fields=self._member_fields,
+            local_manifest=self._local_manifest,
+            heartbeat_s=node.heartbeat_s,
+        )
+        self.connmgr.on_connected = make_on_connected(self.discovery.peer_connected, self.replicator.peer_connected)
+        try:
+            self.history = LossHistory.load(home / HISTORY_FILE)
+        except HistoryError as e:
+            log.warning("%s; starting a new loss history", e)
+            self.history = LossHistory()
+
         # The worker process must not inherit NOTIFY_SOCKET: only the daemon speaks to systemd.
         self.notifier = Notifier.from_env(unset_environment=True)
         self.metrics = Metrics()
+        self.supervisor: Any = None
+        self.averager: Averager | None = None
+        if train:
+            bind = "127.0.0.1" if all(str(a).startswith("/ip4/127.") for a in self.listen_addrs) else "0.0.0.0"
+            self.averager = Averager(
+                self.host,
+                cfg.sync,
+                manifest_hash=lambda: (m.hash if (m := self._local_manifest()) else None),
+                eligible_peers=self._eligible_partners,
+                metrics=self.metrics,
+                listen_host=bind,
+            )
+        self.ready = trio.Event()
+        self._last_progress_step = 0
+
+    # --- what this node tells the swarm ------------------------------------------------------------------
+
+    def _training(self) -> dict[str, Any]:
+        return self.supervisor.status() if self.supervisor is not None else {}
+
+    def _member_fields(self) -> dict[str, Any]:
+        tr = self._training()
+        manifest = self._local_manifest()
+        fields: dict[str, Any] = {
+            "addrs": [str(a) for a in self.host.get_addrs()][:16],
+            "role": "trainer" if self.train else "network-only",
+            "version": starling_version(),
+            "manifest_hash": manifest.hash if manifest else "",
+        }
+        if tr:
+            fields.update(
+                outer_step=int(tr.get("outer_step") or 0),
+                step=int(tr.get("step") or 0),
+                loss=tr.get("loss"),
+                val_loss=tr.get("val_loss"),
+                samples_per_s=float(tr.get("samples_per_s") or 0.0),
+            )
+            self._count_progress(int(tr.get("step") or 0))
+        return fields
+
+    def _count_progress(self, step: int) -> None:
+        """Feed the swarm-wide G-counter with the samples and tokens trained since the last heartbeat."""
+        if step > self._last_progress_step:
+            samples = (step - self._last_progress_step) * self.cfg.train.batch_size
+            self._last_progress_step = step
+            self.replicator.add_progress(samples, samples * self.cfg.train.seq_len)
+        elif step < self._last_progress_step:  # the worker resumed from an older checkpoint
+            self._last_progress_step = step
+
+    def _local_manifest(self) -> Manifest | None:
+        """The run manifest this trainer needs its partners to share (None for a network-only node)."""
+        if self.supervisor is None:
+            return None
+        fields = self.supervisor.manifest_fields()
+        if fields is None:
+            return None
+        t = self.cfg.train
+        optimizer = f"{t.outer}:{t.alpha}:{t.beta}:{t.gamma}:{t.inner_steps}"
+        return Manifest(
+            task=str(fields["task"]),
+            model_hash=str(fields["model_hash"]),
+            optimizer_hash=hashlib.sha256(optimizer.encode()).hexdigest(),
+            protocol_version=AVG_PROTOCOL,
+        )
+
+    def _eligible_partners(self) -> list[str]:
+        """Alive trainers with our manifest whose outer step is within the allowed gap."""
+        ours = int(self._training().get("outer_step") or 0)
+        gap = self.cfg.sync.max_step_gap
+        return [
+            m.record.peer_id
+            for m in self.replicator.alive_members()
+            if m.record.role == "trainer" and abs(m.record.outer_step - ours) <= gap + 1
+        ]
 
     # --- status ------------------------------------------------------------------------------------------
 
@@ -99,14 +203,19 @@ class Daemon:
             "discovery": self.discovery.status(),
             "role": "trainer" if self.train else "network-only",
         }
+        st.update(self.replicator.status())
         if self.supervisor is not None:
             st["training"] = self.supervisor.status()
+        if self.averager is not None:
+            st["sync"] = self.averager.status()
         return st
 
     async def _handle_control(self, request: dict[str, Any]) -> dict[str, Any]:
         cmd = request["cmd"]
         if cmd == "status":
             return {"ok": True, "status": self.status()}
+        if cmd == "history":
+            return {"ok": True, "history": self.history.series()}
         if cmd == "ping":
             return {"ok": True}
         return {"ok": False, "error": f"unknown command {cmd!r}"}
@@ -117,22 +226,20 @@ class Daemon:
         node = self.cfg.node
         async with self.host.run(self.listen_addrs):
             self._check_listening()
-            log.info("peer id %s, swarm %r", self.peer_id, self.cfg.node.swarm)
+            log.info("peer id %s, swarm %r", self.peer_id, node.swarm)
             for a in self.host.get_addrs():
                 log.info("listening on %s", a)
             async with trio.open_nursery() as nursery:
-                if self.cfg.node.addr_file:
-                    write_addr_file(Path(self.cfg.node.addr_file), [str(a) for a in self.host.get_addrs()])
-                if self.cfg.node.bootstrap_files:
-                    paths = [Path(p) for p in self.cfg.node.bootstrap_files]
+                if node.addr_file:
+                    write_addr_file(Path(node.addr_file), [str(a) for a in self.host.get_addrs()])
+                if node.bootstrap_files:
+                    paths = [Path(p) for p in node.bootstrap_files]
                     nursery.start_soon(watch_bootstrap_files, paths, self.connmgr)
                 await nursery.start(serve_control, self.home / SOCKET_FILE, self._handle_control)
                 await nursery.start(self.connmgr.run)
                 await nursery.start(self.discovery.run)
-                if self.train:
-                    self.supervisor = self._make_supervisor()
-                    if self.supervisor is not None:
-                        nursery.start_soon(self.supervisor.run)
+                await nursery.start(self.replicator.run)
+                nursery.start_soon(self._keep_history)
                 if node.metrics_port:
                     try:
                         await nursery.start(serve_metrics, self.metrics, node.metrics_host, node.metrics_port)
@@ -142,6 +249,12 @@ class Daemon:
                         ) from None
                     log.info("metrics on http://%s:%d/metrics", node.metrics_host, node.metrics_port)
                     nursery.start_soon(self._refresh_metrics)
+                if self.train:
+                    self.supervisor = self._make_supervisor()
+                    if self.supervisor is not None:
+                        assert self.averager is not None
+                        await nursery.start(self.averager.run)
+                        nursery.start_soon(self.supervisor.run)
                 self.ready.set()
                 self.notifier.ready(summarize_status(self.status()))
                 nursery.start_soon(watchdog_loop, self.notifier, lambda: summarize_status(self.status()))
@@ -150,6 +263,25 @@ class Daemon:
                     await trio.sleep_forever()
                 finally:
                     self.notifier.stopping("stopping")
+
+    async def _keep_history(self) -> None:
+        """Record every member's progress for `starling plot`; saved every 30 s and on stop."""
+        last_save = trio.current_time()
+        try:
+            while True:
+                for m in self.replicator.state.members():
+                    r = m.record
+                    self.history.observe(r.peer_id, r.step, r.outer_step, r.loss, r.val_loss, r.heartbeat)
+                if trio.current_time() - last_save >= HISTORY_SAVE_S:
+                    data = self.history.to_bytes()
+                    await trio.to_thread.run_sync(atomic_write_bytes, self.home / HISTORY_FILE, data)
+                    last_save = trio.current_time()
+                await trio.sleep(1.0)
+        finally:
+            try:
+                atomic_write_bytes(self.home / HISTORY_FILE, self.history.to_bytes())
+            except OSError as e:
+                log.warning("could not save the loss history: %s", e)
 
     async def _refresh_metrics(self) -> None:
         """Gauges follow the status once a second; events (rounds) are observed where they happen."""
@@ -173,11 +305,7 @@ class Daemon:
             raise StartupError(f"cannot listen on {addr}: {_why_not_listening(host, port)}")
 
     def _make_supervisor(self) -> Any:
-        try:
-            from node.supervisor import WorkerSupervisor
-        except ImportError:
-            log.warning("no trainer available in this build; running network-only")
-            return None
-        from node.averager import make_exchange
+        from node.supervisor import WorkerSupervisor
 
-        return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), make_exchange(self))
+        assert self.averager is not None
+        return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange)
