@@ -39,7 +39,7 @@ from p2p.connmgr import ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
 from p2p.host import build_host
 from p2p.identity import peer_id_of
-from protocols.avg import PROTOCOL_ID as AVG_PROTOCOL
+AVG_PROTOCOL_VERSION = 1  # the major version of /starling/avg; peers on another one cannot average
 
 log = logging.getLogger("starling.daemon")
 
@@ -175,7 +175,7 @@ class Daemon:
             task=str(fields["task"]),
             model_hash=str(fields["model_hash"]),
             optimizer_hash=hashlib.sha256(optimizer.encode()).hexdigest(),
-            protocol_version=AVG_PROTOCOL,
+            protocol_version=AVG_PROTOCOL_VERSION,
         )
 
     def _eligible_partners(self) -> list[str]:
