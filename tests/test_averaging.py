@@ -133,3 +133,38 @@ async def test_a_partner_that_sends_non_finite_values_is_rejected_with_no_update
         assert results[0] == 1  # the honest node rejected the poisoned values and stepped solo
         assert avs[0].status()["failures"] == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_partner_that_stops_mid_transfer_costs_one_solo_step_and_no_update() -> None:
+    from p2p.datapath import KeyAgreement
+    from protocols import avg
+    from protocols.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
+
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=3, datapath=False)
+    hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+    async with AsyncExitStack() as stack:
+        for h in hosts:
+            await stack.enter_async_context(h.run(LISTEN))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        honest = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
+        await nursery.start(honest.run)
+
+        async def quitter(stream) -> None:  # accepts, sends two valid chunks of phi, then vanishes
+            control = LibP2PByteStream(stream)
+            req = await recv_as(control, avg.AvgRequest)
+            await send_msg(control, avg.AvgAnswer(verdict="accept", pubkey=KeyAgreement().public_key,
+                                                  session_id=b"x" * 16))
+            await recv_as(control, avg.AvgPath)
+            channel = PlainFrameChannel(control, max_frame_size=avg.MAX_FRAME)
+            for _ in range(2):
+                await channel.send(b"\x00" * (req.chunk_elems * 4))
+            await stream.reset()
+
+        hosts[1].set_stream_handler(avg.PROTOCOL_ID, quitter)
+        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+        req = request(1)
+        with trio.fail_after(20):
+            assert await honest.exchange(req) == 1
+        st = honest.status()
+        assert st["failures"] >= 1 and st["rounds"] == 0 and st["solo_rounds"] == 1
+        nursery.cancel_scope.cancel()

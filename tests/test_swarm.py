@@ -1,0 +1,107 @@
+"""Whole daemons training together: averaging partners, swarm-state membership, failures and restarts.
+
+Every node is a real `starling run` process (plus its torch worker) on 127.0.0.1, with a tiny model so
+that five of them fit on two cores.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from procs import DaemonGroup
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "--listen", "/ip4/127.0.0.1/tcp/0",
+    "--set", "train.d_model=32", "--set", "train.n_layers=1", "--set", "train.n_heads=2",
+    "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set", "train.inner_steps=5",
+    "--set", "train.data_bytes=300000", "--set", "train.warmup=10", "--set", "train.lr=0.003",
+    "--set", "train.max_lag=5", "--set", "train.checkpoint_every=2", "--set", "train.eval_batches=1",
+    "--set", "sync.pair_window_s=2", "--set", "sync.backoff_s=1",
+    "--set", "node.heartbeat_s=0.5", "--set", "node.suspect_after=3", "--set", "node.gone_after=6",
+]
+
+
+@pytest.fixture
+def group(tmp_path: Path):
+    g = DaemonGroup(tmp_path)
+    yield g
+    g.close()
+
+
+def start_swarm(group: DaemonGroup, n: int, swarm: str) -> list:
+    boot = group.start("n0", *TINY, "--swarm", swarm)
+    addr = boot.addr()
+    return [boot] + [group.start(f"n{i}", *TINY, "--swarm", swarm, "--bootstrap", addr) for i in range(1, n)]
+
+
+def test_five_trainers_average_with_several_distinct_partners_while_loss_falls(group: DaemonGroup) -> None:
+    nodes = start_swarm(group, 5, "avg5")
+    first_loss = {}
+    for d in nodes:
+        st = d.wait_status(lambda s: (s.get("training") or {}).get("loss") is not None, timeout=90)
+        first_loss[d.home.name] = st["training"]["loss"]
+    for d in nodes:
+        st = d.wait_status(lambda s: s["sync"]["distinct_partners"] >= 3, timeout=150, interval=1)
+        assert st["sync"]["rounds"] >= 3
+    for d in nodes:
+        st = d.wait_status(lambda s, d=d: s["training"]["loss"] < first_loss[d.home.name] - 0.3, timeout=60)
+        assert st["training"]["outer_step"] >= 3
+
+
+def test_members_converge_a_killed_node_turns_suspect_then_gone_and_returns_alive(group: DaemonGroup) -> None:
+    nodes = start_swarm(group, 4, "members4")
+    ids = {d.wait_status()["peer_id"] for d in nodes}
+
+    def alive_ids(s: dict) -> set:
+        return {m["peer_id"] for m in s.get("members", []) if m["state"] == "alive"}
+
+    for d in nodes:
+        d.wait_status(lambda s: alive_ids(s) == ids, timeout=60)
+    victim = nodes[3]
+    victim_id = victim.status()["peer_id"]
+    victim.signal(signal.SIGKILL)
+    victim.proc.wait(10)
+
+    def state_of(s: dict, pid: str) -> str | None:
+        return next((m["state"] for m in s.get("members", []) if m["peer_id"] == pid), None)
+
+    for d in nodes[:3]:
+        d.wait_status(lambda s: state_of(s, victim_id) == "suspect", timeout=20, interval=0.3)
+    for d in nodes[:3]:
+        st = d.wait_status(lambda s: state_of(s, victim_id) == "gone", timeout=20)
+        member = next(m for m in st["members"] if m["peer_id"] == victim_id)
+        assert member["outer_step"] >= 0  # its history is kept
+    restarted = group.start("n3", *TINY, "--swarm", "members4", "--bootstrap", nodes[0].addr())
+    assert restarted.wait_status()["peer_id"] == victim_id
+    for d in nodes[:3]:
+        d.wait_status(lambda s: state_of(s, victim_id) == "alive", timeout=40)
+
+
+def test_a_graceful_stop_is_seen_as_left(group: DaemonGroup) -> None:
+    nodes = start_swarm(group, 2, "leave2")
+    b_id = nodes[1].wait_status()["peer_id"]
+    nodes[0].wait_status(lambda s: any(m["peer_id"] == b_id and m["state"] == "alive" for m in s.get("members", [])),
+                         timeout=60)
+    assert nodes[1].stop() == 0
+    nodes[0].wait_status(lambda s: any(m["peer_id"] == b_id and m["state"] == "left" for m in s["members"]),
+                         timeout=10)
+
+
+def test_a_partner_killed_mid_run_leaves_the_other_training_with_solo_steps(group: DaemonGroup) -> None:
+    nodes = start_swarm(group, 2, "kill2")
+    a, b = nodes
+    a.wait_status(lambda s: s["sync"]["rounds"] >= 2, timeout=120)
+    b.signal(signal.SIGKILL)
+    b.proc.wait(10)
+    before = a.status()
+    after = a.wait_status(lambda s: s["sync"]["solo_rounds"] >= before["sync"]["solo_rounds"] + 2, timeout=60)
+    assert after["training"]["outer_step"] > before["training"]["outer_step"]
+    assert after["training"]["state"] == "training"
+    time.sleep(1)
+    assert a.proc.poll() is None
