@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("init", help="create the node's identity and a commented config.toml")
     home_arg(sp)
     sp.add_argument("--swarm", help="swarm name to write into config.toml")
+    sp.add_argument("--swarm-key", metavar="FILE", help="copy this swarm key into HOME/swarm.key (private swarm)")
+
+    sp = sub.add_parser("swarm-key", help="generate a new swarm key (32 random bytes) for a private swarm")
+    sp.add_argument("--out", metavar="FILE", help="write it to FILE (mode 0600) instead of printing it")
 
     sp = sub.add_parser("run", help="run the daemon in the foreground (systemd-friendly)")
     home_arg(sp)
@@ -109,9 +113,40 @@ def cmd_init(args: argparse.Namespace) -> int:
         load_config(home)
     except ConfigError as e:
         return _die(str(e))
+    if args.swarm_key:
+        from p2p.auth import SWARM_KEY_FILE, SwarmKeyError, read_swarm_key, write_swarm_key
+
+        try:
+            key_hex = read_swarm_key(Path(args.swarm_key))
+            target = home / SWARM_KEY_FILE
+            if target.exists():
+                if read_swarm_key(target) != key_hex:
+                    return _die(f"{target} already holds a different swarm key; remove it first to change swarms")
+            else:
+                write_swarm_key(target, key_hex)
+        except SwarmKeyError as e:
+            return _die(str(e))
     if created:
         print(f"created identity in {home / IDENTITY_FILE}", file=sys.stderr)
     print(peer_id_of(key_pair))
+    return EXIT_OK
+
+
+def cmd_swarm_key(args: argparse.Namespace) -> int:
+    from p2p.auth import format_swarm_key, generate_swarm_key, write_swarm_key
+
+    key_hex = generate_swarm_key()
+    if args.out:
+        try:
+            write_swarm_key(Path(args.out), key_hex)
+        except FileExistsError:
+            return _die(f"{args.out} already exists; refusing to overwrite a swarm key")
+        except OSError as e:
+            return _die(f"{args.out}: {e.strerror or e}")
+        print(f"wrote a new swarm key to {args.out}; give it to every node with `starling init --swarm-key`",
+              file=sys.stderr)
+    else:
+        sys.stdout.write(format_swarm_key(key_hex))
     return EXIT_OK
 
 
@@ -174,7 +209,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         train = not args.no_train
         try:
             daemon = Daemon(cfg, home, key_pair, train=train)
-        except ValueError as e:
+        except (ValueError, StartupError) as e:
             return _die(str(e))
         try:
             trio.run(_run_until_signal, daemon)
@@ -299,7 +334,13 @@ def _watch_status(home: Path, interval: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"init": cmd_init, "run": cmd_run, "status": cmd_status, "plot": cmd_plot}
+    handlers = {
+        "init": cmd_init,
+        "run": cmd_run,
+        "status": cmd_status,
+        "plot": cmd_plot,
+        "swarm-key": cmd_swarm_key,
+    }
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

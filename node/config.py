@@ -41,6 +41,8 @@ class NodeConfig:
     bootstrap: list[str] = opt([], "bootstrap peers, full multiaddrs ending in /p2p/<peer id>")
     bootstrap_files: list[str] = opt([], "files listing bootstrap multiaddrs, one per line (re-read while running)")
     addr_file: str = opt("", "write this node's dialable multiaddrs to this file once listening ('' = off)")
+    swarm_key_file: str = opt("", "swarm key file (private swarm); '' = HOME/swarm.key when it exists")
+    allow_peers: list[str] = opt([], "if not empty, only these PeerIDs may use this node's protocols")
     target_peers: int = opt(8, "connections the node keeps open to swarm members")
     max_peers: int = opt(32, "hard cap on connections to swarm members")
     dial_timeout: float = opt(10.0, "seconds one dial may take")
@@ -74,6 +76,13 @@ class NodeConfig:
                 parse_bootstrap(a)
             except AddrError as e:
                 raise ValueError(f"node.bootstrap: {e}") from None
+        for peer in self.allow_peers:
+            from libp2p.peer.id import ID
+
+            try:
+                ID.from_base58(peer)
+            except Exception:
+                raise ValueError(f"node.allow_peers: {peer!r} is not a PeerID") from None
         if not 1 <= self.target_peers <= 32:
             raise ValueError("node.target_peers: must be between 1 and 32")
         if not self.target_peers <= self.max_peers <= 32:

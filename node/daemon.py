@@ -34,6 +34,7 @@ from node.metrics import Metrics, serve_metrics
 from node.replicator import STATE_FILE, StateReplicator, load_state
 from node.sdnotify import Notifier, summarize_status, watchdog_loop
 from p2p.addrs import parse_bootstrap, parse_listen
+from p2p.auth import SWARM_KEY_FILE, AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
 from p2p.connmgr import ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
@@ -81,9 +82,21 @@ class Daemon:
         node = cfg.node
         self.listen_addrs = [parse_listen(a) for a in node.listen]
         announce = [parse_listen(a, allow_wildcard=False) for a in node.announce]
+        key_file = Path(node.swarm_key_file) if node.swarm_key_file else home / SWARM_KEY_FILE
+        try:
+            psk = read_swarm_key(key_file) if (node.swarm_key_file or key_file.exists()) else None
+        except SwarmKeyError as e:
+            raise StartupError(str(e)) from None
         self.host = build_host(
-            key_pair, announce=announce, max_connections=node.max_peers * 2, dial_timeout=node.dial_timeout
+            key_pair,
+            announce=announce,
+            max_connections=node.max_peers * 2,
+            dial_timeout=node.dial_timeout,
+            psk=psk,
         )
+        # Before any protocol registers its handler, so that every handler is gated.
+        self.access = AccessControl(keyed=psk is not None, allow=node.allow_peers)
+        self.access.install(self.host)
         self.connmgr = ConnManager(
             self.host, target=node.target_peers, cap=node.max_peers, dial_timeout=node.dial_timeout
         )
@@ -202,6 +215,7 @@ class Daemon:
             "connections": self.connmgr.status(),
             "discovery": self.discovery.status(),
             "role": "trainer" if self.train else "network-only",
+            "authorization": self.access.status(),
         }
         st.update(self.replicator.status())
         if self.supervisor is not None:
@@ -240,6 +254,8 @@ class Daemon:
                 await nursery.start(self.discovery.run)
                 await nursery.start(self.replicator.run)
                 nursery.start_soon(self._keep_history)
+                if node.allow_peers:
+                    nursery.start_soon(self._enforce_allowlist)
                 if node.metrics_port:
                     try:
                         await nursery.start(serve_metrics, self.metrics, node.metrics_host, node.metrics_port)
@@ -263,6 +279,12 @@ class Daemon:
                     await trio.sleep_forever()
                 finally:
                     self.notifier.stopping("stopping")
+
+    async def _enforce_allowlist(self) -> None:
+        """Connections from peers outside `node.allow_peers` are closed (their streams are already refused)."""
+        while True:
+            await self.access.disconnect_outsiders(self.host, self.host.get_connected_peers())
+            await trio.sleep(1.0)
 
     async def _keep_history(self) -> None:
         """Record every member's progress for `starling plot`; saved every 30 s and on stop."""

@@ -78,11 +78,13 @@ def build_host(
     announce: Sequence[multiaddr.Multiaddr] = (),
     max_connections: int = 64,
     dial_timeout: float = 10.0,
+    psk: str | None = None,
 ) -> IHost:
     """A host with TCP transport, Noise security and yamux muxing, nothing else.
 
     `announce`, when given, replaces the advertised addresses (e.g. a public IP or DNS name in front of a
     port forward); otherwise the listen addresses are advertised with wildcards expanded.
+    `psk` (64 hex digits) makes this a private network: see p2p/auth.py.
     """
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     fixed = list(announce)
@@ -109,6 +111,7 @@ def build_host(
         addrs_factory=addrs_factory,
         connection_config=connection_config,
         negotiate_timeout=10,
+        psk=psk,
     )
     _disable_auto_connector(host)
     return host

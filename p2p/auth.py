@@ -1,0 +1,166 @@
+"""Swarm authorization: a shared swarm key (libp2p private network) and an optional PeerID allowlist.
+
+The swarm key is py-libp2p's private-network PSK: every TCP connection is wrapped in a Salsa20 stream
+keyed by the 32-byte swarm key *before* multistream and Noise run, so a node without the key cannot
+complete a handshake at all: it reaches no DHT, no state, no averaging protocol. (py-libp2p's pnet uses
+an 8-byte nonce, not go-libp2p's XSalsa20, so it only interoperates with py-libp2p; Starling is py-only.)
+Noise still authenticates and encrypts everything inside.
+
+The allowlist narrows a keyed swarm to named PeerIDs: streams from other peers are refused and their
+connections closed. Refusals of both kinds are logged (rate-limited) and counted for `status`.
+
+The key file uses the format IPFS/go-libp2p operators know:
+    /key/swarm/psk/1.0.0/
+    /base16/
+    <64 hex digits>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from libp2p.transport.exceptions import SecurityUpgradeFailure
+
+log = logging.getLogger("starling.auth")
+
+SWARM_KEY_FILE = "swarm.key"
+_HEADER = ["/key/swarm/psk/1.0.0/", "/base16/"]
+LOG_EVERY_S = 60.0
+
+
+class SwarmKeyError(Exception):
+    """The swarm key file is missing or malformed; the message names the file."""
+
+
+def generate_swarm_key() -> str:
+    return secrets.token_bytes(32).hex()
+
+
+def format_swarm_key(key_hex: str) -> str:
+    return "\n".join([*_HEADER, key_hex]) + "\n"
+
+
+def write_swarm_key(path: Path, key_hex: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(format_swarm_key(key_hex))
+
+
+def read_swarm_key(path: Path) -> str:
+    """The key as 64 hex digits. Accepts the 3-line format or a bare hex line."""
+    try:
+        lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    except FileNotFoundError:
+        raise SwarmKeyError(f"{path}: no such swarm key file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SwarmKeyError(f"{path}: cannot read the swarm key ({e})") from None
+    if lines[:2] == _HEADER:
+        lines = lines[2:]
+    if len(lines) != 1 or len(lines[0]) != 64:
+        raise SwarmKeyError(f"{path}: not a swarm key (expected {_HEADER[0]} {_HEADER[1]} and 64 hex digits)")
+    try:
+        bytes.fromhex(lines[0])
+    except ValueError:
+        raise SwarmKeyError(f"{path}: the swarm key is not hexadecimal") from None
+    return lines[0].lower()
+
+
+class AccessControl:
+    """Counts and logs refused peers; enforces the allowlist on streams and connections."""
+
+    def __init__(self, *, keyed: bool, allow: Iterable[str] = ()) -> None:
+        self.keyed = keyed
+        self.allow = set(allow)
+        self.refused_handshakes = 0
+        self.refused_peers = 0
+        self._last_log: dict[str, float] = {}
+
+    def allowed(self, peer_id: str) -> bool:
+        return not self.allow or peer_id in self.allow
+
+    def _log(self, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_log.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._last_log[key] = now
+            if len(self._last_log) > 1024:
+                self._last_log.clear()
+            log.warning(msg, *args)
+
+    def install(self, host: Any) -> None:
+        """Wrap the host's inbound security upgrade and its stream handlers (narrow, instance-level)."""
+        network = host.get_network()
+        upgrader = network.upgrader
+        upgrade_security = upgrader.upgrade_security
+        control = self
+
+        async def counted_upgrade(raw_conn: Any, is_initiator: bool, peer_id: Any = None) -> Any:
+            try:
+                secured = await upgrade_security(raw_conn, is_initiator, peer_id)
+            except Exception:
+                if not is_initiator:
+                    control.refused_handshakes += 1
+                    addr = raw_conn.get_remote_address() if hasattr(raw_conn, "get_remote_address") else None
+                    who = f"{addr[0]}:{addr[1]}" if addr else "an unknown address"
+                    control._log(
+                        f"hs:{addr[0] if addr else '?'}",
+                        "refused a connection from %s: its handshake failed (%s)",
+                        who,
+                        "wrong or missing swarm key, or not a Starling node" if control.keyed else "not a libp2p/Noise peer",
+                    )
+                raise
+            remote = str(secured.get_remote_peer())
+            if not control.allowed(remote):
+                # The Noise handshake proved who it is; it is not on the list: no connection at all.
+                control.refused_peers += 1
+                control._log(f"peer:{remote}", "refused a connection with %s: not in node.allow_peers", remote)
+                with contextlib.suppress(Exception):
+                    await secured.close()
+                raise SecurityUpgradeFailure(f"{remote} is not in node.allow_peers")
+            return secured
+
+        upgrader.upgrade_security = counted_upgrade
+
+        if not self.allow:
+            return
+        set_handler = host.set_stream_handler
+
+        def gated_set_stream_handler(protocol_id: Any, handler: Any) -> None:
+            async def gated(stream: Any) -> None:
+                peer = str(stream.muxed_conn.peer_id)
+                if not control.allowed(peer):
+                    control.refused_peers += 1
+                    control._log(f"peer:{peer}", "refused %s on %s: not in node.allow_peers", peer, protocol_id)
+                    with contextlib.suppress(Exception):
+                        await stream.reset()
+                    return
+                await handler(stream)
+
+            set_handler(protocol_id, gated)
+
+        host.set_stream_handler = gated_set_stream_handler  # handlers registered from now on are gated
+
+    async def disconnect_outsiders(self, host: Any, peers: Iterable[Any]) -> None:
+        for peer_id in peers:
+            if not self.allowed(str(peer_id)):
+                self.refused_peers += 1
+                self._log(f"peer:{peer_id}", "disconnecting %s: not in node.allow_peers", peer_id)
+                try:
+                    await host.disconnect(peer_id)
+                except Exception as e:  # already gone
+                    log.debug("disconnect %s: %s", peer_id, e)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "swarm_key": self.keyed,
+            "allowlist": len(self.allow),
+            "refused_handshakes": self.refused_handshakes,
+            "refused_peers": self.refused_peers,
+        }
