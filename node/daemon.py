@@ -40,6 +40,7 @@ from p2p.connmgr import ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
 from p2p.host import build_host
 from p2p.identity import peer_id_of
+
 AVG_PROTOCOL_VERSION = 1  # the major version of /starling/avg; peers on another one cannot average
 
 log = logging.getLogger("starling.daemon")

@@ -137,7 +137,7 @@ class SwarmDiscovery:
             batch, queue = queue[:3], queue[3:]
             closer: list[ID] = []
 
-            async def ask(peer_id: ID) -> None:
+            async def ask(peer_id: ID, closer: list[ID] = closer) -> None:
                 queried.add(peer_id)
                 with trio.move_on_after(QUERY_TIMEOUT_S):
                     try:

@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import DaemonGroup, starling
 
 from p2p.auth import SwarmKeyError, format_swarm_key, generate_swarm_key, read_swarm_key
-from procs import DaemonGroup, starling
 
 LOOPBACK = ["--no-train", "--listen", "/ip4/127.0.0.1/tcp/0"]
 
