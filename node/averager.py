@@ -12,9 +12,11 @@ Deadlines come from each link's measured throughput (an EWMA), not from a fixed 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import random
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,12 +28,14 @@ from libp2p.peer.id import ID
 from node.sync_config import SyncConfig
 from p2p.datapath import DataPathListener
 from protocols import avg
-from protocols.avg import Declined, Tensors
+from protocols.avg import Declined, Rejected, Tensors
 from protocols.wire import ProtocolError
 
 log = logging.getLogger("starling.averager")
 
 BACKOFF_MAX_S = 300.0
+# Protocol errors that only a buggy or hostile partner produces (a dead link is no offence).
+_MALFORMED = {"malformed", "too_large", "bad_kind", "bad_version", "bad_field", "bad_size", "auth"}
 RATE_EWMA = 0.5
 
 
@@ -60,6 +64,8 @@ class _Link:
 
     rate_bps: float
     failures: int = 0
+    offences: int = 0
+    banned_until: float = 0.0
     next_try: float = 0.0
     rounds: int = 0
     bytes_sent: int = 0
@@ -100,6 +106,8 @@ class Averager:
             "last_error": None,
         }
         self._partners: set[str] = set()
+        self.rejections: dict[str, int] = {}
+        self._norms: collections.deque[float] = collections.deque(maxlen=32)  # accepted Delta norms
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -122,7 +130,29 @@ class Averager:
             for p, link in self._links.items()
         }
         st["state"] = "pairing" if self._pending is not None else "idle"
+        st["rejections"] = dict(self.rejections)
+        now = trio.current_time()
+        st["banned"] = sorted(p for p, link in self._links.items() if link.banned_until > now)
         return st
+
+    # --- validation of what partners send ------------------------------------------------------------------
+
+    def _validate(self, t: Tensors) -> None:
+        """Reject a partner's Delta whose norm is far outside ours and the recent history (poisoning).
+
+        Runs in the transfer's worker thread; reads only `self._norms`, which the trio thread appends to
+        after the exchange, so a stale read costs at most one history entry.
+        """
+        theirs = float(t.delta_out.norm())
+        mine = float(t.delta.norm())
+        history = list(self._norms)
+        reference = max(mine, statistics.median(history) if history else 0.0)
+        if reference > 0 and theirs > self.cfg.max_delta_ratio * reference:
+            raise Rejected(
+                "delta_norm",
+                f"Delta norm {theirs:.3g} is over {self.cfg.max_delta_ratio:g}x the reference {reference:.3g}",
+            )
+        t.delta_norms = (mine, theirs)  # type: ignore[attr-defined]
 
     # --- the supervisor's call ---------------------------------------------------------------------------
 
@@ -174,7 +204,7 @@ class Averager:
         connected = {str(p) for p in self.host.get_connected_peers()}
         pool = connected if self.eligible_peers is None else connected & set(self.eligible_peers())
         pool.discard(self.me)
-        ready = [p for p in pool if self._link(p).next_try <= now]
+        ready = [p for p in pool if self._link(p).next_try <= now and self._link(p).banned_until <= now]
         return random.choice(ready) if ready else None
 
     def _link(self, peer: str) -> _Link:
@@ -228,6 +258,7 @@ class Averager:
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, numel),
                     on_accept=claim,
+                    validate=self._validate,
                 )
             finally:
                 with trio.move_on_after(1) as cs:
@@ -285,6 +316,7 @@ class Averager:
                     remote_peer_id=stream.muxed_conn.peer_id.to_bytes(),
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, request.numel),
+                    validate=self._validate,
                 )
             if scope.cancelled_caught:
                 raise trio.TooSlowError("cancelled by shutdown")
@@ -303,6 +335,8 @@ class Averager:
 
     def _judge(self, req: avg.AvgRequest, pending: _Pending | None, partner: str) -> tuple[str, str] | None:
         """None to accept, else (verdict, reason)."""
+        if self._link(partner).banned_until > trio.current_time():
+            return ("refuse", "banned for repeated invalid updates")
         ours = self.manifest_hash() or "none"
         if req.manifest_hash != ours:
             log.error("refusing %s: run manifest %s differs from ours %s", partner, req.manifest_hash[:12], ours[:12])
@@ -336,6 +370,9 @@ class Averager:
         link.bytes_sent += result.bytes_sent
         link.bytes_received += result.bytes_received
         self._partners.add(partner)
+        norms = getattr(self._current_tensors(), "delta_norms", None)
+        if norms is not None:
+            self._norms.extend(norms)
         total = result.bytes_sent + result.bytes_received
         self.stats.update(
             rounds=self.stats["rounds"] + 1,
@@ -350,8 +387,25 @@ class Averager:
             self.metrics.observe_round(result.duration_s, total, partner, True)
         log.info("averaged with %s over the %s in %.2fs (%.1f MB)", partner, result.path, result.duration_s, total / 1e6)
 
+    def _current_tensors(self) -> Tensors | None:
+        return self._pending.tensors if self._pending is not None else None
+
+    def _offence(self, partner: str, reason: str) -> None:
+        """A poisoned or malformed update: counted per reason; repeated offences ban the partner."""
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        link = self._link(partner)
+        link.offences += 1
+        if link.offences >= self.cfg.ban_after:
+            link.banned_until = trio.current_time() + self.cfg.ban_s
+            link.offences = 0
+            log.warning("banning %s for %.0fs after %d invalid updates", partner, self.cfg.ban_s, self.cfg.ban_after)
+
     def _fail(self, partner: str, error: BaseException, duration: float, *, count: bool = True) -> None:
         text = f"{type(error).__name__}: {error}"[:300]
+        if isinstance(error, Rejected):
+            self._offence(partner, error.reason)
+        elif isinstance(error, ProtocolError) and count and error.reason.value in _MALFORMED:
+            self._offence(partner, f"protocol_{error.reason.value}")
         self.stats["last_error"] = f"{partner}: {text}"
         if count:
             self.stats["failures"] += 1

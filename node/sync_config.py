@@ -20,6 +20,9 @@ class SyncConfig:
     datapath: bool = opt(True, "move bulk tensors over a direct encrypted TCP side channel when reachable")
     datapath_port: int = opt(0, "TCP port of the side channel (0 = any free port)")
     allow_relay_bulk: bool = opt(False, "allow averaging with peers reachable only through a relay")
+    max_delta_ratio: float = opt(10.0, "reject a partner's Delta whose norm exceeds this many times ours or the recent median")
+    ban_after: int = opt(3, "offences (poisoned or malformed updates) before a partner is banned")
+    ban_s: float = opt(600.0, "how long a banned partner is ignored (seconds)")
     backoff_s: float = opt(10.0, "first back-off after a failed exchange with a partner (doubles, max 5 min)")
 
     def validate(self) -> None:
@@ -37,5 +40,11 @@ class SyncConfig:
             raise ValueError("sync.deadline_slack: must be between 1 and 100")
         if not 0 <= self.datapath_port <= 65535:
             raise ValueError("sync.datapath_port: must be a port number (0 = any)")
+        if not 1.0 < self.max_delta_ratio <= 1e6:
+            raise ValueError("sync.max_delta_ratio: must be above 1")
+        if not 1 <= self.ban_after <= 1000:
+            raise ValueError("sync.ban_after: must be between 1 and 1000")
+        if not 0 <= self.ban_s <= 86400 * 7:
+            raise ValueError("sync.ban_s: must be between 0 and 604800 seconds")
         if not 0.1 <= self.backoff_s <= 3600:
             raise ValueError("sync.backoff_s: must be between 0.1 and 3600 seconds")

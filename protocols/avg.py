@@ -21,6 +21,7 @@ only when `run_transfer` returns, so a failure never leaves a half-applied updat
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -95,6 +96,14 @@ class AvgPath:
             raise ValueError(f"unknown path {self.path!r}")
 
 
+class Rejected(Exception):
+    """The partner's values arrived intact but fail validation (poisoned or outlier update)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
 class Declined(Exception):
     """The partner answered busy or refuse; not a failure of the partner."""
 
@@ -150,15 +159,17 @@ async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int
     return sent, received
 
 
-def _finish_means(t: Tensors, codec: TensorCodec, plan: ChunkPlan) -> None:
+def _finish_means(t: Tensors, codec: TensorCodec, plan: ChunkPlan, validate: Validator | None) -> None:
     """outputs hold the partner's values; turn them into the group means, identically on both sides.
 
     Runs in a worker thread (torch releases the GIL), chunk by chunk so it never allocates more than
-    one chunk beyond the outputs.
+    one chunk beyond the outputs. `validate` sees the partner's values first and may raise Rejected.
     """
     for theirs in (t.phi_out, t.delta_out):
         if not bool(torch.isfinite(theirs).all()):
-            raise ProtocolError(Reason.BAD_FIELD, "partner sent non-finite values")
+            raise Rejected("non_finite", "partner sent NaN or infinite values")
+    if validate is not None:
+        validate(t)
     for mine, out in ((t.phi, t.phi_out), (t.delta, t.delta_out)):
         if isinstance(codec, Fp32Codec):
             out.add_(mine).mul_(0.5)
@@ -173,10 +184,15 @@ def _finish_means(t: Tensors, codec: TensorCodec, plan: ChunkPlan) -> None:
         out.mul_(0.5)
 
 
-async def run_transfer(channel: FrameChannel, t: Tensors, plan: ChunkPlan, path: str) -> TransferResult:
+Validator = Callable[[Tensors], None]
+
+
+async def run_transfer(
+    channel: FrameChannel, t: Tensors, plan: ChunkPlan, path: str, validate: Validator | None = None
+) -> TransferResult:
     began = trio.current_time()
     sent, received = await _swap(channel, t, plan)
-    await trio.to_thread.run_sync(_finish_means, t, plan.codec, plan)
+    await trio.to_thread.run_sync(_finish_means, t, plan.codec, plan, validate)
     return TransferResult(path, sent, received, trio.current_time() - began)
 
 
@@ -190,7 +206,8 @@ async def initiate(
     remote_ip: str | None,
     handshake_timeout: float,
     transfer_deadline: float,
-    on_accept: callable | None = None,
+    on_accept: Callable[[], bool] | None = None,
+    validate: Validator | None = None,
 ) -> TransferResult:
     """The initiator's side. Raises Declined, ProtocolError or trio.TooSlowError; outputs are valid only
     when it returns."""
@@ -227,8 +244,10 @@ async def initiate(
         await send_msg(control, AvgPath("datapath" if channel else "stream"), max_bytes=MAX_CONTROL_BYTES)
         if channel is not None:
             async with channel:
-                return await run_transfer(channel, tensors, plan, "datapath")
-        return await run_transfer(PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream")
+                return await run_transfer(channel, tensors, plan, "datapath", validate)
+        return await run_transfer(
+            PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream", validate
+        )
 
 
 async def read_request(stream: object, timeout: float) -> AvgRequest:
@@ -258,6 +277,7 @@ async def respond(
     remote_peer_id: bytes,
     handshake_timeout: float,
     transfer_deadline: float,
+    validate: Validator | None = None,
 ) -> TransferResult:
     """The responder's side, after the caller decided to accept `request`."""
     control = LibP2PByteStream(stream)
@@ -291,10 +311,12 @@ async def respond(
                 path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
                 if path.path == "datapath":
                     async with await pending.wait() as channel:
-                        return await run_transfer(channel, tensors, plan, "datapath")
+                        return await run_transfer(channel, tensors, plan, "datapath", validate)
         else:
             await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
             path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
             if path.path == "datapath":
                 raise ProtocolError(Reason.BAD_FIELD, "partner chose a side channel we did not offer")
-        return await run_transfer(PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream")
+        return await run_transfer(
+            PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream", validate
+        )

@@ -132,6 +132,27 @@ async def test_a_partner_that_sends_non_finite_values_is_rejected_with_no_update
         results = await exchange_both(avs, [request(1), bad])
         assert results[0] == 1  # the honest node rejected the poisoned values and stepped solo
         assert avs[0].status()["failures"] == 1
+        assert avs[0].status()["rejections"] == {"non_finite": 1}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_1000x_norm_update_is_rejected_and_repeated_offences_ban_the_partner() -> None:
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=3, ban_after=2, backoff_s=0.1)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        for round_no in range(2):
+            honest, poisoned = request(10 + round_no, outer_step=round_no), request(20 + round_no, outer_step=round_no)
+            poisoned.delta.mul_(1000)
+            results = await exchange_both(avs, [honest, poisoned])
+            assert results[0] == 1
+            await trio.sleep(0.3)  # let the back-off pass
+        st = avs[0].status()
+        assert st["rejections"] == {"delta_norm": 2}
+        assert st["banned"] == [str(avs[1].me)]
+        # A banned partner is refused outright: the next exchange is solo without any transfer.
+        sent_before = st["bytes_sent"]
+        assert await exchange_both(avs, [request(30, 2), request(31, 2)]) == [1, 1]
+        assert avs[0].status()["bytes_sent"] == sent_before
         nursery.cancel_scope.cancel()
 
 
