@@ -37,6 +37,7 @@ BACKOFF_MAX_S = 300.0
 # Protocol errors that only a buggy or hostile partner produces (a dead link is no offence).
 _MALFORMED = {"malformed", "too_large", "bad_kind", "bad_version", "bad_field", "bad_size", "auth"}
 RATE_EWMA = 0.5
+MAX_INBOUND = 16  # pairing requests read concurrently
 
 
 def layout_hash(layout: Any) -> str:
@@ -107,6 +108,7 @@ class Averager:
         }
         self._partners: set[str] = set()
         self.rejections: dict[str, int] = {}
+        self._inbound = 0
         self._norms: collections.deque[float] = collections.deque(maxlen=32)  # accepted Delta norms
 
     # --- lifecycle ---------------------------------------------------------------------------------------
@@ -287,6 +289,19 @@ class Averager:
     # --- the responder -----------------------------------------------------------------------------------
 
     async def _handle_stream(self, stream: Any) -> None:
+        """Inbound requests: at most MAX_INBOUND read at once (each under the handshake deadline), so
+        silent or slow peers cannot pile up tasks and buffers; extra ones are reset at once."""
+        if self._inbound >= MAX_INBOUND:
+            self.rejections["too_many_requests"] = self.rejections.get("too_many_requests", 0) + 1
+            await _reset(stream)
+            return
+        self._inbound += 1
+        try:
+            await self._serve_request(stream)
+        finally:
+            self._inbound -= 1
+
+    async def _serve_request(self, stream: Any) -> None:
         partner = str(stream.muxed_conn.peer_id)
         try:
             request = await avg.read_request(stream, self.cfg.handshake_timeout_s)
