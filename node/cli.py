@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print one JSON object")
     sp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                     help="refresh the readable view in place (default every 2 s) until Ctrl+C")
+    sp = sub.add_parser("doctor", help="check identity, config, ports, bootstrap peers, clocks, versions; print fixes")
+    home_arg(sp)
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+
     sp = sub.add_parser("plot", help="draw loss against step for every member this node has heard of")
     home_arg(sp)
     sp.add_argument("--out", default="loss.png", help="PNG file to write (default: loss.png)")
@@ -304,6 +308,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from node.doctor import doctor_main
+
+    return doctor_main(args.home, args.json)
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from node.config import resolve_home
     from node.plot import plot_main  # matplotlib is imported only when plotting
@@ -340,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": cmd_status,
         "plot": cmd_plot,
         "swarm-key": cmd_swarm_key,
+        "doctor": cmd_doctor,
     }
     try:
         return handlers[args.command](args)

@@ -1,0 +1,439 @@
+"""`starling doctor`: each broken setup yields a finding that names the problem and its fix.
+
+Local checks run against real files, sockets and (for the healthy case) a real daemon process; the
+status-based checks are pure functions, fed synthetic status dicts shaped like the daemon's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from libp2p.crypto.ed25519 import create_new_key_pair
+from procs import DaemonGroup, free_port
+
+from node.config import load_config
+from node.doctor import (
+    ERROR,
+    NO_DAEMON,
+    OK,
+    SKIP,
+    WARN,
+    Finding,
+    check_bootstrap,
+    check_clock_skew,
+    check_manifest,
+    check_reachability,
+    check_training,
+    check_versions,
+    doctor_main,
+    run_checks,
+)
+from node.lock import HomeLock
+from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
+
+LOOPBACK_CONFIG = '[node]\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n'
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The doctor reads STARLING_* variables; the developer's own must not leak into these tests."""
+    for name in list(os.environ):
+        if name.startswith("STARLING_"):
+            monkeypatch.delenv(name)
+
+
+def make_home(tmp_path: Path, config: str = LOOPBACK_CONFIG) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    create_identity(home / IDENTITY_FILE)
+    (home / "config.toml").write_text(config)
+    return home
+
+
+def other_peer_id() -> str:
+    return str(peer_id_of(create_new_key_pair()))
+
+
+def of(findings: list[Finding], check: str) -> list[Finding]:
+    return [f for f in findings if f.check == check]
+
+
+def levels(findings: list[Finding]) -> set[str]:
+    return {f.level for f in findings}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# identity and config
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_broken_config_value_is_an_error_naming_the_option_and_exit_is_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = make_home(tmp_path, LOOPBACK_CONFIG + "target_peers = 99\n")
+    assert doctor_main(str(home)) == 1
+    out = capsys.readouterr().out
+    assert "ERROR" in out and "node.target_peers: must be between 1 and 32" in out
+    [config] = of(run_checks(home, environ={}), "config")
+    assert config.level == ERROR
+    assert "target_peers" in config.fix and str(home / "config.toml") in config.fix
+    assert "default 8" in config.fix  # the fix says what a valid value looks like
+
+
+def test_misspelled_config_option_suggests_the_real_one(tmp_path: Path) -> None:
+    home = make_home(tmp_path, LOOPBACK_CONFIG + 'bootstarp = ["x"]\n')
+    [config] = of(run_checks(home, environ={}), "config")
+    assert config.level == ERROR and "node.bootstarp" in config.message
+    assert "did you mean node.bootstrap?" in config.fix
+
+
+def test_bad_value_from_the_environment_points_at_the_variable(tmp_path: Path) -> None:
+    home = make_home(tmp_path)
+    [config, *_] = of(run_checks(home, environ={"STARLING_NODE_MAX_PEERS": "many"}), "config")
+    assert config.level == ERROR and "node.max_peers" in config.message
+    assert "STARLING_NODE_MAX_PEERS" in config.fix
+
+
+def test_misspelled_environment_variable_is_flagged_because_it_is_silently_ignored(tmp_path: Path) -> None:
+    home = make_home(tmp_path)
+    findings = of(
+        run_checks(home, environ={"STARLING_NODE_BOOTSTARP": "x", "STARLING_HOME": str(home)}), "config"
+    )
+    [warning] = [f for f in findings if f.level == WARN]
+    assert "STARLING_NODE_BOOTSTARP" in warning.message
+    assert "STARLING_NODE_BOOTSTRAP" in warning.fix
+    assert ERROR not in levels(findings)
+
+
+def test_missing_identity_says_to_run_init(tmp_path: Path) -> None:
+    home = make_home(tmp_path)
+    (home / IDENTITY_FILE).unlink()
+    [identity] = of(run_checks(home, environ={}), "identity")
+    assert identity.level == ERROR and "starling init" in identity.fix
+
+
+def test_corrupt_identity_is_an_error_and_the_file_is_left_untouched(tmp_path: Path) -> None:
+    home = make_home(tmp_path)
+    key = home / IDENTITY_FILE
+    key.write_bytes(b"not a key")
+    key.chmod(0o644)
+    findings = of(run_checks(home, environ={}), "identity")
+    assert any(f.level == ERROR and "corrupt" in f.message and "backup" in f.fix for f in findings)
+    assert key.read_bytes() == b"not a key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o644  # reported, not "fixed" behind the operator's back
+
+
+def test_identity_readable_by_others_warns_with_chmod_and_shows_the_peer_id(tmp_path: Path) -> None:
+    home = make_home(tmp_path)
+    (home / IDENTITY_FILE).chmod(0o644)
+    findings = of(run_checks(home, environ={}), "identity")
+    assert any(f.level == WARN and "chmod 600" in f.fix for f in findings)
+    assert any(f.level == OK and "12D3KooW" in f.message for f in findings)
+
+
+def test_home_that_is_a_file_is_bad_usage_with_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("x")
+    assert doctor_main(str(path)) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ports and bootstrap (no daemon running)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    yield s
+    s.close()
+
+
+def test_listen_port_in_use_is_an_error_naming_the_port_and_exit_is_1(
+    tmp_path: Path, listener: socket.socket
+) -> None:
+    port = listener.getsockname()[1]
+    home = make_home(tmp_path, f'[node]\nlisten = ["/ip4/127.0.0.1/tcp/{port}"]\n')
+    [ports] = of(run_checks(home, environ={}), "ports")
+    assert ports.level == ERROR and f"port {port} is already in use" in ports.message
+    assert "node.listen" in ports.fix and f":{port}" in ports.fix
+    assert doctor_main(str(home)) == 1
+
+
+def test_free_listen_port_is_ok(tmp_path: Path) -> None:
+    port = free_port()
+    home = make_home(tmp_path, f'[node]\nlisten = ["/ip4/127.0.0.1/tcp/{port}"]\n')
+    [ports] = of(run_checks(home, environ={}), "ports")
+    assert ports.level == OK and f"port {port} is free" in ports.message
+
+
+def test_listen_address_of_another_machine_is_an_error(tmp_path: Path) -> None:
+    home = make_home(tmp_path, '[node]\nlisten = ["/ip4/192.0.2.7/tcp/4001"]\n')
+    [ports] = of(run_checks(home, environ={}), "ports")
+    assert ports.level == ERROR and "not an address of this machine" in ports.message
+    assert "announce" in ports.fix
+
+
+def test_unreachable_only_bootstrap_is_an_error_with_a_fix(tmp_path: Path) -> None:
+    addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{other_peer_id()}"
+    home = make_home(tmp_path, LOOPBACK_CONFIG + f'bootstrap = ["{addr}"]\n')
+    [boot] = of(run_checks(home, environ={}), "bootstrap")
+    assert boot.level == ERROR and addr in boot.message and "connection refused" in boot.message
+    assert "firewall" in boot.fix
+
+
+def test_bootstrap_that_drops_packets_times_out_and_the_reachable_one_makes_it_a_warning(
+    tmp_path: Path, listener: socket.socket
+) -> None:
+    # A listener whose accept queue is full drops new SYNs: a stand-in for a firewall.
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    fillers = []
+    for _ in range(3):
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(blackhole.getsockname())
+        fillers.append(c)
+    silent = f"/ip4/127.0.0.1/tcp/{blackhole.getsockname()[1]}/p2p/{other_peer_id()}"
+    alive = f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}/p2p/{other_peer_id()}"
+    cfg = load_config(None, overrides={"node.bootstrap": [silent, alive]}, environ={})
+    try:
+        findings = check_bootstrap(cfg, None, None, timeout=0.5)
+    finally:
+        for c in [*fillers, blackhole]:
+            c.close()
+    by_addr = {f.message.split(" ")[0].rstrip(":"): f for f in findings}
+    assert by_addr[alive].level == OK and "TCP port open" in by_addr[alive].message
+    assert by_addr[silent].level == WARN and "no answer within 0.5 s" in by_addr[silent].message
+
+
+def test_bootstrap_file_problems_are_reported_with_file_and_line(tmp_path: Path) -> None:
+    good = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{other_peer_id()}"
+    listed = tmp_path / "peers.txt"
+    listed.write_text(f"# bootstrap peers\n{good}\n/ip4/1.2.3.4/tcp/1\n")
+    missing = tmp_path / "later.txt"
+    cfg = load_config(None, overrides={"node.bootstrap_files": [str(listed), str(missing)]}, environ={})
+    findings = check_bootstrap(cfg, None, None, timeout=1.0)
+    messages = [f.message for f in findings]
+    assert any(f"{listed}:3" in m and "/p2p/" in m for m in messages)
+    assert any(str(missing) in m and "does not exist" in m for m in messages)
+    assert any(good in f.message and f.level == ERROR for f in findings)  # the only usable one is down
+
+
+def test_no_bootstrap_and_no_peers_warns_of_a_lone_node(tmp_path: Path) -> None:
+    [boot] = check_bootstrap(load_config(None, environ={}), None, None)
+    assert boot.level == WARN and "lone node" in boot.fix
+
+
+def test_without_a_daemon_the_status_checks_are_skipped_not_errors(tmp_path: Path) -> None:
+    home = make_home(tmp_path)
+    findings = run_checks(home, environ={})
+    for check in ("reachability", "clock", "versions", "manifest", "training"):
+        assert of(findings, check) == [Finding(check, SKIP, NO_DAEMON)]
+    assert ERROR not in levels(findings)
+
+
+def test_daemon_holding_the_lock_without_answering_is_reported(tmp_path: Path) -> None:
+    home = make_home(tmp_path)
+    with HomeLock(home):
+        [daemon] = of(run_checks(home, environ={}), "daemon")
+    assert daemon.level == ERROR and f"pid {os.getpid()}" in daemon.message
+
+
+def test_json_report_lists_every_finding(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    home = make_home(tmp_path)
+    assert doctor_main(str(home), as_json=True) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["errors"] == 0 and report["home"] == str(home)
+    assert {f["check"] for f in report["findings"]} >= {"daemon", "identity", "config", "ports", "bootstrap"}
+    assert all(set(f) == {"check", "level", "message", "fix"} for f in report["findings"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a real daemon
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_healthy_running_daemon_passes_with_exit_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    group = DaemonGroup(tmp_path)
+    try:
+        first = group.start("first", "--no-train", "--listen", "/ip4/127.0.0.1/tcp/0")
+        addr = first.addr()
+        # The second node gets its bootstrap peer from config.toml, where the doctor reads it too.
+        second_home = tmp_path / "second"
+        second_home.mkdir()
+        (second_home / "config.toml").write_text(LOOPBACK_CONFIG + f'bootstrap = ["{addr}"]\n')
+        second = group.start("second", "--no-train")
+        second.wait_status(lambda s: len(s["connected_peers"]) == 1)
+        second.wait_status(lambda s: sum(m["state"] == "alive" for m in s["members"]) == 2)
+        assert doctor_main(str(second_home)) == 0
+        out = capsys.readouterr().out
+        assert "0 errors" in out
+        findings = run_checks(second_home, environ={})
+        assert of(findings, "bootstrap") == [Finding("bootstrap", OK, f"{addr}: connected")]
+        assert "the daemon is running and listening on" in of(findings, "ports")[0].message
+        assert of(findings, "versions")[0].level == OK
+        assert of(findings, "clock")[0].level == OK
+    finally:
+        group.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# status-based checks on synthetic status dicts
+# ---------------------------------------------------------------------------------------------------------
+
+ME = "12D3KooWMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMeMe"
+
+
+def member(peer: str, **fields: Any) -> dict[str, Any]:
+    base = {
+        "peer_id": peer,
+        "self": peer == ME,
+        "state": "alive",
+        "version": "0.1.0",
+        "manifest_hash": "aa" * 32,
+        "last_seen": 1_700_000_000.0,
+        "last_seen_s": 1.0,
+    }
+    return {**base, **fields}
+
+
+def status_with(*members: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {
+        "peer_id": ME,
+        "version": "0.1.0",
+        "role": "trainer",
+        "connected_peers": [],
+        "members": [member(ME), *members],
+        "swarm_totals": {"rejected": {}},
+        **fields,
+    }
+
+
+def test_clock_skew_estimates_from_heartbeat_age_warn_and_error_levels() -> None:
+    fine, slow, far = other_peer_id(), other_peer_id(), other_peer_id()
+    st = status_with(
+        member(fine, last_seen_s=3.5),  # within two heartbeats of 2 s: no evidence of skew
+        member(slow, last_seen_s=9.0),  # 5 s beyond two heartbeats: about 5 s behind
+        member(far, state="gone", last_seen_s=130.0),  # connected but looks gone: its clock is far behind
+        connected_peers=[far],
+    )
+    findings = check_clock_skew(st, heartbeat_s=2.0)
+    assert {f.level for f in findings if fine[-6:] in f.message} == set()
+    [warn] = [f for f in findings if slow[-6:] in f.message]
+    assert warn.level == WARN and "5.0 s behind" in warn.message and "NTP" in warn.fix
+    [error] = [f for f in findings if far[-6:] in f.message]
+    assert error.level == ERROR and "looks gone" in error.message
+
+
+def test_clock_skew_uses_heartbeat_and_receipt_times_when_the_status_has_them() -> None:
+    ahead = other_peer_id()
+    st = status_with(member(ahead, heartbeat=1_700_000_030.0, received_at=1_700_000_000.0))
+    [f] = check_clock_skew(st, heartbeat_s=2.0)
+    assert f.level == WARN and "30.0 s ahead of ours" in f.message
+
+
+def test_records_rejected_for_clock_skew_are_an_error() -> None:
+    st = status_with(swarm_totals={"rejected": {"clock_skew": 4}})
+    findings = check_clock_skew(st)
+    assert [f.level for f in findings] == [ERROR] and "4 records" in findings[0].message
+
+
+def test_silent_members_not_connected_are_not_blamed_on_clocks() -> None:
+    st = status_with(member(other_peer_id(), state="gone", last_seen_s=500.0))
+    assert levels(check_clock_skew(st)) == {OK}
+
+
+def test_peers_on_another_version_are_listed() -> None:
+    old = other_peer_id()
+    st = status_with(
+        member(old, version="0.0.9"),
+        member(other_peer_id()),
+        member(other_peer_id(), state="gone", version="0.0.1"),
+    )
+    [f] = check_versions(st, installed="0.1.0")
+    assert f.level == WARN and f.message.startswith("1 peers") and f"{old[-6:]} runs 0.0.9" in f.message
+
+
+def test_daemon_older_than_the_installed_package_says_restart() -> None:
+    [f] = check_versions(status_with(), installed="0.2.0")
+    assert f.level == WARN and "restart" in f.fix
+
+
+def test_same_versions_everywhere_is_ok() -> None:
+    assert levels(check_versions(status_with(member(other_peer_id())), installed="0.1.0")) == {OK}
+
+
+def test_manifest_mismatch_is_an_error_with_both_hashes_and_the_fix() -> None:
+    error = (
+        "run manifest mismatch: this node's manifest is "
+        + "aa" * 32
+        + " but the swarm's is "
+        + "bb" * 32
+        + ". Join with the same task, model config, optimizer config and protocol version as the swarm."
+    )
+    st = status_with(swarm_totals={"manifest_error": error, "manifest_hash": "bb" * 32})
+    [f] = check_manifest(st)
+    assert f.level == ERROR and "aa" * 32 in f.message and "bb" * 32 in f.message
+    assert "train." in f.fix and "node.swarm" in f.fix
+
+
+def test_incompatible_peers_are_named_with_their_manifest() -> None:
+    odd = other_peer_id()
+    st = status_with(
+        member(odd, manifest_hash="cc" * 32, incompatible=True),
+        swarm_totals={"incompatible_peers": [odd], "manifest_hash": "aa" * 32},
+    )
+    [f] = check_manifest(st)
+    assert f.level == WARN and odd[-6:] in f.message and "cc" * 6 in f.message and "aa" * 6 in f.message
+
+
+def test_matching_manifest_is_ok() -> None:
+    st = status_with(member(other_peer_id()), swarm_totals={"manifest_hash": "aa" * 32})
+    assert levels(check_manifest(st)) == {OK}
+
+
+def test_failed_training_is_an_error_with_the_message() -> None:
+    st = status_with(training={"state": "failed", "error": "CUDA out of memory", "restarts": 0})
+    [f] = check_training(st)
+    assert f.level == ERROR and "CUDA out of memory" in f.message
+
+
+def test_a_flapping_worker_warns_with_its_last_exit() -> None:
+    st = status_with(training={"state": "running", "error": "worker killed by signal 9", "restarts": 5})
+    [f] = check_training(st)
+    assert f.level == WARN and "5 times" in f.message and "signal 9" in f.message
+
+
+def test_running_training_is_ok_and_network_only_is_skipped() -> None:
+    st = status_with(training={"state": "running", "step": 120, "outer_step": 3, "loss": 2.5, "restarts": 0})
+    [f] = check_training(st)
+    assert f.level == OK and "step 120" in f.message
+    assert levels(check_training(status_with(role="network-only"))) == {SKIP}
+
+
+def test_private_reachability_explains_port_forwarding_and_announce() -> None:
+    st = status_with(reachability="private", addrs=[f"/ip4/10.0.0.5/tcp/4123/p2p/{ME}"])
+    [f] = check_reachability(st)
+    assert f.level == WARN and "relay" in f.message
+    assert "4123" in f.fix and "node.announce" in f.fix
+
+
+def test_reachability_public_unknown_and_absent() -> None:
+    assert levels(check_reachability(status_with(reachability="public"))) == {OK}
+    [unknown] = check_reachability(status_with(reachability="unknown"))
+    assert unknown.level == OK and "not yet determined" in unknown.message
+    assert levels(check_reachability(status_with())) == {SKIP}
