@@ -1,0 +1,319 @@
+"""`/starling/snapshot/1.0.0`: a late joiner downloads a donor's slow weights and step counters.
+
+    joiner                                   donor
+    SnapRequest(snapshot_id or "", from_chunk) ->
+                                          <- SnapMeta(ok | busy | none, snapshot id, steps, layout,
+                                                      numel, chunk size, sha256 of every chunk)
+                                          <- chunks from_chunk.. (fp32, framed)
+
+Every chunk is checked against its hash before it is written, so a download can stop at any point and
+resume later from the first missing chunk (`snapshot_id` pins the version; a donor that has moved on
+answers with its new meta and the joiner starts that donor over). Donors serve from their newest verified
+checkpoint and limit how many downloads they serve at once (`busy` beyond that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import trio
+
+from protocols.codec import tensor_bytes
+from protocols.wire import (
+    LibP2PByteStream,
+    PlainFrameChannel,
+    ProtocolError,
+    Reason,
+    recv_as,
+    send_msg,
+    spec,
+)
+
+log = logging.getLogger("starling.snapshot")
+
+PROTOCOL_ID = "/starling/snapshot/1.0.0"
+CHUNK_ELEMS = 256 * 1024  # 1 MiB of fp32 per chunk
+MAX_CHUNKS = 1 << 16  # 64 Gi parameters at most: bounds the meta message
+MAX_META_BYTES = 64 + MAX_CHUNKS * 40
+FRAME = CHUNK_ELEMS * 4
+
+
+@dataclass(frozen=True)
+class SnapRequest:
+    KIND: ClassVar[str] = "snap.request"
+    VERSION: ClassVar[int] = 1
+    snapshot_id: str = spec(max_len=64, default="")
+    from_chunk: int = spec(ge=0, le=MAX_CHUNKS, default=0)
+
+
+@dataclass(frozen=True)
+class SnapMeta:
+    KIND: ClassVar[str] = "snap.meta"
+    VERSION: ClassVar[int] = 1
+    verdict: str = spec(min_len=1, max_len=8)  # ok | busy | none
+    reason: str = spec(max_len=200, default="")
+    snapshot_id: str = spec(max_len=64, default="")
+    step: int = spec(ge=0, le=1 << 50, default=0)
+    outer_step: int = spec(ge=0, le=1 << 50, default=0)
+    layout_hash: str = spec(max_len=64, default="")
+    numel: int = spec(ge=0, le=MAX_CHUNKS * CHUNK_ELEMS, default=0)
+    chunk_hashes: list[bytes] = spec(max_len=MAX_CHUNKS, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.verdict not in ("ok", "busy", "none"):
+            raise ValueError(f"unknown verdict {self.verdict!r}")
+        if self.verdict == "ok":
+            if len(self.chunk_hashes) != -(-self.numel // CHUNK_ELEMS):
+                raise ValueError("chunk hash count does not match numel")
+            if any(len(h) != 32 for h in self.chunk_hashes):
+                raise ValueError("chunk hashes must be 32 bytes")
+
+
+# --- the donor ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """Slow weights and counters, in memory, with the hash of every chunk."""
+
+    phi: torch.Tensor
+    step: int
+    outer_step: int
+    layout_hash: str
+    chunk_hashes: list[bytes]
+    snapshot_id: str
+
+    @classmethod
+    def of(cls, phi: torch.Tensor, step: int, outer_step: int, layout_hash: str) -> Snapshot:
+        phi = phi.detach().to(torch.float32).contiguous().reshape(-1)
+        raw = tensor_bytes(phi)
+        hashes = [hashlib.sha256(raw[i * FRAME : (i + 1) * FRAME]).digest() for i in range(-(-phi.numel() // CHUNK_ELEMS))]
+        sid = hashlib.sha256(b"".join(hashes) + f"{step}:{outer_step}:{layout_hash}".encode()).hexdigest()[:32]
+        return cls(phi, step, outer_step, layout_hash, hashes, sid)
+
+    def meta(self) -> SnapMeta:
+        return SnapMeta(
+            verdict="ok",
+            snapshot_id=self.snapshot_id,
+            step=self.step,
+            outer_step=self.outer_step,
+            layout_hash=self.layout_hash,
+            numel=self.phi.numel(),
+            chunk_hashes=self.chunk_hashes,
+        )
+
+
+class SnapshotServer:
+    """Serves this node's newest snapshot; at most `max_serving` downloads at once."""
+
+    def __init__(self, source: Callable[[], Snapshot | None], *, max_serving: int = 2, timeout_s: float = 600.0) -> None:
+        self.source = source
+        self.max_serving = max_serving
+        self.timeout_s = timeout_s
+        self.serving = 0
+        self.served = 0
+        self.refused_busy = 0
+
+    async def handle(self, stream: Any) -> None:
+        control = LibP2PByteStream(stream)
+        try:
+            with trio.fail_after(10):
+                req = await recv_as(control, SnapRequest, max_bytes=4096)
+            if self.serving >= self.max_serving:
+                self.refused_busy += 1
+                await send_msg(control, SnapMeta(verdict="busy", reason="serving other joiners"))
+                return
+            snap = await trio.to_thread.run_sync(self.source)
+            if snap is None:
+                await send_msg(control, SnapMeta(verdict="none", reason="no checkpoint yet"))
+                return
+            self.serving += 1
+            try:
+                with trio.fail_after(self.timeout_s):
+                    await send_msg(control, snap.meta(), max_bytes=MAX_META_BYTES)
+                    start = req.from_chunk if req.snapshot_id == snap.snapshot_id else 0
+                    channel = PlainFrameChannel(control, max_frame_size=FRAME)
+                    raw = tensor_bytes(snap.phi)
+                    for i in range(start, len(snap.chunk_hashes)):
+                        await channel.send(raw[i * FRAME : (i + 1) * FRAME])
+                self.served += 1
+            finally:
+                self.serving -= 1
+        except (ProtocolError, trio.TooSlowError) as e:
+            log.debug("snapshot download by %s ended: %s", stream.muxed_conn.peer_id, e)
+        finally:
+            with trio.move_on_after(1) as cs:
+                cs.shield = True
+                try:
+                    await stream.close()
+                except Exception:
+                    pass
+
+
+# --- the joiner -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DonorProgress:
+    """What has been downloaded from one donor, on disk so that a restart resumes it."""
+
+    donor: str
+    meta: dict[str, Any] | None = None
+    have: int = 0  # chunks written, a prefix
+    error: str = ""
+    done: bool = False
+    bytes: int = 0
+
+
+@dataclass
+class JoinDownload:
+    """Downloads from several donors at once into `directory` (`<donor>.bin` + `<donor>.json`)."""
+
+    directory: Path
+    progress: dict[str, DonorProgress] = field(default_factory=dict)
+
+    def _paths(self, donor: str) -> tuple[Path, Path]:
+        safe = "".join(c for c in donor if c.isalnum())
+        return self.directory / f"{safe}.bin", self.directory / f"{safe}.json"
+
+    def _load(self, donor: str) -> DonorProgress:
+        _, meta_path = self._paths(donor)
+        p = DonorProgress(donor)
+        try:
+            saved = json.loads(meta_path.read_text())
+            p.meta, p.have = saved["meta"], int(saved["have"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return p
+
+    def _save(self, p: DonorProgress) -> None:
+        _, meta_path = self._paths(p.donor)
+        tmp = meta_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": p.meta, "have": p.have}))
+        os.replace(tmp, meta_path)
+
+    async def fetch(self, open_stream: Callable[[str], Any], donor: str, *, timeout_s: float) -> DonorProgress:
+        """Download (or resume) the snapshot of `donor`; never raises for network trouble."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        p = self.progress[donor] = self._load(donor)
+        data_path, _ = self._paths(donor)
+        p.have = _verified_prefix(data_path, p)
+        try:
+            with trio.fail_after(timeout_s):
+                stream = await open_stream(donor)
+                try:
+                    await self._fetch_on(stream, p, data_path)
+                finally:
+                    with trio.move_on_after(1) as cs:
+                        cs.shield = True
+                        try:
+                            await stream.close()
+                        except Exception:
+                            pass
+        except (ProtocolError, trio.TooSlowError, OSError) as e:
+            p.error = f"{type(e).__name__}: {e}"[:200]
+        except Exception as e:  # libp2p raises many types for a peer that went away
+            p.error = f"{type(e).__name__}: {e}"[:200]
+        if p.meta is not None:
+            self._save(p)  # what arrived so far is kept for the next attempt
+        return p
+
+    async def _fetch_on(self, stream: Any, p: DonorProgress, data_path: Path) -> None:
+        control = LibP2PByteStream(stream)
+        sid = p.meta["snapshot_id"] if p.meta else ""
+        await send_msg(control, SnapRequest(snapshot_id=sid, from_chunk=p.have if sid else 0))
+        meta = await recv_as(control, SnapMeta, max_bytes=MAX_META_BYTES)
+        if meta.verdict != "ok":
+            p.error = f"{meta.verdict}: {meta.reason}"
+            return
+        if not p.meta or meta.snapshot_id != p.meta["snapshot_id"]:
+            p.meta = {
+                "snapshot_id": meta.snapshot_id,
+                "step": meta.step,
+                "outer_step": meta.outer_step,
+                "layout_hash": meta.layout_hash,
+                "numel": meta.numel,
+                "chunk_hashes": [h.hex() for h in meta.chunk_hashes],
+            }
+            p.have = 0
+            with open(data_path, "wb") as f:
+                f.truncate(meta.numel * 4)
+            self._save(p)
+        hashes = meta.chunk_hashes
+        channel = PlainFrameChannel(control, max_frame_size=FRAME)
+        with open(data_path, "r+b") as f:
+            for i in range(p.have, len(hashes)):
+                chunk = await channel.recv()
+                expected = min(CHUNK_ELEMS, meta.numel - i * CHUNK_ELEMS) * 4
+                if len(chunk) != expected:
+                    raise ProtocolError(Reason.BAD_SIZE, f"chunk {i}: {len(chunk)} bytes, expected {expected}")
+                if hashlib.sha256(chunk).digest() != hashes[i]:
+                    raise ProtocolError(Reason.BAD_FIELD, f"chunk {i} does not match its hash")
+                f.seek(i * FRAME)
+                f.write(chunk)
+                p.have = i + 1
+                p.bytes += len(chunk)
+                if p.have % 16 == 0:
+                    f.flush()
+                    self._save(p)
+            f.flush()
+            os.fsync(f.fileno())
+        p.done = True
+        self._save(p)
+
+    def complete(self) -> list[tuple[DonorProgress, Path]]:
+        return [(p, self._paths(d)[0]) for d, p in self.progress.items() if p.done and p.meta]
+
+    def clear(self) -> None:
+        for path in self.directory.glob("*"):
+            path.unlink(missing_ok=True)
+
+
+def _verified_prefix(data_path: Path, p: DonorProgress) -> int:
+    """How many leading chunks on disk really match their hashes (the progress file may be ahead of the
+    data after a crash, or behind it); resuming starts after them."""
+    if not p.meta or p.have <= 0:
+        return 0
+    hashes = [bytes.fromhex(h) for h in p.meta["chunk_hashes"]]
+    numel = p.meta["numel"]
+    good = 0
+    try:
+        with open(data_path, "rb") as f:
+            for i in range(min(p.have, len(hashes))):
+                chunk = f.read(min(CHUNK_ELEMS, numel - i * CHUNK_ELEMS) * 4)
+                if hashlib.sha256(chunk).digest() != hashes[i]:
+                    break
+                good = i + 1
+    except OSError:
+        return 0
+    return good
+
+
+def combine(downloads: list[tuple[DonorProgress, Path]]) -> dict[str, Any]:
+    """The joiner's starting state: the mean of the donors' slow weights (close models, NoLoCo keeps them
+    so), the most advanced step counters, and the layout they share. Donors on another layout are left out."""
+    if not downloads:
+        raise ValueError("no complete download")
+    layout = downloads[0][0].meta["layout_hash"]  # type: ignore[index]
+    usable = [(p, path) for p, path in downloads if p.meta and p.meta["layout_hash"] == layout]
+    numel = usable[0][0].meta["numel"]  # type: ignore[index]
+    mean = torch.zeros(numel, dtype=torch.float32)
+    for _, path in usable:
+        mean.add_(torch.from_file(str(path), size=numel, dtype=torch.float32))
+    mean.div_(len(usable))
+    return {
+        "format": "starling-snapshot-1",
+        "phi": mean,
+        "step": max(p.meta["step"] for p, _ in usable),  # type: ignore[index]
+        "outer_step": max(p.meta["outer_step"] for p, _ in usable),  # type: ignore[index]
+        "layout_hash": layout,
+        "donors": [p.donor for p, _ in usable],
+    }

@@ -1,0 +1,117 @@
+"""Late-join snapshot download: verified chunks, several donors at once, resumable, donors limit service."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import multiaddr
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from p2p.host import build_host
+from protocols import snapshot as snap
+from protocols.codec import tensor_bytes
+from protocols.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
+
+LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+NUMEL = int(snap.CHUNK_ELEMS * 3.5)
+
+
+async def hosts(stack: AsyncExitStack, n: int) -> list:
+    hs = [build_host(create_new_key_pair()) for _ in range(n)]
+    for h in hs:
+        await stack.enter_async_context(h.run(LISTEN))
+    for h in hs[1:]:
+        await hs[0].connect(info_from_p2p_addr(h.get_addrs()[0]))
+    return hs
+
+
+def opener(joiner):
+    from libp2p.peer.id import ID
+
+    async def open_stream(donor: str):
+        return await joiner.new_stream(ID.from_base58(donor), [snap.PROTOCOL_ID])
+
+    return open_stream
+
+
+async def test_two_donors_at_once_give_their_verified_mean_and_max_counters(tmp_path: Path) -> None:
+    a, b = torch.randn(NUMEL), torch.randn(NUMEL)
+    snaps = [snap.Snapshot.of(a, 100, 10, "L"), snap.Snapshot.of(b, 120, 12, "L")]
+    async with AsyncExitStack() as stack:
+        joiner, d1, d2 = await hosts(stack, 3)
+        for donor, s in ((d1, snaps[0]), (d2, snaps[1])):
+            donor.set_stream_handler(snap.PROTOCOL_ID, snap.SnapshotServer(lambda s=s: s).handle)
+        dl = snap.JoinDownload(tmp_path / "dl")
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                for donor in (d1, d2):
+                    n.start_soon(lambda d=donor: dl.fetch(opener(joiner), str(d.get_id()), timeout_s=20))
+        state = snap.combine(dl.complete())
+    assert torch.allclose(state["phi"], (a + b) / 2)
+    assert (state["step"], state["outer_step"], state["layout_hash"]) == (120, 12, "L")
+    assert len(state["donors"]) == 2
+
+
+async def test_an_interrupted_download_resumes_from_the_first_missing_chunk(tmp_path: Path) -> None:
+    phi = torch.randn(NUMEL)
+    s = snap.Snapshot.of(phi, 50, 5, "L")
+    requests: list[snap.SnapRequest] = []
+
+    async def flaky(stream) -> None:  # serves the meta and two chunks, then the donor "dies"
+        control = LibP2PByteStream(stream)
+        requests.append(await recv_as(control, snap.SnapRequest))
+        await send_msg(control, s.meta(), max_bytes=snap.MAX_META_BYTES)
+        channel = PlainFrameChannel(control, max_frame_size=snap.FRAME)
+        raw = tensor_bytes(s.phi)
+        for i in range(2):
+            await channel.send(raw[i * snap.FRAME : (i + 1) * snap.FRAME])
+        await stream.reset()
+
+    server = snap.SnapshotServer(lambda: s)
+
+    async def honest(stream) -> None:
+        requests.append(None)  # marker: the second attempt reached the honest server
+        await server.handle(stream)
+
+    async with AsyncExitStack() as stack:
+        joiner, donor = await hosts(stack, 2)
+        donor.set_stream_handler(snap.PROTOCOL_ID, flaky)
+        first = await snap.JoinDownload(tmp_path / "dl").fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+        assert not first.done and first.have == 2 and first.error
+        donor.set_stream_handler(snap.PROTOCOL_ID, honest)
+        dl = snap.JoinDownload(tmp_path / "dl")  # a new process would start exactly like this
+        second = await dl.fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+        assert second.done and second.bytes == (NUMEL - 2 * snap.CHUNK_ELEMS) * 4  # only the missing part moved
+        state = snap.combine(dl.complete())
+    assert torch.equal(state["phi"], phi)
+
+
+async def test_a_chunk_that_does_not_match_its_hash_stops_the_download(tmp_path: Path) -> None:
+    s = snap.Snapshot.of(torch.randn(NUMEL), 1, 1, "L")
+
+    async def liar(stream) -> None:
+        control = LibP2PByteStream(stream)
+        await recv_as(control, snap.SnapRequest)
+        await send_msg(control, s.meta(), max_bytes=snap.MAX_META_BYTES)
+        await PlainFrameChannel(control, max_frame_size=snap.FRAME).send(b"\x01" * snap.FRAME)
+        await trio.sleep(5)
+
+    async with AsyncExitStack() as stack:
+        joiner, donor = await hosts(stack, 2)
+        donor.set_stream_handler(snap.PROTOCOL_ID, liar)
+        p = await snap.JoinDownload(tmp_path / "dl").fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+    assert not p.done and p.have == 0 and "hash" in p.error
+
+
+async def test_a_donor_serving_its_limit_answers_busy(tmp_path: Path) -> None:
+    s = snap.Snapshot.of(torch.randn(NUMEL), 1, 1, "L")
+    server = snap.SnapshotServer(lambda: s, max_serving=0)
+    async with AsyncExitStack() as stack:
+        joiner, donor = await hosts(stack, 2)
+        donor.set_stream_handler(snap.PROTOCOL_ID, server.handle)
+        p = await snap.JoinDownload(tmp_path / "dl").fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+    assert not p.done and p.error.startswith("busy") and server.refused_busy == 1
