@@ -83,12 +83,16 @@ class Averager:
         eligible_peers: Callable[[], list[str]] | None = None,
         metrics: Any = None,
         listen_host: str = "127.0.0.1",
+        path_of: Callable[[str], str] | None = None,
+        on_transfer: Callable[[str, int, float], None] | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
         self.manifest_hash = manifest_hash
         self.eligible_peers = eligible_peers
         self.metrics = metrics
+        self.path_of = path_of  # direct | hole-punched | relayed | none (p2p/nat.py)
+        self.on_transfer = on_transfer
         self.listener = DataPathListener(listen_host, cfg.datapath_port, max_frame_size=avg.MAX_FRAME) if cfg.datapath else None
         self.me = str(host.get_id())
         self._pending: _Pending | None = None
@@ -350,6 +354,12 @@ class Averager:
 
     def _judge(self, req: avg.AvgRequest, pending: _Pending | None, partner: str) -> tuple[str, str] | None:
         """None to accept, else (verdict, reason)."""
+        if (
+            self.path_of is not None
+            and not self.cfg.allow_relay_bulk
+            and self.path_of(partner) not in ("direct", "hole-punched")
+        ):
+            return ("refuse", "no direct path between us: bulk tensors do not go through relays")
         if self._link(partner).banned_until > trio.current_time():
             return ("refuse", "banned for repeated invalid updates")
         ours = self.manifest_hash() or "none"
@@ -400,6 +410,8 @@ class Averager:
         )
         if self.metrics is not None:
             self.metrics.observe_round(result.duration_s, total, partner, True)
+        if self.on_transfer is not None:
+            self.on_transfer(partner, total, result.duration_s)
         log.info("averaged with %s over the %s in %.2fs (%.1f MB)", partner, result.path, result.duration_s, total / 1e6)
 
     def _current_tensors(self) -> Tensors | None:

@@ -22,14 +22,18 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import multiaddr
 import trio
 from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 
 from node.averager import Averager
 from node.config import Config
 from node.control import SOCKET_FILE, serve_control
 from node.crdt import Manifest
 from node.history import HISTORY_FILE, HistoryError, LossHistory, atomic_write_bytes
+from node.latejoin import late_join, progress_view, snapshot_source
 from node.metrics import Metrics, serve_metrics
 from node.replicator import STATE_FILE, StateReplicator, load_state
 from node.sdnotify import Notifier, summarize_status, watchdog_loop
@@ -40,6 +44,9 @@ from p2p.connmgr import ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
 from p2p.host import build_host
 from p2p.identity import peer_id_of
+from p2p.nat import NatConfig, NatService
+from protocols.snapshot import PROTOCOL_ID as SNAPSHOT_PROTOCOL
+from protocols.snapshot import SnapshotServer
 
 AVG_PROTOCOL_VERSION = 1  # the major version of /starling/avg; peers on another one cannot average
 
@@ -117,7 +124,11 @@ class Daemon:
             local_manifest=self._local_manifest,
             heartbeat_s=node.heartbeat_s,
         )
-        self.connmgr.on_connected = make_on_connected(self.discovery.peer_connected, self.replicator.peer_connected)
+        self.nat = NatService(self.host, self.connmgr, NatConfig())
+        self.connmgr.dial = self.nat.dial
+        self.connmgr.on_connected = make_on_connected(
+            self.discovery.peer_connected, self.replicator.peer_connected, self.nat.peer_connected
+        )
         try:
             self.history = LossHistory.load(home / HISTORY_FILE)
         except HistoryError as e:
@@ -138,9 +149,13 @@ class Daemon:
                 eligible_peers=self._eligible_partners,
                 metrics=self.metrics,
                 listen_host=bind,
+                path_of=lambda peer: self.nat.path_of(peer),
+                on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
             )
         self.ready = trio.Event()
         self._last_progress_step = 0
+        self.snapshots = SnapshotServer(snapshot_source(home), max_serving=2)
+        self.join_status: dict[str, Any] = {"state": "not started"}
 
     # --- what this node tells the swarm ------------------------------------------------------------------
 
@@ -151,7 +166,8 @@ class Daemon:
         tr = self._training()
         manifest = self._local_manifest()
         fields: dict[str, Any] = {
-            "addrs": [str(a) for a in self.host.get_addrs()][:16],
+            # Circuit addresses go here, not in identify/DHT records: py-libp2p truncates them there.
+            "addrs": ([str(a) for a in self.host.get_addrs()] + self.nat.relay_addrs())[:16],
             "role": "trainer" if self.train else "network-only",
             "version": starling_version(),
             "manifest_hash": manifest.hash if manifest else "",
@@ -193,14 +209,33 @@ class Daemon:
         )
 
     def _eligible_partners(self) -> list[str]:
-        """Alive trainers with our manifest whose outer step is within the allowed gap."""
+        """Alive trainers with our manifest, outer step within the allowed gap, and (unless the config
+        allows bulk over relays) a direct or hole-punched path: bulk tensors never cross a relay."""
         ours = int(self._training().get("outer_step") or 0)
         gap = self.cfg.sync.max_step_gap
+        allow_relay = self.cfg.sync.allow_relay_bulk
         return [
             m.record.peer_id
             for m in self.replicator.alive_members()
-            if m.record.role == "trainer" and abs(m.record.outer_step - ours) <= gap + 1
+            if m.record.role == "trainer"
+            and abs(m.record.outer_step - ours) <= gap + 1
+            and (allow_relay or self.nat.path_of(m.record.peer_id) in ("direct", "hole-punched"))
         ]
+
+    async def _learn_member_addrs(self) -> None:
+        """Members' signed records carry their addresses, circuit ones included: give them to the
+        connection manager so that NATed members are reachable through their relays."""
+        while True:
+            for m in self.replicator.alive_members():
+                addrs = []
+                for text in m.record.addrs:
+                    try:
+                        addrs.append(multiaddr.Multiaddr(text))
+                    except Exception:
+                        continue
+                if addrs:
+                    self.connmgr.add_candidate(PeerInfo(ID.from_base58(m.record.peer_id), addrs), source="state")
+            await trio.sleep(5.0)
 
     # --- status ------------------------------------------------------------------------------------------
 
@@ -217,12 +252,18 @@ class Daemon:
             "discovery": self.discovery.status(),
             "role": "trainer" if self.train else "network-only",
             "authorization": self.access.status(),
+            "reachability": self.nat.reachability,
+            "nat": self.nat.status(),
+            "peers": self.nat.peers_status(),
         }
         st.update(self.replicator.status())
         if self.supervisor is not None:
             st["training"] = self.supervisor.status()
         if self.averager is not None:
             st["sync"] = self.averager.status()
+            st["join"] = progress_view(self.join_status)
+            st["join"]["serving"] = self.snapshots.serving
+            st["join"]["served"] = self.snapshots.served
         return st
 
     async def _handle_control(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +293,8 @@ class Daemon:
                     nursery.start_soon(watch_bootstrap_files, paths, self.connmgr)
                 await nursery.start(serve_control, self.home / SOCKET_FILE, self._handle_control)
                 await nursery.start(self.connmgr.run)
+                await nursery.start(self.nat.run)
+                nursery.start_soon(self._learn_member_addrs)
                 await nursery.start(self.discovery.run)
                 await nursery.start(self.replicator.run)
                 nursery.start_soon(self._keep_history)
@@ -267,11 +310,11 @@ class Daemon:
                     log.info("metrics on http://%s:%d/metrics", node.metrics_host, node.metrics_port)
                     nursery.start_soon(self._refresh_metrics)
                 if self.train:
+                    self.host.set_stream_handler(SNAPSHOT_PROTOCOL, self.snapshots.handle)
                     self.supervisor = self._make_supervisor()
-                    if self.supervisor is not None:
-                        assert self.averager is not None
-                        await nursery.start(self.averager.run)
-                        nursery.start_soon(self.supervisor.run)
+                    assert self.averager is not None
+                    await nursery.start(self.averager.run)
+                    nursery.start_soon(self._train)
                 self.ready.set()
                 self.notifier.ready(summarize_status(self.status()))
                 nursery.start_soon(watchdog_loop, self.notifier, lambda: summarize_status(self.status()))
@@ -286,6 +329,30 @@ class Daemon:
         while True:
             await self.access.disconnect_outsiders(self.host, self.host.get_connected_peers())
             await trio.sleep(1.0)
+
+    async def _train(self) -> None:
+        """Late join first (a node without a checkpoint starts from the swarm's weights), then train."""
+        t = self.cfg.sync
+        if t.join_donors > 0:
+            await late_join(
+                self.host,
+                self.home,
+                self._join_donors,
+                max_donors=t.join_donors,
+                wait_s=t.join_wait_s,
+                timeout_s=t.join_timeout_s,
+                status=self.join_status,
+            )
+        await self.supervisor.run()
+
+    def _join_donors(self) -> list[str]:
+        """Alive trainers that have made outer steps (their manifest is checked by the worker's layout)."""
+        return [
+            m.record.peer_id
+            for m in self.replicator.state.members()
+            if m.state == "alive" and m.record.role == "trainer" and m.record.outer_step > 0
+            and m.record.peer_id != str(self.peer_id)
+        ]
 
     async def _keep_history(self) -> None:
         """Record every member's progress for `starling plot`; saved every 30 s and on stop."""

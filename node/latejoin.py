@@ -9,6 +9,7 @@ shard and a fresh inner optimizer. Donors serve from their newest verified check
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Callable
@@ -32,9 +33,17 @@ def join_snapshot_path(home: Path) -> Path:
     return home / JOIN_DIR / JOIN_FILE
 
 
-def has_checkpoint(home: Path) -> bool:
+def _checkpoint_files(home: Path) -> list[Path]:
+    """Every checkpoint under HOME/checkpoints/<task>-<model>/, newest first (by modification time)."""
     directory = home / CHECKPOINT_DIR
-    return directory.is_dir() and any(p.name.startswith("ckpt-") and p.name.endswith(".pt") for p in directory.iterdir())
+    if not directory.is_dir():
+        return []
+    files = [p for p in directory.glob("*/ckpt-*.pt") if p.is_file()]
+    return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def has_checkpoint(home: Path) -> bool:
+    return bool(_checkpoint_files(home))
 
 
 def snapshot_source(home: Path) -> Callable[[], Snapshot | None]:
@@ -45,10 +54,7 @@ def snapshot_source(home: Path) -> Callable[[], Snapshot | None]:
     cache: dict[str, Any] = {"path": None, "snapshot": None}
 
     def source() -> Snapshot | None:
-        directory = home / CHECKPOINT_DIR
-        if not directory.is_dir():
-            return None
-        for path in sorted(directory.glob("ckpt-*.pt"), reverse=True):  # zero-padded steps: newest first
+        for path in _checkpoint_files(home):
             if cache["path"] == path:
                 return cache["snapshot"]
             try:
@@ -101,7 +107,7 @@ async def late_join(
 
     async with trio.open_nursery() as nursery:
         for donor in chosen:
-            nursery.start_soon(download.fetch, open_stream, donor, timeout_s=timeout_s)
+            nursery.start_soon(functools.partial(download.fetch, open_stream, donor, timeout_s=timeout_s))
     complete = download.complete()
     for p in download.progress.values():
         if not p.done:

@@ -23,6 +23,9 @@ class SyncConfig:
     max_delta_ratio: float = opt(10.0, "reject a partner's Delta whose norm exceeds this many times ours or the recent median")
     ban_after: int = opt(3, "offences (poisoned or malformed updates) before a partner is banned")
     ban_s: float = opt(600.0, "how long a banned partner is ignored (seconds)")
+    join_donors: int = opt(3, "late join: download the swarm's weights from up to this many donors at once (0 = off)")
+    join_wait_s: float = opt(10.0, "late join: seconds to wait for trained members before starting a fresh model")
+    join_timeout_s: float = opt(600.0, "late join: seconds the download may take before training starts without it")
     backoff_s: float = opt(10.0, "first back-off after a failed exchange with a partner (doubles, max 5 min)")
 
     def validate(self) -> None:
@@ -46,5 +49,11 @@ class SyncConfig:
             raise ValueError("sync.ban_after: must be between 1 and 1000")
         if not 0 <= self.ban_s <= 86400 * 7:
             raise ValueError("sync.ban_s: must be between 0 and 604800 seconds")
+        if not 0 <= self.join_donors <= 16:
+            raise ValueError("sync.join_donors: must be between 0 and 16")
+        if not 0 <= self.join_wait_s <= 3600:
+            raise ValueError("sync.join_wait_s: must be between 0 and 3600 seconds")
+        if not 1 <= self.join_timeout_s <= 86400:
+            raise ValueError("sync.join_timeout_s: must be between 1 and 86400 seconds")
         if not 0.1 <= self.backoff_s <= 3600:
             raise ValueError("sync.backoff_s: must be between 0.1 and 3600 seconds")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import multiaddr
@@ -50,6 +50,9 @@ class ConnManager:
     cap: int = 32
     dial_timeout: float = 10.0
     on_connected: Callable[[ID], None] | None = None
+    # How to dial: host.connect by default; p2p/nat.py supplies one that also tries relay circuits,
+    # which py-libp2p's swarm never dials by itself.
+    dial: Callable[[PeerInfo], Awaitable[None]] | None = None
     clock: Callable[[], float] = time.monotonic
     candidates: dict[ID, Candidate] = field(default_factory=dict)
     _dialing: set[ID] = field(default_factory=set)
@@ -161,7 +164,7 @@ class ConnManager:
             ok = False
             with trio.move_on_after(self.dial_timeout):
                 try:
-                    await self.host.connect(PeerInfo(cand.peer_id, list(cand.addrs)))
+                    await (self.dial or self.host.connect)(PeerInfo(cand.peer_id, list(cand.addrs)))
                     ok = True
                 except Exception as e:  # libp2p raises many types for an unreachable peer
                     cand.last_error = f"{type(e).__name__}: {e}"[:200]

@@ -22,7 +22,7 @@ TINY = [
     "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set", "train.inner_steps=5",
     "--set", "train.data_bytes=300000", "--set", "train.warmup=10", "--set", "train.lr=0.003",
     "--set", "train.max_lag=5", "--set", "train.checkpoint_every=2", "--set", "train.eval_batches=1",
-    "--set", "sync.pair_window_s=2", "--set", "sync.backoff_s=1",
+    "--set", "sync.pair_window_s=2", "--set", "sync.backoff_s=1", "--set", "sync.join_wait_s=2",
     "--set", "node.heartbeat_s=0.5", "--set", "node.suspect_after=3", "--set", "node.gone_after=6",
 ]
 
@@ -105,3 +105,21 @@ def test_a_partner_killed_mid_run_leaves_the_other_training_with_solo_steps(grou
     assert after["training"]["state"] == "training"
     time.sleep(1)
     assert a.proc.poll() is None
+
+
+def test_a_late_joiner_starts_from_the_swarms_weights_not_a_fresh_model(group: DaemonGroup) -> None:
+    steady = ["--set", "train.eval_batches=8"]  # validation loss over 8 batches: a steadier yardstick
+    boot = group.start("n0", *TINY, *steady, "--swarm", "late")
+    nodes = [boot, group.start("n1", *TINY, *steady, "--swarm", "late", "--bootstrap", boot.addr())]
+    for d in nodes:
+        d.wait_status(lambda s: s["training"]["outer_step"] >= 8 and s["training"].get("checkpoint_step"), timeout=200)
+    joiner = group.start("late", *TINY, *steady, "--swarm", "late", "--bootstrap", boot.addr(),
+                         "--set", "sync.join_wait_s=30")
+    st = joiner.wait_status(lambda s: s.get("join", {}).get("state") == "done", timeout=90)
+    assert len(st["join"]["donors"]) == 2
+    first = joiner.wait_status(lambda s: s["training"]["val_loss"] is not None, timeout=90, interval=0.2)["training"]
+    donor_val = sum(d.status()["training"]["val_loss"] for d in nodes) / len(nodes)
+    fresh_loss = 5.5  # ln(256): a byte-level model that knows nothing
+    assert donor_val < 0.8 * fresh_loss  # the swarm has really trained
+    assert first["outer_step"] >= 8  # step counters came with the weights
+    assert abs(first["val_loss"] - donor_val) <= 0.10 * donor_val, (first["val_loss"], donor_val)
