@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast lint bench chaos fuzz clean
+.PHONY: install sysdeps run test test-fast lint bench bench-convergence bench-sync bench-nat chaos fuzz swarm-up swarm-down clean
 
 install: $(STAMP)
 
@@ -46,8 +46,36 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check p2p protocols node tests bench
 
+# Benchmarks print ratios measured in one run and write their sections of docs/benchmarks.md.
 bench: install
-	$(PY) bench/discovery.py
+	$(PY) bench/discovery.py --write-docs
+	$(PY) bench/datapath.py
+	$(PY) bench/sync.py --write-docs
+	$(PY) bench/convergence.py --write-docs
+
+bench-convergence: install
+	$(PY) bench/convergence.py --write-docs
+
+bench-sync: install
+	$(PY) bench/sync.py --write-docs
+
+bench-nat: install
+	$(PY) bench/nat.py --write-docs
+
+# Long runs, outside `make test`.
+chaos: install
+	$(PY) bench/chaos.py --write-docs
+
+fuzz: install
+	$(PY) bench/fuzz.py --n 100000
+
+# docker-compose swarm (needs a Docker engine): one bootstrap/relay service and scalable trainers.
+TRAINERS ?= 3
+swarm-up:
+	docker compose -f docker/docker-compose.yml up -d --build --scale trainer=$(TRAINERS)
+
+swarm-down:
+	docker compose -f docker/docker-compose.yml down
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
