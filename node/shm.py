@@ -1,0 +1,120 @@
+"""Flat fp32 tensors in named POSIX shared memory, mapped by both the daemon and the worker.
+
+Why shared memory: the slow weights and outer gradient of even a small model are megabytes, and a large
+one gigabytes; pickling them through a pipe would copy them twice and stall whichever side is busier.
+Instead the supervisor (daemon side) creates four segments once the worker says how many parameters it
+has, sends their names over the control channel, and both sides wrap the same pages in torch tensors.
+
+The daemon owns the segments: they outlive a crashed worker, and the daemon unlinks them when it stops.
+The worker only attaches. Python 3.11's `SharedMemory` registers *attached* segments with the attaching
+process's resource tracker too, which would unlink the daemon's segments when the worker exits; `attach`
+undoes that registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+log = logging.getLogger("starling.shm")
+
+SLOTS = ("phi", "delta", "phi_out", "delta_out")
+_FLOAT_BYTES = 4
+
+
+class SharedTensor:
+    """One named shared-memory segment viewed as a flat float32 tensor of `numel` elements."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, numel: int, *, owner: bool) -> None:
+        if shm.size < numel * _FLOAT_BYTES:
+            shm.close()
+            raise ValueError(f"shared memory {shm.name} holds {shm.size} bytes, need {numel * _FLOAT_BYTES}")
+        self._shm = shm
+        self.name = shm.name
+        self.numel = numel
+        self.owner = owner
+        self.tensor = torch.frombuffer(shm.buf, dtype=torch.float32, count=numel)
+
+    @classmethod
+    def create(cls, numel: int, tag: str) -> SharedTensor:
+        name = f"stl{os.getpid()}_{secrets.token_hex(4)}_{tag}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, numel * _FLOAT_BYTES))
+        return cls(shm, numel, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, numel: int) -> SharedTensor:
+        shm = shared_memory.SharedMemory(name=name, create=False)
+        # Not ours to clean up (see the module docstring). Python 3.13 has track=False for this.
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        except Exception:  # the tracker's API is private; failing here only risks an extra warning
+            pass
+        return cls(shm, numel, owner=False)
+
+    def close(self) -> None:
+        """Drop our mapping; the owner also unlinks the name. Safe to call twice."""
+        if self._shm is None:
+            return
+        shm, self._shm = self._shm, None
+        self.tensor = torch.empty(0)
+        try:
+            shm.close()
+        except BufferError:
+            # Someone still holds a view of the pages (e.g. a tensor kept by the daemon's averager):
+            # the mapping then lives until that view is collected; unlinking the name is still safe.
+            log.debug("shared memory %s still has views; leaving the mapping to the GC", self.name)
+        if self.owner:
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+@dataclass
+class ExchangeSlots:
+    """The four segments of one outer exchange: what the worker publishes and what the daemon returns."""
+
+    phi: SharedTensor
+    delta: SharedTensor
+    phi_out: SharedTensor
+    delta_out: SharedTensor
+
+    @property
+    def numel(self) -> int:
+        return self.phi.numel
+
+    @classmethod
+    def create(cls, numel: int) -> ExchangeSlots:
+        made: list[SharedTensor] = []
+        try:
+            for slot in SLOTS:
+                made.append(SharedTensor.create(numel, slot))
+        except BaseException:
+            for s in made:
+                s.close()
+            raise
+        return cls(*made)
+
+    @classmethod
+    def attach(cls, names: dict[str, str], numel: int) -> ExchangeSlots:
+        made: list[SharedTensor] = []
+        try:
+            for slot in SLOTS:
+                made.append(SharedTensor.attach(names[slot], numel))
+        except BaseException:
+            for s in made:
+                s.close()
+            raise
+        return cls(*made)
+
+    def names(self) -> dict[str, str]:
+        return {slot: getattr(self, slot).name for slot in SLOTS}
+
+    def close(self) -> None:
+        for slot in SLOTS:
+            getattr(self, slot).close()

@@ -1,0 +1,404 @@
+"""The daemon's side of the local torch worker: spawn it, talk to it, restart it, stop it cleanly.
+
+The worker (node/worker.py) is a separate OS process so that trio never competes with torch for the GIL.
+The supervisor talks to it with length-prefixed msgpack over a socketpair read by trio, and shares the
+slow weights and outer gradients through four named shared-memory segments it owns (node/shm.py).
+
+For every `publish` from the worker it calls the daemon's `exchange` function (at most one in flight),
+bounded by `train.exchange_timeout`; whatever happens - a result, an exception, the deadline - the worker
+gets an answer, a solo step when nothing better came. The daemon therefore never has to worry about the
+worker waiting forever, and the worker never waits on the network beyond the configured bound.
+
+Lifecycle: `run()` restarts a worker that dies with exponential backoff (1 s doubling to 60 s, reset
+after a minute of healthy running); the new worker resumes from its latest checkpoint. A worker that
+reports a fatal start-up error (a bad task or config) is not restarted: the state becomes "failed" and
+status says why. On cancellation `run()` asks the worker to checkpoint and stop, waits up to
+`stop_grace` seconds (shielded), then kills it - no stray process is left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from node.shm import ExchangeSlots
+from node.task import Layout
+from node.train_config import TrainConfig
+from node.worker import (
+    Attach,
+    CheckpointSaved,
+    Fatal,
+    FrameBuffer,
+    Hello,
+    Init,
+    Message,
+    Metrics,
+    ProtocolError,
+    Publish,
+    Result,
+    Stop,
+    Stopped,
+    encode_message,
+)
+
+log = logging.getLogger("starling.supervisor")
+
+
+@dataclass
+class ExchangeRequest:
+    """One outer step's exchange, handed to the daemon's averager.
+
+    The tensors are views of shared memory: `phi` and `delta` are the worker's and must only be read;
+    the daemon writes the group means into `phi_out` and `delta_out` before returning the group size.
+    They stay valid until the exchange function returns (or is cancelled).
+    """
+
+    outer_step: int
+    phi: torch.Tensor  # flat fp32 slow weights
+    delta: torch.Tensor  # flat fp32 outer gradient, Delta = theta - phi
+    phi_out: torch.Tensor  # flat fp32: group mean of phi, filled by the daemon
+    delta_out: torch.Tensor  # flat fp32: group mean of Delta, filled by the daemon
+    layout: Layout  # parameter names and shapes (for the run manifest)
+
+
+# Returns the size n of the group whose means were written; 0 or 1 means "solo step, outputs ignored".
+ExchangeFn = Callable[[ExchangeRequest], Awaitable[int]]
+
+
+async def solo_exchange(request: ExchangeRequest) -> int:
+    """The exchange of a node without averaging: always a solo step."""
+    return 1
+
+
+class _Channel:
+    """The supervisor's end of the control socket: framed msgpack with a send lock."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self._frames = FrameBuffer()
+        self._send_lock = trio.Lock()
+
+    async def send(self, msg: Message) -> None:
+        async with self._send_lock:
+            await self._stream.send_all(encode_message(msg))
+
+    async def receive(self) -> Message | None:
+        """The next message, or None at end of file (the worker exited)."""
+        while True:
+            msg = self._frames.next_message()
+            if msg is not None:
+                return msg
+            try:
+                data = await self._stream.receive_some(1 << 16)
+            except trio.BrokenResourceError:
+                data = b""
+            if not data:
+                return None
+            self._frames.feed(data)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+@dataclass
+class _Exit:
+    """How one worker lifetime ended."""
+
+    fatal: str | None = None  # a start-up error a restart cannot fix
+    reason: str = ""
+
+
+class WorkerSupervisor:
+    """Runs and watches the local torch worker for the daemon (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        home: Path,
+        peer_id: str,
+        exchange: ExchangeFn,
+        *,
+        python: str = sys.executable,
+        stop_grace: float = 8.0,
+        startup_timeout: float = 600.0,
+        silence_timeout: float = 300.0,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+        healthy_after: float = 60.0,
+    ) -> None:
+        self.cfg = cfg
+        self.home = home
+        self.peer_id = peer_id
+        self._exchange = exchange
+        self._python = python
+        self._stop_grace = stop_grace
+        self._startup_timeout = startup_timeout  # import torch + read the data + load a checkpoint
+        self._silence_timeout = silence_timeout  # a worker that sends nothing this long is hung
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._healthy_after = healthy_after
+        self._slots: ExchangeSlots | None = None
+        self._hello: Hello | None = None
+        self._status: dict[str, Any] = {
+            "state": "idle",
+            "task": cfg.task,
+            "device": None,
+            "step": 0,
+            "outer_step": 0,
+            "loss": None,
+            "val_loss": None,
+            "samples_per_s": 0.0,
+            "lr": None,
+            "restarts": 0,
+            "pid": None,
+            "resumed_step": None,
+            "checkpoint_step": None,
+            "checkpoint_rejected": [],
+            "exchanges": {"group": 0, "solo": 0, "failed": 0},
+            "last_group_size": None,
+            "error": None,
+        }
+
+    # -- the public surface --
+
+    def status(self) -> dict[str, Any]:
+        """The `training` section of `status --json` (plain JSON types, a copy)."""
+        out = dict(self._status)
+        out["exchanges"] = dict(self._status["exchanges"])
+        out["checkpoint_rejected"] = list(self._status["checkpoint_rejected"])
+        return out
+
+    def manifest_fields(self) -> dict[str, Any] | None:
+        """Task name, model hash and parameter-layout hash, once the worker has said them."""
+        if self._hello is None:
+            return None
+        return {
+            "task": self._hello.task,
+            "model_hash": self._hello.model_hash,
+            "layout_hash": self._hello.layout_hash,
+            "numel": self._hello.numel,
+            "outer": self.cfg.outer,
+        }
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep a worker running until cancelled."""
+        task_status.started()
+        backoff = self._backoff_initial
+        try:
+            while True:
+                self._status["state"] = "starting"
+                began = trio.current_time()
+                ended = await self._run_one_worker()
+                if ended.fatal is not None:
+                    self._status.update(state="failed", error=ended.fatal, pid=None)
+                    log.error("training stopped: %s", ended.fatal)
+                    await trio.sleep_forever()
+                if trio.current_time() - began >= self._healthy_after:
+                    backoff = self._backoff_initial
+                self._status["restarts"] += 1
+                self._status.update(state="restarting", pid=None, error=ended.reason)
+                log.warning("worker exited (%s); restarting in %.0f s", ended.reason, backoff)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self._backoff_max)
+        finally:
+            self._status.update(state="stopped", pid=None)
+            if self._slots is not None:
+                self._slots.close()
+                self._slots = None
+
+    # -- one worker lifetime --
+
+    async def _run_one_worker(self) -> _Exit:
+        ours, theirs = socket.socketpair()
+        try:
+            proc = await trio.lowlevel.open_process(
+                # -P: do not put the current directory first on sys.path, so a stray `node/` folder
+                # where the daemon was started cannot shadow our package.
+                [self._python, "-P", "-m", "node.worker", "--fd", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # terminal signals go to the daemon, which stops us properly
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._status["pid"] = proc.pid
+        chan = _Channel(trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+        try:
+            async with trio.open_nursery() as nursery:
+                ended = await self._serve(proc, chan, nursery)
+                nursery.cancel_scope.cancel()  # an exchange still running belongs to the dead worker
+            return ended
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stop_process(proc, chan)
+                await chan.aclose()
+
+    async def _serve(self, proc: trio.Process, chan: _Channel, nursery: trio.Nursery) -> _Exit:
+        cfg_dict = dataclasses.asdict(self.cfg)
+        level = logging.getLevelName(logging.getLogger("starling").getEffectiveLevel()).lower()
+        try:
+            await chan.send(Init(config=cfg_dict, home=str(self.home), peer_id=self.peer_id, log_level=level))
+            first: Message | None = None
+            with trio.move_on_after(self._startup_timeout) as startup:
+                first = await chan.receive()
+            if startup.cancelled_caught:
+                proc.kill()
+                return _Exit(reason=f"no hello within {self._startup_timeout:.0f} s; killed")
+            if isinstance(first, Fatal):
+                return _Exit(fatal=first.error)
+            if first is None:
+                return await self._exited(proc, "ended before saying hello")
+            if not isinstance(first, Hello):
+                raise ProtocolError(f"expected hello, got {type(first).__name__}")
+            await self._on_hello(chan, first)
+            return await self._serve_messages(proc, chan, nursery)
+        except ProtocolError as e:
+            proc.kill()
+            return _Exit(reason=f"protocol error: {e}")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return await self._exited(proc, "closed the control socket")
+
+    async def _on_hello(self, chan: _Channel, hello: Hello) -> None:
+        self._hello = hello
+        if self._slots is None or self._slots.numel != hello.numel:
+            if self._slots is not None:
+                self._slots.close()
+            self._slots = ExchangeSlots.create(hello.numel)
+        self._status.update(
+            state="training",
+            task=hello.task,
+            device=hello.device,
+            step=hello.step,
+            outer_step=hello.outer_step,
+            resumed_step=hello.step if hello.resumed_from else None,
+            checkpoint_rejected=list(hello.rejected),
+            error=None,
+        )
+        for rejected in hello.rejected:
+            log.warning("corrupt checkpoint set aside: %s", rejected)
+        if hello.resumed_from:
+            log.info("worker %d resumed from %s at step %d", hello.pid, hello.resumed_from, hello.step)
+        await chan.send(Attach(names=self._slots.names()))
+
+    async def _serve_messages(self, proc: trio.Process, chan: _Channel, nursery: trio.Nursery) -> _Exit:
+        """Handle the worker's messages until it exits or falls silent (its metrics double as a
+        heartbeat, so silence means a hung worker)."""
+        in_flight = False
+
+        async def exchange_then_answer(publish: Publish) -> None:
+            nonlocal in_flight
+            try:
+                size = await self._run_exchange(publish)
+                # Cleared before the answer goes out: the worker may publish again the moment it has it.
+                in_flight = False
+                await chan.send(Result(outer_step=publish.outer_step, group_size=size))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the worker is gone; the message loop sees end of file and restarts it
+            finally:
+                in_flight = False
+
+        scope = trio.CancelScope()
+        with scope:
+            while True:
+                scope.deadline = trio.current_time() + self._silence_timeout
+                msg = await chan.receive()
+                if msg is None:
+                    return await self._exited(proc, "exited")
+                if isinstance(msg, Publish):
+                    if in_flight:
+                        raise ProtocolError("publish while an exchange is in flight")
+                    in_flight = True
+                    nursery.start_soon(exchange_then_answer, msg)
+                elif isinstance(msg, Fatal):
+                    return _Exit(fatal=msg.error)
+                else:
+                    self._note(msg)
+        proc.kill()
+        return _Exit(reason=f"silent for {self._silence_timeout:.0f} s (hung?); killed")
+
+    def _note(self, msg: Message) -> None:
+        """Fold a progress report into the status."""
+        if isinstance(msg, Metrics):
+            self._status.update(
+                step=msg.step,
+                outer_step=msg.outer_step,
+                val_loss=msg.val_loss,
+                samples_per_s=round(msg.samples_per_s, 2),
+                lr=msg.lr,
+            )
+            if msg.loss is not None:
+                self._status["loss"] = msg.loss
+        elif isinstance(msg, CheckpointSaved):
+            self._status.update(checkpoint_step=msg.step, step=msg.step, outer_step=msg.outer_step)
+        elif isinstance(msg, Stopped):
+            log.info("worker stopped at step %d (outer step %d)", msg.step, msg.outer_step)
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} from the worker")
+
+    async def _run_exchange(self, publish: Publish) -> int:
+        """Call the daemon's exchange within the deadline; any failure means a solo step."""
+        assert self._slots is not None and self._hello is not None
+        slots = self._slots
+        request = ExchangeRequest(
+            outer_step=publish.outer_step,
+            phi=slots.phi.tensor,
+            delta=slots.delta.tensor,
+            phi_out=slots.phi_out.tensor,
+            delta_out=slots.delta_out.tensor,
+            layout=[(str(name), tuple(shape)) for name, shape in self._hello.layout],
+        )
+        size = 0
+        counts = self._status["exchanges"]
+        with trio.move_on_after(self.cfg.exchange_timeout) as deadline:
+            try:
+                size = int(await self._exchange(request))
+            except Exception:
+                log.exception("outer exchange %d failed; taking a solo step", publish.outer_step)
+                counts["failed"] += 1
+        if deadline.cancelled_caught:
+            log.warning("outer exchange %d timed out after %.0f s; taking a solo step",
+                        publish.outer_step, self.cfg.exchange_timeout)
+            counts["failed"] += 1
+            size = 0
+        counts["group" if size >= 2 else "solo"] += 1
+        self._status["last_group_size"] = max(size, 1)
+        return size
+
+    async def _exited(self, proc: trio.Process, what: str) -> _Exit:
+        with trio.move_on_after(self._stop_grace):
+            await proc.wait()
+        code = proc.returncode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return _Exit(reason=f"worker {what} ({how})")
+
+    async def _stop_process(self, proc: trio.Process, chan: _Channel) -> None:
+        """Ask the worker to checkpoint and exit; kill it if it does not within the grace period."""
+        if proc.returncode is None:
+            self._status["state"] = "stopping"
+            with trio.move_on_after(self._stop_grace):
+                try:
+                    await chan.send(Stop())
+                    # Read its last reports (the final checkpoint) until it closes the socket.
+                    while (msg := await chan.receive()) is not None:
+                        if not isinstance(msg, (Publish, Fatal, Hello)):
+                            self._note(msg)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                    pass
+                except ProtocolError:
+                    pass  # it is being stopped anyway; the deadline and kill below still apply
+                await proc.wait()
+        if proc.returncode is None:
+            log.warning("worker %d did not stop within %.0f s; killing it", proc.pid, self._stop_grace)
+            proc.kill()
+        await proc.wait()

@@ -1,0 +1,108 @@
+"""The `[train]` section of config.toml: what the local torch worker trains and how.
+
+Only plain types (int, float, str, bool) so every option maps to TOML, `STARLING_TRAIN_*` environment
+variables and `--set train.x=...` flags. This module must not import torch: the daemon loads its config
+long before (and sometimes without) starting a worker.
+
+Defaults follow the NoLoCo paper where it says something (H = 50, alpha 0.5, beta 0.7, gamma 0.7, Adam
+with grad clip 1.0, warm-up then cosine to 0.1x) and are sized so the default `stdlib-lm` task trains
+visibly on a 2-core CPU: a ~3.4M-parameter byte-level transformer whose loss falls within minutes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from node.config import opt
+
+# "package.module:function" - the factory that builds the task (see node/task.py).
+_TASK_SPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:[0-9]+)$")
+OUTER_KINDS = ("noloco", "diloco")
+
+
+@dataclass
+class TrainConfig:
+    task: str = opt("node.tasks.stdlib_lm:make_task", "training task as module:function returning a Task")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N (auto = cuda when present, else cpu)")
+    threads: int = opt(1, "torch CPU threads in the worker (leave cores for the daemon)")
+    seed: int = opt(0, "seed for the initial weights (same on every peer) and the data order")
+    inner_steps: int = opt(50, "H: inner Adam steps between two outer steps")
+    outer: str = opt("noloco", "outer optimizer: noloco | diloco (diloco alone = solo heavy-ball step)")
+    alpha: float = opt(0.5, "outer momentum (alpha)")
+    beta: float = opt(0.7, "outer learning rate (beta)")
+    gamma: float = opt(0.7, "NoLoCo pull towards the group's mean slow weights (gamma)")
+    lr: float = opt(1e-3, "peak inner learning rate (Adam)")
+    warmup: int = opt(100, "inner steps of linear learning-rate warm-up")
+    total_steps: int = opt(20000, "inner steps of the cosine decay; the lr stays at its floor afterwards")
+    min_lr_ratio: float = opt(0.1, "floor of the cosine schedule as a fraction of lr")
+    grad_clip: float = opt(1.0, "gradient-norm clip for the inner steps (0 = off)")
+    batch_size: int = opt(16, "sequences per inner step")
+    seq_len: int = opt(128, "tokens (bytes) per sequence")
+    d_model: int = opt(256, "transformer width")
+    n_layers: int = opt(4, "transformer blocks")
+    n_heads: int = opt(4, "attention heads (must divide d_model)")
+    data_bytes: int = opt(8_000_000, "bytes of training text this peer reads (caps start-up time and memory)")
+    val_fraction: float = opt(0.05, "fraction of source files held out for validation (chosen by file)")
+    eval_every: int = opt(1, "outer steps between two validation-loss measurements")
+    eval_batches: int = opt(4, "validation batches per measurement")
+    overlap: bool = opt(True, "keep training while the outer exchange runs (false = wait for it)")
+    max_lag: int = opt(10, "most inner steps an outer result may lag behind its publish (<= inner_steps)")
+    exchange_timeout: float = opt(120.0, "seconds one outer exchange may take before a solo step is used")
+    checkpoint_every: int = opt(5, "outer steps between two checkpoints")
+    checkpoints_keep: int = opt(3, "checkpoints kept on disk (older ones are deleted)")
+
+    def validate(self) -> None:
+        """Raise ValueError("train.<field>: why") for the first bad option."""
+        if not _TASK_SPEC.match(self.task):
+            raise ValueError("train.task: expected module:function, e.g. node.tasks.stdlib_lm:make_task")
+        if not _DEVICE.match(self.device):
+            raise ValueError("train.device: one of auto, cpu, cuda, cuda:N")
+        _int_range("threads", self.threads, 1, 256)
+        _int_range("seed", self.seed, 0, 2**63 - 1)
+        _int_range("inner_steps", self.inner_steps, 1, 1_000_000)
+        if self.outer not in OUTER_KINDS:
+            raise ValueError(f"train.outer: one of {', '.join(OUTER_KINDS)}")
+        _float_range("alpha", self.alpha, 0.0, 1.0, high_open=True)
+        _float_range("beta", self.beta, 0.0, 10.0, low_open=True)
+        _float_range("gamma", self.gamma, 0.0, 10.0)
+        _float_range("lr", self.lr, 0.0, 1.0, low_open=True)
+        _int_range("warmup", self.warmup, 0, 100_000_000)
+        _int_range("total_steps", self.total_steps, 1, 10**12)
+        if self.warmup >= self.total_steps:
+            raise ValueError("train.warmup: must be smaller than train.total_steps")
+        _float_range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _float_range("grad_clip", self.grad_clip, 0.0, 1e6)
+        _int_range("batch_size", self.batch_size, 1, 65536)
+        _int_range("seq_len", self.seq_len, 2, 65536)
+        _int_range("d_model", self.d_model, 1, 65536)
+        _int_range("n_layers", self.n_layers, 1, 1024)
+        _int_range("n_heads", self.n_heads, 1, 1024)
+        if self.d_model % self.n_heads:
+            raise ValueError("train.n_heads: must divide train.d_model")
+        _int_range("data_bytes", self.data_bytes, 4096, 2**40)
+        _float_range("val_fraction", self.val_fraction, 0.0, 0.5, low_open=True)
+        _int_range("eval_every", self.eval_every, 1, 1_000_000)
+        _int_range("eval_batches", self.eval_batches, 1, 10_000)
+        _int_range("max_lag", self.max_lag, 0, self.inner_steps)
+        _float_range("exchange_timeout", self.exchange_timeout, 0.1, 86400.0)
+        _int_range("checkpoint_every", self.checkpoint_every, 1, 1_000_000)
+        _int_range("checkpoints_keep", self.checkpoints_keep, 1, 1000)
+
+
+def _int_range(name: str, value: int, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"train.{name}: must be an integer between {low} and {high}, got {value!r}")
+
+
+def _float_range(
+    name: str, value: float, low: float, high: float, *, low_open: bool = False, high_open: bool = False
+) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+        raise ValueError(f"train.{name}: must be a number in {lo}{low}, {high}{hi}, got {value!r}")

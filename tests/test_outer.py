@@ -1,0 +1,169 @@
+"""NoLoCo and DiLoCo outer steps against hand-computed values, and small convergence runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.outer import OuterHyper, OuterOptimizer, diloco_step, noloco_step
+
+HYPER = OuterHyper(alpha=0.5, beta=0.7, gamma=0.7)
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_noloco_step_matches_hand_computed_values() -> None:
+    phi, momentum = t(1.0, 2.0), t(0.5, -1.0)
+    mean_delta, mean_phi = t(0.2, -0.4), t(0.8, 2.5)
+    noloco_step(phi, momentum, mean_delta, mean_phi, HYPER)
+    # m = 0.5*m + 0.7*mean_delta - 0.7*(phi - mean_phi)
+    #   = [0.25, -0.5] + [0.14, -0.28] - 0.7*[0.2, -0.5] = [0.25, -0.43];  phi = [1.25, 1.57]
+    assert torch.allclose(momentum, t(0.25, -0.43), atol=1e-6)
+    assert torch.allclose(phi, t(1.25, 1.57), atol=1e-6)
+
+
+def test_diloco_step_matches_hand_computed_values() -> None:
+    phi, momentum = t(1.0, 2.0), t(0.5, -1.0)
+    diloco_step(phi, momentum, t(0.2, -0.4), HYPER)
+    # m = 0.5*m + 0.7*mean_delta = [0.39, -0.78]
+    assert torch.allclose(momentum, t(0.39, -0.78), atol=1e-6)
+    assert torch.allclose(phi, t(1.39, 1.22), atol=1e-6)
+
+
+def test_outer_step_moves_slow_weights_towards_where_the_inner_steps_went() -> None:
+    # The sign check: with Delta = theta - phi, the first (momentum-free) step is phi += beta * Delta.
+    for kind in ("noloco", "diloco"):
+        opt = OuterOptimizer(kind, HYPER, 3)
+        phi, theta = t(0.0, 1.0, -1.0), t(1.0, 0.0, -1.0)
+        opt.step(phi, theta - phi, group_size=1)
+        assert torch.allclose(phi, t(0.7, 0.3, -1.0)), kind
+
+
+def test_solo_step_is_heavy_ball_on_own_delta_and_ignores_the_outputs() -> None:
+    opt = OuterOptimizer("noloco", HYPER, 2)
+    phi = t(1.0, 1.0)
+    opt.step(phi, t(1.0, 0.0), group_size=1, mean_phi=t(99.0, 99.0), mean_delta=t(99.0, 99.0))
+    opt.step(phi, t(1.0, 0.0), group_size=0)
+    # m1 = 0.7*[1,0];  m2 = 0.5*m1 + 0.7*[1,0] = [1.05, 0];  phi = 1 + 0.7 + 1.05
+    assert torch.allclose(phi, t(2.75, 1.0), atol=1e-6)
+
+
+def test_a_noloco_pair_pulls_two_replicas_together() -> None:
+    a, b = OuterOptimizer("noloco", HYPER, 1), OuterOptimizer("noloco", HYPER, 1)
+    phi_a, phi_b = t(0.0), t(1.0)
+    delta = t(0.5)  # both replicas moved +0.5 in their inner steps
+    mean_phi, mean_delta = (phi_a + phi_b) / 2, delta
+    a.step(phi_a, delta, group_size=2, mean_phi=mean_phi, mean_delta=mean_delta)
+    b.step(phi_b, delta, group_size=2, mean_phi=mean_phi, mean_delta=mean_delta)
+    # a: m = 0.35 - 0.7*(0 - 0.5) = 0.7;  b: m = 0.35 - 0.7*(1 - 0.5) = 0
+    assert torch.allclose(phi_a, t(0.7)) and torch.allclose(phi_b, t(1.0))
+    assert abs(float(phi_b - phi_a)) < 1.0
+
+
+def test_noloco_with_the_group_of_all_replicas_equals_diloco() -> None:
+    gen = torch.Generator().manual_seed(7)
+    n, size, steps = 4, 64, 5
+    start = torch.randn(size, generator=gen)
+    noloco = [OuterOptimizer("noloco", HYPER, size) for _ in range(n)]
+    diloco = OuterOptimizer("diloco", HYPER, size)
+    phis = [start.clone() for _ in range(n)]
+    phi_d = start.clone()
+    for _ in range(steps):
+        thetas = [phis[0] + 0.1 * torch.randn(size, generator=gen) for _ in range(n)]
+        deltas = [theta - phi for theta, phi in zip(thetas, phis, strict=True)]
+        mean_delta = torch.stack(deltas).mean(0)
+        mean_phi = torch.stack(phis).mean(0)
+        for opt, phi, delta in zip(noloco, phis, deltas, strict=True):
+            opt.step(phi, delta, group_size=n, mean_phi=mean_phi, mean_delta=mean_delta)
+        diloco.step(phi_d, mean_delta, group_size=n, mean_phi=mean_phi, mean_delta=mean_delta)
+        for phi in phis:
+            assert torch.allclose(phi, phi_d, atol=1e-6)
+    assert not torch.allclose(phi_d, start)  # the steps did something
+
+
+def test_group_mean_equal_to_own_phi_makes_the_gamma_term_exactly_zero() -> None:
+    opt_n = OuterOptimizer("noloco", HYPER, 3)
+    opt_d = OuterOptimizer("diloco", HYPER, 3)
+    phi_n, phi_d = t(0.1, 0.2, 0.3), t(0.1, 0.2, 0.3)
+    mean_delta = t(0.3, -0.1, 0.0)
+    opt_n.step(phi_n, mean_delta, group_size=2, mean_phi=phi_n.clone(), mean_delta=mean_delta)
+    opt_d.step(phi_d, mean_delta, group_size=2, mean_phi=phi_d.clone(), mean_delta=mean_delta)
+    assert torch.equal(phi_n, phi_d)
+
+
+def test_group_step_without_means_is_refused() -> None:
+    opt = OuterOptimizer("noloco", HYPER, 2)
+    with pytest.raises(ValueError, match="mean_phi and mean_delta"):
+        opt.step(t(0.0, 0.0), t(1.0, 1.0), group_size=2)
+
+
+def test_unknown_outer_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown outer optimizer"):
+        OuterOptimizer("adamw", HYPER, 2)
+
+
+def test_momentum_survives_a_state_dict_round_trip() -> None:
+    opt = OuterOptimizer("noloco", HYPER, 2)
+    opt.step(t(0.0, 0.0), t(1.0, 2.0), group_size=1)
+    fresh = OuterOptimizer("noloco", HYPER, 2)
+    fresh.load_state_dict(opt.state_dict())
+    assert torch.equal(fresh.momentum, opt.momentum)
+    with pytest.raises(ValueError, match="does not match"):
+        OuterOptimizer("noloco", HYPER, 3).load_state_dict(opt.state_dict())
+
+
+# --- small versions of bench/convergence.py ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = Path(__file__).resolve().parent.parent / "bench" / "convergence.py"
+    spec = importlib.util.spec_from_file_location("bench_convergence", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def tiny(bench):
+    return bench.BenchConfig(outer_steps=6, inner_steps=5, batch_size=4, seq_len=32, d_model=32, n_layers=1,
+                             n_heads=2, lr=3e-3, warmup=4, data_bytes=100_000, eval_batches=2)
+
+
+def test_noloco_replicas_learn_and_stay_close(bench, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    r = bench.run_outer(tiny(bench), 4, "noloco", tmp_path)
+    assert r.val_mean < r.initial_val - 0.5
+    assert 0.0 < r.spread < 0.05  # distinct replicas (pairs, not a global average), yet close
+
+
+def test_diloco_replicas_learn_and_stay_identical(bench, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    r = bench.run_outer(tiny(bench), 4, "diloco", tmp_path)
+    assert r.val_mean < r.initial_val - 0.5
+    assert r.spread == 0.0
+
+
+def test_data_parallel_stand_in_learns(bench) -> None:
+    torch.set_num_threads(1)
+    r = bench.run_ddp(tiny(bench), 2)
+    assert r.val_mean < r.initial_val - 0.5
+
+
+def test_benchmark_replaces_only_its_own_section(bench, tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## Discovery\n\nkeep me\n\n## Convergence\n\nold\n\n## Later\n\nme too\n")
+    bench.write_section("## Convergence\n\nnew table\n", doc)
+    text = doc.read_text()
+    assert "keep me" in text and "me too" in text and "new table" in text and "old" not in text
+    fresh = tmp_path / "fresh.md"
+    bench.write_section("## Convergence\n\nfirst\n", fresh)
+    assert fresh.read_text().startswith("# Benchmarks\n") and "first" in fresh.read_text()

@@ -1,0 +1,477 @@
+"""The torch worker: config, wire protocol, shared memory, the inner/outer loop, and the supervisor."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from node.checkpoint import CheckpointError
+from node.shm import ExchangeSlots, SharedTensor
+from node.supervisor import ExchangeRequest, WorkerSupervisor, solo_exchange
+from node.train_config import TrainConfig
+from node.worker import (
+    MAX_FRAME,
+    FrameBuffer,
+    Metrics,
+    ProtocolError,
+    Publish,
+    Result,
+    Stop,
+    Trainer,
+    _StopFlag,
+    _train,
+    encode_message,
+    lr_at,
+)
+
+TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
+                   eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+# --- config -----------------------------------------------------------------------------------------------
+
+
+def test_the_default_train_config_is_valid() -> None:
+    TrainConfig().validate()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"task": "no colon"}, "train.task:"),
+        ({"device": "tpu"}, "train.device:"),
+        ({"outer": "adam"}, "train.outer:"),
+        ({"alpha": 1.0}, "train.alpha:"),
+        ({"beta": 0.0}, "train.beta:"),
+        ({"inner_steps": 0}, "train.inner_steps:"),
+        ({"max_lag": 51}, "train.max_lag:"),
+        ({"n_heads": 3}, "train.n_heads: must divide"),
+        ({"warmup": 20000}, "train.warmup:"),
+        ({"lr": float("nan")}, "train.lr:"),
+        ({"checkpoints_keep": 0}, "train.checkpoints_keep:"),
+        ({"threads": True}, "train.threads:"),
+    ],
+)
+def test_a_bad_train_option_is_named_in_the_error(change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(TrainConfig(), **change).validate()
+
+
+def test_every_train_option_has_a_help_line_and_a_plain_type() -> None:
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata.get("help"), f.name
+        assert type(getattr(TrainConfig(), f.name)) in (int, float, str, bool), f.name
+
+
+def test_the_learning_rate_warms_up_then_decays_by_cosine_to_its_floor() -> None:
+    cfg = dataclasses.replace(TrainConfig(), lr=1.0, warmup=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(cfg, 0) == pytest.approx(0.1) and lr_at(cfg, 9) == pytest.approx(1.0)
+    assert lr_at(cfg, 60) == pytest.approx(0.55)
+    assert lr_at(cfg, 110) == pytest.approx(0.1) and lr_at(cfg, 10_000) == pytest.approx(0.1)
+
+
+# --- wire protocol and shared memory ----------------------------------------------------------------------
+
+
+def test_messages_round_trip_through_frames_split_anywhere() -> None:
+    msgs = [Publish(outer_step=3, step=150), Result(outer_step=3, group_size=2),
+            Metrics(step=1, outer_step=0, loss=None, val_loss=2.5, samples_per_s=10.0, lr=1e-3)]
+    wire = b"".join(encode_message(m) for m in msgs)
+    frames = FrameBuffer()
+    got = []
+    for i in range(0, len(wire), 7):
+        frames.feed(wire[i : i + 7])
+        while (m := frames.next_message()) is not None:
+            got.append(m)
+    assert got == msgs
+
+
+def test_an_oversized_or_malformed_frame_is_a_protocol_error() -> None:
+    frames = FrameBuffer()
+    frames.feed((MAX_FRAME + 1).to_bytes(4, "big"))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        frames.next_message()
+    import msgpack
+
+    for body in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"v": 1, "t": "nope"}),
+                 msgpack.packb({"v": 1, "t": "result", "outer_step": 1, "group_size": 1, "x": 0})):
+        frames = FrameBuffer()
+        frames.feed(len(body).to_bytes(4, "big") + body)
+        with pytest.raises(ProtocolError):
+            frames.next_message()
+
+
+def test_shared_slots_are_one_memory_for_creator_and_attacher() -> None:
+    owner = ExchangeSlots.create(16)
+    try:
+        peer = ExchangeSlots.attach(owner.names(), 16)
+        owner.phi.tensor.copy_(torch.arange(16.0))
+        assert torch.equal(peer.phi.tensor, torch.arange(16.0))
+        peer.delta_out.tensor.fill_(2.5)
+        assert torch.equal(owner.delta_out.tensor, torch.full((16,), 2.5))
+        peer.close()  # the attacher's close must not remove the owner's segments
+        again = SharedTensor.attach(owner.phi.name, 16)
+        assert torch.equal(again.tensor, torch.arange(16.0))
+        again.close()
+    finally:
+        owner.close()
+    with pytest.raises(FileNotFoundError):
+        SharedTensor.attach(owner.phi.name, 16)
+
+
+# --- the trainer: outer step, rebase, checkpoints ---------------------------------------------------------
+
+
+def flat(trainer: Trainer) -> torch.Tensor:
+    out = torch.empty(trainer.numel)
+    trainer.gather_theta(out)
+    return out
+
+
+def test_the_outer_result_keeps_the_progress_made_while_the_exchange_ran(tmp_path: Path) -> None:
+    tr = Trainer(TINY, tmp_path, "peer-a")
+    while not tr.publish_due():
+        tr.inner_step()
+    phi_slot, delta_slot = torch.empty(tr.numel), torch.empty(tr.numel)
+    tr.publish(phi_slot, delta_slot)
+    phi_old, theta_pub = tr.phi.clone(), flat(tr)
+    assert torch.equal(phi_slot, phi_old) and torch.allclose(delta_slot, theta_pub - phi_old)
+    tr.inner_step()
+    tr.inner_step()
+    theta_now = flat(tr)
+    assert tr.lag() == 2
+    tr.apply_result(1)
+    expected_phi = phi_old + TINY.beta * (theta_pub - phi_old)  # first step: zero momentum
+    assert torch.allclose(tr.phi, expected_phi, atol=1e-6)
+    assert torch.allclose(flat(tr), expected_phi + (theta_now - theta_pub), atol=1e-6)
+    assert tr.outer_step == 1 and tr.pending is None
+
+
+def test_a_group_result_uses_the_group_means_and_non_finite_means_fall_back_to_solo(tmp_path: Path) -> None:
+    tr = Trainer(TINY, tmp_path, "peer-a")
+    while not tr.publish_due():
+        tr.inner_step()
+    tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+    phi_old = tr.phi.clone()
+    mean_phi, mean_delta = phi_old + 0.01, torch.full((tr.numel,), 0.02)
+    assert tr.apply_result(2, mean_phi, mean_delta) == 2
+    expected = phi_old + TINY.beta * mean_delta - TINY.gamma * (phi_old - mean_phi)
+    assert torch.allclose(tr.phi, expected, atol=1e-6)
+    assert torch.allclose(flat(tr), tr.phi)  # no steps while in flight: theta restarts at phi
+
+    while not tr.publish_due():
+        tr.inner_step()
+    tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+    poisoned = torch.full((tr.numel,), float("nan"))
+    assert tr.apply_result(2, poisoned, poisoned) == 1
+    assert bool(torch.isfinite(tr.phi).all())
+
+
+def run_scripted(trainer: Trainer, outer_steps: int) -> list[int]:
+    """Drive the real worker loop with a stand-in daemon that answers a publish only once the worker
+    blocks for it; returns the lag (inner steps since the publish) at each answer."""
+    lags: list[int] = []
+
+    class Daemon:
+        pending: Publish | None = None
+
+        def send(self, msg) -> None:
+            if isinstance(msg, Publish):
+                self.pending = msg
+
+        def receive(self, timeout: float):
+            if trainer.outer_step >= outer_steps:
+                return Stop()
+            if self.pending is not None and timeout > 0:  # the worker is waiting for its result
+                lags.append(trainer.lag())
+                msg, self.pending = self.pending, None
+                return Result(outer_step=msg.outer_step, group_size=1)
+            return None
+
+    slots = ExchangeSlots.create(trainer.numel)
+    try:
+        _train(Daemon(), trainer, slots, _StopFlag())  # type: ignore[arg-type]
+    finally:
+        slots.close()
+    return lags
+
+
+def test_overlap_mode_trains_on_until_the_lag_bound_then_waits(tmp_path: Path) -> None:
+    tr = Trainer(dataclasses.replace(TINY, overlap=True, max_lag=3), tmp_path, "peer-a")
+    assert run_scripted(tr, 3) == [3, 3, 3]
+    # Publishes stay H apart (at steps 5, 10, 15): the steps taken while waiting count towards the next.
+    assert tr.outer_step == 3 and tr.step == 3 * TINY.inner_steps + 3
+
+
+def test_blocking_mode_waits_for_the_result_right_after_publishing(tmp_path: Path) -> None:
+    tr = Trainer(dataclasses.replace(TINY, overlap=False), tmp_path, "peer-a")
+    assert run_scripted(tr, 3) == [0, 0, 0]
+    assert tr.step == 3 * TINY.inner_steps
+
+
+def test_the_loop_checkpoints_every_k_outer_steps_and_on_stop(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(TINY, checkpoint_every=2, checkpoints_keep=10, overlap=False)
+    tr = Trainer(cfg, tmp_path, "peer-a")
+    run_scripted(tr, 3)
+    steps = sorted(s for s, _ in tr.checkpoints.checkpoints())
+    assert steps == [2 * TINY.inner_steps, 3 * TINY.inner_steps]  # at outer step 2, then on stop
+
+
+def test_a_resumed_trainer_continues_exactly_where_the_checkpoint_was(tmp_path: Path) -> None:
+    a = Trainer(TINY, tmp_path, "peer-a")
+    while not a.publish_due():
+        a.inner_step()
+    a.publish(torch.empty(a.numel), torch.empty(a.numel))
+    a.apply_result(1)
+    a.inner_step()
+    a.save_checkpoint()
+    b = Trainer(TINY, tmp_path, "peer-a")
+    path, rejected = b.resume()
+    assert path is not None and rejected == []
+    assert (b.step, b.outer_step, b.last_publish_step) == (a.step, a.outer_step, a.last_publish_step)
+    assert torch.equal(b.phi, a.phi) and torch.equal(b.outer.momentum, a.outer.momentum)
+    assert torch.equal(flat(b), flat(a))
+    # Same data position, optimizer state and RNG: the next steps are bit-identical.
+    assert [a.inner_step() for _ in range(6)] == [b.inner_step() for _ in range(6)]
+
+
+def test_a_checkpoint_taken_mid_exchange_resumes_as_if_the_publish_never_happened(tmp_path: Path) -> None:
+    a = Trainer(TINY, tmp_path, "peer-a")
+    while not a.publish_due():
+        a.inner_step()
+    a.publish(torch.empty(a.numel), torch.empty(a.numel))
+    a.inner_step()
+    a.save_checkpoint()
+    b = Trainer(TINY, tmp_path, "peer-a")
+    b.resume()
+    assert b.outer_step == 0 and b.pending is None and b.step == TINY.inner_steps + 1
+    assert b.publish_due()  # it publishes again at once, with all of its progress in Delta
+    assert torch.equal(flat(b), flat(a)) and torch.equal(b.phi, a.phi)
+
+
+def test_a_corrupt_latest_checkpoint_is_reported_and_the_previous_one_resumed(tmp_path: Path) -> None:
+    a = Trainer(TINY, tmp_path, "peer-a")
+    a.inner_step()
+    first = a.step
+    a.save_checkpoint()
+    a.inner_step()
+    newest = a.save_checkpoint()
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    newest.write_bytes(bytes(raw))
+    b = Trainer(TINY, tmp_path, "peer-a")
+    path, rejected = b.resume()
+    assert b.step == first and len(rejected) == 1 and str(newest) in rejected[0]
+
+
+def test_a_checkpoint_that_fails_to_load_is_set_aside_so_the_restart_uses_the_previous_one(
+    tmp_path: Path,
+) -> None:
+    a = Trainer(TINY, tmp_path, "peer-a")
+    a.inner_step()
+    first = a.step
+    a.save_checkpoint()
+    a.inner_step()
+    bad = a.state_dict()
+    bad["optimizer"]["param_groups"][0]["params"] = [0]  # verifies, but Adam refuses it
+    a.checkpoints.save(bad, a.step)
+    with pytest.raises(CheckpointError, match="does not load"):
+        Trainer(TINY, tmp_path, "peer-a").resume()
+    again = Trainer(TINY, tmp_path, "peer-a")
+    again.resume()
+    assert again.step == first
+
+
+def test_a_checkpoint_of_another_architecture_is_not_loaded(tmp_path: Path) -> None:
+    a = Trainer(TINY, tmp_path, "peer-a")
+    a.inner_step()
+    a.save_checkpoint()
+    b = Trainer(dataclasses.replace(TINY, d_model=64), tmp_path, "peer-a")
+    assert b.resume() == (None, []) and b.step == 0  # a separate directory per model hash
+
+
+# --- the supervisor with a real worker process ------------------------------------------------------------
+
+
+async def wait_until(predicate, timeout: float = 90.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def newest_checkpoint_step(home: Path) -> int:
+    steps = [int(p.name[5:17]) for p in (home / "checkpoints").rglob("ckpt-*.pt")]
+    return max(steps, default=0)
+
+
+def supervisor(home: Path, exchange=solo_exchange, **cfg_changes) -> WorkerSupervisor:
+    cfg = dataclasses.replace(TINY, **cfg_changes)
+    return WorkerSupervisor(cfg, home, "peer-a", exchange, backoff_initial=0.1, stop_grace=8.0)
+
+
+@pytest.mark.slow
+async def test_a_sigkilled_worker_is_restarted_and_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
+    sup = supervisor(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await wait_until(lambda: sup.status()["outer_step"] >= 3 and sup.status()["checkpoint_step"])
+        first_pid = sup.status()["pid"]
+        os.kill(first_pid, signal.SIGKILL)
+        await wait_until(lambda: not alive(first_pid))
+        on_disk = newest_checkpoint_step(tmp_path)
+        await wait_until(lambda: sup.status()["restarts"] == 1 and sup.status()["state"] == "training")
+        status = sup.status()
+        assert status["pid"] != first_pid
+        assert on_disk > 0 and status["resumed_step"] == on_disk
+        await wait_until(lambda: sup.status()["step"] > on_disk)  # and it trains on
+        second_pid = status["pid"]
+        nursery.cancel_scope.cancel()
+    assert not alive(second_pid)
+    assert sup.status()["state"] == "stopped"
+
+
+@pytest.mark.slow
+async def test_a_stopped_daemon_resumes_with_its_step_counters_intact(tmp_path: Path) -> None:
+    sup = supervisor(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await wait_until(lambda: sup.status()["outer_step"] >= 2)
+        nursery.cancel_scope.cancel()
+    stopped = sup.status()
+    assert stopped["checkpoint_step"] == stopped["step"] == newest_checkpoint_step(tmp_path)
+
+    again = supervisor(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(again.run)
+        await wait_until(lambda: again.status()["state"] == "training")
+        status = again.status()
+        assert status["resumed_step"] == stopped["step"]
+        assert status["outer_step"] == stopped["outer_step"]
+        nursery.cancel_scope.cancel()
+
+
+FAKE_DAEMON = textwrap.dedent(
+    """
+    import dataclasses, json, sys, trio
+    from pathlib import Path
+    from node.supervisor import WorkerSupervisor, solo_exchange
+    from node.train_config import TrainConfig
+
+    async def main():
+        cfg = TrainConfig(**json.loads(sys.argv[2]))
+        sup = WorkerSupervisor(cfg, Path(sys.argv[1]), "peer-a", solo_exchange)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sup.run)
+            while True:
+                await trio.sleep(0.1)
+                print(json.dumps(sup.status()), flush=True)
+
+    trio.run(main)
+    """
+)
+
+
+@pytest.mark.slow
+async def test_the_worker_exits_when_the_daemon_is_killed_and_the_next_daemon_resumes(tmp_path: Path) -> None:
+    log_path = tmp_path / "status.jsonl"
+    with open(log_path, "w") as out:
+        daemon = subprocess.Popen(
+            [sys.executable, "-c", FAKE_DAEMON, str(tmp_path), json.dumps(dataclasses.asdict(TINY))],
+            stdout=out,
+        )
+    try:
+
+        def last_status() -> dict:
+            lines = log_path.read_text().splitlines()
+            return json.loads(lines[-1]) if lines else {}
+
+        await wait_until(lambda: (last_status().get("checkpoint_step") or 0) > 0)
+        seen = last_status()
+        worker_pid = seen["pid"]
+        daemon.kill()
+        daemon.wait()
+        await wait_until(lambda: not alive(worker_pid))  # it noticed the end of file and left
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    on_disk = newest_checkpoint_step(tmp_path)
+    assert on_disk >= seen["step"]  # its farewell checkpoint
+
+    sup = supervisor(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await wait_until(lambda: sup.status()["state"] == "training")
+        assert sup.status()["resumed_step"] == on_disk
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow
+async def test_failed_and_hung_exchanges_become_solo_steps_and_group_means_reach_the_worker(
+    tmp_path: Path,
+) -> None:
+    requests: list[ExchangeRequest] = []
+
+    async def exchange(req: ExchangeRequest) -> int:
+        requests.append(req)
+        if len(requests) == 1:
+            raise ConnectionError("partner vanished")
+        if len(requests) == 2:
+            await trio.sleep_forever()  # cut off by train.exchange_timeout
+        # A partner identical to us: the means are our own values (so the step equals a solo one).
+        req.phi_out.copy_(req.phi)
+        req.delta_out.copy_(req.delta)
+        return 2
+
+    sup = supervisor(tmp_path, exchange, exchange_timeout=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await wait_until(lambda: sup.status()["outer_step"] >= 4)
+        nursery.cancel_scope.cancel()
+    status = sup.status()
+    assert status["exchanges"]["failed"] == 2
+    assert status["exchanges"]["solo"] == 2 and status["exchanges"]["group"] >= 2
+    req = requests[-1]
+    total = sum(torch.Size(shape).numel() for _, shape in req.layout)
+    assert req.phi.numel() == req.delta.numel() == req.phi_out.numel() == total
+    assert sup.manifest_fields() == {
+        "task": "stdlib-lm", "model_hash": sup._hello.model_hash, "layout_hash": sup._hello.layout_hash,
+        "numel": total, "outer": "noloco",
+    }
+
+
+@pytest.mark.slow
+async def test_a_task_that_cannot_load_fails_once_with_its_reason_and_is_not_restarted(tmp_path: Path) -> None:
+    sup = supervisor(tmp_path, task="no_such_module_xyz:make_task")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await wait_until(lambda: sup.status()["state"] == "failed")
+        await trio.sleep(0.5)
+        status = sup.status()
+        assert "cannot import 'no_such_module_xyz'" in status["error"]
+        assert status["restarts"] == 0 and status["pid"] is None
+        nursery.cancel_scope.cancel()
+
