@@ -29,7 +29,7 @@ from node.sync_config import SyncConfig
 from p2p.datapath import DataPathListener
 from protocols import avg
 from protocols.avg import Declined, Rejected, Tensors
-from protocols.wire import ProtocolError
+from protocols.wire import ProtocolError, close_quietly
 
 log = logging.getLogger("starling.averager")
 
@@ -267,12 +267,7 @@ class Averager:
                     validate=self._validate,
                 )
             finally:
-                with trio.move_on_after(1) as cs:
-                    cs.shield = True
-                    try:
-                        await stream.close()
-                    except Exception:  # closing a stream the partner already reset
-                        pass
+                await close_quietly(stream)
         except Declined as e:
             self.stats["declined"] += 1
             self._back_off(partner, soft=True)
@@ -297,7 +292,7 @@ class Averager:
         silent or slow peers cannot pile up tasks and buffers; extra ones are reset at once."""
         if self._inbound >= MAX_INBOUND:
             self.rejections["too_many_requests"] = self.rejections.get("too_many_requests", 0) + 1
-            await _reset(stream)
+            await close_quietly(stream, reset=True)
             return
         self._inbound += 1
         try:
@@ -311,13 +306,13 @@ class Averager:
             request = await avg.read_request(stream, self.cfg.handshake_timeout_s)
         except (ProtocolError, trio.TooSlowError) as e:
             self._fail(partner, e, 0.0, count=isinstance(e, ProtocolError))
-            await _reset(stream)
+            await close_quietly(stream, reset=True)
             return
         pending = self._pending
         verdict = self._judge(request, pending, partner)
         if verdict is not None:
             await avg.answer(stream, verdict[0], verdict[1], pending.request.outer_step if pending else 0)
-            await _close(stream)
+            await close_quietly(stream)
             return
         assert pending is not None
         pending.claimed_by = partner
@@ -343,14 +338,14 @@ class Averager:
             self._fail(partner, e, trio.current_time() - began)
             pending.result = 1
             pending.done.set()
-            await _reset(stream)
+            await close_quietly(stream, reset=True)
             return
         finally:
             pending.transfer_finished.set()
         self._succeed(partner, result)
         pending.result = 2
         pending.done.set()
-        await _close(stream)
+        await close_quietly(stream)
 
     def _judge(self, req: avg.AvgRequest, pending: _Pending | None, partner: str) -> tuple[str, str] | None:
         """None to accept, else (verdict, reason)."""
@@ -450,21 +445,4 @@ class Averager:
         delay = min(BACKOFF_MAX_S, self.cfg.backoff_s * 2 ** (link.failures - 1))
         link.next_try = trio.current_time() + delay * random.uniform(0.8, 1.2)
 
-
-async def _close(stream: Any) -> None:
-    with trio.move_on_after(1) as cs:
-        cs.shield = True
-        try:
-            await stream.close()
-        except Exception:
-            pass
-
-
-async def _reset(stream: Any) -> None:
-    with trio.move_on_after(1) as cs:
-        cs.shield = True
-        try:
-            await stream.reset()
-        except Exception:
-            pass
 

@@ -49,7 +49,6 @@ import dataclasses
 import hashlib
 import math
 import os
-import tempfile
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -64,6 +63,7 @@ from libp2p.crypto.keys import KeyPair, PublicKey
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 
+from node.fsutil import atomic_write_bytes
 from node.hlc import MAX_LOGICAL, MAX_WALL_MS, HybridLogicalClock, Timestamp
 
 # --------------------------------------------------------------------------------------------------
@@ -1045,24 +1045,7 @@ class SwarmState:
             "retired": list(self._retired),
         }
         data = _pack(snapshot)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write_bytes(Path(path), data)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], me: KeyPair, **kwargs: Any) -> SwarmState:

@@ -32,7 +32,8 @@ from node.averager import Averager
 from node.config import Config
 from node.control import SOCKET_FILE, serve_control
 from node.crdt import Manifest
-from node.history import HISTORY_FILE, HistoryError, LossHistory, atomic_write_bytes
+from node.fsutil import atomic_write_bytes
+from node.history import HISTORY_FILE, HistoryError, LossHistory
 from node.latejoin import late_join, progress_view, snapshot_source
 from node.metrics import Metrics, serve_metrics
 from node.replicator import STATE_FILE, StateReplicator, load_state

@@ -35,13 +35,14 @@ from __future__ import annotations
 import math
 import os
 import sys
-import tempfile
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
+
+from node.fsutil import atomic_write_bytes
 
 #: Name of the history file inside a node's HOME directory.
 HISTORY_FILE = "history.msgpack"
@@ -381,31 +382,6 @@ class LossHistory:
             return cls.from_bytes(data, max_points=max_points, max_members=max_members)
         except HistoryError as exc:
             raise HistoryError(exc.problem, path) from None
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that readers (``starling plot`` while the daemon runs, the next
-    start after a power cut) see the old file or the new one, never half of one: temp file in the same
-    directory, fsync, rename, fsync the directory. Blocking; from trio call it via
-    ``trio.to_thread.run_sync`` with bytes produced by :meth:`LossHistory.to_bytes` in the trio task."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from protocols.wire import (
     PlainFrameChannel,
     ProtocolError,
     Reason,
+    close_quietly,
     recv_as,
     send_msg,
     spec,
@@ -150,12 +151,7 @@ class SnapshotServer:
         except (ProtocolError, trio.TooSlowError) as e:
             log.debug("snapshot download by %s ended: %s", stream.muxed_conn.peer_id, e)
         finally:
-            with trio.move_on_after(1) as cs:
-                cs.shield = True
-                try:
-                    await stream.close()
-                except Exception:
-                    pass
+            await close_quietly(stream)
 
 
 # --- the joiner -----------------------------------------------------------------------------------------------
@@ -212,12 +208,7 @@ class JoinDownload:
                 try:
                     await self._fetch_on(stream, p, data_path)
                 finally:
-                    with trio.move_on_after(1) as cs:
-                        cs.shield = True
-                        try:
-                            await stream.close()
-                        except Exception:
-                            pass
+                    await close_quietly(stream)
         except (ProtocolError, trio.TooSlowError, OSError) as e:
             p.error = f"{type(e).__name__}: {e}"[:200]
         except Exception as e:  # libp2p raises many types for a peer that went away

@@ -56,6 +56,7 @@ __all__ = [
     "TrioByteStream",
     "decode_msg",
     "encode_msg",
+    "close_quietly",
     "from_map",
     "read_exactly",
     "recv_as",
@@ -645,3 +646,17 @@ class PlainFrameChannel:
                 self._sent_close = True
                 await self.stream.write(FRAME_HEADER.pack(0, FRAME_CLOSE))
                 self.bytes_sent += FRAME_HEADER.size
+
+
+async def close_quietly(stream: Any, *, reset: bool = False, timeout: float = 1.0) -> None:
+    """Close (or reset) a libp2p stream at the end of an exchange, whatever state it is in.
+
+    Shielded and bounded: it runs in `finally` blocks of cancelled tasks, and a partner that is already
+    gone must neither raise nor hold us. Use `reset=True` after a failure so the partner sees an abort.
+    """
+    with trio.move_on_after(timeout) as scope:
+        scope.shield = True
+        try:
+            await (stream.reset() if reset else stream.close())
+        except Exception:  # the stream or its connection is already gone
+            pass
