@@ -208,6 +208,8 @@ def load_config(
             data = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: not valid TOML (nested too deeply)") from None
         for sec_name, sec_values in data.items():
             if sec_name not in sections:
                 raise ConfigError(f"{path}: unknown section [{sec_name}] (known: {', '.join(sections)})")

@@ -68,10 +68,15 @@ async def serve_control(
                     if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
                         raise ValueError("request must be a JSON object with a 'cmd'")
                     answer = await handler(request)
-                except (ValueError, UnicodeDecodeError) as e:
+                except ValueError as e:
                     answer = {"ok": False, "error": f"bad request: {e}"}
+                except RecursionError:  # absurdly nested JSON
+                    answer = {"ok": False, "error": "bad request: nested too deeply"}
                 except trio.BrokenResourceError:
                     return
+                except Exception as e:  # a bug in a handler must not take the daemon down
+                    log.exception("control request failed")
+                    answer = {"ok": False, "error": f"internal error: {type(e).__name__}"}
                 try:
                     await stream.send_all(json.dumps(answer).encode() + b"\n")
                 except (trio.BrokenResourceError, trio.ClosedResourceError):

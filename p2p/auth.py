@@ -74,7 +74,8 @@ def read_swarm_key(path: Path) -> str:
 
 
 class AccessControl:
-    """Counts and logs refused peers; enforces the allowlist on streams and connections."""
+    """Counts and logs refused peers; enforces the allowlist on streams and connections; contains
+    exceptions of stream handlers (ours and py-libp2p's) to their stream."""
 
     def __init__(self, *, keyed: bool, allow: Iterable[str] = ()) -> None:
         self.keyed = keyed
@@ -128,8 +129,6 @@ class AccessControl:
 
         upgrader.upgrade_security = counted_upgrade
 
-        if not self.allow:
-            return
         set_handler = host.set_stream_handler
 
         def gated_set_stream_handler(protocol_id: Any, handler: Any) -> None:
@@ -141,11 +140,19 @@ class AccessControl:
                     with contextlib.suppress(Exception):
                         await stream.reset()
                     return
-                await handler(stream)
+                try:
+                    await handler(stream)
+                except Exception as e:
+                    # py-libp2p lets a handler's exception escape and take the whole host down (e.g. its
+                    # pubsub handler on one malformed protobuf frame): contain it to this stream.
+                    control._log(f"handler:{protocol_id}", "%s from %s failed: %s: %s", protocol_id, peer,
+                                 type(e).__name__, e)
+                    with contextlib.suppress(Exception):
+                        await stream.reset()
 
             set_handler(protocol_id, gated)
 
-        host.set_stream_handler = gated_set_stream_handler  # handlers registered from now on are gated
+        host.set_stream_handler = gated_set_stream_handler  # handlers registered from now on are wrapped
 
     async def disconnect_outsiders(self, host: Any, peers: Iterable[Any]) -> None:
         for peer_id in peers:

@@ -153,9 +153,16 @@ async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int
         received += await recv_tensor(channel, t.phi_out, plan)
         received += await recv_tensor(channel, t.delta_out, plan)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(send_side)
-        nursery.start_soon(recv_side)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_side)
+            nursery.start_soon(recv_side)
+    except BaseExceptionGroup as group:
+        # Keep the module's contract (ProtocolError) so the caller can count the partner's offence.
+        first = next((e for e in group.exceptions if isinstance(e, ProtocolError)), None)
+        if first is not None:
+            raise first from None
+        raise
     return sent, received
 
 

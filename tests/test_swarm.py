@@ -23,6 +23,9 @@ TINY = [
     "--set", "train.data_bytes=300000", "--set", "train.warmup=10", "--set", "train.lr=0.003",
     "--set", "train.max_lag=5", "--set", "train.checkpoint_every=2", "--set", "train.eval_batches=1",
     "--set", "sync.pair_window_s=2", "--set", "sync.backoff_s=1", "--set", "sync.join_wait_s=2",
+    # Nodes start seconds apart on a loaded 2-core machine and step solo meanwhile (H = 5 is fast):
+    # allow them to pair despite that head start.
+    "--set", "sync.max_step_gap=50",
     "--set", "node.heartbeat_s=0.5", "--set", "node.suspect_after=3", "--set", "node.gone_after=6",
 ]
 
