@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast lint bench bench-convergence bench-sync bench-nat chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-nat chaos fuzz swarm-up swarm-down clean
 
 install: $(STAMP)
 
@@ -38,10 +38,15 @@ run: install
 	$(PY) -m node.localswarm --peers 3 --seconds $(RUN_SECONDS)
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
 
+# Unit and property tests only (no multi-process, no lab): a quick loop while editing.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not lab" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not lab and not long" $(PYTEST_ARGS)
+
+# The long runs (chaos run, benchmark smoke tests), kept out of `make test`.
+test-long: install
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check p2p protocols node tests bench
