@@ -6,9 +6,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from procs import starling
 
 from node.config import ConfigError, load_config, render_config_file, resolve_home
-from procs import starling
 
 
 def write(home: Path, text: str) -> None:

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from procs import DaemonGroup, free_port, starling
 
 pytestmark = pytest.mark.slow
@@ -100,7 +99,7 @@ def test_garbage_and_half_open_connections_on_the_port_leave_the_daemon_serving(
 
 def test_unreachable_bootstrap_warns_and_keeps_running(group: DaemonGroup) -> None:
     dead_port = free_port()
-    fake = "/ip4/127.0.0.1/tcp/%d/p2p/12D3KooWPoxc3GetHDNMfRYL4h9TgTs2Dkrxk53DHHVDEVfqWV33" % dead_port
+    fake = f"/ip4/127.0.0.1/tcp/{dead_port}/p2p/12D3KooWPoxc3GetHDNMfRYL4h9TgTs2Dkrxk53DHHVDEVfqWV33"
     d = group.start("a", *LOOPBACK, "--bootstrap", fake)
     d.wait_status()
     deadline = time.monotonic() + 20

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from procs import DaemonGroup
 
 pytestmark = pytest.mark.slow
