@@ -85,6 +85,7 @@ class Averager:
         listen_host: str = "127.0.0.1",
         path_of: Callable[[str], str] | None = None,
         on_transfer: Callable[[str, int, float], None] | None = None,
+        reachable: Callable[[], bool] | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -93,6 +94,9 @@ class Averager:
         self.metrics = metrics
         self.path_of = path_of  # direct | hole-punched | relayed | none (p2p/nat.py)
         self.on_transfer = on_transfer
+        # Behind a NAT our side-channel port cannot be reached: offering it would cost the partner a
+        # connect timeout on every round before it falls back to the libp2p stream.
+        self.reachable = reachable
         self.listener = DataPathListener(listen_host, cfg.datapath_port, max_frame_size=avg.MAX_FRAME) if cfg.datapath else None
         self.me = str(host.get_id())
         self._pending: _Pending | None = None
@@ -325,7 +329,7 @@ class Averager:
                     request,
                     pending.tensors,
                     outer_step=pending.request.outer_step,
-                    listener=self.listener,
+                    listener=self.listener if (self.reachable is None or self.reachable()) else None,
                     local_peer_id=self.host.get_id().to_bytes(),
                     remote_peer_id=stream.muxed_conn.peer_id.to_bytes(),
                     handshake_timeout=self.cfg.handshake_timeout_s,

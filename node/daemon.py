@@ -152,6 +152,7 @@ class Daemon:
                 listen_host=bind,
                 path_of=lambda peer: self.nat.path_of(peer),
                 on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
+                reachable=lambda: self.nat.reachability != "private",
             )
         self.ready = trio.Event()
         self._last_progress_step = 0

@@ -58,6 +58,9 @@ def render_status(st: dict[str, Any]) -> str:
             d = detail.get(p, {})
             rows.append([short(p), str(d.get("path", "-")), _fmt(d.get("rtt_ms"), ".1f")])
         out.extend(_table(rows))
+    nat = st.get("nat") or {}
+    if nat.get("reason"):
+        out.append(f"nat: {nat['reason']}")
     disc = st.get("discovery")
     if disc:
         out.append(

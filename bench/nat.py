@@ -1,0 +1,400 @@
+"""NAT traversal benchmark: how soon two NATed daemons get a direct path, and how fast they average over it.
+
+Both parts run whole `starling run` daemons in the network lab (tests/netlab.py: one network namespace
+per host, nftables NAT routers, tc shaping), so the benchmark needs root. Every daemon knows only the
+bootstrap address; everything else comes from the product itself (DHT, swarm state, relays, DCUtR).
+
+1. **Time to a direct path.** On the public segment a bootstrap node and a relay (network-only); A
+   (network-only) behind home NAT 1, holding relay slots. For each trial a fresh B (new identity,
+   network-only) starts behind home NAT 2, and B's status is polled for: listening, connected to A
+   (which can only happen through a relay), and A ``hole-punched``. Times are from B's process start.
+2. **Averaging throughput behind NAT.** Trainers A and B, each behind its own home NAT, with a model
+   big enough that a round takes seconds; B's link is shaped to ``--rate-mbit`` each way (tc tbf on
+   both ends of its veth, so A's traffic to B crosses it too). Once hole-punched they average at every
+   outer step (they are each other's only partner); the workers wait for each exchange instead of
+   training through it (``train.overlap=false``). Per round, the throughput is the bytes that crossed
+   the link each way over the transfer time, ``sync.last_bytes / 2 / sync.last_duration_s`` (the
+   exchange is full duplex: half of ``last_bytes`` goes each way, at the same time), against the link
+   rate; target >= 0.9. ``last_duration_s`` is the transfer itself, after pairing and the choice of
+   the path (side channel or libp2p stream). Two references in the same lab and shaping: raw TCP
+   (Python sockets sending both ways at once: the ceiling, since headers and the other direction's
+   ACKs share the link), and two public trainers, whose rounds use the direct encrypted side channel.
+
+Everything shares this machine's cores, and the libp2p stream path is CPU-bound in Python: other work
+on the machine lowers the figures (the load average is printed and recorded).
+
+Usage: sudo .venv/bin/python bench/nat.py [--trials 3] [--rate-mbit 100] [--d-model 768] [--layers 2]
+                                          [--rounds 5] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+import netlab  # noqa: E402
+from netlab import Host, Lab, LabError, Proc  # noqa: E402
+
+from bench.discovery import replace_section  # noqa: E402
+from node.control import ControlError, request_sync  # noqa: E402
+
+PYTHON = sys.executable  # by absolute path: the namespaces share this file system
+PORT = 4001
+SWARM = "natbench"
+TARGET_RATIO = 0.9
+
+
+class BenchError(Exception):
+    """A part of the benchmark could not run; the message says why (with the daemon's log tail)."""
+
+
+# ==========================================================================================================
+# Daemons in the lab
+# ==========================================================================================================
+
+
+@dataclass
+class Daemon:
+    """One `starling run` process in a lab namespace; its status is read through the control socket."""
+
+    name: str
+    home: Path
+    proc: Proc
+    started: float  # time.monotonic() at spawn
+    peer_id: str = ""
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            answer = request_sync(self.home / "control.sock", {"cmd": "status"}, timeout=10)
+        except ControlError:
+            return None
+        return answer.get("status") if answer.get("ok") else None
+
+    def wait(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str,
+             interval: float = 0.1) -> dict[str, Any]:
+        """Poll the status until `predicate` holds; BenchError on timeout or if the daemon exits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise BenchError(f"{self.name} exited ({self.proc.poll()}) before {what}\n{self.proc.tail(30)}")
+            st = self.status()
+            if st is not None and predicate(st):
+                return st
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.name}: no {what} within {timeout:.0f} s\n{self.proc.tail(30)}")
+            time.sleep(interval)
+
+
+def spawn(host: Host, root: Path, name: str, args: list[str]) -> Daemon:
+    """Start `starling run` in `host`'s namespace (HOME = root/name) without waiting for it."""
+    home = root / name
+    argv = [PYTHON, "-m", "node.cli", "run", "--home", str(home), "--listen", f"/ip4/{host.ip}/tcp/{PORT}",
+            "--swarm", SWARM, *args]
+    started = time.monotonic()
+    return Daemon(name, home, host.spawn(argv, log=f"{name}.log", cwd=ROOT), started)
+
+
+def start(host: Host, root: Path, name: str, args: list[str]) -> Daemon:
+    daemon = spawn(host, root, name, args)
+    daemon.peer_id = daemon.wait(lambda s: bool(s.get("addrs")), 90, "start-up")["peer_id"]
+    return daemon
+
+
+def path_to(st: dict[str, Any], peer_id: str) -> str:
+    return next((p["path"] for p in st.get("peers", []) if p["peer_id"] == peer_id), "none")
+
+
+def public_segment(lab: Lab, root: Path) -> tuple[list[str], list[Daemon]]:
+    """A bootstrap node and a relay, both network-only; returns the --bootstrap flags and the daemons."""
+    boot_host, relay_host = lab.public_host("boot"), lab.public_host("relay")
+    boot = start(boot_host, root, "boot", ["--no-train"])
+    join = ["--bootstrap", f"/ip4/{boot_host.ip}/tcp/{PORT}/p2p/{boot.peer_id}"]
+    relay = start(relay_host, root, "relay", ["--no-train", *join])
+    return join, [boot, relay]
+
+
+# ==========================================================================================================
+# Part 1: time to a direct path
+# ==========================================================================================================
+
+
+def bench_direct_path(root: Path, trials: int) -> dict[str, Any]:
+    print("\n1. time to a direct path: B starts behind home NAT 2, A waits behind home NAT 1", flush=True)
+    rows: list[dict[str, float]] = []
+    with Lab(log_dir=root / "logs-direct") as lab:
+        join, _ = public_segment(lab, root)
+        a_host = lab.private_host("a", lab.nat("nat1", style="home"))
+        b_host = lab.private_host("b", lab.nat("nat2", style="home"))
+        a = start(a_host, root, "a", ["--no-train", *join])
+        a.wait(lambda s: bool(s["nat"]["relay_addrs"]), 60, "relay slot for A")
+        for trial in range(trials):
+            b = spawn(b_host, root, f"b{trial}", ["--no-train", *join])
+            listening = b.wait(lambda s: bool(s.get("addrs")), 90, "start-up")
+            t_listen = time.monotonic() - b.started
+            b.peer_id = listening["peer_id"]
+            b.wait(lambda s: path_to(s, a.peer_id) != "none", 120, "connection to A")
+            t_connected = time.monotonic() - b.started
+            b.wait(lambda s: path_to(s, a.peer_id) == "hole-punched", 120, "hole-punched path to A")
+            t_direct = time.monotonic() - b.started
+            rows.append({"listening_s": t_listen, "connected_s": t_connected, "direct_s": t_direct})
+            print(f"   trial {trial + 1}: listening {t_listen:.1f} s, connected to A (relayed) {t_connected:.1f} s,"
+                  f" hole-punched {t_direct:.1f} s after B's start", flush=True)
+            b.proc.stop(grace=10)
+    summary = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    summary["direct_max_s"] = max(r["direct_s"] for r in rows)
+    summary["trials"] = len(rows)
+    print(f"   median: hole-punched {summary['direct_s']:.1f} s after B's start"
+          f" (worst {summary['direct_max_s']:.1f} s)", flush=True)
+    return summary
+
+
+# ==========================================================================================================
+# Part 2: averaging throughput over a shaped link
+# ==========================================================================================================
+
+
+# Full-duplex raw TCP over the shaped link: both ends send and receive N MiB at once from Python sockets
+# (no encryption, no framing), which is the most any averaging round can get out of the link. The client
+# prints the seconds both directions took.
+RAW_TCP = r"""
+import socket, sys, threading, time
+mib, peer = int(sys.argv[1]), sys.argv[2]
+if peer == "serve":
+    srv = socket.create_server(("0.0.0.0", 5001))
+    print("listening", flush=True)
+    conn, _ = srv.accept()
+else:
+    conn = socket.create_connection((peer, 5001), timeout=30)
+    conn.settimeout(120)
+block = bytes(1 << 20)
+sender = threading.Thread(target=lambda: [conn.sendall(block) for _ in range(mib)])
+began = time.monotonic()
+sender.start()
+buf, got = memoryview(bytearray(1 << 20)), 0
+while got < mib << 20:
+    n = conn.recv_into(buf)
+    if n == 0:
+        raise SystemExit("peer closed early")
+    got += n
+sender.join()
+print("seconds", time.monotonic() - began, flush=True)
+"""
+
+
+def raw_tcp_mbit(server: Host, client: Host, mib: int) -> float:
+    """Mbit/s each way of a full-duplex raw TCP transfer of `mib` MiB between two public hosts."""
+    serving = server.spawn_python(RAW_TCP, str(mib), "serve", log="raw-server.log")
+    serving.wait_for(r"^listening", timeout=30)
+    seconds = float(client.spawn_python(RAW_TCP, str(mib), str(server.ip), log="raw-client.log")
+                    .wait_for(r"^seconds (\S+)", timeout=180).group(1))
+    serving.wait(timeout=30)
+    return mib * (1 << 20) * 8 / 1e6 / seconds
+
+
+def trainer_args(d_model: int, layers: int) -> list[str]:
+    """A model whose exchange takes seconds at 100 Mbit/s; everything else as small and quick as possible.
+
+    No overlap: the worker waits for each exchange instead of training through it, so the transfer does
+    not compete with training for the cores (this measures the link, not the CPU).
+    """
+    sets = {
+        "train.d_model": d_model, "train.n_layers": layers, "train.n_heads": 4, "train.seq_len": 32,
+        "train.batch_size": 2, "train.inner_steps": 5, "train.max_lag": 5, "train.warmup": 5,
+        "train.data_bytes": 300000, "train.eval_batches": 1, "train.checkpoint_every": 100000,
+        "train.threads": 1, "train.overlap": "false",
+        "sync.pair_window_s": 5, "sync.join_wait_s": 1, "sync.max_step_gap": 1000, "sync.backoff_s": 1,
+    }  # fmt: skip
+    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+
+def cpu_seconds(proc: Proc) -> float:
+    """CPU time (user + system) the process itself has used so far: /proc/<pid>/stat fields 14 and 15."""
+    fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def time_rounds(limited: Daemon, partner: Daemon, rounds: int, rate_mbit: float) -> dict[str, Any]:
+    """Read `rounds` averaging rounds between the two off the limited trainer's status, one at a time.
+
+    Also the CPU time each daemon spent per round (between two round completions, which with
+    overlap off is the exchange plus a little idle bookkeeping): close to the transfer time means the
+    transfer was CPU-bound rather than link-bound.
+    """
+    samples: list[dict[str, Any]] = []
+    seen = limited.wait(lambda s: "sync" in s, 60, "sync status")["sync"]["rounds"]
+    cpu = (cpu_seconds(limited.proc), cpu_seconds(partner.proc))
+    deadline = time.monotonic() + 120 + 60 * rounds
+    while len(samples) < rounds:
+        st = limited.wait(lambda s, seen=seen: s["sync"]["rounds"] > seen, max(1.0, deadline - time.monotonic()),
+                          f"averaging round {len(samples) + 1} of {rounds}", interval=0.25)
+        now = (cpu_seconds(limited.proc), cpu_seconds(partner.proc))
+        sync = st["sync"]
+        if sync["rounds"] == seen + 1 and sync["last_partner"] == partner.peer_id:  # one new round, read whole
+            mbit = sync["last_bytes"] / 2 * 8 / 1e6 / sync["last_duration_s"]
+            samples.append({"bytes": sync["last_bytes"], "seconds": sync["last_duration_s"], "mbit": mbit,
+                            "path": f"{sync['last_path']} over {path_to(st, partner.peer_id)}",
+                            "cpu": max(now[0] - cpu[0], now[1] - cpu[1])})
+            print(f"   round {len(samples)}: {sync['last_bytes'] / 2 / 1e6:.1f} MB each way in"
+                  f" {sync['last_duration_s']:.2f} s, {samples[-1]['path']}: {mbit:.1f} Mbit/s"
+                  f" = {mbit / rate_mbit:.2f} x the link; busier daemon used {samples[-1]['cpu']:.1f} CPU s",
+                  flush=True)
+        seen, cpu = sync["rounds"], now
+    mbit = statistics.median(s["mbit"] for s in samples)
+    print(f"   median {mbit:.1f} Mbit/s each way = {mbit / rate_mbit:.2f} x the link", flush=True)
+    return {
+        "rounds": len(samples), "mbit": mbit, "ratio": mbit / rate_mbit,
+        "mb_each_way": statistics.median(s["bytes"] for s in samples) / 2 / 1e6,
+        "seconds": statistics.median(s["seconds"] for s in samples),
+        "mbit_min": min(s["mbit"] for s in samples), "mbit_max": max(s["mbit"] for s in samples),
+        "cpu_s": statistics.median(s["cpu"] for s in samples),
+        "paths": sorted({s["path"] for s in samples}),
+    }  # fmt: skip
+
+
+def bench_throughput(root: Path, rate_mbit: float, d_model: int, layers: int, rounds: int) -> dict[str, Any]:
+    print(f"\n2. averaging throughput over a link shaped to {rate_mbit:g} Mbit/s each way (d_model {d_model},"
+          f" {layers} layer(s))", flush=True)
+    out: dict[str, Any] = {"rate_mbit": rate_mbit, "d_model": d_model, "layers": layers}
+    with Lab(log_dir=root / "logs-throughput") as lab:
+        join, _ = public_segment(lab, root)
+        p_host, q_host = lab.public_host("p"), lab.public_host("q")
+        a_host = lab.private_host("a", lab.nat("nat1", style="home"))
+        b_host = lab.private_host("b", lab.nat("nat2", style="home"))
+        for limited in (q_host, b_host):
+            lab.limit(limited, rate_mbit=rate_mbit)
+
+        out["raw_mbit"] = raw_tcp_mbit(p_host, q_host, mib=max(8, int(rate_mbit * 0.125 * 4)))  # ~4 s of traffic
+        print(f"   ceiling: raw TCP, both ways at once, {out['raw_mbit']:.1f} Mbit/s each way"
+              f" = {out['raw_mbit'] / rate_mbit:.2f} x the link", flush=True)
+
+        print("   trainers A and B behind home NATs (B's link shaped): waiting for the hole punch", flush=True)
+        a = start(a_host, root, "ta", [*join, *trainer_args(d_model, layers)])
+        b = start(b_host, root, "tb", [*join, *trainer_args(d_model, layers)])
+        b.wait(lambda s: path_to(s, a.peer_id) == "hole-punched", 180, "hole-punched path to A")
+        out["nat"] = time_rounds(b, a, rounds, rate_mbit)
+        for daemon in (a, b):
+            daemon.proc.stop(grace=15)
+
+        print("   for comparison, public trainers P and Q (Q's link shaped): the direct path", flush=True)
+        p = start(p_host, root, "tp", [*join, *trainer_args(d_model, layers)])
+        q = start(q_host, root, "tq", [*join, *trainer_args(d_model, layers)])
+        out["direct"] = time_rounds(q, p, rounds, rate_mbit)
+    verdict = "meets" if out["nat"]["ratio"] >= TARGET_RATIO else "misses"
+    print(f"   behind NAT: {out['nat']['ratio']:.2f} x the link ({verdict} the {TARGET_RATIO} target),"
+          f" {out['nat']['mbit'] / out['raw_mbit']:.2f} x raw TCP", flush=True)
+    return out
+
+
+# ==========================================================================================================
+# Report
+# ==========================================================================================================
+
+
+def write_docs(command: str, load: str, direct: dict[str, Any] | None, tput: dict[str, Any] | None) -> None:
+    lines = [
+        "## NAT", "",
+        f"`{command}` on {os.cpu_count()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}; {load}.",
+        "Whole daemons in the network lab (network namespaces, nftables NATs, tc shaping); every daemon is "
+        "given only the bootstrap address.", "",
+    ]  # fmt: skip
+    if direct is not None:
+        lines += [
+            f"**Time to a direct path** ({direct['trials']} trials, medians): a fresh network-only B starts "
+            "behind home NAT 2; A waits behind home NAT 1 with relay slots. Times from B's process start.", "",
+            "| B listening (s) | connected to A via a relay (s) | hole-punched (s) | worst hole-punched (s) |",
+            "|---|---|---|---|",
+            f"| {direct['listening_s']:.1f} | {direct['connected_s']:.1f} | {direct['direct_s']:.1f} "
+            f"| {direct['direct_max_s']:.1f} |", "",
+        ]  # fmt: skip
+    if tput is not None:
+        rate = tput["rate_mbit"]
+        lines += [
+            f"**Averaging throughput** (medians of {tput['nat']['rounds']} rounds): d_model {tput['d_model']} x "
+            f"{tput['layers']} layer(s); one trainer's link shaped to {rate:g} Mbit/s each way (tbf). Throughput = "
+            "bytes each way (`sync.last_bytes / 2`: the exchange is full duplex) / transfer time "
+            "(`sync.last_duration_s`). Raw TCP is Python sockets sending both ways at once over the same shaping: "
+            "the ceiling (headers and the other direction's ACKs share the link). Daemon CPU s per round: the "
+            "busier daemon's CPU time from one round's end to the next (the exchange, with overlap off); near the "
+            "transfer time means the round was CPU-bound, not link-bound.", "",
+            "| pair | path | MB each way | transfer (s) | daemon CPU s per round | Mbit/s each way (range) "
+            "| x link (target >= 0.9) | x raw TCP |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| raw TCP | - | - | - | - | {tput['raw_mbit']:.1f} | {tput['raw_mbit'] / rate:.2f} | 1.00 |",
+        ]  # fmt: skip
+        for label, key in (("A, B behind home NATs", "nat"), ("P, Q public", "direct")):
+            r = tput[key]
+            lines.append(
+                f"| {label} | {', '.join(r['paths'])} | {r['mb_each_way']:.1f} | {r['seconds']:.2f} "
+                f"| {r['cpu_s']:.1f} | {r['mbit']:.1f} ({r['mbit_min']:.0f}-{r['mbit_max']:.0f}) | {r['ratio']:.2f} "
+                f"| {r['mbit'] / tput['raw_mbit']:.2f} |"
+            )
+        nat, direct_path = tput["nat"], tput["direct"]
+        lines += [
+            "",
+            f"Behind NAT the rounds reach {nat['ratio']:.2f} x the link, "
+            f"{'meeting' if nat['ratio'] >= TARGET_RATIO else 'short of'} the {TARGET_RATIO} target. Hole-punched "
+            "peers can only use the libp2p stream (the side channel's port is behind the responder's NAT); it "
+            f"took {nat['cpu_s'] / max(direct_path['cpu_s'], 1e-9):.1f} x the side channel's CPU per round here "
+            f"and reached {nat['mbit'] / max(direct_path['mbit'], 1e-9):.2f} x its throughput.",
+            "",
+        ]
+    replace_section(ROOT / "docs" / "benchmarks.md", "## NAT", "\n".join(lines))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", choices=["1", "2"], default=["1", "2"])
+    p.add_argument("--trials", type=int, default=3, help="part 1: fresh B daemons to time (default 3)")
+    p.add_argument("--rate-mbit", type=float, default=100.0, help="part 2: B's link rate each way (default 100)")
+    p.add_argument("--d-model", type=int, default=768, help="part 2: model width (default 768)")
+    p.add_argument("--layers", type=int, default=2, help="part 2: transformer blocks (default 2)")
+    p.add_argument("--rounds", type=int, default=5, help="part 2: timed rounds (default 5)")
+    p.add_argument("--write-docs", action="store_true", help="record the results in docs/benchmarks.md")
+    args = p.parse_args()
+    if args.trials < 1 or args.rounds < 1 or args.rate_mbit <= 0 or args.d_model < 8 or args.layers < 1:
+        p.error("--trials/--rounds/--layers >= 1, --rate-mbit > 0, --d-model >= 8")
+    if args.d_model % 4:
+        p.error("--d-model must be a multiple of 4 (the model has 4 attention heads)")
+    reason = netlab.unavailable_reason()
+    if reason is not None:
+        print(f"bench/nat.py needs the network lab, which is unavailable here: {reason}", file=sys.stderr)
+        return 2
+
+    load_before = os.getloadavg()[0]
+    print(f"{os.cpu_count()} cores, load average {load_before:.1f} (other work on this machine lowers the figures)",
+          flush=True)
+    root = Path(tempfile.mkdtemp(prefix="starling-natbench-"))
+    direct = tput = None
+    try:
+        if "1" in args.parts:
+            direct = bench_direct_path(root, args.trials)
+        if "2" in args.parts:
+            tput = bench_throughput(root, args.rate_mbit, args.d_model, args.layers, args.rounds)
+    except (BenchError, LabError) as e:
+        print(f"error: {e}\n(logs kept in {root})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    shutil.rmtree(root, ignore_errors=True)
+    load = f"1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    print(load, flush=True)
+    if args.write_docs:
+        write_docs("python bench/nat.py " + " ".join(sys.argv[1:]), load, direct, tput)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
