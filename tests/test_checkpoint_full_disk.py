@@ -1,0 +1,97 @@
+"""A checkpoint written onto a full disk: a clear ENOSPC error, the previous checkpoint intact, no debris.
+
+The checkpoints directory is a tiny tmpfs (root mounts it; the tests skip, saying why, where mounting is
+not allowed). The disk is filled with a file until the kernel refuses more, then some room is given back -
+less than a checkpoint needs - so the write fails at its first byte or part-way through the payload, where
+a writer is most likely to leave a truncated file behind. Where it fails matters: torch's zip writer turns
+an ENOSPC from the file into an opaque RuntimeError ("unexpected pos ..."), except when the final flush
+happens to fail too.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.checkpoint import CheckpointStore, read_checkpoint
+
+TMPFS_SIZE = 1 << 20  # bytes: room for a few checkpoints of STATE_ELEMS floats
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs, unmounted when the test ends."""
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE},mode=0700", "tmpfs", str(mountpoint)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip() or r.returncode}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+def tiny_state(step: int) -> dict:
+    """A small model's training state: weights, an optimizer's moments, counters."""
+    weights = torch.full((16_000,), float(step))
+    return {"step": step, "model": {"w": weights}, "optimizer": {"exp_avg": weights * 0.5}, "lr": 0.001}
+
+
+def fill(directory: Path, leave_free: int) -> Path:
+    """Fill the file system holding `directory` until it refuses more, then free `leave_free` bytes."""
+    filler = directory / "filler.bin"
+    block = b"\xa5" * 4096
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    os.truncate(filler, max(0, filler.stat().st_size - leave_free))
+    return filler
+
+
+@pytest.mark.parametrize("free_fraction", [0.0, 0.125, 0.75], ids=["no-room", "an-eighth", "three-quarters"])
+def test_a_checkpoint_write_on_a_full_disk_fails_with_enospc_and_keeps_the_previous_one(
+    tiny_disk: Path, free_fraction: float
+) -> None:
+    store = CheckpointStore(tiny_disk / "checkpoints", keep=3)
+    first = store.save(tiny_state(10), 10)
+    fill(tiny_disk, leave_free=int(first.stat().st_size * free_fraction))  # room for part of the next one
+
+    with pytest.raises(OSError) as failure:
+        store.save(tiny_state(20), 20)
+
+    # The error says what happened, in the exception itself (not only in a chained cause).
+    assert failure.value.errno == errno.ENOSPC
+    assert os.strerror(errno.ENOSPC) in str(failure.value)
+    # Nothing but the previous checkpoint: no temp file, no truncated step-20 file.
+    assert sorted(p.name for p in store.directory.iterdir()) == [first.name]
+    result = store.load_latest()
+    assert result.rejected == []
+    assert result.checkpoint is not None and result.checkpoint.step == 10
+    assert torch.equal(result.checkpoint.state["model"]["w"], tiny_state(10)["model"]["w"])
+
+
+def test_checkpoints_are_written_again_once_space_is_freed(tiny_disk: Path) -> None:
+    store = CheckpointStore(tiny_disk / "checkpoints", keep=2)
+    store.save(tiny_state(10), 10)
+    filler = fill(tiny_disk, leave_free=0)
+    with pytest.raises(OSError):
+        store.save(tiny_state(20), 20)
+
+    filler.unlink()
+    for step in (30, 40):
+        store.save(tiny_state(step), step)
+
+    assert [s for s, _ in store.checkpoints()] == [40, 30]
+    assert read_checkpoint(store.path_for(40))["step"] == 40
+    assert not [p for p in store.directory.iterdir() if p.name.startswith(".")]  # no temp files
