@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-nat chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat chaos fuzz swarm-up swarm-down clean
 
 install: $(STAMP)
 
@@ -63,6 +63,9 @@ bench-convergence: install
 
 bench-sync: install
 	$(PY) bench/sync.py --write-docs
+
+bench-hivemind: install
+	$(PY) bench/sync.py --parts 3
 
 bench-nat: install
 	$(PY) bench/nat.py --write-docs

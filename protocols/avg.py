@@ -172,23 +172,25 @@ def _finish_means(t: Tensors, codec: TensorCodec, plan: ChunkPlan, validate: Val
     Runs in a worker thread (torch releases the GIL), chunk by chunk so it never allocates more than
     one chunk beyond the outputs. `validate` sees the partner's values first and may raise Rejected.
     """
+    # Chunk by chunk, so each pass works on data still in cache and no numel-sized temporary is made.
     for theirs in (t.phi_out, t.delta_out):
-        if not bool(torch.isfinite(theirs).all()):
-            raise Rejected("non_finite", "partner sent NaN or infinite values")
+        for start, stop in plan:
+            if not bool(torch.isfinite(theirs[start:stop]).all()):
+                raise Rejected("non_finite", "partner sent NaN or infinite values")
     if validate is not None:
         validate(t)
+    lossless = isinstance(codec, Fp32Codec)
+    scratch = None if lossless else torch.empty(min(plan.chunk_elems, plan.numel), dtype=torch.float32)
     for mine, out in ((t.phi, t.phi_out), (t.delta, t.delta_out)):
-        if isinstance(codec, Fp32Codec):
-            out.add_(mine).mul_(0.5)
-            continue
-        scratch = torch.empty(min(plan.chunk_elems, plan.numel), dtype=torch.float32)
         for start, stop in plan:
-            own = scratch[: stop - start]
-            # Decode plainly, then add: a fused decode-and-accumulate would round differently from the
-            # partner's plain decode of the same bytes, and the two means would differ in the last bit.
-            codec.decode_into(codec.encode(mine[start:stop]), own)
-            out[start:stop].add_(own)
-        out.mul_(0.5)
+            if lossless:
+                own = mine[start:stop]
+            else:
+                own = scratch[: stop - start]
+                # Decode plainly, then add: a fused decode-and-accumulate would round differently from
+                # the partner's plain decode of the same bytes, and the two means would differ.
+                codec.decode_into(codec.encode(mine[start:stop]), own)
+            out[start:stop].add_(own).mul_(0.5)
 
 
 Validator = Callable[[Tensors], None]
