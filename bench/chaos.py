@@ -4,8 +4,10 @@ What it does. A network-only bootstrap node (never killed) and N trainer daemons
 a tiny model so that six fit on two cores) start on 127.0.0.1 and train together until every trainer
 reports a loss. Then, for SECONDS, every INTERVAL seconds a random trainer that is up is killed with
 SIGKILL - by default the whole node: the daemon and every process under it (its torch worker, the
-resource tracker), as a power cut or `docker kill` would - and restarted at once on the same HOME. After
-the last kill every daemon is stopped with SIGTERM and the checkpoints on disk are verified.
+resource tracker), as a power cut or `docker kill` would - and restarted at once on the same HOME. Kills
+fall at INTERVAL, 2 x INTERVAL, ... before SECONDS, so the last stretch is quiet. Then the script waits
+for the member tables to agree and for the last restarted trainers to train again, stops every daemon
+with SIGTERM and verifies the checkpoints on disk. The HOMEs and logs are kept when a check fails.
 
 What it checks (exit code 1 if any check fails):
 
@@ -15,7 +17,7 @@ What it checks (exit code 1 if any check fails):
     give (`sync.pair_window_s` + 2 x `sync.handshake_timeout_s` + the transfer deadline + 1.5 s for the
     shielded stream close), and the supervisor's hard cap (`train.exchange_timeout`) must never fire.
 (b) resume: every restarted trainer resumed from the newest checkpoint on its disk at the time of the kill
-    (its `training.resumed_step`), not from step 0, and its step counter went on from there.
+    (its `training.resumed_step`), not from step 0, and its step counter never went below it afterwards.
 (c) checkpoints: after the graceful stop, every checkpoint file in every HOME passes the checkpoint
     module's own verification (`read_checkpoint`: header, length, SHA-256, weights-only load); none was set
     aside as corrupt during the run, no temp file is left, and every daemon exited with status 0.
@@ -28,6 +30,7 @@ What it checks (exit code 1 if any check fails):
     .venv/bin/python bench/chaos.py --quick          # 3 trainers, a kill every 10 s for 40 s
     .venv/bin/python bench/chaos.py --write-docs     # also record the figures in docs/reliability.md
     .venv/bin/python bench/chaos.py --target daemon  # kill only the daemon; its worker checkpoints and exits
+    .venv/bin/python bench/chaos.py --set node.heartbeat_s=0.5   # any daemon setting, for every node
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ TRAIN = {
     "eval_batches": 1,
 }
 # Heartbeats, suspect and gone times are the daemon's defaults (2 s, 15 s, 60 s). The 0.5 s / 3 s / 6 s of
-# the swarm tests overload gossip with seven daemons on two cores: records arrive ever later and every
-# member turns "gone" on most nodes within a minute, even with no training and no kills at all.
+# the swarm tests overload gossip with seven daemons on two busy cores: records arrive ever later and every
+# member turns "gone" on most nodes within a minute, even with no training and no kills at all
+# (docs/reliability.md, "Chaos run: what did not hold").
 TRANSFER_FLOOR_S = 10.0  # node/averager.py: _transfer_deadline = 10 s + slack x expected transfer time
 CLOSE_GRACE_S = 1.5  # the initiator's shielded stream close (1 s) and its short sleeps between tries
 
@@ -297,6 +301,8 @@ def training(status: dict[str, Any] | None) -> dict[str, Any]:
 
 
 class ChaosRun:
+    """One chaos run in `root` (one HOME per node): `run()` starts, kills, waits, stops, verifies, judges."""
+
     def __init__(self, plan: ChaosPlan, root: Path) -> None:
         self.plan = plan
         self.root = root
