@@ -618,7 +618,14 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
     if trainer.outer_step % trainer.cfg.eval_every == 0:
         trainer.evaluate()
     if trainer.outer_step % trainer.cfg.checkpoint_every == 0:
-        path = trainer.save_checkpoint()
+        try:
+            path = trainer.save_checkpoint()
+        except OSError as e:
+            # A full or failing disk: the previous checkpoint is intact (atomic write). Crashing would
+            # only restart from it, lose the progress since, and fail again: keep training instead.
+            log.error("checkpoint at step %d failed: %s; the previous checkpoint is kept, training goes on",
+                      trainer.step, e)
+            return
         chan.send(CheckpointSaved(step=trainer.step, outer_step=trainer.outer_step, path=str(path)))
 
 
@@ -639,11 +646,16 @@ def _send_metrics(chan: WorkerChannel, trainer: Trainer, meter: _Meter) -> None:
 
 
 def _final_checkpoint(chan: WorkerChannel | None, trainer: Trainer) -> None:
-    path = trainer.save_checkpoint()
-    log.info("checkpoint %s written at step %d (outer step %d)", path, trainer.step, trainer.outer_step)
+    try:
+        path: Path | None = trainer.save_checkpoint()
+        log.info("checkpoint %s written at step %d (outer step %d)", path, trainer.step, trainer.outer_step)
+    except OSError as e:
+        path = None
+        log.error("final checkpoint at step %d failed: %s; the previous checkpoint is kept", trainer.step, e)
     if chan is not None:
         try:
-            chan.send(CheckpointSaved(step=trainer.step, outer_step=trainer.outer_step, path=str(path)))
+            if path is not None:
+                chan.send(CheckpointSaved(step=trainer.step, outer_step=trainer.outer_step, path=str(path)))
             chan.send(Stopped(step=trainer.step, outer_step=trainer.outer_step))
         except DaemonGone:
             pass

@@ -25,7 +25,7 @@ TINY = [
     # Nodes start seconds apart on a loaded 2-core machine and step solo meanwhile (H = 5 is fast):
     # allow them to pair despite that head start.
     "--set", "sync.max_step_gap=50",
-    "--set", "node.heartbeat_s=0.5", "--set", "node.suspect_after=3", "--set", "node.gone_after=6",
+    "--set", "node.heartbeat_s=1", "--set", "node.suspect_after=5", "--set", "node.gone_after=10",
 ]
 
 
