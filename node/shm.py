@@ -118,3 +118,38 @@ class ExchangeSlots:
     def close(self) -> None:
         for slot in SLOTS:
             getattr(self, slot).close()
+
+
+def sweep_orphans(directory: str = "/dev/shm") -> int:
+    """Remove exchange segments whose creating daemon is dead (a SIGKILLed daemon cannot clean up).
+
+    Segment names carry the creator's pid (`stl<pid>_...`); a pid that no longer exists owns nothing.
+    Called once when a daemon starts; returns how many segments were removed.
+    """
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith("stl"):
+            continue
+        pid_text = name[3:].split("_", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True

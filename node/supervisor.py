@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import trio
 
-from node.shm import ExchangeSlots
+from node.shm import ExchangeSlots, sweep_orphans
 from node.task import Layout
 from node.train_config import TrainConfig
 from node.worker import (
@@ -191,6 +191,9 @@ class WorkerSupervisor:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Keep a worker running until cancelled."""
+        swept = sweep_orphans()
+        if swept:
+            log.info("removed %d shared-memory segments left by a killed daemon", swept)
         task_status.started()
         backoff = self._backoff_initial
         try:
