@@ -125,3 +125,19 @@ def test_a_late_joiner_starts_from_the_swarms_weights_not_a_fresh_model(group: D
     assert donor_val < 0.8 * fresh_loss  # the swarm has really trained
     assert first["outer_step"] >= 8  # step counters came with the weights
     assert abs(first["val_loss"] - donor_val) <= 0.10 * donor_val, (first["val_loss"], donor_val)
+
+
+def test_sigterm_during_an_exchange_aborts_it_checkpoints_and_exits_0(group: DaemonGroup, tmp_path: Path) -> None:
+    # Alone with a long pairing window, every outer step sits in an exchange waiting for a partner.
+    d = group.start("solo", *TINY, "--swarm", "drain", "--set", "sync.pair_window_s=60")
+    d.wait_status(lambda s: s.get("sync", {}).get("state") == "pairing" and s["training"]["outer_step"] >= 0,
+                  timeout=90, interval=0.3)
+    ckpt_dir = d.home / "checkpoints"
+    before = {p.name for p in ckpt_dir.rglob("ckpt-*.pt")}
+    t0 = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0  # within the unit's TimeoutStopSec
+    assert time.monotonic() - t0 < 15
+    after = {p.name for p in ckpt_dir.rglob("ckpt-*.pt")}
+    assert after - before, "the drain wrote a checkpoint of the progress made while waiting"
+    assert "written at step" in d.log() and "stopped" in d.log()
