@@ -369,7 +369,8 @@ async def test_a_stopped_daemon_resumes_with_its_step_counters_intact(tmp_path: 
         await wait_until(lambda: again.status()["state"] == "training")
         status = again.status()
         assert status["resumed_step"] == stopped["step"]
-        assert status["outer_step"] == stopped["outer_step"]
+        # The resumed worker may already have taken its next outer step by now; a reset would show 0.
+        assert status["outer_step"] >= stopped["outer_step"] >= 2
         nursery.cancel_scope.cancel()
 
 
