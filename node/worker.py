@@ -470,8 +470,12 @@ class Trainer:
         self.outer_step = int(state["outer_step"])
         self.last_publish_step = self.step
         path.rename(path.with_name(path.name + ".used"))
-        log.info("starting from the swarm snapshot of %d donors at step %d (outer step %d)",
-                 len(state.get("donors", [])), self.step, self.outer_step)
+        # Measure the downloaded weights before the first inner step: the first validation loss this node
+        # reports is then the swarm's (what the user checks a late join by), not a figure taken after H
+        # steps of a fresh inner optimizer.
+        self.evaluate()
+        log.info("starting from the swarm snapshot of %d donors at step %d (outer step %d): validation loss %.3f",
+                 len(state.get("donors", [])), self.step, self.outer_step, self.val_loss)
         return path
 
     def resume(self) -> tuple[Path | None, list[str]]:

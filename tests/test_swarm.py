@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import DaemonGroup
+from procs import DaemonGroup, DaemonProc
+
+from node.control import SOCKET_FILE, request_sync
 
 pytestmark = pytest.mark.slow
 
@@ -120,11 +122,29 @@ def test_a_late_joiner_starts_from_the_swarms_weights_not_a_fresh_model(group: D
     st = joiner.wait_status(lambda s: s.get("join", {}).get("state") == "done", timeout=90)
     assert len(st["join"]["donors"]) == 2
     first = joiner.wait_status(lambda s: s["training"]["val_loss"] is not None, timeout=90, interval=0.2)["training"]
-    donor_val = sum(d.status()["training"]["val_loss"] for d in nodes) / len(nodes)
+    assert first["outer_step"] >= 8  # step counters came with the weights
+    # The yardstick: the donors' own validation loss when they were at the step the joiner starts from
+    # (they trained on while it downloaded, so their loss now is lower than the snapshot's).
+    donor_val = swarm_val_loss_at(boot, [d.wait_status()["peer_id"] for d in nodes], first["outer_step"])
     fresh_loss = 5.5  # ln(256): a byte-level model that knows nothing
     assert donor_val < 0.8 * fresh_loss  # the swarm has really trained
-    assert first["outer_step"] >= 8  # step counters came with the weights
-    assert abs(first["val_loss"] - donor_val) <= 0.10 * donor_val, (first["val_loss"], donor_val)
+    # Close to the swarm's loss at that step (the mean of two donors is often a little better than either).
+    assert first["val_loss"] <= 1.10 * donor_val, (first, donor_val)
+    assert first["val_loss"] < 0.6 * fresh_loss, first
+
+
+def swarm_val_loss_at(node: DaemonProc, peer_ids: list[str], outer_step: int) -> float:
+    """Mean over ``peer_ids`` of the last validation loss ``node``'s loss history holds for each of them at or
+    before ``outer_step``."""
+    history = request_sync(node.home / SOCKET_FILE, {"cmd": "history"})["history"]
+    values = []
+    for pid in peer_ids:
+        series = history[pid]
+        points = [(o, v) for o, v in zip(series["outer_step"], series["val_loss"], strict=True)
+                  if v is not None and o <= outer_step]
+        assert points, f"no validation loss of {pid} at or before outer step {outer_step}: {series}"
+        values.append(max(points)[1])
+    return sum(values) / len(values)
 
 
 def test_sigterm_during_an_exchange_aborts_it_checkpoints_and_exits_0(group: DaemonGroup, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import trio
 
-from node.checkpoint import CheckpointError
+from node.checkpoint import CheckpointError, write_checkpoint
 from node.shm import ExchangeSlots, SharedTensor
 from node.supervisor import ExchangeRequest, WorkerSupervisor, solo_exchange
 from node.train_config import TrainConfig
@@ -248,6 +248,31 @@ def test_a_resumed_trainer_continues_exactly_where_the_checkpoint_was(tmp_path: 
     assert torch.equal(flat(b), flat(a))
     # Same data position, optimizer state and RNG: the next steps are bit-identical.
     assert [a.inner_step() for _ in range(6)] == [b.inner_step() for _ in range(6)]
+
+
+def test_a_late_joiner_starts_from_the_swarm_snapshot_and_reports_its_loss_before_training(tmp_path: Path) -> None:
+    donor = Trainer(TINY, tmp_path / "donor", "peer-a")
+    for _ in range(3):
+        while not donor.publish_due():
+            donor.inner_step()
+        donor.publish(torch.empty(donor.numel), torch.empty(donor.numel))
+        donor.apply_result(1)
+    snapshot = {"phi": donor.phi.clone(), "step": donor.step, "outer_step": donor.outer_step,
+                "layout_hash": donor.layout_hash, "donors": ["peer-a"]}
+    (tmp_path / "joiner" / "join").mkdir(parents=True)
+    write_checkpoint(tmp_path / "joiner" / "join" / "snapshot.pt", snapshot)
+    donor.scatter_theta(donor.phi)
+    swarm_loss = donor.evaluate()
+
+    joiner = Trainer(TINY, tmp_path / "joiner", "peer-b")
+    fresh_loss = joiner.evaluate()
+    path, rejected = joiner.resume()
+    assert (path, rejected) == (tmp_path / "joiner" / "join" / "snapshot.pt", [])
+    assert (joiner.step, joiner.outer_step) == (donor.step, donor.outer_step)
+    assert torch.equal(joiner.phi, donor.phi) and torch.equal(flat(joiner), donor.phi)
+    # The loss it reports first is that of the swarm's weights, measured before any inner step of its own.
+    assert joiner.val_loss == pytest.approx(swarm_loss) and joiner.val_loss < fresh_loss
+    assert not (tmp_path / "joiner" / "join" / "snapshot.pt").exists()  # consumed: restarts use own checkpoints
 
 
 def test_a_checkpoint_taken_mid_exchange_resumes_as_if_the_publish_never_happened(tmp_path: Path) -> None:
