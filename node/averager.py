@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import math
 import random
 import statistics
 from collections.abc import Callable
@@ -147,22 +148,15 @@ class Averager:
 
     # --- validation of what partners send ------------------------------------------------------------------
 
-    def _validate(self, t: Tensors) -> None:
-        """Reject a partner's Delta whose norm is far outside ours and the recent history (poisoning).
-
-        Runs in the transfer's worker thread; reads only `self._norms`, which the trio thread appends to
-        after the exchange, so a stale read costs at most one history entry.
-        """
-        theirs = float(t.delta_out.norm())
-        mine = float(t.delta.norm())
+    def _validate(self, mine: float, theirs: float) -> None:
+        """Reject a partner's Delta whose norm is far outside ours and the recent history (poisoning)."""
         history = list(self._norms)
         reference = max(mine, statistics.median(history) if history else 0.0)
-        if reference > 0 and theirs > self.cfg.max_delta_ratio * reference:
+        if not math.isfinite(theirs) or (reference > 0 and theirs > self.cfg.max_delta_ratio * reference):
             raise Rejected(
                 "delta_norm",
                 f"Delta norm {theirs:.3g} is over {self.cfg.max_delta_ratio:g}x the reference {reference:.3g}",
             )
-        t.delta_norms = (mine, theirs)  # type: ignore[attr-defined]
 
     # --- the supervisor's call ---------------------------------------------------------------------------
 
@@ -394,9 +388,7 @@ class Averager:
         link.bytes_sent += result.bytes_sent
         link.bytes_received += result.bytes_received
         self._partners.add(partner)
-        norms = getattr(self._current_tensors(), "delta_norms", None)
-        if norms is not None:
-            self._norms.extend(norms)
+        self._norms.extend(result.delta_norms)
         total = result.bytes_sent + result.bytes_received
         self.stats.update(
             rounds=self.stats["rounds"] + 1,
@@ -412,9 +404,6 @@ class Averager:
         if self.on_transfer is not None:
             self.on_transfer(partner, total, result.duration_s)
         log.info("averaged with %s over the %s in %.2fs (%.1f MB)", partner, result.path, result.duration_s, total / 1e6)
-
-    def _current_tensors(self) -> Tensors | None:
-        return self._pending.tensors if self._pending is not None else None
 
     def _offence(self, partner: str, reason: str) -> None:
         """A poisoned or malformed update: counted per reason; repeated offences ban the partner."""

@@ -14,13 +14,15 @@ Control flow on the libp2p stream (Noise-authenticated, so both PeerIDs are prov
 Both sides then hold the same two pairs of (wire-encoded) tensors and compute the same mean: the
 sender's own contribution goes through the same codec round trip as what it sent, so the two means are
 bit-identical whatever the wire dtype. Received bytes land directly in the caller's output tensors
-(shared memory), so an exchange needs no model-sized buffer beyond those; the caller uses the outputs
-only when `run_transfer` returns, so a failure never leaves a half-applied update.
+(shared memory) and become means there chunk by chunk as they arrive, so an exchange needs no
+model-sized buffer beyond those and no second pass over them; the caller uses the outputs only when
+`run_transfer` returns, so a failure or a rejection never leaves a half-applied update.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -29,7 +31,7 @@ import torch
 import trio
 
 from p2p.datapath import DataPathListener, KeyAgreement, Role, connect_datapath, new_session_id
-from protocols.codec import ChunkPlan, Fp32Codec, TensorCodec, get_codec, recv_tensor, send_tensor
+from protocols.codec import ChunkPlan, Fp32Codec, get_codec, recv_tensor, send_tensor
 from protocols.wire import (
     FrameChannel,
     LibP2PByteStream,
@@ -129,6 +131,7 @@ class TransferResult:
     bytes_sent: int
     bytes_received: int
     duration_s: float
+    delta_norms: tuple[float, float] = (0.0, 0.0)  # (ours, the partner's)
 
 
 def make_plan(numel: int, wire_dtype: str, int8_block: int, chunk_elems: int | None = None) -> ChunkPlan:
@@ -138,10 +141,60 @@ def make_plan(numel: int, wire_dtype: str, int8_block: int, chunk_elems: int | N
     return ChunkPlan.from_header(numel, codec, chunk_elems, MAX_FRAME)
 
 
-async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int, int]:
+@dataclass
+class Received:
+    """What the receive loop measured of the partner's values while it folded them into the means."""
+
+    finite: bool = True
+    their_delta_sq: float = 0.0
+    own_delta_sq: float = 0.0
+
+    @property
+    def delta_norms(self) -> tuple[float, float]:
+        """(our Delta's norm, the partner's), for the poisoning check and its history."""
+        return math.sqrt(self.own_delta_sq), math.sqrt(self.their_delta_sq)
+
+
+class _Fold:
+    """Turns each received chunk of the partner's values into the group mean, in place, on arrival.
+
+    Why on arrival: the chunk was just written by the decryption, so the finiteness check, the norm and
+    the mean read it from the cache; a separate pass over model-sized tensors afterwards cost as much
+    as the transfer itself (bench/sync.py). Both sides compute ``(theirs + own) * 0.5`` with ``own``
+    through the same codec round trip as what was sent, so the two means are bit-identical.
+    """
+
+    def __init__(self, mine: torch.Tensor, out: torch.Tensor, plan: ChunkPlan, seen: Received, *, is_delta: bool):
+        self.mine, self.out, self.codec, self.seen, self.is_delta = mine, out, plan.codec, seen, is_delta
+        lossless = isinstance(plan.codec, Fp32Codec)
+        self.scratch = None if lossless else torch.empty(min(plan.chunk_elems, plan.numel), dtype=torch.float32)
+
+    def __call__(self, start: int, stop: int) -> None:
+        if not self.seen.finite:
+            return  # the exchange will be rejected: draining the rest is all that is left to do
+        theirs, mine = self.out[start:stop], self.mine[start:stop]
+        lo, hi = torch.aminmax(theirs)  # NaN propagates; one pass, no temporary
+        if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+            self.seen.finite = False
+            return
+        if self.is_delta:
+            self.seen.their_delta_sq += float(torch.dot(theirs, theirs))
+            self.seen.own_delta_sq += float(torch.dot(mine, mine))
+        if self.scratch is None:
+            own = mine
+        else:
+            own = self.scratch[: stop - start]
+            # Decode plainly, then add: a fused decode-and-accumulate would round differently from the
+            # partner's plain decode of the same bytes, and the two means would differ.
+            self.codec.decode_into(self.codec.encode(mine), own)
+        theirs.add_(own).mul_(0.5)
+
+
+async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int, int, Received]:
     """Send our phi and Delta while receiving theirs into the outputs (both directions at once, or the
-    socket buffers fill up and both sides wait forever)."""
+    socket buffers fill up and both sides wait forever), turning them into the means as they land."""
     sent = received = 0
+    seen = Received()
 
     async def send_side() -> None:
         nonlocal sent
@@ -150,8 +203,10 @@ async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int
 
     async def recv_side() -> None:
         nonlocal received
-        received += await recv_tensor(channel, t.phi_out, plan)
-        received += await recv_tensor(channel, t.delta_out, plan)
+        received += await recv_tensor(channel, t.phi_out, plan, on_chunk=_Fold(t.phi, t.phi_out, plan, seen,
+                                                                                is_delta=False))
+        received += await recv_tensor(channel, t.delta_out, plan, on_chunk=_Fold(t.delta, t.delta_out, plan, seen,
+                                                                                  is_delta=True))
 
     try:
         async with trio.open_nursery() as nursery:
@@ -163,46 +218,25 @@ async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int
         if first is not None:
             raise first from None
         raise
-    return sent, received
+    return sent, received, seen
 
 
-def _finish_means(t: Tensors, codec: TensorCodec, plan: ChunkPlan, validate: Validator | None) -> None:
-    """outputs hold the partner's values; turn them into the group means, identically on both sides.
-
-    Runs in a worker thread (torch releases the GIL), chunk by chunk so it never allocates more than
-    one chunk beyond the outputs. `validate` sees the partner's values first and may raise Rejected.
-    """
-    # Chunk by chunk, so each pass works on data still in cache and no numel-sized temporary is made.
-    for theirs in (t.phi_out, t.delta_out):
-        for start, stop in plan:
-            if not bool(torch.isfinite(theirs[start:stop]).all()):
-                raise Rejected("non_finite", "partner sent NaN or infinite values")
-    if validate is not None:
-        validate(t)
-    lossless = isinstance(codec, Fp32Codec)
-    scratch = None if lossless else torch.empty(min(plan.chunk_elems, plan.numel), dtype=torch.float32)
-    for mine, out in ((t.phi, t.phi_out), (t.delta, t.delta_out)):
-        for start, stop in plan:
-            if lossless:
-                own = mine[start:stop]
-            else:
-                own = scratch[: stop - start]
-                # Decode plainly, then add: a fused decode-and-accumulate would round differently from
-                # the partner's plain decode of the same bytes, and the two means would differ.
-                codec.decode_into(codec.encode(mine[start:stop]), own)
-            out[start:stop].add_(own).mul_(0.5)
-
-
-Validator = Callable[[Tensors], None]
+Validator = Callable[[float, float], None]
+"""``validate(own_delta_norm, their_delta_norm)``: raises :class:`Rejected` to refuse the partner's values."""
 
 
 async def run_transfer(
     channel: FrameChannel, t: Tensors, plan: ChunkPlan, path: str, validate: Validator | None = None
 ) -> TransferResult:
+    """Swap values and leave the group means in the outputs. Raises Rejected (non-finite values, or what
+    ``validate`` refuses) or ProtocolError; the outputs are meaningful only when it returns."""
     began = trio.current_time()
-    sent, received = await _swap(channel, t, plan)
-    await trio.to_thread.run_sync(_finish_means, t, plan.codec, plan, validate)
-    return TransferResult(path, sent, received, trio.current_time() - began)
+    sent, received, seen = await _swap(channel, t, plan)
+    if not seen.finite:
+        raise Rejected("non_finite", "partner sent NaN or infinite values")
+    if validate is not None:
+        validate(*seen.delta_norms)
+    return TransferResult(path, sent, received, trio.current_time() - began, seen.delta_norms)
 
 
 async def initiate(

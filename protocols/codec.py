@@ -29,7 +29,7 @@ import enum
 import sys
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -381,13 +381,22 @@ async def send_tensor(channel: FrameChannel, flat: torch.Tensor, plan: ChunkPlan
 
 
 async def recv_tensor(
-    channel: FrameChannel, out: torch.Tensor, plan: ChunkPlan, *, accumulate: bool = False
+    channel: FrameChannel,
+    out: torch.Tensor,
+    plan: ChunkPlan,
+    *,
+    accumulate: bool = False,
+    on_chunk: Callable[[int, int], None] | None = None,
 ) -> int:
     """Receive ``plan.n_chunks`` frames into ``out`` (or add them onto it); returns the payload bytes.
 
     Each frame's size is checked against the plan before it is read (``BAD_SIZE``); a channel that
     ends early raises ``TRUNCATED``. On any error ``out`` holds a partial result: receive into a scratch
     buffer and use it only once this returns, so that nothing is ever half-applied.
+
+    ``on_chunk(start, stop)`` runs as soon as ``out[start:stop]`` holds its chunk, while those bytes are
+    still in the CPU cache: work done there (checks, means) costs a fraction of a later pass over a
+    model-sized tensor. It runs on the event loop, so it must stay a few microseconds per chunk.
     """
     _check_flat_fp32(out, "recv_tensor output")
     if out.numel() != plan.numel:
@@ -408,5 +417,7 @@ async def recv_tensor(
             raise ProtocolError(Reason.BAD_SIZE, f"chunk {index}: {n} bytes, {expected} expected")
         if raw is None:
             codec.decode_into(target, out[start:stop], accumulate=accumulate)
+        if on_chunk is not None:
+            on_chunk(start, stop)
         received += n
     return received
