@@ -30,8 +30,24 @@ from typing import ClassVar
 import torch
 import trio
 
-from p2p.datapath import DataPathListener, KeyAgreement, Role, connect_datapath, new_session_id
-from protocols.codec import ChunkPlan, Fp32Codec, get_codec, recv_tensor, send_tensor
+from p2p.datapath import (
+    BlockingFrames,
+    DataPathListener,
+    KeyAgreement,
+    Role,
+    SecureChannel,
+    connect_datapath,
+    new_session_id,
+)
+from protocols.codec import (
+    ChunkPlan,
+    Fp32Codec,
+    get_codec,
+    recv_tensor,
+    recv_tensor_blocking,
+    send_tensor,
+    send_tensor_blocking,
+)
 from protocols.wire import (
     FrameChannel,
     LibP2PByteStream,
@@ -192,9 +208,29 @@ class _Fold:
 
 async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int, int, Received]:
     """Send our phi and Delta while receiving theirs into the outputs (both directions at once, or the
-    socket buffers fill up and both sides wait forever), turning them into the means as they land."""
-    sent = received = 0
+    socket buffers fill up and both sides wait forever), turning them into the means as they land.
+
+    Over the side channel each direction runs in its own thread (``SecureChannel.run_in_threads``: the
+    encryption, the socket calls and the means release the GIL); over a libp2p stream both directions run
+    as tasks on the event loop."""
     seen = Received()
+    phi_fold = _Fold(t.phi, t.phi_out, plan, seen, is_delta=False)
+    delta_fold = _Fold(t.delta, t.delta_out, plan, seen, is_delta=True)
+
+    if isinstance(channel, SecureChannel):
+
+        def send_both(io: BlockingFrames) -> int:
+            return send_tensor_blocking(io.send, t.phi, plan) + send_tensor_blocking(io.send, t.delta, plan)
+
+        def recv_both(io: BlockingFrames) -> int:
+            return recv_tensor_blocking(io.recv_into, t.phi_out, plan, on_chunk=phi_fold) + recv_tensor_blocking(
+                io.recv_into, t.delta_out, plan, on_chunk=delta_fold
+            )
+
+        sent, received = await channel.run_in_threads(send_both, recv_both)
+        return sent, received, seen
+
+    sent = received = 0
 
     async def send_side() -> None:
         nonlocal sent
@@ -203,10 +239,8 @@ async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int
 
     async def recv_side() -> None:
         nonlocal received
-        received += await recv_tensor(channel, t.phi_out, plan, on_chunk=_Fold(t.phi, t.phi_out, plan, seen,
-                                                                                is_delta=False))
-        received += await recv_tensor(channel, t.delta_out, plan, on_chunk=_Fold(t.delta, t.delta_out, plan, seen,
-                                                                                  is_delta=True))
+        received += await recv_tensor(channel, t.phi_out, plan, on_chunk=phi_fold)
+        received += await recv_tensor(channel, t.delta_out, plan, on_chunk=delta_fold)
 
     try:
         async with trio.open_nursery() as nursery:

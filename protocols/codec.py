@@ -45,8 +45,12 @@ __all__ = [
     "TensorCodec",
     "WireDtype",
     "get_codec",
+    "TensorReceiver",
     "recv_tensor",
+    "recv_tensor_blocking",
     "send_tensor",
+    "send_tensor_blocking",
+    "tensor_frames",
     "tensor_bytes",
 ]
 
@@ -356,28 +360,99 @@ class ChunkPlan:
             yield start, min(start + self.chunk_elems, self.numel)
 
 
-async def send_tensor(channel: FrameChannel, flat: torch.Tensor, plan: ChunkPlan) -> int:
-    """Stream ``flat`` through ``channel`` as ``plan.n_chunks`` frames; returns the payload bytes sent.
-
-    fp32 is sent straight from the tensor's memory; other codecs encode each chunk into one reusable
-    buffer, so memory stays at one chunk whatever the model size. ``flat`` must not change meanwhile.
-    """
+def tensor_frames(flat: torch.Tensor, plan: ChunkPlan) -> Iterator[memoryview]:
+    """The frames that carry ``flat`` under ``plan``, in order, without any I/O (so that a coroutine and a
+    thread send alike). fp32 frames are views of the tensor's memory (zero copy); other codecs encode each
+    chunk into one reusable buffer, so a frame is valid only until the next one is drawn and memory stays
+    at one chunk whatever the model size. ``flat`` must not change meanwhile."""
     _check_flat_fp32(flat, "send_tensor input")
     if flat.numel() != plan.numel:
         raise ValueError(f"tensor has {flat.numel()} elements, plan expects {plan.numel}")
-    sent = 0
     if isinstance(plan.codec, Fp32Codec):
         raw = tensor_bytes(flat)
         for start, stop in plan:
-            await channel.send(raw[4 * start : 4 * stop])
-            sent += 4 * (stop - start)
-        return sent
+            yield raw[4 * start : 4 * stop]
+        return
     buf = memoryview(bytearray(plan.max_chunk_bytes))
     for start, stop in plan:
         n = plan.codec.encode_into(flat[start:stop], buf)
-        await channel.send(buf[:n])
-        sent += n
+        yield buf[:n]
+
+
+async def send_tensor(channel: FrameChannel, flat: torch.Tensor, plan: ChunkPlan) -> int:
+    """Stream ``flat`` through ``channel`` as ``plan.n_chunks`` frames; returns the payload bytes sent."""
+    sent = 0
+    for frame in tensor_frames(flat, plan):
+        await channel.send(frame)
+        sent += frame.nbytes
     return sent
+
+
+def send_tensor_blocking(send: Callable[[Buffer], None], flat: torch.Tensor, plan: ChunkPlan) -> int:
+    """:func:`send_tensor` for a thread, with a blocking ``send(frame)``."""
+    sent = 0
+    for frame in tensor_frames(flat, plan):
+        send(frame)
+        sent += frame.nbytes
+    return sent
+
+
+class TensorReceiver:
+    """The receiving half of the chunk protocol without its I/O, so that a coroutine and a thread receive
+    alike: iterate to get the buffer each frame must be read into (exactly the room the plan allows, so a
+    larger frame is refused before it is read), and report each frame's size with :meth:`landed`.
+
+    ``on_chunk(start, stop)`` runs as soon as ``out[start:stop]`` holds its chunk, while those bytes are
+    still in the CPU cache: work done there (checks, means) costs a fraction of a later pass over a
+    model-sized tensor. On any error ``out`` holds a partial result: use it only once all chunks landed.
+    """
+
+    def __init__(
+        self,
+        out: torch.Tensor,
+        plan: ChunkPlan,
+        *,
+        accumulate: bool = False,
+        on_chunk: Callable[[int, int], None] | None = None,
+    ) -> None:
+        _check_flat_fp32(out, "recv_tensor output")
+        if out.numel() != plan.numel:
+            raise ValueError(f"output has {out.numel()} elements, plan expects {plan.numel}")
+        self.out, self.plan, self.accumulate, self.on_chunk = out, plan, accumulate, on_chunk
+        direct = isinstance(plan.codec, Fp32Codec) and not accumulate
+        self._raw = tensor_bytes(out) if direct else None
+        self._buf = None if direct else memoryview(bytearray(plan.max_chunk_bytes))
+        self._current: tuple[int, int, int, memoryview] | None = None
+        self.received = 0
+
+    def __iter__(self) -> Iterator[memoryview]:
+        codec = self.plan.codec
+        for index, (start, stop) in enumerate(self.plan):
+            expected = codec.encoded_size(stop - start)
+            if self._raw is not None:
+                target = self._raw[4 * start : 4 * stop]
+            else:
+                assert self._buf is not None
+                target = self._buf[:expected]
+            self._current = (index, start, stop, target)
+            yield target
+            if self._current is not None:
+                raise RuntimeError("TensorReceiver: landed() was not called for the previous frame")
+
+    def landed(self, n: int) -> None:
+        """The frame drawn last is in its buffer, ``n`` bytes long (0: the channel closed cleanly)."""
+        assert self._current is not None, "landed() without a frame drawn"
+        index, start, stop, target = self._current
+        self._current = None
+        if n == 0:
+            raise ProtocolError(Reason.TRUNCATED, f"channel closed after {index} of {self.plan.n_chunks} chunks")
+        if n != len(target):
+            raise ProtocolError(Reason.BAD_SIZE, f"chunk {index}: {n} bytes, {len(target)} expected")
+        if self._raw is None:
+            self.plan.codec.decode_into(target, self.out[start:stop], accumulate=self.accumulate)
+        if self.on_chunk is not None:
+            self.on_chunk(start, stop)
+        self.received += n
 
 
 async def recv_tensor(
@@ -392,32 +467,24 @@ async def recv_tensor(
 
     Each frame's size is checked against the plan before it is read (``BAD_SIZE``); a channel that
     ends early raises ``TRUNCATED``. On any error ``out`` holds a partial result: receive into a scratch
-    buffer and use it only once this returns, so that nothing is ever half-applied.
-
-    ``on_chunk(start, stop)`` runs as soon as ``out[start:stop]`` holds its chunk, while those bytes are
-    still in the CPU cache: work done there (checks, means) costs a fraction of a later pass over a
-    model-sized tensor. It runs on the event loop, so it must stay a few microseconds per chunk.
+    buffer and use it only once this returns, so that nothing is ever half-applied. ``on_chunk``: see
+    :class:`TensorReceiver` (here it runs on the event loop, so it must stay a few microseconds per chunk).
     """
-    _check_flat_fp32(out, "recv_tensor output")
-    if out.numel() != plan.numel:
-        raise ValueError(f"output has {out.numel()} elements, plan expects {plan.numel}")
-    codec = plan.codec
-    direct = isinstance(codec, Fp32Codec) and not accumulate
-    raw = tensor_bytes(out) if direct else None
-    buf = None if direct else memoryview(bytearray(plan.max_chunk_bytes))
-    received = 0
-    for index, (start, stop) in enumerate(plan):
-        expected = codec.encoded_size(stop - start)
-        # Offer exactly `expected` bytes of room: a larger frame is refused before it is read.
-        target = raw[4 * start : 4 * stop] if raw is not None else buf[:expected]  # type: ignore[index]
-        n = await channel.recv_into(target)
-        if n == 0:
-            raise ProtocolError(Reason.TRUNCATED, f"channel closed after {index} of {plan.n_chunks} chunks")
-        if n != expected:
-            raise ProtocolError(Reason.BAD_SIZE, f"chunk {index}: {n} bytes, {expected} expected")
-        if raw is None:
-            codec.decode_into(target, out[start:stop], accumulate=accumulate)
-        if on_chunk is not None:
-            on_chunk(start, stop)
-        received += n
-    return received
+    rx = TensorReceiver(out, plan, accumulate=accumulate, on_chunk=on_chunk)
+    for target in rx:
+        rx.landed(await channel.recv_into(target))
+    return rx.received
+
+
+def recv_tensor_blocking(
+    recv_into: Callable[[Buffer], int],
+    out: torch.Tensor,
+    plan: ChunkPlan,
+    *,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> int:
+    """:func:`recv_tensor` for a thread, with a blocking ``recv_into(buf)``."""
+    rx = TensorReceiver(out, plan, on_chunk=on_chunk)
+    for target in rx:
+        rx.landed(recv_into(target))
+    return rx.received

@@ -20,7 +20,14 @@ from p2p.datapath import (
     connect_datapath,
     new_session_id,
 )
-from protocols.codec import ChunkPlan, get_codec, recv_tensor, send_tensor
+from protocols.codec import (
+    ChunkPlan,
+    get_codec,
+    recv_tensor,
+    recv_tensor_blocking,
+    send_tensor,
+    send_tensor_blocking,
+)
 from protocols.wire import (
     PlainFrameChannel,
     ProtocolError,
@@ -245,6 +252,59 @@ async def test_sender_stopping_mid_tensor_gives_the_receiver_a_clean_error() -> 
             nursery.start_soon(send_one_chunk_then_stop)
             await expect_protocol_error(Reason.TRUNCATED, recv_tensor, responder, torch.empty_like(x), plan)
         await responder.aclose()
+
+
+async def test_a_threaded_transfer_swaps_tensors_bit_exact_and_interoperates_with_async_frames() -> None:
+    ki, kr = agree()
+    x, y = torch.randn(1_500_000), torch.randn(1_250_000)
+    got_x, got_y = torch.empty_like(x), torch.empty_like(y)
+    codec = get_codec("fp32")
+    plan_x, plan_y = ChunkPlan.for_frame_size(x.numel(), codec), ChunkPlan.for_frame_size(y.numel(), codec)
+    async with serving() as (listener, addr):
+        initiator, responder = await connect_both(listener, addr, ki, kr)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                # The initiator runs both directions in threads, the responder on the event loop: same wire.
+                nursery.start_soon(
+                    initiator.run_in_threads,
+                    lambda io: send_tensor_blocking(io.send, x, plan_x),
+                    lambda io: recv_tensor_blocking(io.recv_into, got_y, plan_y),
+                )
+                nursery.start_soon(send_tensor, responder, y, plan_y)
+                nursery.start_soon(recv_tensor, responder, got_x, plan_x)
+            await responder.send(b"after the threads")  # the async path works on afterwards
+            assert await initiator.recv() == b"after the threads"
+        assert initiator.bytes_sent == responder.bytes_received and responder.bytes_sent == initiator.bytes_received
+        await initiator.aclose()
+        assert await responder.recv() == b""
+        await responder.aclose()
+    assert torch.equal(got_x.view(torch.int32), x.view(torch.int32))
+    assert torch.equal(got_y.view(torch.int32), y.view(torch.int32))
+
+
+async def test_a_deadline_stops_a_threaded_transfer_blocked_on_a_silent_partner() -> None:
+    ki, kr = agree()
+    out = torch.zeros(500_000)
+    plan = ChunkPlan.for_frame_size(out.numel(), get_codec("fp32"))
+    async with serving() as (listener, addr):
+        initiator, responder = await connect_both(listener, addr, ki, kr)
+        with trio.fail_after(TIMEOUT):  # the threads block in recv; only the deadline can end them
+            with trio.move_on_after(0.5) as scope:
+                await initiator.run_in_threads(lambda io: 0, lambda io: recv_tensor_blocking(io.recv_into, out, plan))
+        assert scope.cancelled_caught  # reported as the deadline, not as the socket it shut down
+        await expect_protocol_error(Reason.BROKEN, initiator.send, b"x")  # the channel is spent
+        await expect_protocol_error(Reason.TRUNCATED, responder.recv)  # and the partner sees the cut
+        await responder.aclose()
+
+
+async def test_a_tampered_frame_fails_authentication_in_a_threaded_receive() -> None:
+    tap = Tap()
+    await tap.sender.send(b"x" * 64)
+    raw = bytearray(await tap.capture())
+    raw[12] ^= 0x01
+    await tap.deliver(bytes(raw))
+    buf = bytearray(64)
+    await expect_protocol_error(Reason.AUTH, tap.receiver.run_in_threads, lambda io: 0, lambda io: io.recv_into(buf))
 
 
 # ---------------------------------------------------------------------------------------------
