@@ -75,6 +75,7 @@ __all__ = [
     "SessionKeys",
     "connect_datapath",
     "new_session_id",
+    "open_punched",
 ]
 
 PUBLIC_KEY_LEN = 32
@@ -528,11 +529,51 @@ async def connect_datapath(
             stream = await trio.open_tcp_stream(host, port)
         except OSError as exc:
             raise ProtocolError(Reason.BROKEN, f"no data path at {host}:{port}: {exc}") from exc
+        return await _hello(stream, keys, max_frame_size)
+
+
+async def _hello(stream: trio.SocketStream, keys: SessionKeys, max_frame_size: int) -> SecureChannel:
+    """The initiator's half of the session handshake on a connected stream (closed on failure)."""
+    try:
+        await stream.send_all(MAGIC + keys.session_id)
+        channel = SecureChannel(stream, keys, max_frame_size=max_frame_size)
+        await channel._send_frame(FRAME_HELLO, b"")
+        await channel._recv_frame(memoryview(bytearray(0)), accept={FRAME_ACK})
+        return channel
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+
+
+async def _read_preamble(stream: trio.SocketStream) -> bytes | None:
+    """``magic || session id`` from a new connection: the session id, or None for anything else."""
+    preamble = bytearray(len(MAGIC) + SESSION_ID_LEN)
+    view, got = memoryview(preamble), 0
+    while got < len(preamble):
+        n = await stream.socket.recv_into(view[got:])
+        if n == 0:
+            return None
+        got += n
+    if bytes(preamble[: len(MAGIC)]) != MAGIC:
+        return None
+    return bytes(preamble[len(MAGIC) :])
+
+
+async def open_punched(
+    stream: trio.SocketStream, keys: SessionKeys, *, timeout: float, max_frame_size: int = DEFAULT_MAX_FRAME
+) -> SecureChannel:
+    """The session handshake on a connection both sides opened at once (``p2p.punch``): the initiator
+    speaks as if it had dialled a listener, the responder answers as its listener would. The stream is
+    closed on failure; ``trio.TooSlowError`` past ``timeout``."""
+    with trio.fail_after(timeout):
+        if keys.role is Role.INITIATOR:
+            return await _hello(stream, keys, max_frame_size)
         try:
-            await stream.send_all(MAGIC + keys.session_id)
+            if await _read_preamble(stream) != keys.session_id:
+                raise ProtocolError(Reason.AUTH, "the punched connection did not name our session")
             channel = SecureChannel(stream, keys, max_frame_size=max_frame_size)
-            await channel._send_frame(FRAME_HELLO, b"")
-            await channel._recv_frame(memoryview(bytearray(0)), accept={FRAME_ACK})
+            await channel._recv_frame(memoryview(bytearray(0)), accept={FRAME_HELLO})
+            await channel._send_frame(FRAME_ACK, b"")
             return channel
         except BaseException:
             await trio.aclose_forcefully(stream)
@@ -690,16 +731,8 @@ class DataPathListener:
     async def _accept(self, stream: trio.SocketStream) -> bool:
         """Authenticate one incoming connection; True once the authenticated channel is dealt with
         (handed to its :class:`Expectation`, or closed cleanly), False to reject the connection."""
-        preamble = bytearray(len(MAGIC) + SESSION_ID_LEN)
-        view, got = memoryview(preamble), 0
-        while got < len(preamble):
-            n = await stream.socket.recv_into(view[got:])
-            if n == 0:
-                return False
-            got += n
-        if bytes(preamble[: len(MAGIC)]) != MAGIC:
-            return False
-        expectation = self._pending.get(bytes(preamble[len(MAGIC) :]))
+        session_id = await _read_preamble(stream)
+        expectation = self._pending.get(session_id) if session_id is not None else None
         if expectation is None:
             return False
         channel = SecureChannel(stream, expectation.keys, max_frame_size=self.max_frame_size)

@@ -21,6 +21,7 @@ model-sized buffer beyond those and no second pass over them; the caller uses th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -36,9 +37,12 @@ from p2p.datapath import (
     KeyAgreement,
     Role,
     SecureChannel,
+    SessionKeys,
     connect_datapath,
     new_session_id,
+    open_punched,
 )
+from p2p.punch import PunchSocket, simultaneous_open
 from protocols.codec import (
     ChunkPlan,
     Fp32Codec,
@@ -66,6 +70,7 @@ MAX_CONTROL_BYTES = 16 * 1024
 MAX_NUMEL = 1 << 34  # 16 G parameters: refuse anything a real model could not be
 MAX_FRAME = 1 << 20
 DATAPATH_CONNECT_S = 5.0
+PUNCH_S = 5.0  # for a punched side channel; on failure the exchange falls back to the libp2p stream
 
 HASH_LEN = 64  # sha256 hex
 
@@ -83,6 +88,7 @@ class AvgRequest:
     chunk_elems: int = spec(ge=1, le=1 << 28)
     pubkey: bytes = spec(min_len=32, max_len=32)
     datapath: bool = spec(default=True)
+    punch_port: int = spec(ge=0, le=65535, default=0)  # 0: no punched side channel offered
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class AvgAnswer:
     pubkey: bytes = spec(max_len=32, default=b"")
     session_id: bytes = spec(max_len=64, default=b"")
     datapath_port: int = spec(ge=0, le=65535, default=0)
+    punch_port: int = spec(ge=0, le=65535, default=0)
 
     def __post_init__(self) -> None:
         if self.verdict not in ("accept", "busy", "refuse"):
@@ -285,46 +292,68 @@ async def initiate(
     transfer_deadline: float,
     on_accept: Callable[[], bool] | None = None,
     validate: Validator | None = None,
+    offer_punch: bool = False,
 ) -> TransferResult:
     """The initiator's side. Raises Declined, ProtocolError or trio.TooSlowError; outputs are valid only
-    when it returns."""
+    when it returns.
+
+    With ``offer_punch`` (and the side channel enabled) it binds a port for a punched side channel and
+    announces it: a responder behind a NAT, whose listener we cannot dial, may take it up (``p2p.punch``)."""
     control = LibP2PByteStream(stream)
     mine = KeyAgreement()
     numel = tensors.phi.numel()
     plan = make_plan(numel, request_fields["wire_dtype"], request_fields["int8_block"])
-    request = AvgRequest(numel=numel, chunk_elems=plan.chunk_elems, pubkey=mine.public_key, **request_fields)
-    with trio.fail_after(handshake_timeout):
-        await send_msg(control, request, max_bytes=MAX_CONTROL_BYTES)
-        answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
-    if answer.verdict != "accept":
-        raise Declined(answer.verdict, answer.reason)
-    if on_accept is not None and not on_accept():
-        raise Declined("busy", "we were claimed by a crossing request meanwhile")
-    keys = mine.derive(
-        role=Role.INITIATOR,
-        peer_public_key=answer.pubkey,
-        session_id=answer.session_id,
-        local_peer_id=local_peer_id,
-        remote_peer_id=remote_peer_id,
-        protocol_id=PROTOCOL_ID,
-    )
-    with trio.fail_after(transfer_deadline):
-        channel: FrameChannel | None = None
-        if request.datapath and answer.datapath_port and remote_ip:
-            try:
-                channel = await connect_datapath(
-                    (remote_ip, answer.datapath_port), keys, timeout=DATAPATH_CONNECT_S
-                )
-            except (ProtocolError, trio.TooSlowError) as e:
-                log.debug("side channel to %s:%d unavailable (%s); using the libp2p stream", remote_ip,
-                          answer.datapath_port, e)
-        await send_msg(control, AvgPath("datapath" if channel else "stream"), max_bytes=MAX_CONTROL_BYTES)
-        if channel is not None:
-            async with channel:
-                return await run_transfer(channel, tensors, plan, "datapath", validate)
-        return await run_transfer(
-            PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream", validate
+    with contextlib.ExitStack() as cleanup:
+        punch = None
+        if offer_punch and request_fields.get("datapath", True) and remote_ip:
+            punch = cleanup.enter_context(PunchSocket())
+        request = AvgRequest(numel=numel, chunk_elems=plan.chunk_elems, pubkey=mine.public_key,
+                             punch_port=punch.port if punch else 0, **request_fields)
+        with trio.fail_after(handshake_timeout):
+            await send_msg(control, request, max_bytes=MAX_CONTROL_BYTES)
+            answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
+        if answer.verdict != "accept":
+            raise Declined(answer.verdict, answer.reason)
+        if on_accept is not None and not on_accept():
+            raise Declined("busy", "we were claimed by a crossing request meanwhile")
+        keys = mine.derive(
+            role=Role.INITIATOR,
+            peer_public_key=answer.pubkey,
+            session_id=answer.session_id,
+            local_peer_id=local_peer_id,
+            remote_peer_id=remote_peer_id,
+            protocol_id=PROTOCOL_ID,
         )
+        with trio.fail_after(transfer_deadline):
+            channel: FrameChannel | None = None
+            if request.datapath and answer.datapath_port and remote_ip:
+                try:
+                    channel = await connect_datapath(
+                        (remote_ip, answer.datapath_port), keys, timeout=DATAPATH_CONNECT_S
+                    )
+                except (ProtocolError, trio.TooSlowError) as e:
+                    log.debug("side channel to %s:%d unavailable (%s); using the libp2p stream", remote_ip,
+                              answer.datapath_port, e)
+            elif punch is not None and answer.punch_port and remote_ip:
+                channel = await _punch(punch, (remote_ip, answer.punch_port), keys)
+            await send_msg(control, AvgPath("datapath" if channel else "stream"), max_bytes=MAX_CONTROL_BYTES)
+            if channel is not None:
+                async with channel:
+                    return await run_transfer(channel, tensors, plan, "datapath", validate)
+            return await run_transfer(
+                PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream", validate
+            )
+    raise AssertionError("unreachable")  # pragma: no cover (the ExitStack does not swallow exceptions)
+
+
+async def _punch(local: PunchSocket, remote: tuple[str, int], keys: SessionKeys) -> SecureChannel | None:
+    """The initiator's punched side channel, or None (the libp2p stream then carries the bulk)."""
+    try:
+        stream = await simultaneous_open(local, remote, timeout=PUNCH_S)
+        return await open_punched(stream, keys, timeout=DATAPATH_CONNECT_S)
+    except (ProtocolError, trio.TooSlowError) as e:
+        log.info("no punched side channel to %s:%d (%s); using the libp2p stream", remote[0], remote[1], e)
+        return None
 
 
 async def read_request(stream: object, timeout: float) -> AvgRequest:
@@ -355,8 +384,12 @@ async def respond(
     handshake_timeout: float,
     transfer_deadline: float,
     validate: Validator | None = None,
+    allow_punch: bool = False,
 ) -> TransferResult:
-    """The responder's side, after the caller decided to accept `request`."""
+    """The responder's side, after the caller decided to accept `request`.
+
+    Where it offers no listener (``listener`` None: we are not publicly reachable) but the initiator
+    offered a punch port, both open a punched side channel at once; else the libp2p stream."""
     control = LibP2PByteStream(stream)
     if request.numel != tensors.phi.numel():
         raise ProtocolError(Reason.BAD_FIELD, f"numel {request.numel} != ours {tensors.phi.numel()}")
@@ -374,26 +407,74 @@ async def respond(
         remote_peer_id=remote_peer_id,
         protocol_id=PROTOCOL_ID,
     )
-    accept = AvgAnswer(
-        verdict="accept",
-        outer_step=outer_step,
-        pubkey=mine.public_key,
-        session_id=session_id,
-        datapath_port=listener.port if (listener is not None and request.datapath) else 0,
-    )
-    with trio.fail_after(transfer_deadline):
-        if accept.datapath_port and listener is not None:
-            async with listener.expect(keys, timeout=handshake_timeout + DATAPATH_CONNECT_S) as pending:
+    offer_listener = listener is not None and request.datapath
+    remote_ip = _remote_ip(stream)
+    with contextlib.ExitStack() as cleanup:
+        punch = None
+        if not offer_listener and request.datapath and request.punch_port and remote_ip and allow_punch:
+            punch = cleanup.enter_context(PunchSocket())
+        accept = AvgAnswer(
+            verdict="accept",
+            outer_step=outer_step,
+            pubkey=mine.public_key,
+            session_id=session_id,
+            datapath_port=listener.port if (listener is not None and offer_listener) else 0,
+            punch_port=punch.port if punch else 0,
+        )
+        with trio.fail_after(transfer_deadline):
+            if accept.datapath_port and listener is not None:
+                async with listener.expect(keys, timeout=handshake_timeout + DATAPATH_CONNECT_S) as pending:
+                    await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
+                    path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
+                    if path.path == "datapath":
+                        async with await pending.wait() as channel:
+                            return await run_transfer(channel, tensors, plan, "datapath", validate)
+            elif punch is not None and remote_ip:
+                await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
+                channel = await _punched_or_stream(control, punch, (remote_ip, request.punch_port), keys)
+                if channel is not None:
+                    async with channel:
+                        return await run_transfer(channel, tensors, plan, "datapath", validate)
+            else:
                 await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
                 path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
                 if path.path == "datapath":
-                    async with await pending.wait() as channel:
-                        return await run_transfer(channel, tensors, plan, "datapath", validate)
-        else:
-            await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
-            path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
-            if path.path == "datapath":
-                raise ProtocolError(Reason.BAD_FIELD, "partner chose a side channel we did not offer")
-        return await run_transfer(
-            PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream", validate
-        )
+                    raise ProtocolError(Reason.BAD_FIELD, "partner chose a side channel we did not offer")
+            return await run_transfer(
+                PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream", validate
+            )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _punched_or_stream(
+    control: LibP2PByteStream, punch: PunchSocket, remote: tuple[str, int], keys: SessionKeys
+) -> SecureChannel | None:
+    """The responder's half of a punched side channel: connect towards the initiator while waiting for
+    its choice of path. Returns the authenticated channel, or None where the initiator chose the stream."""
+    opened: list[trio.SocketStream] = []
+
+    async def connect() -> None:
+        with contextlib.suppress(ProtocolError):
+            opened.append(await simultaneous_open(punch, remote, timeout=PUNCH_S))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(connect)
+        path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
+        if path.path == "stream":
+            nursery.cancel_scope.cancel()  # its punch failed or it gave up: stop ours
+    if path.path == "stream":
+        for stream in opened:
+            await trio.aclose_forcefully(stream)
+        return None
+    if not opened:
+        raise ProtocolError(Reason.BROKEN, "partner chose the punched side channel, but it did not connect here")
+    return await open_punched(opened[0], keys, timeout=DATAPATH_CONNECT_S)
+
+
+def _remote_ip(stream: object) -> str | None:
+    """The IP the partner's libp2p connection comes from (its NAT's public address when it is behind one)."""
+    try:
+        remote = stream.get_remote_address()  # type: ignore[attr-defined]
+    except Exception:  # no address for this kind of connection (e.g. a relayed one, or a test double)
+        return None
+    return str(remote[0]) if remote else None
