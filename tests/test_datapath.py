@@ -196,7 +196,10 @@ def test_low_order_or_malformed_peer_keys_are_refused(public_key: bytes) -> None
 # ---------------------------------------------------------------------------------------------
 
 
-async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback() -> None:
+@pytest.mark.parametrize("initiator_threads", [False, True], ids=["event-loop", "initiator-in-threads"])
+async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback(initiator_threads: bool) -> None:
+    """Both directions at once; with ``initiator_threads`` one side runs them in threads on blocking
+    calls (the bulk path of an exchange) and the other on the event loop: the wire is the same."""
     ki, kr = agree()
     x, y = torch.randn(1_500_000), torch.randn(1_250_000)  # 6 MB and 5 MB, in both directions at once
     got_x, got_y = torch.empty_like(x), torch.empty_like(y)
@@ -206,16 +209,25 @@ async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback() -> N
         initiator, responder = await connect_both(listener, addr, ki, kr)
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(send_tensor, initiator, x, plan_x)
-                nursery.start_soon(recv_tensor, initiator, got_y, plan_y)
+                if initiator_threads:
+                    nursery.start_soon(
+                        initiator.run_in_threads,
+                        lambda io: send_tensor_blocking(io.send, x, plan_x),
+                        lambda io: recv_tensor_blocking(io.recv_into, got_y, plan_y),
+                    )
+                else:
+                    nursery.start_soon(send_tensor, initiator, x, plan_x)
+                    nursery.start_soon(recv_tensor, initiator, got_y, plan_y)
                 nursery.start_soon(send_tensor, responder, y, plan_y)
                 nursery.start_soon(recv_tensor, responder, got_x, plan_x)
+            await responder.send(b"after the bulk")  # small frames on the event loop work on afterwards
+            assert await initiator.recv() == b"after the bulk"
+        assert initiator.bytes_sent == responder.bytes_received and responder.bytes_sent == initiator.bytes_received
         await initiator.aclose()
         assert await responder.recv() == b""
         await responder.aclose()
     assert torch.equal(got_x.view(torch.int32), x.view(torch.int32))
     assert torch.equal(got_y.view(torch.int32), y.view(torch.int32))
-    assert initiator.bytes_sent == responder.bytes_received
 
 
 async def test_int8_transfer_accumulates_into_an_fp32_sum() -> None:
@@ -252,34 +264,6 @@ async def test_sender_stopping_mid_tensor_gives_the_receiver_a_clean_error() -> 
             nursery.start_soon(send_one_chunk_then_stop)
             await expect_protocol_error(Reason.TRUNCATED, recv_tensor, responder, torch.empty_like(x), plan)
         await responder.aclose()
-
-
-async def test_a_threaded_transfer_swaps_tensors_bit_exact_and_interoperates_with_async_frames() -> None:
-    ki, kr = agree()
-    x, y = torch.randn(1_500_000), torch.randn(1_250_000)
-    got_x, got_y = torch.empty_like(x), torch.empty_like(y)
-    codec = get_codec("fp32")
-    plan_x, plan_y = ChunkPlan.for_frame_size(x.numel(), codec), ChunkPlan.for_frame_size(y.numel(), codec)
-    async with serving() as (listener, addr):
-        initiator, responder = await connect_both(listener, addr, ki, kr)
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                # The initiator runs both directions in threads, the responder on the event loop: same wire.
-                nursery.start_soon(
-                    initiator.run_in_threads,
-                    lambda io: send_tensor_blocking(io.send, x, plan_x),
-                    lambda io: recv_tensor_blocking(io.recv_into, got_y, plan_y),
-                )
-                nursery.start_soon(send_tensor, responder, y, plan_y)
-                nursery.start_soon(recv_tensor, responder, got_x, plan_x)
-            await responder.send(b"after the threads")  # the async path works on afterwards
-            assert await initiator.recv() == b"after the threads"
-        assert initiator.bytes_sent == responder.bytes_received and responder.bytes_sent == initiator.bytes_received
-        await initiator.aclose()
-        assert await responder.recv() == b""
-        await responder.aclose()
-    assert torch.equal(got_x.view(torch.int32), x.view(torch.int32))
-    assert torch.equal(got_y.view(torch.int32), y.view(torch.int32))
 
 
 async def test_a_deadline_stops_a_threaded_transfer_blocked_on_a_silent_partner() -> None:
