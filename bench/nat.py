@@ -37,8 +37,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import netlab  # noqa: E402
+from labdaemon import PORT, DaemonError, LabDaemon, path_to, spawn_daemon, start_daemon  # noqa: E402
 from netlab import Host, Lab, LabError, Proc  # noqa: E402
 
 from bench.discovery import replace_section  # noqa: E402
-from node.control import ControlError, request_sync  # noqa: E402
 
-PYTHON = sys.executable  # by absolute path: the namespaces share this file system
-PORT = 4001
 SWARM = "natbench"
 TARGET_RATIO = 0.9
 
@@ -66,58 +62,16 @@ class BenchError(Exception):
 # ==========================================================================================================
 
 
-@dataclass
-class Daemon:
-    """One `starling run` process in a lab namespace; its status is read through the control socket."""
-
-    name: str
-    home: Path
-    proc: Proc
-    started: float  # time.monotonic() at spawn
-    peer_id: str = ""
-
-    def status(self) -> dict[str, Any] | None:
-        try:
-            answer = request_sync(self.home / "control.sock", {"cmd": "status"}, timeout=10)
-        except ControlError:
-            return None
-        return answer.get("status") if answer.get("ok") else None
-
-    def wait(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str,
-             interval: float = 0.1) -> dict[str, Any]:
-        """Poll the status until `predicate` holds; BenchError on timeout or if the daemon exits."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise BenchError(f"{self.name} exited ({self.proc.poll()}) before {what}\n{self.proc.tail(30)}")
-            st = self.status()
-            if st is not None and predicate(st):
-                return st
-            if time.monotonic() > deadline:
-                raise BenchError(f"{self.name}: no {what} within {timeout:.0f} s\n{self.proc.tail(30)}")
-            time.sleep(interval)
-
-
-def spawn(host: Host, root: Path, name: str, args: list[str]) -> Daemon:
+def spawn(host: Host, root: Path, name: str, args: list[str]) -> LabDaemon:
     """Start `starling run` in `host`'s namespace (HOME = root/name) without waiting for it."""
-    home = root / name
-    argv = [PYTHON, "-m", "node.cli", "run", "--home", str(home), "--listen", f"/ip4/{host.ip}/tcp/{PORT}",
-            "--swarm", SWARM, *args]
-    started = time.monotonic()
-    return Daemon(name, home, host.spawn(argv, log=f"{name}.log", cwd=ROOT), started)
+    return spawn_daemon(host, root / name, ["--swarm", SWARM, *args])
 
 
-def start(host: Host, root: Path, name: str, args: list[str]) -> Daemon:
-    daemon = spawn(host, root, name, args)
-    daemon.peer_id = daemon.wait(lambda s: bool(s.get("addrs")), 90, "start-up")["peer_id"]
-    return daemon
+def start(host: Host, root: Path, name: str, args: list[str]) -> LabDaemon:
+    return start_daemon(host, root / name, ["--swarm", SWARM, *args])
 
 
-def path_to(st: dict[str, Any], peer_id: str) -> str:
-    return next((p["path"] for p in st.get("peers", []) if p["peer_id"] == peer_id), "none")
-
-
-def public_segment(lab: Lab, root: Path) -> tuple[list[str], list[Daemon]]:
+def public_segment(lab: Lab, root: Path) -> tuple[list[str], list[LabDaemon]]:
     """A bootstrap node and a relay, both network-only; returns the --bootstrap flags and the daemons."""
     boot_host, relay_host = lab.public_host("boot"), lab.public_host("relay")
     boot = start(boot_host, root, "boot", ["--no-train"])
@@ -142,12 +96,12 @@ def bench_direct_path(root: Path, trials: int) -> dict[str, Any]:
         a.wait(lambda s: bool(s["nat"]["relay_addrs"]), 60, "relay slot for A")
         for trial in range(trials):
             b = spawn(b_host, root, f"b{trial}", ["--no-train", *join])
-            listening = b.wait(lambda s: bool(s.get("addrs")), 90, "start-up")
+            listening = b.wait(lambda s: bool(s.get("addrs")), 90, "start-up", interval=0.1)
             t_listen = time.monotonic() - b.started
             b.peer_id = listening["peer_id"]
-            b.wait(lambda s: path_to(s, a.peer_id) != "none", 120, "connection to A")
+            b.wait(lambda s: path_to(s, a.peer_id) != "none", 120, "connection to A", interval=0.1)
             t_connected = time.monotonic() - b.started
-            b.wait(lambda s: path_to(s, a.peer_id) == "hole-punched", 120, "hole-punched path to A")
+            b.wait(lambda s: path_to(s, a.peer_id) == "hole-punched", 120, "hole-punched path to A", interval=0.1)
             t_direct = time.monotonic() - b.started
             rows.append({"listening_s": t_listen, "connected_s": t_connected, "direct_s": t_direct})
             print(f"   trial {trial + 1}: listening {t_listen:.1f} s, connected to A (relayed) {t_connected:.1f} s,"
@@ -226,7 +180,7 @@ def cpu_seconds(proc: Proc) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def time_rounds(limited: Daemon, partner: Daemon, rounds: int, rate_mbit: float) -> dict[str, Any]:
+def time_rounds(limited: LabDaemon, partner: LabDaemon, rounds: int, rate_mbit: float) -> dict[str, Any]:
     """Read `rounds` averaging rounds between the two off the limited trainer's status, one at a time.
 
     Also the CPU time each daemon spent per round (between two round completions, which with
@@ -383,7 +337,7 @@ def main() -> int:
             direct = bench_direct_path(root, args.trials)
         if "2" in args.parts:
             tput = bench_throughput(root, args.rate_mbit, args.d_model, args.layers, args.rounds)
-    except (BenchError, LabError) as e:
+    except (BenchError, DaemonError, LabError) as e:
         print(f"error: {e}\n(logs kept in {root})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -25,25 +25,20 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import netlab
 import pytest
-from netlab import Host, Lab, NatStyle, Proc
+from labdaemon import PORT, PYTHON, ROOT, LabDaemon, path_to, start_daemon
+from netlab import Host, Lab, NatStyle
 
-from node.control import ControlError, request_sync
 from p2p.nat import short_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.lab]
 
-ROOT = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable  # the venv's interpreter, by absolute path: namespaces share the file system
-PORT = 4001
 SWARM = "natlab"
 
 TRAIN = [
@@ -63,51 +58,12 @@ COMMON = ["--set", "node.heartbeat_s=0.5"]
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Daemon:
-    """One `starling run` process in a lab namespace; its status is read through the control socket."""
-
-    name: str
-    host: Host
-    home: Path
-    proc: Proc
-    peer_id: str = ""
-
-    def status(self) -> dict[str, Any] | None:
-        """The daemon's status (what `status --json` prints), or None while it does not answer."""
-        try:
-            answer = request_sync(self.home / "control.sock", {"cmd": "status"}, timeout=10)
-        except ControlError:
-            return None
-        return answer.get("status") if answer.get("ok") else None
-
-    def wait_status(
-        self, predicate: Callable[[dict[str, Any]], bool], *, timeout: float, what: str
-    ) -> dict[str, Any]:
-        """Poll the status until `predicate` holds; fail at once if the daemon exits, with its log."""
-        deadline = time.monotonic() + timeout
-        last: dict[str, Any] | None = None
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name}: daemon exited ({self.proc.poll()})\n{self.proc.tail(40)}")
-            last = self.status()
-            if last is not None and predicate(last):
-                return last
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{self.name}: {what} not seen within {timeout:.0f} s; last status:\n"
-                    f"{json.dumps(last, indent=1)[-4000:]}\n{self.proc.tail(40)}"
-                )
-            time.sleep(0.5)
-
-    def cli_status(self, *, as_json: bool) -> str:
-        """What `starling status [--json]` prints for this daemon (run from the root namespace)."""
-        argv = [PYTHON, "-m", "node.cli", "status", "--home", str(self.home)] + (
-            ["--json"] if as_json else []
-        )
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
-        assert done.returncode == 0, f"`starling status` failed ({done.returncode}): {done.stderr}"
-        return done.stdout
+def cli_status(daemon: LabDaemon, *, as_json: bool) -> str:
+    """What `starling status [--json]` prints for this daemon (run from the root namespace)."""
+    argv = [PYTHON, "-m", "node.cli", "status", "--home", str(daemon.home)] + (["--json"] if as_json else [])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+    assert done.returncode == 0, f"`starling status` failed ({done.returncode}): {done.stderr}"
+    return done.stdout
 
 
 def peer_row(status: dict[str, Any], peer_id: str) -> dict[str, Any] | None:
@@ -120,12 +76,6 @@ def peer_note(status: dict[str, Any], peer_id: str) -> str:
     return (peer_row(status, peer_id) or {}).get("note", "")
 
 
-def path_to(status: dict[str, Any], peer_id: str) -> str:
-    """direct | hole-punched | relayed, or none when not connected."""
-    row = peer_row(status, peer_id)
-    return row["path"] if row is not None else "none"
-
-
 def rounds_with(status: dict[str, Any], peer_id: str) -> int:
     """Averaging rounds this trainer completed with `peer_id` (sync.per_peer)."""
     return int(((status.get("sync") or {}).get("per_peer") or {}).get(peer_id, {}).get("rounds", 0))
@@ -136,26 +86,17 @@ class NatSwarm:
     """boot and relay (network-only) and trainer `pub` on the public segment; trainers A and B behind
     two NATs of one style."""
 
-    boot: Daemon
-    relay: Daemon
-    pub: Daemon
-    a: Daemon
-    b: Daemon
+    boot: LabDaemon
+    relay: LabDaemon
+    pub: LabDaemon
+    a: LabDaemon
+    b: LabDaemon
 
 
-def start_daemon(host: Host, root: Path, *args: str, train: bool) -> Daemon:
+def start(host: Host, root: Path, *args: str, train: bool) -> LabDaemon:
     """Start `starling run` in `host`'s namespace (HOME = root/<host>) and wait until it listens."""
-    home = root / host.name
-    argv = [
-        PYTHON, "-m", "node.cli", "run", "--home", str(home),
-        "--listen", f"/ip4/{host.ip}/tcp/{PORT}", "--swarm", SWARM, *COMMON, *args,
-    ]  # fmt: skip
-    argv += TRAIN if train else ["--no-train"]
-    proc = host.spawn(argv, log=f"{host.name}.log", cwd=ROOT)
-    daemon = Daemon(host.name, host, home, proc)
-    started = daemon.wait_status(lambda s: bool(s.get("addrs")), timeout=60, what="start-up")
-    daemon.peer_id = started["peer_id"]
-    return daemon
+    return start_daemon(host, root / host.name, ["--swarm", SWARM, *COMMON, *args, *(TRAIN if train else ["--no-train"])],
+                        timeout=60)
 
 
 def start_nat_swarm(lab: Lab, root: Path, style: NatStyle) -> NatSwarm:
@@ -164,12 +105,12 @@ def start_nat_swarm(lab: Lab, root: Path, style: NatStyle) -> NatSwarm:
     relay_host, pub_host = lab.public_host("relay"), lab.public_host("pub")
     a_host = lab.private_host("a", lab.nat("nat1", style=style))
     b_host = lab.private_host("b", lab.nat("nat2", style=style))
-    boot = start_daemon(boot_host, root, train=False)
+    boot = start(boot_host, root, train=False)
     join = ["--bootstrap", f"/ip4/{boot_host.ip}/tcp/{PORT}/p2p/{boot.peer_id}"]
-    relay = start_daemon(relay_host, root, *join, train=False)
-    pub = start_daemon(pub_host, root, *join, train=True)
-    a = start_daemon(a_host, root, *join, train=True)
-    b = start_daemon(b_host, root, *join, train=True)
+    relay = start(relay_host, root, *join, train=False)
+    pub = start(pub_host, root, *join, train=True)
+    a = start(a_host, root, *join, train=True)
+    b = start(b_host, root, *join, train=True)
     return NatSwarm(boot, relay, pub, a, b)
 
 
@@ -201,16 +142,16 @@ class TestHomeNats:
 
         # Truthful reachability: the public nodes were dialed back, the NATed ones could not be.
         for node in (swarm.boot, swarm.relay, swarm.pub):
-            node.wait_status(lambda s: s["reachability"] == "public", timeout=60, what="reachability public")
+            node.wait(lambda s: s["reachability"] == "public", timeout=60, what="reachability public")
         for node in (a, b):
-            node.wait_status(
+            node.wait(
                 lambda s: s["reachability"] == "private", timeout=60, what="reachability private"
             )
 
         # A and B learn of each other from the swarm (DHT + signed member records with circuit addresses),
         # connect through a relay and are upgraded to a direct path, on both ends.
-        a.wait_status(lambda s: path_to(s, b.peer_id) == "hole-punched", timeout=90, what="B hole-punched")
-        b.wait_status(lambda s: path_to(s, a.peer_id) == "hole-punched", timeout=30, what="A hole-punched")
+        a.wait(lambda s: path_to(s, b.peer_id) == "hole-punched", timeout=90, what="B hole-punched")
+        b.wait(lambda s: path_to(s, a.peer_id) == "hole-punched", timeout=30, what="A hole-punched")
         relayed_first = re.compile(
             rf"connected to ({short_id(a.peer_id)}|{short_id(b.peer_id)}) through relay", re.M
         )
@@ -219,18 +160,18 @@ class TestHomeNats:
         )
 
         # They average with each other over that path.
-        a.wait_status(lambda s: rounds_with(s, b.peer_id) >= 2, timeout=60, what="averaging rounds with B")
-        b.wait_status(lambda s: rounds_with(s, a.peer_id) >= 2, timeout=30, what="averaging rounds with A")
+        a.wait(lambda s: rounds_with(s, b.peer_id) >= 2, timeout=60, what="averaging rounds with B")
+        b.wait(lambda s: rounds_with(s, a.peer_id) >= 2, timeout=30, what="averaging rounds with A")
 
         # What `starling status --json` says, every peer with its path and a measured RTT.
         for node in (a, b):
-            node.wait_status(
+            node.wait(
                 lambda s: all(p["rtt_ms"] is not None for p in s["peers"]),
                 timeout=30,
                 what="RTT of every peer",
             )
-        st_a = json.loads(a.cli_status(as_json=True))
-        st_boot = json.loads(swarm.boot.cli_status(as_json=True))
+        st_a = json.loads(cli_status(a, as_json=True))
+        st_boot = json.loads(cli_status(swarm.boot, as_json=True))
         assert (st_a["reachability"], st_boot["reachability"]) == ("private", "public")
         row = peer_row(st_a, b.peer_id)
         assert row is not None and row["path"] == "hole-punched" and row["rtt_ms"] > 0
@@ -241,10 +182,10 @@ class TestHomeNats:
 
     def test_the_readable_status_shows_reachability_and_each_peers_path(self, home_swarm: NatSwarm) -> None:
         a, b = home_swarm.a, home_swarm.b
-        a.wait_status(lambda s: path_to(s, b.peer_id) == "hole-punched", timeout=120, what="B hole-punched")
-        a.wait_status(lambda s: all(p["rtt_ms"] is not None for p in s["peers"]), timeout=30, what="RTTs")
+        a.wait(lambda s: path_to(s, b.peer_id) == "hole-punched", timeout=120, what="B hole-punched")
+        a.wait(lambda s: all(p["rtt_ms"] is not None for p in s["peers"]), timeout=30, what="RTTs")
 
-        text = a.cli_status(as_json=False)
+        text = cli_status(a, as_json=False)
         assert re.search(r"\breachability private\b", text), text
         assert re.search(r"^\s+peer\s+path\s+rtt_ms\s*$", text, re.M), text
         assert re.search(rf"^\s+{re.escape(short_id(b.peer_id))}\s+hole-punched\s+\d+\.\d\s*$", text, re.M), (
@@ -254,7 +195,7 @@ class TestHomeNats:
             assert re.search(
                 rf"^\s+{re.escape(short_id(public.peer_id))}\s+direct\s+\d+\.\d\s*$", text, re.M
             ), text
-        assert re.search(r"\breachability public\b", home_swarm.boot.cli_status(as_json=False))
+        assert re.search(r"\breachability public\b", cli_status(home_swarm.boot, as_json=False))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,7 +209,7 @@ def test_behind_hostile_nats_trainers_stay_relayed_and_average_only_with_the_pub
     swarm = start_nat_swarm(lab, tmp_path, "hostile")
     a, b, pub = swarm.a, swarm.b, swarm.pub
     for node in (a, b):  # the NAT answered the dial-back helpers with RST
-        st = node.wait_status(
+        st = node.wait(
             lambda s: s["reachability"] == "private", timeout=60, what="reachability private"
         )
         assert "refused" in st["nat"]["reachability_reason"], st["nat"]
@@ -277,27 +218,27 @@ def test_behind_hostile_nats_trainers_stay_relayed_and_average_only_with_the_pub
     punch_failed = re.compile(
         rf"^hole punching to {re.escape(short_id(b.peer_id))} failed: .* answered with RST .*; staying relayed$"
     )
-    a.wait_status(
+    a.wait(
         lambda s: (
             path_to(s, b.peer_id) == "relayed" and punch_failed.match(peer_note(s, b.peer_id)) is not None
         ),
         timeout=90,
         what="B relayed, with a note on the failed hole punch",
     )
-    a.wait_status(
+    a.wait(
         lambda s: punch_failed.match(s["nat"]["reason"]) is not None,
         timeout=60,
         what="the NAT reason naming the failed punch",
     )
-    b.wait_status(lambda s: path_to(s, a.peer_id) == "relayed", timeout=30, what="A relayed")
+    b.wait(lambda s: path_to(s, a.peer_id) == "relayed", timeout=30, what="A relayed")
     # Control traffic does flow over the relay: pings measure an RTT there.
-    a.wait_status(
+    a.wait(
         lambda s: (peer_row(s, b.peer_id) or {}).get("rtt_ms") is not None, timeout=30, what="RTT to B"
     )
 
     # Both train by averaging with the public trainer ...
     for node in (a, b):
-        node.wait_status(lambda s: rounds_with(s, pub.peer_id) >= 3, timeout=90, what="rounds with pub")
+        node.wait(lambda s: rounds_with(s, pub.peer_id) >= 3, timeout=90, what="rounds with pub")
     # ... and never with each other: tensors do not cross the relay.
     st_a, st_b = a.status(), b.status()
     assert st_a is not None and st_b is not None
