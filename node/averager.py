@@ -8,6 +8,18 @@ costs a back-off for that partner and, at worst, a solo step here.
 
 Crossing requests (A asks B while B asks A) become one exchange: the request of the smaller PeerID wins.
 Deadlines come from each link's measured throughput (an EWMA), not from a fixed timeout.
+
+Two rules keep heterogeneous machines from drifting apart for good:
+
+- When the daemon knows of no eligible partner at all (no alive trainer of our run within
+  `sync.max_step_gap` outer steps, with a usable path), the outer step is solo at once: waiting out the
+  pairing window would only slow down a node that nobody can pair with. A node stepping solo is simply
+  not pending, so requests that arrive meanwhile are answered "busy" as between any two outer steps.
+  Busy partners still count as eligible: waiting for one of them is right.
+- After an exchange both partners adopt the larger of their two outer steps (each learns the other's
+  from the request or the answer, `ExchangeRequest.group_outer_step` hands it to the worker), so paired
+  nodes' counters never drift apart. A node that has had no eligible partner for a while re-syncs from
+  the swarm instead (node/latejoin.py, `CatchUp`), fed by `on_outer_step`.
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ class _Pending:
     done: trio.Event = field(default_factory=trio.Event)
     transfer_finished: trio.Event = field(default_factory=trio.Event)
     transfer_scope: trio.CancelScope | None = None
+    partner_outer_step: int | None = None  # the partner's, from its request or its answer
 
 
 @dataclass
@@ -87,6 +100,7 @@ class Averager:
         path_of: Callable[[str], str] | None = None,
         on_transfer: Callable[[str, int, float], None] | None = None,
         reachable: Callable[[], bool] | None = None,
+        on_outer_step: Callable[[bool], None] | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -98,6 +112,9 @@ class Averager:
         # Behind a NAT our side-channel port cannot be reached: offering it would cost the partner a
         # connect timeout on every round before it falls back to the libp2p stream.
         self.reachable = reachable
+        # Told at the start of every outer step whether any partner was eligible (the catch-up counts
+        # the steps without one).
+        self.on_outer_step = on_outer_step
         self.listener = DataPathListener(listen_host, cfg.datapath_port, max_frame_size=avg.MAX_FRAME) if cfg.datapath else None
         self.me = str(host.get_id())
         self._pending: _Pending | None = None
@@ -105,6 +122,7 @@ class Averager:
         self.stats: dict[str, Any] = {
             "rounds": 0,
             "solo_rounds": 0,
+            "unpaired_rounds": 0,  # solo at once: no eligible partner when the outer step began
             "failures": 0,
             "declined": 0,
             "last_partner": None,
@@ -161,7 +179,21 @@ class Averager:
     # --- the supervisor's call ---------------------------------------------------------------------------
 
     async def exchange(self, request: Any) -> int:
-        """Average this outer step with one partner; returns 2, or 1 for a solo step."""
+        """Average this outer step with one partner; returns 2, or 1 for a solo step.
+
+        After an exchange, `request.group_outer_step` is the larger of the two outer steps (the worker
+        adopts it). Without an eligible partner the step is solo at once (see the module docstring);
+        without `eligible_peers` to ask, the averager cannot know who might come and waits the window.
+        """
+        if self.eligible_peers is not None:
+            has_partner = any(p != self.me for p in self.eligible_peers())
+            if self.on_outer_step is not None:
+                self.on_outer_step(has_partner)
+            if not has_partner:
+                self.stats["solo_rounds"] += 1
+                self.stats["unpaired_rounds"] += 1
+                log.debug("outer step %d: solo after 0.00s (no eligible partner)", request.outer_step)
+                return 1
         pending = _Pending(
             request,
             Tensors(request.phi, request.delta, request.phi_out, request.delta_out),
@@ -184,6 +216,8 @@ class Averager:
                     await pending.transfer_finished.wait()
         if pending.result < 2:
             self.stats["solo_rounds"] += 1
+        else:
+            request.group_outer_step = self._group_outer_step(request.outer_step, pending.partner_outer_step)
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   "averaged" if pending.result >= 2 else "solo", trio.current_time() - began)
         return pending.result
@@ -202,6 +236,21 @@ class Averager:
             pending.claimed_by = "solo"  # close the door to late requests
             pending.result = 1
             pending.done.set()
+
+    def _may_punch(self, partner: str) -> bool:
+        """Whether to open a punched side channel with `partner` where its listener (or ours) is behind a
+        NAT: only with the side channel on and over a direct connection (a relayed one's remote address is
+        the relay's, so a punch towards it could only fail)."""
+        return self.cfg.datapath and (self.path_of is None or self.path_of(partner) in ("direct", "hole-punched"))
+
+    def _group_outer_step(self, ours: int, theirs: int | None) -> int:
+        """The outer step both partners continue from: the larger one. A partner's step beyond our own gap
+        (its `max_step_gap` may be larger than ours) is not adopted: we keep our own."""
+        if theirs is None or abs(theirs - ours) > self.cfg.max_step_gap:
+            return ours
+        if theirs > ours:
+            log.debug("adopting the partner's outer step %d (ours was %d)", theirs, ours)
+        return max(ours, theirs)
 
     def _choose_partner(self) -> str | None:
         now = trio.current_time()
@@ -243,11 +292,12 @@ class Averager:
                 stream = await self.host.new_stream(ID.from_base58(partner), [avg.PROTOCOL_ID])
             remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
 
-            def claim() -> bool:
+            def claim(partner_outer_step: int) -> bool:
                 nonlocal claimed_here
                 if pending.claimed_by is not None:
                     return False  # a crossing request claimed this step meanwhile
                 pending.claimed_by = partner
+                pending.partner_outer_step = partner_outer_step
                 claimed_here = True
                 return True
 
@@ -263,6 +313,7 @@ class Averager:
                     transfer_deadline=self._transfer_deadline(partner, numel),
                     on_accept=claim,
                     validate=self._validate,
+                    offer_punch=self._may_punch(partner),
                 )
             finally:
                 await close_quietly(stream)
@@ -314,6 +365,7 @@ class Averager:
             return
         assert pending is not None
         pending.claimed_by = partner
+        pending.partner_outer_step = request.outer_step
         began = trio.current_time()
         try:
             with trio.CancelScope() as scope:
@@ -329,6 +381,7 @@ class Averager:
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, request.numel),
                     validate=self._validate,
+                    allow_punch=self._may_punch(partner),
                 )
             if scope.cancelled_caught:
                 raise trio.TooSlowError("cancelled by shutdown")
@@ -437,5 +490,3 @@ class Averager:
         link.failures += 1
         delay = min(BACKOFF_MAX_S, self.cfg.backoff_s * 2 ** (link.failures - 1))
         link.next_try = trio.current_time() + delay * random.uniform(0.8, 1.2)
-
-

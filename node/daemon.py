@@ -20,7 +20,7 @@ import socket
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import multiaddr
 import trio
@@ -34,7 +34,7 @@ from node.control import SOCKET_FILE, serve_control
 from node.crdt import Manifest
 from node.fsutil import atomic_write_bytes
 from node.history import HISTORY_FILE, HistoryError, LossHistory
-from node.latejoin import late_join, progress_view, snapshot_source
+from node.latejoin import CatchUp, late_join, progress_view, snapshot_source
 from node.metrics import Metrics, serve_metrics
 from node.replicator import STATE_FILE, StateReplicator, load_state
 from node.sdnotify import Notifier, summarize_status, watchdog_loop
@@ -48,6 +48,9 @@ from p2p.identity import peer_id_of
 from p2p.nat import NatConfig, NatService
 from protocols.snapshot import PROTOCOL_ID as SNAPSHOT_PROTOCOL
 from protocols.snapshot import SnapshotServer
+
+if TYPE_CHECKING:
+    from node.worker import Adopted
 
 AVG_PROTOCOL_VERSION = 1  # the major version of /starling/avg; peers on another one cannot average
 
@@ -141,7 +144,16 @@ class Daemon:
         self.metrics = Metrics()
         self.supervisor: Any = None
         self.averager: Averager | None = None
+        self.catch_up: CatchUp | None = None
         if train:
+            self.catch_up = CatchUp(
+                self.host,
+                home,
+                cfg.sync,
+                own_outer_step=lambda: int(self._training().get("outer_step") or 0),
+                trainers=self._trainer_steps,
+                deliver=lambda path, outer_step: self.supervisor.adopt_at_next_outer_step(path, outer_step),
+            )
             bind = "127.0.0.1" if all(str(a).startswith("/ip4/127.") for a in self.listen_addrs) else "0.0.0.0"
             self.averager = Averager(
                 self.host,
@@ -153,6 +165,7 @@ class Daemon:
                 path_of=lambda peer: self.nat.path_of(peer),
                 on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
                 reachable=lambda: self.nat.reachability != "private",
+                on_outer_step=self.catch_up.note_outer_step,
             )
         self.ready = trio.Event()
         self._last_progress_step = 0
@@ -211,8 +224,9 @@ class Daemon:
         )
 
     def _eligible_partners(self) -> list[str]:
-        """Alive trainers with our manifest, outer step within the allowed gap, and (unless the config
-        allows bulk over relays) a direct or hole-punched path: bulk tensors never cross a relay."""
+        """Alive trainers with our manifest (`alive_members` checks it), outer step within the allowed gap
+        (plus one: a record is a heartbeat old), and (unless the config allows bulk over relays) a direct or
+        hole-punched path: bulk tensors never cross a relay. An empty list makes the outer step solo at once."""
         ours = int(self._training().get("outer_step") or 0)
         gap = self.cfg.sync.max_step_gap
         allow_relay = self.cfg.sync.allow_relay_bulk
@@ -223,6 +237,18 @@ class Daemon:
             and abs(m.record.outer_step - ours) <= gap + 1
             and (allow_relay or self.nat.path_of(m.record.peer_id) in ("direct", "hole-punched"))
         ]
+
+    def _trainer_steps(self) -> dict[str, int]:
+        """Outer step of every alive trainer of our run (for the catch-up's swarm median)."""
+        return {m.record.peer_id: m.record.outer_step for m in self.replicator.alive_members() if m.record.role == "trainer"}
+
+    def _on_adopted(self, report: Adopted) -> None:
+        """The worker took (or refused) a catch-up snapshot."""
+        assert self.catch_up is not None
+        self.catch_up.adopted(report)
+        if not report.error:
+            # The step counter jumped with the snapshot: those samples were not trained here.
+            self._last_progress_step = report.step
 
     async def _learn_member_addrs(self) -> None:
         """Members' signed records carry their addresses, circuit ones included: give them to the
@@ -263,6 +289,9 @@ class Daemon:
             st["training"] = self.supervisor.status()
         if self.averager is not None:
             st["sync"] = self.averager.status()
+            if self.catch_up is not None:
+                st["sync"]["catch_ups"] = self.catch_up.catch_ups
+                st["sync"]["catch_up"] = progress_view(self.catch_up.status)
             st["join"] = progress_view(self.join_status)
             st["join"]["serving"] = self.snapshots.serving
             st["join"]["served"] = self.snapshots.served
@@ -314,8 +343,9 @@ class Daemon:
                 if self.train:
                     self.host.set_stream_handler(SNAPSHOT_PROTOCOL, self.snapshots.handle)
                     self.supervisor = self._make_supervisor()
-                    assert self.averager is not None
+                    assert self.averager is not None and self.catch_up is not None
                     await nursery.start(self.averager.run)
+                    await nursery.start(self.catch_up.run)
                     nursery.start_soon(self._train)
                 self.ready.set()
                 self.notifier.ready(summarize_status(self.status()))
@@ -400,4 +430,5 @@ class Daemon:
         from node.supervisor import WorkerSupervisor
 
         assert self.averager is not None
-        return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange)
+        return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange,
+                                on_adopted=self._on_adopted)

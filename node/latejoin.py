@@ -1,32 +1,47 @@
-"""Late join: a trainer with no checkpoint starts from the swarm's weights, not from a fresh model.
+"""Late join and catch-up: a trainer takes the swarm's weights instead of its own.
 
-Before the worker's first inner step, the daemon looks for alive trainers that have made outer steps,
-downloads the slow weights and step counters of up to `train.join_donors` of them at once (chunked,
-hashed, resumable: `protocols/snapshot.py`), and leaves their mean in `HOME/join/snapshot.pt` (a hashed
-checkpoint file). The worker starts from it when it has no checkpoint of its own, keeping its own data
-shard and a fresh inner optimizer. Donors serve from their newest verified checkpoint.
+Late join: before the worker's first inner step, a daemon with no checkpoint looks for alive trainers
+that have made outer steps, downloads the slow weights and step counters of up to `sync.join_donors` of
+them at once (chunked, hashed, resumable: `protocols/snapshot.py`), and leaves their mean in
+`HOME/join/snapshot.pt` (a hashed checkpoint file). The worker starts from it when it has no checkpoint
+of its own, keeping its own data shard and a fresh inner optimizer. Donors serve from their newest
+verified checkpoint.
+
+Catch-up (`CatchUp`): a trainer that has drifted more than `sync.max_step_gap` outer steps from the
+swarm has nobody to average with, and averaging is what would bring it back. After
+`sync.catch_up_after` outer steps in a row without an eligible partner, the daemon downloads the same
+kind of snapshot from donors near the swarm's median outer step, while training goes on, and the worker
+adopts it at its next outer step (`node.worker.Trainer.adopt_snapshot`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import random
+import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from libp2p.peer.id import ID
 
 from node.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from node.sync_config import SyncConfig
 from protocols.snapshot import PROTOCOL_ID, JoinDownload, Snapshot, combine
+
+if TYPE_CHECKING:
+    from node.worker import Adopted
 
 log = logging.getLogger("starling.latejoin")
 
 JOIN_DIR = "join"
 JOIN_FILE = "snapshot.pt"
+CATCH_UP_DIR = "catchup"
 CHECKPOINT_DIR = "checkpoints"
+CATCH_UP_INTERVAL_S = 30.0  # the least time between two catch-up attempts
 
 
 def join_snapshot_path(home: Path) -> Path:
@@ -99,29 +114,162 @@ async def late_join(
         return False
     chosen = random.sample(found, min(max_donors, len(found)))
     status.update(state="downloading", donors=chosen)
-    download = JoinDownload(home / JOIN_DIR / "partial")
+    state = await fetch_swarm_snapshot(host, home / JOIN_DIR / "partial", chosen, target, timeout_s=timeout_s,
+                                       status=status)
+    if state is None:
+        status["state"] = "download failed: starting a fresh model (will resume the download next start)"
+        return False
+    status.update(state="done", step=state["step"], outer_step=state["outer_step"], donors=state["donors"])
+    log.info("joined the swarm at outer step %d from the mean of %d donors", state["outer_step"], len(state["donors"]))
+    return True
+
+
+async def fetch_swarm_snapshot(
+    host: Any, directory: Path, donors: list[str], target: Path, *, timeout_s: float, status: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Download the snapshots of `donors` at once into `directory` (resuming what is there), write their
+    mean (`protocols.snapshot.combine`) to `target` as a hashed checkpoint file and return it; None if no
+    download completed within `timeout_s` (the parts that arrived are kept for a resume)."""
+    download = JoinDownload(directory)
+    if directory.is_dir():
+        download.prune(donors)
     status["progress"] = download.progress
 
     async def open_stream(donor: str) -> Any:
         return await host.new_stream(ID.from_base58(donor), [PROTOCOL_ID])
 
     async with trio.open_nursery() as nursery:
-        for donor in chosen:
+        for donor in donors:
             nursery.start_soon(functools.partial(download.fetch, open_stream, donor, timeout_s=timeout_s))
     complete = download.complete()
     for p in download.progress.values():
         if not p.done:
             log.warning("snapshot download from %s incomplete: %s", p.donor, p.error or "stopped")
     if not complete:
-        status["state"] = "download failed: starting a fresh model (will resume the download next start)"
-        return False
+        return None
     state = await trio.to_thread.run_sync(combine, complete)
     target.parent.mkdir(parents=True, exist_ok=True)
     await trio.to_thread.run_sync(write_checkpoint, target, state)
     download.clear()
-    status.update(state="done", step=state["step"], outer_step=state["outer_step"], donors=state["donors"])
-    log.info("joined the swarm at outer step %d from the mean of %d donors", state["outer_step"], len(state["donors"]))
-    return True
+    return state
+
+
+class CatchUp:
+    """Re-syncs this trainer from the swarm once it has drifted out of every partner's reach.
+
+    Trigger: `sync.catch_up_after` outer steps in a row without an eligible partner (the averager reports
+    each outer step to `note_outer_step`) while alive trainers of our run exist outside the gap, and this
+    node's outer step is more than the gap from the swarm's median. The median (upper median, over every
+    alive trainer of the run, this node included) is the majority's position: a lone runaway node comes
+    back to the swarm, never the swarm to it; between two nodes the one further ahead is the reference.
+    A node at the median does nothing: the others come to it.
+
+    Download: the snapshots of up to `sync.join_donors` (at least one) donors whose outer step is within
+    the gap of the median, nearest first, under the `sync.join_timeout_s` deadline; training goes on
+    meanwhile. The mean goes to `HOME/catchup/snapshot.pt` and `deliver(path, swarm_outer_step)` hands it
+    to the worker for its next outer step, where it also continues from the swarm's then-current outer
+    step. A failed download is retried after another `catch_up_after` outer steps without a partner.
+    Attempts are at least `CATCH_UP_INTERVAL_S` apart: where outer steps are much shorter than a heartbeat
+    (tiny models), the member records lag behind and an eager node would download again and again.
+    """
+
+    def __init__(
+        self,
+        host: Any,
+        home: Path,
+        cfg: SyncConfig,
+        *,
+        own_outer_step: Callable[[], int],
+        trainers: Callable[[], dict[str, int]],
+        deliver: Callable[[Path, Callable[[], int | None]], None],
+    ) -> None:
+        self.host = host
+        self.home = home
+        self.cfg = cfg
+        self.own_outer_step = own_outer_step
+        self.trainers = trainers  # alive trainers of our run (not us): peer id -> outer step
+        self.deliver = deliver
+        self.unpaired = 0  # outer steps in a row without an eligible partner
+        self.catch_ups = 0  # snapshots the worker adopted
+        self.status: dict[str, Any] = {"state": "idle"}
+        self._wake = trio.Event()
+        self._delivered = False  # a snapshot waits for the worker's next outer step
+        self._next_allowed = -math.inf  # trio time before which no new attempt starts
+
+    def note_outer_step(self, had_partner: bool) -> None:
+        """Called by the averager at the start of every outer step."""
+        self.unpaired = 0 if had_partner else self.unpaired + 1
+        if self.cfg.catch_up_after and self.unpaired >= self.cfg.catch_up_after:
+            self._wake.set()
+
+    def swarm_outer_step(self) -> int | None:
+        """The upper median of the alive trainers' outer steps, ours included (None when we are alone)."""
+        others = list(self.trainers().values())
+        return statistics.median_high([self.own_outer_step(), *others]) if others else None
+
+    def plan(self) -> tuple[int, list[str]] | None:
+        """(the swarm's outer step, donors) if this node should catch up now, else None."""
+        others = self.trainers()
+        own = self.own_outer_step()
+        gap = self.cfg.max_step_gap
+        if not any(abs(step - own) > gap for step in others.values()):
+            return None  # alone, or only partners within reach (busy or not yet connected)
+        target = statistics.median_high([own, *others.values()])
+        if abs(own - target) <= gap:
+            return None
+        near = sorted((abs(step - target), peer) for peer, step in others.items() if step > 0 and abs(step - target) <= gap)
+        donors = [peer for _, peer in near[: max(1, self.cfg.join_donors)]]
+        return (target, donors) if donors else None
+
+    def adopted(self, report: Adopted) -> None:
+        """The worker's answer to a delivered snapshot: count and log the catch-up (or why it failed)."""
+        self._delivered = False
+        if report.error:
+            self.status.update(state="not adopted", error=report.error)
+            log.warning("the worker did not adopt the swarm snapshot: %s", report.error)
+            return
+        self.catch_ups += 1
+        self.unpaired = 0
+        self.status.update(state="done", outer_step=report.outer_step, step=report.step, error="")
+        log.info(
+            "caught up with the swarm from %d donors: outer step %d -> %d, inner step %d -> %d",
+            len(report.donors), report.previous_outer_step, report.outer_step, report.previous_step, report.step,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            if self._delivered:
+                continue
+            if trio.current_time() < self._next_allowed:
+                continue  # right after a catch-up the swarm's records still show our old step
+            plan = self.plan()
+            if plan is None:
+                continue
+            self.unpaired = 0  # a retry needs another `catch_up_after` outer steps without a partner
+            self._next_allowed = trio.current_time() + CATCH_UP_INTERVAL_S
+            await self._attempt(*plan)
+
+    async def _attempt(self, target: int, donors: list[str]) -> None:
+        own = self.own_outer_step()
+        log.info("outer step %d is %d from the swarm's %d and no partner was eligible for %d outer steps: "
+                 "catching up from %d donors", own, abs(own - target), target, self.cfg.catch_up_after, len(donors))
+        self.status = {"state": "downloading", "donors": donors, "from_outer_step": own, "swarm_outer_step": target}
+        path = self.home / CATCH_UP_DIR / JOIN_FILE
+        try:
+            state = await fetch_swarm_snapshot(self.host, self.home / CATCH_UP_DIR / "partial", donors, path,
+                                               timeout_s=self.cfg.join_timeout_s, status=self.status)
+        except (OSError, ValueError) as e:  # a full disk, or no donor's layout to combine
+            log.warning("catch-up failed: %s", e)
+            state = None
+        if state is None:
+            self.status["state"] = "download failed: will retry"
+            return
+        self.status.update(state="waiting for the next outer step", snapshot_outer_step=state["outer_step"])
+        self._delivered = True
+        self.deliver(path, self.swarm_outer_step)
 
 
 def progress_view(status: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,10 @@ bounded by `train.exchange_timeout`; whatever happens - a result, an exception, 
 gets an answer, a solo step when nothing better came. The daemon therefore never has to worry about the
 worker waiting forever, and the worker never waits on the network beyond the configured bound.
 
+Catch-up: when the daemon has downloaded the swarm's weights for a node that drifted too far to pair
+(`adopt_at_next_outer_step`), the worker's next publish is answered with that snapshot instead of an
+exchange, and the worker's `adopted` report goes to `on_adopted`. The offer survives a worker restart.
+
 Lifecycle: `run()` restarts a worker that dies with exponential backoff (1 s doubling to 60 s, reset
 after a minute of healthy running); the new worker resumes from its latest checkpoint. A worker that
 reports a fatal start-up error (a bad task or config) is not restarted: the state becomes "failed" and
@@ -23,7 +27,7 @@ import logging
 import socket
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,7 @@ from node.shm import ExchangeSlots, sweep_orphans
 from node.task import Layout
 from node.train_config import TrainConfig
 from node.worker import (
+    Adopted,
     Attach,
     CheckpointSaved,
     Fatal,
@@ -68,6 +73,17 @@ class ExchangeRequest:
     phi_out: torch.Tensor  # flat fp32: group mean of phi, filled by the daemon
     delta_out: torch.Tensor  # flat fp32: group mean of Delta, filled by the daemon
     layout: Layout  # parameter names and shapes (for the run manifest)
+    # Set by the daemon with the means: the largest outer step in the group, which the worker adopts.
+    group_outer_step: int | None = None
+
+
+@dataclass
+class _Adoption:
+    """A swarm snapshot on disk for the worker to take at its next outer step (a catch-up)."""
+
+    path: Path
+    outer_step: Callable[[], int | None]  # the swarm's outer step to continue from, asked when it is sent
+    sent_to: set[int] = field(default_factory=set)  # pids of the workers it was sent to
 
 
 # Returns the size n of the group whose means were written; 0 or 1 means "solo step, outputs ignored".
@@ -134,6 +150,7 @@ class WorkerSupervisor:
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
         healthy_after: float = 60.0,
+        on_adopted: Callable[[Adopted], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.home = home
@@ -146,6 +163,8 @@ class WorkerSupervisor:
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
         self._healthy_after = healthy_after
+        self._on_adopted = on_adopted
+        self._adoption: _Adoption | None = None
         self._slots: ExchangeSlots | None = None
         self._hello: Hello | None = None
         self._status: dict[str, Any] = {
@@ -188,6 +207,11 @@ class WorkerSupervisor:
             "numel": self._hello.numel,
             "outer": self.cfg.outer,
         }
+
+    def adopt_at_next_outer_step(self, path: Path, outer_step: Callable[[], int | None]) -> None:
+        """Have the worker continue from the swarm snapshot at `path` at its next outer step instead of
+        exchanging; `outer_step()` is asked then for the swarm's outer step (None: the snapshot's)."""
+        self._adoption = _Adoption(path, outer_step)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Keep a worker running until cancelled."""
@@ -302,10 +326,10 @@ class WorkerSupervisor:
         async def exchange_then_answer(publish: Publish) -> None:
             nonlocal in_flight
             try:
-                size = await self._run_exchange(publish)
+                result = await self._run_exchange(publish)
                 # Cleared before the answer goes out: the worker may publish again the moment it has it.
                 in_flight = False
-                await chan.send(Result(outer_step=publish.outer_step, group_size=size))
+                await chan.send(result)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the worker is gone; the message loop sees end of file and restarts it
             finally:
@@ -321,6 +345,11 @@ class WorkerSupervisor:
                 if isinstance(msg, Publish):
                     if in_flight:
                         raise ProtocolError("publish while an exchange is in flight")
+                    self._status["outer_step"] = msg.outer_step  # partners are chosen by it
+                    adoption = self._adoption
+                    if adoption is not None and proc.pid not in adoption.sent_to:
+                        await chan.send(self._adoption_result(msg, adoption, proc.pid))
+                        continue
                     in_flight = True
                     nursery.start_soon(exchange_then_answer, msg)
                 elif isinstance(msg, Fatal):
@@ -344,12 +373,25 @@ class WorkerSupervisor:
                 self._status["loss"] = msg.loss
         elif isinstance(msg, CheckpointSaved):
             self._status.update(checkpoint_step=msg.step, step=msg.step, outer_step=msg.outer_step)
+        elif isinstance(msg, Adopted):
+            self._adoption = None
+            if not msg.error:
+                self._status.update(step=msg.step, outer_step=msg.outer_step, val_loss=msg.val_loss)
+            if self._on_adopted is not None:
+                self._on_adopted(msg)
         elif isinstance(msg, Stopped):
             log.info("worker stopped at step %d (outer step %d)", msg.step, msg.outer_step)
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__} from the worker")
 
-    async def _run_exchange(self, publish: Publish) -> int:
+    def _adoption_result(self, publish: Publish, adoption: _Adoption, pid: int) -> Result:
+        """The answer to a publish when a catch-up is ready: no exchange, the snapshot instead. Sent once
+        to each worker: a worker that dies before reporting gets it again from its successor."""
+        adoption.sent_to.add(pid)
+        return Result(outer_step=publish.outer_step, group_size=1, adopt=str(adoption.path),
+                      adopt_outer_step=adoption.outer_step())
+
+    async def _run_exchange(self, publish: Publish) -> Result:
         """Call the daemon's exchange within the deadline; any failure means a solo step."""
         assert self._slots is not None and self._hello is not None
         slots = self._slots
@@ -376,7 +418,8 @@ class WorkerSupervisor:
             size = 0
         counts["group" if size >= 2 else "solo"] += 1
         self._status["last_group_size"] = max(size, 1)
-        return size
+        group_outer_step = request.group_outer_step if size >= 2 else None
+        return Result(outer_step=publish.outer_step, group_size=size, group_outer_step=group_outer_step)
 
     async def _exited(self, proc: trio.Process, what: str) -> _Exit:
         with trio.move_on_after(self._stop_grace):

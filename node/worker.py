@@ -11,7 +11,9 @@ Conversation with the daemon (msgpack maps, length-prefixed, over the socketpair
     worker -> daemon   hello     parameter count and layout, task, device, hashes, resumed counters
     daemon -> worker   attach    names of the four shared-memory slots (node/shm.py)
     worker -> daemon   publish   phi and Delta are in the slots for outer step k
-    daemon -> worker   result    group size n for outer step k (means in phi_out/delta_out when n >= 2)
+    daemon -> worker   result    group size n for outer step k (means in phi_out/delta_out when n >= 2),
+                                 the group's largest outer step, or a swarm snapshot to adopt instead
+    worker -> daemon   adopted   the snapshot was adopted (counters before and after) or why not
     worker -> daemon   metrics   step, loss, val_loss, samples/s ... about once a second
     worker -> daemon   checkpoint  a checkpoint was written
     daemon -> worker   stop      checkpoint and exit
@@ -23,6 +25,12 @@ The inner/outer loop (overlap mode, the default): after H inner steps the worker
 applies the outer step to `phi` and keeps the progress made meanwhile:
 `theta <- phi_new + (theta_now - theta_published)`. If the result lags `max_lag` inner steps behind the
 publish, training waits for it. With `overlap = false` it waits right away (the blocking baseline).
+
+Outer-step counters. After an exchange the worker continues from the larger of the two partners' outer
+steps, so paired nodes keep the same counter. A node that fell too far from the swarm to pair gets a
+catch-up instead of a result: the daemon downloaded the swarm's weights (node/latejoin.py, `CatchUp`) and
+the worker adopts them at that outer step (`Trainer.adopt_snapshot`). The learning-rate schedule follows
+the inner `step`, which only a snapshot changes.
 
 The worker dies with the daemon: end-of-file on the socket means the daemon is gone, and the worker then
 writes a checkpoint and exits. SIGTERM/SIGINT mean the same (it runs in its own session, so a Ctrl+C
@@ -115,6 +123,22 @@ class Publish:
 class Result:
     outer_step: int
     group_size: int
+    group_outer_step: int | None = None  # the largest outer step in the group (n >= 2): adopted
+    adopt: str = ""  # a swarm snapshot file to adopt instead of this outer step (a catch-up)
+    adopt_outer_step: int | None = None  # the swarm's outer step to continue from with the snapshot
+
+
+@dataclass
+class Adopted:
+    """The answer to a result with `adopt`: the counters before and after, or why it was not adopted."""
+
+    previous_step: int
+    previous_outer_step: int
+    step: int
+    outer_step: int
+    donors: list[str] = field(default_factory=list)
+    val_loss: float | None = None
+    error: str = ""
 
 
 @dataclass
@@ -150,9 +174,11 @@ class Fatal:
     error: str
 
 
-Message = Init | Hello | Attach | Publish | Result | Metrics | CheckpointSaved | Stop | Stopped | Fatal
+Message = (
+    Init | Hello | Attach | Publish | Result | Adopted | Metrics | CheckpointSaved | Stop | Stopped | Fatal
+)
 _TYPES: dict[str, type] = {
-    "init": Init, "hello": Hello, "attach": Attach, "publish": Publish, "result": Result,
+    "init": Init, "hello": Hello, "attach": Attach, "publish": Publish, "result": Result, "adopted": Adopted,
     "metrics": Metrics, "checkpoint": CheckpointSaved, "stop": Stop, "stopped": Stopped, "fatal": Fatal,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}
@@ -364,10 +390,18 @@ class Trainer:
         return Publish(outer_step=self.outer_step, step=self.step)
 
     def apply_result(
-        self, group_size: int, mean_phi: torch.Tensor | None = None, mean_delta: torch.Tensor | None = None
+        self,
+        group_size: int,
+        mean_phi: torch.Tensor | None = None,
+        mean_delta: torch.Tensor | None = None,
+        group_outer_step: int | None = None,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
-        size actually used (a group result with non-finite means falls back to a solo step)."""
+        size actually used (a group result with non-finite means falls back to a solo step).
+
+        After a group step the outer-step counter continues from the group's largest one
+        (`group_outer_step`), as the partner's does: counters of paired nodes stay together. The inner
+        `step` (and so the learning rate) is this node's own and does not change."""
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
         if group_size >= 2:
@@ -383,8 +417,11 @@ class Trainer:
         self.gather_theta(theta)
         theta.sub_(self.theta_published).add_(self.phi)
         self.scatter_theta(theta)
+        published_at = self.pending
         self.pending = None
-        self.outer_step += 1
+        if group_size >= 2 and group_outer_step is not None:
+            published_at = max(published_at, group_outer_step)
+        self.outer_step = published_at + 1
         return group_size
 
     def evaluate(self) -> float:
@@ -448,6 +485,27 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self.state_dict(), self.step)
 
+    def read_swarm_snapshot(self, path: Path) -> dict[str, Any]:
+        """A snapshot the daemon downloaded from the swarm (node/latejoin.py), checked to be of this model;
+        CheckpointError otherwise."""
+        state = read_checkpoint(path)
+        phi = state.get("phi")
+        if state.get("layout_hash") != self.layout_hash or not isinstance(phi, torch.Tensor) or phi.numel() != self.numel:
+            raise CheckpointError("the swarm snapshot is for a different model")
+        for key in ("step", "outer_step"):
+            if not isinstance(state.get(key), int) or state[key] < 0:
+                raise CheckpointError(f"the swarm snapshot has no valid {key}")
+        return state
+
+    def _take_swarm_weights(self, state: dict[str, Any], outer_step: int) -> None:
+        """phi and theta = the snapshot's slow weights, counters from the snapshot, nothing pending."""
+        self.phi.copy_(state["phi"].reshape(-1))
+        self.scatter_theta(self.phi)
+        self.step = int(state["step"])
+        self.outer_step = outer_step
+        self.last_publish_step = self.step
+        self.pending = None
+
     def start_from_join_snapshot(self) -> Path | None:
         """A late joiner's first start: slow and fast weights and step counters from the swarm snapshot the
         daemon downloaded (node/latejoin.py); its own data shard, RNG and a fresh inner optimizer. The
@@ -456,19 +514,12 @@ class Trainer:
         if not path.exists():
             return None
         try:
-            state = read_checkpoint(path)
-            phi = state.get("phi")
-            if state.get("layout_hash") != self.layout_hash or not isinstance(phi, torch.Tensor) or phi.numel() != self.numel:
-                raise CheckpointError("the swarm snapshot is for a different model")
+            state = self.read_swarm_snapshot(path)
         except CheckpointError as e:
             log.warning("not starting from %s: %s", path, e)
             path.rename(path.with_name(path.name + ".rejected"))
             return None
-        self.phi.copy_(phi.reshape(-1))
-        self.scatter_theta(self.phi)
-        self.step = int(state["step"])
-        self.outer_step = int(state["outer_step"])
-        self.last_publish_step = self.step
+        self._take_swarm_weights(state, int(state["outer_step"]))
         path.rename(path.with_name(path.name + ".used"))
         # Measure the downloaded weights before the first inner step: the first validation loss this node
         # reports is then the swarm's (what the user checks a late join by), not a figure taken after H
@@ -477,6 +528,43 @@ class Trainer:
         log.info("starting from the swarm snapshot of %d donors at step %d (outer step %d): validation loss %.3f",
                  len(state.get("donors", [])), self.step, self.outer_step, self.val_loss)
         return path
+
+    def adopt_snapshot(self, path: Path, outer_step: int | None = None) -> Adopted:
+        """A catch-up: continue from the swarm's weights instead of this node's own (which drifted too far
+        from everyone else's to average with). Replaces the pending outer step; the file is consumed.
+
+        Taken: the slow weights as both phi and theta, the snapshot's inner `step` (so the learning-rate
+        schedule is the swarm's) and `outer_step` (the swarm's current one when the daemon knows it, so
+        that the node pairs again at once; the weights are at most a checkpoint interval older, which the
+        next averaging's pull closes). Reset: the outer momentum, because it is the direction of this
+        node's own solo trajectory, which is abandoned; carrying it would push the swarm's weights along
+        it. Kept: the inner Adam state, because a fresh Adam at the (post warm-up) learning rate takes
+        sign-sized steps on every parameter in its first iterations, while the kept moments are those of
+        the same model on the same task and decay within their own horizons (about 10 and 1000 steps).
+        Also kept: this node's data shard and RNG. Checkpoints of later inner steps than the snapshot's (a
+        node that ran ahead) are deleted, or a restart would resume from them and undo the catch-up.
+
+        Raises CheckpointError (nothing changed) if the snapshot is unreadable or of another model.
+        """
+        state = self.read_swarm_snapshot(path)
+        before = (self.step, self.outer_step)
+        self._take_swarm_weights(state, int(state["outer_step"]) if outer_step is None else outer_step)
+        self.outer.momentum.zero_()
+        # From here on the adoption has happened: a file that cannot be removed is worth a warning only.
+        try:
+            path.unlink(missing_ok=True)
+            for step, old in self.checkpoints.checkpoints():
+                if step > self.step:
+                    old.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("after the catch-up: %s", e)
+        self.evaluate()
+        log.info("caught up with the swarm from the mean of %d donors: outer step %d -> %d, step %d -> %d, "
+                 "validation loss %.3f", len(state.get("donors", [])), before[1], self.outer_step, before[0],
+                 self.step, self.val_loss)
+        return Adopted(previous_step=before[0], previous_outer_step=before[1], step=self.step,
+                       outer_step=self.outer_step, donors=[str(d) for d in state.get("donors", [])],
+                       val_loss=self.val_loss)
 
     def resume(self) -> tuple[Path | None, list[str]]:
         """Load the newest good checkpoint, if any: (its path, ["path: reason" for rejected ones])."""
@@ -617,20 +705,43 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
     if msg.outer_step != trainer.pending:
         log.warning("ignoring a result for outer step %s (pending: %s)", msg.outer_step, trainer.pending)
         return
-    used = trainer.apply_result(msg.group_size, slots.phi_out.tensor, slots.delta_out.tensor)
+    if msg.adopt:
+        _adopt(chan, trainer, msg)
+        return
+    used = trainer.apply_result(msg.group_size, slots.phi_out.tensor, slots.delta_out.tensor, msg.group_outer_step)
     log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
     if trainer.outer_step % trainer.cfg.eval_every == 0:
         trainer.evaluate()
     if trainer.outer_step % trainer.cfg.checkpoint_every == 0:
-        try:
-            path = trainer.save_checkpoint()
-        except OSError as e:
-            # A full or failing disk: the previous checkpoint is intact (atomic write). Crashing would
-            # only restart from it, lose the progress since, and fail again: keep training instead.
-            log.error("checkpoint at step %d failed: %s; the previous checkpoint is kept, training goes on",
-                      trainer.step, e)
-            return
-        chan.send(CheckpointSaved(step=trainer.step, outer_step=trainer.outer_step, path=str(path)))
+        _checkpoint(chan, trainer)
+
+
+def _adopt(chan: WorkerChannel, trainer: Trainer, msg: Result) -> None:
+    """A catch-up instead of this outer step; a snapshot that cannot be used means a solo step."""
+    previous = (trainer.step, trainer.outer_step)
+    try:
+        adopted = trainer.adopt_snapshot(Path(msg.adopt), msg.adopt_outer_step)
+    except CheckpointError as e:
+        log.warning("not adopting the swarm snapshot %s: %s; taking a solo step", msg.adopt, e)
+        trainer.apply_result(1)
+        chan.send(Adopted(previous_step=previous[0], previous_outer_step=previous[1], step=trainer.step,
+                          outer_step=trainer.outer_step, error=str(e)[:300]))
+        return
+    chan.send(adopted)
+    # At once, not at the next interval: a restart must not resume from the abandoned weights.
+    _checkpoint(chan, trainer)
+
+
+def _checkpoint(chan: WorkerChannel, trainer: Trainer) -> None:
+    try:
+        path = trainer.save_checkpoint()
+    except OSError as e:
+        # A full or failing disk: the previous checkpoint is intact (atomic write). Crashing would
+        # only restart from it, lose the progress since, and fail again: keep training instead.
+        log.error("checkpoint at step %d failed: %s; the previous checkpoint is kept, training goes on",
+                  trainer.step, e)
+        return
+    chan.send(CheckpointSaved(step=trainer.step, outer_step=trainer.outer_step, path=str(path)))
 
 
 def _send_metrics(chan: WorkerChannel, trainer: Trainer, meter: _Meter) -> None:

@@ -290,12 +290,13 @@ async def initiate(
     remote_ip: str | None,
     handshake_timeout: float,
     transfer_deadline: float,
-    on_accept: Callable[[], bool] | None = None,
+    on_accept: Callable[[int], bool] | None = None,
     validate: Validator | None = None,
     offer_punch: bool = False,
 ) -> TransferResult:
     """The initiator's side. Raises Declined, ProtocolError or trio.TooSlowError; outputs are valid only
-    when it returns.
+    when it returns. ``on_accept(partner_outer_step)`` runs when the partner accepts; returning False
+    declines after all (we were claimed by a crossing request meanwhile).
 
     With ``offer_punch`` (and the side channel enabled) it binds a port for a punched side channel and
     announces it: a responder behind a NAT, whose listener we cannot dial, may take it up (``p2p.punch``)."""
@@ -314,7 +315,7 @@ async def initiate(
             answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
         if answer.verdict != "accept":
             raise Declined(answer.verdict, answer.reason)
-        if on_accept is not None and not on_accept():
+        if on_accept is not None and not on_accept(answer.outer_step):
             raise Declined("busy", "we were claimed by a crossing request meanwhile")
         keys = mine.derive(
             role=Role.INITIATOR,

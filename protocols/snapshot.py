@@ -267,6 +267,14 @@ class JoinDownload:
         for path in self.directory.glob("*"):
             path.unlink(missing_ok=True)
 
+    def prune(self, keep: list[str]) -> None:
+        """Delete the partial downloads of donors other than `keep`: they will not be resumed, and a node
+        that downloads again and again (catch-ups) must not pile them up."""
+        wanted = {path for donor in keep for path in self._paths(donor)}
+        for path in self.directory.glob("*"):
+            if path not in wanted:
+                path.unlink(missing_ok=True)
+
 
 def _verified_prefix(data_path: Path, p: DonorProgress) -> int:
     """How many leading chunks on disk really match their hashes (the progress file may be ahead of the

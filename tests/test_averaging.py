@@ -10,6 +10,7 @@ import pytest
 import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averager import Averager
@@ -29,6 +30,7 @@ class Request:
     phi_out: torch.Tensor = field(default_factory=lambda: torch.full((NUMEL,), float("nan")))
     delta_out: torch.Tensor = field(default_factory=lambda: torch.full((NUMEL,), float("nan")))
     layout: list = field(default_factory=lambda: LAYOUT)
+    group_outer_step: int | None = None
 
 
 def request(seed: int, outer_step: int = 3) -> Request:
@@ -120,6 +122,66 @@ async def test_a_node_alone_takes_a_solo_step_after_the_pairing_window() -> None
         avs, nursery = await pair(stack, cfg, cfg)
         with trio.fail_after(5):
             assert await avs[0].exchange(request(1)) == 1  # the partner is connected but never ready
+        nursery.cancel_scope.cancel()
+
+
+class LoneHost:
+    """A host with no connections and no network: enough for an averager that never reaches anyone."""
+
+    def __init__(self) -> None:
+        self._id = ID.from_pubkey(create_new_key_pair().public_key)
+
+    def get_id(self) -> ID:
+        return self._id
+
+    def get_connected_peers(self) -> list:
+        return []
+
+
+async def test_with_no_eligible_partner_the_outer_step_is_solo_at_once_instead_of_after_the_window(
+    autojump_clock,
+) -> None:
+    # Virtual time (autojump): any wait shows up as elapsed time, and none passes unless something waits.
+    cfg = SyncConfig(pair_window_s=600, datapath=False)
+    seen: list[bool] = []
+    alone = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [], on_outer_step=seen.append)
+    began = trio.current_time()
+    assert await alone.exchange(request(1)) == 1
+    assert trio.current_time() == began
+    assert seen == [False]
+    st = alone.status()
+    assert st["solo_rounds"] == 1 and st["unpaired_rounds"] == 1 and st["state"] == "idle"
+
+    # An eligible partner that never becomes ready (busy, or not connected yet) is waited for.
+    partner = str(ID.from_pubkey(create_new_key_pair().public_key))
+    hopeful = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [partner],
+                       on_outer_step=seen.append)
+    began = trio.current_time()
+    assert await hopeful.exchange(request(1)) == 1
+    assert trio.current_time() - began >= 600
+    assert seen == [False, True] and hopeful.status()["unpaired_rounds"] == 0
+
+
+@pytest.mark.parametrize("steps", [(3, 7), (7, 3)], ids=["responder-ahead", "initiator-ahead"])
+async def test_after_an_exchange_both_partners_hold_the_larger_outer_step(steps: tuple[int, int]) -> None:
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=10, max_step_gap=4)
+    async with AsyncExitStack() as stack:
+        hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+        for h in hosts:
+            await stack.enter_async_context(h.run(LISTEN))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        # The responder's only eligible partner is one it is not connected to, so it never asks anyone:
+        # the initiator is always hosts[0], and both directions of the counter adoption are exercised.
+        elsewhere = str(ID.from_pubkey(create_new_key_pair().public_key))
+        initiator = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
+        responder = Averager(hosts[1], cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [elsewhere])
+        for a in (initiator, responder):
+            await nursery.start(a.run)
+        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+        reqs = [request(1, outer_step=steps[0]), request(2, outer_step=steps[1])]
+        assert await exchange_both([initiator, responder], reqs) == [2, 2]
+        assert responder.status()["per_peer"][initiator.me]["rounds"] == 1
+        assert [r.group_outer_step for r in reqs] == [7, 7]
         nursery.cancel_scope.cancel()
 
 

@@ -182,6 +182,23 @@ def test_a_group_result_uses_the_group_means_and_non_finite_means_fall_back_to_s
     assert bool(torch.isfinite(tr.phi).all())
 
 
+def test_a_group_step_continues_from_the_groups_largest_outer_step_and_keeps_the_inner_step(tmp_path: Path) -> None:
+    tr = Trainer(TINY, tmp_path, "peer-a")
+
+    def one_outer_step(group_size: int, group_outer_step: int | None) -> None:
+        while not tr.publish_due():
+            tr.inner_step()
+        tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+        tr.apply_result(group_size, tr.phi.clone(), torch.zeros(tr.numel), group_outer_step)
+
+    one_outer_step(2, 6)  # published at 0, the partner was at 6: both continue from 7
+    assert (tr.outer_step, tr.step) == (7, TINY.inner_steps)
+    one_outer_step(2, 7)  # the group's largest is our own
+    assert tr.outer_step == 8
+    one_outer_step(1, 20)  # a solo step has no group to follow
+    assert (tr.outer_step, tr.step) == (9, 3 * TINY.inner_steps)
+
+
 def run_scripted(trainer: Trainer, outer_steps: int) -> list[int]:
     """Drive the real worker loop with a stand-in daemon that answers a publish only once the worker
     blocks for it; returns the lag (inner steps since the publish) at each answer."""
@@ -467,19 +484,22 @@ async def test_failed_and_hung_exchanges_become_solo_steps_and_group_means_reach
             raise ConnectionError("partner vanished")
         if len(requests) == 2:
             await trio.sleep_forever()  # cut off by train.exchange_timeout
-        # A partner identical to us: the means are our own values (so the step equals a solo one).
+        # A partner identical to us: the means are our own values (so the step equals a solo one),
+        # but 10 outer steps ahead: the worker adopts its counter.
         req.phi_out.copy_(req.phi)
         req.delta_out.copy_(req.delta)
+        req.group_outer_step = req.outer_step + 10
         return 2
 
     sup = supervisor(tmp_path, exchange, exchange_timeout=0.5)
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
-        await wait_until(lambda: sup.status()["outer_step"] >= 4)
+        await wait_until(lambda: len(requests) >= 4)
         nursery.cancel_scope.cancel()
     status = sup.status()
     assert status["exchanges"]["failed"] == 2
-    assert status["exchanges"]["solo"] == 2 and status["exchanges"]["group"] >= 2
+    assert status["exchanges"]["solo"] == 2 and status["exchanges"]["group"] >= 1
+    assert [r.outer_step for r in requests[:4]] == [0, 1, 2, 13]  # after the group round: its step + 1
     req = requests[-1]
     total = sum(torch.Size(shape).numel() for _, shape in req.layout)
     assert req.phi.numel() == req.delta.numel() == req.phi_out.numel() == total

@@ -1,0 +1,314 @@
+"""Catch-up: a trainer that drifted out of every partner's reach re-syncs from the swarm and pairs again.
+
+In-process first (the choice of reference and donors, the trigger, a real snapshot download, the worker's
+adoption), then one test with two real daemons, one of them far behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from procs import TINY as TINY_DAEMON
+from procs import DaemonGroup
+
+from node import latejoin
+from node.checkpoint import CheckpointError, write_checkpoint
+from node.latejoin import CatchUp
+from node.shm import ExchangeSlots
+from node.sync_config import SyncConfig
+from node.train_config import TrainConfig
+from node.worker import Adopted, CheckpointSaved, Publish, Result, Stop, Trainer, _StopFlag, _train
+from p2p.host import build_host
+from protocols import snapshot as snap
+
+TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
+                   eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)
+LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def catch_up(tmp_path: Path, own: int, others: dict[str, int], *, host: Any = None,
+             delivered: list | None = None, **cfg: Any) -> CatchUp:
+    return CatchUp(
+        host,
+        tmp_path,
+        SyncConfig(**{"max_step_gap": 4, "catch_up_after": 3, **cfg}),
+        own_outer_step=lambda: own,
+        trainers=lambda: dict(others),
+        deliver=lambda path, outer_step: (delivered if delivered is not None else []).append((path, outer_step)),
+    )
+
+
+# --- whom to catch up to ----------------------------------------------------------------------------------
+
+
+def test_a_node_far_behind_takes_donors_nearest_the_swarms_median(tmp_path: Path) -> None:
+    plan = catch_up(tmp_path, 0, {"a": 20, "b": 22, "c": 19, "d": 40}).plan()
+    assert plan == (20, ["a", "c", "b"])  # median of 0, 19, 20, 22, 40; the runaway d is no donor
+
+
+def test_a_runaway_node_comes_back_to_the_majority_and_the_majority_stays(tmp_path: Path) -> None:
+    assert catch_up(tmp_path, 100, {"a": 10, "b": 11}).plan() == (11, ["b", "a"])
+    assert catch_up(tmp_path, 10, {"a": 11, "runaway": 100}).plan() is None  # we are the swarm's middle
+
+
+def test_between_two_nodes_the_one_behind_catches_up_to_the_one_ahead(tmp_path: Path) -> None:
+    assert catch_up(tmp_path, 0, {"ahead": 30}).plan() == (30, ["ahead"])
+    assert catch_up(tmp_path, 30, {"behind": 0}).plan() is None
+
+
+def test_no_catch_up_when_alone_or_when_every_trainer_is_within_reach(tmp_path: Path) -> None:
+    assert catch_up(tmp_path, 5, {}).plan() is None
+    assert catch_up(tmp_path, 5, {"a": 9, "b": 1}).plan() is None
+
+
+def test_donors_must_have_trained_and_there_is_at_least_one_even_with_late_join_off(tmp_path: Path) -> None:
+    assert catch_up(tmp_path, 50, {"a": 0, "b": 0, "c": 1}).plan() == (1, ["c"])
+    assert catch_up(tmp_path, 0, {"a": 20, "b": 21}, join_donors=0).plan() == (20, ["a"])
+
+
+# --- when: the trigger ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_download(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Replace the network download with one that writes nothing and succeeds; records the donors."""
+    calls: list[list[str]] = []
+
+    async def fetch(host, directory, donors, target, *, timeout_s, status):
+        calls.append(list(donors))
+        return {"step": 100, "outer_step": 20, "donors": list(donors)}
+
+    monkeypatch.setattr(latejoin, "fetch_swarm_snapshot", fetch)
+    return calls
+
+
+async def test_a_catch_up_starts_after_catch_up_after_outer_steps_in_a_row_without_a_partner(
+    tmp_path: Path, fake_download: list, autojump_clock
+) -> None:
+    delivered: list = []
+    cu = catch_up(tmp_path, 0, {"a": 20, "b": 21}, delivered=delivered)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cu.run)
+        for had_partner in (False, False, True, False, False):  # a partner in between resets the count
+            cu.note_outer_step(had_partner)
+            await trio.sleep(1)
+        assert fake_download == [] and delivered == []
+        cu.note_outer_step(False)
+        await trio.sleep(1)
+        assert fake_download == [["a", "b"]]
+        assert [p for p, _ in delivered] == [tmp_path / "catchup" / "snapshot.pt"]
+        assert delivered[0][1]() == 20  # the swarm's outer step, asked when the worker adopts
+        assert cu.status["state"] == "waiting for the next outer step"
+
+        # Until the worker has adopted the snapshot, no further download starts.
+        for _ in range(5):
+            cu.note_outer_step(False)
+            await trio.sleep(1)
+        assert len(fake_download) == 1
+        cu.adopted(Adopted(previous_step=10, previous_outer_step=2, step=100, outer_step=21, donors=["a", "b"]))
+        assert cu.catch_ups == 1 and cu.status["state"] == "done"
+        nursery.cancel_scope.cancel()
+
+
+async def test_catch_up_after_0_never_catches_up(tmp_path: Path, fake_download: list, autojump_clock) -> None:
+    cu = catch_up(tmp_path, 0, {"a": 20}, catch_up_after=0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cu.run)
+        for _ in range(10):
+            cu.note_outer_step(False)
+            await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert fake_download == [] and cu.unpaired == 10
+
+
+# --- the download and the adoption -------------------------------------------------------------------------
+
+
+def trained(home: Path, outer_steps: int) -> Trainer:
+    tr = Trainer(TINY, home, "peer-a")
+    for _ in range(outer_steps):
+        while not tr.publish_due():
+            tr.inner_step()
+        tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+        tr.apply_result(1)
+    return tr
+
+
+def flat(trainer: Trainer) -> torch.Tensor:
+    out = torch.empty(trainer.numel)
+    trainer.gather_theta(out)
+    return out
+
+
+async def test_a_node_far_behind_downloads_the_swarms_weights_and_adopts_them_at_the_swarms_outer_step(
+    tmp_path: Path,
+) -> None:
+    donor = trained(tmp_path / "donor", 4)
+    behind = trained(tmp_path / "behind", 1)
+    served = snap.Snapshot.of(donor.phi, donor.step, donor.outer_step, donor.layout_hash)
+    delivered: list = []
+    async with AsyncExitStack() as stack:
+        hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+        for h in hosts:
+            await stack.enter_async_context(h.run(LISTEN))
+        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+        hosts[1].set_stream_handler(snap.PROTOCOL_ID, snap.SnapshotServer(lambda: served).handle)
+        # The donor has moved on since its checkpoint: the swarm is at outer step 30.
+        cu = catch_up(tmp_path / "behind", behind.outer_step, {str(hosts[1].get_id()): 30}, host=hosts[0],
+                      delivered=delivered)
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(cu.run)
+        with trio.fail_after(30):
+            while not delivered:
+                cu.note_outer_step(False)
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    path, swarm_outer_step = delivered[0]
+    assert cu.status["snapshot_outer_step"] == donor.outer_step
+
+    while not behind.publish_due():
+        behind.inner_step()
+    behind.publish(torch.empty(behind.numel), torch.empty(behind.numel))
+    behind.outer.momentum.fill_(0.5)
+    adam_before = {k: v.clone() for k, v in behind.optimizer.state[behind.params[0]].items()}
+    report = behind.adopt_snapshot(path, swarm_outer_step())
+    assert (report.previous_outer_step, report.outer_step) == (1, 30)
+    assert (behind.step, behind.outer_step, behind.pending) == (donor.step, 30, None)
+    assert torch.equal(behind.phi, donor.phi) and torch.equal(flat(behind), donor.phi)
+    assert not behind.outer.momentum.any()  # its own solo trajectory's momentum is dropped
+    kept = behind.optimizer.state[behind.params[0]]
+    assert all(torch.equal(kept[k], v) for k, v in adam_before.items())  # the inner Adam state is kept
+    assert report.val_loss == behind.val_loss is not None
+    assert not path.exists()  # consumed
+    assert behind.publish_due() is False and behind.last_publish_step == behind.step
+
+
+def test_a_snapshot_of_another_model_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    tr = trained(tmp_path, 1)
+    before = (tr.step, tr.outer_step, tr.phi.clone())
+    path = tmp_path / "snapshot.pt"
+    write_checkpoint(path, {"phi": torch.zeros(7), "step": 5, "outer_step": 9, "layout_hash": tr.layout_hash})
+    with pytest.raises(CheckpointError, match="different model"):
+        tr.adopt_snapshot(path, 40)
+    assert (tr.step, tr.outer_step) == before[:2] and torch.equal(tr.phi, before[2])
+
+
+def test_a_runaway_that_comes_back_drops_its_later_checkpoints_so_a_restart_does_not_undo_it(tmp_path: Path) -> None:
+    donor = trained(tmp_path / "donor", 1)
+    runaway = trained(tmp_path / "runaway", 3)
+    runaway.save_checkpoint()
+    path = tmp_path / "snapshot.pt"
+    write_checkpoint(path, {"phi": donor.phi, "step": donor.step, "outer_step": donor.outer_step,
+                            "layout_hash": donor.layout_hash, "donors": ["d"]})
+    runaway.adopt_snapshot(path)
+    assert runaway.outer_step == donor.outer_step  # no swarm step given: the snapshot's
+    runaway.save_checkpoint()
+    again = Trainer(TINY, tmp_path / "runaway", "peer-a")
+    again.resume()
+    assert (again.step, again.outer_step) == (donor.step, donor.outer_step)
+    assert torch.equal(again.phi, donor.phi)
+
+
+class ScriptedDaemon:
+    """The daemon's end of the worker channel: answers the first publish with `first`, later ones solo."""
+
+    def __init__(self, trainer: Trainer, first: Result, outer_steps: int) -> None:
+        self.trainer = trainer
+        self.first: Result | None = first
+        self.outer_steps = outer_steps
+        self.sent: list = []
+        self.pending: Publish | None = None
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+        if isinstance(msg, Publish):
+            self.pending = msg
+
+    def receive(self, timeout: float):
+        if len([m for m in self.sent if isinstance(m, Publish)]) > self.outer_steps:
+            return Stop()
+        if self.pending is None:
+            return None
+        msg, self.pending = self.pending, None
+        if self.first is not None:
+            answer, self.first = self.first, None
+            return dataclasses.replace(answer, outer_step=msg.outer_step)
+        return Result(outer_step=msg.outer_step, group_size=1)
+
+
+def run_worker_loop(trainer: Trainer, first: Result, outer_steps: int = 2) -> list:
+    daemon = ScriptedDaemon(trainer, first, outer_steps)
+    slots = ExchangeSlots.create(trainer.numel)
+    try:
+        _train(daemon, trainer, slots, _StopFlag())  # type: ignore[arg-type]
+    finally:
+        slots.close()
+    return daemon.sent
+
+
+def test_the_worker_loop_adopts_a_catch_up_reports_it_and_checkpoints_at_once(tmp_path: Path) -> None:
+    donor = trained(tmp_path / "donor", 3)
+    path = tmp_path / "snapshot.pt"
+    write_checkpoint(path, {"phi": donor.phi, "step": donor.step, "outer_step": donor.outer_step,
+                            "layout_hash": donor.layout_hash, "donors": ["d1", "d2"]})
+    tr = Trainer(TINY, tmp_path / "behind", "peer-b")
+    sent = run_worker_loop(tr, Result(outer_step=0, group_size=1, adopt=str(path), adopt_outer_step=25))
+    adopted = [m for m in sent if isinstance(m, Adopted)]
+    assert len(adopted) == 1 and adopted[0].error == ""
+    assert (adopted[0].previous_outer_step, adopted[0].outer_step, adopted[0].step) == (0, 25, donor.step)
+    assert adopted[0].donors == ["d1", "d2"]
+    after = sent[sent.index(adopted[0]) + 1]
+    assert isinstance(after, CheckpointSaved) and (after.step, after.outer_step) == (donor.step, 25)
+    publishes = [m for m in sent if isinstance(m, Publish)]
+    assert publishes[1].outer_step == 25 and publishes[1].step == donor.step + TINY.inner_steps
+
+
+def test_a_catch_up_snapshot_that_cannot_be_read_becomes_a_solo_step(tmp_path: Path) -> None:
+    tr = Trainer(TINY, tmp_path, "peer-b")
+    sent = run_worker_loop(tr, Result(outer_step=0, group_size=1, adopt=str(tmp_path / "missing.pt"),
+                                      adopt_outer_step=25))
+    adopted = [m for m in sent if isinstance(m, Adopted)]
+    assert len(adopted) == 1 and adopted[0].error
+    assert adopted[0].outer_step == 1  # the pending outer step was taken solo
+    assert [m.outer_step for m in sent if isinstance(m, Publish)] == [0, 1, 2]
+
+
+# --- two real daemons ---------------------------------------------------------------------------------------
+
+# H = 200 makes an outer step take about a second: longer than a heartbeat, as with real models (minutes),
+# so the swarm records say where a partner is. With H = 10 a lone node would race through dozens of outer
+# steps per heartbeat, and no record could keep up with it.
+
+DAEMON = [
+    *TINY_DAEMON, "--set", "train.inner_steps=200", "--set", "sync.max_step_gap=6", "--set", "sync.catch_up_after=2",
+]
+
+
+@pytest.mark.slow
+def test_a_node_started_far_behind_catches_up_with_the_swarm_and_pairs_again(group: DaemonGroup) -> None:
+    ahead = group.start("ahead", *DAEMON, "--swarm", "catchup")
+    ahead.wait_status(lambda s: (s.get("training") or {}).get("outer_step", 0) >= 16, timeout=150, interval=1)
+    # A fresh model (no late join: it does not wait for donors), 16+ outer steps behind, gap 6.
+    behind = group.start("behind", *DAEMON, "--swarm", "catchup", "--bootstrap", ahead.addr(),
+                         "--set", "sync.join_wait_s=0")
+    head_start = ahead.status()["training"]["outer_step"]
+    st = behind.wait_status(lambda s: (s.get("sync") or {}).get("catch_ups", 0) >= 1, timeout=150, interval=1)
+    assert st["training"]["outer_step"] >= head_start  # it landed among the others
+    assert "caught up with the swarm" in behind.log()
+    st = behind.wait_status(lambda s: s["sync"]["rounds"] >= 1, timeout=90, interval=1)
+    assert abs(st["training"]["outer_step"] - ahead.status()["training"]["outer_step"]) <= 6 + 4
+    assert ahead.status()["sync"]["catch_ups"] == 0  # the reference did not move to the node behind
