@@ -1,4 +1,5 @@
-"""Shared test setup: makes tests/ helper modules importable and provides the network-lab fixture."""
+"""Shared test setup: makes tests/ helper modules importable and provides the network-lab and daemon-group
+fixtures."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import netlab` under any import mode
 
 import netlab  # noqa: E402
+from procs import DaemonGroup  # noqa: E402
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[DaemonGroup]:
+    """Real `starling run` daemons for one test (tests/procs.py), all stopped and their homes under tmp_path."""
+    g = DaemonGroup(tmp_path)
+    yield g
+    g.close()
 
 
 @pytest.fixture

@@ -30,13 +30,6 @@ def test_swarm_key_command_writes_a_private_file_and_never_overwrites(tmp_path: 
     assert r.returncode == 2 and "already exists" in r.stderr
 
 
-@pytest.fixture
-def group(tmp_path: Path):
-    g = DaemonGroup(tmp_path)
-    yield g
-    g.close()
-
-
 @pytest.mark.slow
 def test_a_peer_without_the_swarm_key_cannot_connect_or_read_state(group: DaemonGroup, tmp_path: Path) -> None:
     key, other = tmp_path / "key", tmp_path / "other"

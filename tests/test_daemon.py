@@ -14,13 +14,6 @@ pytestmark = pytest.mark.slow
 LOOPBACK = ["--no-train", "--listen", "/ip4/127.0.0.1/tcp/0"]
 
 
-@pytest.fixture
-def group(tmp_path: Path):
-    g = DaemonGroup(tmp_path)
-    yield g
-    g.close()
-
-
 def test_status_reports_the_contract_fields_and_peer_id_is_stable_across_restarts(group: DaemonGroup) -> None:
     d = group.start("a", *LOOPBACK, "--swarm", "alpha")
     st = d.wait_status(lambda s: bool(s["addrs"]))

@@ -31,8 +31,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.io.exceptions import IOException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from procs import DaemonGroup, DaemonProc
-from test_swarm import TINY
+from procs import TINY, DaemonGroup, DaemonProc
 
 from p2p.datapath import MAGIC
 from p2p.host import build_host

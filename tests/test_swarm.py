@@ -6,36 +6,18 @@ that five of them fit on two cores.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from procs import DaemonGroup, DaemonProc
+from procs import TINY, DaemonGroup, DaemonProc
 
 from node.control import SOCKET_FILE, request_sync
 
 pytestmark = pytest.mark.slow
 
-TINY = [
-    "--listen", "/ip4/127.0.0.1/tcp/0",
-    "--set", "train.d_model=32", "--set", "train.n_layers=1", "--set", "train.n_heads=2",
-    "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set", "train.inner_steps=5",
-    "--set", "train.data_bytes=300000", "--set", "train.warmup=10", "--set", "train.lr=0.003",
-    "--set", "train.max_lag=5", "--set", "train.checkpoint_every=2", "--set", "train.eval_batches=1",
-    "--set", "sync.pair_window_s=2", "--set", "sync.backoff_s=1", "--set", "sync.join_wait_s=2",
-    # Nodes start seconds apart on a loaded 2-core machine and step solo meanwhile (H = 5 is fast):
-    # allow them to pair despite that head start.
-    "--set", "sync.max_step_gap=50",
-    "--set", "node.heartbeat_s=1", "--set", "node.suspect_after=5", "--set", "node.gone_after=10",
-]
-
-
-@pytest.fixture
-def group(tmp_path: Path):
-    g = DaemonGroup(tmp_path)
-    yield g
-    g.close()
 
 
 def start_swarm(group: DaemonGroup, n: int, swarm: str) -> list:
@@ -148,16 +130,25 @@ def swarm_val_loss_at(node: DaemonProc, peer_ids: list[str], outer_step: int) ->
 
 
 def test_sigterm_during_an_exchange_aborts_it_checkpoints_and_exits_0(group: DaemonGroup, tmp_path: Path) -> None:
-    # Alone with a long pairing window, every outer step sits in an exchange waiting for a partner.
-    d = group.start("solo", *TINY, "--swarm", "drain", "--set", "sync.pair_window_s=60")
-    d.wait_status(lambda s: s.get("sync", {}).get("state") == "pairing" and s["training"]["outer_step"] >= 0,
-                  timeout=90, interval=0.3)
-    ckpt_dir = d.home / "checkpoints"
-    before = {p.name for p in ckpt_dir.rglob("ckpt-*.pt")}
-    t0 = time.monotonic()
-    d.signal(signal.SIGTERM)
-    assert d.proc.wait(30) == 0  # within the unit's TimeoutStopSec
-    assert time.monotonic() - t0 < 15
+    # A partner whose worker is stopped (SIGSTOP) stays an eligible member but never publishes: with a long
+    # pairing window every outer step sits in an exchange waiting for it. (A node with nobody who could
+    # come steps solo at once, without an exchange.)
+    partner = group.start("stalled", *TINY, "--swarm", "drain")
+    worker = partner.wait_status(lambda s: (s.get("training") or {}).get("pid") is not None, timeout=90)["training"]["pid"]
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        d = group.start("solo", *TINY, "--swarm", "drain", "--bootstrap", partner.addr(),
+                        "--set", "sync.pair_window_s=60")
+        d.wait_status(lambda s: s.get("sync", {}).get("state") == "pairing" and s["training"]["outer_step"] >= 0,
+                      timeout=90, interval=0.3)
+        ckpt_dir = d.home / "checkpoints"
+        before = {p.name for p in ckpt_dir.rglob("ckpt-*.pt")}
+        t0 = time.monotonic()
+        d.signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0  # within the unit's TimeoutStopSec
+        assert time.monotonic() - t0 < 15
+    finally:
+        os.kill(worker, signal.SIGCONT)
     after = {p.name for p in ckpt_dir.rglob("ckpt-*.pt")}
     assert after - before, "the drain wrote a checkpoint of the progress made while waiting"
     assert "written at step" in d.log() and "stopped" in d.log()
