@@ -34,8 +34,25 @@ unsigned, malformed and oversized records are dropped and counted in :attr:`Swar
 Decoding is strict: sizes are checked before decoding, every field's type and range is checked, unknown
 fields and unknown versions are refused, and every failure is one exception type, :class:`RecordError`.
 
-Failure detection is a local view, not replicated state: a member whose heartbeat is older than
-``suspect_after`` is ``suspect``, older than ``gone_after`` is ``gone``; its record is kept (history).
+Failure detection is a local view, not replicated state: a member not heard from for ``suspect_after``
+seconds is ``suspect``, for ``gone_after`` seconds ``gone``; its record is kept (history). When it was last
+heard from (:attr:`MemberView.last_seen`) is read from its newest record, on this node's clock:
+
+* its author's heartbeat time, as long as the record arrived within ``suspect_after / 2`` of it: a record
+  that reaches us late is old news;
+* but never more than ``suspect_after / 2`` before the record arrived. A record that took longer (queued
+  behind an overloaded event loop or relay, or stamped by a clock running behind ours) still proves that
+  its author was alive recently, so a member whose records keep arriving, however late, stays alive, and
+  the first fresh record makes a suspect member alive again. The price: a node that just started learns
+  of a member that died less than ``gone_after`` ago as alive for ``suspect_after / 2``;
+* and never after the record arrived: a peer whose clock runs ahead must not look alive for longer than
+  it is heard from;
+* except that a record more than ``gone_after`` older than its arrival is history (the last record of a
+  long-gone member, passed on to a node that just joined): it counts from its heartbeat time alone.
+
+The view is a function of the records held and their receipt times only, so replicas that hold the same
+records at the same times agree on it, whatever the order of delivery.
+
 Bounded memory: beyond ``max_members`` peers, the longest-gone (then longest-suspect) peers are evicted;
 a small tombstone remembers what was evicted so that anti-entropy does not bring it straight back, and
 evicted counter entries stay in the swarm-wide totals.
@@ -56,7 +73,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgpack
 from libp2p.crypto.keys import KeyPair, PublicKey
@@ -650,7 +667,8 @@ class MemberView:
 
     record: MemberRecord
     state: MemberState
-    last_seen: float  # wall-clock seconds; min(author's heartbeat, local receipt time)
+    last_seen: float  # local wall-clock seconds when this node last heard from it (see the module doc)
+    received_at: float  # local wall-clock seconds when this version of its record arrived
 
     @property
     def peer_id(self) -> str:
@@ -670,6 +688,10 @@ class ApplyResult:
     changed: int = 0  # records that changed the state
     unchanged: int = 0  # duplicates and records older than what is held
     rejected: int = 0  # forged, malformed, too far in the future, or no room
+
+
+#: Where a record being stored comes from: written here, received from a peer, or read from the state file.
+_Origin = Literal["local", "remote", "file"]
 
 
 @dataclass
@@ -741,6 +763,7 @@ class SwarmState:
         self._manifest: _Entry | None = None
         self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
         self._retired = [0, 0]  # samples, tokens of evicted counter entries
+        self._own_superseded = False  # a newer record of our own arrived from a peer (see own_record_superseded)
         #: Rejected records by reason (``malformed``, ``bad_signature``, ``wrong_signer``, ...).
         self.rejected: Counter[str] = Counter()
 
@@ -752,7 +775,7 @@ class SwarmState:
     def _sign_and_store(self, record: Record) -> SignedRecord:
         signed = sign_record(record, self._me)
         self._verifier.remember(signed)
-        self._store(signed, received_at=self._now(), check_drift=False)
+        self._store(signed, received_at=self._now(), origin="local")
         return signed
 
     def update_self(self, **fields: Any) -> SignedRecord:
@@ -832,6 +855,32 @@ class SwarmState:
         """
         return self._merge(record) == "changed"
 
+    def verify(self, record: SignedRecord | bytes) -> SignedRecord:
+        """Decode and verify a record without merging it (to look at it first); a record that fails is
+        counted in :attr:`rejected` and the :class:`RecordError` raised."""
+        data = record.data if isinstance(record, SignedRecord) else record
+        try:
+            return self._verifier.decode(data)
+        except RecordError as exc:
+            self.rejected[exc.reason] += 1
+            raise
+
+    def holds(self, peer_id: str) -> bool:
+        """Whether this replica holds a member or counter record of ``peer_id``."""
+        return peer_id in self._members or peer_id in self._counters
+
+    def own_record_superseded(self) -> bool:
+        """Whether, since the last call, a peer sent a record of this node's own that is newer than the one
+        it last wrote (and clears the flag).
+
+        That happens after a restart when the previous life's last records were signed with a clock
+        ahead of this one (an HLC that had adopted a faster peer's time) and never reached the state file:
+        until this node writes again, peers keep showing that old record. The caller re-signs at once
+        (:meth:`update_self`): having merged the newer record, the HLC now issues timestamps above it.
+        """
+        superseded, self._own_superseded = self._own_superseded, False
+        return superseded
+
     def apply(self, records: Iterable[SignedRecord | bytes]) -> ApplyResult:
         """Merge a batch (e.g. what a peer sent in anti-entropy) and summarise what happened."""
         outcomes = Counter(self._merge(r) for r in records)
@@ -844,14 +893,18 @@ class SwarmState:
         except RecordError as exc:
             self.rejected[exc.reason] += 1
             return "rejected"
-        return self._store(signed, received_at=self._now(), check_drift=True)
+        return self._store(signed, received_at=self._now(), origin="remote")
 
-    def _store(self, signed: SignedRecord, *, received_at: float, check_drift: bool) -> str:
-        """Insert a verified record if it wins; returns "changed", "unchanged" or "rejected"."""
+    def _store(self, signed: SignedRecord, *, received_at: float, origin: _Origin) -> str:
+        """Insert a verified record if it wins; returns "changed", "unchanged" or "rejected".
+
+        Only records from peers are checked for drift: the state file's were accepted once already (the
+        clock may have moved since), and our own records are exempt: if this host's clock is now behind
+        the one that signed our earlier records, adopting their timestamps is the only way our next
+        records can supersede them.
+        """
         record = signed.record
-        # Our own records are exempt: if this host's clock is now behind the one that signed our earlier
-        # records, adopting their timestamps is the only way our next records can supersede them.
-        if check_drift and record.peer_id != self.peer_id and self._hlc.too_far_ahead(record.hlc):
+        if origin == "remote" and record.peer_id != self.peer_id and self._hlc.too_far_ahead(record.hlc):
             self.rejected[CLOCK_SKEW] += 1
             return "rejected"
         # Observe every verified timestamp: after a restart this is how the node learns that its own
@@ -871,6 +924,8 @@ class SwarmState:
             if not _beats(signed, current.signed):
                 return "unchanged"
             table[pid] = _Entry(signed, received_at)
+            if pid == self.peer_id and origin == "remote":
+                self._own_superseded = True
             return "changed"
 
         tomb = self._tombstones.get(signed.key)
@@ -930,13 +985,25 @@ class SwarmState:
             return MemberState.SUSPECT
         return MemberState.ALIVE
 
+    def _last_seen(self, entry: _Entry) -> float:
+        """When this node last heard from the member (the rules are in the module docstring)."""
+        record = entry.signed.record
+        assert isinstance(record, MemberRecord)
+        stamped = min(record.heartbeat, entry.received_at)
+        if entry.received_at - record.heartbeat > self.gone_after:
+            return stamped  # history, not news
+        return max(stamped, entry.received_at - self.late_news_s)
+
+    @property
+    def late_news_s(self) -> float:
+        """The most a member's newest record counts as older than its receipt (see the module doc)."""
+        return self.suspect_after / 2
+
     def _view(self, entry: _Entry, now: float) -> MemberView:
         record = entry.signed.record
         assert isinstance(record, MemberRecord)
-        # The author's heartbeat says how old the news is (a record that reaches us late is old news);
-        # the receipt time caps it, so a peer whose clock runs ahead cannot look alive forever.
-        last_seen = min(record.heartbeat, entry.received_at)
-        return MemberView(record, self._state_of(last_seen, record.left, now), last_seen)
+        last_seen = self._last_seen(entry)
+        return MemberView(record, self._state_of(last_seen, record.left, now), last_seen, entry.received_at)
 
     def members(self, now: float | None = None) -> list[MemberView]:
         """Every member held (self included), sorted by peer ID, with its liveness state."""
@@ -1085,9 +1152,8 @@ class SwarmState:
             except RecordError as exc:
                 state.rejected[exc.reason] += 1
                 continue
-            # Accepted once already: no drift check (the clock may have moved since); receipt times
-            # from a clock that has since gone backwards are capped at now.
-            state._store(signed, received_at=min(received_at, now), check_drift=False)
+            # Receipt times from a clock that has since gone backwards are capped at now.
+            state._store(signed, received_at=min(received_at, now), origin="file")
         return state
 
     def _parse_snapshot(

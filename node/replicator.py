@@ -5,24 +5,34 @@ rest of the swarm:
 
 * **Heartbeat.** Every ``heartbeat_s`` it re-signs this node's member record from ``self_fields()``
   (progress, loss, addresses, ...). Peers judge liveness by these heartbeats (suspect, gone).
-* **Gossip.** Every record this node writes is published on the gossipsub topic
-  ``starling/<swarm>/state``; records from peers are merged as they arrive, in the topic validator,
-  so a forged record is refused at the first honest hop instead of being forwarded through the swarm.
-  Gossip is only an accelerator: a message may be dropped anywhere, and nothing relies on it.
-* **Anti-entropy.** Every ``anti_entropy_s`` with a random connected peer, and at once on a new
-  connection, it runs a ``/starling/state/1.0.0`` session (:mod:`protocols.state`): both digests are
-  exchanged and each side sends what the other lacks. This is what makes replicas converge, whatever
-  gossip lost; a partition heals within one session after the halves reconnect.
+* **Gossip.** The member records and the manifest this node writes are published on the gossipsub
+  topic ``starling/<swarm>/state``; records from peers are merged as they arrive, in the topic
+  validator, so a forged record is refused at the first honest hop instead of being forwarded through
+  the swarm. Gossip is only an accelerator: a message may be dropped anywhere, and nothing relies on it.
+  Counter entries (running totals nobody waits for) go by anti-entropy alone: in py-libp2p each gossip
+  message costs every node milliseconds of CPU per copy received, and a trainer wrote one with every
+  heartbeat, doubling the gossip a swarm of trainers spends its CPU on.
+* **Anti-entropy.** It runs ``/starling/state/1.0.0`` sessions (:mod:`protocols.state`): both digests
+  are exchanged and each side sends what the other lacks. This is what makes replicas converge, whatever
+  gossip lost; a partition heals within one session after the halves reconnect. Sessions start at once
+  on a new connection; every ``anti_entropy_s`` with the connected peer this node has not started one
+  with for longest (so every peer is reached within one round per peer, not at random); and, as a
+  probe, with any connected member not heard from for half of ``suspect_after`` (see
+  :meth:`StateReplicator._quiet_peers`). The probes are what keep the member table right when gossip is
+  not: a connected member that is alive answers before the failure detector calls it suspect.
 * **Compatibility.** The session handshake carries the swarm name and run manifest hash. A peer that
   differs is refused, with an ERROR naming both hashes logged once per peer on both sides; it is
-  reported by :meth:`StateReplicator.incompatible_peers` and never offered to the averager. Gossip is
-  accepted only from peers that passed the handshake, so an incompatible node cannot leak its state
-  (or its manifest) into the swarm through gossip either.
+  reported by :meth:`StateReplicator.incompatible_peers` and never offered to the averager. Gossip
+  relayed by a peer that has not passed the handshake yet (every peer, right after this node restarts)
+  is limited to news about members this node already holds, and makes this node start the handshake
+  with that peer; so an incompatible node cannot leak its state (or its manifest) into the swarm through
+  gossip, and a restarted node is not deaf to gossip while its first sessions are under way.
 * **Manifest.** When the swarm has no run manifest yet, a node with a local manifest founds it after its
   first successful session (or, alone, after a short grace period); a node whose manifest differs from
   the swarm's reports it in :attr:`StateReplicator.manifest_error`.
 * **Persistence.** The replica is saved atomically every ``save_s`` and on stop; :func:`load_state`
-  restores it on start.
+  restores it on start. A restarted node re-signs its record as soon as a peer shows it a newer one of
+  its own (see :meth:`node.crdt.SwarmState.own_record_superseded`).
 * **Graceful stop.** On cancellation the node publishes its departure (``left``), waits briefly for it
   to go out, and saves. That part is shielded from the cancellation and bounded in time.
 """
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections import Counter, OrderedDict
@@ -54,8 +65,10 @@ from libp2p.tools.anyio_service import background_trio_service
 from node.crdt import (
     Manifest,
     ManifestMismatch,
+    ManifestRecord,
     MemberState,
     MemberView,
+    RecordError,
     SignedRecord,
     StateFileError,
     SwarmState,
@@ -79,6 +92,7 @@ MAX_OUTBOUND_SESSIONS = 4  # anti-entropy sessions this node initiates at once
 MAX_INBOUND_SESSIONS = 8  # sessions it serves at once; more are answered "busy"
 OUTBOX_SIZE = 64  # records waiting to be published; beyond it they are dropped (anti-entropy carries them)
 MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
+OPEN_TIMEOUT_S = 10.0  # opening a state stream (dial if needed, protocol negotiation)
 STARTUP_TIMEOUT_S = 10.0
 PUBLISH_TIMEOUT_S = 5.0
 GOODBYE_TIMEOUT_S = 2.0  # publishing the departure on stop
@@ -193,6 +207,8 @@ class StateReplicator:
         self._prompt: set[ID] = set()  # peers to sync with as soon as a session slot is free
         self._in_flight: set[ID] = set()
         self._known_connected: set[ID] = set()
+        #: When this node last started a session with each connected peer (trio time).
+        self._last_attempt: dict[ID, float] = {}
         self._inbound = 0
         self._wake = trio.Event()
         self._synced_once = False
@@ -220,8 +236,9 @@ class StateReplicator:
         self._heartbeat()
 
     def add_progress(self, samples: int = 0, tokens: int = 0) -> None:
-        """Add work done by this node to the swarm-wide counter and publish the new entry."""
-        self._publish(self.state.add_progress(samples, tokens))
+        """Add work done by this node to the swarm-wide counter. The new entry is not gossiped:
+        anti-entropy carries it within a few rounds (see the module docstring)."""
+        self.state.add_progress(samples, tokens)
 
     # ---- views ----------------------------------------------------------------------------------
 
@@ -284,6 +301,9 @@ class StateReplicator:
             "incompatible": r.peer_id in self._incompatible,
             "last_seen": round(view.last_seen, 3),
             "last_seen_s": round(max(0.0, now - view.last_seen), 1),
+            # The author's clock against ours, for `starling doctor`'s clock check.
+            "heartbeat": round(r.heartbeat, 3),
+            "received_at": round(view.received_at, 3),
         }
 
     # ---- running --------------------------------------------------------------------------------
@@ -348,7 +368,16 @@ class StateReplicator:
     def _make_pubsub(self) -> tuple[Pubsub, GossipSub]:
         """Gossipsub tuned per py-libp2p-notes pitfall 6: 1 s heartbeat (the default 120 s leaves the
         mesh unbuilt for minutes) and no silent per-peer rate limit (the default drops a busy peer's
-        records without a word)."""
+        records without a word).
+
+        And sequence numbers that a restart cannot reuse. A gossip message's ID is (author, seqno), and
+        py-libp2p starts the seqno at the current time in whole seconds, adding one per message. A node
+        that published more than one message a second (heartbeats under a second, or under 2 s when
+        trainers also gossiped their counter entries) and restarts would reuse IDs its peers saw in its
+        previous life, and they would drop its new records as duplicates: for 2 minutes (seen-message
+        cache), without merging them for 5 (validation cache). Starting at the time in nanoseconds, as
+        go-libp2p does, puts every life's numbers past the previous one's.
+        """
         router = GossipSub(
             protocols=list(GOSSIP_PROTOCOLS),
             degree=GOSSIP_DEGREE,
@@ -358,7 +387,9 @@ class StateReplicator:
             heartbeat_interval=1,
             spam_protection_enabled=False,
         )
-        return Pubsub(self.host, router), router
+        pubsub = Pubsub(self.host, router)
+        pubsub.counter = max(pubsub.counter, time.time_ns())
+        return pubsub, router
 
     async def _introduce(self, pubsub: Pubsub, peer: ID) -> None:
         with trio.move_on_after(STARTUP_TIMEOUT_S):
@@ -427,19 +458,50 @@ class StateReplicator:
     def _validate_gossip(self, forwarder: ID, message: rpc_pb2.Message) -> bool:
         """Gossipsub topic validator, and the point where gossip is merged into the replica.
 
-        Returning False keeps gossipsub from delivering and forwarding the message: records from a peer
-        that has not passed the handshake (possibly another run) and records the replica refuses
-        (forged, malformed, too far in the future) go no further than this node.
+        Returning False keeps gossipsub from delivering and forwarding the message: records the replica
+        refuses (forged, malformed, too far in the future) and records a peer that has not passed the
+        handshake may not bring (see :meth:`_admit_unverified`) go no further than this node.
         """
         if forwarder != self._me and forwarder.to_base58() not in self._verified:
-            self.stats.gossip_refused += 1
-            return False
+            if not self._admit_unverified(forwarder, message.data):
+                self.stats.gossip_refused += 1
+                return False
         self.stats.gossip_received += 1
         result = self.state.apply([message.data])
         if result.rejected:
             self.stats.gossip_refused += 1
             return False
+        self._reassert_if_superseded()
         return True
+
+    def _admit_unverified(self, forwarder: ID, data: bytes) -> bool:
+        """Whether to merge a gossip record relayed by a peer that has not passed the handshake yet.
+
+        After a restart that is every peer until the first sessions complete, which takes long on a
+        loaded machine; refusing everything meanwhile left a restarted node deaf to gossip and showing
+        live members as suspect. What a node of another run could leak is its manifest and its own
+        members, so only member and counter records of peers this replica already holds are taken; the
+        rest waits for the handshake, which this starts (at most once per probe interval per peer).
+        """
+        peer = forwarder.to_base58()
+        if peer in self._incompatible:
+            return False
+        if trio.current_time() - self._last_attempt.get(forwarder, -math.inf) >= self._probe_spacing():
+            self._prompt.add(forwarder)
+            self._wake.set()
+        try:
+            signed = self.state.verify(data)
+        except RecordError:
+            return False  # counted in the replica's rejections
+        author = signed.peer_id
+        return signed.kind != ManifestRecord.kind and self.state.holds(author) and author not in self._incompatible
+
+    def _reassert_if_superseded(self) -> None:
+        """Re-sign this node's record at once if a peer just showed it a newer one of its own (a record
+        of its previous life, signed before a restart with a clock ahead of today's), rather than leave
+        that old record in every table until the next heartbeat."""
+        if self.state.own_record_superseded():
+            self._heartbeat()
 
     async def _drain(self, subscription: Any) -> None:
         """Keep the subscription queue empty (it holds 32 messages and drops the rest with a warning);
@@ -484,15 +546,13 @@ class StateReplicator:
                 # Connections nobody told us about (e.g. inbound ones) are synced with promptly too.
                 self._prompt |= connected - self._known_connected
                 self._known_connected = connected
+                self._last_attempt = {p: t for p, t in self._last_attempt.items() if p in connected}
                 now = trio.current_time()
+                self._prompt |= self._quiet_peers(connected, now)
                 if now >= next_round:
-                    candidates = [
-                        p
-                        for p in connected
-                        if p not in self._in_flight and p.to_base58() not in self._incompatible
-                    ]
-                    if candidates:
-                        self._prompt.add(random.choice(candidates))
+                    peer = self._least_recently_synced(connected)
+                    if peer is not None:
+                        self._prompt.add(peer)
                     next_round = now + self.anti_entropy_s * random.uniform(0.8, 1.2)
                 for peer in list(self._prompt):
                     if len(self._in_flight) >= MAX_OUTBOUND_SESSIONS:
@@ -500,24 +560,71 @@ class StateReplicator:
                     self._prompt.discard(peer)
                     if peer in connected and peer not in self._in_flight:
                         self._in_flight.add(peer)
+                        self._last_attempt[peer] = now
                         sessions.start_soon(self._sync_with, peer)
                 self._prompt &= connected
                 with trio.move_on_at(min(next_round, now + POLL_S)):
                     await self._wake.wait()
                 self._wake = trio.Event()
 
+    def _candidates(self, connected: set[ID]) -> list[ID]:
+        return [p for p in connected if p not in self._in_flight and p.to_base58() not in self._incompatible]
+
+    def _least_recently_synced(self, connected: set[ID]) -> ID | None:
+        """The peer for this round: the one this node started a session with longest ago (never comes
+        first; ties at random). With random picks a given one of six peers went six rounds unvisited a
+        third of the time; this reaches each within one round per peer."""
+        candidates = self._candidates(connected)
+        if not candidates:
+            return None
+        random.shuffle(candidates)
+        return min(candidates, key=lambda p: self._last_attempt.get(p, -math.inf))
+
+    def _probe_spacing(self) -> float:
+        """The least time between two sessions this node starts with the same peer outside the rounds."""
+        return min(self.anti_entropy_s, self.state.suspect_after / 4)
+
+    def _quiet_peers(self, connected: set[ID], now: float) -> set[ID]:
+        """Connected members to probe: not heard from for half of ``suspect_after`` and no new record of
+        theirs received for a quarter of it, and not tried within the probe spacing.
+
+        Without probes, a member's liveness rests on gossip; anti-entropy with one peer per round brings
+        news of everyone too slowly for the failure detector (with gossip lost and the defaults' ratio of
+        5 s rounds to a 15 s suspect time, some node listed a live member as not alive in a fifth of the
+        polls: docs/reliability.md). A probe asks the quiet member itself, whose record is never more
+        than a heartbeat old. The receipt condition spares members whose records keep arriving, only
+        late (an overloaded machine): probing them would add sessions where they cost the most.
+        """
+        wall = self._clock()
+        suspect_after = self.state.suspect_after
+        spacing = self._probe_spacing()
+        quiet = set()
+        for peer in self._candidates(connected):
+            if now - self._last_attempt.get(peer, -math.inf) < spacing:
+                continue
+            view = self.state.member(peer.to_base58(), wall)  # not a member yet: the rounds reach it
+            if (
+                view is not None
+                and view.state is not MemberState.LEFT
+                and wall - view.last_seen > suspect_after / 2
+                and wall - view.received_at > suspect_after / 4
+            ):
+                quiet.add(peer)
+        return quiet
+
     async def _sync_with(self, peer: ID) -> None:
         try:
-            with trio.move_on_after(protocol.SESSION_TIMEOUT_S) as scope:
+            with trio.move_on_after(OPEN_TIMEOUT_S) as open_scope:
                 try:
                     stream = await self.host.new_stream(peer, [protocol.PROTOCOL_ID])
                 except Exception as exc:  # py-libp2p raises many types for a peer it cannot reach
                     self.stats.session_failures["open"] += 1
                     log.debug("cannot open a state stream to %s: %s", peer, exc)
                     return
-                await self._session(peer, stream, initiator=True)
-            if scope.cancelled_caught:
+            if open_scope.cancelled_caught:
                 self.stats.session_failures["timeout"] += 1
+                return
+            await self._session(peer, stream, initiator=True)  # under the protocol's own deadlines
         finally:
             self._in_flight.discard(peer)
             self._wake.set()
@@ -579,6 +686,7 @@ class StateReplicator:
         self.stats.records_received += result.received
         self.stats.records_changed += result.changed
         _remember(self._verified, peer, None)
+        self._reassert_if_superseded()
         if self._incompatible.pop(peer, None) is not None:
             log.info(
                 "peer %s is compatible again (manifest %s)", peer, result.peer_manifest_hash or "unknown"

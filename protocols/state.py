@@ -21,15 +21,18 @@ so each operator sees what differs. A side that knows no manifest yet (a fresh n
 any: it learns the swarm's manifest through the session.
 
 Everything is bounded: message sizes are checked before decoding, a session carries at most
-``max_records`` records in each direction (any rest follows in the next session), and a whole session
-runs under one deadline (:data:`SESSION_TIMEOUT_S`); a stalled peer raises :class:`trio.TooSlowError`.
+``max_records`` records in each direction (any rest follows in the next session), and every message sent
+or received has its own deadline (:data:`STEP_TIMEOUT_S`) within one for the whole session
+(:data:`SESSION_TIMEOUT_S`); a stalled peer raises :class:`trio.TooSlowError`. Two deadlines because a
+single short one for the whole session fails exactly when anti-entropy matters most: on an overloaded
+machine, where gossip is late too, each step of a session may take seconds although the peer is answering.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -54,6 +57,7 @@ __all__ = [
     "MAX_BATCH_RECORDS",
     "PROTOCOL_ID",
     "SESSION_TIMEOUT_S",
+    "STEP_TIMEOUT_S",
     "Error",
     "Hello",
     "LocalInfo",
@@ -69,8 +73,12 @@ __all__ = [
 
 PROTOCOL_ID = TProtocol("/starling/state/1.0.0")
 
-#: Deadline for one whole session (both hellos and both record streams).
-SESSION_TIMEOUT_S = 10.0
+T = TypeVar("T")
+
+#: Deadline for each step of a session: one message sent or received. A peer silent this long is cut.
+STEP_TIMEOUT_S = 10.0
+#: Deadline for one whole session (both hellos and both record streams), however it progresses.
+SESSION_TIMEOUT_S = 60.0
 #: Records per batch message and bytes of records per batch: a batch is small enough that a receiver
 #: verifying signatures never holds the event loop for long, large enough to amortise framing.
 MAX_BATCH_RECORDS = 64
@@ -238,25 +246,44 @@ def _their_digest(hello: Hello, max_entries: int) -> dict[str, tuple[int, ...]]:
         raise ProtocolError(Reason.MALFORMED, f"digest: {exc}") from None
 
 
+class _Steps:
+    """Sends and receives of one session, each under its own deadline (see the module docstring)."""
+
+    def __init__(self, stream: ByteStream, step_timeout_s: float) -> None:
+        self.stream = stream
+        self.timeout_s = step_timeout_s
+
+    async def send(self, msg: Any, *, max_bytes: int = _MAX_RECORDS_MSG_BYTES) -> None:
+        with trio.fail_after(self.timeout_s):
+            await send_msg(self.stream, msg, max_bytes=max_bytes)
+
+    async def recv(self, types: type[T] | tuple[type[T], ...], *, max_bytes: int = _MAX_RECORDS_MSG_BYTES) -> T:
+        with trio.fail_after(self.timeout_s):
+            return await recv_as(self.stream, types, max_bytes=max_bytes)
+
+
 async def initiate(
     stream: ByteStream,
     replica: Replica,
     local: LocalInfo,
     *,
     timeout_s: float = SESSION_TIMEOUT_S,
+    step_timeout_s: float = STEP_TIMEOUT_S,
     max_records: int = DEFAULT_MAX_RECORDS,
     max_digest_entries: int = DEFAULT_MAX_DIGEST_ENTRIES,
 ) -> SessionResult:
     """Run the initiator's side of one session over ``stream`` (opened on :data:`PROTOCOL_ID`).
 
     Raises :class:`SyncRefused` if the peer is incompatible or busy, :class:`ProtocolError` if it
-    breaks the protocol or the stream fails, :class:`trio.TooSlowError` after ``timeout_s``. The
-    caller closes (or, after an error, resets) the stream.
+    breaks the protocol or the stream fails, :class:`trio.TooSlowError` when one step takes longer than
+    ``step_timeout_s`` or the whole session longer than ``timeout_s``. The caller closes (or, after an
+    error, resets) the stream.
     """
     hello_max = _hello_max_bytes(max_digest_entries)
+    steps = _Steps(stream, step_timeout_s)
     with trio.fail_after(timeout_s):
-        await send_msg(stream, _hello(replica, local), max_bytes=hello_max)
-        reply = await recv_as(stream, (Hello, Error), max_bytes=hello_max)
+        await steps.send(_hello(replica, local), max_bytes=hello_max)
+        reply = await steps.recv((Hello, Error), max_bytes=hello_max)
         if isinstance(reply, Error):
             if reply.code == MANIFEST_MISMATCH:
                 raise SyncRefused(MANIFEST_MISMATCH, local=local.manifest_hash, remote=reply.manifest_hash)
@@ -269,8 +296,8 @@ async def initiate(
         if problem is not None:
             raise problem
         theirs = _their_digest(reply, max_digest_entries)
-        received = await _receive_records(stream, replica, max_records)
-        sent = await _send_records(stream, replica.missing_for(theirs)[:max_records])
+        received = await _receive_records(steps, replica, max_records)
+        sent = await _send_records(steps, replica.missing_for(theirs)[:max_records])
     return SessionResult(sent, *received, peer_version=reply.version, peer_manifest_hash=reply.manifest_hash)
 
 
@@ -280,6 +307,7 @@ async def respond(
     local: LocalInfo,
     *,
     timeout_s: float = SESSION_TIMEOUT_S,
+    step_timeout_s: float = STEP_TIMEOUT_S,
     max_records: int = DEFAULT_MAX_RECORDS,
     max_digest_entries: int = DEFAULT_MAX_DIGEST_ENTRIES,
 ) -> SessionResult:
@@ -289,18 +317,19 @@ async def respond(
     :class:`SyncRefused`. Other failures as for :func:`initiate`. The caller closes the stream.
     """
     hello_max = _hello_max_bytes(max_digest_entries)
+    steps = _Steps(stream, step_timeout_s)
     with trio.fail_after(timeout_s):
-        hello = await recv_as(stream, Hello, max_bytes=hello_max)
+        hello = await steps.recv(Hello, max_bytes=hello_max)
         problem = check_compatible(local, hello)
         if problem is not None:
             reason = f"{problem.code}: the responder has {problem.local!r}, the initiator {problem.remote!r}"
             error = Error(problem.code, _clip(reason), manifest_hash=local.manifest_hash, swarm=local.swarm)
-            await send_msg(stream, error)
+            await steps.send(error)
             raise problem
         theirs = _their_digest(hello, max_digest_entries)
-        await send_msg(stream, _hello(replica, local), max_bytes=hello_max)
-        sent = await _send_records(stream, replica.missing_for(theirs)[:max_records])
-        received = await _receive_records(stream, replica, max_records)
+        await steps.send(_hello(replica, local), max_bytes=hello_max)
+        sent = await _send_records(steps, replica.missing_for(theirs)[:max_records])
+        received = await _receive_records(steps, replica, max_records)
     return SessionResult(sent, *received, peer_version=hello.version, peer_manifest_hash=hello.manifest_hash)
 
 
@@ -332,19 +361,19 @@ def _batches(records: Sequence[bytes]) -> Iterable[list[bytes]]:
         yield batch
 
 
-async def _send_records(stream: ByteStream, records: Sequence[bytes]) -> int:
+async def _send_records(steps: _Steps, records: Sequence[bytes]) -> int:
     """Send ``records`` in batches; the last message (possibly empty) has ``done`` set."""
     batches = list(_batches(records)) or [[]]
     for i, batch in enumerate(batches):
-        await send_msg(stream, Records(batch, done=i == len(batches) - 1), max_bytes=_MAX_RECORDS_MSG_BYTES)
+        await steps.send(Records(batch, done=i == len(batches) - 1))
     return sum(len(b) for b in batches)
 
 
-async def _receive_records(stream: ByteStream, replica: Replica, max_records: int) -> tuple[int, int, int]:
+async def _receive_records(steps: _Steps, replica: Replica, max_records: int) -> tuple[int, int, int]:
     """Receive batches until ``done`` and merge each; returns (received, changed, rejected)."""
     received = changed = rejected = 0
     while True:
-        batch = await recv_as(stream, Records, max_bytes=_MAX_RECORDS_MSG_BYTES)
+        batch = await steps.recv(Records)
         received += len(batch.records)
         if received > max_records:
             raise ProtocolError(Reason.TOO_LARGE, f"more than {max_records} records in one session")

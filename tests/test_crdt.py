@@ -291,6 +291,35 @@ def test_non_finite_loss_is_published_as_unknown() -> None:
     assert signed.record.loss is None and signed.record.val_loss is None  # type: ignore[union-attr]
 
 
+def test_a_restarted_node_whose_state_file_predates_its_last_records_still_supersedes_them(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL: the last records of the previous life never reached the state file, but peers hold them."""
+    clock, peer_clock = FakeClock(), FakeClock()
+    node, peer = replica(0, clock), replica(1, peer_clock)
+    peer.merge(node.update_self(step=1))
+    node.save(tmp_path / "state.msgpack")
+    for step in range(2, 30):  # heartbeats after the last save, all seen by the peer
+        clock.t += 0.001
+        peer.merge(node.update_self(step=step))
+    clock.t += 0.001  # the restart takes at least a millisecond
+    restarted = SwarmState.load(tmp_path / "state.msgpack", KEYS[0], clock=clock)
+    assert peer.merge(restarted.update_self(step=0)) is True
+    assert peer.member(PIDS[0]).record.step == 0  # type: ignore[union-attr]
+
+
+def test_a_newer_record_of_its_own_from_a_peer_is_reported_once_so_the_node_can_reassert_itself() -> None:
+    ahead, clock = FakeClock(T0 + 100), FakeClock()
+    previous_life, node = replica(0, ahead), replica(0, clock)
+    node.update_self(step=2)
+    assert node.own_record_superseded() is False  # its own writes do not count
+    last_words = previous_life.update_self(step=1)  # signed with a clock 100 s ahead of today's
+    assert node.merge(last_words) is True
+    assert node.own_record_superseded() is True
+    assert node.own_record_superseded() is False  # reported once
+    assert node.update_self(step=2).record.hlc > last_words.record.hlc  # re-signing supersedes it
+
+
 def test_a_restarted_node_publishes_records_newer_than_its_previous_life() -> None:
     clock, observer_clock = FakeClock(), FakeClock()
     before_restart, observer = replica(0, clock), replica(1, observer_clock)
@@ -340,6 +369,67 @@ def test_a_heartbeat_from_a_clock_running_ahead_does_not_keep_a_member_alive() -
     assert view is not None and view.last_seen == T0  # capped at the local receipt time
     local.t += 61
     assert bob.member(PIDS[0]).state is MemberState.GONE  # type: ignore[union-attr]
+
+
+def test_a_member_whose_records_keep_arriving_late_stays_alive() -> None:
+    """Records queued for 20 s (an overloaded event loop or relay) against a 10 s suspect time: each one
+    still proves its author was alive recently, so the member must not turn suspect while they come."""
+    clock = FakeClock()
+    alice, bob = replica(0, clock), replica(1, clock)
+    written = []
+    for _ in range(20):  # alice heartbeats every 2 s; bob receives each record 20 s after it was written
+        written.append(alice.update_self())
+        if len(written) > 10:
+            bob.merge(written[-11])
+            assert bob.member(PIDS[0]).state is MemberState.ALIVE  # type: ignore[union-attr]
+        clock.t += 2
+    # Once they stop coming, it turns suspect within the suspect time of the last one's arrival.
+    clock.t += 10
+    assert bob.member(PIDS[0]).state is MemberState.SUSPECT  # type: ignore[union-attr]
+
+
+def test_a_member_whose_clock_runs_behind_ours_stays_alive_while_its_heartbeats_arrive() -> None:
+    behind, local = FakeClock(T0 - 30), FakeClock(T0)
+    alice, bob = replica(0, behind), replica(1, local)
+    for _ in range(5):
+        bob.merge(alice.update_self())
+        view = bob.member(PIDS[0])
+        assert view is not None and view.state is MemberState.ALIVE
+        assert view.last_seen == local.t - bob.late_news_s  # the record proves life, not its own timestamp
+        behind.t += 2
+        local.t += 2
+
+
+def test_a_late_record_counts_from_its_heartbeat_when_that_is_recent_enough() -> None:
+    clock = FakeClock()
+    alice, bob = replica(0, clock), replica(1, clock)
+    record = alice.update_self()
+    clock.t += 3  # within late_news_s (5 s): as old as its heartbeat says
+    bob.merge(record)
+    assert bob.member(PIDS[0]).last_seen == T0  # type: ignore[union-attr]
+
+
+def test_the_last_record_of_a_long_gone_member_shows_it_gone_to_a_node_that_learns_it_late() -> None:
+    clock = FakeClock()
+    alice, joiner = replica(0, clock), replica(1, clock)
+    last_words = alice.update_self()  # alice dies right after
+    clock.t += 61  # more than gone_after later a node that just joined receives it from a peer
+    joiner.merge(last_words)
+    view = joiner.member(PIDS[0])
+    assert view is not None and view.state is MemberState.GONE and view.last_seen == T0
+
+
+def test_member_views_do_not_depend_on_the_order_records_arrived_in() -> None:
+    clock = FakeClock()
+    alice = replica(0, clock)
+    records = []
+    for _ in range(3):
+        records.append(alice.update_self())
+        clock.t += 20
+    in_order, reversed_order = replica(1, clock), replica(2, clock)
+    in_order.apply(records)
+    reversed_order.apply(reversed(records))
+    assert in_order.members() == reversed_order.members()
 
 
 def test_a_record_far_in_the_future_is_rejected_as_clock_skew() -> None:

@@ -22,6 +22,7 @@ import trio
 import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
@@ -170,6 +171,50 @@ async def test_a_silent_peer_runs_into_the_session_deadline() -> None:
         await protocol.respond(TrioByteStream(a), FakeReplica(), info(), timeout_s=0.2)
 
 
+class SlowWrites:
+    """A byte stream whose every write takes ``delay`` seconds: a peer on an overloaded machine."""
+
+    def __init__(self, stream: Any, delay: float) -> None:
+        self.inner, self.delay = TrioByteStream(stream), delay
+
+    async def read(self, max_bytes: int) -> bytes:
+        return await self.inner.read(max_bytes)
+
+    async def write(self, data: Any) -> None:
+        await trio.sleep(self.delay)
+        await self.inner.write(data)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_slow_peer_that_keeps_answering_completes_a_session_longer_than_one_step_deadline(
+    autojump_clock: Any,
+) -> None:
+    a, b = replica_with_progress(10), replica_with_progress(20)
+    ours, theirs = trio.testing.memory_stream_pair()
+    delay = 0.6 * protocol.STEP_TIMEOUT_S  # each of the responder's messages: within a step's deadline
+    outcome: dict[str, Any] = {}
+
+    async def responder() -> None:
+        outcome["r"] = await protocol.respond(SlowWrites(theirs, delay), b, info())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(responder)
+        started = trio.current_time()
+        outcome["i"] = await protocol.initiate(TrioByteStream(ours), a, info())
+    assert trio.current_time() - started > protocol.STEP_TIMEOUT_S  # longer than one step may take
+    assert a.digest() == b.digest() and outcome["i"].received == outcome["r"].sent == 2
+
+
+async def test_a_peer_that_stops_answering_is_cut_after_one_step_deadline(autojump_clock: Any) -> None:
+    a, _b = trio.testing.memory_stream_pair()
+    started = trio.current_time()
+    with pytest.raises(trio.TooSlowError):
+        await protocol.respond(TrioByteStream(a), FakeReplica(), info())
+    assert trio.current_time() - started == pytest.approx(protocol.STEP_TIMEOUT_S)
+
+
 async def test_more_records_than_the_session_limit_is_a_protocol_error() -> None:
     ours, theirs = trio.testing.memory_stream_pair()
     peer = TrioByteStream(theirs)
@@ -234,6 +279,7 @@ def make_replicator(
     path: Path | None = None,
     manifest: Manifest | None = None,
     heartbeat_s: float = QUIET_HEARTBEAT_S,
+    anti_entropy_s: float = ANTI_ENTROPY_S,
     gossip: bool = True,
     save_s: float = 10.0,
 ) -> StateReplicator:
@@ -245,7 +291,7 @@ def make_replicator(
         self_fields=lambda: dict(fields),
         local_manifest=lambda: manifest,
         heartbeat_s=heartbeat_s,
-        anti_entropy_s=ANTI_ENTROPY_S,
+        anti_entropy_s=anti_entropy_s,
         save_s=save_s,
         gossip=gossip,
     )
@@ -260,11 +306,16 @@ class Cluster:
         self.nodes: list[Node] = []
 
     async def add(
-        self, *, tmp_path: Path | None = None, manifest: Manifest | None = None, **kwargs: Any
+        self,
+        *,
+        tmp_path: Path | None = None,
+        manifest: Manifest | None = None,
+        suspect_after: float = 30.0,
+        **kwargs: Any,
     ) -> Node:
         key = create_new_key_pair()
         host = build_host(key)
-        state = SwarmState(key)
+        state = SwarmState(key, suspect_after=suspect_after, gone_after=4 * suspect_after)
         fields: dict[str, Any] = {"role": "trainer", "version": "0.1.0", "step": 0}
         if manifest is not None:
             fields["manifest_hash"] = manifest.hash
@@ -322,6 +373,36 @@ async def cluster() -> AsyncIterator[Cluster]:
         nursery.cancel_scope.cancel()
 
 
+def idle_replicator() -> StateReplicator:
+    """A replicator that is never run: for its scheduling decisions and its pubsub set-up."""
+    key = create_new_key_pair()
+    return make_replicator(build_host(key), SwarmState(key), {})
+
+
+def test_anti_entropy_rounds_reach_every_connected_peer_once_per_round_of_peers() -> None:
+    rep = idle_replicator()
+    peers = {ID.from_pubkey(create_new_key_pair().public_key) for _ in range(6)}
+    chosen = []
+    for round_ in range(3 * len(peers)):
+        peer = rep._least_recently_synced(peers)
+        assert peer is not None
+        chosen.append(peer)
+        rep._last_attempt[peer] = float(round_)
+    for start in range(0, len(chosen), len(peers)):
+        assert set(chosen[start : start + len(peers)]) == peers
+
+
+def test_a_restarted_replicator_never_reuses_a_gossip_sequence_number() -> None:
+    """A gossip message's ID is (author, sequence number): reusing one gets a record dropped as a
+    duplicate by every peer that saw the previous life's message (for 2 minutes in py-libp2p)."""
+    rep = idle_replicator()
+    previous_life, _ = rep._make_pubsub()
+    for _ in range(1000):  # a busy life: more messages than seconds
+        last = previous_life._next_seqno()
+    next_life, _ = rep._make_pubsub()
+    assert next_life._next_seqno() > last
+
+
 def identical(nodes: list[Node]) -> bool:
     first = nodes[0].state.digest()
     return all(n.state.digest() == first for n in nodes[1:])
@@ -359,6 +440,8 @@ async def test_heartbeats_publish_the_fields_the_daemon_reports() -> None:
         member = next(m for m in b.rep.status()["members"] if m["peer_id"] == a.pid)
         assert (member["loss"], member["samples_per_s"], member["state"]) == (2.5, 123.0, "alive")
         assert member["last_seen_s"] >= 0 and abs(member["last_seen"] - time.time()) < 60
+        # The author's heartbeat and our receipt time, for `starling doctor`'s clock check.
+        assert member["heartbeat"] <= member["received_at"] <= time.time()
         assert [v.peer_id for v in b.rep.alive_members()] == [a.pid]
 
 
@@ -561,6 +644,68 @@ async def test_state_is_saved_periodically_and_restored_on_restart(tmp_path: Pat
         a.rep.peer_connected(b.host.get_id())
         await eventually(lambda: b.member_state(a.pid) is MemberState.ALIVE, "a is back")
         assert restored.member(a.pid).state is MemberState.ALIVE  # type: ignore[union-attr]
+
+
+async def test_before_its_first_session_a_restarted_node_takes_gossip_about_members_it_knows_and_nothing_else() -> None:
+    async with cluster() as c:
+        restarted, peer = await c.add(), await c.add(heartbeat_s=HEARTBEAT_S)
+        # As after a restart: its state file lists the peer, and no session can complete (both stop
+        # serving the state protocol, as an overloaded peer that times out would).
+        restarted.state.apply(peer.state.missing_for({}))
+        for node in (restarted, peer):
+            node.host.remove_stream_handler(protocol.PROTOCOL_ID)
+        await c.connect((restarted, peer))
+
+        peer.fields["step"] = 5  # the peer's next heartbeats carry it, by gossip only
+        await eventually(
+            lambda: (view := restarted.state.member(peer.pid)) is not None and view.record.step == 5,
+            "gossip about a member it knows",
+        )
+        # A record of a peer it has never heard of waits for the handshake (it could be another run's).
+        stranger = SwarmState(create_new_key_pair())
+        refused = restarted.rep.stats.gossip_refused
+        assert peer.rep.pubsub is not None
+        await peer.rep.pubsub.publish(peer.rep.topic, stranger.update_self(step=1).data)
+        await eventually(lambda: restarted.rep.stats.gossip_refused > refused, "the stranger refused")
+        assert stranger.peer_id not in restarted.member_ids()
+        assert restarted.rep.stats.sessions_ok == 0 and restarted.rep.stats.session_failures["open"] >= 1
+
+
+async def test_a_connected_member_that_goes_quiet_is_probed_so_it_stays_alive_without_gossip() -> None:
+    async with cluster() as c:
+        # No gossip, and no anti-entropy round after the first for a minute: only probes bring news.
+        quiet = {"gossip": False, "anti_entropy_s": 60.0, "suspect_after": 2.0}
+        member = await c.add(heartbeat_s=HEARTBEAT_S, **quiet)
+        observer = await c.add(**quiet)
+        await c.connect((member, observer))
+        await eventually(lambda: observer.member_state(member.pid) is MemberState.ALIVE, "first session")
+        first = observer.state.member(member.pid).record.hlc  # type: ignore[union-attr]
+        changed = observer.rep.stats.records_changed
+        await eventually(lambda: observer.rep.stats.records_changed >= changed + 3, "newer heartbeats")
+        assert observer.state.member(member.pid).record.hlc > first  # type: ignore[union-attr]
+        assert member.rep.stats.gossip_published == observer.rep.stats.gossip_published == 0
+
+
+async def test_a_restarted_node_reasserts_itself_as_soon_as_a_peer_shows_it_a_newer_record_of_its_own() -> None:
+    async with cluster() as c:
+        node, peer = await c.add(), await c.add()  # heartbeats a minute apart: none during the test
+        # Its previous life's last record, signed with a clock 100 s ahead (adopted from a fast peer),
+        # never reached its state file, but the peer holds it.
+        previous_life = SwarmState(node.key, clock=lambda: time.time() + 100)
+        assert peer.state.merge(previous_life.update_self(step=1))
+        node.fields["step"] = 2
+        await c.connect((node, peer))
+        await eventually(
+            lambda: (view := peer.state.member(node.pid)) is not None and view.record.step == 2,
+            "the node's current record replaces its previous life's",
+        )
+
+
+def test_progress_counters_travel_by_anti_entropy_not_gossip() -> None:
+    rep = idle_replicator()
+    rep.add_progress(samples=5, tokens=7)
+    assert rep.state.counters() == crdt.Totals(5, 7)
+    assert rep._outbox_recv.statistics().current_buffer_used == 0  # nothing queued for gossip
 
 
 def test_a_corrupt_state_file_is_moved_aside_and_an_empty_state_used(tmp_path: Path, caplog: Any) -> None:
