@@ -696,7 +696,8 @@ def _skew_estimate(member: dict[str, Any], heartbeat_s: float) -> tuple[float, s
     """(estimated seconds the member's clock is ahead of ours, negative = behind; how it was estimated).
 
     Best case the status gives the author's heartbeat time and our receipt time: skew ~ heartbeat -
-    received_at (ahead is a lower bound, since delivery takes time; behind allows DELIVERY_ALLOWANCE_S).
+    received_at (ahead is a lower bound, since delivery takes time; behind allows a heartbeat interval plus
+    DELIVERY_ALLOWANCE_S).
     Otherwise it gives `last_seen_s`, the age of min(heartbeat, receipt): an alive member heartbeats
     every `heartbeat_s`, so an age beyond two intervals (one may be lost) means its heartbeat times
     lag our clock, i.e. its clock is at least that much behind. A clock that runs ahead is invisible in
@@ -705,7 +706,10 @@ def _skew_estimate(member: dict[str, Any], heartbeat_s: float) -> tuple[float, s
     hb, received = _num(member.get("heartbeat")), _num(member.get("received_at"))
     if hb is not None and received is not None:
         raw = hb - received
-        return (raw if raw >= 0 else min(0.0, raw + DELIVERY_ALLOWANCE_S)), "heartbeat vs receipt time"
+        # A record may reach us up to a heartbeat late by anti-entropy (from a third node) and a moment
+        # later still on a busy machine: only a lag beyond that is blamed on the member's clock.
+        allowance = DELIVERY_ALLOWANCE_S + heartbeat_s
+        return (raw if raw >= 0 else min(0.0, raw + allowance)), "heartbeat vs receipt time"
     age = _num(member.get("last_seen_s"))
     if age is None:
         return None

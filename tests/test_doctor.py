@@ -34,6 +34,7 @@ from node.doctor import (
     check_versions,
     doctor_main,
     run_checks,
+    short,
 )
 from node.lock import HomeLock
 from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
@@ -344,6 +345,16 @@ def test_clock_skew_uses_heartbeat_and_receipt_times_when_the_status_has_them() 
     st = status_with(member(ahead, heartbeat=1_700_000_030.0, received_at=1_700_000_000.0))
     [f] = check_clock_skew(st, heartbeat_s=2.0)
     assert f.level == WARN and "30.0 s ahead of ours" in f.message
+
+
+def test_a_record_relayed_up_to_a_heartbeat_late_is_not_blamed_on_the_clock() -> None:
+    late, behind = other_peer_id(), other_peer_id()
+    st = status_with(
+        member(late, heartbeat=1_700_000_000.0, received_at=1_700_000_002.5),  # one interval plus a moment
+        member(behind, heartbeat=1_700_000_000.0, received_at=1_700_000_010.0),
+    )
+    [f] = check_clock_skew(st, heartbeat_s=2.0)
+    assert f.level == WARN and f"{short(behind)}: its clock is about 7.0 s behind ours" in f.message
 
 
 def test_records_rejected_for_clock_skew_are_an_error() -> None:
