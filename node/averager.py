@@ -85,6 +85,7 @@ class _Link:
     rounds: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    last_path: str = ""  # what carried the bulk last time: datapath (side channel) or stream (libp2p)
 
 
 class Averager:
@@ -155,7 +156,7 @@ class Averager:
         st["datapath_port"] = self.listener.port if self.listener is not None else None
         st["per_peer"] = {
             p: {"rounds": link.rounds, "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
-                "rate_mbps": round(link.rate_bps * 8 / 1e6, 1), "failures": link.failures}
+                "rate_mbps": round(link.rate_bps * 8 / 1e6, 1), "failures": link.failures, "path": link.last_path}
             for p, link in self._links.items()
         }
         st["state"] = "pairing" if self._pending is not None else "idle"
@@ -440,6 +441,7 @@ class Averager:
         link.next_try = 0.0
         link.bytes_sent += result.bytes_sent
         link.bytes_received += result.bytes_received
+        link.last_path = result.path
         self._partners.add(partner)
         self._norms.extend(result.delta_norms)
         total = result.bytes_sent + result.bytes_received

@@ -353,7 +353,8 @@ async def _punch(local: PunchSocket, remote: tuple[str, int], keys: SessionKeys)
         stream = await simultaneous_open(local, remote, timeout=PUNCH_S)
         return await open_punched(stream, keys, timeout=DATAPATH_CONNECT_S)
     except (ProtocolError, trio.TooSlowError) as e:
-        log.info("no punched side channel to %s:%d (%s); using the libp2p stream", remote[0], remote[1], e)
+        why = str(e) or f"no answer to the handshake within {DATAPATH_CONNECT_S:g}s"
+        log.info("no punched side channel to %s:%d (%s); using the libp2p stream", remote[0], remote[1], why)
         return None
 
 
@@ -450,26 +451,28 @@ async def respond(
 async def _punched_or_stream(
     control: LibP2PByteStream, punch: PunchSocket, remote: tuple[str, int], keys: SessionKeys
 ) -> SecureChannel | None:
-    """The responder's half of a punched side channel: connect towards the initiator while waiting for
-    its choice of path. Returns the authenticated channel, or None where the initiator chose the stream."""
-    opened: list[trio.SocketStream] = []
+    """The responder's half of a punched side channel: connect towards the initiator and answer its
+    handshake while waiting for its choice of path (it chooses only once the handshake is done). Returns
+    the authenticated channel, or None where the initiator chose the stream."""
+    opened: list[SecureChannel] = []
 
-    async def connect() -> None:
-        with contextlib.suppress(ProtocolError):
-            opened.append(await simultaneous_open(punch, remote, timeout=PUNCH_S))
+    async def connect_and_answer() -> None:
+        with contextlib.suppress(ProtocolError, trio.TooSlowError):
+            stream = await simultaneous_open(punch, remote, timeout=PUNCH_S)
+            opened.append(await open_punched(stream, keys, timeout=DATAPATH_CONNECT_S))
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(connect)
+        nursery.start_soon(connect_and_answer)
         path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
         if path.path == "stream":
             nursery.cancel_scope.cancel()  # its punch failed or it gave up: stop ours
     if path.path == "stream":
-        for stream in opened:
-            await trio.aclose_forcefully(stream)
+        for channel in opened:
+            await channel.aclose()
         return None
     if not opened:
         raise ProtocolError(Reason.BROKEN, "partner chose the punched side channel, but it did not connect here")
-    return await open_punched(opened[0], keys, timeout=DATAPATH_CONNECT_S)
+    return opened[0]
 
 
 def _remote_ip(stream: object) -> str | None:

@@ -76,6 +76,11 @@ def peer_note(status: dict[str, Any], peer_id: str) -> str:
     return (peer_row(status, peer_id) or {}).get("note", "")
 
 
+def bulk_path_with(status: dict[str, Any], peer_id: str) -> str:
+    """What carried the last exchange's bulk with `peer_id`: datapath (side channel) or stream (libp2p)."""
+    return str(((status.get("sync") or {}).get("per_peer") or {}).get(peer_id, {}).get("path", ""))
+
+
 def rounds_with(status: dict[str, Any], peer_id: str) -> int:
     """Averaging rounds this trainer completed with `peer_id` (sync.per_peer)."""
     return int(((status.get("sync") or {}).get("per_peer") or {}).get(peer_id, {}).get("rounds", 0))
@@ -159,9 +164,12 @@ class TestHomeNats:
             "A and B never connected through a relay"
         )
 
-        # They average with each other over that path.
+        # They average with each other over that path, the bulk over a side channel they punched too.
         a.wait(lambda s: rounds_with(s, b.peer_id) >= 2, timeout=60, what="averaging rounds with B")
         b.wait(lambda s: rounds_with(s, a.peer_id) >= 2, timeout=30, what="averaging rounds with A")
+        for node, other in ((a, b), (b, a)):
+            node.wait(lambda s, other=other: bulk_path_with(s, other.peer_id) == "datapath", timeout=30,
+                      what="bulk over the punched side channel")
 
         # What `starling status --json` says, every peer with its path and a measured RTT.
         for node in (a, b):
