@@ -510,20 +510,29 @@ class StateReplicator:
             pass
 
     async def _goodbye(self, pubsub: Pubsub) -> None:
-        """Publish the departure marker, then wait (briefly) until pubsub's per-peer queues are empty:
-        publish() only enqueues, and the queues die with the service."""
+        """Tell the swarm we are leaving, within GOODBYE_TIMEOUT_S: publish the departure marker and wait
+        until pubsub's per-peer queues are empty (publish() only enqueues, and the queues die with the
+        service), and at the same time hand it to every connected peer in an anti-entropy session, so that
+        a gossip message lost on a busy machine does not leave peers to find out by suspicion."""
         signed = self.state.depart()
-        if not self.gossip:
-            return
         with trio.move_on_after(GOODBYE_TIMEOUT_S):
-            try:
-                await pubsub.publish(self.topic, signed.data)
-            except Exception as exc:  # best effort; peers will see this node go suspect instead
-                log.debug("publishing the departure failed: %s", exc)
-                return
-            while any(len(queue) for queue in pubsub.peer_queues.values()):
-                await trio.sleep(0.02)
-            await trio.sleep(0.05)  # the sender tasks have popped the message; let them write it
+            async with trio.open_nursery() as nursery:
+                if self.gossip:
+                    nursery.start_soon(self._publish_departure, pubsub, signed.data)
+                for peer in self._connected():
+                    if peer not in self._in_flight:
+                        self._in_flight.add(peer)
+                        nursery.start_soon(self._sync_with, peer)
+
+    async def _publish_departure(self, pubsub: Pubsub, data: bytes) -> None:
+        try:
+            await pubsub.publish(self.topic, data)
+        except Exception as exc:  # best effort: the anti-entropy sessions carry it too
+            log.debug("publishing the departure failed: %s", exc)
+            return
+        while any(len(queue) for queue in pubsub.peer_queues.values()):
+            await trio.sleep(0.02)
+        await trio.sleep(0.05)  # the sender tasks have popped the message; let them write it
 
     # ---- anti-entropy ---------------------------------------------------------------------------
 

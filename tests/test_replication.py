@@ -622,6 +622,16 @@ async def test_a_graceful_stop_publishes_left_and_saves(tmp_path: Path) -> None:
         assert saved.member(a.pid) is not None
 
 
+async def test_a_graceful_stop_reaches_peers_by_anti_entropy_when_gossip_carries_nothing() -> None:
+    async with cluster() as c:
+        a = await c.add(heartbeat_s=HEARTBEAT_S, anti_entropy_s=3600.0)
+        leaving = await c.add(heartbeat_s=HEARTBEAT_S, gossip=False, anti_entropy_s=3600.0)
+        await c.connect((a, leaving))
+        await eventually(lambda: a.member_state(leaving.pid) is MemberState.ALIVE, "alive")
+        await c.stop(leaving)  # no gossip and no regular round due: only the goodbye's session can tell `a`
+        await eventually(lambda: a.member_state(leaving.pid) is MemberState.LEFT, "departure seen")
+
+
 async def test_state_is_saved_periodically_and_restored_on_restart(tmp_path: Path) -> None:
     async with cluster() as c:
         a = await c.add(tmp_path=tmp_path, save_s=0.2)
