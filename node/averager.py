@@ -11,11 +11,11 @@ Deadlines come from each link's measured throughput (an EWMA), not from a fixed 
 
 Two rules keep heterogeneous machines from drifting apart for good:
 
-- When the daemon knows of no eligible partner at all (no alive trainer of our run within
-  `sync.max_step_gap` outer steps, with a usable path), the outer step is solo at once: waiting out the
-  pairing window would only slow down a node that nobody can pair with. A node stepping solo is simply
-  not pending, so requests that arrive meanwhile are answered "busy" as between any two outer steps.
-  Busy partners still count as eligible: waiting for one of them is right.
+- When the daemon knows of no other trainer that could pair at all (alive, of our run, with a usable
+  path, whatever its outer step), the outer step is solo at once: waiting out the pairing window would
+  only slow down a node that nobody can pair with. Trainers that exist but whose records put them outside
+  `sync.max_step_gap` still get the window (records lag a heartbeat, and in a swarm of short outer steps
+  a node that never waited would race away from everyone). Busy partners count as eligible.
 - After an exchange both partners adopt the larger of their two outer steps (each learns the other's
   from the request or the answer, `ExchangeRequest.group_outer_step` hands it to the worker), so paired
   nodes' counters never drift apart. A node that has had no eligible partner for a while re-syncs from
@@ -102,6 +102,7 @@ class Averager:
         on_transfer: Callable[[str, int, float], None] | None = None,
         reachable: Callable[[], bool] | None = None,
         on_outer_step: Callable[[bool], None] | None = None,
+        anyone_else: Callable[[], bool] | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -116,6 +117,11 @@ class Averager:
         # Told at the start of every outer step whether any partner was eligible (the catch-up counts
         # the steps without one).
         self.on_outer_step = on_outer_step
+        # Whether any other trainer of our run could pair at all, whatever its outer step: when none can,
+        # the outer step is solo at once. Trainers that the records show outside the step gap still get the
+        # pairing window: records lag (a heartbeat old), the gap is judged on the actual request, and where
+        # outer steps are short a node that never waits races ahead of everyone and pairs with no one.
+        self.anyone_else = anyone_else
         self.listener = DataPathListener(listen_host, cfg.datapath_port, max_frame_size=avg.MAX_FRAME) if cfg.datapath else None
         self.me = str(host.get_id())
         self._pending: _Pending | None = None
@@ -183,17 +189,17 @@ class Averager:
         """Average this outer step with one partner; returns 2, or 1 for a solo step.
 
         After an exchange, `request.group_outer_step` is the larger of the two outer steps (the worker
-        adopts it). Without an eligible partner the step is solo at once (see the module docstring);
-        without `eligible_peers` to ask, the averager cannot know who might come and waits the window.
+        adopts it). With no other trainer to pair with (`anyone_else`) the step is solo at once (see the
+        module docstring); otherwise it waits up to the pairing window for a partner.
         """
         if self.eligible_peers is not None:
             has_partner = any(p != self.me for p in self.eligible_peers())
             if self.on_outer_step is not None:
                 self.on_outer_step(has_partner)
-            if not has_partner:
+            if not has_partner and self.anyone_else is not None and not self.anyone_else():
                 self.stats["solo_rounds"] += 1
                 self.stats["unpaired_rounds"] += 1
-                log.debug("outer step %d: solo after 0.00s (no eligible partner)", request.outer_step)
+                log.debug("outer step %d: solo after 0.00s (no other trainer to pair with)", request.outer_step)
                 return 1
         pending = _Pending(
             request,

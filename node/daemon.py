@@ -166,6 +166,7 @@ class Daemon:
                 on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
                 reachable=lambda: self.nat.reachability != "private",
                 on_outer_step=self.catch_up.note_outer_step,
+                anyone_else=lambda: bool(self._possible_partners()),
             )
         self.ready = trio.Event()
         self._last_progress_step = 0
@@ -224,17 +225,22 @@ class Daemon:
         )
 
     def _eligible_partners(self) -> list[str]:
-        """Alive trainers with our manifest (`alive_members` checks it), outer step within the allowed gap
-        (plus one: a record is a heartbeat old), and (unless the config allows bulk over relays) a direct or
-        hole-punched path: bulk tensors never cross a relay. An empty list makes the outer step solo at once."""
+        """Possible partners (below) whose outer step is within the allowed gap (plus one: a record is a
+        heartbeat old)."""
         ours = int(self._training().get("outer_step") or 0)
         gap = self.cfg.sync.max_step_gap
+        return [m.record.peer_id for m in self._possible_partners() if abs(m.record.outer_step - ours) <= gap + 1]
+
+    def _possible_partners(self) -> list[Any]:
+        """Alive trainers with our manifest (`alive_members` checks it) and (unless the config allows bulk
+        over relays) a direct or hole-punched path: bulk tensors never cross a relay. None at all makes the
+        outer step solo at once."""
         allow_relay = self.cfg.sync.allow_relay_bulk
         return [
-            m.record.peer_id
+            m
             for m in self.replicator.alive_members()
             if m.record.role == "trainer"
-            and abs(m.record.outer_step - ours) <= gap + 1
+            and m.record.peer_id != str(self.peer_id)
             and (allow_relay or self.nat.path_of(m.record.peer_id) in ("direct", "hole-punched"))
         ]
 

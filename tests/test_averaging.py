@@ -138,13 +138,14 @@ class LoneHost:
         return []
 
 
-async def test_with_no_eligible_partner_the_outer_step_is_solo_at_once_instead_of_after_the_window(
+async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_after_the_window(
     autojump_clock,
 ) -> None:
     # Virtual time (autojump): any wait shows up as elapsed time, and none passes unless something waits.
     cfg = SyncConfig(pair_window_s=600, datapath=False)
     seen: list[bool] = []
-    alone = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [], on_outer_step=seen.append)
+    alone = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [],
+                     on_outer_step=seen.append, anyone_else=lambda: False)
     began = trio.current_time()
     assert await alone.exchange(request(1)) == 1
     assert trio.current_time() == began
@@ -152,14 +153,23 @@ async def test_with_no_eligible_partner_the_outer_step_is_solo_at_once_instead_o
     st = alone.status()
     assert st["solo_rounds"] == 1 and st["unpaired_rounds"] == 1 and st["state"] == "idle"
 
+    # Trainers whose records put them outside the step gap: the window still applies (they may ask us:
+    # records lag, and the gap is judged on the actual request); the catch-up counts the step as unpaired.
+    distant = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [],
+                       on_outer_step=seen.append, anyone_else=lambda: True)
+    began = trio.current_time()
+    assert await distant.exchange(request(1)) == 1
+    assert trio.current_time() - began >= 600
+    assert seen == [False, False] and distant.status()["unpaired_rounds"] == 0
+
     # An eligible partner that never becomes ready (busy, or not connected yet) is waited for.
     partner = str(ID.from_pubkey(create_new_key_pair().public_key))
     hopeful = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [partner],
-                       on_outer_step=seen.append)
+                       on_outer_step=seen.append, anyone_else=lambda: True)
     began = trio.current_time()
     assert await hopeful.exchange(request(1)) == 1
     assert trio.current_time() - began >= 600
-    assert seen == [False, True] and hopeful.status()["unpaired_rounds"] == 0
+    assert seen == [False, False, True] and hopeful.status()["unpaired_rounds"] == 0
 
 
 @pytest.mark.parametrize("steps", [(3, 7), (7, 3)], ids=["responder-ahead", "initiator-ahead"])
