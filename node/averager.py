@@ -297,7 +297,6 @@ class Averager:
             stream = None
             with trio.fail_after(self.cfg.handshake_timeout_s):
                 stream = await self.host.new_stream(ID.from_base58(partner), [avg.PROTOCOL_ID])
-            remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
 
             def claim(partner_outer_step: int) -> bool:
                 nonlocal claimed_here
@@ -315,7 +314,7 @@ class Averager:
                     pending.tensors,
                     local_peer_id=self.host.get_id().to_bytes(),
                     remote_peer_id=ID.from_base58(partner).to_bytes(),
-                    remote_ip=remote[0] if remote else None,
+                    remote_ip=avg.partner_ip(stream),
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, numel),
                     on_accept=claim,

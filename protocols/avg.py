@@ -410,7 +410,7 @@ async def respond(
         protocol_id=PROTOCOL_ID,
     )
     offer_listener = listener is not None and request.datapath
-    remote_ip = _remote_ip(stream)
+    remote_ip = partner_ip(stream)
     with contextlib.ExitStack() as cleanup:
         punch = None
         if not offer_listener and request.datapath and request.punch_port and remote_ip and allow_punch:
@@ -475,7 +475,7 @@ async def _punched_or_stream(
     return opened[0]
 
 
-def _remote_ip(stream: object) -> str | None:
+def partner_ip(stream: object) -> str | None:
     """The IP the partner's libp2p connection comes from (its NAT's public address when it is behind one)."""
     try:
         remote = stream.get_remote_address()  # type: ignore[attr-defined]
