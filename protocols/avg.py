@@ -196,13 +196,20 @@ class _Fold:
         if not self.seen.finite:
             return  # the exchange will be rejected: draining the rest is all that is left to do
         theirs, mine = self.out[start:stop], self.mine[start:stop]
-        lo, hi = torch.aminmax(theirs)  # NaN propagates; one pass, no temporary
-        if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
-            self.seen.finite = False
-            return
         if self.is_delta:
-            self.seen.their_delta_sq += float(torch.dot(theirs, theirs))
+            # The squared norm doubles as the finiteness check: one NaN or infinity makes the sum NaN or
+            # infinite, and so do values too large to square (|x| > 1e19, an update no model survives).
+            their_sq = float(torch.dot(theirs, theirs))
+            if not math.isfinite(their_sq):
+                self.seen.finite = False
+                return
+            self.seen.their_delta_sq += their_sq
             self.seen.own_delta_sq += float(torch.dot(mine, mine))
+        else:
+            lo, hi = torch.aminmax(theirs)  # NaN propagates; one pass, no temporary
+            if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+                self.seen.finite = False
+                return
         if self.scratch is None:
             own = mine
         else:
@@ -274,7 +281,7 @@ async def run_transfer(
     began = trio.current_time()
     sent, received, seen = await _swap(channel, t, plan)
     if not seen.finite:
-        raise Rejected("non_finite", "partner sent NaN or infinite values")
+        raise Rejected("non_finite", "partner sent NaN, infinite or overflowing values")
     if validate is not None:
         validate(*seen.delta_norms)
     return TransferResult(path, sent, received, trio.current_time() - began, seen.delta_norms)

@@ -195,12 +195,17 @@ async def test_after_an_exchange_both_partners_hold_the_larger_outer_step(steps:
         nursery.cancel_scope.cancel()
 
 
-async def test_a_partner_that_sends_non_finite_values_is_rejected_with_no_update() -> None:
+@pytest.mark.parametrize(
+    ("tensor", "value"),
+    [("delta", float("nan")), ("delta", float("-inf")), ("delta", 1e30), ("phi", float("inf")), ("phi", float("nan"))],
+    ids=["nan-delta", "inf-delta", "overflowing-delta", "inf-phi", "nan-phi"],
+)
+async def test_a_partner_that_sends_non_finite_values_is_rejected_with_no_update(tensor: str, value: float) -> None:
     cfg = SyncConfig(wire_dtype="fp32", pair_window_s=5)
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
         bad = request(2)
-        bad.delta[123] = float("nan")
+        getattr(bad, tensor)[NUMEL - 3] = value  # in the last chunk: every chunk before it was folded already
         results = await exchange_both(avs, [request(1), bad])
         assert results[0] == 1  # the honest node rejected the poisoned values and stepped solo
         assert avs[0].status()["failures"] == 1
