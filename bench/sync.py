@@ -365,6 +365,18 @@ class ThroughputRow:
     def cpu_per_gb(self) -> float:
         return median(self.cpu_s) / (self.bytes_per_direction / 1e9)
 
+    def paired_ratio(self, raw: ThroughputRow, which: str) -> float | None:
+        """Median over trials of (raw trial's seconds / this mode's seconds in the same interleaved round).
+
+        Why paired: this machine's speed drifts over seconds (other tenants, other sessions), and a round's
+        raw trial runs just before its exchanges, under nearly the same conditions; the median of those
+        per-round ratios cancels drift that the ratio of two separate medians keeps. None when the two rows
+        were not measured side by side (different sizes or trial counts)."""
+        times = self.exchange_s if which == "exchange" else self.transfer_s
+        if self.numel != raw.numel or len(times) != len(raw.exchange_s) or not times:
+            return None
+        return median([r / t for r, t in zip(raw.exchange_s, times, strict=True)])
+
 
 def bench_throughput(numel: int, repeat: int, stream_numel: int) -> tuple[ThroughputRow, list[ThroughputRow]]:
     """Interleaved trials (raw, then each mode), `repeat` times. Returns raw and the modes."""
@@ -405,14 +417,18 @@ def bench_throughput(numel: int, repeat: int, stream_numel: int) -> tuple[Throug
 
     def cells(r: ThroughputRow, which: str) -> str:
         ratio, best = r.mbps(which) / raw.mbps(which), r.mbps(which, True) / raw.mbps(which, True)
-        return f"{r.mbps(which):>6.0f} ({r.mbps(which, True):>5.0f}) {ratio:>5.2f} ({best:.2f})"
+        paired = r.paired_ratio(raw, which)
+        return (f"{r.mbps(which):>6.0f} ({r.mbps(which, True):>5.0f}) {ratio:>5.2f} ({best:.2f})"
+                f" {'-' if paired is None else f'{paired:.2f}':>6}")
 
-    print(f"    {'mode':<20} {'exchange MB/s':>14} {'vs raw':>12} {'transfer MB/s':>14} {'vs raw':>12} {'CPU s/GB':>9}")
+    print(f"    {'mode':<20} {'exchange MB/s':>14} {'vs raw':>12} {'paired':>6} {'transfer MB/s':>14} {'vs raw':>12}"
+          f" {'paired':>6} {'CPU s/GB':>9}")
     for r in [raw, *rows.values()]:
         print(f"    {r.mode:<20} {cells(r, 'exchange')} {cells(r, 'transfer')} {r.cpu_per_gb:>9.2f}")
     fp32 = rows["fp32 side channel"]
-    print(f"RATIO throughput fp32 exchange / raw TCP = {fp32.mbps('exchange') / raw.mbps('exchange'):.2f} "
-          f"(best trials {fp32.mbps('exchange', True) / raw.mbps('exchange', True):.2f}; target >= 0.6); "
+    print(f"RATIO throughput fp32 exchange / raw TCP = {fp32.paired_ratio(raw, 'exchange'):.2f} (median of the "
+          f"{repeat} per-round ratios; ratio of the medians {fp32.mbps('exchange') / raw.mbps('exchange'):.2f}, "
+          f"of the best trials {fp32.mbps('exchange', True) / raw.mbps('exchange', True):.2f}; target >= 0.6); "
           f"CPU per byte raw / fp32 exchange = {raw.cpu_per_gb / fp32.cpu_per_gb:.2f} (what the ratio would be "
           "were both CPU-bound; robust to other load)", flush=True)
     return raw, list(rows.values())
@@ -870,19 +886,25 @@ def write_docs(command: str, elapsed_s: float, load: str, parts: dict[str, Any],
                   "socket (blocking `sendall`/`recv_into` from and into the tensors). *exchange* is the whole "
                   "`exchange()` call (pairing, key agreement, side-channel connect, transfer, means); "
                   "*transfer* is the data movement and the means only. MB/s are fp32-equivalent bytes of "
-                  "phi + Delta per direction (bf16 puts half of them on the wire). Interleaved trials: "
-                  f"{len(raw.exchange_s)} (median, the best one in brackets).", "",
-                  "| mode | exchange MB/s | vs raw | transfer MB/s | vs raw | CPU s per GB |",
-                  "|---|---|---|---|---|---|"]
+                  "phi + Delta per direction (bf16 puts half of them on the wire). Interleaved rounds: "
+                  f"{len(raw.exchange_s)}, each a raw trial and then one trial of each mode (MB/s: median, "
+                  "the best one in brackets). *vs raw*: ratio of the medians (of the best trials); *paired*: "
+                  "median of the per-round ratios, each trial against the raw trial of its own round, which "
+                  "cancels the drift of this machine's speed between rounds.", "",
+                  "| mode | exchange MB/s | vs raw | paired | transfer MB/s | vs raw | paired | CPU s per GB |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in [raw, *rows]:
             size = f" ({r.numel / 1e6:.0f}M params)" if r.numel != raw.numel else ""
             cells = []
             for which in ("exchange", "transfer"):
+                paired = r.paired_ratio(raw, which)
                 cells += [f"{r.mbps(which):.0f} ({r.mbps(which, True):.0f})",
-                          f"{r.mbps(which) / raw.mbps(which):.2f} ({r.mbps(which, True) / raw.mbps(which, True):.2f})"]
+                          f"{r.mbps(which) / raw.mbps(which):.2f} ({r.mbps(which, True) / raw.mbps(which, True):.2f})",
+                          "-" if paired is None else f"{paired:.2f}"]
             lines.append(f"| {r.mode}{size} | {' | '.join(cells)} | {r.cpu_per_gb:.2f} |")
-        lines += ["", f"**fp32 exchange / raw TCP = {fp32.mbps('exchange') / raw.mbps('exchange'):.2f}** "
-                  f"({fp32.mbps('exchange', True) / raw.mbps('exchange', True):.2f} between the best trials; "
+        lines += ["", f"**fp32 exchange / raw TCP = {fp32.paired_ratio(raw, 'exchange'):.2f}** (median of the "
+                  f"per-round ratios; {fp32.mbps('exchange') / raw.mbps('exchange'):.2f} between the medians, "
+                  f"{fp32.mbps('exchange', True) / raw.mbps('exchange', True):.2f} between the best trials; "
                   f"target >= 0.6). CPU seconds per byte, raw / fp32 exchange = "
                   f"{raw.cpu_per_gb / fp32.cpu_per_gb:.2f}: the throughput ratio were both CPU-bound, and much "
                   "less sensitive than wall time to other work on the machine.", "",
@@ -992,7 +1014,7 @@ def main() -> int:
     p.add_argument("--big-params", type=float, default=None, help="part 1 parameters (default 100M; quick 2M)")
     p.add_argument("--stream-params", type=float, default=None,
                    help="part 1 parameters for the libp2p-stream mode (default: --big-params)")
-    p.add_argument("--repeat", type=int, default=None, help="part 1 trials per mode (default 3; quick 1)")
+    p.add_argument("--repeat", type=int, default=None, help="part 1 trials per mode (default 7; quick 1)")
     p.add_argument("--params", type=float, default=None, help="parts 2-3 parameters (default 10M; quick 1M)")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="part 2 swarm sizes (default 2 4 8 16)")
     p.add_argument("--rounds", type=int, default=None, help="parts 2-3 timed rounds (default 5; quick 1)")
@@ -1003,7 +1025,7 @@ def main() -> int:
     q = args.quick
     args.big_params = int(args.big_params or (2e6 if q else 100e6))
     args.stream_params = int(args.stream_params or args.big_params)
-    args.repeat = args.repeat or (1 if q else 3)
+    args.repeat = args.repeat or (1 if q else 7)
     args.params = int(args.params or (1e6 if q else 10e6))
     args.sizes = args.sizes or ([2] if q else [2, 4, 8, 16])
     args.rounds = args.rounds or (1 if q else 5)
