@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -228,6 +229,28 @@ async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback(initia
         await responder.aclose()
     assert torch.equal(got_x.view(torch.int32), x.view(torch.int32))
     assert torch.equal(got_y.view(torch.int32), y.view(torch.int32))
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="this OS has no TCP_NOTSENT_LOWAT")
+async def test_a_threaded_bulk_transfer_lifts_trios_unsent_data_limit_and_puts_it_back() -> None:
+    """trio caps a connection's unsent data at 16 KiB (``TCP_NOTSENT_LOWAT``); during a bulk transfer that
+    made the sending thread refill the socket every few milliseconds and cost 5-10 % over a shaped link
+    (bench/nat.py). The transfer runs without the cap; the event loop's later small frames get it back."""
+    ki, kr = agree()
+    seen: list[int] = []
+
+    def limit(sock: socket.socket) -> int:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+
+    async with serving() as (listener, addr):
+        initiator, responder = await connect_both(listener, addr, ki, kr)
+        before = limit(initiator.stream.socket)
+        with trio.fail_after(TIMEOUT):
+            await initiator.run_in_threads(lambda io: seen.append(limit(io._sock)), lambda io: 0)
+        assert before > 0 and seen == [0]
+        assert limit(initiator.stream.socket) == before
+        await initiator.aclose()
+        await responder.aclose()
 
 
 async def test_int8_transfer_accumulates_into_an_fp32_sum() -> None:
