@@ -231,6 +231,48 @@ async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback(initia
     assert torch.equal(got_y.view(torch.int32), y.view(torch.int32))
 
 
+@pytest.mark.parametrize("path", ["datapath", "stream"])
+async def test_an_exchange_measures_both_deltas_norms_and_leaves_the_exact_means(path: str) -> None:
+    """The poisoning check compares our Delta's norm with the partner's, both measured chunk by chunk as
+    the partner's chunks are folded into the means, on the side channel and on the stream fallback."""
+    from protocols.avg import Tensors, make_plan, run_transfer
+
+    n = 700_001  # three chunks of 1 MiB, the last one short
+    sides = []
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        phi, delta = torch.randn(n, generator=g), torch.randn(n, generator=g).mul_(seed)
+        sides.append(Tensors(phi, delta, torch.empty(n), torch.empty(n)))
+    plan = make_plan(n, "fp32", 64)
+    norms: list[tuple[float, float]] = [(0.0, 0.0), (0.0, 0.0)]
+
+    def capture(i: int) -> Callable[[float, float], None]:
+        return lambda own, theirs: norms.__setitem__(i, (own, theirs))
+
+    async def run(channels: tuple[object, object]) -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for i in (0, 1):
+                    nursery.start_soon(run_transfer, channels[i], sides[i], plan, path, capture(i))
+
+    if path == "datapath":
+        ki, kr = agree()
+        async with serving() as (listener, addr):
+            initiator, responder = await connect_both(listener, addr, ki, kr)
+            await run((initiator, responder))
+            await initiator.aclose()
+            await responder.aclose()
+    else:
+        a, b = socket_pair()
+        await run((PlainFrameChannel(TrioByteStream(a)), PlainFrameChannel(TrioByteStream(b))))
+    true_norms = [float(torch.linalg.vector_norm(t.delta.double())) for t in sides]
+    for i, (own, theirs) in enumerate(norms):
+        assert own == pytest.approx(true_norms[i], rel=1e-5) and theirs == pytest.approx(true_norms[1 - i], rel=1e-5)
+    for t in sides:
+        assert torch.equal(t.phi_out, (sides[0].phi + sides[1].phi) * 0.5)
+        assert torch.equal(t.delta_out, (sides[0].delta + sides[1].delta) * 0.5)
+
+
 @pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="this OS has no TCP_NOTSENT_LOWAT")
 async def test_a_threaded_bulk_transfer_lifts_trios_unsent_data_limit_and_puts_it_back() -> None:
     """trio caps a connection's unsent data at 16 KiB (``TCP_NOTSENT_LOWAT``); during a bulk transfer that
