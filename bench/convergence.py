@@ -178,10 +178,10 @@ def run_outer(bc: BenchConfig, n: int, method: str, home: Path) -> RunResult:
             if n % 2:
                 groups.append([perm[-1]])  # an odd one out takes a solo step
         for group in groups:
-            mean_phi = torch.stack([phis[i] for i in group]).mean(0)
-            mean_delta = torch.stack([deltas[i] for i in group]).mean(0)
+            sum_phi = torch.stack([phis[i] for i in group]).sum(0)  # what the daemon leaves: the group's sums
+            sum_delta = torch.stack([deltas[i] for i in group]).sum(0)
             for i in group:
-                trainers[i].apply_result(len(group), mean_phi, mean_delta)
+                trainers[i].apply_result(len(group), sum_phi, sum_delta)
     vals = [t.evaluate() for t in trainers]
     mean_phi = torch.stack([t.phi for t in trainers]).mean(0)
     probe = trainers[0]

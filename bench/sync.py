@@ -8,8 +8,8 @@ Four parts, each printed as a ratio measured in the same run (and, with ``--writ
    moving the same bytes both ways over one raw TCP socket (blocking ``sendall``/``recv_into`` straight
    from and into the tensors' memory: the fastest plain socket Python can do). Modes: fp32 and bf16 over
    the encrypted side channel, and fp32 over the libp2p stream fallback. "exchange" is the whole
-   ``Averager.exchange()`` call (pairing handshake, key agreement, transfer, means); "transfer" is the
-   data movement plus the means only.
+   ``Averager.exchange()`` call (pairing handshake, key agreement, transfer, sums); "transfer" is the
+   data movement plus the sums only.
 2. **Scaling.** N = 2, 4, 8, 16 local peers, all ready at once, each round paired by a fresh random
    perfect matching (the NoLoCo reference pairing: every node averages with exactly one partner, so N/2
    disjoint exchanges run concurrently) against ``torch.distributed`` gloo ``all_reduce`` of the same
@@ -87,7 +87,7 @@ def median(xs: list[float]) -> float:
 @dataclass
 class Request:
     """What the supervisor hands `Averager.exchange` (see tests/test_averaging.py): flat fp32 inputs and
-    the outputs the means land in."""
+    the outputs the group's sums land in."""
 
     outer_step: int
     phi: torch.Tensor
@@ -513,9 +513,7 @@ def _gloo_main(conn: Connection, rank: int, world: int, port: int, numel: int, r
             req.phi_out.copy_(req.phi)
             req.delta_out.copy_(req.delta)
             dist.all_reduce(req.phi_out)
-            dist.all_reduce(req.delta_out)
-            req.phi_out.div_(world)
-            req.delta_out.div_(world)
+            dist.all_reduce(req.delta_out)  # sums, as Starling leaves them (the outer step divides)
             if r > 0:
                 times.append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0})
         dist.destroy_process_group()
@@ -694,7 +692,7 @@ def bench_hivemind(numel: int, rounds: int) -> HivemindResult:
                 hm.close()
     m = {k: (median(v), min(v)) for k, v in (("ex", res.starling_exchange_s), ("tr", res.starling_transfer_s),
                                              ("st", res.hivemind_step_s), ("ar", res.hivemind_allreduce_s))}
-    print(f"    Starling exchange() {m['ex'][0]:.2f} s ({m['ex'][1]:.2f}), of which transfer + means "
+    print(f"    Starling exchange() {m['ex'][0]:.2f} s ({m['ex'][1]:.2f}), of which transfer + sums "
           f"{m['tr'][0]:.2f} s; hivemind step() {m['st'][0]:.2f} s ({m['st'][1]:.2f}), of which all-reduce "
           f"{m['ar'][0]:.2f} s")
     print(f"RATIO hivemind step / Starling exchange = {res.ratio():.2f} (best rounds {res.ratio(best=True):.2f}; "
@@ -884,8 +882,8 @@ def write_docs(command: str, elapsed_s: float, load: str, parts: dict[str, Any],
                   f"{raw.numel / 1e6:.0f}M fp32 parameters ({raw.bytes_per_direction / MB:.0f} MB each way, both "
                   "ways at once). *raw TCP* moves the same bytes between the same processes over one plain "
                   "socket (blocking `sendall`/`recv_into` from and into the tensors). *exchange* is the whole "
-                  "`exchange()` call (pairing, key agreement, side-channel connect, transfer, means); "
-                  "*transfer* is the data movement and the means only. MB/s are fp32-equivalent bytes of "
+                  "`exchange()` call (pairing, key agreement, side-channel connect, transfer, sums); "
+                  "*transfer* is the data movement and the sums only. MB/s are fp32-equivalent bytes of "
                   "phi + Delta per direction (bf16 puts half of them on the wire). Interleaved rounds: "
                   f"{len(raw.exchange_s)}, each a raw trial and then one trial of each mode (MB/s: median, "
                   "the best one in brackets). *vs raw*: ratio of the medians (of the best trials); *paired*: "
@@ -921,7 +919,7 @@ def write_docs(command: str, elapsed_s: float, load: str, parts: dict[str, Any],
                   "once. Each round pairs them by a fresh random perfect matching (as NoLoCo's reference code "
                   "does), so N/2 exchanges (fp32, side channel) run concurrently; the pairs are connected "
                   "before the clock starts. gloo: `torch.distributed` `all_reduce` of the same two tensors "
-                  "among the same N (plus the copy in and the division by N, as Starling's means). "
+                  "among the same N (plus the copy in; both leave the sums, which the outer step divides by N). "
                   "*node s*: median over nodes and rounds of one node's time (in brackets: the fastest "
                   "round's median node); *round s*: median over rounds of the slowest node; CPU: seconds per "
                   f"node per round. Timed rounds: {args.rounds}, after a warm-up round.",
@@ -960,7 +958,7 @@ def write_docs(command: str, elapsed_s: float, load: str, parts: dict[str, Any],
                       "| | Starling | hivemind | hivemind / Starling |", "|---|---|---|---|",
                       f"| whole call (exchange / step) | {median(ex):.2f} s ({min(ex):.2f}) | {median(st):.2f} s "
                       f"({min(st):.2f}) | {h.ratio():.2f} ({h.ratio(best=True):.2f}) |",
-                      f"| data movement (transfer + means / all-reduce) | {median(tr):.2f} s | {median(ar):.2f} s | "
+                      f"| data movement (transfer + sums / all-reduce) | {median(tr):.2f} s | {median(ar):.2f} s | "
                       f"{median(ar) / median(tr):.2f} |",
                       "", f"**Starling is {h.ratio():.2f}x as fast per averaging call** "
                       f"({h.ratio(best=True):.2f}x between the best rounds; target >= 2x).", ""]
@@ -974,7 +972,7 @@ def write_docs(command: str, elapsed_s: float, load: str, parts: dict[str, Any],
                   + "torch threads = 1. *alone*: each in its own swarm, solo outer steps (pairing window "
                   "0.1 s, the shortest, so a solo step costs the worker nothing). *averaging*: the two in one swarm, averaging at "
                   "every outer step (bf16 wire, the default). Pinning gives each node one core in both "
-                  "phases, so the difference is what the averaging (encryption, codec, means, libp2p) takes "
+                  "phases, so the difference is what the averaging (encryption, codec, sums, libp2p) takes "
                   "from the worker on the core it shares with its daemon. samples/s from the workers' step "
                   f"counters in `status --json` over a {t.window_s:.0f} s window after the first outer step "
                   "(the mean of the polled `training.samples_per_s` in brackets).", "",

@@ -188,6 +188,9 @@ class Averager:
     async def exchange(self, request: Any) -> int:
         """Average this outer step with one partner; returns 2, or 1 for a solo step.
 
+        With 2, `request.phi_out` and `request.delta_out` hold the pair's sums of phi and Delta (the
+        same bits on both partners; the worker's outer step divides by the group size).
+
         After an exchange, `request.group_outer_step` is the larger of the two outer steps (the worker
         adopts it). With no other trainer to pair with (`anyone_else`) the step is solo at once (see the
         module docstring); otherwise it waits up to the pairing window for a partner.

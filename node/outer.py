@@ -15,8 +15,10 @@ gamma term vanishes and both rules reduce to heavy-ball on the replica's own Del
 replica and all start from the same phi, NoLoCo's gamma term is zero and it equals DiLoCo.
 
 The worker keeps these tensors in fp32 on the CPU (master copies, as the design notes recommend) whatever
-device the model trains on. Steps work in place; the NoLoCo pull allocates one temporary so that it is
-exactly zero when phi equals the group mean (a group of identical replicas stays identical, bit for bit).
+device the model trains on. The steps take the group's *sums* of Delta and phi (what the daemon leaves in
+shared memory) and fold the 1/n into their scalars. Steps work in place; the NoLoCo pull allocates one
+temporary so that it is exactly zero when a pair's phis are equal (identical replicas stay identical, bit
+for bit).
 """
 
 from __future__ import annotations
@@ -40,20 +42,30 @@ class OuterHyper:
 def noloco_step(
     phi: torch.Tensor,
     momentum: torch.Tensor,
-    mean_delta: torch.Tensor,
-    mean_phi: torch.Tensor,
+    sum_delta: torch.Tensor,
+    sum_phi: torch.Tensor,
     hyper: OuterHyper,
+    n: int = 1,
 ) -> None:
-    """One NoLoCo outer step, in place on `phi` and `momentum`, given the group means."""
-    momentum.mul_(hyper.alpha).add_(mean_delta, alpha=hyper.beta)
+    """One NoLoCo outer step, in place on `phi` and `momentum`, given the sums of Delta and phi over a
+    group of `n` (with n = 1, the means themselves).
+
+    Why sums: the daemon leaves the group's sums, not its means, in shared memory (one pass less over
+    every received byte); the 1/n goes into the step's own scalars at no cost. For a pair this is bit for
+    bit the step on the means: halving is exact, so ``(beta/2)*sum == beta*(sum/2)`` and
+    ``sum - 2*phi == 2*(sum/2 - phi)``."""
+    momentum.mul_(hyper.alpha).add_(sum_delta, alpha=hyper.beta / n)
     if hyper.gamma:
-        momentum.add_(mean_phi - phi, alpha=hyper.gamma)  # - gamma * (phi - mean_phi)
+        # - gamma * (phi - mean(phi)); exactly zero when a pair's phis are equal
+        momentum.add_(torch.sub(sum_phi, phi, alpha=n), alpha=hyper.gamma / n)
     phi.add_(momentum)
 
 
-def diloco_step(phi: torch.Tensor, momentum: torch.Tensor, mean_delta: torch.Tensor, hyper: OuterHyper) -> None:
-    """One DiLoCo (heavy-ball) outer step, in place, given the all-reduced mean Delta."""
-    momentum.mul_(hyper.alpha).add_(mean_delta, alpha=hyper.beta)
+def diloco_step(
+    phi: torch.Tensor, momentum: torch.Tensor, sum_delta: torch.Tensor, hyper: OuterHyper, n: int = 1
+) -> None:
+    """One DiLoCo (heavy-ball) outer step, in place, given the sum of Delta over `n` replicas (n = 1: the mean)."""
+    momentum.mul_(hyper.alpha).add_(sum_delta, alpha=hyper.beta / n)
     phi.add_(momentum)
 
 
@@ -77,22 +89,23 @@ class OuterOptimizer:
         own_delta: torch.Tensor,
         *,
         group_size: int,
-        mean_phi: torch.Tensor | None = None,
-        mean_delta: torch.Tensor | None = None,
+        sum_phi: torch.Tensor | None = None,
+        sum_delta: torch.Tensor | None = None,
     ) -> None:
-        """Update `phi` in place. Solo when `group_size <= 1`; otherwise both means are required."""
+        """Update `phi` in place. Solo when `group_size <= 1`; otherwise both of the group's sums (over its
+        `group_size` members, this replica included) are required."""
         if phi.shape != self.momentum.shape or own_delta.shape != self.momentum.shape:
             raise ValueError("phi and Delta must be flat tensors of the optimizer's size")
         if group_size <= 1:
             # Solo: mean(Delta) is our own and the gamma term is zero, so both rules are heavy-ball.
             diloco_step(phi, self.momentum, own_delta, self.hyper)
             return
-        if mean_phi is None or mean_delta is None:
-            raise ValueError("a group step needs both mean_phi and mean_delta")
+        if sum_phi is None or sum_delta is None:
+            raise ValueError("a group step needs both sum_phi and sum_delta")
         if self.kind == "noloco":
-            noloco_step(phi, self.momentum, mean_delta, mean_phi, self.hyper)
+            noloco_step(phi, self.momentum, sum_delta, sum_phi, self.hyper, group_size)
         else:
-            diloco_step(phi, self.momentum, mean_delta, self.hyper)
+            diloco_step(phi, self.momentum, sum_delta, self.hyper, group_size)
 
     def state_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "momentum": self.momentum}

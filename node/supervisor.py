@@ -63,17 +63,18 @@ class ExchangeRequest:
     """One outer step's exchange, handed to the daemon's averager.
 
     The tensors are views of shared memory: `phi` and `delta` are the worker's and must only be read;
-    the daemon writes the group means into `phi_out` and `delta_out` before returning the group size.
+    the daemon writes the group's sums into `phi_out` and `delta_out` before returning the group size n
+    (sums, not means: the worker's outer step folds the 1/n into its scalars, the daemon saves a pass).
     They stay valid until the exchange function returns (or is cancelled).
     """
 
     outer_step: int
     phi: torch.Tensor  # flat fp32 slow weights
     delta: torch.Tensor  # flat fp32 outer gradient, Delta = theta - phi
-    phi_out: torch.Tensor  # flat fp32: group mean of phi, filled by the daemon
-    delta_out: torch.Tensor  # flat fp32: group mean of Delta, filled by the daemon
+    phi_out: torch.Tensor  # flat fp32: sum of phi over the group, filled by the daemon
+    delta_out: torch.Tensor  # flat fp32: sum of Delta over the group, filled by the daemon
     layout: Layout  # parameter names and shapes (for the run manifest)
-    # Set by the daemon with the means: the largest outer step in the group, which the worker adopts.
+    # Set by the daemon with the sums: the largest outer step in the group, which the worker adopts.
     group_outer_step: int | None = None
 
 
@@ -86,7 +87,7 @@ class _Adoption:
     sent_to: set[int] = field(default_factory=set)  # pids of the workers it was sent to
 
 
-# Returns the size n of the group whose means were written; 0 or 1 means "solo step, outputs ignored".
+# Returns the size n of the group whose sums were written; 0 or 1 means "solo step, outputs ignored".
 ExchangeFn = Callable[[ExchangeRequest], Awaitable[int]]
 
 

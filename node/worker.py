@@ -11,7 +11,8 @@ Conversation with the daemon (msgpack maps, length-prefixed, over the socketpair
     worker -> daemon   hello     parameter count and layout, task, device, hashes, resumed counters
     daemon -> worker   attach    names of the four shared-memory slots (node/shm.py)
     worker -> daemon   publish   phi and Delta are in the slots for outer step k
-    daemon -> worker   result    group size n for outer step k (means in phi_out/delta_out when n >= 2),
+    daemon -> worker   result    group size n for outer step k (sums over the group in phi_out/delta_out
+                                 when n >= 2),
                                  the group's largest outer step, or a swarm snapshot to adopt instead
     worker -> daemon   adopted   the snapshot was adopted (counters before and after) or why not
     worker -> daemon   metrics   step, loss, val_loss, samples/s ... about once a second
@@ -392,12 +393,13 @@ class Trainer:
     def apply_result(
         self,
         group_size: int,
-        mean_phi: torch.Tensor | None = None,
-        mean_delta: torch.Tensor | None = None,
+        sum_phi: torch.Tensor | None = None,
+        sum_delta: torch.Tensor | None = None,
         group_outer_step: int | None = None,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
-        size actually used (a group result with non-finite means falls back to a solo step).
+        size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
+        `sum_delta` are the group's sums over its `group_size` members, this one included.
 
         After a group step the outer-step counter continues from the group's largest one
         (`group_outer_step`), as the partner's does: counters of paired nodes stay together. The inner
@@ -405,13 +407,13 @@ class Trainer:
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
         if group_size >= 2:
-            if mean_phi is None or mean_delta is None:
-                raise ValueError("a group result needs mean_phi and mean_delta")
-            if not (bool(torch.isfinite(mean_phi).all()) and bool(torch.isfinite(mean_delta).all())):
-                log.warning("outer step %d: group means are not finite; taking a solo step", self.outer_step)
+            if sum_phi is None or sum_delta is None:
+                raise ValueError("a group result needs sum_phi and sum_delta")
+            if not (bool(torch.isfinite(sum_phi).all()) and bool(torch.isfinite(sum_delta).all())):
+                log.warning("outer step %d: group sums are not finite; taking a solo step", self.outer_step)
                 group_size = 1
         own_delta = torch.sub(self.theta_published, self.phi, out=self._scratch)
-        self.outer.step(self.phi, own_delta, group_size=group_size, mean_phi=mean_phi, mean_delta=mean_delta)
+        self.outer.step(self.phi, own_delta, group_size=group_size, sum_phi=sum_phi, sum_delta=sum_delta)
         # theta <- phi_new + (theta_now - theta_published): keep what was learnt while the exchange ran.
         theta = self._scratch
         self.gather_theta(theta)

@@ -11,12 +11,14 @@ Control flow on the libp2p stream (Noise-authenticated, so both PeerIDs are prov
     AvgPath(datapath | stream)               ->
     phi, Delta  (chunks, both directions at once, over the side channel or this stream)
 
-Both sides then hold the same two pairs of (wire-encoded) tensors and compute the same mean: the
-sender's own contribution goes through the same codec round trip as what it sent, so the two means are
+Both sides then hold the same two pairs of (wire-encoded) tensors and compute the same sums: the
+sender's own contribution goes through the same codec round trip as what it sent, so the two sums are
 bit-identical whatever the wire dtype. Received bytes land directly in the caller's output tensors
-(shared memory) and become means there chunk by chunk as they arrive, so an exchange needs no
+(shared memory) and become the group's sums there chunk by chunk as they arrive, so an exchange needs no
 model-sized buffer beyond those and no second pass over them; the caller uses the outputs only when
-`run_transfer` returns, so a failure or a rejection never leaves a half-applied update.
+`run_transfer` returns, so a failure or a rejection never leaves a half-applied update. Sums rather than
+means: the worker's outer step folds the 1/n into its own scalars for free (node/outer.py), while a
+halving here was one more pass over every received byte, about a tenth of the exchange's CPU.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ class Declined(Exception):
 
 @dataclass
 class Tensors:
-    """This side's inputs and the outputs the group means go into (flat fp32, same length)."""
+    """This side's inputs and the outputs the group's sums go into (flat fp32, same length)."""
 
     phi: torch.Tensor
     delta: torch.Tensor
@@ -166,7 +168,7 @@ def make_plan(numel: int, wire_dtype: str, int8_block: int, chunk_elems: int | N
 
 @dataclass
 class Received:
-    """What the receive loop measured of the partner's values while it folded them into the means."""
+    """What the receive loop measured of the partner's values while it folded them into the sums."""
 
     finite: bool = True
     their_delta_sq: float = 0.0
@@ -179,12 +181,12 @@ class Received:
 
 
 class _Fold:
-    """Turns each received chunk of the partner's values into the group mean, in place, on arrival.
+    """Turns each received chunk of the partner's values into the group's sum, in place, on arrival.
 
     Why on arrival: the chunk was just written by the decryption, so the finiteness check, the norm and
-    the mean read it from the cache; a separate pass over model-sized tensors afterwards cost as much
-    as the transfer itself (bench/sync.py). Both sides compute ``(theirs + own) * 0.5`` with ``own``
-    through the same codec round trip as what was sent, so the two means are bit-identical.
+    the sum read it from the cache; a separate pass over model-sized tensors afterwards cost as much
+    as the transfer itself (bench/sync.py). Both sides compute ``theirs + own`` with ``own`` through the
+    same codec round trip as what was sent, so the two sums are bit-identical (addition commutes).
     """
 
     def __init__(self, mine: torch.Tensor, out: torch.Tensor, plan: ChunkPlan, seen: Received, *, is_delta: bool):
@@ -215,17 +217,17 @@ class _Fold:
         else:
             own = self.scratch[: stop - start]
             # Decode plainly, then add: a fused decode-and-accumulate would round differently from the
-            # partner's plain decode of the same bytes, and the two means would differ.
+            # partner's plain decode of the same bytes, and the two sums would differ.
             self.codec.decode_into(self.codec.encode(mine), own)
-        theirs.add_(own).mul_(0.5)
+        theirs.add_(own)
 
 
 async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int, int, Received]:
     """Send our phi and Delta while receiving theirs into the outputs (both directions at once, or the
-    socket buffers fill up and both sides wait forever), turning them into the means as they land.
+    socket buffers fill up and both sides wait forever), turning them into the sums as they land.
 
     Over the side channel each direction runs in its own thread (``SecureChannel.run_in_threads``: the
-    encryption, the socket calls and the means release the GIL); over a libp2p stream both directions run
+    encryption, the socket calls and the sums release the GIL); over a libp2p stream both directions run
     as tasks on the event loop."""
     seen = Received()
     phi_fold = _Fold(t.phi, t.phi_out, plan, seen, is_delta=False)
@@ -276,7 +278,7 @@ Validator = Callable[[float, float], None]
 async def run_transfer(
     channel: FrameChannel, t: Tensors, plan: ChunkPlan, path: str, validate: Validator | None = None
 ) -> TransferResult:
-    """Swap values and leave the group means in the outputs. Raises Rejected (non-finite values, or what
+    """Swap values and leave the group's sums in the outputs. Raises Rejected (non-finite values, or what
     ``validate`` refuses) or ProtocolError; the outputs are meaningful only when it returns."""
     began = trio.current_time()
     sent, received, seen = await _swap(channel, t, plan)

@@ -232,9 +232,9 @@ async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback(initia
 
 
 @pytest.mark.parametrize("path", ["datapath", "stream"])
-async def test_an_exchange_measures_both_deltas_norms_and_leaves_the_exact_means(path: str) -> None:
+async def test_an_exchange_measures_both_deltas_norms_and_leaves_the_exact_sums(path: str) -> None:
     """The poisoning check compares our Delta's norm with the partner's, both measured chunk by chunk as
-    the partner's chunks are folded into the means, on the side channel and on the stream fallback."""
+    the partner's chunks are folded into the sums, on the side channel and on the stream fallback."""
     from protocols.avg import Tensors, make_plan, run_transfer
 
     n = 700_001  # three chunks of 1 MiB, the last one short
@@ -269,8 +269,8 @@ async def test_an_exchange_measures_both_deltas_norms_and_leaves_the_exact_means
     for i, (own, theirs) in enumerate(norms):
         assert own == pytest.approx(true_norms[i], rel=1e-5) and theirs == pytest.approx(true_norms[1 - i], rel=1e-5)
     for t in sides:
-        assert torch.equal(t.phi_out, (sides[0].phi + sides[1].phi) * 0.5)
-        assert torch.equal(t.delta_out, (sides[0].delta + sides[1].delta) * 0.5)
+        assert torch.equal(t.phi_out, sides[0].phi + sides[1].phi)
+        assert torch.equal(t.delta_out, sides[0].delta + sides[1].delta)
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="this OS has no TCP_NOTSENT_LOWAT")

@@ -48,7 +48,7 @@ def test_outer_step_moves_slow_weights_towards_where_the_inner_steps_went() -> N
 def test_solo_step_is_heavy_ball_on_own_delta_and_ignores_the_outputs() -> None:
     opt = OuterOptimizer("noloco", HYPER, 2)
     phi = t(1.0, 1.0)
-    opt.step(phi, t(1.0, 0.0), group_size=1, mean_phi=t(99.0, 99.0), mean_delta=t(99.0, 99.0))
+    opt.step(phi, t(1.0, 0.0), group_size=1, sum_phi=t(99.0, 99.0), sum_delta=t(99.0, 99.0))
     opt.step(phi, t(1.0, 0.0), group_size=0)
     # m1 = 0.7*[1,0];  m2 = 0.5*m1 + 0.7*[1,0] = [1.05, 0];  phi = 1 + 0.7 + 1.05
     assert torch.allclose(phi, t(2.75, 1.0), atol=1e-6)
@@ -58,9 +58,9 @@ def test_a_noloco_pair_pulls_two_replicas_together() -> None:
     a, b = OuterOptimizer("noloco", HYPER, 1), OuterOptimizer("noloco", HYPER, 1)
     phi_a, phi_b = t(0.0), t(1.0)
     delta = t(0.5)  # both replicas moved +0.5 in their inner steps
-    mean_phi, mean_delta = (phi_a + phi_b) / 2, delta
-    a.step(phi_a, delta, group_size=2, mean_phi=mean_phi, mean_delta=mean_delta)
-    b.step(phi_b, delta, group_size=2, mean_phi=mean_phi, mean_delta=mean_delta)
+    sum_phi, sum_delta = phi_a + phi_b, delta + delta  # what the daemon leaves: the pair's sums
+    a.step(phi_a, delta, group_size=2, sum_phi=sum_phi, sum_delta=sum_delta)
+    b.step(phi_b, delta, group_size=2, sum_phi=sum_phi, sum_delta=sum_delta)
     # a: m = 0.35 - 0.7*(0 - 0.5) = 0.7;  b: m = 0.35 - 0.7*(1 - 0.5) = 0
     assert torch.allclose(phi_a, t(0.7)) and torch.allclose(phi_b, t(1.0))
     assert abs(float(phi_b - phi_a)) < 1.0
@@ -77,29 +77,49 @@ def test_noloco_with_the_group_of_all_replicas_equals_diloco() -> None:
     for _ in range(steps):
         thetas = [phis[0] + 0.1 * torch.randn(size, generator=gen) for _ in range(n)]
         deltas = [theta - phi for theta, phi in zip(thetas, phis, strict=True)]
-        mean_delta = torch.stack(deltas).mean(0)
-        mean_phi = torch.stack(phis).mean(0)
+        sum_delta = torch.stack(deltas).sum(0)
+        sum_phi = torch.stack(phis).sum(0)
         for opt, phi, delta in zip(noloco, phis, deltas, strict=True):
-            opt.step(phi, delta, group_size=n, mean_phi=mean_phi, mean_delta=mean_delta)
-        diloco.step(phi_d, mean_delta, group_size=n, mean_phi=mean_phi, mean_delta=mean_delta)
+            opt.step(phi, delta, group_size=n, sum_phi=sum_phi, sum_delta=sum_delta)
+        diloco.step(phi_d, sum_delta / n, group_size=n, sum_phi=sum_phi, sum_delta=sum_delta)
         for phi in phis:
             assert torch.allclose(phi, phi_d, atol=1e-6)
     assert not torch.allclose(phi_d, start)  # the steps did something
 
 
-def test_group_mean_equal_to_own_phi_makes_the_gamma_term_exactly_zero() -> None:
+def test_a_pair_with_equal_phis_makes_the_gamma_term_exactly_zero() -> None:
     opt_n = OuterOptimizer("noloco", HYPER, 3)
     opt_d = OuterOptimizer("diloco", HYPER, 3)
     phi_n, phi_d = t(0.1, 0.2, 0.3), t(0.1, 0.2, 0.3)
-    mean_delta = t(0.3, -0.1, 0.0)
-    opt_n.step(phi_n, mean_delta, group_size=2, mean_phi=phi_n.clone(), mean_delta=mean_delta)
-    opt_d.step(phi_d, mean_delta, group_size=2, mean_phi=phi_d.clone(), mean_delta=mean_delta)
+    delta = t(0.3, -0.1, 0.0)
+    opt_n.step(phi_n, delta, group_size=2, sum_phi=phi_n + phi_n, sum_delta=delta + delta)
+    opt_d.step(phi_d, delta, group_size=2, sum_phi=phi_d + phi_d, sum_delta=delta + delta)
     assert torch.equal(phi_n, phi_d)
 
 
-def test_group_step_without_means_is_refused() -> None:
+@pytest.mark.parametrize("kind", ["noloco", "diloco"])
+def test_a_pair_step_from_the_sums_is_bit_identical_to_the_step_from_the_means(kind: str) -> None:
+    """The daemon leaves sums and the step divides by 2 in its scalars: for a pair that must be exactly
+    the step on the means (halving is exact), so nothing changed for the model but one pass less."""
+    gen = torch.Generator().manual_seed(3)
+    phi, momentum = torch.randn(10_000, generator=gen), torch.randn(10_000, generator=gen)
+    a = [torch.randn(10_000, generator=gen) * s for s in (1.0, 1e-3)]  # the two phis
+    b = [torch.randn(10_000, generator=gen) * s for s in (1e-2, 1e-5)]  # the two Deltas
+    sums = (a[0] + a[1], b[0] + b[1])
+    means = (sums[0] * 0.5, sums[1] * 0.5)
+    by_sum, by_mean = (phi.clone(), momentum.clone()), (phi.clone(), momentum.clone())
+    if kind == "noloco":
+        noloco_step(*by_sum, sums[1], sums[0], HYPER, 2)
+        noloco_step(*by_mean, means[1], means[0], HYPER)
+    else:
+        diloco_step(*by_sum, sums[1], HYPER, 2)
+        diloco_step(*by_mean, means[1], HYPER)
+    assert torch.equal(by_sum[0], by_mean[0]) and torch.equal(by_sum[1], by_mean[1])
+
+
+def test_group_step_without_sums_is_refused() -> None:
     opt = OuterOptimizer("noloco", HYPER, 2)
-    with pytest.raises(ValueError, match="mean_phi and mean_delta"):
+    with pytest.raises(ValueError, match="sum_phi and sum_delta"):
         opt.step(t(0.0, 0.0), t(1.0, 1.0), group_size=2)
 
 

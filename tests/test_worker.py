@@ -162,14 +162,15 @@ def test_the_outer_result_keeps_the_progress_made_while_the_exchange_ran(tmp_pat
     assert tr.outer_step == 1 and tr.pending is None
 
 
-def test_a_group_result_uses_the_group_means_and_non_finite_means_fall_back_to_solo(tmp_path: Path) -> None:
+def test_a_group_result_uses_the_group_sums_and_non_finite_sums_fall_back_to_solo(tmp_path: Path) -> None:
     tr = Trainer(TINY, tmp_path, "peer-a")
     while not tr.publish_due():
         tr.inner_step()
     tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
     phi_old = tr.phi.clone()
     mean_phi, mean_delta = phi_old + 0.01, torch.full((tr.numel,), 0.02)
-    assert tr.apply_result(2, mean_phi, mean_delta) == 2
+    # The daemon leaves the pair's sums: ours plus a partner whose phi is 0.02 higher.
+    assert tr.apply_result(2, phi_old + (phi_old + 0.02), torch.full((tr.numel,), 0.04)) == 2
     expected = phi_old + TINY.beta * mean_delta - TINY.gamma * (phi_old - mean_phi)
     assert torch.allclose(tr.phi, expected, atol=1e-6)
     assert torch.allclose(flat(tr), tr.phi)  # no steps while in flight: theta restarts at phi
@@ -189,7 +190,7 @@ def test_a_group_step_continues_from_the_groups_largest_outer_step_and_keeps_the
         while not tr.publish_due():
             tr.inner_step()
         tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
-        tr.apply_result(group_size, tr.phi.clone(), torch.zeros(tr.numel), group_outer_step)
+        tr.apply_result(group_size, tr.phi * group_size, torch.zeros(tr.numel), group_outer_step)
 
     one_outer_step(2, 6)  # published at 0, the partner was at 6: both continue from 7
     assert (tr.outer_step, tr.step) == (7, TINY.inner_steps)
@@ -473,7 +474,7 @@ async def test_the_worker_exits_when_the_daemon_is_killed_and_the_next_daemon_re
 
 
 @pytest.mark.slow
-async def test_failed_and_hung_exchanges_become_solo_steps_and_group_means_reach_the_worker(
+async def test_failed_and_hung_exchanges_become_solo_steps_and_group_sums_reach_the_worker(
     tmp_path: Path,
 ) -> None:
     requests: list[ExchangeRequest] = []
@@ -484,10 +485,10 @@ async def test_failed_and_hung_exchanges_become_solo_steps_and_group_means_reach
             raise ConnectionError("partner vanished")
         if len(requests) == 2:
             await trio.sleep_forever()  # cut off by train.exchange_timeout
-        # A partner identical to us: the means are our own values (so the step equals a solo one),
+        # A partner identical to us: the sums are twice our own values (so the step equals a solo one),
         # but 10 outer steps ahead: the worker adopts its counter.
-        req.phi_out.copy_(req.phi)
-        req.delta_out.copy_(req.delta)
+        torch.mul(req.phi, 2, out=req.phi_out)
+        torch.mul(req.delta, 2, out=req.delta_out)
         req.group_outer_step = req.outer_step + 10
         return 2
 
