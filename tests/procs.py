@@ -14,15 +14,20 @@ from typing import Any
 
 STARLING = [sys.executable, "-m", "node.cli"]
 
-#: Options for daemons that train together on 127.0.0.1: a model small enough that five of them fit on
-#: two cores, quick pairing and membership timers. A later `--set` of the same option wins.
-TINY = [
-    "--listen", "/ip4/127.0.0.1/tcp/0",
+#: A model small enough that five trainers fit on two cores, and quick pairing: the training part of
+#: TINY, also used by the network-lab tests. A later `--set` of the same option wins.
+TINY_TRAIN = [
     "--set", "train.d_model=32", "--set", "train.n_layers=1", "--set", "train.n_heads=2",
     "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set", "train.inner_steps=5",
     "--set", "train.data_bytes=300000", "--set", "train.warmup=10", "--set", "train.lr=0.003",
     "--set", "train.max_lag=5", "--set", "train.checkpoint_every=2", "--set", "train.eval_batches=1",
     "--set", "sync.pair_window_s=2", "--set", "sync.backoff_s=1", "--set", "sync.join_wait_s=2",
+]  # fmt: skip
+
+#: Options for daemons that train together on 127.0.0.1: TINY_TRAIN, quick membership timers.
+TINY = [
+    "--listen", "/ip4/127.0.0.1/tcp/0",
+    *TINY_TRAIN,
     # Nodes start seconds apart on a loaded 2-core machine and step solo meanwhile (H = 5 is fast):
     # allow them to pair despite that head start.
     "--set", "sync.max_step_gap=50",

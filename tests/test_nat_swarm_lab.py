@@ -34,6 +34,7 @@ import netlab
 import pytest
 from labdaemon import PORT, PYTHON, ROOT, LabDaemon, path_to, start_daemon
 from netlab import Host, Lab, NatStyle
+from procs import TINY_TRAIN
 
 from p2p.nat import short_id
 
@@ -42,13 +43,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.lab]
 SWARM = "natlab"
 
 TRAIN = [
-    "--set", "train.d_model=32", "--set", "train.n_layers=1", "--set", "train.n_heads=2",
-    "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set", "train.inner_steps=5",
-    "--set", "train.data_bytes=300000", "--set", "train.warmup=10", "--set", "train.lr=0.003",
-    "--set", "train.max_lag=5", "--set", "train.checkpoint_every=20", "--set", "train.eval_batches=1",
-    "--set", "train.threads=1",
-    "--set", "sync.pair_window_s=2", "--set", "sync.backoff_s=1", "--set", "sync.join_wait_s=2",
-    "--set", "sync.max_step_gap=1000",
+    *TINY_TRAIN,
+    "--set", "train.checkpoint_every=20", "--set", "train.threads=1", "--set", "sync.max_step_gap=1000",
 ]  # fmt: skip
 COMMON = ["--set", "node.heartbeat_s=0.5"]
 
