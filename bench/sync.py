@@ -377,6 +377,11 @@ class ThroughputRow:
             return None
         return median([r / t for r, t in zip(raw.exchange_s, times, strict=True)])
 
+    def vs_raw(self, raw: ThroughputRow, which: str) -> tuple[float, float, float | None]:
+        """This mode against raw TCP: (ratio of the medians, of the best trials, paired ratio or None)."""
+        return (self.mbps(which) / raw.mbps(which), self.mbps(which, True) / raw.mbps(which, True),
+                self.paired_ratio(raw, which))
+
 
 def bench_throughput(numel: int, repeat: int, stream_numel: int) -> tuple[ThroughputRow, list[ThroughputRow]]:
     """Interleaved trials (raw, then each mode), `repeat` times. Returns raw and the modes."""
@@ -416,8 +421,7 @@ def bench_throughput(numel: int, repeat: int, stream_numel: int) -> tuple[Throug
                     record(rows[mode], _round(exchange_pairs(peers, [(0, 1)])))
 
     def cells(r: ThroughputRow, which: str) -> str:
-        ratio, best = r.mbps(which) / raw.mbps(which), r.mbps(which, True) / raw.mbps(which, True)
-        paired = r.paired_ratio(raw, which)
+        ratio, best, paired = r.vs_raw(raw, which)
         return (f"{r.mbps(which):>6.0f} ({r.mbps(which, True):>5.0f}) {ratio:>5.2f} ({best:.2f})"
                 f" {'-' if paired is None else f'{paired:.2f}':>6}")
 
@@ -426,9 +430,9 @@ def bench_throughput(numel: int, repeat: int, stream_numel: int) -> tuple[Throug
     for r in [raw, *rows.values()]:
         print(f"    {r.mode:<20} {cells(r, 'exchange')} {cells(r, 'transfer')} {r.cpu_per_gb:>9.2f}")
     fp32 = rows["fp32 side channel"]
-    print(f"RATIO throughput fp32 exchange / raw TCP = {fp32.paired_ratio(raw, 'exchange'):.2f} (median of the "
-          f"{repeat} per-round ratios; ratio of the medians {fp32.mbps('exchange') / raw.mbps('exchange'):.2f}, "
-          f"of the best trials {fp32.mbps('exchange', True) / raw.mbps('exchange', True):.2f}; target >= 0.6); "
+    ratio, best, paired = fp32.vs_raw(raw, "exchange")
+    print(f"RATIO throughput fp32 exchange / raw TCP = {paired:.2f} (median of the {repeat} per-round ratios; "
+          f"ratio of the medians {ratio:.2f}, of the best trials {best:.2f}; target >= 0.6); "
           f"CPU per byte raw / fp32 exchange = {raw.cpu_per_gb / fp32.cpu_per_gb:.2f} (what the ratio would be "
           "were both CPU-bound; robust to other load)", flush=True)
     return raw, list(rows.values())
@@ -895,21 +899,20 @@ def write_docs(command: str, elapsed_s: float, load: str, parts: dict[str, Any],
             size = f" ({r.numel / 1e6:.0f}M params)" if r.numel != raw.numel else ""
             cells = []
             for which in ("exchange", "transfer"):
-                paired = r.paired_ratio(raw, which)
-                cells += [f"{r.mbps(which):.0f} ({r.mbps(which, True):.0f})",
-                          f"{r.mbps(which) / raw.mbps(which):.2f} ({r.mbps(which, True) / raw.mbps(which, True):.2f})",
+                ratio, best, paired = r.vs_raw(raw, which)
+                cells += [f"{r.mbps(which):.0f} ({r.mbps(which, True):.0f})", f"{ratio:.2f} ({best:.2f})",
                           "-" if paired is None else f"{paired:.2f}"]
             lines.append(f"| {r.mode}{size} | {' | '.join(cells)} | {r.cpu_per_gb:.2f} |")
-        lines += ["", f"**fp32 exchange / raw TCP = {fp32.paired_ratio(raw, 'exchange'):.2f}** (median of the "
-                  f"per-round ratios; {fp32.mbps('exchange') / raw.mbps('exchange'):.2f} between the medians, "
-                  f"{fp32.mbps('exchange', True) / raw.mbps('exchange', True):.2f} between the best trials; "
+        ratio, best, paired = fp32.vs_raw(raw, "exchange")
+        lines += ["", f"**fp32 exchange / raw TCP = {paired:.2f}** (median of the per-round ratios; {ratio:.2f} "
+                  f"between the medians, {best:.2f} between the best trials; "
                   f"target >= 0.6). CPU seconds per byte, raw / fp32 exchange = "
                   f"{raw.cpu_per_gb / fp32.cpu_per_gb:.2f}: the throughput ratio were both CPU-bound, and much "
                   "less sensitive than wall time to other work on the machine.", "",
                   "Where the CPU goes: besides the kernel copies that raw TCP makes too, each peer encrypts what "
                   "it sends and decrypts what it gets (AES-256-GCM, about 0.1 s per GB each way on this machine), "
-                  "and checks, measures and averages each received chunk as it lands. Each direction runs in "
-                  "its own thread, so on a machine of its own a peer spreads that work over two cores; here "
+                  "and checks, measures and adds each received chunk into the sums as it lands. Each direction "
+                  "runs in its own thread, so on a machine of its own a peer spreads that work over two cores; here "
                   "both peers share two cores, so the exchange is CPU-bound.", ""]
     if "2" in parts:
         rows2: list[ScalingRow] = parts["2"]
