@@ -1,13 +1,32 @@
-"""The daemon's side of an outer step: pair with one random partner and average, or step solo.
+"""The daemon's side of an outer step: pair with one partner and average, or step solo.
 
-The worker publishes `(phi, Delta)` in shared memory and the supervisor calls `Averager.exchange`. For
-up to `sync.pair_window_s` the node both *asks* random eligible partners and *accepts* requests from
-partners that are ready themselves; whichever pairing happens first completes this outer step. No node
-ever waits for more than one partner, and a partner that is busy, refuses, fails or misses its deadline
-costs a back-off for that partner and, at worst, a solo step here.
+The worker publishes `(phi, Delta)` in shared memory and the supervisor calls `Averager.exchange`. Who
+pairs with whom comes from a schedule that every trainer computes alike from the outer step and the
+trainers it knows (node/pairing.py: a fresh round-robin matching per outer step, the solo step rotating
+when their number is odd), because "whoever asks first" phase-locks equal machines into fixed pairs and
+starves an odd one out. For up to `sync.pair_window_s`:
 
-Crossing requests (A asks B while B asks A) become one exchange: the request of the smaller PeerID wins.
-Deadlines come from each link's measured throughput (an EWMA), not from a fixed timeout.
+1. *Scheduled phase* (the first half of the window): only the scheduled partner counts. The smaller
+   PeerID of the pair asks (again every few hundred ms while the partner is still training), the other
+   waits for it; anyone else asking is told we are busy. A scheduled partner that refuses, fails or is
+   busy with someone else ends this phase at once: the views disagreed.
+2. *Open phase* (the rest): any ready eligible partner, least recently paired first; requests from
+   anyone are accepted. This is where a bye, a new member or a node whose view differs finds a partner.
+
+No node ever waits for more than one partner, and a partner that refuses, fails or misses its deadline
+costs a back-off for that partner and, at worst, a solo step here. Crossing requests (A asks B while B
+asks A) become one exchange: the request of the smaller PeerID wins. Deadlines come from each link's
+measured throughput (an EWMA), not from a fixed timeout.
+
+Phase: outer steps are paced by time (node/worker.py, `publish_due`), and two partners that published at
+different moments meet halfway: each tells the other how long it waited for the pairing, and the result
+moves the next publish by half the difference (`ExchangeRequest.shift_s`), so phases converge across the
+swarm like any gossip average. A node that found nobody ready at all in its window is out of phase with
+everyone; it moves its next publish by a random part of the period to look elsewhere.
+
+Weights: each side says how many inner steps and samples its Delta covers; the worker weights the pair's
+Delta by samples (node/outer.py, `PairWeights`), and the Delta-norm check allows a partner that trained
+more steps than we did a proportionally larger norm (`_validate`).
 
 Two rules keep heterogeneous machines from drifting apart for good:
 
@@ -38,6 +57,7 @@ import msgpack
 import trio
 from libp2p.peer.id import ID
 
+from node.pairing import scheduled_partner
 from node.sync_config import SyncConfig
 from p2p.datapath import DataPathListener
 from protocols import avg
@@ -51,6 +71,10 @@ BACKOFF_MAX_S = 300.0
 _MALFORMED = {"malformed", "too_large", "bad_kind", "bad_version", "bad_field", "bad_size", "auth"}
 RATE_EWMA = 0.5
 MAX_INBOUND = 16  # pairing requests read concurrently
+SCHEDULED_SHARE = 0.5  # of the pairing window spent on the scheduled partner only
+SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still training, again after this
+MIXING_WINDOW = 20  # outer steps that `status()["mixing"]` and the member record's partners look back over
+MAX_STEP_RATIO = 64.0  # most a partner's Delta norm may be scaled up for covering more inner steps than ours
 
 
 def layout_hash(layout: Any) -> str:
@@ -71,6 +95,21 @@ class _Pending:
     transfer_finished: trio.Event = field(default_factory=trio.Event)
     transfer_scope: trio.CancelScope | None = None
     partner_outer_step: int | None = None  # the partner's, from its request or its answer
+    partner_samples: int = 0
+    partner_inner_steps: int = 0
+    partner_waited_s: float = 0.0
+    began: float = 0.0  # when the worker published (trio clock)
+    waited_s: float = 0.0  # from the publish to the pairing
+    scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
+    scheduled_until: float = 0.0  # end of the scheduled phase
+    saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
+
+    def in_scheduled_phase(self, now: float) -> bool:
+        return self.scheduled is not None and now < self.scheduled_until
+
+    def mark_paired(self, partner: str, now: float) -> None:
+        self.claimed_by = partner
+        self.waited_s = now - self.began
 
 
 @dataclass
@@ -141,6 +180,9 @@ class Averager:
             "last_error": None,
         }
         self._partners: set[str] = set()
+        # (outer step, partner or None for a solo step, whether it was the scheduled partner), newest last.
+        self._recent: collections.deque[tuple[int, str | None, bool]] = collections.deque(maxlen=MIXING_WINDOW)
+        self._last_paired: dict[str, int] = {}  # partner -> our exchange count when we last averaged with it
         self.rejections: dict[str, int] = {}
         self._inbound = 0
         self._norms: collections.deque[float] = collections.deque(maxlen=32)  # accepted Delta norms
@@ -165,23 +207,58 @@ class Averager:
                 "rate_mbps": round(link.rate_bps * 8 / 1e6, 1), "failures": link.failures, "path": link.last_path}
             for p, link in self._links.items()
         }
+        st["mixing"] = self.mixing()
         st["state"] = "pairing" if self._pending is not None else "idle"
         st["rejections"] = dict(self.rejections)
         now = trio.current_time()
         st["banned"] = sorted(p for p, link in self._links.items() if link.banned_until > now)
         return st
 
+    def mixing(self) -> dict[str, Any]:
+        """Whom this node averaged with over its last MIXING_WINDOW outer steps, and how often it stepped
+        solo: what `starling status` shows and `starling doctor` checks for islands."""
+        recent = list(self._recent)
+        partners: dict[str, int] = {}
+        for _, partner, _ in recent:
+            if partner is not None:
+                partners[partner] = partners.get(partner, 0) + 1
+        averaged = sum(partners.values())
+        return {
+            "window": MIXING_WINDOW,
+            "outer_steps": len(recent),
+            "averaged": averaged,
+            "solo": len(recent) - averaged,
+            "solo_share": round((len(recent) - averaged) / len(recent), 3) if recent else None,
+            "scheduled": sum(1 for _, p, sched in recent if p is not None and sched),
+            "partners": partners,
+            "distinct_partners": len(partners),
+        }
+
+    def recent_partners(self) -> list[str]:
+        """Distinct partners over the last MIXING_WINDOW outer steps, most frequent first (for the member
+        record, so that every node can see the swarm's pairing graph)."""
+        counts = self.mixing()["partners"]
+        return sorted(counts, key=lambda p: (-counts[p], p))
+
     # --- validation of what partners send ------------------------------------------------------------------
 
-    def _validate(self, mine: float, theirs: float) -> None:
-        """Reject a partner's Delta whose norm is far outside ours and the recent history (poisoning)."""
+    def _validate(self, mine: float, theirs: float, step_ratio: float = 1.0) -> None:
+        """Reject a partner's Delta whose norm is far outside ours and the recent history (poisoning).
+
+        `step_ratio` is the partner's inner steps over ours (at least 1, at most MAX_STEP_RATIO): on a
+        swarm of mixed speeds a faster partner's Delta covers more steps and is legitimately longer."""
         history = list(self._norms)
-        reference = max(mine, statistics.median(history) if history else 0.0)
+        reference = max(mine, statistics.median(history) if history else 0.0) * step_ratio
         if not math.isfinite(theirs) or (reference > 0 and theirs > self.cfg.max_delta_ratio * reference):
             raise Rejected(
                 "delta_norm",
                 f"Delta norm {theirs:.3g} is over {self.cfg.max_delta_ratio:g}x the reference {reference:.3g}",
             )
+
+    def _validator(self, own_steps: int, their_steps: int) -> Callable[[float, float], None]:
+        ratio = their_steps / own_steps if own_steps > 0 and their_steps > 0 else 1.0
+        ratio = min(max(ratio, 1.0), MAX_STEP_RATIO)
+        return lambda mine, theirs: self._validate(mine, theirs, ratio)
 
     # --- the supervisor's call ---------------------------------------------------------------------------
 
@@ -202,14 +279,18 @@ class Averager:
             if not has_partner and self.anyone_else is not None and not self.anyone_else():
                 self.stats["solo_rounds"] += 1
                 self.stats["unpaired_rounds"] += 1
+                self._recent.append((request.outer_step, None, False))
                 log.debug("outer step %d: solo after 0.00s (no other trainer to pair with)", request.outer_step)
                 return 1
+        began = trio.current_time()
         pending = _Pending(
             request,
             Tensors(request.phi, request.delta, request.phi_out, request.delta_out),
             layout_hash(request.layout),
+            began=began,
         )
-        began = trio.current_time()
+        pending.scheduled = scheduled_partner(self.me, self._schedule_members(), request.outer_step)
+        pending.scheduled_until = began + SCHEDULED_SHARE * self.cfg.pair_window_s
         self._pending = pending
         try:
             async with trio.open_nursery() as nursery:
@@ -226,15 +307,39 @@ class Averager:
                     await pending.transfer_finished.wait()
         if pending.result < 2:
             self.stats["solo_rounds"] += 1
+            self._recent.append((request.outer_step, None, False))
+            if not pending.saw_ready:
+                # Nobody was ready in the whole window: our phase is off everyone's. Look elsewhere next time.
+                request.shift_s = random.uniform(0.0, 0.5) * self.cfg.pair_window_s
         else:
             request.group_outer_step = self._group_outer_step(request.outer_step, pending.partner_outer_step)
+            request.partner_samples = pending.partner_samples
+            # Meet halfway: the one that waited longer published earlier and moves its next publish later.
+            request.shift_s = (pending.waited_s - pending.partner_waited_s) / 2
+            partner = pending.claimed_by
+            self._recent.append((request.outer_step, partner, partner == pending.scheduled))
+            if partner is not None:
+                self._last_paired[partner] = self.stats["rounds"]
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   "averaged" if pending.result >= 2 else "solo", trio.current_time() - began)
         return pending.result
 
+    def _schedule_members(self) -> list[str]:
+        """The other trainers the schedule pairs us among: the eligible ones (the swarm state's view, the
+        same on every node), or the connected peers where no such view is given (tests, benchmarks)."""
+        if self.eligible_peers is not None:
+            members = set(self.eligible_peers())
+        else:
+            members = {str(p) for p in self.host.get_connected_peers()}
+        members.discard(self.me)
+        return sorted(members)
+
     async def _pair(self, pending: _Pending) -> None:
-        deadline = trio.current_time() + self.cfg.pair_window_s
+        deadline = pending.began + self.cfg.pair_window_s
         while pending.claimed_by is None and trio.current_time() < deadline:
+            if pending.in_scheduled_phase(trio.current_time()):
+                await self._meet_scheduled(pending)
+                continue
             partner = self._choose_partner()
             if partner is None:
                 await trio.sleep(random.uniform(0.1, 0.4))
@@ -246,6 +351,25 @@ class Averager:
             pending.claimed_by = "solo"  # close the door to late requests
             pending.result = 1
             pending.done.set()
+
+    async def _meet_scheduled(self, pending: _Pending) -> None:
+        """One try at the scheduled partner: the smaller PeerID asks, the other waits for its request."""
+        partner = pending.scheduled
+        assert partner is not None
+        link = self._link(partner)
+        if link.banned_until > trio.current_time():
+            pending.scheduled_until = 0.0
+            return
+        if partner < self.me:
+            await trio.sleep(0.1)  # its request comes to _serve_request
+            return
+        outcome = await self._try_partner(pending, partner, scheduled=True)
+        if pending.claimed_by is not None:
+            return
+        if outcome == "not ready":
+            await trio.sleep(random.uniform(*SCHEDULED_RETRY_S))
+        else:
+            pending.scheduled_until = 0.0  # it refused, failed, or pairs with someone else: open phase
 
     def _may_punch(self, partner: str) -> bool:
         """Whether to open a punched side channel with `partner` where its listener (or ours) is behind a
@@ -263,12 +387,17 @@ class Averager:
         return max(ours, theirs)
 
     def _choose_partner(self) -> str | None:
+        """A ready eligible partner for the open phase: the least recently paired, random among ties
+        (never paired counts as least recent), so that the fallback spreads partners too."""
         now = trio.current_time()
         connected = {str(p) for p in self.host.get_connected_peers()}
         pool = connected if self.eligible_peers is None else connected & set(self.eligible_peers())
         pool.discard(self.me)
         ready = [p for p in pool if self._link(p).next_try <= now and self._link(p).banned_until <= now]
-        return random.choice(ready) if ready else None
+        if not ready:
+            return None
+        oldest = min(self._last_paired.get(p, -1) for p in ready)
+        return random.choice([p for p in ready if self._last_paired.get(p, -1) == oldest])
 
     def _link(self, peer: str) -> _Link:
         link = self._links.get(peer)
@@ -289,9 +418,30 @@ class Averager:
             "wire_dtype": self.cfg.wire_dtype,
             "int8_block": 4096,
             "datapath": self.listener is not None,
+            **self._contribution(pending),
         }
 
-    async def _try_partner(self, pending: _Pending, partner: str) -> None:
+    @staticmethod
+    def _contribution(pending: _Pending) -> dict[str, int]:
+        """What our Delta covers and how long we have waited: the partner's weights and phase."""
+        request = pending.request
+        waited = max(0.0, trio.current_time() - pending.began)
+        return {
+            "inner_steps": max(0, int(getattr(request, "inner_steps", 0) or 0)),
+            "samples": max(0, int(getattr(request, "samples", 0) or 0)),
+            "waited_ms": min(int(waited * 1000), 1 << 30),
+        }
+
+    def _note_partner(self, pending: _Pending, message: avg.AvgRequest | avg.AvgAnswer) -> None:
+        pending.partner_outer_step = message.outer_step
+        pending.partner_samples = message.samples
+        pending.partner_inner_steps = message.inner_steps
+        # A partner cannot have waited longer than our window allows (its figure only moves our phase).
+        pending.partner_waited_s = min(message.waited_ms / 1000, self.cfg.pair_window_s)
+
+    async def _try_partner(self, pending: _Pending, partner: str, *, scheduled: bool = False) -> str:
+        """Ask `partner`; returns "paired", "not ready" (it is still training), "busy", "refused" or
+        "failed"."""
         pending.initiating_to = partner
         began = trio.current_time()
         claimed_here = False
@@ -301,12 +451,12 @@ class Averager:
             with trio.fail_after(self.cfg.handshake_timeout_s):
                 stream = await self.host.new_stream(ID.from_base58(partner), [avg.PROTOCOL_ID])
 
-            def claim(partner_outer_step: int) -> bool:
+            def claim(answer: avg.AvgAnswer) -> bool:
                 nonlocal claimed_here
                 if pending.claimed_by is not None:
                     return False  # a crossing request claimed this step meanwhile
-                pending.claimed_by = partner
-                pending.partner_outer_step = partner_outer_step
+                pending.mark_paired(partner, trio.current_time())
+                self._note_partner(pending, answer)
                 claimed_here = True
                 return True
 
@@ -321,27 +471,33 @@ class Averager:
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, numel),
                     on_accept=claim,
-                    validate=self._validate,
+                    validate=lambda mine, theirs: self._validator(
+                        self._contribution(pending)["inner_steps"], pending.partner_inner_steps)(mine, theirs),
                     offer_punch=self._may_punch(partner),
                 )
             finally:
                 await close_quietly(stream)
         except Declined as e:
             self.stats["declined"] += 1
-            self._back_off(partner, soft=True)
+            not_ready = e.verdict == "busy" and e.reason.startswith("not ready")
+            if e.verdict == "busy" and not not_ready:
+                pending.saw_ready = True
+            if not scheduled:
+                self._back_off(partner, soft=True)
             log.debug("partner %s declined: %s", partner, e)
-            return
+            return "not ready" if not_ready else ("busy" if e.verdict == "busy" else "refused")
         except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
             self._fail(partner, e, trio.current_time() - began)
             if claimed_here:  # our exchange owned this step and failed: solo, nothing applied
                 pending.result = 1
                 pending.done.set()
-            return
+            return "failed"
         finally:
             pending.initiating_to = None
         self._succeed(partner, result)
         pending.result = 2
         pending.done.set()
+        return "paired"
 
     # --- the responder -----------------------------------------------------------------------------------
 
@@ -367,14 +523,16 @@ class Averager:
             await close_quietly(stream, reset=True)
             return
         pending = self._pending
+        if pending is not None:
+            pending.saw_ready = True  # whoever asks has published: our phase is not off everyone's
         verdict = self._judge(request, pending, partner)
         if verdict is not None:
             await avg.answer(stream, verdict[0], verdict[1], pending.request.outer_step if pending else 0)
             await close_quietly(stream)
             return
         assert pending is not None
-        pending.claimed_by = partner
-        pending.partner_outer_step = request.outer_step
+        pending.mark_paired(partner, trio.current_time())
+        self._note_partner(pending, request)
         began = trio.current_time()
         try:
             with trio.CancelScope() as scope:
@@ -389,8 +547,9 @@ class Averager:
                     remote_peer_id=stream.muxed_conn.peer_id.to_bytes(),
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, request.numel),
-                    validate=self._validate,
+                    validate=self._validator(self._contribution(pending)["inner_steps"], request.inner_steps),
                     allow_punch=self._may_punch(partner),
+                    **self._contribution(pending),
                 )
             if scope.cancelled_caught:
                 raise trio.TooSlowError("cancelled by shutdown")
@@ -432,6 +591,8 @@ class Averager:
             return ("refuse", f"unknown wire dtype {req.wire_dtype!r}")
         if pending.claimed_by is not None:
             return ("busy", "already exchanging")
+        if pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled:
+            return ("busy", "waiting for the partner the schedule gives it")
         if pending.initiating_to is not None:
             if pending.initiating_to == partner and partner < self.me:
                 return None  # crossing requests: the smaller PeerID's request wins

@@ -98,6 +98,7 @@ MAX_PUBKEY_BYTES = 1024
 MAX_SIGNATURE_BYTES = 1024
 MAX_PEER_ID_CHARS = 128
 MAX_ADDRS = 16
+MAX_PARTNERS = 16  # recent averaging partners a member record names
 MAX_ADDR_CHARS = 256
 MAX_LABEL_CHARS = 32  # reachability, role
 MAX_VERSION_CHARS = 64
@@ -235,6 +236,14 @@ _PEER_ID = _str_field(MAX_PEER_ID_CHARS, 1)
 _COUNT = _int_field(0, MAX_UINT63)
 
 
+def _partners_field(name: str, value: object) -> tuple[str, ...]:
+    if type(value) is not list:
+        raise _bad(name, f"must be a list, got {type(value).__name__}")
+    if len(value) > MAX_PARTNERS:
+        raise _bad(name, f"has {len(value)} entries, at most {MAX_PARTNERS} allowed")
+    return tuple(str(_PEER_ID(f"{name}[{i}]", item)) for i, item in enumerate(value))
+
+
 # --------------------------------------------------------------------------------------------------
 # Record types
 
@@ -283,6 +292,9 @@ class MemberRecord:
     manifest_hash: str = ""
     heartbeat: float = 0.0  # author's wall time (seconds) when it wrote the record
     left: bool = False  # departure marker: the peer stopped gracefully
+    # Whom it averaged with over its recent outer steps (node/averager.py): every node can then see the
+    # swarm's pairing graph, and `starling doctor` can tell when it has split into islands.
+    partners: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -347,6 +359,7 @@ _SCHEMAS: dict[str, tuple[type[Record], dict[str, Validator]]] = {
             "manifest_hash": _str_field(MAX_HASH_CHARS),
             "heartbeat": _float_field(0.0),
             "left": _bool_field,
+            "partners": _partners_field,
         },
     ),
     CounterRecord.kind: (
@@ -793,8 +806,9 @@ class SwarmState:
             fields[name] = float(value) if value is not None and math.isfinite(value) else None
         for name in _FLOAT_FIELDS & fields.keys():
             fields[name] = float(fields[name])
-        if "addrs" in fields:
-            fields["addrs"] = tuple(fields["addrs"])
+        for name in ("addrs", "partners"):
+            if name in fields:
+                fields[name] = tuple(fields[name])
         return self._write_self(fields, left=False)
 
     def depart(self) -> SignedRecord:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import math
 import socket
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -57,6 +58,7 @@ AVG_PROTOCOL_VERSION = 1  # the major version of /starling/avg; peers on another
 log = logging.getLogger("starling.daemon")
 
 HISTORY_SAVE_S = 30.0
+MAX_SPEEDUP = 64.0  # the fastest trainer the pace believes in, relative to this machine
 
 
 def starling_version() -> str:
@@ -188,6 +190,8 @@ class Daemon:
             "version": starling_version(),
             "manifest_hash": manifest.hash if manifest else "",
         }
+        if self.averager is not None:
+            fields["partners"] = self.averager.recent_partners()[:16]
         if tr:
             fields.update(
                 outer_step=int(tr.get("outer_step") or 0),
@@ -243,6 +247,25 @@ class Daemon:
             and m.record.peer_id != str(self.peer_id)
             and (allow_relay or self.nat.path_of(m.record.peer_id) in ("direct", "hole-punched"))
         ]
+
+    def _pace(self) -> float:
+        """Seconds between two outer steps for every trainer of the swarm: H inner steps of the fastest
+        trainer we know (its `samples_per_s` is its measured compute speed), so the fastest takes about H
+        and slower machines fewer in the same time (node/worker.py, `publish_due`). 0 (every H inner steps
+        of this machine) with `sync.pace = steps` or before any speed is known. Batch sizes are assumed
+        equal across the swarm (they are part of one run's settings)."""
+        if self.cfg.sync.pace != "swarm":
+            return 0.0
+        own = float(self._training().get("samples_per_s") or 0.0)
+        speeds = [own, *(m.record.samples_per_s for m in self._possible_partners())]
+        fastest = max((v for v in speeds if math.isfinite(v)), default=0.0)
+        if own > 0:
+            # A record is a claim: no trainer is taken as more than MAX_SPEEDUP times faster than we are, so
+            # no member can make everyone publish after every inner step.
+            fastest = min(fastest, own * MAX_SPEEDUP)
+        if fastest <= 0:
+            return 0.0
+        return self.cfg.train.inner_steps * self.cfg.train.batch_size / fastest
 
     def _trainer_steps(self) -> dict[str, int]:
         """Outer step of every alive trainer of our run (for the catch-up's swarm median)."""
@@ -437,4 +460,4 @@ class Daemon:
 
         assert self.averager is not None
         return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange,
-                                on_adopted=self._on_adopted)
+                                on_adopted=self._on_adopted, pace=self._pace)

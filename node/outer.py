@@ -46,6 +46,7 @@ def noloco_step(
     sum_phi: torch.Tensor,
     hyper: OuterHyper,
     n: int = 1,
+    weighted: PairWeights | None = None,
 ) -> None:
     """One NoLoCo outer step, in place on `phi` and `momentum`, given the sums of Delta and phi over a
     group of `n` (with n = 1, the means themselves).
@@ -53,8 +54,11 @@ def noloco_step(
     Why sums: the daemon leaves the group's sums, not its means, in shared memory (one pass less over
     every received byte); the 1/n goes into the step's own scalars at no cost. For a pair this is bit for
     bit the step on the means: halving is exact, so ``(beta/2)*sum == beta*(sum/2)`` and
-    ``sum - 2*phi == 2*(sum/2 - phi)``."""
-    momentum.mul_(hyper.alpha).add_(sum_delta, alpha=hyper.beta / n)
+    ``sum - 2*phi == 2*(sum/2 - phi)``.
+
+    With `weighted` (a pair whose members trained different numbers of samples) the Delta term is the
+    pair's sample-weighted mean instead (see `PairWeights`); the phi term stays the plain mean."""
+    _add_mean_delta(momentum.mul_(hyper.alpha), sum_delta, hyper.beta, n, weighted)
     if hyper.gamma:
         # - gamma * (phi - mean(phi)); exactly zero when a pair's phis are equal
         momentum.add_(torch.sub(sum_phi, phi, alpha=n), alpha=hyper.gamma / n)
@@ -62,11 +66,54 @@ def noloco_step(
 
 
 def diloco_step(
-    phi: torch.Tensor, momentum: torch.Tensor, sum_delta: torch.Tensor, hyper: OuterHyper, n: int = 1
+    phi: torch.Tensor,
+    momentum: torch.Tensor,
+    sum_delta: torch.Tensor,
+    hyper: OuterHyper,
+    n: int = 1,
+    weighted: PairWeights | None = None,
 ) -> None:
-    """One DiLoCo (heavy-ball) outer step, in place, given the sum of Delta over `n` replicas (n = 1: the mean)."""
-    momentum.mul_(hyper.alpha).add_(sum_delta, alpha=hyper.beta / n)
+    """One DiLoCo (heavy-ball) outer step, in place, given the sum of Delta over `n` replicas (n = 1: the
+    mean), or a pair's sample-weighted mean with `weighted`."""
+    _add_mean_delta(momentum.mul_(hyper.alpha), sum_delta, hyper.beta, n, weighted)
     phi.add_(momentum)
+
+
+@dataclass(frozen=True)
+class PairWeights:
+    """What a pair's members trained since their last outer step (samples), and this replica's own Delta.
+
+    Why weight: on machines of different speeds the outer steps are paced by time (node/worker.py), so a
+    slower machine's Delta covers fewer inner steps. The pair's Delta is then the *sample-weighted* mean,
+    as hivemind's collaborative optimizer weights by samples: each machine counts in proportion to the
+    compute it put in, and a slow partner neither dilutes a fast one's progress as a plain mean would nor
+    is ignored. phi keeps the plain mean: a symmetric pull keeps the swarm's mean of phi where it is (a
+    doubly stochastic gossip step), which the spread's convergence relies on.
+
+    The exchange leaves the plain sum S = D_own + D_partner (both sides compute the same bits); the weighted
+    mean follows from it and our own Delta without a second exchange:
+    (w_own*D_own + w_p*D_p) / W = (w_p*S + (w_own - w_p)*D_own) / W, with W = w_own + w_p. Equal weights
+    give exactly the plain step (the second term is skipped)."""
+
+    own_samples: int
+    partner_samples: int
+    own_delta: torch.Tensor
+
+    @property
+    def equal(self) -> bool:
+        return self.own_samples == self.partner_samples or self.own_samples <= 0 or self.partner_samples <= 0
+
+
+def _add_mean_delta(
+    momentum: torch.Tensor, sum_delta: torch.Tensor, beta: float, n: int, weighted: PairWeights | None
+) -> None:
+    """momentum += beta * (the group's mean Delta, or a pair's sample-weighted mean)."""
+    if weighted is None or weighted.equal or n != 2:
+        momentum.add_(sum_delta, alpha=beta / n)
+        return
+    total = weighted.own_samples + weighted.partner_samples
+    momentum.add_(sum_delta, alpha=beta * weighted.partner_samples / total)
+    momentum.add_(weighted.own_delta, alpha=beta * (weighted.own_samples - weighted.partner_samples) / total)
 
 
 class OuterOptimizer:
@@ -91,9 +138,11 @@ class OuterOptimizer:
         group_size: int,
         sum_phi: torch.Tensor | None = None,
         sum_delta: torch.Tensor | None = None,
+        samples: tuple[int, int] | None = None,
     ) -> None:
         """Update `phi` in place. Solo when `group_size <= 1`; otherwise both of the group's sums (over its
-        `group_size` members, this replica included) are required."""
+        `group_size` members, this replica included) are required. `samples` = (ours, the partner's) makes a
+        pair's Delta term sample-weighted (`PairWeights`); None or equal counts give the plain mean."""
         if phi.shape != self.momentum.shape or own_delta.shape != self.momentum.shape:
             raise ValueError("phi and Delta must be flat tensors of the optimizer's size")
         if group_size <= 1:
@@ -102,10 +151,11 @@ class OuterOptimizer:
             return
         if sum_phi is None or sum_delta is None:
             raise ValueError("a group step needs both sum_phi and sum_delta")
+        weighted = None if samples is None or group_size != 2 else PairWeights(samples[0], samples[1], own_delta)
         if self.kind == "noloco":
-            noloco_step(phi, self.momentum, sum_delta, sum_phi, self.hyper, group_size)
+            noloco_step(phi, self.momentum, sum_delta, sum_phi, self.hyper, group_size, weighted)
         else:
-            diloco_step(phi, self.momentum, sum_delta, self.hyper, group_size)
+            diloco_step(phi, self.momentum, sum_delta, self.hyper, group_size, weighted)
 
     def state_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "momentum": self.momentum}

@@ -295,6 +295,7 @@ class StateReplicator:
             "loss": r.loss,
             "val_loss": r.val_loss,
             "samples_per_s": r.samples_per_s,
+            "partners": list(r.partners),
             "reachability": r.reachability,
             "addrs": list(r.addrs),
             "manifest_hash": r.manifest_hash,

@@ -74,8 +74,12 @@ class ExchangeRequest:
     phi_out: torch.Tensor  # flat fp32: sum of phi over the group, filled by the daemon
     delta_out: torch.Tensor  # flat fp32: sum of Delta over the group, filled by the daemon
     layout: Layout  # parameter names and shapes (for the run manifest)
+    inner_steps: int = 0  # inner steps that Delta covers
+    samples: int = 0  # sequences they trained on (the weight of this Delta in a pair's mean)
     # Set by the daemon with the sums: the largest outer step in the group, which the worker adopts.
     group_outer_step: int | None = None
+    partner_samples: int = 0  # the partner's samples (a pair's sample-weighted Delta, node/outer.py)
+    shift_s: float = 0.0  # move the next publish by this much, towards the partners' phase
 
 
 @dataclass
@@ -152,6 +156,7 @@ class WorkerSupervisor:
         backoff_max: float = 60.0,
         healthy_after: float = 60.0,
         on_adopted: Callable[[Adopted], None] | None = None,
+        pace: Callable[[], float] | None = None,
     ) -> None:
         self.cfg = cfg
         self.home = home
@@ -165,6 +170,8 @@ class WorkerSupervisor:
         self._backoff_max = backoff_max
         self._healthy_after = healthy_after
         self._on_adopted = on_adopted
+        # Seconds between two publishes that the swarm sets (0: every H inner steps), asked at each result.
+        self._pace = pace
         self._adoption: _Adoption | None = None
         self._slots: ExchangeSlots | None = None
         self._hello: Hello | None = None
@@ -185,6 +192,8 @@ class WorkerSupervisor:
             "checkpoint_rejected": [],
             "exchanges": {"group": 0, "solo": 0, "failed": 0},
             "last_group_size": None,
+            "last_inner_steps": None,  # inner steps in the latest outer step (fewer on slower machines)
+            "period_s": None,  # the swarm's pace: seconds between two outer steps (None: every H steps)
             "error": None,
         }
 
@@ -347,6 +356,7 @@ class WorkerSupervisor:
                     if in_flight:
                         raise ProtocolError("publish while an exchange is in flight")
                     self._status["outer_step"] = msg.outer_step  # partners are chosen by it
+                    self._status["last_inner_steps"] = msg.inner_steps
                     adoption = self._adoption
                     if adoption is not None and proc.pid not in adoption.sent_to:
                         await chan.send(self._adoption_result(msg, adoption, proc.pid))
@@ -403,6 +413,8 @@ class WorkerSupervisor:
             phi_out=slots.phi_out.tensor,
             delta_out=slots.delta_out.tensor,
             layout=[(str(name), tuple(shape)) for name, shape in self._hello.layout],
+            inner_steps=publish.inner_steps,
+            samples=publish.samples,
         )
         size = 0
         counts = self._status["exchanges"]
@@ -419,8 +431,27 @@ class WorkerSupervisor:
             size = 0
         counts["group" if size >= 2 else "solo"] += 1
         self._status["last_group_size"] = max(size, 1)
-        group_outer_step = request.group_outer_step if size >= 2 else None
-        return Result(outer_step=publish.outer_step, group_size=size, group_outer_step=group_outer_step)
+        grouped = size >= 2
+        return Result(
+            outer_step=publish.outer_step,
+            group_size=size,
+            group_outer_step=request.group_outer_step if grouped else None,
+            partner_samples=request.partner_samples if size == 2 else 0,
+            period_s=self._record_period(self._period()),
+            shift_s=request.shift_s,
+        )
+
+    def _record_period(self, period: float) -> float:
+        self._status["period_s"] = round(period, 3) if period > 0 else None
+        return period
+
+    def _period(self) -> float:
+        try:
+            period = float(self._pace()) if self._pace is not None else 0.0
+        except Exception:  # a pace that cannot be computed leaves the worker on H inner steps
+            log.exception("the swarm's pace could not be computed")
+            return 0.0
+        return period if period > 0 and period == period and period != float("inf") else 0.0
 
     async def _exited(self, proc: trio.Process, what: str) -> _Exit:
         with trio.move_on_after(self._stop_grace):

@@ -7,11 +7,14 @@ from dataclasses import dataclass
 from node.config import opt
 
 WIRE_DTYPES = ("fp32", "bf16", "int8")
+PACES = ("swarm", "steps")
 
 
 @dataclass
 class SyncConfig:
     wire_dtype: str = opt("bf16", "tensor encoding on the wire: fp32 | bf16 | int8 (blockwise, fp32 accumulation)")
+    pace: str = opt("swarm", "swarm: an outer step every H inner steps of the swarm's fastest trainer (slower machines "
+                    "take fewer) | steps: every H inner steps of this machine")
     max_step_gap: int = opt(4, "refuse partners whose outer step differs from ours by more than this")
     pair_window_s: float = opt(5.0, "seconds to look for a partner before taking a solo outer step")
     handshake_timeout_s: float = opt(5.0, "seconds a partner has to answer a pairing request")
@@ -32,6 +35,8 @@ class SyncConfig:
     def validate(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"sync.wire_dtype: one of {', '.join(WIRE_DTYPES)}")
+        if self.pace not in PACES:
+            raise ValueError(f"sync.pace: one of {', '.join(PACES)}")
         if not 0 <= self.max_step_gap <= 1000:
             raise ValueError("sync.max_step_gap: must be between 0 and 1000")
         if not 0.1 <= self.pair_window_s <= 600:

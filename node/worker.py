@@ -118,6 +118,8 @@ class Attach:
 class Publish:
     outer_step: int
     step: int
+    inner_steps: int = 0  # inner steps this Delta covers (since the previous publish)
+    samples: int = 0  # sequences those steps trained on: the weight of this Delta in a pair's mean
 
 
 @dataclass
@@ -127,6 +129,9 @@ class Result:
     group_outer_step: int | None = None  # the largest outer step in the group (n >= 2): adopted
     adopt: str = ""  # a swarm snapshot file to adopt instead of this outer step (a catch-up)
     adopt_outer_step: int | None = None  # the swarm's outer step to continue from with the snapshot
+    partner_samples: int = 0  # a pair's other member's samples (0: unknown, plain mean)
+    period_s: float = 0.0  # the swarm's pace: seconds between two publishes (0: every H inner steps)
+    shift_s: float = 0.0  # move the next publish by this much, to meet the swarm's phase
 
 
 @dataclass
@@ -320,6 +325,12 @@ class Trainer:
         self.step = 0  # inner steps taken, ever (the lr schedule and checkpoint names use it)
         self.outer_step = 0  # outer steps applied
         self.last_publish_step = 0  # inner step of the latest publish (the next one is H later)
+        # Pacing by the swarm (see publish_due): the daemon's period, when the next publish is due on this
+        # process's monotonic clock, and this machine's measured seconds per inner step.
+        self.period_s = 0.0
+        self.next_publish_at: float | None = None
+        self.step_time_s: float | None = None
+        self.published_samples = 0
         self.pending: int | None = None  # outer step of the publish awaiting its result
         self._publish_before_pending = 0
         self.val_loss: float | None = None
@@ -352,6 +363,14 @@ class Trainer:
 
     def inner_step(self) -> float:
         """One Adam step on the next batch; returns the loss (a non-finite loss skips the update)."""
+        began = time.perf_counter()
+        try:
+            return self._inner_step()
+        finally:
+            took = time.perf_counter() - began
+            self.step_time_s = took if self.step_time_s is None else 0.9 * self.step_time_s + 0.1 * took
+
+    def _inner_step(self) -> float:
         lr = lr_at(self.cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -373,8 +392,29 @@ class Trainer:
 
     # -- the outer step --
 
-    def publish_due(self) -> bool:
-        return self.pending is None and self.step - self.last_publish_step >= self.cfg.inner_steps
+    def publish_due(self, now: float | None = None) -> bool:
+        """Whether to publish now: after H inner steps, or, when the daemon sets a pace (`period_s`), when
+        the period since the last publish is up, whichever machine this is.
+
+        Why pace by time: with a fixed H a machine k times slower makes k times fewer outer steps, falls out
+        of every faster partner's step gap and forms an island of its own. Paced by the swarm (the period is
+        H inner steps of the swarm's fastest trainer, node/daemon.py), every trainer makes outer steps at
+        the same rate and a slower one simply covers fewer inner steps in each (dynamic local updates, Liu
+        et al. 2024, "Asynchronous Local-SGD Training for Language Modeling"); its Delta then counts in
+        proportion to its samples (node/outer.py, `PairWeights`). The fastest trainer still takes about H.
+        A step is taken only if it ends nearer the deadline than not (half a step's time early is on time),
+        and never more than 2H steps go into one outer step (a stale pace after the fastest trainer left)."""
+        if self.pending is not None:
+            return False
+        done = self.step - self.last_publish_step
+        if self.period_s <= 0 or self.next_publish_at is None:
+            return done >= self.cfg.inner_steps
+        if done < 1:
+            return False
+        if done >= 2 * self.cfg.inner_steps:
+            return True
+        now = time.monotonic() if now is None else now
+        return now + (self.step_time_s or 0.0) / 2 >= self.next_publish_at
 
     def lag(self) -> int:
         """Inner steps taken since the pending publish (0 when nothing is pending)."""
@@ -385,10 +425,30 @@ class Trainer:
         self.gather_theta(self.theta_published)
         phi_out.copy_(self.phi)
         torch.sub(self.theta_published, self.phi, out=delta_out)
+        inner_steps = self.step - self.last_publish_step
         self._publish_before_pending = self.last_publish_step
         self.last_publish_step = self.step
         self.pending = self.outer_step
-        return Publish(outer_step=self.outer_step, step=self.step)
+        self.published_samples = inner_steps * self.cfg.batch_size
+        if self.period_s > 0:
+            self.next_publish_at = time.monotonic() + self.period_s
+        return Publish(outer_step=self.outer_step, step=self.step, inner_steps=inner_steps,
+                       samples=self.published_samples)
+
+    def set_pace(self, period_s: float, shift_s: float = 0.0) -> None:
+        """Take the daemon's pace for the next outer steps (0: every H inner steps) and move the pending
+        deadline by `shift_s` (towards the partner's phase, node/averager.py)."""
+        if period_s <= 0 or not math.isfinite(period_s):
+            self.period_s, self.next_publish_at = 0.0, None
+            return
+        if self.next_publish_at is None:
+            # The first pace: the current phase began at the last publish.
+            self.next_publish_at = time.monotonic() + period_s
+        elif self.period_s > 0 and period_s != self.period_s:
+            self.next_publish_at += period_s - self.period_s
+        self.period_s = period_s
+        if math.isfinite(shift_s):
+            self.next_publish_at += max(-period_s / 2, min(period_s / 2, shift_s))
 
     def apply_result(
         self,
@@ -396,6 +456,7 @@ class Trainer:
         sum_phi: torch.Tensor | None = None,
         sum_delta: torch.Tensor | None = None,
         group_outer_step: int | None = None,
+        partner_samples: int = 0,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
         size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
@@ -413,7 +474,9 @@ class Trainer:
                 log.warning("outer step %d: group sums are not finite; taking a solo step", self.outer_step)
                 group_size = 1
         own_delta = torch.sub(self.theta_published, self.phi, out=self._scratch)
-        self.outer.step(self.phi, own_delta, group_size=group_size, sum_phi=sum_phi, sum_delta=sum_delta)
+        samples = (self.published_samples, partner_samples) if group_size == 2 and partner_samples > 0 else None
+        self.outer.step(self.phi, own_delta, group_size=group_size, sum_phi=sum_phi, sum_delta=sum_delta,
+                        samples=samples)
         # theta <- phi_new + (theta_now - theta_published): keep what was learnt while the exchange ran.
         theta = self._scratch
         self.gather_theta(theta)
@@ -710,7 +773,9 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
     if msg.adopt:
         _adopt(chan, trainer, msg)
         return
-    used = trainer.apply_result(msg.group_size, slots.phi_out.tensor, slots.delta_out.tensor, msg.group_outer_step)
+    used = trainer.apply_result(msg.group_size, slots.phi_out.tensor, slots.delta_out.tensor, msg.group_outer_step,
+                                partner_samples=msg.partner_samples)
+    trainer.set_pace(msg.period_s, msg.shift_s)
     log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
     if trainer.outer_step % trainer.cfg.eval_every == 0:
         trainer.evaluate()
@@ -748,14 +813,15 @@ def _checkpoint(chan: WorkerChannel, trainer: Trainer) -> None:
 
 def _send_metrics(chan: WorkerChannel, trainer: Trainer, meter: _Meter) -> None:
     finite = [x for x in meter.losses if math.isfinite(x)]
-    elapsed = max(time.monotonic() - meter.started, 1e-9)
     chan.send(
         Metrics(
             step=trainer.step,
             outer_step=trainer.outer_step,
             loss=sum(finite) / len(finite) if finite else None,
             val_loss=trainer.val_loss,
-            samples_per_s=len(meter.losses) * trainer.cfg.batch_size / elapsed,
+            # The machine's training speed (sequences per second of inner-step compute, smoothed): steady
+            # whatever the interval holds, and what the swarm paces outer steps by (node/daemon.py).
+            samples_per_s=trainer.cfg.batch_size / trainer.step_time_s if trainer.step_time_s else 0.0,
             lr=lr_at(trainer.cfg, trainer.step),
         )
     )

@@ -91,6 +91,11 @@ class AvgRequest:
     pubkey: bytes = spec(min_len=32, max_len=32)
     datapath: bool = spec(default=True)
     punch_port: int = spec(ge=0, le=65535, default=0)  # 0: no punched side channel offered
+    # What this Delta covers, for a pair's sample-weighted mean and the norm check (node/outer.py), and how
+    # long the initiator has waited for a partner since it published (the pair meets halfway in phase).
+    inner_steps: int = spec(ge=0, le=1 << 30, default=0)
+    samples: int = spec(ge=0, le=1 << 40, default=0)
+    waited_ms: int = spec(ge=0, le=1 << 30, default=0)
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,9 @@ class AvgAnswer:
     session_id: bytes = spec(max_len=64, default=b"")
     datapath_port: int = spec(ge=0, le=65535, default=0)
     punch_port: int = spec(ge=0, le=65535, default=0)
+    inner_steps: int = spec(ge=0, le=1 << 30, default=0)  # as in AvgRequest, for the responder's Delta
+    samples: int = spec(ge=0, le=1 << 40, default=0)
+    waited_ms: int = spec(ge=0, le=1 << 30, default=0)
 
     def __post_init__(self) -> None:
         if self.verdict not in ("accept", "busy", "refuse"):
@@ -299,13 +307,13 @@ async def initiate(
     remote_ip: str | None,
     handshake_timeout: float,
     transfer_deadline: float,
-    on_accept: Callable[[int], bool] | None = None,
+    on_accept: Callable[[AvgAnswer], bool] | None = None,
     validate: Validator | None = None,
     offer_punch: bool = False,
 ) -> TransferResult:
     """The initiator's side. Raises Declined, ProtocolError or trio.TooSlowError; outputs are valid only
-    when it returns. ``on_accept(partner_outer_step)`` runs when the partner accepts; returning False
-    declines after all (we were claimed by a crossing request meanwhile).
+    when it returns. ``on_accept(answer)`` runs when the partner accepts (its outer step, samples and wait are
+    in the answer); returning False declines after all (we were claimed by a crossing request meanwhile).
 
     With ``offer_punch`` (and the side channel enabled) it binds a port for a punched side channel and
     announces it: a responder behind a NAT, whose listener we cannot dial, may take it up (``p2p.punch``)."""
@@ -324,7 +332,7 @@ async def initiate(
             answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
         if answer.verdict != "accept":
             raise Declined(answer.verdict, answer.reason)
-        if on_accept is not None and not on_accept(answer.outer_step):
+        if on_accept is not None and not on_accept(answer):
             raise Declined("busy", "we were claimed by a crossing request meanwhile")
         keys = mine.derive(
             role=Role.INITIATOR,
@@ -396,6 +404,9 @@ async def respond(
     transfer_deadline: float,
     validate: Validator | None = None,
     allow_punch: bool = False,
+    inner_steps: int = 0,
+    samples: int = 0,
+    waited_ms: int = 0,
 ) -> TransferResult:
     """The responder's side, after the caller decided to accept `request`.
 
@@ -431,6 +442,9 @@ async def respond(
             session_id=session_id,
             datapath_port=listener.port if (listener is not None and offer_listener) else 0,
             punch_port=punch.port if punch else 0,
+            inner_steps=inner_steps,
+            samples=samples,
+            waited_ms=waited_ms,
         )
         with trio.fail_after(transfer_deadline):
             if accept.datapath_port and listener is not None:
