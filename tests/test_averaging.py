@@ -16,6 +16,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from node.averager import Averager
 from node.sync_config import SyncConfig
 from p2p.host import build_host
+from protocols.avg import Rejected
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 LAYOUT = [("w", (1000, 300)), ("b", (300,))]
@@ -267,3 +268,55 @@ async def test_a_partner_that_stops_mid_transfer_costs_one_solo_step_and_no_upda
         st = honest.status()
         assert st["failures"] >= 1 and st["rounds"] == 0 and st["solo_rounds"] == 1
         nursery.cancel_scope.cancel()
+
+
+async def three_connected(stack: AsyncExitStack, cfg: SyncConfig) -> tuple[list[Averager], trio.Nursery]:
+    hosts = [build_host(create_new_key_pair()) for _ in range(3)]
+    for h in hosts:
+        await stack.enter_async_context(h.run(LISTEN))
+    nursery = await stack.enter_async_context(trio.open_nursery())
+    avs = [Averager(h, cfg, manifest_hash=lambda: "m1") for h in hosts]
+    for a in avs:
+        await nursery.start(a.run)
+    for i in range(3):
+        for j in range(i + 1, 3):
+            await hosts[i].connect(info_from_p2p_addr(hosts[j].get_addrs()[0]))
+    return avs, nursery
+
+
+async def test_a_trainer_that_always_publishes_a_little_later_than_the_other_two_still_averages_with_both() -> None:
+    """With "whoever asks first", the two trainers that publish together pair with each other every round
+    and the third always steps solo (phase lock). The schedule gives every trainer a partner in two of
+    every three outer steps, the late one included, and every trainer meets both others."""
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=1.5)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await three_connected(stack, cfg)
+        averaged = [0, 0, 0]
+        for outer_step in range(6):
+
+            async def one(i: int, step: int = outer_step) -> None:
+                if i == 2:
+                    await trio.sleep(0.3)  # the late one
+                averaged[i] += await avs[i].exchange(request(10 * step + i, outer_step=step)) == 2
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as n:
+                    for i in range(3):
+                        n.start_soon(one, i)
+        assert all(count >= 4 for count in averaged), averaged
+        for a in avs:
+            mixing = a.status()["mixing"]
+            assert mixing["distinct_partners"] == 2, mixing
+            assert mixing["outer_steps"] == 6 and mixing["averaged"] + mixing["solo"] == 6
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_partner_that_trained_more_inner_steps_may_send_a_proportionally_longer_delta() -> None:
+    """On a swarm of mixed speeds a faster partner's Delta covers more inner steps: the norm check scales
+    its reference by the step ratio (bounded), instead of rejecting every fast partner as poisoned."""
+    av = Averager(LoneHost(), SyncConfig(max_delta_ratio=10), manifest_hash=lambda: "m1")
+    av._validator(own_steps=2, their_steps=20)(1.0, 50.0)  # 10x the steps, 50x the norm: accepted
+    with pytest.raises(Rejected):
+        av._validator(own_steps=20, their_steps=20)(1.0, 50.0)
+    with pytest.raises(Rejected):  # the ratio is bounded: claiming a million steps buys no more
+        av._validator(own_steps=1, their_steps=1_000_000)(1.0, 10.0 * 64 + 1)

@@ -187,3 +187,48 @@ def test_benchmark_replaces_only_its_own_section(bench, tmp_path: Path) -> None:
     fresh = tmp_path / "fresh.md"
     bench.write_section("## Convergence\n\nfirst\n", fresh)
     assert fresh.read_text().startswith("# Benchmarks\n") and "first" in fresh.read_text()
+
+
+# --- sample-weighted pairs (machines of different speeds) --------------------------------------------------
+
+
+def test_a_pairs_delta_is_weighted_by_the_samples_each_member_trained() -> None:
+    g = torch.Generator().manual_seed(3)
+    phi, own, theirs, their_phi = (torch.randn(50, generator=g) for _ in range(4))
+    for kind in ("noloco", "diloco"):
+        opt = OuterOptimizer(kind, HYPER, 50)
+        p = phi.clone()
+        # We trained 160 samples, the partner (a machine 4x faster) 640: the mean Delta is 0.2/0.8.
+        opt.step(p, own, group_size=2, sum_phi=phi + their_phi, sum_delta=own + theirs, samples=(160, 640))
+        mean_delta = 0.2 * own + 0.8 * theirs
+        pull = HYPER.gamma * (phi - (phi + their_phi) / 2) if kind == "noloco" else 0.0
+        expected_momentum = HYPER.beta * mean_delta - pull
+        assert torch.allclose(opt.momentum, expected_momentum, atol=1e-5), kind
+        assert torch.allclose(p, phi + expected_momentum, atol=1e-5), kind
+
+
+def test_both_partners_of_a_weighted_pair_take_the_same_step_from_the_same_sums() -> None:
+    g = torch.Generator().manual_seed(4)
+    phi_a, phi_b, d_a, d_b = (torch.randn(100, generator=g) for _ in range(4))
+    a, b = OuterOptimizer("noloco", HYPER, 100), OuterOptimizer("noloco", HYPER, 100)
+    sum_phi, sum_delta = phi_a + phi_b, d_a + d_b
+    pa, pb = phi_a.clone(), phi_b.clone()
+    a.step(pa, d_a, group_size=2, sum_phi=sum_phi, sum_delta=sum_delta, samples=(100, 300))
+    b.step(pb, d_b, group_size=2, sum_phi=sum_phi, sum_delta=sum_delta, samples=(300, 100))
+    # The same weighted Delta on both sides (each derives it from its own Delta and the common sum).
+    delta_term_a = a.momentum + HYPER.gamma * (phi_a - sum_phi / 2)
+    delta_term_b = b.momentum + HYPER.gamma * (phi_b - sum_phi / 2)
+    assert torch.allclose(delta_term_a, delta_term_b, atol=1e-5)
+
+
+def test_equal_or_unknown_sample_counts_give_exactly_the_plain_pair_step() -> None:
+    g = torch.Generator().manual_seed(5)
+    phi, own, sum_phi, sum_delta = (torch.randn(64, generator=g) for _ in range(4))
+    plain = OuterOptimizer("noloco", HYPER, 64)
+    p_plain = phi.clone()
+    plain.step(p_plain, own, group_size=2, sum_phi=sum_phi, sum_delta=sum_delta)
+    for samples in [(200, 200), (0, 300), (300, 0)]:
+        opt = OuterOptimizer("noloco", HYPER, 64)
+        p = phi.clone()
+        opt.step(p, own, group_size=2, sum_phi=sum_phi, sum_delta=sum_delta, samples=samples)
+        assert torch.equal(p, p_plain) and torch.equal(opt.momentum, plain.momentum), samples

@@ -522,3 +522,75 @@ async def test_a_task_that_cannot_load_fails_once_with_its_reason_and_is_not_res
         assert status["restarts"] == 0 and status["pid"] is None
         nursery.cancel_scope.cancel()
 
+
+
+# --- pacing by the swarm (machines of different speeds) ----------------------------------------------------
+
+
+def test_without_a_pace_an_outer_step_is_published_every_h_inner_steps(tmp_path: Path) -> None:
+    tr = Trainer(TINY, tmp_path, "peer-a")
+    for _ in range(TINY.inner_steps - 1):
+        tr.inner_step()
+    assert not tr.publish_due(now=1e12)  # no pace: the clock does not matter
+    tr.inner_step()
+    assert tr.publish_due()
+
+
+def test_with_the_swarms_pace_a_slow_machine_publishes_on_time_with_fewer_inner_steps(tmp_path: Path) -> None:
+    """A machine k times slower publishes at the same moments as the fastest one, covering 1/k of its
+    inner steps (and so stays within every partner's step gap), never after fewer than one step."""
+    tr = Trainer(TINY, tmp_path, "slow")
+    while not tr.publish_due():
+        tr.inner_step()
+    msg = tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+    assert (msg.inner_steps, msg.samples) == (TINY.inner_steps, TINY.inner_steps * TINY.batch_size)
+    tr.apply_result(1)
+    tr.set_pace(period_s=10.0)
+    assert tr.next_publish_at is not None
+    start = tr.next_publish_at - 10.0
+    tr.step_time_s = 4.0  # this machine's step: the fastest takes 2 s (H = 5 in 10 s)
+    assert not tr.publish_due(now=start + 9.0)  # no step taken yet
+    tr.inner_step()
+    tr.step_time_s = 4.0
+    assert not tr.publish_due(now=start + 4.0)  # another step would end at 8 s: nearer the 10 s deadline
+    assert tr.publish_due(now=start + 8.5)  # one more would end at 12.5 s: publish now, on time
+    tr.inner_step()
+    msg = tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+    assert msg.inner_steps == 2 < TINY.inner_steps
+
+
+def test_the_pace_never_packs_more_than_2h_inner_steps_into_one_outer_step(tmp_path: Path) -> None:
+    tr = Trainer(TINY, tmp_path, "fast")
+    tr.set_pace(period_s=3600.0)  # a stale pace: the fast machine that set it has left
+    for _ in range(2 * TINY.inner_steps - 1):
+        tr.inner_step()
+    assert not tr.publish_due()
+    tr.inner_step()
+    assert tr.publish_due()
+
+
+def test_partners_move_their_next_publish_towards_each_other_by_at_most_half_a_period(tmp_path: Path) -> None:
+    tr = Trainer(TINY, tmp_path, "a")
+    tr.set_pace(period_s=10.0)
+    due = tr.next_publish_at
+    assert due is not None
+    tr.set_pace(period_s=10.0, shift_s=1.5)
+    assert tr.next_publish_at == pytest.approx(due + 1.5)
+    tr.set_pace(period_s=10.0, shift_s=-100.0)
+    assert tr.next_publish_at == pytest.approx(due + 1.5 - 5.0)
+    tr.set_pace(period_s=0.0)  # the daemon dropped the pace (sync.pace = steps): back to H inner steps
+    assert tr.next_publish_at is None
+
+
+def test_a_weighted_pair_result_reaches_the_outer_step(tmp_path: Path) -> None:
+    tr = Trainer(TINY, tmp_path, "slow")
+    while not tr.publish_due():
+        tr.inner_step()
+    tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+    own_delta = tr.theta_published - tr.phi
+    phi_old = tr.phi.clone()
+    their_delta = torch.full((tr.numel,), 0.05)
+    partner_samples = 3 * tr.published_samples
+    tr.apply_result(2, 2 * phi_old, own_delta + their_delta, partner_samples=partner_samples)
+    expected = phi_old + TINY.beta * (0.25 * own_delta + 0.75 * their_delta)
+    assert torch.allclose(tr.phi, expected, atol=1e-5)
