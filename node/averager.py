@@ -103,6 +103,7 @@ class _Pending:
     scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
     scheduled_until: float = 0.0  # end of the scheduled phase
     saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
+    largest_seen: int = 0  # the largest outer step a ready partner showed us in this window
 
     def in_scheduled_phase(self, now: float) -> bool:
         return self.scheduled is not None and now < self.scheduled_until
@@ -183,6 +184,7 @@ class Averager:
         # (outer step, partner or None for a solo step, whether it was the scheduled partner), newest last.
         self._recent: collections.deque[tuple[int, str | None, bool]] = collections.deque(maxlen=MIXING_WINDOW)
         self._last_paired: dict[str, int] = {}  # partner -> our exchange count when we last averaged with it
+        self._last_outer_step = 0  # the outer step our latest exchange ended at (after any adoption)
         self.rejections: dict[str, int] = {}
         self._inbound = 0
         self._norms: collections.deque[float] = collections.deque(maxlen=32)  # accepted Delta norms
@@ -311,6 +313,10 @@ class Averager:
             if not pending.saw_ready:
                 # Nobody was ready in the whole window: our phase is off everyone's. Look elsewhere next time.
                 request.shift_s = random.uniform(0.0, 0.5) * self.cfg.pair_window_s
+            # A solo step follows the largest outer step that ready trainers showed us meanwhile (within our
+            # gap), as an exchange does: the schedule is keyed by the outer step, and a node one step
+            # behind the others would otherwise compute another matching than theirs at every step.
+            request.group_outer_step = self._group_outer_step(request.outer_step, pending.largest_seen or None)
         else:
             request.group_outer_step = self._group_outer_step(request.outer_step, pending.partner_outer_step)
             request.partner_samples = pending.partner_samples
@@ -320,6 +326,7 @@ class Averager:
             self._recent.append((request.outer_step, partner, partner == pending.scheduled))
             if partner is not None:
                 self._last_paired[partner] = self.stats["rounds"]
+        self._last_outer_step = max(request.outer_step, request.group_outer_step or 0)
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   "averaged" if pending.result >= 2 else "solo", trio.current_time() - began)
         return pending.result
@@ -480,8 +487,10 @@ class Averager:
         except Declined as e:
             self.stats["declined"] += 1
             not_ready = e.verdict == "busy" and e.reason.startswith("not ready")
-            if e.verdict == "busy" and not not_ready:
-                pending.saw_ready = True
+            if e.verdict == "busy":
+                # Busy or between outer steps, it shows where its count is (a refusal's may be far off).
+                pending.largest_seen = max(pending.largest_seen, e.outer_step)
+                pending.saw_ready = pending.saw_ready or not not_ready
             if not scheduled:
                 self._back_off(partner, soft=True)
             log.debug("partner %s declined: %s", partner, e)
@@ -525,9 +534,12 @@ class Averager:
         pending = self._pending
         if pending is not None:
             pending.saw_ready = True  # whoever asks has published: our phase is not off everyone's
+            pending.largest_seen = max(pending.largest_seen, request.outer_step)
         verdict = self._judge(request, pending, partner)
         if verdict is not None:
-            await avg.answer(stream, verdict[0], verdict[1], pending.request.outer_step if pending else 0)
+            # Between outer steps we say the last one we took: an asker that is behind learns the count.
+            await avg.answer(stream, verdict[0], verdict[1],
+                             pending.request.outer_step if pending else self._last_outer_step)
             await close_quietly(stream)
             return
         assert pending is not None

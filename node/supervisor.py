@@ -431,11 +431,10 @@ class WorkerSupervisor:
             size = 0
         counts["group" if size >= 2 else "solo"] += 1
         self._status["last_group_size"] = max(size, 1)
-        grouped = size >= 2
         return Result(
             outer_step=publish.outer_step,
             group_size=size,
-            group_outer_step=request.group_outer_step if grouped else None,
+            group_outer_step=request.group_outer_step,
             partner_samples=request.partner_samples if size == 2 else 0,
             period_s=self._record_period(self._period()),
             shift_s=request.shift_s,

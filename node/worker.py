@@ -126,7 +126,9 @@ class Publish:
 class Result:
     outer_step: int
     group_size: int
-    group_outer_step: int | None = None  # the largest outer step in the group (n >= 2): adopted
+    # The outer step to continue from when larger than ours: the group's largest (n >= 2), or for a solo
+    # step the largest that ready trainers showed the daemon meanwhile (node/averager.py).
+    group_outer_step: int | None = None
     adopt: str = ""  # a swarm snapshot file to adopt instead of this outer step (a catch-up)
     adopt_outer_step: int | None = None  # the swarm's outer step to continue from with the snapshot
     partner_samples: int = 0  # a pair's other member's samples (0: unknown, plain mean)
@@ -463,7 +465,9 @@ class Trainer:
         `sum_delta` are the group's sums over its `group_size` members, this one included.
 
         After a group step the outer-step counter continues from the group's largest one
-        (`group_outer_step`), as the partner's does: counters of paired nodes stay together. The inner
+        (`group_outer_step`), as the partner's does: counters of paired nodes stay together. A solo step
+        follows a `group_outer_step` too (the largest the daemon saw among ready trainers), so that a node
+        that sat out keeps the counter that keys the pairing schedule. The inner
         `step` (and so the learning rate) is this node's own and does not change."""
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
@@ -484,7 +488,7 @@ class Trainer:
         self.scatter_theta(theta)
         published_at = self.pending
         self.pending = None
-        if group_size >= 2 and group_outer_step is not None:
+        if group_outer_step is not None:
             published_at = max(published_at, group_outer_step)
         self.outer_step = published_at + 1
         return group_size

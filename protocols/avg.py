@@ -142,10 +142,11 @@ class Rejected(Exception):
 class Declined(Exception):
     """The partner answered busy or refuse; not a failure of the partner."""
 
-    def __init__(self, verdict: str, reason: str) -> None:
+    def __init__(self, verdict: str, reason: str, outer_step: int = 0) -> None:
         super().__init__(f"{verdict}: {reason}")
         self.verdict = verdict
         self.reason = reason
+        self.outer_step = outer_step  # the partner's, where it said (0: not ready, or unknown)
 
 
 @dataclass
@@ -331,7 +332,7 @@ async def initiate(
             await send_msg(control, request, max_bytes=MAX_CONTROL_BYTES)
             answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
         if answer.verdict != "accept":
-            raise Declined(answer.verdict, answer.reason)
+            raise Declined(answer.verdict, answer.reason, answer.outer_step)
         if on_accept is not None and not on_accept(answer):
             raise Declined("busy", "we were claimed by a crossing request meanwhile")
         keys = mine.derive(

@@ -320,3 +320,32 @@ async def test_a_partner_that_trained_more_inner_steps_may_send_a_proportionally
         av._validator(own_steps=20, their_steps=20)(1.0, 50.0)
     with pytest.raises(Rejected):  # the ratio is bounded: claiming a million steps buys no more
         av._validator(own_steps=1, their_steps=1_000_000)(1.0, 10.0 * 64 + 1)
+
+
+async def test_a_trainer_one_outer_step_behind_joins_the_others_count_and_their_schedule() -> None:
+    """The schedule is keyed by the outer step: a trainer one step behind computes another matching than
+    the others at every step. A solo step follows the largest outer step that ready trainers showed, so
+    the counts meet and the trainer is scheduled with the others again."""
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=1.5, max_step_gap=4)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await three_connected(stack, cfg)
+        steps = [5, 5, 4]
+        averaged = [0, 0, 0]
+        apart = 0  # rounds that began with the counts apart
+        for round_no in range(6):
+            apart += len(set(steps)) > 1
+
+            async def one(i: int, seed: int = round_no) -> None:
+                req = request(10 * seed + i, outer_step=steps[i])
+                averaged[i] += await avs[i].exchange(req) == 2
+                # What the worker does with the result: continue from the larger count.
+                steps[i] = max(steps[i], req.group_outer_step or 0) + 1
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as n:
+                    for i in range(3):
+                        n.start_soon(one, i)
+        assert len(set(steps)) == 1, steps
+        assert apart == 1  # the first one only
+        assert all(count >= 3 for count in averaged), averaged
+        nursery.cancel_scope.cancel()

@@ -196,8 +196,10 @@ def test_a_group_step_continues_from_the_groups_largest_outer_step_and_keeps_the
     assert (tr.outer_step, tr.step) == (7, TINY.inner_steps)
     one_outer_step(2, 7)  # the group's largest is our own
     assert tr.outer_step == 8
-    one_outer_step(1, 20)  # a solo step has no group to follow
+    one_outer_step(1, None)  # a solo step that heard of no larger outer step keeps its own count
     assert (tr.outer_step, tr.step) == (9, 3 * TINY.inner_steps)
+    one_outer_step(1, 11)  # one that did (ready trainers further on) follows them, as a pair does
+    assert tr.outer_step == 12
 
 
 def run_scripted(trainer: Trainer, outer_steps: int) -> list[int]:
