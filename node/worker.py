@@ -333,6 +333,12 @@ class Trainer:
         self.next_publish_at: float | None = None
         self.step_time_s: float | None = None
         self.published_samples = 0
+        # Seconds per inner step over whole outer steps, the outer step's own work (evaluation, publish,
+        # apply) included and the time blocked on a lagging result excluded: what this machine reports
+        # as its speed, so that the swarm's pace gives the fastest machine time for H steps in full.
+        self.phase_step_s: float | None = None
+        self.blocked_s = 0.0
+        self._last_publish_time: float | None = None
         self.pending: int | None = None  # outer step of the publish awaiting its result
         self._publish_before_pending = 0
         self.val_loss: float | None = None
@@ -432,10 +438,21 @@ class Trainer:
         self.last_publish_step = self.step
         self.pending = self.outer_step
         self.published_samples = inner_steps * self.cfg.batch_size
+        now = time.monotonic()
+        if self._last_publish_time is not None and inner_steps > 0:
+            per_step = max(now - self._last_publish_time - self.blocked_s, 1e-6) / inner_steps
+            self.phase_step_s = per_step if self.phase_step_s is None else 0.7 * self.phase_step_s + 0.3 * per_step
+        self._last_publish_time, self.blocked_s = now, 0.0
         if self.period_s > 0:
-            self.next_publish_at = time.monotonic() + self.period_s
+            self.next_publish_at = now + self.period_s
         return Publish(outer_step=self.outer_step, step=self.step, inner_steps=inner_steps,
                        samples=self.published_samples)
+
+    def samples_per_s(self) -> float:
+        """This machine's training speed: sequences per second over whole outer steps (`phase_step_s`),
+        or of the inner steps alone before the first outer step has been timed."""
+        per_step = self.phase_step_s or self.step_time_s
+        return self.cfg.batch_size / per_step if per_step else 0.0
 
     def set_pace(self, period_s: float, shift_s: float = 0.0) -> None:
         """Take the daemon's pace for the next outer steps (0: every H inner steps) and move the pending
@@ -746,7 +763,10 @@ def _train(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: _S
         while not stop.set:
             # 1. Take in whatever the daemon said; block for the outer result if it lags too far behind.
             must_wait = trainer.pending is not None and (not cfg.overlap or trainer.lag() >= cfg.max_lag)
+            waiting_since = time.monotonic()
             msg = chan.receive(timeout=0.5 if must_wait else 0.0)
+            if must_wait:
+                trainer.blocked_s += time.monotonic() - waiting_since
             if isinstance(msg, Stop):
                 break
             if isinstance(msg, Result):
@@ -823,9 +843,9 @@ def _send_metrics(chan: WorkerChannel, trainer: Trainer, meter: _Meter) -> None:
             outer_step=trainer.outer_step,
             loss=sum(finite) / len(finite) if finite else None,
             val_loss=trainer.val_loss,
-            # The machine's training speed (sequences per second of inner-step compute, smoothed): steady
-            # whatever the interval holds, and what the swarm paces outer steps by (node/daemon.py).
-            samples_per_s=trainer.cfg.batch_size / trainer.step_time_s if trainer.step_time_s else 0.0,
+            # The machine's training speed, smoothed (steady whatever this interval holds): what the swarm
+            # paces outer steps by (node/daemon.py).
+            samples_per_s=trainer.samples_per_s(),
             lr=lr_at(trainer.cfg, trainer.step),
         )
     )
