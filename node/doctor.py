@@ -36,6 +36,7 @@ from typing import Any, Literal
 import trio
 
 from node.config import CONFIG_FILE, ENV_PREFIX, Config, ConfigError, load_config, resolve_home
+from node.mixing import PairingGraph, pairing_graph
 
 Level = Literal["ok", "skip", "warn", "error"]
 OK: Level = "ok"
@@ -53,6 +54,8 @@ SKEW_ERROR_S = 60.0
 HLC_MAX_DRIFT_S = 600.0  # node/hlc.py rejects records stamped further ahead than this
 DELIVERY_ALLOWANCE_S = 1.0  # gossip delay assumed when a heartbeat's receipt time is known
 MANY_RESTARTS = 3
+SOLO_SHARE_WARN = 0.5  # own recent outer steps without a partner, above which mixing is too weak
+SOLO_MIN_STEPS = 10  # recent outer steps needed before the solo share means anything
 MAX_LISTED = 8  # peers named in one finding; the rest are counted
 MAX_BOOTSTRAP_CHECKED = 32  # bounded work for a huge bootstrap file
 
@@ -911,6 +914,93 @@ def check_training(status: dict[str, Any]) -> list[Finding]:
     return [Finding("training", OK, f"{state}: {progress}{again}")]
 
 
+def _island_text(island: list[str], steps: Mapping[str, Any]) -> str:
+    """One island as `{a, b, c} (outer steps 40-44)`: the step range hints at speed classes drifting apart."""
+    numbers = [int(n) for p in island if (n := _num(steps.get(p))) is not None]
+    span = ""
+    if numbers:
+        low, high = min(numbers), max(numbers)
+        span = f" (outer step {low})" if low == high else f" (outer steps {low}-{high})"
+    return "{" + _listed([short(p) for p in island]) + "}" + span
+
+
+ISLANDS_FIX = (
+    "trainers of different speeds in different outer-step ranges? check that every node runs the same "
+    "Starling version with sync.pace = swarm, and that sync.max_step_gap covers the spread of outer steps; "
+    "check that the islands can reach each other directly (`starling status`: the path column of peers, "
+    "and `nat:`; pairs reachable only through a relay never average unless sync.allow_relay_bulk)"
+)
+
+
+def check_pairing(status: dict[str, Any]) -> list[Finding]:
+    """The alive trainers average across one connected group, and this node does not mostly step solo.
+
+    Islands are groups of trainers that only pair among themselves: each trains its own model, which no
+    single node's loss shows (see node/mixing.py). Unpaired trainers (no partner yet, as in a fresh
+    swarm) are named but not blamed.
+    """
+    members = _members(status)
+    if not members:
+        return [Finding("pairing", SKIP, "skipped: this daemon reports no swarm members")]
+    graph = pairing_graph(members)
+    findings = _island_findings(graph, {str(m.get("peer_id")): m.get("outer_step") for m in members})
+    findings += _solo_findings(status, graph.paired + len(graph.unpaired))
+    if not findings:
+        findings.append(Finding("pairing", OK, _pairing_ok_text(graph)))
+    return findings
+
+
+def _island_findings(graph: PairingGraph, steps: Mapping[str, Any]) -> list[Finding]:
+    """A warning naming every island when the paired trainers form more than one group."""
+    if not graph.split:
+        return []
+    listed = " and ".join(_island_text(island, steps) for island in graph.islands)
+    return [
+        Finding(
+            "pairing",
+            WARN,
+            f"the swarm's pairing graph has split into {len(graph.islands)} islands of trainers that never "
+            f"averaged with each other over their recent outer steps: {listed}; each island trains its own model",
+            ISLANDS_FIX,
+        )
+    ]
+
+
+def _solo_findings(status: dict[str, Any], trainers: int) -> list[Finding]:
+    """A warning when this node took most of its recent outer steps solo although others could pair."""
+    sync = status.get("sync")
+    mixing = sync.get("mixing") if isinstance(sync, dict) else None
+    if not isinstance(mixing, dict):
+        return []
+    share, steps = _num(mixing.get("solo_share")), _num(mixing.get("outer_steps"))
+    me = next((m for m in _members(status) if m.get("self")), {})
+    others = trainers - (1 if me.get("state") == "alive" and me.get("role") == "trainer" else 0)
+    if share is None or steps is None or steps < SOLO_MIN_STEPS or share <= SOLO_SHARE_WARN or others < 1:
+        return []
+    return [
+        Finding(
+            "pairing",
+            WARN,
+            f"this node stepped solo in {share:.0%} of its last {steps:.0f} outer steps although {others} other "
+            f"trainer{' is' if others == 1 else 's are'} alive: it barely mixes with the swarm",
+            "find why partners are not eligible: outer steps more than sync.max_step_gap apart (`starling status`: "
+            "the members' outer column), no direct path (`starling status`: path, `nat:`), another version or "
+            "manifest (see the checks above), or bans (`starling status --json`: sync.banned)",
+        )
+    ]
+
+
+def _pairing_ok_text(graph: PairingGraph) -> str:
+    """The healthy verdict, with the unpaired trainers counted (a fresh swarm has only those)."""
+    unpaired = f"; {len(graph.unpaired)} with no recent partner: {_listed([short(p) for p in graph.unpaired])}"
+    if not graph.islands:
+        alive = len(graph.unpaired)
+        if not alive:
+            return "pairing graph: no alive trainers"
+        return f"pairing graph: no pairs yet among {alive} alive trainer{'s' * (alive != 1)}"
+    return f"pairing graph: one island of {graph.paired} trainers" + (unpaired if graph.unpaired else "")
+
+
 # ==========================================================================================================
 # Running all checks, printing them
 # ==========================================================================================================
@@ -951,6 +1041,7 @@ def run_checks(
         ("versions", lambda st: check_versions(st, installed=_installed_version())),
         ("manifest", check_manifest),
         ("training", check_training),
+        ("pairing", check_pairing),
     ]
     for name, check in status_checks:
         findings += check(status) if status is not None else [Finding(name, SKIP, NO_DAEMON)]

@@ -34,6 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from node.mixing import pairing_graph
+
 log = logging.getLogger(__name__)
 
 PREFIX = "starling"
@@ -116,6 +118,7 @@ def _status_families(status: Mapping[str, Any], max_peer_labels: int) -> list[Me
     members = status.get("members")
     if isinstance(members, list):
         families.extend(_member_families(members))
+        families.extend(_pairing_families(members))
     reachability = _reachability_label(status.get("reachability"))
     if reachability is not None:
         family = GaugeMetricFamily(
@@ -148,6 +151,16 @@ def _training_families(training: Mapping[str, Any]) -> Iterator[Metric]:
     yield from _gauge(
         "training_samples_per_second", "Training throughput of the local worker", training.get("samples_per_s")
     )
+    yield from _gauge(
+        "training_pace_seconds",
+        "The swarm's pace: seconds between two outer steps (absent when pacing by this machine's inner steps)",
+        training.get("period_s"),
+    )
+    yield from _gauge(
+        "training_last_inner_steps",
+        "Inner steps in the latest outer step (fewer than the swarm's on a slower machine)",
+        training.get("last_inner_steps"),
+    )
     yield from _counter("worker_restarts", "Times the supervisor restarted the torch worker", training.get("restarts"))
     device, task = _label(training.get("device")), _label(training.get("task"))
     if device or task:
@@ -167,6 +180,9 @@ def _sync_families(sync: Mapping[str, Any], max_peer_labels: int) -> Iterator[Me
     yield from _gauge("sync_last_bytes", "Bytes moved by the latest round", sync.get("last_bytes"))
     yield from _counter("sync_sent_bytes", "Bytes sent in averaging rounds", sync.get("bytes_sent"))
     yield from _counter("sync_received_bytes", "Bytes received in averaging rounds", sync.get("bytes_received"))
+    mixing = _section(sync, "mixing")
+    if mixing is not None:
+        yield from _mixing_families(mixing)
     wire_dtype = _label(sync.get("wire_dtype"))
     if wire_dtype is not None:
         info = GaugeMetricFamily(
@@ -232,6 +248,37 @@ def _member_families(members: list[Any]) -> Iterator[Metric]:
     for state, count in by_state.items():
         family.add_metric([state], float(count))
     yield family
+
+
+def _mixing_families(mixing: Mapping[str, Any]) -> Iterator[Metric]:
+    """This node's recent mixing: the totals above never forget, so a node that paired well at first and
+    steps solo now only shows here."""
+    yield from _gauge(
+        "sync_recent_outer_steps", "Outer steps in the recent window the recent_* gauges cover", mixing.get("outer_steps")
+    )
+    yield from _gauge(
+        "sync_recent_solo_share", "Share of the recent outer steps taken without a partner (0-1)", mixing.get("solo_share")
+    )
+    yield from _gauge(
+        "sync_recent_distinct_partners",
+        "Distinct peers averaged with over the recent outer steps",
+        mixing.get("distinct_partners"),
+    )
+
+
+def _pairing_families(members: list[Any]) -> Iterator[Metric]:
+    """The pairing graph over alive trainers (node/mixing.py): more than one island means a split swarm."""
+    graph = pairing_graph(members)
+    yield from _gauge(
+        "swarm_pairing_islands",
+        "Groups of alive trainers that average among themselves, as seen from this node (>1: the swarm split)",
+        len(graph.islands),
+    )
+    yield from _gauge(
+        "swarm_unpaired_trainers",
+        "Alive trainers that averaged with no other alive trainer over their recent outer steps",
+        len(graph.unpaired),
+    )
 
 
 def _reachability_label(value: Any) -> str | None:

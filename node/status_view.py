@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from node.mixing import pairing_graph
+
+MAX_PARTNERS_SHOWN = 4  # partners named on the mixing line; the rest are counted
+
 
 def short(peer_id: str) -> str:
     return peer_id[:6] + ".." + peer_id[-6:] if len(peer_id) > 14 else peer_id
@@ -81,12 +85,17 @@ def render_status(st: dict[str, Any]) -> str:
     if sy:
         out.append(
             f"sync: {sy.get('rounds', 0)} rounds ({sy.get('solo_rounds', 0)} solo, {sy.get('failures', 0)} failed),"
-            f" {sy.get('distinct_partners', 0)} partners, last {short(str(sy.get('last_partner') or '-'))}"
+            f" {sy.get('distinct_partners', 0)} partners since start, last {short(str(sy.get('last_partner') or '-'))}"
             f" in {_fmt(sy.get('last_duration_s'), '.2f')}s, wire {sy.get('wire_dtype', '?')}"
         )
+        mixing = sy.get("mixing")
+        if isinstance(mixing, dict):
+            out.append(_mixing_line(mixing))
+    if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
+        out.append(_pace_line(tr))
     members = st.get("members")
     if members:
-        rows = [["member", "state", "step", "loss", "samples/s", "last seen"]]
+        rows = [["member", "state", "outer", "loss", "samples/s", "partners", "last seen"]]
         for m in members:
             rows.append([
                 short(str(m.get("peer_id", "?"))),
@@ -94,8 +103,77 @@ def render_status(st: dict[str, Any]) -> str:
                 _fmt(m.get("outer_step")),
                 _fmt(m.get("loss"), ".4f"),
                 _fmt(m.get("samples_per_s"), ".1f"),
+                _partner_count(m),
                 (_dur(m["last_seen_s"]) + " ago") if isinstance(m.get("last_seen_s"), (int, float)) else "-",
             ])
         out.append(f"members: {len(members)}")
         out.extend(_table(rows))
+        out.append(_pairing_line(members))
     return "\n".join(out)
+
+
+def _mixing_line(mixing: dict[str, Any]) -> str:
+    """How well this node mixes: the averaged share of its recent outer steps and whom with.
+
+    The totals on the `sync:` line count since the daemon started and hide a node that paired well an
+    hour ago and steps solo now; this line covers only the last few outer steps (the averager's window).
+    """
+    steps = mixing.get("outer_steps")
+    if not isinstance(steps, int) or steps <= 0:
+        return "mixing: no outer steps yet"
+    partners = mixing.get("partners") if isinstance(mixing.get("partners"), dict) else {}
+    ranked = sorted(partners.items(), key=lambda kv: (-_count(kv[1]), str(kv[0])))
+    named = [f"{short(str(p))} x{_count(n)}" for p, n in ranked[:MAX_PARTNERS_SHOWN]]
+    if len(ranked) > MAX_PARTNERS_SHOWN:
+        named.append(f"{len(ranked) - MAX_PARTNERS_SHOWN} more")
+    solo = mixing.get("solo_share")
+    solo_text = f" ({solo:.0%} solo)" if isinstance(solo, (int, float)) else ""
+    count = len(partners)
+    who = f" with {count} partner{'s' * (count != 1)}: {', '.join(named)}" if named else ", no partner"
+    scheduled = mixing.get("scheduled")
+    sched_text = f"; {scheduled} with the scheduled partner" if isinstance(scheduled, int) and named else ""
+    return (
+        f"mixing: {_fmt(mixing.get('averaged'))} of the last {steps} outer steps averaged{solo_text}{who}"
+        f"{sched_text}"
+    )
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _secs(seconds: float) -> str:
+    """Seconds for humans: sub-second paces (tiny test models) in ms, so they do not read as 0.0 s."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def _pace_line(tr: dict[str, Any]) -> str:
+    """The swarm's pace, and how many inner steps this machine fits in one outer step (fewer = slower)."""
+    period = tr.get("period_s")
+    inner = tr.get("last_inner_steps")
+    pace = (
+        f"an outer step every {_secs(period)}"
+        if isinstance(period, (int, float)) and period > 0
+        else "an outer step every train.inner_steps inner steps of this machine"
+    )
+    return f"pace: {pace}" + (f", {inner} inner steps in the last" if isinstance(inner, int) else "")
+
+
+def _partner_count(member: dict[str, Any]) -> str:
+    """How many partners a trainer names for its recent outer steps; blank for non-trainers."""
+    partners = member.get("partners")
+    if member.get("role") != "trainer" or not isinstance(partners, list):
+        return ""
+    return str(len(partners))
+
+
+def _pairing_line(members: list[Any]) -> str:
+    """Whether the alive trainers form one pairing group, as `starling doctor` judges it."""
+    graph = pairing_graph(members)
+    unpaired = f", {len(graph.unpaired)} unpaired" if graph.unpaired else ""
+    if not graph.islands:
+        return f"pairing graph: no pairs yet{unpaired}"
+    if not graph.split:
+        return f"pairing graph: one island of {graph.paired} trainers{unpaired}"
+    groups = "  ".join("{" + ", ".join(short(p) for p in island) + "}" for island in graph.islands)
+    return f"pairing graph: {len(graph.islands)} islands (see starling doctor): {groups}{unpaired}"

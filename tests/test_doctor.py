@@ -29,6 +29,7 @@ from node.doctor import (
     check_bootstrap,
     check_clock_skew,
     check_manifest,
+    check_pairing,
     check_reachability,
     check_training,
     check_versions,
@@ -239,7 +240,7 @@ def test_no_bootstrap_and_no_peers_warns_of_a_lone_node(tmp_path: Path) -> None:
 def test_without_a_daemon_the_status_checks_are_skipped_not_errors(tmp_path: Path) -> None:
     home = make_home(tmp_path)
     findings = run_checks(home, environ={})
-    for check in ("reachability", "clock", "versions", "manifest", "training"):
+    for check in ("reachability", "clock", "versions", "manifest", "training", "pairing"):
         assert of(findings, check) == [Finding(check, SKIP, NO_DAEMON)]
     assert ERROR not in levels(findings)
 
@@ -448,3 +449,80 @@ def test_reachability_public_unknown_and_absent() -> None:
     [unknown] = check_reachability(status_with(reachability="unknown"))
     assert unknown.level == OK and "not yet determined" in unknown.message
     assert levels(check_reachability(status_with())) == {SKIP}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pairing: islands in the swarm's pairing graph, and a node that mostly steps solo
+# ---------------------------------------------------------------------------------------------------------
+
+
+def trainers_status(partners: dict[str, list[str]], **fields: Any) -> dict[str, Any]:
+    """A status whose alive trainers (ME among them when named) name the given recent partners."""
+    others = [member(p, role="trainer", partners=named, outer_step=40) for p, named in partners.items() if p != ME]
+    st = status_with(*others, **fields)
+    st["members"][0].update(role="trainer", partners=partners.get(ME, []), outer_step=40)
+    return st
+
+
+def mixing(outer_steps: int, solo: int) -> dict[str, Any]:
+    return {"sync": {"mixing": {"window": 20, "outer_steps": outer_steps, "averaged": outer_steps - solo,
+                                "solo": solo, "solo_share": round(solo / outer_steps, 3) if outer_steps else None,
+                                "scheduled": 0, "partners": {}, "distinct_partners": 0}}}  # fmt: skip
+
+
+def test_two_islands_warn_naming_the_members_of_both_and_the_fix() -> None:
+    a, b, c = other_peer_id(), other_peer_id(), other_peer_id()
+    st = trainers_status({ME: [a], a: [ME], b: [c], c: [b]})
+    for m in st["members"]:
+        if m["peer_id"] in (b, c):
+            m["outer_step"] = 90 if m["peer_id"] == b else 92
+    [finding] = check_pairing(st)
+    assert finding.level == WARN and "2 islands" in finding.message
+    first, second = [short(p) for p in sorted([ME, a])], [short(p) for p in sorted([b, c])]
+    assert "{" + ", ".join(first) + "} (outer step 40)" in finding.message
+    assert "{" + ", ".join(second) + "} (outer steps 90-92)" in finding.message
+    assert "sync.pace = swarm" in finding.fix and "sync.max_step_gap" in finding.fix and "path" in finding.fix
+
+
+def test_islands_do_not_make_the_doctor_exit_1() -> None:
+    a, b, c = other_peer_id(), other_peer_id(), other_peer_id()
+    findings = check_pairing(trainers_status({ME: [a], a: [ME], b: [c], c: [b]}))
+    assert ERROR not in levels(findings)
+
+
+def test_one_connected_swarm_is_ok_with_its_size() -> None:
+    a, b = other_peer_id(), other_peer_id()
+    st = trainers_status({ME: [a], a: [b], b: []}, **mixing(20, 2))
+    assert check_pairing(st) == [Finding("pairing", OK, "pairing graph: one island of 3 trainers")]
+
+
+def test_a_fresh_swarm_where_nobody_paired_yet_is_ok_not_split() -> None:
+    a, b = other_peer_id(), other_peer_id()
+    [finding] = check_pairing(trainers_status({ME: [], a: [], b: []}, **mixing(3, 3)))
+    assert finding.level == OK and finding.message == "pairing graph: no pairs yet among 3 alive trainers"
+
+
+def test_unpaired_trainers_beside_one_island_are_named_in_the_ok_line() -> None:
+    a, b = other_peer_id(), other_peer_id()
+    [finding] = check_pairing(trainers_status({ME: [a], a: [ME], b: []}))
+    assert finding.level == OK and finding.message.endswith(f"1 with no recent partner: {short(b)}")
+
+
+def test_mostly_solo_over_ten_recent_steps_with_other_trainers_warns() -> None:
+    a = other_peer_id()
+    [finding] = check_pairing(trainers_status({ME: [], a: []}, **mixing(12, 8)))
+    assert finding.level == WARN and "solo in 67% of its last 12 outer steps" in finding.message
+    assert "1 other trainer is alive" in finding.message and "sync.max_step_gap" in finding.fix
+
+
+def test_solo_steps_are_fine_alone_or_over_too_few_steps_or_at_half() -> None:
+    a = other_peer_id()
+    alone = trainers_status({ME: []}, **mixing(20, 20))
+    early = trainers_status({ME: [], a: []}, **mixing(9, 9))
+    half = trainers_status({ME: [a], a: [ME]}, **mixing(20, 10))
+    for st in (alone, early, half):
+        assert levels(check_pairing(st)) == {OK}
+
+
+def test_pairing_without_members_is_skipped() -> None:
+    assert check_pairing({"peer_id": ME})[0].level == SKIP

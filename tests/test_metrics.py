@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -148,6 +150,56 @@ def test_mistyped_and_missing_fields_are_skipped_without_raising() -> None:
     assert not names & {"starling_uptime_seconds", "starling_training_step", "starling_training_loss",
                         "starling_worker_restarts_total", "starling_sync_rounds_total",
                         "starling_sync_peer_sent_bytes_total"}
+
+
+def test_recent_mixing_pace_and_pairing_islands_are_exported_from_a_captured_status() -> None:
+    status = json.loads((Path(__file__).parent / "data" / "status_three_trainers.json").read_text())
+    status["sync"]["mixing"].update(outer_steps=20, solo=3, averaged=17, solo_share=0.15, distinct_partners=2)
+    status["training"].update(period_s=1.8, last_inner_steps=14)
+    metrics = Metrics()
+    metrics.update_from_status(status)
+    s = rendered(metrics)
+
+    assert value(s, "starling_sync_recent_outer_steps") == 20
+    assert value(s, "starling_sync_recent_solo_share") == pytest.approx(0.15)
+    assert value(s, "starling_sync_recent_distinct_partners") == 2
+    assert value(s, "starling_training_pace_seconds") == pytest.approx(1.8)
+    assert value(s, "starling_training_last_inner_steps") == 14
+    assert value(s, "starling_swarm_pairing_islands") == 1
+    assert value(s, "starling_swarm_unpaired_trainers") == 0
+
+
+def test_two_disjoint_pairs_of_trainers_export_two_islands_and_the_unpaired_count() -> None:
+    def trainer(peer: str, *partners: str) -> dict[str, Any]:
+        return {"peer_id": peer, "state": "alive", "role": "trainer", "partners": list(partners)}
+
+    members = [trainer("a", "b"), trainer("b"), trainer("c", "d"), trainer("d", "c"), trainer("e"),
+               {"peer_id": "r", "state": "alive", "role": "network-only", "partners": ["a", "c"]}]  # fmt: skip
+    metrics = Metrics()
+    metrics.update_from_status({**SAMPLE_STATUS, "members": members})
+    s = rendered(metrics)
+
+    assert value(s, "starling_swarm_pairing_islands") == 2
+    assert value(s, "starling_swarm_unpaired_trainers") == 1
+
+
+def test_missing_mixing_and_pace_values_are_skipped_without_raising() -> None:
+    metrics = Metrics()
+    metrics.update_from_status({
+        "training": {"period_s": None, "last_inner_steps": "many"},
+        "sync": {"mixing": {"outer_steps": 0, "solo_share": None, "distinct_partners": None}},
+        "members": [{"peer_id": "a", "state": "alive", "role": "trainer", "partners": None}, None],
+    })
+    s = rendered(metrics)
+
+    assert value(s, "starling_sync_recent_outer_steps") == 0
+    assert value(s, "starling_swarm_pairing_islands") == 0
+    assert value(s, "starling_swarm_unpaired_trainers") == 1
+    names = {name for name, _ in s}
+    assert not names & {"starling_sync_recent_solo_share", "starling_sync_recent_distinct_partners",
+                        "starling_training_pace_seconds", "starling_training_last_inner_steps"}
+    metrics.update_from_status({"sync": {"mixing": "broken"}, "training": {}})
+    assert "starling_sync_recent_outer_steps" not in {name for name, _ in rendered(metrics)}
 
 
 def test_non_mapping_status_is_ignored_and_keeps_the_previous_snapshot() -> None:

@@ -1,0 +1,109 @@
+"""node.status_view: the readable `starling status`, rendered from the `--json` dict."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from node.status_view import render_status, short
+
+CAPTURED = Path(__file__).parent / "data" / "status_three_trainers.json"
+
+
+def captured() -> dict[str, Any]:
+    """`status --json` of a real three-trainer TINY swarm after ~45 s (tests/procs.py TINY)."""
+    return json.loads(CAPTURED.read_text())
+
+
+def line(text: str, prefix: str) -> str:
+    [found] = [x for x in text.splitlines() if x.startswith(prefix)]
+    return found
+
+
+def test_mixing_line_shows_averaged_share_solo_share_and_partners_most_frequent_first() -> None:
+    st = captured()
+    st["sync"]["mixing"] = {
+        "window": 20, "outer_steps": 20, "averaged": 17, "solo": 3, "solo_share": 0.15, "scheduled": 15,
+        "partners": {"12D3KooWBbbbbbbbbbbbbbbbbbbbb": 5, "12D3KooWAaaaaaaaaaaaaaaaaaaaa": 6, "12D3KooWC": 6},
+        "distinct_partners": 3,
+    }  # fmt: skip
+    mixing = line(render_status(st), "mixing:")
+    assert mixing.startswith("mixing: 17 of the last 20 outer steps averaged (15% solo) with 3 partners: ")
+    assert "12D3Ko..aaaaaa x6, 12D3KooWC x6, 12D3Ko..bbbbbb x5" in mixing
+    assert mixing.endswith("; 15 with the scheduled partner")
+
+
+def test_mixing_line_of_a_captured_swarm_names_both_partners() -> None:
+    st = captured()
+    text = render_status(st)
+    for partner in st["sync"]["mixing"]["partners"]:
+        assert short(partner) in line(text, "mixing:")
+    assert "partners since start" in line(text, "sync:")
+
+
+def test_mixing_line_before_any_outer_step_and_when_all_steps_were_solo() -> None:
+    st = captured()
+    st["sync"]["mixing"] = {"window": 20, "outer_steps": 0, "averaged": 0, "solo": 0, "solo_share": None,
+                            "scheduled": 0, "partners": {}, "distinct_partners": 0}  # fmt: skip
+    assert line(render_status(st), "mixing:") == "mixing: no outer steps yet"
+    st["sync"]["mixing"].update(outer_steps=12, solo=12, solo_share=1.0)
+    assert line(render_status(st), "mixing:") == "mixing: 0 of the last 12 outer steps averaged (100% solo), no partner"
+
+
+def test_many_partners_are_cut_to_four_and_counted() -> None:
+    st = captured()
+    st["sync"]["mixing"]["partners"] = {f"peer{i}": 1 for i in range(6)}
+    assert line(render_status(st), "mixing:").endswith("peer3 x1, 2 more; 11 with the scheduled partner")
+
+
+def test_pace_line_shows_the_swarm_period_and_the_last_inner_steps() -> None:
+    st = captured()
+    st["training"].update(period_s=1.84, last_inner_steps=14)
+    assert line(render_status(st), "pace:") == "pace: an outer step every 1.8 s, 14 inner steps in the last"
+    st["training"].update(period_s=0.041, last_inner_steps=2)
+    assert line(render_status(st), "pace:") == "pace: an outer step every 41 ms, 2 inner steps in the last"
+    st["training"].update(period_s=None, last_inner_steps=5)
+    assert "every train.inner_steps inner steps of this machine, 5 inner" in line(render_status(st), "pace:")
+
+
+def test_members_table_counts_partners_for_trainers_and_leaves_others_blank() -> None:
+    st = captured()
+    relay = {**copy.deepcopy(st["members"][0]), "peer_id": "12D3KooWRelayRelayRelayRelay", "role": "network-only",
+             "partners": [], "self": False}  # fmt: skip
+    st["members"].append(relay)
+    text = render_status(st)
+    header = line(text, "  member")
+    assert "partners" in header.split() and "outer" in header.split()
+    column = header.index("partners")
+    trainer_row = line(text, "  " + short(st["members"][0]["peer_id"]))
+    assert trainer_row[column:].split()[0] == "2"
+    relay_row = line(text, "  " + short(relay["peer_id"]))
+    assert relay_row[column : column + len("partners")].strip() == ""
+
+
+def test_pairing_graph_line_says_one_island_or_names_the_islands() -> None:
+    st = captured()
+    assert line(render_status(st), "pairing graph:") == "pairing graph: one island of 3 trainers"
+    a, b, c = (m["peer_id"] for m in st["members"])
+    st["members"][0]["partners"], st["members"][1]["partners"] = [b], [a]
+    st["members"][2]["partners"] = []
+    assert line(render_status(st), "pairing graph:") == "pairing graph: one island of 2 trainers, 1 unpaired"
+    st["members"].append({**st["members"][2], "peer_id": "12D3KooWDdddddddddddddddddddd", "partners": [c],
+                          "self": False})  # fmt: skip
+    split = line(render_status(st), "pairing graph:")
+    assert split.startswith("pairing graph: 2 islands (see starling doctor): {")
+    assert short(c) in split and short(a) in split
+
+
+def test_an_old_daemon_without_mixing_pace_or_partners_still_renders() -> None:
+    st = captured()
+    del st["sync"]["mixing"]
+    for key in ("period_s", "last_inner_steps"):
+        del st["training"][key]
+    for m in st["members"]:
+        del m["partners"]
+    text = render_status(st)
+    assert "mixing:" not in text and "pace:" not in text
+    assert "pairing graph: no pairs yet, 3 unpaired" in text
