@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm chaos fuzz swarm-up swarm-down clean
 
 install: $(STAMP)
 
@@ -63,6 +63,11 @@ bench-convergence: install
 
 bench-sync: install
 	$(PY) bench/sync.py --write-docs
+
+# Real daemons on 127.0.0.1 (mixing, a throttled half via cgroup v1, convergence beside the simulation);
+# about 30 min on 2 cores. Throttling needs root.
+bench-swarm: install
+	$(PY) bench/swarm.py --write-docs
 
 bench-hivemind: install
 	$(PY) bench/sync.py --parts 3
