@@ -37,6 +37,7 @@ Ctrl+C and SIGTERM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import platform
@@ -475,9 +476,13 @@ def _counters(st: dict[str, Any] | None) -> tuple[int, int, dict[str, int]]:
     return int(ex.get("group", 0)) + int(ex.get("solo", 0)), int(ex.get("group", 0)), per_peer
 
 
-def measure_mixing(swarm: Swarm, label: str, seconds: float, startup_s: float) -> MixingRun:
+def measure_mixing(swarm: Swarm, label: str, seconds: float, startup_s: float,
+                   bystanders: Swarm | None = None) -> MixingRun:
     """Wait until every trainer trains, then measure `seconds` of outer steps (counter deltas, so the
-    start-up, when not everyone was up yet, does not count), then stop every daemon gracefully."""
+    start-up, when not everyone was up yet, does not count), then stop every daemon gracefully.
+    `bystanders` train meanwhile without being measured (polled, so that their caps hold)."""
+    if bystanders is not None:
+        bystanders.wait_training(startup_s)
     first = swarm.wait_training(startup_s)
     t0 = time.monotonic()
     cpu0 = {name: (training(st).get("pid"), cpu_seconds(int(training(st).get("pid") or 0))) for name, st in first.items()}
@@ -487,6 +492,8 @@ def measure_mixing(swarm: Swarm, label: str, seconds: float, startup_s: float) -
         for name, st in swarm.poll().items():
             if st is not None:
                 last[name] = st
+        if bystanders is not None:
+            bystanders.poll()
         time.sleep(1.0)
     elapsed = time.monotonic() - t0
     cpu = {}  # each worker's share of a core over the window: what the throttle (and the machine) left it
@@ -512,9 +519,17 @@ def measure_mixing(swarm: Swarm, label: str, seconds: float, startup_s: float) -
 
 
 def run_mixing(root: Path, label: str, roles: list[tuple[str, str]], train: dict[str, Any], sync: dict[str, Any],
-               seconds: float, startup_s: float, evaluate: bool) -> MixingRun:
-    with Swarm(root, roles, set_args(train, sync)) as swarm:
-        run = measure_mixing(swarm, label, seconds, startup_s)
+               seconds: float, startup_s: float, evaluate: bool,
+               bystander_roles: list[tuple[str, str]] | None = None) -> MixingRun:
+    """One measured swarm; `bystander_roles` train at the same time, each alone (not measured), so that a
+    smaller swarm is compared with a larger one under the same load on this shared machine."""
+    with contextlib.ExitStack() as stack:
+        bystanders = None
+        if bystander_roles:
+            bystanders = stack.enter_context(Swarm(root / "bystanders", bystander_roles, set_args(train, sync),
+                                                   connected=False))
+        swarm = stack.enter_context(Swarm(root, roles, set_args(train, sync)))
+        run = measure_mixing(swarm, label, seconds, startup_s, bystanders)
         nodes = swarm.nodes
     if evaluate:
         ev = Evaluator(train, root / "eval")
@@ -675,8 +690,10 @@ def scenario_hetero(plan: Plan, tmp: Path, out: Results) -> None:
     roles = [("f0", "fast"), ("f1", "fast"), ("s0", "slow"), ("s1", "slow")]
     out.hetero = run_mixing(tmp / "hetero", "2 fast + 2 slow", roles, train, plan.sync, plan.seconds,
                             plan.startup_s, evaluate=True)
+    # The slow machines still run, each alone, while the fast pair is measured: on this shared machine the
+    # comparison is then "the slow machines join the swarm" against "they train apart", at equal load.
     out.fast_only = run_mixing(tmp / "fast-only", "2 fast alone", roles[:2], train, plan.sync, plan.seconds,
-                               plan.startup_s, evaluate=True)
+                               plan.startup_s, evaluate=True, bystander_roles=roles[2:])
 
 
 def scenario_convergence(plan: Plan, tmp: Path, out: Results) -> None:
@@ -828,8 +845,9 @@ def render(plan: Plan, res: Results, command: str, wall: float, scenarios: list[
     if res.hetero is not None and res.fast_only is not None:
         h, f = res.hetero, res.fast_only
         parts.append(f"### hetero\n\nThe bench/convergence.py model at H = {plan.hetero_train()['inner_steps']}; "
-                     f"{h.seconds:.0f} s of {h.label}, then {f.seconds:.0f} s of {f.label}, each timed from when all "
-                     f"its trainers were training. Averaged weights: {h.label} {h.evaluated.avg_model:.4f}, "
+                     f"{h.seconds:.0f} s of {h.label}, then {f.seconds:.0f} s of {f.label} while the 2 slow ones train "
+                     "apart (each alone, so that both runs load this shared machine alike), each timed from when "
+                     "all its trainers were training. Averaged weights: {h.label} {h.evaluated.avg_model:.4f}, "
                      f"{f.label} {f.evaluated.avg_model:.4f}. The cap binds only where a worker would otherwise get "
                      "more than 25% of a core: the 'worker CPU' column says what each actually got (on a machine "
                      "busy with other jobs the fast ones may get little more).\n\n"

@@ -22,7 +22,8 @@ Phase: outer steps are paced by time (node/worker.py, `publish_due`), and two pa
 different moments meet halfway: each tells the other how long it waited for the pairing, and the result
 moves the next publish by half the difference (`ExchangeRequest.shift_s`), so phases converge across the
 swarm like any gossip average. A node that found nobody ready at all in its window is out of phase with
-everyone; it moves its next publish by a random part of the period to look elsewhere.
+everyone: the trainers it asked said how long ago they published, and it moves its next publish halfway
+towards their phase (`_phase_shift`).
 
 Weights: each side says how many inner steps and samples its Delta covers; the worker weights the pair's
 Delta by samples (node/outer.py, `PairWeights`), and the Delta-norm check allows a partner that trained
@@ -103,6 +104,8 @@ class _Pending:
     scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
     scheduled_until: float = 0.0  # end of the scheduled phase
     saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
+    # Between-steps answers: how far (s) each asked trainer's publish was from ours (theirs - ours).
+    phase_gaps: list[float] = field(default_factory=list)
     largest_seen: int = 0  # the largest outer step a ready partner showed us in this window
 
     def in_scheduled_phase(self, now: float) -> bool:
@@ -143,6 +146,7 @@ class Averager:
         reachable: Callable[[], bool] | None = None,
         on_outer_step: Callable[[bool], None] | None = None,
         anyone_else: Callable[[], bool] | None = None,
+        pace: Callable[[], float] | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -162,6 +166,9 @@ class Averager:
         # pairing window: records lag (a heartbeat old), the gap is judged on the actual request, and where
         # outer steps are short a node that never waits races ahead of everyone and pairs with no one.
         self.anyone_else = anyone_else
+        # The swarm's pace (seconds between two publishes; 0: none), for the phase of trainers between steps.
+        self.pace = pace
+        self._last_publish_at: float | None = None  # trio clock: our latest publish
         self.listener = DataPathListener(listen_host, cfg.datapath_port, max_frame_size=avg.MAX_FRAME) if cfg.datapath else None
         self.me = str(host.get_id())
         self._pending: _Pending | None = None
@@ -294,6 +301,7 @@ class Averager:
         pending.scheduled = scheduled_partner(self.me, self._schedule_members(), request.outer_step)
         pending.scheduled_until = began + SCHEDULED_SHARE * self.cfg.pair_window_s
         self._pending = pending
+        self._last_publish_at = began
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pair, pending)
@@ -311,8 +319,8 @@ class Averager:
             self.stats["solo_rounds"] += 1
             self._recent.append((request.outer_step, None, False))
             if not pending.saw_ready:
-                # Nobody was ready in the whole window: our phase is off everyone's. Look elsewhere next time.
-                request.shift_s = random.uniform(0.0, 0.5) * self.cfg.pair_window_s
+                # Nobody was ready in the whole window: our phase is off everyone's. Move towards theirs.
+                request.shift_s = self._phase_shift(pending.phase_gaps)
             # A solo step follows the largest outer step that ready trainers showed us meanwhile (within our
             # gap), as an exchange does: the schedule is keyed by the outer step, and a node one step
             # behind the others would otherwise compute another matching than theirs at every step.
@@ -330,6 +338,16 @@ class Averager:
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   "averaged" if pending.result >= 2 else "solo", trio.current_time() - began)
         return pending.result
+
+    def _phase_shift(self, gaps: list[float]) -> float:
+        """Half the median distance to the phases of the trainers that were between outer steps, each
+        taken modulo the pace (a trainer that published 1 s before the end of its period is 1 s ahead of
+        our next publish, not a period behind ours). 0 without a pace or without any answer."""
+        period = self.pace() if self.pace is not None else 0.0
+        if period <= 0 or not gaps:
+            return 0.0
+        wrapped = [((g + period / 2) % period) - period / 2 for g in gaps]
+        return statistics.median(wrapped) / 2
 
     def _schedule_members(self) -> list[str]:
         """The other trainers the schedule pairs us among: the eligible ones (the swarm state's view, the
@@ -491,6 +509,9 @@ class Averager:
                 # Busy or between outer steps, it shows where its count is (a refusal's may be far off).
                 pending.largest_seen = max(pending.largest_seen, e.outer_step)
                 pending.saw_ready = pending.saw_ready or not not_ready
+            if not_ready and e.since_publish_ms > 0:
+                their_publish = trio.current_time() - min(e.since_publish_ms / 1000, 86400.0)
+                pending.phase_gaps.append(their_publish - pending.began)
             if not scheduled:
                 self._back_off(partner, soft=True)
             log.debug("partner %s declined: %s", partner, e)
@@ -538,8 +559,11 @@ class Averager:
         verdict = self._judge(request, pending, partner)
         if verdict is not None:
             # Between outer steps we say the last one we took: an asker that is behind learns the count.
+            since = 0
+            if pending is None and self._last_publish_at is not None:
+                since = max(1, min(int((trio.current_time() - self._last_publish_at) * 1000), 1 << 31))
             await avg.answer(stream, verdict[0], verdict[1],
-                             pending.request.outer_step if pending else self._last_outer_step)
+                             pending.request.outer_step if pending else self._last_outer_step, since)
             await close_quietly(stream)
             return
         assert pending is not None

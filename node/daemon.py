@@ -169,6 +169,7 @@ class Daemon:
                 reachable=lambda: self.nat.reachability != "private",
                 on_outer_step=self.catch_up.note_outer_step,
                 anyone_else=lambda: bool(self._possible_partners()),
+                pace=lambda: float(self._training().get("period_s") or 0.0),
             )
         self.ready = trio.Event()
         self._last_progress_step = 0

@@ -9,17 +9,13 @@ step and no rank list, but after an exchange both partners continue from the lar
 so trainers that average share their outer-step counter; and every trainer knows the same member list
 (the swarm state). From those two, each trainer computes the same matching for each outer step.
 
-The matching is a round-robin tournament (the "circle method") over the sorted trainers, in an order
-shuffled afresh every epoch (one tournament) from a seed that every node derives from the epoch alone:
-
-- within one epoch every trainer meets every other trainer exactly once, so partners spread as widely as
-  they can, and the epoch's shuffle keeps the order of meetings random across epochs;
-- with an odd number of trainers one slot is a *bye*: each trainer has exactly one bye per epoch (the solo
-  step rotates), instead of the same trainer sitting out every round.
-
-Where views differ (a member that some nodes do not know yet, outer steps that have not met) the schedules
-disagree for some trainers; the averager then falls back to any ready partner, least recently paired first
-(`node/averager.py`), and the next exchange realigns the counters.
+The matching is drawn afresh for every outer step from a seed that every node derives from the outer step
+and the member list alone, as the reference code does: a random perfect matching, so partners spread over
+the whole swarm and no pairs stay fixed. With an odd number of trainers one trainer sits out (a
+*bye*: a solo step), and byes go round the trainers in a fixed order (drawn once per member list), so
+each trainer sits out exactly once every N outer steps: with three trainers each averages in two of every
+three. (A bye drawn at random instead can hit the same trainer several times in a row; over the ten or
+twenty outer steps of a few minutes that starves one trainer visibly.)
 """
 
 from __future__ import annotations
@@ -31,43 +27,24 @@ from collections.abc import Iterable
 BYE = None
 
 
-def epoch_order(members: Iterable[str], epoch: int) -> list[str | None]:
-    """The members in this epoch's shuffled order, with a BYE slot appended when their number is odd.
-
-    The seed depends only on the epoch and the (sorted) member list, so every node that knows the same
-    members draws the same order."""
-    names = sorted(set(members))
-    digest = hashlib.sha256(f"starling/pairing/v1/{epoch}/".encode() + "\n".join(names).encode()).digest()
-    ordered: list[str | None] = list(names)
-    random.Random(digest).shuffle(ordered)
-    if len(ordered) % 2:
-        ordered.append(BYE)
-    return ordered
+def _rng(*parts: object) -> random.Random:
+    """A generator every node seeds alike from the same parts (sha256, not Python's salted hash)."""
+    return random.Random(hashlib.sha256("/".join(map(str, ("starling/pairing/v2", *parts))).encode()).digest())
 
 
 def matching(members: Iterable[str], round_no: int) -> dict[str, str | None]:
-    """Everyone's partner at outer step `round_no` (BYE: a solo step), for the given member list.
-
-    Round-robin by the circle method: slot 0 stays, the others rotate by one slot per round; slot j meets
-    slot M-1-j. An epoch has M-1 rounds (M = members rounded up to even), after which a new shuffle starts.
-    """
-    members = sorted(set(members))
-    if len(members) < 2:
-        return {m: BYE for m in members}
-    slots = len(members) + (len(members) % 2)
-    rounds_per_epoch = slots - 1
-    epoch, turn = divmod(round_no, rounds_per_epoch)
-    order = epoch_order(members, epoch)
-    rest = order[1:]
-    turn %= len(rest)
-    arrangement = [order[0], *rest[turn:], *rest[:turn]]
+    """Everyone's partner at outer step `round_no` (BYE: a solo step), for the given member list."""
+    names = sorted(set(members))
     pairs: dict[str, str | None] = {}
-    for j in range(slots // 2):
-        a, b = arrangement[j], arrangement[slots - 1 - j]
-        if a is not None:
-            pairs[a] = b
-        if b is not None:
-            pairs[b] = a
+    if len(names) % 2:
+        order = list(names)
+        _rng("byes", *names).shuffle(order)
+        bye = order[round_no % len(order)]
+        pairs[bye] = BYE
+        names.remove(bye)
+    _rng("round", round_no, *names).shuffle(names)
+    for a, b in zip(names[0::2], names[1::2], strict=True):
+        pairs[a], pairs[b] = b, a
     return pairs
 
 
