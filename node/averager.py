@@ -22,8 +22,10 @@ Phase: outer steps are paced by time (node/worker.py, `publish_due`), and two pa
 different moments meet halfway: each tells the other how long it waited for the pairing, and the result
 moves the next publish by half the difference (`ExchangeRequest.shift_s`), so phases converge across the
 swarm like any gossip average. A node that found nobody ready at all in its window is out of phase with
-everyone: the trainers it asked said how long ago they published, and it moves its next publish halfway
-towards their phase (`_phase_shift`).
+everyone: the trainers it asked said how long ago they published and whether they averaged, and it moves
+its next publish all the way to the phase of those that averaged (they are in phase with their partners
+and stay where they are) or halfway towards those that did not (they move towards us too)
+(`_phase_shift`).
 
 Weights: each side says how many inner steps and samples its Delta covers; the worker weights the pair's
 Delta by samples (node/outer.py, `PairWeights`), and the Delta-norm check allows a partner that trained
@@ -104,8 +106,9 @@ class _Pending:
     scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
     scheduled_until: float = 0.0  # end of the scheduled phase
     saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
-    # Between-steps answers: how far (s) each asked trainer's publish was from ours (theirs - ours).
-    phase_gaps: list[float] = field(default_factory=list)
+    # Between-steps answers: how far (s) each asked trainer's publish was from ours (theirs - ours), and
+    # whether its last outer step was averaged.
+    phase_gaps: list[tuple[float, bool]] = field(default_factory=list)
     largest_seen: int = 0  # the largest outer step a ready partner showed us in this window
 
     def in_scheduled_phase(self, now: float) -> bool:
@@ -339,15 +342,18 @@ class Averager:
                   "averaged" if pending.result >= 2 else "solo", trio.current_time() - began)
         return pending.result
 
-    def _phase_shift(self, gaps: list[float]) -> float:
-        """Half the median distance to the phases of the trainers that were between outer steps, each
-        taken modulo the pace (a trainer that published 1 s before the end of its period is 1 s ahead of
-        our next publish, not a period behind ours). 0 without a pace or without any answer."""
+    def _phase_shift(self, gaps: list[tuple[float, bool]]) -> float:
+        """How far to move our next publish towards the trainers that were between outer steps: the median
+        over them of the distance to each one's phase, taken modulo the pace (a trainer that published 1 s
+        before the end of its period is 1 s ahead of our next publish, not a period behind ours), all of
+        it towards one that averaged (it keeps its phase), half of it towards one that stepped solo (it
+        moves towards us as well: two solo nodes moving all the way would only swap places). 0 without a
+        pace or without any answer."""
         period = self.pace() if self.pace is not None else 0.0
         if period <= 0 or not gaps:
             return 0.0
-        wrapped = [((g + period / 2) % period) - period / 2 for g in gaps]
-        return statistics.median(wrapped) / 2
+        moves = [(((g + period / 2) % period) - period / 2) * (1.0 if paired else 0.5) for g, paired in gaps]
+        return statistics.median(moves)
 
     def _schedule_members(self) -> list[str]:
         """The other trainers the schedule pairs us among: the eligible ones (the swarm state's view, the
@@ -511,7 +517,7 @@ class Averager:
                 pending.saw_ready = pending.saw_ready or not not_ready
             if not_ready and e.since_publish_ms > 0:
                 their_publish = trio.current_time() - min(e.since_publish_ms / 1000, 86400.0)
-                pending.phase_gaps.append(their_publish - pending.began)
+                pending.phase_gaps.append((their_publish - pending.began, e.paired))
             if not scheduled:
                 self._back_off(partner, soft=True)
             log.debug("partner %s declined: %s", partner, e)
@@ -563,7 +569,8 @@ class Averager:
             if pending is None and self._last_publish_at is not None:
                 since = max(1, min(int((trio.current_time() - self._last_publish_at) * 1000), 1 << 31))
             await avg.answer(stream, verdict[0], verdict[1],
-                             pending.request.outer_step if pending else self._last_outer_step, since)
+                             pending.request.outer_step if pending else self._last_outer_step, since,
+                             paired=pending is None and bool(self._recent) and self._recent[-1][1] is not None)
             await close_quietly(stream)
             return
         assert pending is not None

@@ -49,7 +49,7 @@ def _fmt(v: Any, spec: str) -> str:
 def render(names: list[str], statuses: list[dict[str, Any] | None], started: float) -> str:
     ids = {s["peer_id"] for s in statuses if s}
     lines = [f"Starling local swarm — {len(names)} nodes — {time.monotonic() - started:.0f}s (Ctrl+C to stop)", ""]
-    lines.append(f"{'node':<6} {'peer':<16} {'peers':>5} {'step':>7} {'outer':>6} {'loss':>8} {'val':>8} {'smp/s':>7} {'sync':>10}")
+    lines.append(f"{'node':<6} {'peer':<16} {'peers':>5} {'step':>7} {'outer':>6} {'loss':>8} {'val':>8} {'smp/s':>7} {'sync':>10} {'partners':>8}")
     for name, st in zip(names, statuses, strict=True):
         if st is None:
             lines.append(f"{name:<6} (starting...)")
@@ -58,10 +58,12 @@ def render(names: list[str], statuses: list[dict[str, Any] | None], started: flo
         sy = st.get("sync") or {}
         connected = len(set(st.get("connected_peers", [])) & ids)
         sync = f"{sy.get('rounds', 0)}/{sy.get('solo_rounds', 0)}s" if sy else "-"
+        # Distinct partners over the last outer steps: one means fixed pairs, none means it never averages.
+        partners = _fmt((sy.get("mixing") or {}).get("distinct_partners"), "d") if sy else "-"
         lines.append(
             f"{name:<6} {st['peer_id'][-16:]:<16} {connected:>2}/{len(ids) - 1:<2} {_fmt(tr.get('step'), 'd'):>7}"
             f" {_fmt(tr.get('outer_step'), 'd'):>6} {_fmt(tr.get('loss'), '.4f'):>8} {_fmt(tr.get('val_loss'), '.4f'):>8}"
-            f" {_fmt(tr.get('samples_per_s'), '.1f'):>7} {sync:>10}"
+            f" {_fmt(tr.get('samples_per_s'), '.1f'):>7} {sync:>10} {partners:>8}"
         )
     all_connected = all(st and ids - {st['peer_id']} <= set(st.get("connected_peers", [])) for st in statuses)
     lines.append("")

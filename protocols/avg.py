@@ -115,6 +115,7 @@ class AvgAnswer:
     # Between outer steps: how long ago this trainer published (0: unknown), so that an asker whose phase
     # is off everyone's can move towards theirs (node/averager.py).
     since_publish_ms: int = spec(ge=0, le=1 << 31, default=0)
+    paired: bool = spec(default=False)  # its last outer step was averaged: it is in phase with someone
 
     def __post_init__(self) -> None:
         if self.verdict not in ("accept", "busy", "refuse"):
@@ -145,12 +146,15 @@ class Rejected(Exception):
 class Declined(Exception):
     """The partner answered busy or refuse; not a failure of the partner."""
 
-    def __init__(self, verdict: str, reason: str, outer_step: int = 0, since_publish_ms: int = 0) -> None:
+    def __init__(
+        self, verdict: str, reason: str, outer_step: int = 0, since_publish_ms: int = 0, paired: bool = False
+    ) -> None:
         super().__init__(f"{verdict}: {reason}")
         self.verdict = verdict
         self.reason = reason
         self.outer_step = outer_step  # the partner's, where it said (0: unknown)
         self.since_publish_ms = since_publish_ms  # how long ago it published, where it said (0: unknown)
+        self.paired = paired  # whether its last outer step was averaged
 
 
 @dataclass
@@ -336,7 +340,7 @@ async def initiate(
             await send_msg(control, request, max_bytes=MAX_CONTROL_BYTES)
             answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
         if answer.verdict != "accept":
-            raise Declined(answer.verdict, answer.reason, answer.outer_step, answer.since_publish_ms)
+            raise Declined(answer.verdict, answer.reason, answer.outer_step, answer.since_publish_ms, answer.paired)
         if on_accept is not None and not on_accept(answer):
             raise Declined("busy", "we were claimed by a crossing request meanwhile")
         keys = mine.derive(
@@ -386,14 +390,19 @@ async def read_request(stream: object, timeout: float) -> AvgRequest:
 
 
 async def answer(
-    stream: object, verdict: str, reason: str = "", outer_step: int = 0, since_publish_ms: int = 0
+    stream: object,
+    verdict: str,
+    reason: str = "",
+    outer_step: int = 0,
+    since_publish_ms: int = 0,
+    paired: bool = False,
 ) -> None:
     """Send a busy/refuse answer (best effort: the asker may already be gone)."""
     with trio.move_on_after(2):
         try:
             await send_msg(LibP2PByteStream(stream), AvgAnswer(verdict=verdict, reason=reason[:300],
                                                                outer_step=outer_step,
-                                                               since_publish_ms=since_publish_ms),
+                                                               since_publish_ms=since_publish_ms, paired=paired),
                            max_bytes=MAX_CONTROL_BYTES)
         except ProtocolError:
             pass

@@ -351,13 +351,16 @@ async def test_a_trainer_one_outer_step_behind_joins_the_others_count_and_their_
         nursery.cancel_scope.cancel()
 
 
-def test_a_node_that_found_nobody_ready_moves_halfway_towards_the_others_phase() -> None:
-    """Trainers between outer steps say how long ago they published. A node late by 4 s of a 15 s pace
-    moves its next publish 2 s earlier; an early one (the others published 11 s before it, i.e. they are
-    due 4 s after it) moves 2 s later; without a pace nothing moves."""
+def test_a_node_that_found_nobody_ready_moves_towards_the_others_phase() -> None:
+    """Trainers between outer steps say how long ago they published and whether they averaged. A node late
+    by 4 s of a 15 s pace moves its next publish 4 s earlier towards trainers that averaged (they keep their
+    phase), 2 s towards solo ones (they move too); an early one (the others published 11 s before it, i.e.
+    they are due 4 s after it) moves later; without a pace nothing moves."""
     av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1", pace=lambda: 15.0)
-    assert av._phase_shift([-4.0]) == pytest.approx(-2.0)
-    assert av._phase_shift([-11.0]) == pytest.approx(2.0)
-    assert av._phase_shift([-4.0, -3.0, -30.0 + 4.5]) == pytest.approx(-1.5)  # median of -4, -3, 4.5
+    assert av._phase_shift([(-4.0, True)]) == pytest.approx(-4.0)
+    assert av._phase_shift([(-4.0, False)]) == pytest.approx(-2.0)
+    assert av._phase_shift([(-11.0, True)]) == pytest.approx(4.0)
+    # The median of the moves, each wrapped: -4, -3 and 4.5 (= -30 + 4.5, two periods earlier).
+    assert av._phase_shift([(-4.0, True), (-3.0, True), (-25.5, True)]) == pytest.approx(-3.0)
     assert av._phase_shift([]) == 0.0
-    assert Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")._phase_shift([-4.0]) == 0.0
+    assert Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")._phase_shift([(-4.0, True)]) == 0.0
