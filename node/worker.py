@@ -461,8 +461,10 @@ class Trainer:
             self.period_s, self.next_publish_at = 0.0, None
             return
         if self.next_publish_at is None:
-            # The first pace: the current phase began at the last publish.
-            self.next_publish_at = time.monotonic() + period_s
+            # The first pace: the current phase began at the last publish (not now: a result that came after
+            # a whole pairing window would otherwise push this node's phase that much behind its partners').
+            began = self._last_publish_time if self._last_publish_time is not None else time.monotonic()
+            self.next_publish_at = began + period_s
         elif self.period_s > 0 and period_s != self.period_s:
             self.next_publish_at += period_s - self.period_s
         self.period_s = period_s
