@@ -110,8 +110,9 @@ class RunResult:
     seconds: float
 
 
-def replica_ids(n: int) -> list[str]:
-    return [f"replica-{i}" for i in range(n)]
+def replica_ids(n: int, prefix: str = "replica") -> list[str]:
+    """The replicas' PeerIDs, which pick their data shards: another prefix gives other shards."""
+    return [f"{prefix}-{i}" for i in range(n)]
 
 
 def relative_spread(vectors: list[torch.Tensor]) -> float:
@@ -153,11 +154,11 @@ def run_ddp(bc: BenchConfig, n: int) -> RunResult:
                      time.monotonic() - started)
 
 
-def run_outer(bc: BenchConfig, n: int, method: str, home: Path) -> RunResult:
-    """DiLoCo or NoLoCo with N in-process `Trainer`s and an in-memory exchange."""
+def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "replica") -> RunResult:
+    """DiLoCo or NoLoCo with N in-process `Trainer`s and an in-memory exchange (`prefix`: see replica_ids)."""
     started = time.monotonic()
     cfg = bc.train_config(method)
-    trainers = [Trainer(cfg, home / pid, pid) for pid in replica_ids(n)]
+    trainers = [Trainer(cfg, home / pid, pid) for pid in replica_ids(n, prefix)]
     numel = trainers[0].numel
     initial = trainers[0].evaluate()
     phis = [torch.empty(numel) for _ in trainers]

@@ -598,15 +598,34 @@ def steps_note(res: Evaluated, target: int, pace: str) -> str:
         f"{k} {v}" for k, v in sorted(res.publishes.items())))
 
 
-def run_simulation(bc: BenchConfig, n: int, home: Path) -> list[ConvRow]:
-    """bench/convergence.py's own NoLoCo and DDP, called directly (same BenchConfig, same N)."""
+def run_simulation(bc: BenchConfig, n: int, home: Path, repeats: int = 1) -> list[ConvRow]:
+    """bench/convergence.py's own NoLoCo (each repeat on other data shards: replicas named as in another
+    run, as the daemons' random PeerIDs pick theirs) and DDP, called directly (same BenchConfig, same N)."""
     rows = []
-    sim = run_outer(bc, n, "noloco", home)
-    rows.append(ConvRow("simulation NoLoCo (in-process)", n, sim.val_mean, sim.val_avg_model, sim.spread,
-                        sim.seconds, 1.0 if n % 2 == 0 else None))
+    sims = []
+    for k in range(repeats):
+        sim = run_outer(bc, n, "noloco", home / f"run{k}", prefix="replica" if k == 0 else f"replica{k}")
+        sims.append(ConvRow(SIM, n, sim.val_mean, sim.val_avg_model, sim.spread, sim.seconds,
+                            1.0 if n % 2 == 0 else None))
+    rows.append(mean_row(sims))
     ddp = run_ddp(bc, n)
     rows.append(ConvRow("DDP (simulation)", n, ddp.val_mean, ddp.val_avg_model, 0.0, ddp.seconds))
     return rows
+
+
+def mean_row(runs: list[ConvRow]) -> ConvRow:
+    """Repeats of one row as one: the means, and each run's loss in the note. Why repeats: each daemon's
+    data shard follows its PeerID, a fresh random one every run, and on this small model one run's mean
+    loss moves by a few hundredths from run to run, as much as the differences being measured."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    shares = [r.averaged_share for r in runs if r.averaged_share is not None]
+    losses = ", ".join(f"{r.val_mean:.4f}" for r in runs)
+    note = f"mean of {len(runs)} runs ({losses})" + (f"; {first.note}" if first.note else "")
+    return ConvRow(first.label, first.nodes, statistics.fmean(r.val_mean for r in runs),
+                   statistics.fmean(r.val_avg_model for r in runs), statistics.fmean(r.spread for r in runs),
+                   sum(r.seconds for r in runs), statistics.fmean(shares) if shares else None, note)
 
 
 def fill_gaps(rows: list[ConvRow]) -> None:
@@ -638,6 +657,7 @@ class Plan:
     replicas: int
     startup_s: float
     sync: dict[str, Any] = field(default_factory=dict)  # every scenario's sync options besides the defaults
+    repeats: int = 1  # runs of each homogeneous convergence row (swarm, no communication, simulation)
 
     def mixing_train(self) -> dict[str, Any]:
         """mixing3: the DEFAULT model (quick: the tiny one) at H = 20."""
@@ -661,7 +681,7 @@ def make_plan(quick: bool, seconds: float | None) -> Plan:
         # Quick pairing as in tests/procs.py TINY_TRAIN; the default 10 s join wait would only idle.
         return Plan(True, seconds or 10.0, dataclasses.replace(QUICK_BENCH), 2, 120.0,
                     {"pair_window_s": 2, "join_wait_s": 2, "backoff_s": 1})
-    return Plan(False, seconds or 300.0, BenchConfig(), 4, 300.0)
+    return Plan(False, seconds or 300.0, BenchConfig(), 4, 300.0, repeats=3)
 
 
 # --- scenarios --------------------------------------------------------------------------------------------
@@ -704,19 +724,24 @@ def scenario_convergence(plan: Plan, tmp: Path, out: Results) -> None:
     # heterogeneous row runs at the daemon's default pace (`swarm`: outer steps on the fastest trainer's
     # clock, fewer inner steps per outer step on a throttled node): what the daemon does for slow machines.
     steps = {**sync, "pace": "steps"}
-    rows = [run_daemons_to_target(bc, n, tmp / "conv-swarm", SWARM_ROW, connected=True, slow=0, sync=steps,
-                                  timeout_s=timeout)]
-    _progress(rows[-1])
+
+    def repeated(label: str, connected: bool, name: str) -> ConvRow:
+        runs = []
+        for k in range(plan.repeats):
+            runs.append(run_daemons_to_target(bc, n, tmp / f"{name}-{k}", label, connected=connected, slow=0,
+                                              sync=steps, timeout_s=timeout))
+            _progress(runs[-1])
+        return mean_row(runs)
+
+    rows = [repeated(SWARM_ROW, True, "conv-swarm")]
     if can_throttle():
         rows.append(run_daemons_to_target(bc, n, tmp / "conv-hetero", HETERO_ROW, connected=True, slow=n // 2,
                                           sync=sync, timeout_s=timeout))
         _progress(rows[-1])
     else:
         out.notes.append("heterogeneous convergence row skipped: throttling needs root and cgroup v1 cpu")
-    rows.append(run_daemons_to_target(bc, n, tmp / "conv-nocomm", NOCOMM, connected=False, slow=0, sync=steps,
-                                      timeout_s=timeout))
-    _progress(rows[-1])
-    for row in run_simulation(bc, n, tmp / "conv-sim"):
+    rows.append(repeated(NOCOMM, False, "conv-nocomm"))
+    for row in run_simulation(bc, n, tmp / "conv-sim", plan.repeats):
         rows.append(row)
         _progress(row)
     fill_gaps(rows)
@@ -847,7 +872,7 @@ def render(plan: Plan, res: Results, command: str, wall: float, scenarios: list[
         parts.append(f"### hetero\n\nThe bench/convergence.py model at H = {plan.hetero_train()['inner_steps']}; "
                      f"{h.seconds:.0f} s of {h.label}, then {f.seconds:.0f} s of {f.label} while the 2 slow ones train "
                      "apart (each alone, so that both runs load this shared machine alike), each timed from when "
-                     "all its trainers were training. Averaged weights: {h.label} {h.evaluated.avg_model:.4f}, "
+                     f"all its trainers were training. Averaged weights: {h.label} {h.evaluated.avg_model:.4f}, "
                      f"{f.label} {f.evaluated.avg_model:.4f}. The cap binds only where a worker would otherwise get "
                      "more than 25% of a core: the 'worker CPU' column says what each actually got (on a machine "
                      "busy with other jobs the fast ones may get little more).\n\n"
@@ -867,7 +892,10 @@ def render(plan: Plan, res: Results, command: str, wall: float, scenarios: list[
             "a node that finishes early stops taking CPU from the others (which pair among themselves, or step "
             "solo when alone). No late join, no catch-up. 'no communication' = the same daemons, each alone in "
             "its own swarm (every outer step solo). Gap closed = (no-comm - run) / (no-comm - DDP), on the mean "
-            "over nodes.\n\n"
+            f"over nodes. The swarm, no-communication and simulation rows are each the mean of {plan.repeats} "
+            "run(s) (the note lists them): a daemon's data shard follows its PeerID, a fresh random one every "
+            "run, and the simulation's repeats take other shards likewise (replicas named as in another run); "
+            "one run's mean loss moves by a few hundredths from run to run on this small model.\n\n"
             f"{convergence_table(res.convergence)}")
         verdicts += convergence_verdicts(res.convergence)
     if verdicts or res.notes:
@@ -898,6 +926,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run; never writes docs")
     parser.add_argument("--write-docs", action="store_true", help=f"write the `{SECTION}` section of {DOCS.name}")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the simulation and evaluation")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each homogeneous convergence row, averaged (default 3; quick 1)")
     args = parser.parse_args(argv)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in scenarios if s not in SCENARIOS]
@@ -907,6 +937,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seconds must be positive")
     torch.set_num_threads(args.threads)
     plan = make_plan(args.quick, args.seconds)
+    if args.repeats is not None:
+        if not 1 <= args.repeats <= 20:
+            parser.error("--repeats must be between 1 and 20")
+        plan = dataclasses.replace(plan, repeats=args.repeats)
     res = Results()
     started = time.monotonic()
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="starling-bench-swarm-") as tmp:
