@@ -251,7 +251,7 @@ class Daemon:
 
     def _pace(self) -> float:
         """Seconds between two outer steps for every trainer of the swarm: H inner steps of the fastest
-        trainer we know (its `samples_per_s` is its measured compute speed), so the fastest takes about H
+        trainer we know (its `samples_per_s`, measured over whole outer steps), so the fastest takes about H
         and slower machines fewer in the same time (node/worker.py, `publish_due`). 0 (every H inner steps
         of this machine) with `sync.pace = steps` or before any speed is known. Batch sizes are assumed
         equal across the swarm (they are part of one run's settings)."""

@@ -149,7 +149,9 @@ def _training_families(training: Mapping[str, Any]) -> Iterator[Metric]:
     yield from _gauge("training_loss", "Latest training loss", training.get("loss"))
     yield from _gauge("training_val_loss", "Latest validation loss", training.get("val_loss"))
     yield from _gauge(
-        "training_samples_per_second", "Training throughput of the local worker", training.get("samples_per_s")
+        "training_samples_per_second",
+        "Training speed of the local worker: sequences per second over whole outer steps (the swarm's pace uses it)",
+        training.get("samples_per_s"),
     )
     yield from _gauge(
         "training_pace_seconds",
