@@ -2,7 +2,7 @@
 
 The worker publishes `(phi, Delta)` in shared memory and the supervisor calls `Averager.exchange`. Who
 pairs with whom comes from a schedule that every trainer computes alike from the outer step and the
-trainers it knows (node/pairing.py: a fresh round-robin matching per outer step, the solo step rotating
+trainers it knows (node/pairing.py: a fresh random matching per outer step, the solo step rotating
 when their number is odd), because "whoever asks first" phase-locks equal machines into fixed pairs and
 starves an odd one out. For up to `sync.pair_window_s`:
 

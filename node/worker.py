@@ -10,10 +10,11 @@ Conversation with the daemon (msgpack maps, length-prefixed, over the socketpair
     daemon -> worker   init      config, HOME, PeerID
     worker -> daemon   hello     parameter count and layout, task, device, hashes, resumed counters
     daemon -> worker   attach    names of the four shared-memory slots (node/shm.py)
-    worker -> daemon   publish   phi and Delta are in the slots for outer step k
+    worker -> daemon   publish   phi and Delta are in the slots for outer step k (and the inner steps and
+                                 samples that Delta covers)
     daemon -> worker   result    group size n for outer step k (sums over the group in phi_out/delta_out
-                                 when n >= 2),
-                                 the group's largest outer step, or a swarm snapshot to adopt instead
+                                 when n >= 2), the outer step to continue from, the partner's samples,
+                                 the swarm's pace and a phase shift, or a swarm snapshot to adopt instead
     worker -> daemon   adopted   the snapshot was adopted (counters before and after) or why not
     worker -> daemon   metrics   step, loss, val_loss, samples/s ... about once a second
     worker -> daemon   checkpoint  a checkpoint was written
