@@ -776,6 +776,8 @@ class _Exchange:
     phi_out: torch.Tensor
     delta_out: torch.Tensor
     layout: list = field(default_factory=lambda: AVG_LAYOUT)
+    inner_steps: int = 0
+    samples: int = 0
 
 
 class AvgResponder(Target):

@@ -95,6 +95,8 @@ class Request:
     phi_out: torch.Tensor
     delta_out: torch.Tensor
     layout: list = field(default_factory=list)
+    inner_steps: int = 0  # as node.supervisor.ExchangeRequest
+    samples: int = 0
 
 
 def make_request(numel: int, seed: int) -> Request:

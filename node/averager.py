@@ -455,11 +455,10 @@ class Averager:
     @staticmethod
     def _contribution(pending: _Pending) -> dict[str, int]:
         """What our Delta covers and how long we have waited: the partner's weights and phase."""
-        request = pending.request
         waited = max(0.0, trio.current_time() - pending.began)
         return {
-            "inner_steps": max(0, int(getattr(request, "inner_steps", 0) or 0)),
-            "samples": max(0, int(getattr(request, "samples", 0) or 0)),
+            "inner_steps": max(0, pending.request.inner_steps),
+            "samples": max(0, pending.request.samples),
             "waited_ms": min(int(waited * 1000), 1 << 30),
         }
 
@@ -502,8 +501,9 @@ class Averager:
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, numel),
                     on_accept=claim,
+                    # The partner's inner steps are known only once it accepts: read them when validating.
                     validate=lambda mine, theirs: self._validator(
-                        self._contribution(pending)["inner_steps"], pending.partner_inner_steps)(mine, theirs),
+                        pending.request.inner_steps, pending.partner_inner_steps)(mine, theirs),
                     offer_punch=self._may_punch(partner),
                 )
             finally:
@@ -590,7 +590,7 @@ class Averager:
                     remote_peer_id=stream.muxed_conn.peer_id.to_bytes(),
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, request.numel),
-                    validate=self._validator(self._contribution(pending)["inner_steps"], request.inner_steps),
+                    validate=self._validator(pending.request.inner_steps, request.inner_steps),
                     allow_punch=self._may_punch(partner),
                     **self._contribution(pending),
                 )

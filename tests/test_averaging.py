@@ -32,6 +32,8 @@ class Request:
     delta_out: torch.Tensor = field(default_factory=lambda: torch.full((NUMEL,), float("nan")))
     layout: list = field(default_factory=lambda: LAYOUT)
     group_outer_step: int | None = None
+    inner_steps: int = 0  # as node.supervisor.ExchangeRequest
+    samples: int = 0
 
 
 def request(seed: int, outer_step: int = 3) -> Request:
