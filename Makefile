@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-adversary chaos fuzz swarm-up swarm-down clean
 
 install: $(STAMP)
 
@@ -68,6 +68,10 @@ bench-sync: install
 # about 30 min on 2 cores. Throttling needs root.
 bench-swarm: install
 	$(PY) bench/swarm.py --write-docs
+
+# Hostile averaging partners against a real victim (docs/reliability.md); about 1 min.
+bench-adversary: install
+	$(PY) bench/adversary.py --write-docs
 
 bench-hivemind: install
 	$(PY) bench/sync.py --parts 3

@@ -718,8 +718,10 @@ AVG_MANIFEST = "m" * 64
 
 
 def avg_tensors(seed: int) -> avg.Tensors:
+    """Replicas of one model: phis around a common point, within the averager's bounds (node/robust.py)."""
     g = torch.Generator().manual_seed(seed)
-    return avg.Tensors(torch.randn(AVG_NUMEL, generator=g), torch.randn(AVG_NUMEL, generator=g) * 0.01,
+    base = torch.randn(AVG_NUMEL, generator=torch.Generator().manual_seed(0))
+    return avg.Tensors(base + torch.randn(AVG_NUMEL, generator=g) * 0.01, torch.randn(AVG_NUMEL, generator=g) * 0.01,
                        torch.empty(AVG_NUMEL), torch.empty(AVG_NUMEL))
 
 

@@ -100,8 +100,11 @@ class Request:
 
 
 def make_request(numel: int, seed: int) -> Request:
+    # Replicas of one model: phis around a common point, as far apart as their Deltas are long (within
+    # the averager's bounds, node/robust.py).
+    phi = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(seed)
-    phi = torch.randn(numel, generator=g)
+    phi.add_(torch.randn(numel, generator=g), alpha=0.01)
     delta = torch.randn(numel, generator=g).mul_(0.01)
     # Outputs written once now so their pages exist before any clock starts (the daemon reuses its slots).
     return Request(1, phi, delta, torch.zeros(numel), torch.zeros(numel), [("w", (numel,))])

@@ -28,8 +28,10 @@ and stay where they are) or halfway towards those that did not (they move toward
 (`_phase_shift`).
 
 Weights: each side says how many inner steps and samples its Delta covers; the worker weights the pair's
-Delta by samples (node/outer.py, `PairWeights`), and the Delta-norm check allows a partner that trained
-more steps than we did a proportionally larger norm (`_validate`).
+Delta by samples (node/outer.py, `PairWeights`). What a partner sends is bounded before it reaches the
+worker (node/robust.py): its Delta norm and its phi's distance from ours are clipped to a multiple of our
+own Delta norm per inner step (scaled by the steps the exchange covers, a partner's claimed steps and
+samples credited up to the swarm's H), and refused far beyond it.
 
 Two rules keep heterogeneous machines from drifting apart for good:
 
@@ -49,7 +51,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-import math
 import random
 import statistics
 from collections.abc import Callable
@@ -61,6 +62,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node.pairing import scheduled_partner
+from node.robust import UpdateBound
 from node.sync_config import SyncConfig
 from p2p.datapath import DataPathListener
 from protocols import avg
@@ -77,7 +79,6 @@ MAX_INBOUND = 16  # pairing requests read concurrently
 SCHEDULED_SHARE = 0.5  # of the pairing window spent on the scheduled partner only
 SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still training, again after this
 MIXING_WINDOW = 20  # outer steps that `status()["mixing"]` and the member record's partners look back over
-MAX_STEP_RATIO = 64.0  # most a partner's Delta norm may be scaled up for covering more inner steps than ours
 
 
 def layout_hash(layout: Any) -> str:
@@ -132,6 +133,7 @@ class _Link:
     bytes_sent: int = 0
     bytes_received: int = 0
     last_path: str = ""  # what carried the bulk last time: datapath (side channel) or stream (libp2p)
+    clipped: int = 0  # exchanges whose values we clipped (node/robust.py)
 
 
 class Averager:
@@ -150,6 +152,7 @@ class Averager:
         on_outer_step: Callable[[bool], None] | None = None,
         anyone_else: Callable[[], bool] | None = None,
         pace: Callable[[], float] | None = None,
+        max_inner_steps: int | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -197,7 +200,9 @@ class Averager:
         self._last_outer_step = 0  # the outer step our latest exchange ended at (after any adoption)
         self.rejections: dict[str, int] = {}
         self._inbound = 0
-        self._norms: collections.deque[float] = collections.deque(maxlen=32)  # accepted Delta norms
+        # The swarm's H: the most inner steps an honest partner's Delta covers (node/robust.py).
+        self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps)
+        self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -216,12 +221,14 @@ class Averager:
         st["datapath_port"] = self.listener.port if self.listener is not None else None
         st["per_peer"] = {
             p: {"rounds": link.rounds, "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
-                "rate_mbps": round(link.rate_bps * 8 / 1e6, 1), "failures": link.failures, "path": link.last_path}
+                "rate_mbps": round(link.rate_bps * 8 / 1e6, 1), "failures": link.failures, "path": link.last_path,
+                "clipped": link.clipped}
             for p, link in self._links.items()
         }
         st["mixing"] = self.mixing()
         st["state"] = "pairing" if self._pending is not None else "idle"
         st["rejections"] = dict(self.rejections)
+        st["clipped"] = dict(self.clipped)
         now = trio.current_time()
         st["banned"] = sorted(p for p, link in self._links.items() if link.banned_until > now)
         return st
@@ -254,23 +261,18 @@ class Averager:
 
     # --- validation of what partners send ------------------------------------------------------------------
 
-    def _validate(self, mine: float, theirs: float, step_ratio: float = 1.0) -> None:
-        """Reject a partner's Delta whose norm is far outside ours and the recent history (poisoning).
+    def _credit(self, pending: _Pending) -> tuple[int, int]:
+        """The partner's inner steps and samples as we believe them (node/robust.py, `credit`)."""
+        own = pending.request
+        credited = self.bound.credit(own.inner_steps, own.samples, pending.partner_inner_steps,
+                                     pending.partner_samples)
+        return credited.inner_steps, credited.samples
 
-        `step_ratio` is the partner's inner steps over ours (at least 1, at most MAX_STEP_RATIO): on a
-        swarm of mixed speeds a faster partner's Delta covers more steps and is legitimately longer."""
-        history = list(self._norms)
-        reference = max(mine, statistics.median(history) if history else 0.0) * step_ratio
-        if not math.isfinite(theirs) or (reference > 0 and theirs > self.cfg.max_delta_ratio * reference):
-            raise Rejected(
-                "delta_norm",
-                f"Delta norm {theirs:.3g} is over {self.cfg.max_delta_ratio:g}x the reference {reference:.3g}",
-            )
-
-    def _validator(self, own_steps: int, their_steps: int) -> Callable[[float, float], None]:
-        ratio = their_steps / own_steps if own_steps > 0 and their_steps > 0 else 1.0
-        ratio = min(max(ratio, 1.0), MAX_STEP_RATIO)
-        return lambda mine, theirs: self._validate(mine, theirs, ratio)
+    def _values_judge(self, pending: _Pending) -> avg.Validator:
+        """What the transfer asks once the partner's values are in: how much of them to keep
+        (`UpdateBound.judge`). The partner's steps are known only once it has answered, so they are read
+        when the values arrive."""
+        return lambda seen: self.bound.judge(seen, pending.request.inner_steps, self._credit(pending)[0])
 
     # --- the supervisor's call ---------------------------------------------------------------------------
 
@@ -330,7 +332,7 @@ class Averager:
             request.group_outer_step = self._group_outer_step(request.outer_step, pending.largest_seen or None)
         else:
             request.group_outer_step = self._group_outer_step(request.outer_step, pending.partner_outer_step)
-            request.partner_samples = pending.partner_samples
+            request.partner_samples = self._credit(pending)[1]
             # Meet halfway: the one that waited longer published earlier and moves its next publish later.
             request.shift_s = (pending.waited_s - pending.partner_waited_s) / 2
             partner = pending.claimed_by
@@ -501,9 +503,7 @@ class Averager:
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, numel),
                     on_accept=claim,
-                    # The partner's inner steps are known only once it accepts: read them when validating.
-                    validate=lambda mine, theirs: self._validator(
-                        pending.request.inner_steps, pending.partner_inner_steps)(mine, theirs),
+                    validate=self._values_judge(pending),
                     offer_punch=self._may_punch(partner),
                 )
             finally:
@@ -590,7 +590,7 @@ class Averager:
                     remote_peer_id=stream.muxed_conn.peer_id.to_bytes(),
                     handshake_timeout=self.cfg.handshake_timeout_s,
                     transfer_deadline=self._transfer_deadline(partner, request.numel),
-                    validate=self._validator(pending.request.inner_steps, request.inner_steps),
+                    validate=self._values_judge(pending),
                     allow_punch=self._may_punch(partner),
                     **self._contribution(pending),
                 )
@@ -655,7 +655,12 @@ class Averager:
         link.bytes_received += result.bytes_received
         link.last_path = result.path
         self._partners.add(partner)
-        self._norms.extend(result.delta_norms)
+        if result.clip.clipped:
+            link.clipped += 1
+            self.clipped["delta"] += result.clip.delta_scale < 1.0
+            self.clipped["phi"] += result.clip.phi_scale < 1.0
+            log.warning("clipped the update of %s: kept %.2g of its Delta and %.2g of its phi's distance from ours",
+                        partner, result.clip.delta_scale, result.clip.phi_scale)
         total = result.bytes_sent + result.bytes_received
         self.stats.update(
             rounds=self.stats["rounds"] + 1,
@@ -670,7 +675,7 @@ class Averager:
             self.metrics.observe_round(result.duration_s, total, partner, True)
         if self.on_transfer is not None:
             self.on_transfer(partner, total, result.duration_s)
-        log.info("averaged with %s over the %s in %.2fs (%.1f MB)", partner, result.path, result.duration_s, total / 1e6)
+        log.debug("averaged with %s over the %s in %.2fs (%.1f MB)", partner, result.path, result.duration_s, total / 1e6)
 
     def _offence(self, partner: str, reason: str) -> None:
         """A poisoned or malformed update: counted per reason; repeated offences ban the partner."""

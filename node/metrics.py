@@ -173,10 +173,25 @@ def _training_families(training: Mapping[str, Any]) -> Iterator[Metric]:
         yield info
 
 
+def _reason_counter(name: str, doc: str, counts: Any) -> Iterator[Metric]:
+    """A counter labelled by reason, from a {reason: count} status dict (absent or malformed: nothing)."""
+    if not isinstance(counts, Mapping):
+        return
+    family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["reason"])
+    for reason, count in sorted(counts.items()):
+        if isinstance(count, int) and not isinstance(count, bool):
+            family.add_metric([_label(reason) or "unknown"], float(count))
+    yield family
+
+
 def _sync_families(sync: Mapping[str, Any], max_peer_labels: int) -> Iterator[Metric]:
     yield from _counter("sync_rounds", "Averaging rounds completed with a partner", sync.get("rounds"))
     yield from _counter("sync_solo_rounds", "Outer steps taken without a partner", sync.get("solo_rounds"))
     yield from _counter("sync_failures", "Averaging rounds that failed", sync.get("failures"))
+    yield from _reason_counter("sync_refused_updates", "Partner updates refused as invalid, by reason (node/robust.py)",
+                               sync.get("rejections"))
+    yield from _reason_counter("sync_clipped_updates", "Partner updates clipped to the bounds, by part (delta | phi)",
+                               sync.get("clipped"))
     yield from _gauge("sync_distinct_partners", "Distinct peers averaged with so far", sync.get("distinct_partners"))
     yield from _gauge("sync_last_duration_seconds", "Duration of the latest round", sync.get("last_duration_s"))
     yield from _gauge("sync_last_bytes", "Bytes moved by the latest round", sync.get("last_bytes"))

@@ -91,6 +91,9 @@ def render_status(st: dict[str, Any]) -> str:
         mixing = sy.get("mixing")
         if isinstance(mixing, dict):
             out.append(_mixing_line(mixing))
+        bounds = _bounds_line(sy)
+        if bounds:
+            out.append(bounds)
     if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
         out.append(_pace_line(tr))
     members = st.get("members")
@@ -110,6 +113,20 @@ def render_status(st: dict[str, Any]) -> str:
         out.extend(_table(rows))
         out.append(_pairing_line(members))
     return "\n".join(out)
+
+
+def _bounds_line(sy: dict[str, Any]) -> str | None:
+    """What partners sent outside the bounds (node/robust.py), shown only once something was: clipped
+    updates, refused ones by reason, and banned partners."""
+    clipped = sy.get("clipped") if isinstance(sy.get("clipped"), dict) else {}
+    refused = sy.get("rejections") if isinstance(sy.get("rejections"), dict) else {}
+    banned = sy.get("banned") if isinstance(sy.get("banned"), list) else []
+    if not (any(clipped.values()) or refused or banned):
+        return None
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))
+    return (f"bounds: clipped {clipped.get('delta', 0)} Delta / {clipped.get('phi', 0)} phi,"
+            f" refused {sum(refused.values())}{f' ({reasons})' if reasons else ''},"
+            f" banned {', '.join(short(str(p)) for p in banned) or 'none'}")
 
 
 def _mixing_line(mixing: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -167,6 +167,19 @@ class Tensors:
     delta_out: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Clip:
+    """How much of the partner's contribution we keep: its Delta scaled by `delta_scale`, its phi's
+    deviation from ours by `phi_scale` (1.0: untouched, and the sums stay bit-exact)."""
+
+    delta_scale: float = 1.0
+    phi_scale: float = 1.0
+
+    @property
+    def clipped(self) -> bool:
+        return self.delta_scale < 1.0 or self.phi_scale < 1.0
+
+
 @dataclass
 class TransferResult:
     path: str
@@ -174,6 +187,7 @@ class TransferResult:
     bytes_received: int
     duration_s: float
     delta_norms: tuple[float, float] = (0.0, 0.0)  # (ours, the partner's)
+    clip: Clip = field(default_factory=Clip)  # what the judge kept of the partner's values
 
 
 def make_plan(numel: int, wire_dtype: str, int8_block: int, chunk_elems: int | None = None) -> ChunkPlan:
@@ -190,11 +204,17 @@ class Received:
     finite: bool = True
     their_delta_sq: float = 0.0
     own_delta_sq: float = 0.0
+    phi_distance_sq: float = 0.0  # |their phi - ours|^2, both as they crossed the wire
 
     @property
     def delta_norms(self) -> tuple[float, float]:
-        """(our Delta's norm, the partner's), for the poisoning check and its history."""
+        """(our Delta's norm, the partner's), for the bounds (node/robust.py) and their history."""
         return math.sqrt(self.own_delta_sq), math.sqrt(self.their_delta_sq)
+
+    @property
+    def phi_distance(self) -> float:
+        """How far the partner's phi is from ours: what its half of the NoLoCo pull moves us by."""
+        return math.sqrt(self.phi_distance_sq)
 
 
 class _Fold:
@@ -209,7 +229,9 @@ class _Fold:
     def __init__(self, mine: torch.Tensor, out: torch.Tensor, plan: ChunkPlan, seen: Received, *, is_delta: bool):
         self.mine, self.out, self.codec, self.seen, self.is_delta = mine, out, plan.codec, seen, is_delta
         lossless = isinstance(plan.codec, Fp32Codec)
-        self.scratch = None if lossless else torch.empty(min(plan.chunk_elems, plan.numel), dtype=torch.float32)
+        chunk = min(plan.chunk_elems, plan.numel)
+        self.scratch = None if lossless else torch.empty(chunk, dtype=torch.float32)
+        self.diff = None if is_delta else torch.empty(chunk, dtype=torch.float32)
 
     def __call__(self, start: int, stop: int) -> None:
         if not self.seen.finite:
@@ -224,11 +246,6 @@ class _Fold:
                 return
             self.seen.their_delta_sq += their_sq
             self.seen.own_delta_sq += float(torch.dot(mine, mine))
-        elif not math.isfinite(float(theirs.sum())):
-            # A NaN or an infinity makes the sum NaN or infinite (inf - inf is NaN): the cheapest full
-            # check there is (half an aminmax; torch.isfinite(...).all() costs 20x, bench/sync.py).
-            self.seen.finite = False
-            return
         if self.scratch is None:
             own = mine
         else:
@@ -236,6 +253,16 @@ class _Fold:
             # Decode plainly, then add: a fused decode-and-accumulate would round differently from the
             # partner's plain decode of the same bytes, and the two sums would differ.
             self.codec.decode_into(self.codec.encode(mine), own)
+        if not self.is_delta:
+            # The distance of their phi from ours (as both crossed the wire) bounds the NoLoCo pull. A NaN
+            # or an infinity makes it NaN or infinite, so it doubles as the finiteness check, as does a
+            # value too large to square (|x| > 1e19).
+            diff = torch.sub(theirs, own, out=self.diff[: stop - start])
+            dist_sq = float(torch.dot(diff, diff))
+            if not math.isfinite(dist_sq):
+                self.seen.finite = False
+                return
+            self.seen.phi_distance_sq += dist_sq
         theirs.add_(own)
 
 
@@ -288,22 +315,38 @@ async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int
     return sent, received, seen
 
 
-Validator = Callable[[float, float], None]
-"""``validate(own_delta_norm, their_delta_norm)``: raises :class:`Rejected` to refuse the partner's values."""
+Validator = Callable[[Received], Clip]
+"""``judge(seen)``: what to keep of the partner's values (a :class:`Clip`), or raises :class:`Rejected`."""
+
+
+def apply_clip(t: Tensors, clip: Clip) -> None:
+    """Rewrite the sums as if the partner had sent its values clipped: its Delta scaled by
+    ``clip.delta_scale``, its phi moved towards ours by ``clip.phi_scale``.
+
+    With S = own + theirs: own + s*theirs = own + s*(S - own), and own + (own + s*(theirs - own)) =
+    2*own + s*(S - 2*own). (Over a lossy wire the sum holds our value as it crossed the wire, which
+    differs from ours by the codec's rounding; the clipped sums carry that rounding times s.)"""
+    if clip.delta_scale < 1.0:
+        t.delta_out.sub_(t.delta).mul_(clip.delta_scale).add_(t.delta)
+    if clip.phi_scale < 1.0:
+        t.phi_out.sub_(t.phi, alpha=2).mul_(clip.phi_scale).add_(t.phi, alpha=2)
 
 
 async def run_transfer(
     channel: FrameChannel, t: Tensors, plan: ChunkPlan, path: str, validate: Validator | None = None
 ) -> TransferResult:
-    """Swap values and leave the group's sums in the outputs. Raises Rejected (non-finite values, or what
-    ``validate`` refuses) or ProtocolError; the outputs are meaningful only when it returns."""
+    """Swap values and leave the group's sums in the outputs, clipped as ``validate`` says. Raises
+    Rejected (non-finite values, or what ``validate`` refuses) or ProtocolError; the outputs are
+    meaningful only when it returns. Nothing clipped: the sums are the exact ones both sides hold."""
     began = trio.current_time()
     sent, received, seen = await _swap(channel, t, plan)
     if not seen.finite:
         raise Rejected("non_finite", "partner sent NaN, infinite or overflowing values")
-    if validate is not None:
-        validate(*seen.delta_norms)
-    return TransferResult(path, sent, received, trio.current_time() - began, seen.delta_norms)
+    clip = validate(seen) if validate is not None else Clip()
+    if clip.clipped:
+        # Two passes over model-sized tensors: off the event loop (only a partner outside the bounds pays).
+        await trio.to_thread.run_sync(apply_clip, t, clip)
+    return TransferResult(path, sent, received, trio.current_time() - began, seen.delta_norms, clip)
 
 
 async def initiate(

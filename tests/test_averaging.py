@@ -16,7 +16,8 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from node.averager import Averager
 from node.sync_config import SyncConfig
 from p2p.host import build_host
-from protocols.avg import Rejected
+from node.robust import Credited, UpdateBound
+from protocols.avg import Clip, Received, Rejected
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 LAYOUT = [("w", (1000, 300)), ("b", (300,))]
@@ -36,9 +37,14 @@ class Request:
     samples: int = 0
 
 
+BASE = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+
+
 def request(seed: int, outer_step: int = 3) -> Request:
+    """Replicas of one model: phis a little apart around a common point (as far apart as their Deltas are
+    long, well inside the bounds of node/robust.py), Deltas of the same size."""
     g = torch.Generator().manual_seed(seed)
-    return Request(outer_step, torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g) * 0.01)
+    return Request(outer_step, BASE + torch.randn(NUMEL, generator=g) * 0.01, torch.randn(NUMEL, generator=g) * 0.01)
 
 
 async def pair(stack: AsyncExitStack, cfg_a: SyncConfig, cfg_b: SyncConfig, *, manifest_b: str = "m1"):
@@ -237,6 +243,23 @@ async def test_a_1000x_norm_update_is_rejected_and_repeated_offences_ban_the_par
         nursery.cancel_scope.cancel()
 
 
+async def test_a_5x_norm_update_is_clipped_to_the_bound_and_still_averaged() -> None:
+    """Between the clip and the refusal ratio a partner's Delta still counts, scaled down to the bound
+    (node/robust.py); its own side keeps the plain sum: only the victim's view is clipped."""
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=5, clip_ratio=2, max_delta_ratio=10)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        honest, loud = request(40), request(41)
+        loud.delta.mul_(5)
+        assert await exchange_both(avs, [honest, loud]) == [2, 2]
+        scale = 2 * float(honest.delta.norm()) / float(loud.delta.norm())
+        assert torch.allclose(honest.delta_out, honest.delta + scale * loud.delta, atol=1e-6)
+        assert torch.equal(honest.phi_out, honest.phi + loud.phi)  # phis within bounds: exact
+        assert torch.equal(loud.delta_out, honest.delta + loud.delta)
+        assert avs[0].status()["clipped"] == {"delta": 1, "phi": 0} and avs[0].status()["rejections"] == {}
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_partner_that_stops_mid_transfer_costs_one_solo_step_and_no_update() -> None:
     from p2p.datapath import KeyAgreement
     from protocols import avg
@@ -313,15 +336,23 @@ async def test_a_trainer_that_always_publishes_a_little_later_than_the_other_two
         nursery.cancel_scope.cancel()
 
 
-async def test_a_partner_that_trained_more_inner_steps_may_send_a_proportionally_longer_delta() -> None:
-    """On a swarm of mixed speeds a faster partner's Delta covers more inner steps: the norm check scales
-    its reference by the step ratio (bounded), instead of rejecting every fast partner as poisoned."""
-    av = Averager(LoneHost(), SyncConfig(max_delta_ratio=10), manifest_hash=lambda: "m1")
-    av._validator(own_steps=2, their_steps=20)(1.0, 50.0)  # 10x the steps, 50x the norm: accepted
+def test_a_partner_that_trained_more_inner_steps_may_send_a_proportionally_longer_delta() -> None:
+    """On a swarm of mixed speeds a faster partner's Delta covers more inner steps: the bound scales our
+    per-step reference by the steps exchanged, up to the swarm's H, instead of clipping every fast
+    partner; claiming more steps than H buys nothing."""
+    bound = UpdateBound(clip_ratio=2, reject_ratio=10, max_inner_steps=20)
+    credited = bound.credit(own_steps=2, own_samples=16, their_steps=20, their_samples=160)
+    assert credited == Credited(20, 160)
+    # Our Delta of norm 1 over 2 steps: 0.5 per step; 20 steps exchanged give a reference of 10.
+    assert bound.judge(seen(own=1.0, theirs=15.0), 2, credited.inner_steps) == Clip(1.0, 1.0)
+    liar = bound.credit(own_steps=2, own_samples=16, their_steps=1_000_000, their_samples=10**9)
+    assert liar == Credited(20, 160)  # capped at H, and at our per-step batch for those steps
     with pytest.raises(Rejected):
-        av._validator(own_steps=20, their_steps=20)(1.0, 50.0)
-    with pytest.raises(Rejected):  # the ratio is bounded: claiming a million steps buys no more
-        av._validator(own_steps=1, their_steps=1_000_000)(1.0, 10.0 * 64 + 1)
+        bound.judge(seen(own=1.0, theirs=101.0), 2, liar.inner_steps)
+
+
+def seen(own: float, theirs: float, phi_distance: float = 0.0) -> Received:
+    return Received(their_delta_sq=theirs**2, own_delta_sq=own**2, phi_distance_sq=phi_distance**2)
 
 
 async def test_a_trainer_one_outer_step_behind_joins_the_others_count_and_their_schedule() -> None:

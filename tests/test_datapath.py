@@ -232,10 +232,11 @@ async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback(initia
 
 
 @pytest.mark.parametrize("path", ["datapath", "stream"])
-async def test_an_exchange_measures_both_deltas_norms_and_leaves_the_exact_sums(path: str) -> None:
-    """The poisoning check compares our Delta's norm with the partner's, both measured chunk by chunk as
-    the partner's chunks are folded into the sums, on the side channel and on the stream fallback."""
-    from protocols.avg import Tensors, make_plan, run_transfer
+async def test_an_exchange_measures_both_deltas_norms_and_the_phi_distance_and_leaves_the_exact_sums(path: str) -> None:
+    """The bounds (node/robust.py) need our Delta's norm, the partner's and the distance between the two
+    phis, all measured chunk by chunk as the partner's chunks are folded into the sums, on the side
+    channel and on the stream fallback; a judge that clips nothing leaves the exact sums."""
+    from protocols.avg import Clip, Received, Tensors, make_plan, run_transfer
 
     n = 700_001  # three chunks of 1 MiB, the last one short
     sides = []
@@ -244,10 +245,13 @@ async def test_an_exchange_measures_both_deltas_norms_and_leaves_the_exact_sums(
         phi, delta = torch.randn(n, generator=g), torch.randn(n, generator=g).mul_(seed)
         sides.append(Tensors(phi, delta, torch.empty(n), torch.empty(n)))
     plan = make_plan(n, "fp32", 64)
-    norms: list[tuple[float, float]] = [(0.0, 0.0), (0.0, 0.0)]
+    seen: list[Received] = [Received(), Received()]
 
-    def capture(i: int) -> Callable[[float, float], None]:
-        return lambda own, theirs: norms.__setitem__(i, (own, theirs))
+    def capture(i: int) -> Callable[[Received], Clip]:
+        def judge(received: Received) -> Clip:
+            seen[i] = received
+            return Clip()
+        return judge
 
     async def run(channels: tuple[object, object]) -> None:
         with trio.fail_after(30):
@@ -266,8 +270,11 @@ async def test_an_exchange_measures_both_deltas_norms_and_leaves_the_exact_sums(
         a, b = socket_pair()
         await run((PlainFrameChannel(TrioByteStream(a)), PlainFrameChannel(TrioByteStream(b))))
     true_norms = [float(torch.linalg.vector_norm(t.delta.double())) for t in sides]
-    for i, (own, theirs) in enumerate(norms):
+    true_distance = float(torch.linalg.vector_norm(sides[0].phi.double() - sides[1].phi.double()))
+    for i, received in enumerate(seen):
+        own, theirs = received.delta_norms
         assert own == pytest.approx(true_norms[i], rel=1e-5) and theirs == pytest.approx(true_norms[1 - i], rel=1e-5)
+        assert received.phi_distance == pytest.approx(true_distance, rel=1e-5)
     for t in sides:
         assert torch.equal(t.phi_out, sides[0].phi + sides[1].phi)
         assert torch.equal(t.delta_out, sides[0].delta + sides[1].delta)

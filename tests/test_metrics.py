@@ -350,3 +350,16 @@ async def test_serve_metrics_reports_a_port_in_use_at_start() -> None:
         with pytest.raises(OSError):
             await nursery.start(serve_metrics, Metrics(), "127.0.0.1", port)
         nursery.cancel_scope.cancel()
+
+
+def test_refused_and_clipped_partner_updates_are_counted_by_reason() -> None:
+    status = json.loads(json.dumps(SAMPLE_STATUS))
+    status["sync"]["rejections"] = {"phi_distance": 3, "non_finite": 1}
+    status["sync"]["clipped"] = {"delta": 5, "phi": 2}
+    metrics = Metrics()
+    metrics.update_from_status(status)
+    s = rendered(metrics)
+    assert value(s, "starling_sync_refused_updates_total", reason="phi_distance") == 3
+    assert value(s, "starling_sync_refused_updates_total", reason="non_finite") == 1
+    assert value(s, "starling_sync_clipped_updates_total", reason="delta") == 5
+    assert value(s, "starling_sync_clipped_updates_total", reason="phi") == 2

@@ -107,3 +107,12 @@ def test_an_old_daemon_without_mixing_pace_or_partners_still_renders() -> None:
     text = render_status(st)
     assert "mixing:" not in text and "pace:" not in text
     assert "pairing graph: no pairs yet, 3 unpaired" in text
+
+
+def test_bounds_line_appears_once_a_partner_was_clipped_refused_or_banned() -> None:
+    st = captured()
+    assert not any(x.startswith("bounds:") for x in render_status(st).splitlines())
+    st["sync"].update(clipped={"delta": 4, "phi": 1}, rejections={"phi_distance": 3}, banned=["12D3KooWAttacker99"])
+    text = line(render_status(st), "bounds:")
+    assert "clipped 4 Delta / 1 phi" in text and "refused 3 (phi_distance 3)" in text
+    assert short("12D3KooWAttacker99") in text

@@ -1,0 +1,115 @@
+"""How far one partner's values may move us: the bounds on a partner's phi and Delta at every exchange.
+
+Every byte a partner sends is hostile until bounded. NoLoCo applies a partner's contribution twice:
+
+    m <- alpha*m + beta*mean(Delta) - gamma*(phi - mean(phi))
+
+so a partner moves us through its Delta (the beta term) *and* through its phi (the gamma pull). Both are
+bounded here, against references that only this node writes:
+
+- The reference is the norm of *our own* Delta per inner step: this outer step's, or the median of our
+  last outer steps' if larger (early in training the current one can be small). Partners' figures never
+  enter it. A reference that accepted partners' norms fed (max(own, median of recent norms) with the
+  partners' in the median) let a partner staying just under the bound lift it 1,300x in 35 rounds.
+- The reference is scaled by the inner steps the exchange covers (the larger of ours and the partner's):
+  on a swarm of mixed speeds a faster partner's Delta covers more steps, and phis drift apart by about as
+  much. A partner's claimed steps count up to the swarm's H at most (the pace gives the fastest trainer H
+  inner steps per outer step, node/worker.py): claiming more buys nothing.
+- The partner's Delta norm, and the distance of its phi from ours, are each *clipped* to
+  `clip_ratio` x the reference (as hivemind's CenteredClip clips each peer's deviation from the centre,
+  here the centre is our own phi and zero Delta): an honest partner slightly outside still counts, in the
+  right direction, and a dishonest one moves us at most a bounded step per round. Measured on the default
+  task (docs/reliability.md): honest partners' Delta norms stay within ~1.05x and phi distances within
+  ~1.4x of the reference, so honest exchanges are not clipped and stay bit-exact.
+- Far beyond that (`reject_ratio` x the reference, or a non-finite distance), the exchange is refused
+  (a solo step) and counts as an offence; repeated offences ban the partner (node/averager.py).
+
+What the bound buys: a partner that always sends the most it may along one direction moves our momentum by
+at most beta/2 * clip + gamma/2 * clip references per round, i.e. about (beta + gamma) * clip references of
+phi per round with the momentum's 1 / (1 - alpha) gain. docs/reliability.md measures it against honest
+training.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from dataclasses import dataclass
+
+from protocols.avg import Clip, Received, Rejected
+
+HISTORY = 32  # our own recent outer steps that the reference looks back over
+MAX_STEP_RATIO = 64  # with no H given, a partner's steps are credited up to this many times ours
+
+
+@dataclass(frozen=True)
+class Credited:
+    """What we believe of a partner's claims: inner steps and samples, capped at what an honest one can have."""
+
+    inner_steps: int
+    samples: int
+
+
+class UpdateBound:
+    """Clips or refuses a partner's contribution; remembers only this node's own Delta norms."""
+
+    def __init__(self, clip_ratio: float, reject_ratio: float, max_inner_steps: int | None = None) -> None:
+        """`max_inner_steps`: the swarm's H (None: unknown, then a partner's steps count up to
+        MAX_STEP_RATIO times ours)."""
+        if not 1.0 <= clip_ratio <= reject_ratio:
+            raise ValueError("clip_ratio must be at least 1 and at most reject_ratio")
+        self.clip_ratio = clip_ratio
+        self.reject_ratio = reject_ratio
+        self.max_inner_steps = max_inner_steps
+        self._own_per_step: collections.deque[float] = collections.deque(maxlen=HISTORY)
+
+    def credit(self, own_steps: int, own_samples: int, their_steps: int, their_samples: int) -> Credited:
+        """A partner's steps count up to the swarm's H (or ours, if we did more); its samples up to what our
+        per-step batch gives for those steps. Honest partners of the same run are never capped below what
+        they did: the pace gives the fastest trainer H steps, and the batch size is part of the manifest."""
+        cap = self.max_inner_steps if self.max_inner_steps else max(1, own_steps) * MAX_STEP_RATIO
+        steps = min(max(0, their_steps), max(cap, own_steps))
+        samples = max(0, their_samples)
+        if own_steps > 0 and own_samples > 0:
+            samples = min(samples, math.ceil(own_samples * max(steps, 1) / own_steps))
+        return Credited(steps, samples)
+
+    def reference(self, own_norm: float, own_steps: int, their_steps: int) -> float:
+        """The norm one exchange may legitimately carry: our Delta per inner step (now, or our recent
+        median if larger) times the inner steps the exchange covers."""
+        per_step = own_norm / own_steps if own_steps > 0 else own_norm
+        history = list(self._own_per_step)
+        if history:
+            per_step = max(per_step, statistics.median(history))
+        steps = max(own_steps, their_steps, 1) if own_steps > 0 else 1
+        return per_step * steps
+
+    def remember(self, own_norm: float, own_steps: int) -> None:
+        """Record our own Delta (every exchange that reached the end of the transfer, whoever the partner)."""
+        if math.isfinite(own_norm) and own_norm > 0:
+            self._own_per_step.append(own_norm / own_steps if own_steps > 0 else own_norm)
+
+    def judge(self, seen: Received, own_steps: int, their_steps: int) -> Clip:
+        """The clip to apply to the partner's values, or Rejected. `their_steps` must be credited already."""
+        own_norm, their_norm = seen.delta_norms
+        phi_distance = seen.phi_distance
+        self.remember(own_norm, own_steps)
+        if not math.isfinite(phi_distance):
+            raise Rejected("non_finite", "partner's phi is too far from ours to measure (overflow)")
+        reference = self.reference(own_norm, own_steps, their_steps)
+        delta_scale = _scale(their_norm, reference, self.clip_ratio, self.reject_ratio, "delta_norm", "Delta norm")
+        phi_scale = _scale(phi_distance, reference, self.clip_ratio, self.reject_ratio, "phi_distance",
+                           "phi distance from ours")
+        return Clip(delta_scale, phi_scale)
+
+
+def _scale(value: float, reference: float, clip_ratio: float, reject_ratio: float, reason: str, what: str) -> float:
+    """1.0 within clip_ratio x reference; the factor that brings it down to that bound beyond; Rejected
+    beyond reject_ratio x reference. A zero reference (no Delta of our own) refuses any nonzero value."""
+    bound = clip_ratio * reference
+    if value <= bound:
+        return 1.0
+    if value > reject_ratio * reference:
+        raise Rejected(reason, f"{what} {value:.3g} is over {reject_ratio:g}x the reference {reference:.3g}")
+    return bound / value

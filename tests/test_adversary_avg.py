@@ -1,0 +1,63 @@
+"""Hostile averaging partners against a real victim: what one partner's phi and Delta can do to it.
+
+The victim is the worker's `Trainer` averaging through the real `Averager` over libp2p; the attacker is the
+same modules with its values tampered with on the way out (bench/adversary.py builds both and lists the
+attacks; `python bench/adversary.py --write-docs` records the figures in docs/reliability.md). The bound:
+over 40 rounds of any attack the victim moves along the attack direction by at most 10x what 20 rounds
+with an honest partner move it, stays finite and keeps training; blatant values are refused and their
+sender banned, and honest exchanges are never clipped.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import adversary  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, adversary.Outcome]:
+    honest, attacked = trio.run(adversary.measure, list(adversary.ATTACKS), tmp_path_factory.mktemp("adversary"))
+    return {"honest": honest, **{o.name: o for o in attacked}}
+
+
+def test_an_honest_partner_is_never_clipped_and_every_round_averages(outcomes) -> None:
+    honest = outcomes["honest"]
+    assert honest.averaged == honest.rounds
+    assert honest.clipped == {"delta": 0, "phi": 0} and honest.rejections == {}
+    assert honest.moved_honest_span > 0
+
+
+@pytest.mark.parametrize("name", ["phi_plus_1000", "phi_1e30"])
+def test_a_wild_phi_is_refused_the_partner_banned_and_the_victim_trains_on(outcomes, name: str) -> None:
+    o = outcomes[name]
+    assert o.finite and math.isfinite(o.val_loss)
+    assert o.averaged == 0 and o.banned
+    assert sum(o.rejections.values()) == 3  # sync.ban_after offences, then no more exchanges
+    # Trained on alone: as good as the honest pair's victim give or take a little.
+    assert o.val_loss < outcomes["honest"].val_loss + 0.2
+
+
+@pytest.mark.parametrize("name", ["phi_drift", "delta_drift", "norm_ratchet", "combined"])
+def test_a_bounded_drift_moves_the_victim_at_most_10x_what_honest_training_does(outcomes, name: str) -> None:
+    o, honest = outcomes[name], outcomes["honest"]
+    assert o.finite and math.isfinite(o.val_loss)
+    assert abs(o.along_u) <= 10 * honest.moved_honest_span, (o.along_u, honest.moved_honest_span)
+    # Without the bounds the same attacks move it far more: the clip (or a refusal) did the work.
+    assert sum(o.clipped.values()) + sum(o.rejections.values()) > 0
+
+
+def test_a_partner_lying_about_its_steps_and_samples_gains_no_larger_bound(outcomes) -> None:
+    """delta_drift claims a million inner steps and a billion samples: credited at the swarm's H and our
+    per-step batch, its Delta is clipped every round, never accepted whole."""
+    o = outcomes["delta_drift"]
+    assert o.clipped["delta"] == o.rounds == o.averaged

@@ -1,0 +1,83 @@
+"""The bounds on a partner's values (node/robust.py) and the clip that the transfer applies (protocols/avg.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.robust import UpdateBound
+from protocols.avg import Clip, Received, Rejected, Tensors, apply_clip
+
+
+def seen(own: float, theirs: float, phi_distance: float = 0.0) -> Received:
+    return Received(their_delta_sq=theirs**2, own_delta_sq=own**2, phi_distance_sq=phi_distance**2)
+
+
+def test_values_within_the_clip_ratio_are_kept_whole() -> None:
+    bound = UpdateBound(clip_ratio=2, reject_ratio=10, max_inner_steps=10)
+    assert bound.judge(seen(own=1.0, theirs=2.0, phi_distance=2.0), 10, 10) == Clip(1.0, 1.0)
+
+
+def test_values_beyond_the_clip_ratio_are_scaled_down_to_it() -> None:
+    bound = UpdateBound(clip_ratio=2, reject_ratio=10, max_inner_steps=10)
+    clip = bound.judge(seen(own=1.0, theirs=5.0, phi_distance=8.0), 10, 10)
+    assert clip.delta_scale == pytest.approx(2 / 5) and clip.phi_scale == pytest.approx(2 / 8)
+
+
+@pytest.mark.parametrize(("theirs", "distance", "reason"), [(11.0, 0.0, "delta_norm"), (1.0, 11.0, "phi_distance"),
+                                                           (1.0, float("inf"), "non_finite")])
+def test_values_beyond_the_reject_ratio_are_refused(theirs: float, distance: float, reason: str) -> None:
+    bound = UpdateBound(clip_ratio=2, reject_ratio=10, max_inner_steps=10)
+    with pytest.raises(Rejected) as refused:
+        bound.judge(seen(own=1.0, theirs=theirs, phi_distance=distance), 10, 10)
+    assert refused.value.reason == reason
+
+
+def test_partners_norms_never_move_the_reference() -> None:
+    """The old reference took the median of recent norms *including accepted partners'*: a partner just
+    under the bound lifted it round after round (a 1,300x ratchet in 35 rounds). Only our own norms count."""
+    bound = UpdateBound(clip_ratio=2, reject_ratio=10, max_inner_steps=10)
+    for _ in range(100):
+        bound.judge(seen(own=1.0, theirs=1.99, phi_distance=1.99), 10, 10)
+    assert bound.reference(own_norm=1.0, own_steps=10, their_steps=10) == pytest.approx(1.0)
+    with pytest.raises(Rejected):
+        bound.judge(seen(own=1.0, theirs=10.5), 10, 10)
+
+
+def test_the_reference_is_our_recent_median_when_this_steps_delta_is_small() -> None:
+    bound = UpdateBound(clip_ratio=2, reject_ratio=10, max_inner_steps=10)
+    for _ in range(5):
+        bound.remember(own_norm=4.0, own_steps=10)
+    assert bound.reference(own_norm=0.1, own_steps=10, their_steps=10) == pytest.approx(4.0)
+
+
+def test_with_no_delta_of_our_own_any_nonzero_partner_value_is_refused() -> None:
+    bound = UpdateBound(clip_ratio=2, reject_ratio=10, max_inner_steps=10)
+    with pytest.raises(Rejected):
+        bound.judge(seen(own=0.0, theirs=1e-6), 10, 10)
+    assert bound.judge(seen(own=0.0, theirs=0.0), 10, 10) == Clip()
+
+
+def test_with_no_h_given_a_partners_steps_count_up_to_64x_ours() -> None:
+    bound = UpdateBound(clip_ratio=2, reject_ratio=10)
+    assert bound.credit(own_steps=2, own_samples=8, their_steps=10_000, their_samples=10**9).inner_steps == 128
+
+
+@settings(max_examples=50, deadline=None)
+@given(delta_scale=st.floats(0.0, 1.0), phi_scale=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_the_clipped_sums_are_those_of_a_partner_that_sent_clipped_values(delta_scale, phi_scale, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    own_phi, own_delta, their_phi, their_delta = (torch.randn(257, generator=g, dtype=torch.float64) for _ in range(4))
+    t = Tensors(own_phi, own_delta, own_phi + their_phi, own_delta + their_delta)
+    apply_clip(t, Clip(delta_scale, phi_scale))
+    assert torch.allclose(t.delta_out, own_delta + delta_scale * their_delta)
+    assert torch.allclose(t.phi_out, own_phi + (own_phi + phi_scale * (their_phi - own_phi)))
+
+
+def test_an_unclipped_result_leaves_the_sums_bit_for_bit() -> None:
+    t = Tensors(torch.randn(100), torch.randn(100), torch.randn(100), torch.randn(100))
+    before = (t.phi_out.clone(), t.delta_out.clone())
+    apply_clip(t, Clip())
+    assert torch.equal(t.phi_out, before[0]) and torch.equal(t.delta_out, before[1])
