@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import ipaddress
 import logging
 import random
 import statistics
@@ -76,6 +77,9 @@ BACKOFF_MAX_S = 300.0
 _MALFORMED = {"malformed", "too_large", "bad_kind", "bad_version", "bad_field", "bad_size", "auth"}
 RATE_EWMA = 0.5
 MAX_INBOUND = 16  # pairing requests read concurrently
+MAX_INBOUND_PER_IP = 4  # of those, from one IP address (one machine's Sybil identities share it)
+IP_BAN_AFTER = 2  # identities banned from one IP before the IP itself is banned (identities are free)
+MAX_LINKS = 4096  # partners remembered (rate, back-off, bans); the least useful are forgotten first
 SCHEDULED_SHARE = 0.5  # of the pairing window spent on the scheduled partner only
 SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still training, again after this
 MIXING_WINDOW = 20  # outer steps that `status()["mixing"]` and the member record's partners look back over
@@ -134,6 +138,18 @@ class _Link:
     bytes_received: int = 0
     last_path: str = ""  # what carried the bulk last time: datapath (side channel) or stream (libp2p)
     clipped: int = 0  # exchanges whose values we clipped (node/robust.py)
+    ip: str | None = None  # the address its latest request or answer came from
+
+
+def _per_ip_key(ip: str | None) -> str | None:
+    """The address that per-IP limits and bans count under; None (exempt) for loopback: peers on this
+    machine are the operator's own (`make run`'s local swarm puts every peer on 127.0.0.1)."""
+    if ip is None:
+        return None
+    try:
+        return None if ipaddress.ip_address(ip).is_loopback else ip
+    except ValueError:
+        return ip
 
 
 class Averager:
@@ -200,6 +216,10 @@ class Averager:
         self._last_outer_step = 0  # the outer step our latest exchange ended at (after any adoption)
         self.rejections: dict[str, int] = {}
         self._inbound = 0
+        self._inbound_by_ip: dict[str, int] = {}
+        # Per IP: identities banned from it, and until when the IP itself is banned. A fresh PeerID costs
+        # nothing, so bans per identity alone let one machine offend forever (bounded like _links).
+        self._ip_bans: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
         # The swarm's H: the most inner steps an honest partner's Delta covers (node/robust.py).
         self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps)
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
@@ -426,7 +446,8 @@ class Averager:
         connected = {str(p) for p in self.host.get_connected_peers()}
         pool = connected if self.eligible_peers is None else connected & set(self.eligible_peers())
         pool.discard(self.me)
-        ready = [p for p in pool if self._link(p).next_try <= now and self._link(p).banned_until <= now]
+        ready = [p for p in pool if self._link(p).next_try <= now and self._link(p).banned_until <= now
+                 and not (self._link(p).ip is not None and self._ip_banned(self._link(p).ip))]
         if not ready:
             return None
         oldest = min(self._last_paired.get(p, -1) for p in ready)
@@ -435,8 +456,20 @@ class Averager:
     def _link(self, peer: str) -> _Link:
         link = self._links.get(peer)
         if link is None:
+            if len(self._links) >= MAX_LINKS:
+                self._forget_a_link()
             link = self._links[peer] = _Link(rate_bps=self.cfg.assumed_rate_mbps * 1e6 / 8)
         return link
+
+    def _forget_a_link(self) -> None:
+        """Make room in the partner table (fresh identities cost nothing, so it must be bounded): forget the
+        oldest partner we never averaged with and do not ban, else the oldest unbanned one. Banned ones are
+        kept: forgetting them would lift the ban."""
+        now = trio.current_time()
+        unbanned = [p for p, link in self._links.items() if link.banned_until <= now]
+        never = [p for p in unbanned if self._links[p].rounds == 0]
+        victim = (never or unbanned or list(self._links))[0]
+        del self._links[victim]
 
     def _transfer_deadline(self, peer: str, numel: int) -> float:
         plan = avg.make_plan(numel, self.cfg.wire_dtype, 4096)
@@ -482,6 +515,7 @@ class Averager:
             stream = None
             with trio.fail_after(self.cfg.handshake_timeout_s):
                 stream = await self.host.new_stream(ID.from_base58(partner), [avg.PROTOCOL_ID])
+            self._link(partner).ip = _per_ip_key(avg.partner_ip(stream))
 
             def claim(answer: avg.AvgAnswer) -> bool:
                 nonlocal claimed_here
@@ -540,18 +574,33 @@ class Averager:
     async def _handle_stream(self, stream: Any) -> None:
         """Inbound requests: at most MAX_INBOUND read at once (each under the handshake deadline), so
         silent or slow peers cannot pile up tasks and buffers; extra ones are reset at once."""
+        ip = _per_ip_key(avg.partner_ip(stream))
+        refusal = None
         if self._inbound >= MAX_INBOUND:
-            self.rejections["too_many_requests"] = self.rejections.get("too_many_requests", 0) + 1
+            refusal = "too_many_requests"
+        elif ip is not None and self._inbound_by_ip.get(ip, 0) >= MAX_INBOUND_PER_IP:
+            refusal = "too_many_requests_from_ip"
+        elif ip is not None and self._ip_banned(ip):
+            refusal = "banned_ip"
+        if refusal is not None:
+            self.rejections[refusal] = self.rejections.get(refusal, 0) + 1
             await close_quietly(stream, reset=True)
             return
         self._inbound += 1
+        if ip is not None:
+            self._inbound_by_ip[ip] = self._inbound_by_ip.get(ip, 0) + 1
         try:
             await self._serve_request(stream)
         finally:
             self._inbound -= 1
+            if ip is not None:
+                left = self._inbound_by_ip.pop(ip) - 1
+                if left > 0:
+                    self._inbound_by_ip[ip] = left
 
     async def _serve_request(self, stream: Any) -> None:
         partner = str(stream.muxed_conn.peer_id)
+        self._link(partner).ip = _per_ip_key(avg.partner_ip(stream))
         try:
             request = await avg.read_request(stream, self.cfg.handshake_timeout_s)
         except (ProtocolError, trio.TooSlowError) as e:
@@ -683,9 +732,30 @@ class Averager:
         link = self._link(partner)
         link.offences += 1
         if link.offences >= self.cfg.ban_after:
-            link.banned_until = trio.current_time() + self.cfg.ban_s
+            now = trio.current_time()
+            link.banned_until = now + self.cfg.ban_s
             link.offences = 0
             log.warning("banning %s for %.0fs after %d invalid updates", partner, self.cfg.ban_s, self.cfg.ban_after)
+            if link.ip is not None:
+                self._note_ip_ban(link.ip, now)
+
+    def _note_ip_ban(self, ip: str, now: float) -> None:
+        """One more identity banned from `ip`; IP_BAN_AFTER of them ban the IP itself for `sync.ban_s`
+        (everyone behind it, honest or not: the price of identities that cost nothing)."""
+        count, until = self._ip_bans.pop(ip, (0, 0.0))
+        count += 1
+        if count >= IP_BAN_AFTER:
+            until = now + self.cfg.ban_s
+            count = 0
+            log.warning("banning IP %s for %.0fs: %d identities from it were banned for invalid updates",
+                        ip, self.cfg.ban_s, IP_BAN_AFTER)
+        self._ip_bans[ip] = (count, until)
+        while len(self._ip_bans) > MAX_LINKS:
+            self._ip_bans.popitem(last=False)
+
+    def _ip_banned(self, ip: str) -> bool:
+        entry = self._ip_bans.get(ip)
+        return entry is not None and entry[1] > trio.current_time()
 
     def _fail(self, partner: str, error: BaseException, duration: float, *, count: bool = True) -> None:
         text = f"{type(error).__name__}: {error}"[:300]

@@ -9,14 +9,15 @@ import multiaddr
 import pytest
 import torch
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averager import Averager
+from node.robust import Credited, UpdateBound
 from node.sync_config import SyncConfig
 from p2p.host import build_host
-from node.robust import Credited, UpdateBound
 from protocols.avg import Clip, Received, Rejected
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
@@ -397,3 +398,93 @@ def test_a_node_that_found_nobody_ready_moves_towards_the_others_phase() -> None
     assert av._phase_shift([(-4.0, True), (-3.0, True), (-25.5, True)]) == pytest.approx(-3.0)
     assert av._phase_shift([]) == 0.0
     assert Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")._phase_shift([(-4.0, True)]) == 0.0
+
+
+class FakeStream:
+    """An inbound pairing stream from `ip` (what the averager's admission looks at)."""
+
+    def __init__(self, ip: str) -> None:
+        self.ip, self.was_reset = ip, False
+
+    def get_remote_address(self) -> tuple[str, int]:
+        return (self.ip, 4001)
+
+    async def reset(self) -> None:
+        self.was_reset = True
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_identities() -> None:
+    """One machine's Sybil identities share its IP: they cannot take all MAX_INBOUND request slots."""
+    from node.averager import MAX_INBOUND_PER_IP
+
+    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
+    gate, served = trio.Event(), []
+
+    async def serve(stream: FakeStream) -> None:
+        served.append(stream)
+        await gate.wait()
+
+    av._serve_request = serve  # type: ignore[method-assign]
+    sybils = [FakeStream("10.0.0.66") for _ in range(MAX_INBOUND_PER_IP + 3)]
+    honest = FakeStream("10.0.0.7")
+    async with trio.open_nursery() as nursery:
+        for s in sybils:
+            nursery.start_soon(av._handle_stream, s)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(av._handle_stream, honest)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(served) == MAX_INBOUND_PER_IP + 1 and honest in served
+        assert sum(s.was_reset for s in sybils) == 3
+        assert av.status()["rejections"] == {"too_many_requests_from_ip": 3}
+        gate.set()
+    assert av._inbound == 0 and av._inbound_by_ip == {}
+
+
+async def test_an_ip_whose_identities_keep_getting_banned_is_banned_itself() -> None:
+    """A fresh PeerID costs nothing: after IP_BAN_AFTER identities from one IP are banned, the IP is, and
+    a new identity from it is refused before it can send anything."""
+    from node.averager import IP_BAN_AFTER
+
+    cfg = SyncConfig(ban_after=2)
+    av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1")
+    for i in range(IP_BAN_AFTER):
+        av._link(f"sybil-{i}").ip = "10.0.0.66"
+        for _ in range(cfg.ban_after):
+            av._offence(f"sybil-{i}", "delta_norm")
+    assert av._ip_banned("10.0.0.66") and not av._ip_banned("10.0.0.7")
+    fresh = FakeStream("10.0.0.66")
+    await av._handle_stream(fresh)
+    assert fresh.was_reset and av.status()["rejections"]["banned_ip"] == 1
+
+
+async def test_the_partner_table_is_bounded_and_keeps_its_bans() -> None:
+    from node.averager import MAX_LINKS
+
+    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
+    av._link("banned").banned_until = float("inf")
+    for i in range(MAX_LINKS + 50):
+        av._link(f"fresh-{i}")
+    assert len(av._links) == MAX_LINKS and "banned" in av._links
+
+
+async def test_loopback_peers_are_exempt_from_per_ip_limits() -> None:
+    """`make run`'s local swarm puts every peer on 127.0.0.1: they are the operator's own machine."""
+    from node.averager import MAX_INBOUND_PER_IP
+
+    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
+    gate, served = trio.Event(), []
+
+    async def serve(stream: FakeStream) -> None:
+        served.append(stream)
+        await gate.wait()
+
+    av._serve_request = serve  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        for _ in range(MAX_INBOUND_PER_IP + 3):
+            nursery.start_soon(av._handle_stream, FakeStream("127.0.0.1"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(served) == MAX_INBOUND_PER_IP + 3
+        gate.set()
