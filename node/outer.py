@@ -56,12 +56,17 @@ def noloco_step(
     bit the step on the means: halving is exact, so ``(beta/2)*sum == beta*(sum/2)`` and
     ``sum - 2*phi == 2*(sum/2 - phi)``.
 
-    With `weighted` (a pair whose members trained different numbers of samples) the Delta term is the
-    pair's sample-weighted mean instead (see `PairWeights`); the phi term stays the plain mean."""
+    With `weighted` (a pair whose members trained different numbers of samples) both means are the pair's
+    sample-weighted ones instead (see `PairWeights`)."""
     _add_mean_delta(momentum.mul_(hyper.alpha), sum_delta, hyper.beta, n, weighted)
     if hyper.gamma:
-        # - gamma * (phi - mean(phi)); exactly zero when a pair's phis are equal
-        momentum.add_(torch.sub(sum_phi, phi, alpha=n), alpha=hyper.gamma / n)
+        # - gamma * (phi - mean(phi)); exactly zero when a pair's phis are equal. The weighted mean's
+        # pull is gamma * w_partner / W * (S - 2*phi) (phi - mean_w = w_p * (2*phi - S) / W).
+        if weighted is None or weighted.equal or n != 2:
+            momentum.add_(torch.sub(sum_phi, phi, alpha=n), alpha=hyper.gamma / n)
+        else:
+            share = weighted.partner_samples / (weighted.own_samples + weighted.partner_samples)
+            momentum.add_(torch.sub(sum_phi, phi, alpha=2), alpha=hyper.gamma * share)
     phi.add_(momentum)
 
 
@@ -87,8 +92,16 @@ class PairWeights:
     slower machine's Delta covers fewer inner steps. The pair's Delta is then the *sample-weighted* mean,
     as hivemind's collaborative optimizer weights by samples: each machine counts in proportion to the
     compute it put in, and a slow partner neither dilutes a fast one's progress as a plain mean would nor
-    is ignored. phi keeps the plain mean: a symmetric pull keeps the swarm's mean of phi where it is (a
-    doubly stochastic gossip step), which the spread's convergence relies on.
+    is ignored.
+
+    The NoLoCo pull goes to the pair's sample-weighted mean of phi too: both members move towards the
+    same point, the faster one by gamma * w_slow / W of their distance and the slower one by
+    gamma * w_fast / W. The two pulls still sum to gamma, so the pair's difference shrinks exactly as
+    under the plain mean (the spread's stability condition, shared/design/noloco.md, is unchanged). But
+    the point they meet at is the better-trained model: with the plain mean, every meeting with a slower
+    machine dragged a fast machine half-way back towards a model trained on a fraction of its samples,
+    and a swarm of 2 fast + 2 slow machines trained its fast members to a worse loss than 2 fast
+    machines alone (docs/benchmarks.md, "Swarm").
 
     The exchange leaves the plain sum S = D_own + D_partner (both sides compute the same bits); the weighted
     mean follows from it and our own Delta without a second exchange:

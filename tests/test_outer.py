@@ -201,7 +201,8 @@ def test_a_pairs_delta_is_weighted_by_the_samples_each_member_trained() -> None:
         # We trained 160 samples, the partner (a machine 4x faster) 640: the mean Delta is 0.2/0.8.
         opt.step(p, own, group_size=2, sum_phi=phi + their_phi, sum_delta=own + theirs, samples=(160, 640))
         mean_delta = 0.2 * own + 0.8 * theirs
-        pull = HYPER.gamma * (phi - (phi + their_phi) / 2) if kind == "noloco" else 0.0
+        # The pull goes to the sample-weighted mean of phi as well.
+        pull = HYPER.gamma * (phi - (0.2 * phi + 0.8 * their_phi)) if kind == "noloco" else 0.0
         expected_momentum = HYPER.beta * mean_delta - pull
         assert torch.allclose(opt.momentum, expected_momentum, atol=1e-5), kind
         assert torch.allclose(p, phi + expected_momentum, atol=1e-5), kind
@@ -215,10 +216,15 @@ def test_both_partners_of_a_weighted_pair_take_the_same_step_from_the_same_sums(
     pa, pb = phi_a.clone(), phi_b.clone()
     a.step(pa, d_a, group_size=2, sum_phi=sum_phi, sum_delta=sum_delta, samples=(100, 300))
     b.step(pb, d_b, group_size=2, sum_phi=sum_phi, sum_delta=sum_delta, samples=(300, 100))
-    # The same weighted Delta on both sides (each derives it from its own Delta and the common sum).
-    delta_term_a = a.momentum + HYPER.gamma * (phi_a - sum_phi / 2)
-    delta_term_b = b.momentum + HYPER.gamma * (phi_b - sum_phi / 2)
+    # The same weighted Delta on both sides (each derives it from its own Delta and the common sum), and
+    # both pulled towards the same weighted phi: the two end on the same side of it, their difference
+    # shrunk by gamma exactly as under the plain mean.
+    mean_phi = 0.25 * phi_a + 0.75 * phi_b
+    delta_term_a = a.momentum + HYPER.gamma * (phi_a - mean_phi)
+    delta_term_b = b.momentum + HYPER.gamma * (phi_b - mean_phi)
     assert torch.allclose(delta_term_a, delta_term_b, atol=1e-5)
+    pull_a, pull_b = a.momentum - delta_term_a, b.momentum - delta_term_b
+    assert torch.allclose(pull_a - pull_b, -HYPER.gamma * (phi_a - phi_b), atol=1e-5)
 
 
 def test_equal_or_unknown_sample_counts_give_exactly_the_plain_pair_step() -> None:
