@@ -170,10 +170,10 @@ class Daemon:
                 on_outer_step=self.catch_up.note_outer_step,
                 anyone_else=lambda: bool(self._possible_partners()),
                 pace=lambda: float(self._training().get("period_s") or 0.0),
-            )
                 # The pace gives the swarm's fastest trainer H inner steps per outer step: no honest
                 # partner's Delta covers more (node/robust.py).
                 max_inner_steps=cfg.train.inner_steps,
+            )
         self.ready = trio.Event()
         self._last_progress_step = 0
         self.snapshots = SnapshotServer(snapshot_source(home), max_serving=2)
