@@ -169,6 +169,7 @@ class Averager:
         anyone_else: Callable[[], bool] | None = None,
         pace: Callable[[], float] | None = None,
         max_inner_steps: int | None = None,
+        swarm_steps: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -190,6 +191,8 @@ class Averager:
         self.anyone_else = anyone_else
         # The swarm's pace (seconds between two publishes; 0: none), for the phase of trainers between steps.
         self.pace = pace
+        # Outer steps of the swarm's alive trainers (member records), to keep our counter in their range.
+        self.swarm_steps = swarm_steps
         self._last_publish_at: float | None = None  # trio clock: our latest publish
         self.listener = DataPathListener(listen_host, cfg.datapath_port, max_frame_size=avg.MAX_FRAME) if cfg.datapath else None
         self.me = str(host.get_id())
@@ -315,6 +318,7 @@ class Averager:
                 self.stats["unpaired_rounds"] += 1
                 self._recent.append((request.outer_step, None, False))
                 log.debug("outer step %d: solo after 0.00s (no other trainer to pair with)", request.outer_step)
+                self._follow_the_swarm(request)
                 return 1
         began = trio.current_time()
         pending = _Pending(
@@ -359,10 +363,31 @@ class Averager:
             self._recent.append((request.outer_step, partner, partner == pending.scheduled))
             if partner is not None:
                 self._last_paired[partner] = self.stats["rounds"]
+        self._follow_the_swarm(request)
         self._last_outer_step = max(request.outer_step, request.group_outer_step or 0)
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   "averaged" if pending.result >= 2 else "solo", trio.current_time() - began)
         return pending.result
+
+    def _follow_the_swarm(self, request: Any) -> None:
+        """Jump our outer-step counter up to the swarm's when we have fallen more than half the step gap
+        behind it.
+
+        Why: the counter keys the pairing schedule and `sync.max_step_gap` refuses partners too far apart,
+        while pairs adopt each other's larger count only when they meet. Groups whose outer steps take
+        different times (a faster exchange, a node that started later from a fresh model) drift apart,
+        and past the gap they never meet again: islands. The counter carries no weights (the lr follows
+        the inner step), so following the swarm's is safe. The swarm's is the second largest outer step
+        among the other alive trainers' records, so that no single record (a liar) can move it."""
+        if self.swarm_steps is None:
+            return
+        others = sorted((step for peer, step in self.swarm_steps().items() if peer != self.me), reverse=True)
+        if len(others) < 2:
+            return
+        lead, ours = others[1], max(request.outer_step, request.group_outer_step or 0)
+        if lead > ours + max(1, self.cfg.max_step_gap // 2):
+            log.info("outer step %d is far behind the swarm's %d: following it", ours, lead)
+            request.group_outer_step = lead
 
     def _phase_shift(self, gaps: list[tuple[float, bool]]) -> float:
         """How far to move our next publish towards the trainers that were between outer steps: the median

@@ -173,6 +173,7 @@ class Daemon:
                 # The pace gives the swarm's fastest trainer H inner steps per outer step: no honest
                 # partner's Delta covers more (node/robust.py).
                 max_inner_steps=cfg.train.inner_steps,
+                swarm_steps=self._trainer_steps,
             )
         self.ready = trio.Event()
         self._last_progress_step = 0

@@ -19,12 +19,18 @@ bounded here, against references that only this node writes:
   `clip_ratio` x the reference (as hivemind's CenteredClip clips each peer's deviation from the centre,
   here the centre is our own phi and zero Delta): an honest partner slightly outside still counts, in the
   right direction, and a dishonest one moves us at most a bounded step per round. Measured on the default
-  task (docs/reliability.md): honest partners' Delta norms stay within ~1.05x and phi distances within
-  ~1.4x of the reference, so honest exchanges are not clipped and stay bit-exact.
-- Far beyond that (`reject_ratio` x the reference, or a non-finite distance), the exchange is refused
-  (a solo step) and counts as an offence; repeated offences ban the partner (node/averager.py).
+  task (docs/reliability.md): honest partners in step with us stay within ~1.05x (Delta) and ~1.4x (phi
+  distance) of the reference, so their exchanges are not clipped and stay bit-exact.
+- Honest partners can be far outside the reference too, and must not be punished for it: a node that
+  trained alone for a while (it started first, or a partition) has a phi many references away, and one
+  still in its learning-rate warm-up has a tiny reference next to a trained partner's Delta. Those are
+  clipped, never refused: the pull between them is bounded per round, which also keeps a trained node
+  from being dragged half-way to a fresh one. Only values that are no model of ours at all are refused
+  and count as an offence (repeated offences ban the partner, node/averager.py): non-finite ones, or a
+  Delta or phi distance longer than `reject_ratio` x the norm of our own phi (two models of one
+  architecture are at most about the sum of their norms apart; +1000 on every weight is not training).
 
-What the bound buys: a partner that always sends the most it may along one direction moves our momentum by
+What the bounds buy: a partner that always sends the most it may along one direction moves our momentum by
 at most beta/2 * clip + gamma/2 * clip references per round, i.e. about (beta + gamma) * clip references of
 phi per round with the momentum's 1 / (1 - alpha) gain. docs/reliability.md measures it against honest
 training.
@@ -55,10 +61,10 @@ class UpdateBound:
     """Clips or refuses a partner's contribution; remembers only this node's own Delta norms."""
 
     def __init__(self, clip_ratio: float, reject_ratio: float, max_inner_steps: int | None = None) -> None:
-        """`max_inner_steps`: the swarm's H (None: unknown, then a partner's steps count up to
-        MAX_STEP_RATIO times ours)."""
-        if not 1.0 <= clip_ratio <= reject_ratio:
-            raise ValueError("clip_ratio must be at least 1 and at most reject_ratio")
+        """`clip_ratio`: of the reference; `reject_ratio`: of our own phi's norm. `max_inner_steps`: the
+        swarm's H (None: unknown, then a partner's steps count up to MAX_STEP_RATIO times ours)."""
+        if clip_ratio < 1.0 or reject_ratio <= 0.0:
+            raise ValueError("clip_ratio must be at least 1 and reject_ratio positive")
         self.clip_ratio = clip_ratio
         self.reject_ratio = reject_ratio
         self.max_inner_steps = max_inner_steps
@@ -97,19 +103,21 @@ class UpdateBound:
         self.remember(own_norm, own_steps)
         if not math.isfinite(phi_distance):
             raise Rejected("non_finite", "partner's phi is too far from ours to measure (overflow)")
+        model = self.reject_ratio * seen.own_phi_norm
+        _refuse_garbage(their_norm, model, self.reject_ratio, "delta_norm", "Delta norm")
+        _refuse_garbage(phi_distance, model, self.reject_ratio, "phi_distance", "phi distance from ours")
         reference = self.reference(own_norm, own_steps, their_steps)
-        delta_scale = _scale(their_norm, reference, self.clip_ratio, self.reject_ratio, "delta_norm", "Delta norm")
-        phi_scale = _scale(phi_distance, reference, self.clip_ratio, self.reject_ratio, "phi_distance",
-                           "phi distance from ours")
-        return Clip(delta_scale, phi_scale)
+        return Clip(_scale(their_norm, self.clip_ratio * reference), _scale(phi_distance, self.clip_ratio * reference))
 
 
-def _scale(value: float, reference: float, clip_ratio: float, reject_ratio: float, reason: str, what: str) -> float:
-    """1.0 within clip_ratio x reference; the factor that brings it down to that bound beyond; Rejected
-    beyond reject_ratio x reference. A zero reference (no Delta of our own) refuses any nonzero value."""
-    bound = clip_ratio * reference
+def _refuse_garbage(value: float, limit: float, ratio: float, reason: str, what: str) -> None:
+    if value > limit:
+        raise Rejected(reason, f"{what} {value:.3g} is over {ratio:g}x the norm of our own phi: not a model of ours")
+
+
+def _scale(value: float, bound: float) -> float:
+    """1.0 within the bound, else the factor that brings `value` down to it (0.0 for a zero bound: with no
+    Delta of our own there is no scale to trust a partner's by)."""
     if value <= bound:
         return 1.0
-    if value > reject_ratio * reference:
-        raise Rejected(reason, f"{what} {value:.3g} is over {reject_ratio:g}x the reference {reference:.3g}")
     return bound / value

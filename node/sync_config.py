@@ -25,7 +25,8 @@ class SyncConfig:
     allow_relay_bulk: bool = opt(False, "allow averaging with peers reachable only through a relay")
     clip_ratio: float = opt(2.0, "clip a partner's Delta norm, and its phi's distance from ours, to this many times our own "
                             "Delta norm per inner step times the steps exchanged")
-    max_delta_ratio: float = opt(10.0, "refuse a partner's values (an offence) beyond this many times that reference")
+    max_delta_ratio: float = opt(4.0, "refuse a partner's values (an offence) whose Delta norm or phi distance from ours "
+                                 "exceeds this many times the norm of our own phi (no model of ours)")
     ban_after: int = opt(3, "offences (poisoned or malformed updates) before a partner is banned")
     ban_s: float = opt(600.0, "how long a banned partner is ignored (seconds)")
     join_donors: int = opt(3, "late join: download the swarm's weights from up to this many donors at once (0 = off)")
@@ -51,10 +52,10 @@ class SyncConfig:
             raise ValueError("sync.deadline_slack: must be between 1 and 100")
         if not 0 <= self.datapath_port <= 65535:
             raise ValueError("sync.datapath_port: must be a port number (0 = any)")
-        if not 1.0 < self.max_delta_ratio <= 1e6:
-            raise ValueError("sync.max_delta_ratio: must be above 1")
-        if not 1.0 <= self.clip_ratio <= self.max_delta_ratio:
-            raise ValueError("sync.clip_ratio: must be at least 1 and at most sync.max_delta_ratio")
+        if not 0.01 <= self.max_delta_ratio <= 1e6:
+            raise ValueError("sync.max_delta_ratio: must be between 0.01 and 1000000")
+        if not 1.0 <= self.clip_ratio <= 1e6:
+            raise ValueError("sync.clip_ratio: must be between 1 and 1000000")
         if not 1 <= self.ban_after <= 1000:
             raise ValueError("sync.ban_after: must be between 1 and 1000")
         if not 0 <= self.ban_s <= 86400 * 7:

@@ -205,6 +205,7 @@ class Received:
     their_delta_sq: float = 0.0
     own_delta_sq: float = 0.0
     phi_distance_sq: float = 0.0  # |their phi - ours|^2, both as they crossed the wire
+    own_phi_sq: float = 0.0  # |our phi|^2 (as it crossed the wire): the scale of "a model" at all
 
     @property
     def delta_norms(self) -> tuple[float, float]:
@@ -215,6 +216,10 @@ class Received:
     def phi_distance(self) -> float:
         """How far the partner's phi is from ours: what its half of the NoLoCo pull moves us by."""
         return math.sqrt(self.phi_distance_sq)
+
+    @property
+    def own_phi_norm(self) -> float:
+        return math.sqrt(self.own_phi_sq)
 
 
 class _Fold:
@@ -263,6 +268,7 @@ class _Fold:
                 self.seen.finite = False
                 return
             self.seen.phi_distance_sq += dist_sq
+            self.seen.own_phi_sq += float(torch.dot(own, own))
         theirs.add_(own)
 
 
