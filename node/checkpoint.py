@@ -12,6 +12,9 @@ set the file aside as `*.corrupt` and fall back to the previous checkpoint.
 Writing is atomic: the payload goes to a hidden temp file in the same directory, which is fsynced, renamed
 over the final name, and the directory fsynced; readers never see a half-written checkpoint under a real
 name. Loading uses `torch.load(weights_only=True)`, so a planted file cannot run code.
+
+Permissions: checkpoint files are 0600 and their folders 0700, whatever the umask (a checkpoint is the
+whole model and optimizer state); a store opened on an older, world-readable folder tightens it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from node.fsutil import PRIVATE_FILE_MODE, open_private, private_dir
 
 log = logging.getLogger("starling.checkpoint")
 
@@ -85,7 +90,7 @@ def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{os.getpid()}")
     writer: _HashingWriter | None = None
     try:
-        with open(tmp, "wb") as f:
+        with open_private(tmp, "wb") as f:
             f.write(b"\0" * _HEADER.size)  # placeholder: the hash is known only after the payload
             writer = _HashingWriter(f)
             torch.save(state, writer)  # type: ignore[arg-type]  # only .write is needed
@@ -131,6 +136,19 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint file in `directory`, newest first; read-only (unlike opening a
+    CheckpointStore, which tightens permissions and removes temp files), so a reader beside a running
+    worker (`starling export`) may use it."""
+    found = []
+    for p in directory.iterdir():
+        m = _NAME.match(p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    found.sort(reverse=True)
+    return found
+
+
 class CheckpointStore:
     """The checkpoints of one model in one directory, named by the global inner step they were taken at."""
 
@@ -139,23 +157,19 @@ class CheckpointStore:
             raise ValueError("keep must be at least 1")
         self.directory = directory
         self.keep = keep
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory)
         # Temp files left by a writer that died mid-write are garbage; nobody else writes here.
         for stale in directory.glob(f"{_TMP_PREFIX}*"):
             stale.unlink(missing_ok=True)
+        for _, path in self.checkpoints():  # written 0644 by versions before 0600 was the rule
+            os.chmod(path, PRIVATE_FILE_MODE)
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"ckpt-{step:012d}.pt"
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of every checkpoint file, newest first."""
-        found = []
-        for p in self.directory.iterdir():
-            m = _NAME.match(p.name)
-            if m:
-                found.append((int(m.group(1)), p))
-        found.sort(reverse=True)
-        return found
+        return list_checkpoints(self.directory)
 
     def save(self, state: dict[str, Any], step: int) -> Path:
         """Write a checkpoint for `step`, then delete all but the newest `keep`."""

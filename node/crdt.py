@@ -17,9 +17,14 @@ Records (one per key, the key derived from the record):
     The swarm-wide total is the sum over peers.
 ``manifest`` :class:`ManifestRecord`
     The run manifest (task, model hash, optimizer hash, protocol version), written by the swarm's first
-    node. Concurrent founders are resolved deterministically: the record with the *lowest* HLC wins
-    (exact ties: lowest body hash). A node that has seen the swarm has observed the founder's clock, so
-    whatever it could sign later carries a higher HLC and can never displace the founder's manifest.
+    node. Any key can sign a record, so *which* manifests a replica adopts is not decided by the record
+    but by this node's configuration, its :class:`ManifestAuthority`: only the configured founder's
+    (``node.founder``), only the configured hash (``node.manifest_hash``), or, with neither, trust on
+    first use: the first manifest this node held (pinned to disk by the replicator) and no other ever
+    after. Among the manifests the authority allows (all with one content, or all by one founder) the
+    *lowest* HLC wins (exact ties: lowest body hash), so replicas still converge. A refused manifest is
+    counted (``manifest_refused``) and reported once (:meth:`SwarmState.take_manifest_refusals`). Lowest
+    HLC alone, as before, let a fresh key sign a manifest at HLC (0, 0) and take the swarm over.
 
 Ordering. Each signed record has an ``order`` tuple of integers: ``(wall_ms, logical, h)`` for member
 and manifest records, ``(samples, tokens, wall_ms, logical, h)`` for counter records, where ``h`` is the
@@ -56,6 +61,16 @@ records at the same times agree on it, whatever the order of delivery.
 Bounded memory: beyond ``max_members`` peers, the longest-gone (then longest-suspect) peers are evicted;
 a small tombstone remembers what was evicted so that anti-entropy does not bring it straight back, and
 evicted counter entries stay in the swarm-wide totals.
+
+Sybil limits. Keys are free, addresses are not, so identities are counted per *network group* (the /24
+or /48 of the connection that delivered them, :mod:`p2p.netgroup`; see :class:`Delivery`): a peer is
+attributed to the group of whoever first handed us its records, and to its own group once it delivers
+one of its records itself. One group may hold at most ``max_per_subnet`` peers (default a quarter of the
+table); more new identities from it are refused (``subnet_limit``). When the table is full and every
+member is alive, a newcomer takes the place of a member of the *most crowded* group (its freshest
+identity that has not yet been held for ``gone_after``, else its newest), provided that group is larger
+than the newcomer's: so a table filled with fresh identities from one IP still admits an honest newcomer
+from another, and established members of small groups are never the ones to go.
 
 The replica is plain synchronous code with an injectable clock; the daemon calls it from one trio task.
 """
@@ -119,6 +134,11 @@ BAD_SIGNATURE = "bad_signature"
 WRONG_SIGNER = "wrong_signer"
 CLOCK_SKEW = "clock_skew"
 CAPACITY = "capacity"
+MANIFEST_REFUSED = "manifest_refused"  # a manifest this node's ManifestAuthority does not allow
+SUBNET_LIMIT = "subnet_limit"  # a new identity from a network group that holds its share of the table
+
+#: Distinct refused manifests (signer, hash) remembered so that each is reported once.
+MAX_REMEMBERED_REFUSALS = 256
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,6 +172,77 @@ class ManifestMismatch(Exception):
             f"{swarm_hash}{founded}{differ}. Join with the same task, model config, optimizer config and "
             f"protocol version as the swarm, or start a separate swarm."
         )
+
+
+class ManifestRefused(Exception):
+    """A run manifest that this node's :class:`ManifestAuthority` does not allow; names both hashes."""
+
+    def __init__(self, record_hash: str, signer: str, why: str, held_hash: str | None) -> None:
+        self.record_hash = record_hash
+        self.signer = signer
+        self.why = why
+        self.held_hash = held_hash
+        super().__init__(
+            f"refused run manifest {record_hash} signed by {signer}: {why}; this node keeps "
+            f"{held_hash or 'no manifest yet'}"
+        )
+
+
+@dataclass(frozen=True)
+class ManifestAuthority:
+    """Which run manifests a replica may adopt: what makes the swarm's manifest something an outsider
+    cannot forge (any key can sign a manifest record; only the configuration says whose counts).
+
+    ``founder``: the PeerID whose manifests alone are adopted (``node.founder``). ``manifest_hash``: the
+    one manifest hash adopted, whoever signed it (``node.manifest_hash``). With neither: trust on first
+    use, ``pinned`` being the hash of the first manifest this node ever held (``HOME/manifest.pin``,
+    written by the replicator); a node that holds a manifest, pinned or not, never adopts another one.
+    """
+
+    founder: str = ""
+    manifest_hash: str = ""
+    pinned: str = ""
+
+    @property
+    def configured(self) -> bool:
+        """Whether the configuration names the authority (else: trust on first use)."""
+        return bool(self.founder or self.manifest_hash)
+
+    def describe(self) -> str:
+        """The rule in force, for status and logs."""
+        rules = []
+        if self.founder:
+            rules.append(f"founder {self.founder}")
+        if self.manifest_hash:
+            rules.append(f"manifest hash {self.manifest_hash}")
+        if not rules:
+            rules.append(f"trust on first use ({self.pinned or 'nothing pinned yet'})")
+        return ", ".join(rules)
+
+    def refusal(self, record: ManifestRecord, held: Manifest | None) -> str | None:
+        """Why ``record`` must not be adopted by a replica that holds ``held`` (None: it may be)."""
+        if self.founder and record.peer_id != self.founder:
+            return f"it is not signed by the configured founder {self.founder} (node.founder)"
+        manifest_hash = record.manifest.hash
+        if self.manifest_hash and manifest_hash != self.manifest_hash:
+            return f"node.manifest_hash allows only {self.manifest_hash}"
+        if not self.configured:
+            trusted = self.pinned or (held.hash if held is not None else "")
+            if trusted and manifest_hash != trusted:
+                return (
+                    f"this node trusts {trusted}, the first manifest it saw (trust on first use; set "
+                    f"node.founder to the swarm founder's PeerID to make that explicit)"
+                )
+        return None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Who handed this replica some records: the peer (base58) and the network group (subnet,
+    :func:`p2p.netgroup.group_of`) its connection comes from. What the Sybil limits count by."""
+
+    peer_id: str
+    group: str
 
 
 class StateFileError(Exception):
@@ -720,6 +811,15 @@ class _Tombstone:
     tokens: int = 0
 
 
+@dataclass
+class _Standing:
+    """Where a held peer came from and since when: what the Sybil limits judge it by."""
+
+    group: str  # network group it is attributed to; "" = none known (our own, or from the state file)
+    verified: bool  # the peer itself delivered one of its records from that group
+    first_seen: float  # local time this replica first admitted the peer
+
+
 # Names update_self accepts; peer_id, hlc, heartbeat and left are managed by the replica.
 _SELF_FIELDS = frozenset(f.name for f in dataclasses.fields(MemberRecord)) - {
     "peer_id",
@@ -743,7 +843,10 @@ class SwarmState:
         (and the same the other way round)
 
     ``max_members`` bounds the number of peers held (self included, and never evicted);
-    ``max_tombstones`` (default ``4 * max_members``) bounds the memory of evicted peers.
+    ``max_tombstones`` (default ``4 * max_members``) bounds the memory of evicted peers;
+    ``max_per_subnet`` (default a quarter of ``max_members``) bounds the peers one network group may
+    place in the table; ``authority`` decides which run manifests are adopted (default: trust on first
+    use). See the module docstring for both.
     """
 
     def __init__(
@@ -757,11 +860,15 @@ class SwarmState:
         max_drift_s: float = 600.0,
         clock: Callable[[], float] = time.time,
         verifier: Verifier | None = None,
+        max_per_subnet: int | None = None,
+        authority: ManifestAuthority | None = None,
     ) -> None:
         if not 0 < suspect_after < gone_after:
             raise ValueError(f"need 0 < suspect_after < gone_after, got {suspect_after} and {gone_after}")
         if max_members < 1:
             raise ValueError(f"max_members must be at least 1, got {max_members}")
+        if max_per_subnet is not None and max_per_subnet < 1:
+            raise ValueError(f"max_per_subnet must be at least 1, got {max_per_subnet}")
         self._me = me
         self.peer_id = peer_id_of(me.public_key)
         self.suspect_after = suspect_after
@@ -779,6 +886,15 @@ class SwarmState:
         self._own_superseded = False  # a newer record of our own arrived from a peer (see own_record_superseded)
         #: Rejected records by reason (``malformed``, ``bad_signature``, ``wrong_signer``, ...).
         self.rejected: Counter[str] = Counter()
+        self.max_per_subnet = max(1, max_members // 4) if max_per_subnet is None else max_per_subnet
+        #: Which run manifests this replica adopts (see :class:`ManifestAuthority`).
+        self.authority = authority if authority is not None else ManifestAuthority()
+        self._standing: dict[str, _Standing] = {}  # every peer held (members and counters)
+        self._group_sizes: Counter[str] = Counter()
+        #: Members evicted to make room for a newcomer from a less crowded network group.
+        self.crowd_evictions = 0
+        self._refusals: list[ManifestRefused] = []  # not yet taken by take_manifest_refusals
+        self._refused_seen: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def _now(self) -> float:
         return float(self._clock())
@@ -842,7 +958,9 @@ class SwarmState:
 
         Call it after the first sync with the bootstrap peers (or with none, for the first node). If the
         swarm already has a manifest, nothing is published: returns ``None`` when it is equal and raises
-        :class:`ManifestMismatch` when it differs.
+        :class:`ManifestMismatch` when it differs. Raises :class:`ManifestRefused` when this node's
+        :attr:`authority` would not adopt the manifest (another node is the founder, or the configured
+        hash differs).
         """
         if self._manifest is not None:
             self.check_manifest(manifest)
@@ -855,19 +973,48 @@ class SwarmState:
             manifest.optimizer_hash,
             manifest.protocol_version,
         )
+        why = self.authority.refusal(record, None)
+        if why is not None:
+            raise ManifestRefused(manifest.hash, self.peer_id, why, None)
         return self._sign_and_store(record)
+
+    def may_found(self, manifest: Manifest) -> bool:
+        """Whether this node may found the swarm with ``manifest`` (see :meth:`set_manifest`)."""
+        record = ManifestRecord(self.peer_id, Timestamp(0, 0), manifest.task, manifest.model_hash,
+                                manifest.optimizer_hash, manifest.protocol_version)
+        return self.authority.refusal(record, None) is None
+
+    def take_manifest_refusals(self) -> list[ManifestRefused]:
+        """Manifests refused since the last call, each distinct (signer, hash) once: for the log."""
+        taken, self._refusals = self._refusals, []
+        return taken
+
+    def _refuse_manifest(self, record: ManifestRecord, why: str) -> None:
+        self.rejected[MANIFEST_REFUSED] += 1
+        key = (record.peer_id, record.manifest.hash)
+        if key in self._refused_seen:
+            return
+        self._refused_seen[key] = None
+        while len(self._refused_seen) > MAX_REMEMBERED_REFUSALS:
+            self._refused_seen.popitem(last=False)
+        held = self.manifest
+        if len(self._refusals) < MAX_REMEMBERED_REFUSALS:
+            self._refusals.append(
+                ManifestRefused(key[1], record.peer_id, why, held.hash if held is not None else None)
+            )
 
     # ---- merging --------------------------------------------------------------------------------
 
-    def merge(self, record: SignedRecord | bytes) -> bool:
+    def merge(self, record: SignedRecord | bytes, *, delivery: Delivery | None = None) -> bool:
         """Merge one record from anywhere; True if it changed the state.
 
         Every record is verified (signature and author), also ones passed as :class:`SignedRecord`;
         repeats are cheap (cache). Rejected records are counted in :attr:`rejected`, never raised.
         A newer record of this node's own, signed in an earlier run, is stored like any other; the
-        next :meth:`update_self` (the periodic heartbeat) supersedes it.
+        next :meth:`update_self` (the periodic heartbeat) supersedes it. ``delivery`` says who handed
+        it over, from which network group (the Sybil limits count by it; None: no attribution).
         """
-        return self._merge(record) == "changed"
+        return self._merge(record, delivery) == "changed"
 
     def verify(self, record: SignedRecord | bytes) -> SignedRecord:
         """Decode and verify a record without merging it (to look at it first); a record that fails is
@@ -895,21 +1042,25 @@ class SwarmState:
         superseded, self._own_superseded = self._own_superseded, False
         return superseded
 
-    def apply(self, records: Iterable[SignedRecord | bytes]) -> ApplyResult:
+    def apply(
+        self, records: Iterable[SignedRecord | bytes], *, delivery: Delivery | None = None
+    ) -> ApplyResult:
         """Merge a batch (e.g. what a peer sent in anti-entropy) and summarise what happened."""
-        outcomes = Counter(self._merge(r) for r in records)
+        outcomes = Counter(self._merge(r, delivery) for r in records)
         return ApplyResult(outcomes["changed"], outcomes["unchanged"], outcomes["rejected"])
 
-    def _merge(self, record: SignedRecord | bytes) -> str:
+    def _merge(self, record: SignedRecord | bytes, delivery: Delivery | None = None) -> str:
         data = record.data if isinstance(record, SignedRecord) else record
         try:
             signed = self._verifier.decode(data)
         except RecordError as exc:
             self.rejected[exc.reason] += 1
             return "rejected"
-        return self._store(signed, received_at=self._now(), origin="remote")
+        return self._store(signed, received_at=self._now(), origin="remote", delivery=delivery)
 
-    def _store(self, signed: SignedRecord, *, received_at: float, origin: _Origin) -> str:
+    def _store(
+        self, signed: SignedRecord, *, received_at: float, origin: _Origin, delivery: Delivery | None = None
+    ) -> str:
         """Insert a verified record if it wins; returns "changed", "unchanged" or "rejected".
 
         Only records from peers are checked for drift: the state file's were accepted once already (the
@@ -926,6 +1077,10 @@ class SwarmState:
         self._hlc.adopt(record.hlc)
 
         if isinstance(record, ManifestRecord):
+            why = self.authority.refusal(record, self.manifest)
+            if why is not None:
+                self._refuse_manifest(record, why)
+                return "rejected"
             if self._manifest is not None and not _beats(signed, self._manifest.signed):
                 return "unchanged"
             self._manifest = _Entry(signed, received_at)
@@ -933,6 +1088,8 @@ class SwarmState:
 
         table = self._members if isinstance(record, MemberRecord) else self._counters
         pid = record.peer_id
+        if pid in self._standing:
+            self._attribute(pid, delivery)
         current = table.get(pid)
         if current is not None:
             if not _beats(signed, current.signed):
@@ -945,18 +1102,45 @@ class SwarmState:
         tomb = self._tombstones.get(signed.key)
         if tomb is not None and not _newer(signed.kind, signed.order, tomb.order):
             return "unchanged"  # evicted here on purpose; do not let anti-entropy resurrect it
-        is_new_peer = pid not in self._members and pid not in self._counters
-        if is_new_peer and self._peer_count() >= self.max_members:
+        is_new_peer = pid not in self._standing
+        if is_new_peer:
+            group = delivery.group if delivery is not None else ""
+            verified = delivery is not None and delivery.peer_id == pid
+            if pid != self.peer_id and group and self._group_sizes[group] >= self.max_per_subnet:
+                self.rejected[SUBNET_LIMIT] += 1  # that network group holds its share of the table
+                return "rejected"
             # Make room; if nobody can go, refuse the newcomer (but never this node's own records).
-            if not self._evict_one() and pid != self.peer_id:
+            if self._peer_count() >= self.max_members and not self._evict_one(group) and pid != self.peer_id:
                 self.rejected[CAPACITY] += 1
                 return "rejected"
+            self._standing[pid] = _Standing(group, verified, received_at)
+            self._group_sizes[group] += 1
         if tomb is not None:  # the peer is back with newer state: its entry is live again
             del self._tombstones[signed.key]
             self._retired[0] -= tomb.samples
             self._retired[1] -= tomb.tokens
         table[pid] = _Entry(signed, received_at)
         return "changed"
+
+    def _attribute(self, pid: str, delivery: Delivery | None) -> None:
+        """Move a held peer to the network group it proves it is in: its own connection's, once it
+        delivers one of its own records; or its first deliverer's, if it had no group yet."""
+        if delivery is None:
+            return
+        standing = self._standing[pid]
+        if delivery.peer_id == pid:
+            if standing.verified and standing.group == delivery.group:
+                return
+            new = _Standing(delivery.group, True, standing.first_seen)
+        elif not standing.group and not standing.verified:
+            new = _Standing(delivery.group, False, standing.first_seen)
+        else:
+            return
+        self._group_sizes[standing.group] -= 1
+        if self._group_sizes[standing.group] <= 0:
+            del self._group_sizes[standing.group]
+        self._group_sizes[new.group] += 1
+        self._standing[pid] = new
 
     # ---- anti-entropy ---------------------------------------------------------------------------
 
@@ -1047,6 +1231,10 @@ class SwarmState:
         assert isinstance(record, ManifestRecord)
         return record.manifest
 
+    def manifest_signer(self) -> str | None:
+        """The PeerID that signed the swarm's manifest this node holds (None while it knows none)."""
+        return None if self._manifest is None else self._manifest.signed.peer_id
+
     def check_manifest(self, local: Manifest | str) -> None:
         """Raise :class:`ManifestMismatch` if ``local`` (a manifest or its hash) is not the swarm's.
 
@@ -1065,9 +1253,49 @@ class SwarmState:
     # ---- bounds ---------------------------------------------------------------------------------
 
     def _peer_count(self) -> int:
-        return len(self._members.keys() | self._counters.keys())
+        return len(self._standing)
 
-    def _evict_one(self) -> bool:
+    def groups(self) -> dict[str, int]:
+        """Peers held per network group ("" = not attributed: this node, the state file's), largest
+        first: what the Sybil limits see."""
+        return dict(self._group_sizes.most_common())
+
+    def _evict_one(self, newcomer_group: str = "") -> bool:
+        """Make room for a newcomer from ``newcomer_group``: evict the peer longest gone (or left), else
+        longest suspect; with every member alive, one of the most crowded network group's (see
+        :meth:`_evict_crowded`). Never this node."""
+        if self._evict_absent():
+            return True
+        return self._evict_crowded(newcomer_group)
+
+    def _evict_crowded(self, newcomer_group: str) -> bool:
+        """With every member alive, make room for a newcomer at the expense of the most crowded group.
+
+        The victim's group must hold at least two more peers than the newcomer's, so that the swap
+        leaves it no smaller than the newcomer's: identities from one crowded subnet give way to one from
+        a rarer subnet, never the other way round, and two peers of one group never displace each other
+        (that would only churn). Within the group, peers held for less than ``gone_after`` (fresh) go
+        before established ones, the newest first. Returns False (the newcomer is refused) when no group
+        qualifies.
+        """
+        now = self._now()
+        need = self._group_sizes[newcomer_group] + 2
+        best: tuple[tuple[int, bool, float, str], str] | None = None
+        for pid, standing in self._standing.items():
+            size = self._group_sizes[standing.group]
+            if pid == self.peer_id or standing.group == newcomer_group or size < need:
+                continue
+            established = now - standing.first_seen >= self.gone_after
+            key = (-size, established, -standing.first_seen, pid)
+            if best is None or key < best[0]:
+                best = (key, pid)
+        if best is None:
+            return False
+        self._evict(best[1])
+        self.crowd_evictions += 1
+        return True
+
+    def _evict_absent(self) -> bool:
         """Evict the peer longest gone (or left), else longest suspect; never an alive peer or self."""
         now = self._now()
         candidates = []
@@ -1089,6 +1317,11 @@ class SwarmState:
         return True
 
     def _evict(self, pid: str) -> None:
+        standing = self._standing.pop(pid, None)
+        if standing is not None:
+            self._group_sizes[standing.group] -= 1
+            if self._group_sizes[standing.group] <= 0:
+                del self._group_sizes[standing.group]
         member = self._members.pop(pid, None)
         if member is not None:
             self._tombstones[member.signed.key] = _Tombstone(member.signed.order)
@@ -1209,10 +1442,13 @@ class SwarmState:
 __all__ = [
     "ApplyResult",
     "CounterRecord",
+    "Delivery",
     "Digest",
     "Manifest",
+    "ManifestAuthority",
     "ManifestMismatch",
     "ManifestRecord",
+    "ManifestRefused",
     "MemberRecord",
     "MemberState",
     "MemberView",

@@ -29,6 +29,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from node.fsutil import private_dir
 from node.sync_config import SyncConfig
 from protocols.snapshot import PROTOCOL_ID, JoinDownload, Snapshot, combine
 
@@ -148,7 +149,7 @@ async def fetch_swarm_snapshot(
     if not complete:
         return None
     state = await trio.to_thread.run_sync(combine, complete)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(target.parent)
     await trio.to_thread.run_sync(write_checkpoint, target, state)
     download.clear()
     return state

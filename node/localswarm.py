@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def spawn(home: Path, extra: list[str]) -> subprocess.Popen:
         home.mkdir(parents=True, exist_ok=True)
+        os.chmod(home, 0o700)  # as `starling init` makes a home: identity key and checkpoints live there
         log = open(home / "daemon.log", "ab")
         try:
             return subprocess.Popen(
@@ -116,8 +117,20 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    founder: list[str] = []
+    if train:
+        # peer1 founds the run: every node is told its PeerID (node.founder), so no other key's run manifest
+        # is ever adopted (README: Threat model). Its identity is made here, as `starling run` would.
+        from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity, peer_id_of
+
+        homes[1].mkdir(parents=True, exist_ok=True)
+        try:
+            founder = ["--founder", str(peer_id_of(load_or_create_identity(homes[1] / IDENTITY_FILE)[0]))]
+        except (IdentityError, OSError) as e:
+            print(f"starling: error: {e}", file=sys.stderr)
+            return 2
     try:
-        procs.append(spawn(homes[0], ["--no-train"]))
+        procs.append(spawn(homes[0], ["--no-train", *founder]))
         boot_addr = None
         while boot_addr is None and not stop:
             st = _status(homes[0])
@@ -130,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.3)
         print(f"bootstrap node: {boot_addr}")
         print(f"starting {args.peers} {'training' if train else 'network-only'} peers; logs in {root}/*/daemon.log")
-        extra = ["--bootstrap", boot_addr] + ([] if train else ["--no-train"])
+        extra = ["--bootstrap", boot_addr, *founder] + ([] if train else ["--no-train"])
         for s in args.set:
             extra += ["--set", s]
         for home in homes[1:]:

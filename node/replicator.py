@@ -28,8 +28,14 @@ rest of the swarm:
   with that peer; so an incompatible node cannot leak its state (or its manifest) into the swarm through
   gossip, and a restarted node is not deaf to gossip while its first sessions are under way.
 * **Manifest.** When the swarm has no run manifest yet, a node with a local manifest founds it after its
-  first successful session (or, alone, after a short grace period); a node whose manifest differs from
-  the swarm's reports it in :attr:`StateReplicator.manifest_error`.
+  first successful session (or, alone, after a short grace period), unless the configuration names
+  another founder (``node.founder``) or another hash (``node.manifest_hash``); a node whose manifest
+  differs from the swarm's reports it in :attr:`StateReplicator.manifest_error`. Which manifests are
+  adopted at all is the replica's :class:`node.crdt.ManifestAuthority`; every refused one is logged once
+  with both hashes and its signer. With no founder configured, the first manifest held is pinned to
+  ``HOME/manifest.pin`` (trust on first use), so that not even an empty state file lets another in.
+* **Sybil limits.** Every record merged carries a :class:`node.crdt.Delivery`: the peer that handed it
+  over and the network group (/24, /48) its connection comes from, for the replica's per-subnet limits.
 * **Persistence.** The replica is saved atomically every ``save_s`` and on stop; :func:`load_state`
   restores it on start. A restarted node re-signs its record as soon as a peer shows it a newer one of
   its own (see :meth:`node.crdt.SwarmState.own_record_superseded`).
@@ -40,6 +46,7 @@ rest of the swarm:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import random
@@ -63,9 +70,11 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
 from node.crdt import (
+    Delivery,
     Manifest,
     ManifestMismatch,
     ManifestRecord,
+    ManifestRefused,
     MemberState,
     MemberView,
     RecordError,
@@ -73,6 +82,8 @@ from node.crdt import (
     StateFileError,
     SwarmState,
 )
+from node.fsutil import atomic_write_bytes
+from p2p.netgroup import group_of, peer_ip, stream_ip
 from protocols import state as protocol
 from protocols.state import LocalInfo, SyncRefused
 from protocols.wire import LibP2PByteStream, ProtocolError
@@ -81,6 +92,8 @@ log = logging.getLogger("starling.replicator")
 
 #: File name of the persisted replica under the node's HOME.
 STATE_FILE = "state.msgpack"
+#: The run manifest this node trusts on first use (no node.founder configured), per swarm.
+MANIFEST_PIN_FILE = "manifest.pin"
 
 #: Gossipsub protocol versions offered, newest first. (1.3+ adds extension machinery we do not use.)
 GOSSIP_PROTOCOLS = (MESHSUB_V12, MESHSUB_V11, MESHSUB_V10)
@@ -123,6 +136,62 @@ def load_state(path: Path, me: KeyPair, **kwargs: Any) -> SwarmState:
                 "%s; could not move it aside (%s); starting with an empty view", exc, move_error.strerror
             )
         return SwarmState(me, **kwargs)
+
+
+class ManifestPinError(Exception):
+    """``HOME/manifest.pin`` cannot be read; the operator decides (the daemon exits 2 with this line)."""
+
+
+def read_manifest_pin(path: Path, swarm: str) -> str:
+    """The manifest hash pinned for ``swarm`` in ``path`` ("" when there is none, or for another swarm)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError) as exc:
+        raise ManifestPinError(
+            f"{path}: cannot read the pinned run manifest ({getattr(exc, 'strerror', None) or exc}); delete "
+            f"it to trust the next manifest this node sees, or set node.founder"
+        ) from None
+    pins = data.get("pins") if isinstance(data, dict) else None
+    value = pins.get(swarm, "") if isinstance(pins, dict) else None
+    if not isinstance(value, str) or (value and not _is_sha256_hex(value)):
+        raise ManifestPinError(f"{path}: not a manifest pin file; delete it to trust the next manifest seen")
+    return value
+
+
+def write_manifest_pin(path: Path, swarm: str, manifest_hash: str) -> None:
+    """Pin ``manifest_hash`` for ``swarm`` (other swarms' pins are kept); 0600, atomic."""
+    try:
+        data = json.loads(path.read_text())
+        pins = data["pins"] if isinstance(data, dict) and isinstance(data.get("pins"), dict) else {}
+    except (OSError, ValueError):
+        pins = {}
+    pins[swarm] = manifest_hash
+    body = json.dumps({"format": "starling-manifest-pin", "pins": pins}, indent=1, sort_keys=True) + "\n"
+    atomic_write_bytes(path, body.encode(), mode=0o600)
+
+
+def _is_sha256_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+class DeliveredReplica:
+    """The replica as one session sees it: every record it merges is attributed to that session's peer
+    and network group (see :class:`node.crdt.Delivery`)."""
+
+    def __init__(self, state: SwarmState, delivery: Delivery) -> None:
+        self.state = state
+        self.delivery = delivery
+
+    def digest(self) -> Any:
+        return self.state.digest()
+
+    def missing_for(self, their_digest: Any) -> list[bytes]:
+        return self.state.missing_for(their_digest)
+
+    def apply(self, records: Any) -> Any:
+        return self.state.apply(records, delivery=self.delivery)
 
 
 @dataclass
@@ -173,6 +242,7 @@ class StateReplicator:
         save_s: float = 10.0,
         gossip: bool = True,
         clock: Callable[[], float] = time.time,
+        pin_path: Path | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -193,6 +263,8 @@ class StateReplicator:
         self.save_s = save_s
         self.gossip = gossip
         self._clock = clock
+        #: Where the trusted-on-first-use manifest is pinned (None: not persisted).
+        self.pin_path = pin_path
         self.stats = ReplicationStats()
         #: Set when this node's manifest differs from the swarm's (it must not train with this swarm).
         self.manifest_error: ManifestMismatch | None = None
@@ -276,7 +348,12 @@ class StateReplicator:
                 "tokens": totals.tokens,
                 "rejected": dict(self.state.rejected),
                 "manifest_hash": swarm_manifest.hash if swarm_manifest is not None else None,
+                "manifest_founder": self.state.manifest_signer(),
+                "manifest_authority": self.state.authority.describe(),
                 "manifest_error": str(self.manifest_error) if self.manifest_error is not None else None,
+                # Peers held per network group, the largest few: what the Sybil limits see.
+                "member_groups": dict(list(self.state.groups().items())[:5]),
+                "crowd_evictions": self.state.crowd_evictions,
                 "incompatible_peers": sorted(self._incompatible),
                 "replication": self.stats.as_dict(),
             },
@@ -417,18 +494,38 @@ class StateReplicator:
         self._check_manifest()
 
     def _check_manifest(self) -> None:
-        """Found the swarm's manifest if nobody has, or notice that ours differs from the swarm's."""
+        """Found the swarm's manifest if nobody has and the configuration lets this node, or notice that
+        ours differs from the swarm's; report refused manifests and pin the trusted one."""
+        self._report_refusals()
+        self._pin_manifest()
         local = self.local_manifest()
         if local is None:
             return
+        authority = self.state.authority
         if self.state.manifest is None:
+            # The configured hash, or the one pinned on first use: the swarm's, though not held right now.
+            expected = authority.manifest_hash or ("" if authority.configured else authority.pinned)
+            if expected and local.hash != expected:
+                exc = ManifestMismatch(expected, local.hash)
+                if self.manifest_error is None or self.manifest_error.swarm_hash != exc.swarm_hash:
+                    where = "node.manifest_hash" if authority.manifest_hash else str(self.pin_path or "manifest.pin")
+                    log.error("%s (the swarm's manifest is fixed by %s)", exc, where)
+                self.manifest_error = exc
+                return
+            if not self.state.may_found(local):
+                return  # another node (node.founder) founds; its manifest arrives by anti-entropy
             # Wait for a first sync, so that a node joining an existing swarm adopts its manifest
             # rather than racing it with its own; a lone node founds after a grace period.
             if self._synced_once or trio.current_time() >= self._found_after:
-                signed = self.state.set_manifest(local)
+                try:
+                    signed = self.state.set_manifest(local)
+                except ManifestRefused as exc:  # may_found said yes; keep the node up whatever happens
+                    log.error("%s", exc)
+                    return
                 if signed is not None:
                     log.info("founded the swarm's run manifest %s", local.hash)
                     self._publish(signed)
+                    self._pin_manifest()
             return
         try:
             self.state.check_manifest(local)
@@ -438,6 +535,30 @@ class StateReplicator:
             self.manifest_error = exc
         else:
             self.manifest_error = None
+
+    def _report_refusals(self) -> None:
+        """Log each manifest the replica refused (once per signer and hash): an attack or a misconfigured
+        node, which the operator must hear about; both hashes and the signer are named."""
+        for refusal in self.state.take_manifest_refusals():
+            log.warning("%s", refusal)
+
+    def _pin_manifest(self) -> None:
+        """Trust on first use: persist the manifest this node holds, so that a lost or deleted state file
+        does not let another one in (only when no founder or hash is configured)."""
+        authority = self.state.authority
+        swarm = self.state.manifest
+        if authority.configured or swarm is None or authority.pinned == swarm.hash:
+            return
+        if self.pin_path is not None:
+            try:
+                write_manifest_pin(self.pin_path, self.swarm, swarm.hash)
+            except OSError as exc:  # once: the replica holds it either way, for as long as this run lasts
+                log.warning("cannot pin the run manifest %s in %s: %s; it is trusted until the daemon stops",
+                            swarm.hash, self.pin_path, exc.strerror or exc)
+            else:
+                log.info("trusting run manifest %s (signed by %s) from now on; pinned in %s",
+                         swarm.hash, self.state.manifest_signer(), self.pin_path)
+        self.state.authority = dataclasses.replace(authority, pinned=swarm.hash)
 
     def _publish(self, signed: SignedRecord) -> None:
         if not self.gossip:
@@ -468,10 +589,16 @@ class StateReplicator:
                 self.stats.gossip_refused += 1
                 return False
         self.stats.gossip_received += 1
-        result = self.state.apply([message.data])
+        delivery = None
+        if forwarder != self._me:
+            delivery = Delivery(forwarder.to_base58(), group_of(peer_ip(self.host, forwarder)))
+        result = self.state.apply([message.data], delivery=delivery)
         if result.rejected:
             self.stats.gossip_refused += 1
+            self._report_refusals()
             return False
+        if result.changed:
+            self._pin_manifest()
         self._reassert_if_superseded()
         return True
 
@@ -662,10 +789,11 @@ class StateReplicator:
         byte_stream = LibP2PByteStream(stream)
         side = protocol.initiate if initiator else protocol.respond
         graceful = False
+        replica = DeliveredReplica(self.state, Delivery(peer.to_base58(), group_of(stream_ip(stream))))
         try:
             result = await side(
                 byte_stream,
-                self.state,
+                replica,
                 self._local_info(),
                 max_records=self._max_records,
                 max_digest_entries=self._max_digest_entries,
@@ -688,6 +816,8 @@ class StateReplicator:
             graceful = True
             self._synced(peer.to_base58(), result)
         finally:
+            self._report_refusals()
+            self._pin_manifest()
             await _close(byte_stream, graceful=graceful)
 
     def _synced(self, peer: str, result: protocol.SessionResult) -> None:

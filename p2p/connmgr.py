@@ -5,11 +5,17 @@ dials run concurrently, each under its own deadline, and the manager's loop neve
 peer that fails gets an exponential back-off with jitter, so one dead or slow address never delays the
 others and never turns into a retry storm. Bootstrap peers are ordinary candidates that are never
 forgotten: an unreachable bootstrap address is retried with back-off, with a warning, not a crash.
+
+Sybil limits: at most `max_per_subnet` connections come from one network group (IPv4 /24, IPv6 /48, as
+observed on the connection; loopback exempt), so that a thousand fresh identities from one machine
+cannot take every connection slot; the newest connections of a crowded group are closed first, and
+candidates in a group at its limit are not dialed. At most `MAX_CANDIDATES` candidates are remembered.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -21,12 +27,29 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from p2p.netgroup import group_of, is_loopback_group, peer_ip
+
 log = logging.getLogger("starling.connmgr")
 
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
 MAX_CONCURRENT_DIALS = 8
 TICK_S = 0.5
+#: Candidates remembered at most (members learnt from the swarm state and the DHT); beyond it the
+#: non-permanent ones that failed most are forgotten first (discovery brings live ones back).
+MAX_CANDIDATES = 1024
+MAX_ADDRS_PER_CANDIDATE = 16  # as many as a member record carries
+
+
+def addr_group(addrs: Iterable[multiaddr.Multiaddr]) -> str | None:
+    """The network group of the first IP address in `addrs` (None if there is none)."""
+    for a in addrs:
+        for proto in ("ip4", "ip6"):
+            try:
+                return group_of(a.value_for_protocol(proto))
+            except Exception:  # not this protocol, or not an IP multiaddr at all
+                continue
+    return None
 
 
 @dataclass
@@ -54,7 +77,12 @@ class ConnManager:
     # which py-libp2p's swarm never dials by itself.
     dial: Callable[[PeerInfo], Awaitable[None]] | None = None
     clock: Callable[[], float] = time.monotonic
+    #: Most connections from one network group (loopback exempt); see the module docstring.
+    max_per_subnet: int = 16
+    #: The observed IP of a connected peer (default: read from the host's connection).
+    ip_of: Callable[[ID], str | None] | None = None
     candidates: dict[ID, Candidate] = field(default_factory=dict)
+    subnet_pruned: int = 0  # connections closed because their group was over max_per_subnet
     _dialing: set[ID] = field(default_factory=set)
     _wake: trio.Event = field(default_factory=trio.Event)
     _known_connected: set[ID] = field(default_factory=set)
@@ -67,16 +95,33 @@ class ConnManager:
             return
         cand = self.candidates.get(info.peer_id)
         if cand is None:
+            if len(self.candidates) >= MAX_CANDIDATES and not self._forget_one() and not permanent:
+                return
             cand = self.candidates[info.peer_id] = Candidate(info.peer_id, [], source, permanent)
             self._wake.set()
         cand.permanent = cand.permanent or permanent
         for a in info.addrs:
             if str(a) not in {str(x) for x in cand.addrs}:
                 cand.addrs.append(a)
+        del cand.addrs[:-MAX_ADDRS_PER_CANDIDATE]  # the newest are kept (a bootstrap peer that moved)
 
     def add_candidates(self, infos: Iterable[PeerInfo], *, source: str) -> None:
         for info in infos:
             self.add_candidate(info, source=source)
+
+    def _forget_one(self) -> bool:
+        """Make room for a candidate: forget the non-permanent, unconnected one that failed most."""
+        connected = set(self.connected())
+        spare = [c for c in self.candidates.values() if not c.permanent and c.peer_id not in connected
+                 and c.peer_id not in self._dialing]
+        if not spare:
+            return False
+        del self.candidates[max(spare, key=lambda c: c.failures).peer_id]
+        return True
+
+    def _group(self, peer_id: ID) -> str:
+        ip = (self.ip_of or (lambda p: peer_ip(self.host, p)))(peer_id)
+        return group_of(ip)
 
     # --- views -------------------------------------------------------------------------------------------
 
@@ -92,6 +137,8 @@ class ConnManager:
             "candidates": len(self.candidates),
             "dialing": len(self._dialing),
             "backing_off": sum(1 for c in self.candidates.values() if c.next_attempt > now),
+            "max_per_subnet": self.max_per_subnet,
+            "subnet_pruned": self.subnet_pruned,
         }
 
     # --- the loop ----------------------------------------------------------------------------------------
@@ -123,12 +170,14 @@ class ConnManager:
         if len(connected) > self.cap:
             self._prune(connected, nursery)
             return
+        full_groups = self._prune_crowded(connected, nursery)
         # Bootstrap peers are dialed even when the target is met: they are how a node rejoins the DHT.
         want = self.target - len(connected) - len(self._dialing)
         due = [
             c
             for c in self.candidates.values()
             if c.peer_id not in connected and c.peer_id not in self._dialing and c.next_attempt <= now and c.addrs
+            and (c.permanent or addr_group(c.addrs) not in full_groups)
         ]
         random.shuffle(due)
         due.sort(key=lambda c: (not c.permanent, c.failures))
@@ -151,6 +200,30 @@ class ConnManager:
         for peer_id in victims:
             log.debug("over the connection cap (%d): closing %s", self.cap, peer_id)
             nursery.start_soon(self._disconnect, peer_id)
+
+    def _prune_crowded(self, connected: set[ID], nursery: trio.Nursery) -> set[str]:
+        """Close the newest connections of any network group above `max_per_subnet` (bootstrap peers are
+        kept); returns the groups at their limit, whose candidates are not dialed."""
+        by_group: dict[str, list[ID]] = {}
+        for peer_id in connected:
+            by_group.setdefault(self._group(peer_id), []).append(peer_id)
+        full = set()
+        for group, peers in by_group.items():
+            if is_loopback_group(group) or len(peers) < self.max_per_subnet:
+                continue
+            full.add(group)
+            excess = len(peers) - self.max_per_subnet
+            if excess <= 0:
+                continue
+            victims = sorted(
+                (p for p in peers if not (p in self.candidates and self.candidates[p].permanent)),
+                key=lambda p: -(self.candidates[p].connected_since or 0) if p in self.candidates else -math.inf,
+            )[:excess]
+            for peer_id in victims:
+                log.debug("more than %d connections from %s: closing %s", self.max_per_subnet, group, peer_id)
+                self.subnet_pruned += 1
+                nursery.start_soon(self._disconnect, peer_id)
+        return full
 
     async def _disconnect(self, peer_id: ID) -> None:
         with trio.move_on_after(5):

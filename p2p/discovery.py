@@ -32,6 +32,26 @@ FAST_ROUNDS = 10
 REPROVIDE_S = 60.0
 QUERY_TIMEOUT_S = 5.0
 MAX_PROVIDER_QUERIES = 20
+#: Distinct DHT keys whose providers this node stores for others (py-libp2p bounds providers per key, at
+#: 20, but not the keys: a peer announcing random keys would grow the store without limit).
+MAX_PROVIDER_KEYS = 1024
+#: Peers remembered as found or added to the routing table (for logs and status only).
+MAX_REMEMBERED_PEERS = 4096
+
+
+def bound_provider_store(store: object) -> None:
+    """Refuse provider records for new keys once the store holds MAX_PROVIDER_KEYS (keys held, the swarm's
+    among them, keep working). Wraps the instance's `add_provider`, which the DHT's ADD_PROVIDER handler
+    and our lookups both call."""
+    add = store.add_provider  # type: ignore[attr-defined]
+    providers = store.providers  # type: ignore[attr-defined]
+
+    def bounded(key: bytes, provider: PeerInfo) -> None:
+        if key not in providers and len(providers) >= MAX_PROVIDER_KEYS:
+            return
+        add(key, provider)
+
+    store.add_provider = bounded  # type: ignore[attr-defined]
 
 
 def swarm_key(swarm: str) -> str:
@@ -50,6 +70,7 @@ class SwarmDiscovery:
         self.key = swarm_key(swarm)
         self.interval = interval
         self.dht = KadDHT(host, DHTMode.SERVER)
+        bound_provider_store(self.dht.provider_store)
         self.members_found: set[ID] = set()
         self.lookups = 0
         self.last_error = ""
@@ -86,6 +107,8 @@ class SwarmDiscovery:
             with trio.move_on_after(LOOKUP_TIMEOUT_S):
                 try:
                     if await self.dht.add_peer(peer_id, skip_server_mode_check=True):
+                        if len(self._in_table) >= MAX_REMEMBERED_PEERS:
+                            self._in_table.clear()  # the worst case is adding a peer twice
                         self._in_table.add(peer_id)
                 except Exception as e:
                     log.debug("routing table add %s: %s", peer_id, e)
@@ -117,6 +140,8 @@ class SwarmDiscovery:
                 if p.peer_id not in self.members_found:
                     log.info("discovered swarm member %s", p.peer_id)
                 self.members_found.add(p.peer_id)
+            if len(self.members_found) > MAX_REMEMBERED_PEERS:  # only a log and a status count: start over
+                self.members_found = {p.peer_id for p in fresh}
             self.connmgr.add_candidates(fresh, source="dht")
 
     async def _find_providers(self) -> list[PeerInfo]:

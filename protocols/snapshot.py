@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 import trio
 
+from node.fsutil import open_private, private_dir
 from protocols.codec import tensor_bytes
 from protocols.wire import (
     LibP2PByteStream,
@@ -113,44 +114,64 @@ class Snapshot:
 
 
 class SnapshotServer:
-    """Serves this node's newest snapshot; at most `max_serving` downloads at once."""
+    """Serves this node's newest snapshot; at most `max_serving` downloads at once.
+
+    Admission takes a slot of a `trio.CapacityLimiter` without waiting (`acquire_nowait`) as soon as the
+    request has arrived and holds it until the download ends, loading the checkpoint included. Checking a
+    count, awaiting (the request, the checkpoint read), then incrementing let 8 simultaneous requests all
+    pass a limit of 2: each saw the count before any had raised it.
+    """
 
     def __init__(self, source: Callable[[], Snapshot | None], *, max_serving: int = 2, timeout_s: float = 600.0) -> None:
         self.source = source
         self.max_serving = max_serving
         self.timeout_s = timeout_s
-        self.serving = 0
+        # trio's limiter needs at least one token; max_serving = 0 (serve nobody) is handled before it.
+        self._slots = trio.CapacityLimiter(max(1, max_serving))
         self.served = 0
         self.refused_busy = 0
 
+    @property
+    def serving(self) -> int:
+        """Downloads being served now."""
+        return self._slots.borrowed_tokens
+
     async def handle(self, stream: Any) -> None:
         control = LibP2PByteStream(stream)
+        token = object()  # the limiter counts borrowers; one per download
+        admitted = False
         try:
             with trio.fail_after(10):
                 req = await recv_as(control, SnapRequest, max_bytes=4096)
-            if self.serving >= self.max_serving:
+            if self.max_serving > 0:
+                try:
+                    self._slots.acquire_on_behalf_of_nowait(token)
+                    admitted = True
+                except trio.WouldBlock:
+                    pass
+            if not admitted:
                 self.refused_busy += 1
-                await send_msg(control, SnapMeta(verdict="busy", reason="serving other joiners"))
+                with trio.fail_after(10):
+                    await send_msg(control, SnapMeta(verdict="busy", reason="serving other joiners"))
                 return
             snap = await trio.to_thread.run_sync(self.source)
             if snap is None:
-                await send_msg(control, SnapMeta(verdict="none", reason="no checkpoint yet"))
+                with trio.fail_after(10):
+                    await send_msg(control, SnapMeta(verdict="none", reason="no checkpoint yet"))
                 return
-            self.serving += 1
-            try:
-                with trio.fail_after(self.timeout_s):
-                    await send_msg(control, snap.meta(), max_bytes=MAX_META_BYTES)
-                    start = req.from_chunk if req.snapshot_id == snap.snapshot_id else 0
-                    channel = PlainFrameChannel(control, max_frame_size=FRAME)
-                    raw = tensor_bytes(snap.phi)
-                    for i in range(start, len(snap.chunk_hashes)):
-                        await channel.send(raw[i * FRAME : (i + 1) * FRAME])
-                self.served += 1
-            finally:
-                self.serving -= 1
+            with trio.fail_after(self.timeout_s):
+                await send_msg(control, snap.meta(), max_bytes=MAX_META_BYTES)
+                start = req.from_chunk if req.snapshot_id == snap.snapshot_id else 0
+                channel = PlainFrameChannel(control, max_frame_size=FRAME)
+                raw = tensor_bytes(snap.phi)
+                for i in range(start, len(snap.chunk_hashes)):
+                    await channel.send(raw[i * FRAME : (i + 1) * FRAME])
+            self.served += 1
         except (ProtocolError, trio.TooSlowError) as e:
             log.debug("snapshot download by %s ended: %s", stream.muxed_conn.peer_id, e)
         finally:
+            if admitted:
+                self._slots.release_on_behalf_of(token)
             await close_quietly(stream)
 
 
@@ -193,12 +214,14 @@ class JoinDownload:
     def _save(self, p: DonorProgress) -> None:
         _, meta_path = self._paths(p.donor)
         tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": p.meta, "have": p.have}))
+        with open_private(tmp, "w") as f:
+            f.write(json.dumps({"meta": p.meta, "have": p.have}))
         os.replace(tmp, meta_path)
 
     async def fetch(self, open_stream: Callable[[str], Any], donor: str, *, timeout_s: float) -> DonorProgress:
-        """Download (or resume) the snapshot of `donor`; never raises for network trouble."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Download (or resume) the snapshot of `donor`; never raises for network trouble. Files are 0600
+        in a 0700 folder: they are a model's weights."""
+        private_dir(self.directory)
         p = self.progress[donor] = self._load(donor)
         data_path, _ = self._paths(donor)
         p.have = _verified_prefix(data_path, p)
@@ -235,7 +258,7 @@ class JoinDownload:
                 "chunk_hashes": [h.hex() for h in meta.chunk_hashes],
             }
             p.have = 0
-            with open(data_path, "wb") as f:
+            with open_private(data_path, "wb") as f:
                 f.truncate(meta.numel * 4)
             self._save(p)
         hashes = meta.chunk_hashes

@@ -488,18 +488,54 @@ def test_the_founders_manifest_is_kept_and_a_later_equal_proposal_publishes_noth
     joiner.check_manifest(MANIFEST.hash)
 
 
-def test_concurrent_founders_resolve_to_the_lowest_hlc_on_every_replica() -> None:
+def test_concurrent_founders_of_one_manifest_resolve_to_the_lowest_hlc_on_every_replica() -> None:
     early, late = FakeClock(T0), FakeClock(T0 + 5)
     a, b, c = replica(0, early), replica(1, late), replica(2, late)
-    other = dataclasses.replace(MANIFEST, model_hash="c" * 64)
-    from_a, from_b = a.set_manifest(MANIFEST), b.set_manifest(other)
+    from_a, from_b = a.set_manifest(MANIFEST), b.set_manifest(MANIFEST)
     assert from_a is not None and from_b is not None
     c.merge(from_b)
     c.merge(from_a)
     exchange(a, b)
-    assert a.manifest == b.manifest == c.manifest == MANIFEST
-    with pytest.raises(ManifestMismatch):
-        b.check_manifest(other)  # the losing founder finds out and is refused
+    assert a.digest() == b.digest() == c.digest()
+    assert a.missing_for({}) == b.missing_for({})  # the very record: a's, the lowest HLC
+
+
+def test_without_a_configured_founder_a_replica_keeps_the_first_manifest_it_held() -> None:
+    """Trust on first use: a different manifest, even one signed at HLC (0, 0), is refused and reported
+    once with both hashes; lowest-HLC-wins let any fresh key take the swarm over this way."""
+    early, late = FakeClock(T0), FakeClock(T0 + 5)
+    swarm, attacker = replica(0, late), replica(1, early)
+    swarm.set_manifest(MANIFEST)
+    other = dataclasses.replace(MANIFEST, model_hash="c" * 64)
+    forged = attacker.set_manifest(other)
+    assert forged is not None and forged.order < swarm.digest()["manifest"]
+    assert not swarm.merge(forged) and not swarm.merge(forged)
+    assert swarm.manifest == MANIFEST and swarm.rejected[crdt.MANIFEST_REFUSED] == 2
+    [refusal] = swarm.take_manifest_refusals()
+    assert MANIFEST.hash in str(refusal) and other.hash in str(refusal) and PIDS[1] in str(refusal)
+    assert swarm.take_manifest_refusals() == []
+
+
+def test_a_configured_founder_is_the_only_key_whose_manifest_any_replica_adopts() -> None:
+    authority = crdt.ManifestAuthority(founder=PIDS[0])
+    founder, joiner = replica(0, FakeClock(T0 + 5), authority=authority), replica(2, FakeClock(), authority=authority)
+    outsider = replica(1, FakeClock(T0))
+    forged = outsider.set_manifest(MANIFEST)  # the same content, but not the founder's key
+    assert forged is not None
+    assert not joiner.merge(forged) and joiner.manifest is None
+    assert joiner.merge(founder.set_manifest(MANIFEST)) and joiner.manifest == MANIFEST
+    other_trainer = replica(3, FakeClock(), authority=authority)
+    assert not other_trainer.may_found(MANIFEST) and founder.may_found(MANIFEST)
+    with pytest.raises(crdt.ManifestRefused):
+        other_trainer.set_manifest(MANIFEST)  # only the founder founds
+
+
+def test_a_configured_manifest_hash_refuses_every_other_manifest() -> None:
+    other = dataclasses.replace(MANIFEST, model_hash="c" * 64)
+    state = replica(0, FakeClock(), authority=crdt.ManifestAuthority(manifest_hash=MANIFEST.hash))
+    assert not state.merge(replica(1, FakeClock(T0 - 5)).set_manifest(other))
+    assert state.merge(replica(2, FakeClock()).set_manifest(MANIFEST))
+    assert state.manifest == MANIFEST
 
 
 def test_manifest_mismatch_names_both_hashes_and_the_differing_fields() -> None:

@@ -64,7 +64,9 @@ def _record_for(draw: st.DrawFn, kind: str, author: int) -> SignedRecord:
     elif kind == "counter":
         record = CounterRecord(pid, hlc, samples=draw(st.integers(0, 3)), tokens=draw(st.integers(0, 3)))
     else:
-        record = ManifestRecord(pid, hlc, draw(st.sampled_from(["lm", "vision"])), "m" * 64, "o" * 64, 1)
+        # One content, any signer: a replica adopts no manifest but the first content it held (trust on
+        # first use, node/crdt.py), and among equal contents the join must converge.
+        record = ManifestRecord(pid, hlc, "lm", "m" * 64, "o" * 64, 1)
     return sign_record(record, AUTHORS[author])
 
 
