@@ -9,8 +9,10 @@ target, then fsync the directory so the rename itself survives a crash. Blocking
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
@@ -35,3 +37,85 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> N
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why this process cannot create files in `directory` (None: it can).
+
+    The daemon writes its lock, control socket, state and checkpoints there; saying so before it starts
+    beats a PermissionError from whichever write comes first. It only asks (access(2)), never writes, so
+    `starling doctor` can use it on a live node: root passes mode bits but not a read-only mount, and
+    access(2) knows both.
+    """
+    directory = Path(directory)
+    if os.access(directory, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError as e:
+        return e.strerror or str(e)
+    if read_only:
+        return "it is on a read-only file system"
+    return f"it is not writable by this user (uid {os.geteuid()})"
+
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_dir(directory: Path) -> Path:
+    """Create `directory` (and any missing parents) as 0700 and tighten it to 0700 if it exists.
+
+    What the daemon keeps under HOME (checkpoints: the model and optimizer state; downloaded snapshots)
+    is nobody else's business on a shared machine, whatever the umask. `mkdir(parents=True, mode=...)`
+    would give the parents the umask's mode, so each missing level is made here.
+    """
+    directory = Path(directory)
+    missing = []
+    level = directory
+    while not level.exists():
+        missing.append(level)
+        if level.parent == level:
+            break
+        level = level.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:  # made meanwhile by another process
+            pass
+    os.chmod(directory, PRIVATE_DIR_MODE)
+    return directory
+
+
+def open_private(path: Path, mode: str = "wb") -> Any:
+    """`open(path, mode)` for writing, creating the file 0600 (an existing file keeps its mode)."""
+    flags = os.O_WRONLY | os.O_CREAT
+    if "r+" in mode:
+        flags = os.O_RDWR | os.O_CREAT
+    elif "w" in mode:
+        flags |= os.O_TRUNC
+    return os.fdopen(os.open(path, flags, PRIVATE_FILE_MODE), mode)
+
+
+#: Folders under HOME that hold model state (checkpoints, downloaded snapshots): 0700, files 0600.
+PRIVATE_HOME_FOLDERS = ("checkpoints", "join", "catchup")
+
+
+def tighten_private_folders(home: Path) -> list[str]:
+    """Make HOME's model-state folders 0700 and their files 0600, as versions before this rule left them
+    0755 / 0644 (world-readable weights on a shared machine). Returns one line per path it could not
+    change (a read-only home, another owner), for a warning; never raises."""
+    problems = []
+    for name in PRIVATE_HOME_FOLDERS:
+        top = Path(home) / name
+        if not top.is_dir():
+            continue
+        for root, _dirs, files in os.walk(top):  # os.walk does not follow symlinked folders
+            for path, mode in [(root, PRIVATE_DIR_MODE), *((os.path.join(root, f), PRIVATE_FILE_MODE) for f in files)]:
+                try:
+                    st = os.stat(path, follow_symlinks=False)
+                    if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
+                        os.chmod(path, mode)
+                except OSError as e:
+                    problems.append(f"{path}: {e.strerror or e}")
+    return problems

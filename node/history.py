@@ -297,6 +297,45 @@ class LossHistory:
             }
         return out
 
+    @classmethod
+    def from_series(
+        cls, series: object, *, max_points: int = DEFAULT_MAX_POINTS, max_members: int = DEFAULT_MAX_MEMBERS
+    ) -> LossHistory:
+        """The inverse of :meth:`series`: how ``starling plot`` reads a running daemon's history (its control
+        socket answers ``history`` with that JSON). Checked as strictly as a file; raises
+        :class:`HistoryError`. Thinning spacing is not part of the series, so later observations would be
+        kept at full density: fine for drawing, which is all this is for."""
+        history = cls(max_points=max_points, max_members=max_members)
+        if not isinstance(series, dict) or len(series) > MAX_DECODE_MEMBERS:
+            raise HistoryError(f"is not a mapping of at most {MAX_DECODE_MEMBERS} members")
+        for peer_id, columns in series.items():
+            try:
+                _check_peer_id(peer_id)
+            except ValueError as exc:
+                raise HistoryError(f"has a bad member id: {exc}") from None
+            values = [columns.get(name) for name in _COLUMNS] if isinstance(columns, dict) else [None]
+            if not all(isinstance(v, list) for v in values) or len({len(v) for v in values}) != 1:
+                raise HistoryError(f"member {peer_id}: expected equally long lists {', '.join(_COLUMNS)}")
+            if not 0 < len(values[0]) <= MAX_DECODE_POINTS:
+                raise HistoryError(f"member {peer_id}: between 1 and {MAX_DECODE_POINTS} points expected")
+            points = []
+            for t, step, outer_step, loss, val_loss in zip(*values, strict=True):
+                try:
+                    _check_step("step", step)
+                    _check_step("outer_step", outer_step)
+                    if not _is_number(t) or not math.isfinite(t):
+                        raise ValueError(f"observation time must be a finite number, got {t!r:.40}")
+                    if not all(v is None or _is_number(v) for v in (loss, val_loss)):
+                        raise ValueError("a loss must be a number or null")
+                except ValueError as exc:
+                    raise HistoryError(f"member {peer_id}: {exc}") from None
+                points.append((float(t), step, outer_step, _missing_to_nan(loss), _missing_to_nan(val_loss)))
+            if any(b[1] <= a[1] for a, b in zip(points, points[1:], strict=False)):
+                raise HistoryError(f"member {peer_id}: steps are not strictly increasing")
+            history._members[peer_id] = history._build_series(points, 0.0)
+        history._evict_beyond_capacity()
+        return history
+
     # ---- persistence -----------------------------------------------------------------------------
 
     def to_bytes(self) -> bytes:
@@ -455,3 +494,7 @@ def _decode_member(entry: object) -> tuple[str, float, tuple[array, ...]]:
             if not math.isfinite(v):
                 column[i] = math.nan
     return peer_id, float(min_gap), (t, step, outer_step, loss, val_loss)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -146,18 +146,43 @@ def plot_homes(homes: Iterable[Path], out: Path) -> bool:
     return True
 
 
+def daemon_history(home: Path) -> LossHistory | None:
+    """The running daemon's loss history, asked over its control socket (None: no daemon answers).
+
+    Why ask: the file is written only every ~30 s, so right after a start it does not exist yet and later
+    it lags; the daemon's own copy is current. A daemon whose answer is unusable (too large for the socket,
+    an older daemon) is the same as none: the caller falls back to the file.
+    """
+    from node.control import SOCKET_FILE, ControlError, request_sync
+
+    try:
+        answer = request_sync(Path(home) / SOCKET_FILE, {"cmd": "history"}, timeout=10.0)
+    except ControlError:
+        return None
+    if not answer.get("ok") or not isinstance(answer.get("history"), dict):
+        return None
+    try:
+        return LossHistory.from_series(answer["history"])
+    except HistoryError as exc:
+        print(f"starling: warning: the daemon's loss history is unusable ({exc}); reading the file", file=sys.stderr)
+        return None
+
+
 def plot_main(home: Path, out: Path) -> int:
     """``starling plot --home DIR --out FILE.png``: exit 0 and print the path, or exit 2 with a one-line
-    error (no history yet, unreadable history, output not writable)."""
+    error (no history yet, unreadable history, output not writable). The running daemon's history is
+    used when it answers, else the file it saved."""
     out = Path(out)
     path = Path(home) / HISTORY_FILE
     try:
         _check_writable_dir(out)
-        history = LossHistory.load(path)
-        if len(history) == 0:
-            raise PlotError(
-                f"no loss history in {path} yet (a running daemon writes it every ~30 s and when it stops)"
-            )
+        history = daemon_history(home)
+        if history is not None and len(history) == 0:
+            raise PlotError(f"no loss history yet: the daemon on {home} has not heard of a loss from any member")
+        if history is None:
+            history = LossHistory.load(path)
+            if len(history) == 0:
+                raise PlotError(f"no loss history in {path} and no daemon running on {home}")
         plot_history(history, out)
     except (PlotError, HistoryError) as exc:
         print(f"starling: error: {exc}", file=sys.stderr)

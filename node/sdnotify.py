@@ -237,6 +237,8 @@ def summarize_status(status: Mapping[str, Any]) -> str:
             bits.append(f"loss {loss:.3f}")
         if bits:
             parts.append(" ".join(bits))
+        if training.get("state") == "failed":  # `systemctl status` is where an operator looks first
+            parts.insert(0, f"TRAINING FAILED: {training.get('error')}")
     sync = status.get("sync")
     if isinstance(sync, Mapping):
         rounds, solo, failures = (sync.get(k) for k in ("rounds", "solo_rounds", "failures"))

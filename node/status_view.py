@@ -81,6 +81,8 @@ def render_status(st: dict[str, Any]) -> str:
             f"  {_fmt(tr.get('samples_per_s'), '.1f')} samples/s"
             + (f"  restarts {tr['restarts']}" if tr.get("restarts") else "")
         )
+        if tr.get("error"):
+            out.append(_training_error_line(tr))
     sy = st.get("sync")
     if sy:
         out.append(
@@ -98,11 +100,14 @@ def render_status(st: dict[str, Any]) -> str:
         out.append(_pace_line(tr))
     members = st.get("members")
     if members:
-        rows = [["member", "state", "outer", "loss", "samples/s", "partners", "last seen"]]
+        # `step` is the member's inner step (the lr schedule and the loss curve follow it), `outer` its outer
+        # step (partners are chosen by it); they differ by a factor of about train.inner_steps.
+        rows = [["member", "state", "step", "outer", "loss", "samples/s", "partners", "last seen"]]
         for m in members:
             rows.append([
                 short(str(m.get("peer_id", "?"))),
                 str(m.get("state", "?")),
+                _fmt(m.get("step")),
                 _fmt(m.get("outer_step")),
                 _fmt(m.get("loss"), ".4f"),
                 _fmt(m.get("samples_per_s"), ".1f"),
@@ -113,6 +118,14 @@ def render_status(st: dict[str, Any]) -> str:
         out.extend(_table(rows))
         out.append(_pairing_line(members))
     return "\n".join(out)
+
+
+def _training_error_line(tr: dict[str, Any]) -> str:
+    """Why training stopped, or what the worker last died of (it may be training again by now)."""
+    state = tr.get("state")
+    if state == "failed":
+        return f"training failed: {tr['error']} (the worker is not restarted; fix it and restart the daemon)"
+    return f"last worker error: {tr['error']}"
 
 
 def _bounds_line(sy: dict[str, Any]) -> str | None:

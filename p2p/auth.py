@@ -9,14 +9,18 @@ Noise still authenticates and encrypts everything inside.
 The allowlist narrows a keyed swarm to named PeerIDs: streams from other peers are refused and their
 connections closed. Refusals of both kinds are logged (rate-limited) and counted for `status`.
 
-The key file uses the format IPFS/go-libp2p operators know:
+The key file uses the format IPFS/go-libp2p operators know (libp2p's pnet spec), written as:
     /key/swarm/psk/1.0.0/
     /base16/
     <64 hex digits>
+and read in any of the spec's encodings (`/base16/`, `/base64/`, `/bin/`), as 64 hex digits alone, or as
+a raw 32-byte file.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import logging
 import os
@@ -55,22 +59,82 @@ def write_swarm_key(path: Path, key_hex: str) -> None:
 
 
 def read_swarm_key(path: Path) -> str:
-    """The key as 64 hex digits. Accepts the 3-line format or a bare hex line."""
+    """The key as 64 hex digits, from any encoding of libp2p's PSK v1 file, a bare hex line or a raw file.
+
+    libp2p's pnet spec: a `/key/swarm/psk/1.0.0/` line, then `/base16/`, `/base64/` or `/bin/` and the
+    32-byte key in that encoding (`/bin/`: the raw bytes). Operators also keep keys as 64 hex digits alone
+    or as a raw 32-byte file (`head -c 32 /dev/urandom`); both are accepted. The file is read as bytes:
+    a raw key is not text, and must not fail as a UTF-8 error that names no format.
+    """
     try:
-        lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+        data = path.read_bytes()
     except FileNotFoundError:
         raise SwarmKeyError(f"{path}: no such swarm key file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SwarmKeyError(f"{path}: cannot read the swarm key ({e})") from None
-    if lines[:2] == _HEADER:
-        lines = lines[2:]
-    if len(lines) != 1 or len(lines[0]) != 64:
-        raise SwarmKeyError(f"{path}: not a swarm key (expected {_HEADER[0]} {_HEADER[1]} and 64 hex digits)")
+    except OSError as e:
+        raise SwarmKeyError(f"{path}: cannot read the swarm key ({e.strerror or e})") from None
+    return decode_swarm_key(data, str(path)).hex()
+
+
+def decode_swarm_key(data: bytes, where: str) -> bytes:
+    """The 32 key bytes of a swarm key file's contents (see read_swarm_key); SwarmKeyError names `where`."""
+    header = _HEADER[0].encode()
+    if data.startswith(header):
+        rest = data[len(header) :]
+        if not rest.startswith((b"\n", b"\r\n")):
+            raise SwarmKeyError(f"{where}: expected a line break after {_HEADER[0]}")
+        codec, sep, body = rest.lstrip(b"\r\n").partition(b"\n")
+        codec = codec.rstrip(b"\r")
+        if not sep or codec not in _CODECS:
+            shown = codec[:20].decode("ascii", "replace")
+            raise SwarmKeyError(f"{where}: unknown swarm key encoding {shown!r} after {_HEADER[0]} "
+                                f"(expected /base16/, /base64/ or /bin/)")
+        return _CODECS[codec](body, where)
+    if len(data) == KEY_BYTES and not _is_hex_text(data):
+        return data  # a raw key file
+    text = data.strip()
+    if _is_hex_text(text) and len(text) == 2 * KEY_BYTES:
+        return bytes.fromhex(text.decode("ascii"))
+    if _is_hex_text(text):
+        raise SwarmKeyError(f"{where}: {len(text)} hex digits, but a swarm key is {2 * KEY_BYTES} ({KEY_BYTES} bytes)")
+    raise SwarmKeyError(f"{where}: not a swarm key ({_EXPECTED})")
+
+
+KEY_BYTES = 32
+_EXPECTED = (f"expected {_HEADER[0]} then /base16/, /base64/ or /bin/ and a {KEY_BYTES}-byte key, "
+             f"64 hex digits, or a raw {KEY_BYTES}-byte file")
+
+
+def _is_hex_text(data: bytes) -> bool:
+    return bool(data) and all(c in b"0123456789abcdefABCDEF" for c in data)
+
+
+def _decode_base16(body: bytes, where: str) -> bytes:
+    text = body.strip()
+    if not _is_hex_text(text) or len(text) != 2 * KEY_BYTES:
+        raise SwarmKeyError(f"{where}: after /base16/ expected {2 * KEY_BYTES} hex digits")
+    return bytes.fromhex(text.decode("ascii"))
+
+
+def _decode_base64(body: bytes, where: str) -> bytes:
     try:
-        bytes.fromhex(lines[0])
-    except ValueError:
-        raise SwarmKeyError(f"{path}: the swarm key is not hexadecimal") from None
-    return lines[0].lower()
+        key = base64.b64decode(body.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise SwarmKeyError(f"{where}: after /base64/ expected the key in base64") from None
+    if len(key) != KEY_BYTES:
+        raise SwarmKeyError(f"{where}: after /base64/ the key is {len(key)} bytes, not {KEY_BYTES}")
+    return key
+
+
+def _decode_bin(body: bytes, where: str) -> bytes:
+    # The key is the bytes themselves; a line break after them (an editor's) is not part of it.
+    if len(body) == KEY_BYTES + 1 and body.endswith(b"\n"):
+        body = body[:-1]
+    if len(body) != KEY_BYTES:
+        raise SwarmKeyError(f"{where}: after /bin/ expected {KEY_BYTES} raw bytes, found {len(body)}")
+    return body
+
+
+_CODECS = {b"/base16/": _decode_base16, b"/base64/": _decode_base64, b"/bin/": _decode_bin}
 
 
 class AccessControl:

@@ -11,9 +11,11 @@ expand the wildcard into the machine's interface addresses, or use the operator'
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import logging
+import os
 import socket
 import struct
 from collections.abc import Sequence
@@ -70,6 +72,78 @@ def expand_wildcards(candidates: Sequence[multiaddr.Multiaddr]) -> list[multiadd
                 seen.add(str(a))
                 out.append(a)
     return out
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True if something already listens on TCP (host, port), a Starling daemon included.
+
+    Why not just let the listener fail: py-libp2p opens its listeners with SO_REUSEPORT (hole punching
+    dials from the listen port), and Linux then lets a second process of the same user bind the same
+    port: two daemons with different homes would share one address and split its dials between two
+    PeerIDs. This probe sets SO_REUSEADDR (a restart must not trip over its old connections in TIME_WAIT)
+    but not SO_REUSEPORT, so its bind fails wherever any socket listens on that port.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def _proc_net_ip(hex_addr: str) -> str:
+    """The IP of a /proc/net/tcp{,6} address column (hex, in 32-bit words of host byte order)."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether listeners on IPs `a` and `b` (same port) would take the same connections."""
+    if a == b or "::" in (a, b):  # a [::] listener is dual-stack on Linux by default
+        return True
+    return "0.0.0.0" in (a, b) and ":" not in a + b
+
+
+def foreign_listeners(host: str, port: int) -> int:
+    """How many TCP sockets listen on (`host`, `port`) (or a wildcard covering it) in this network
+    namespace without being this process's own.
+
+    Closes the window `port_in_use` leaves between its probe and the real bind (two daemons started at
+    the same moment): once our listener is up, any other listener there is a second process sharing the
+    port through SO_REUSEPORT. Linux only (/proc); 0 where /proc cannot be read.
+    """
+    listening: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...; st 0A = LISTEN
+            if len(fields) <= 9 or fields[3] != "0A":
+                continue
+            ip_hex, _, port_hex = fields[1].partition(":")
+            if int(port_hex, 16) == port and _overlap(_proc_net_ip(ip_hex), host):
+                listening.add(fields[9])
+    if not listening:
+        return 0
+    own: set[str] = set()
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith("socket:["):
+                own.add(target[len("socket:[") : -1])
+    except OSError:
+        return 0
+    return len(listening - own)
 
 
 def build_host(

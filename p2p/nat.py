@@ -384,8 +384,10 @@ class NatService:
         connmgr: ConnManager,
         config: NatConfig | None = None,
         *,
+        psk: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`psk`: the host's swarm key (None: an open swarm), which the dial-back probes must present."""
         self.host = host
         self.connmgr = connmgr
         self.config = config if config is not None else NatConfig()
@@ -393,7 +395,7 @@ class NatService:
         self.reachability: Reachability = "unknown"
         self.reason = "reachability not checked yet"
         self.verdict = Verdict("unknown", "reachability not checked yet")
-        self.dialback = DialbackService(host)
+        self.dialback = DialbackService(host, psk=psk)
         self.circuit = CircuitV2Protocol(host, limits=self.config.relay_limits(), allow_hop=False)
         self.dcutr = ReportingDCUtR(host, self._on_punch) if self.config.hole_punch else None
         self.serving_relay = False

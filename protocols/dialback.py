@@ -322,9 +322,13 @@ def is_relayed_stream(stream: INetStream) -> bool:
     return False
 
 
-def _throwaway_host() -> IHost:
-    """A host with a brand-new key and no listeners: its connections are fresh by construction."""
-    return build_host(create_new_key_pair(), max_connections=4, dial_timeout=DIAL_TIMEOUT_S)
+def _throwaway_host(psk: str | None = None) -> IHost:
+    """A host with a brand-new key and no listeners: its connections are fresh by construction.
+
+    `psk` is the swarm key of a private swarm: without it the asker's host refuses the probe's handshake
+    (p2p/auth.py) and every keyed node would be judged private, the fast side channel unused.
+    """
+    return build_host(create_new_key_pair(), max_connections=4, dial_timeout=DIAL_TIMEOUT_S, psk=psk)
 
 
 @dataclass
@@ -344,13 +348,16 @@ class DialbackService:
         host: IHost,
         *,
         dial_timeout: float = DIAL_TIMEOUT_S,
-        make_prober: Callable[[], IHost] = _throwaway_host,
+        psk: str | None = None,
+        make_prober: Callable[[], IHost] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`psk`: the swarm key `host` was built with (None: an open swarm); the throwaway hosts that dial
+        back use it too, or no keyed peer could accept them."""
         self.host = host
         self.dial_timeout = dial_timeout
         self.ask_timeout = dial_timeout + ASK_MARGIN_S
-        self.make_prober = make_prober
+        self.make_prober = make_prober if make_prober is not None else (lambda: _throwaway_host(psk))
         self.clock = clock
         self.served = 0  # dial-backs performed for others
         self._pending: dict[bytes, _Pending] = {}

@@ -131,3 +131,107 @@ def test_compose_has_bootstrap_and_trainer_sharing_the_bootstrap_address_file() 
     written, read = flag_values("--addr-file"), flag_values("--bootstrap-file")
     assert len(written) == 1
     assert written == read
+
+
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+MAKEFILE = REPO / "Makefile"
+
+
+def dockerfile_env() -> dict[str, str]:
+    """The runtime stage's ENV assignments (`ENV A=1 \\` continuation lines joined)."""
+    runtime = DOCKERFILE.read_text().rsplit("\nFROM ", 1)[1]
+    joined = runtime.replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in joined.splitlines():
+        if line.startswith("ENV "):
+            for item in line[4:].split():
+                key, _, value = item.partition("=")
+                env[key] = value
+    return env
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _yaml_block(lines: list[str], header: str) -> list[str]:
+    """The lines nested under `header` (a line of the compose file), by indentation."""
+    start = lines.index(header)
+    body = []
+    for line in lines[start + 1 :]:
+        if line.strip() and not line.lstrip().startswith("#") and _indent(line) <= _indent(header):
+            break
+        body.append(line)
+    return body
+
+
+def _yaml_entries(block: list[str], key: str) -> list[str]:
+    """The entries under `key:` in a block: list items without their "- ", or "name: value" lines."""
+    header = next((line for line in block if line.strip() == f"{key}:"), None)
+    if header is None:
+        return []
+    entries = _yaml_block(block, header)
+    return [e.strip().removeprefix("- ").strip('"') for e in entries if e.strip() and not e.lstrip().startswith("#")]
+
+
+def compose_service(name: str) -> tuple[list[str], list[str], dict[str, str]]:
+    """(command, ports, environment) of a service, from the compose file's text (no YAML library here);
+    the environment includes the shared `x-starling` defaults the services merge in."""
+    lines = COMPOSE.read_text().splitlines()
+    common, service = _yaml_block(lines, "x-starling: &starling"), _yaml_block(lines, f"  {name}:")
+    env = dict(e.split(": ", 1) for e in _yaml_entries(common, "environment") + _yaml_entries(service, "environment"))
+    return _yaml_entries(service, "command"), _yaml_entries(service, "ports"), env
+
+
+def test_the_bootstrap_s_metrics_listen_where_the_published_port_reaches_them() -> None:
+    """`curl localhost:9100` on the host: the container must bind the metrics on all its interfaces (its own
+    127.0.0.1 is unreachable through a published port), while the host side stays on loopback."""
+    from node.cli import _run_overrides, build_parser
+    from node.config import load_config
+
+    command, ports, compose_env = compose_service("bootstrap")
+    command = [c.replace("${STARLING_SWARM:-starling}", "starling") for c in command]
+    environ = {**dockerfile_env(), **compose_env}
+    cfg = load_config(None, environ=environ, overrides=_run_overrides(build_parser().parse_args(command)))
+
+    assert cfg.node.metrics_port == 9100
+    assert cfg.node.metrics_host == "0.0.0.0"
+    assert [p for p in ports if ":9100" in p] == ["127.0.0.1:9100:9100/tcp"]
+
+
+@pytest.mark.parametrize(
+    "tools, expected",
+    [({"docker": "compose"}, "docker compose -f docker/docker-compose.yml up -d --build --scale trainer=2"),
+     ({"docker": "", "docker-compose": "v1"}, "docker-compose -f docker/docker-compose.yml up -d --build --scale trainer=2"),
+     ({"docker-compose": "v1"}, "docker-compose -f docker/docker-compose.yml up -d --build --scale trainer=2")],
+    ids=["compose-plugin", "docker-without-plugin", "standalone-only"],
+)
+def test_make_swarm_up_uses_whichever_compose_is_installed(tmp_path: Path, tools: dict[str, str], expected: str) -> None:
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make not installed")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, plugin in tools.items():
+        # A stand-in that records its arguments; `docker compose version` succeeds only with the plugin.
+        script = bin_dir / tool
+        check = f'[ "$1 $2" = "compose version" ] && {{ [ -n "{plugin}" ] && exit 0 || exit 1; }}\n'
+        script.write_text(f"#!/bin/sh\n{check if tool == 'docker' else ''}echo \"{tool} $*\" >> {tmp_path}/calls\n")
+        script.chmod(0o755)
+    r = subprocess.run([make, "-s", "-f", str(MAKEFILE), "swarm-up", "TRAINERS=2"], cwd=REPO, capture_output=True,
+                       text=True, timeout=TOOL_TIMEOUT_S, env={"PATH": str(bin_dir), "HOME": str(tmp_path)})
+
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "calls").read_text().splitlines() == [expected]
+
+
+def test_make_swarm_up_without_any_compose_says_so(tmp_path: Path) -> None:
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make not installed")
+    (tmp_path / "bin").mkdir()
+    r = subprocess.run([make, "-s", "-f", str(MAKEFILE), "swarm-up"], cwd=REPO, capture_output=True, text=True,
+                       timeout=TOOL_TIMEOUT_S, env={"PATH": str(tmp_path / "bin"), "HOME": str(tmp_path)})
+
+    assert r.returncode != 0
+    assert "neither 'docker compose' nor 'docker-compose' is installed" in r.stderr

@@ -14,6 +14,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
 
+from p2p.auth import generate_swarm_key
 from p2p.host import build_host
 from protocols import dialback
 from protocols.dialback import (
@@ -34,8 +35,8 @@ LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
 
 
 @asynccontextmanager
-async def running_hosts(n: int) -> AsyncIterator[list[IHost]]:
-    hosts = [build_host(create_new_key_pair()) for _ in range(n)]
+async def running_hosts(n: int, psk: str | None = None) -> AsyncIterator[list[IHost]]:
+    hosts = [build_host(create_new_key_pair(), psk=psk) for _ in range(n)]
     async with trio.open_nursery() as nursery:
         stops = [trio.Event() for _ in hosts]
 
@@ -88,6 +89,32 @@ async def test_helper_dials_back_from_a_fresh_connection_and_the_asker_confirms_
         with trio.fail_after(5):  # the throwaway host hung up: only the helper stays connected
             while asker.get_connected_peers() != [helper.get_id()]:
                 await trio.sleep(0.05)
+
+
+async def test_in_a_keyed_swarm_the_dial_back_presents_the_swarm_key_and_reaches_the_asker() -> None:
+    """Issue #14: the throwaway host dialled without the swarm key, the asker refused its handshake, and
+    every node of a private swarm was judged `private` (no fast side channel)."""
+    psk = generate_swarm_key()
+    async with running_hosts(2, psk=psk) as (asker, helper):
+        ask = DialbackService(asker, psk=psk)
+        ask.register()
+        DialbackService(helper, psk=psk).register()
+        await connect(asker, helper)
+        outcome = await ask.ask(helper.get_id(), addrs_of(asker))
+        assert outcome.status is DialStatus.REACHED, outcome
+
+
+async def test_a_dial_back_without_the_swarm_key_cannot_reach_a_keyed_asker() -> None:
+    """The other side of the test above: the keyed asker really refuses a keyless probe (the old default)."""
+    psk = generate_swarm_key()
+    async with running_hosts(2, psk=psk) as (asker, helper):
+        ask = DialbackService(asker, psk=psk)
+        ask.register()
+        keyless = DialbackService(helper, make_prober=lambda: build_host(create_new_key_pair(), max_connections=4))
+        keyless.register()
+        await connect(asker, helper)
+        outcome = await ask.ask(helper.get_id(), addrs_of(asker))
+        assert outcome.status is not DialStatus.REACHED and outcome.conclusive, outcome
 
 
 async def test_a_closed_port_is_reported_refused_and_does_not_count_as_reached() -> None:

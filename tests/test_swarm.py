@@ -132,9 +132,13 @@ def swarm_val_loss_at(node: DaemonProc, peer_ids: list[str], outer_step: int) ->
 def test_sigterm_during_an_exchange_aborts_it_checkpoints_and_exits_0(group: DaemonGroup, tmp_path: Path) -> None:
     # A partner whose worker is stopped (SIGSTOP) stays an eligible member but never publishes: with a long
     # pairing window every outer step sits in an exchange waiting for it. (A node with nobody who could
-    # come steps solo at once, without an exchange.)
+    # come steps solo at once, without an exchange.) It is stopped once it trains: only then does its
+    # record carry the run manifest that makes it eligible.
     partner = group.start("stalled", *TINY, "--swarm", "drain")
-    worker = partner.wait_status(lambda s: (s.get("training") or {}).get("pid") is not None, timeout=90)["training"]["pid"]
+    worker = partner.wait_status(lambda s: (s.get("training") or {}).get("loss") is not None,
+                                 timeout=90)["training"]["pid"]
+    partner.wait_status(lambda s: any(m.get("self") and m.get("manifest_hash") for m in s.get("members") or []),
+                        timeout=30)
     os.kill(worker, signal.SIGSTOP)
     try:
         d = group.start("solo", *TINY, "--swarm", "drain", "--bootstrap", partner.addr(),
