@@ -36,7 +36,7 @@ import torch
 
 from node.task import TaskContext, autocast, load_task
 from node.train_config import TrainConfig
-from node.worker import Trainer, lr_at
+from node.worker import Trainer, default_optimizer, lr_at
 
 METHODS = ("ddp", "diloco", "noloco")
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -135,7 +135,7 @@ def run_ddp(bc: BenchConfig, n: int) -> RunResult:
     tasks = [load_task(cfg.task, TaskContext(cfg, pid, device)) for pid in replica_ids(n)]
     model = tasks[0].build_model()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=cfg.lr)
+    optimizer = default_optimizer(model, cfg)  # the trainers' inner optimizer, for a like-for-like baseline
     streams = [t.train_stream() for t in tasks]
     initial = tasks[0].evaluate(model)
     for step in range(bc.total_steps):

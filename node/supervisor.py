@@ -15,18 +15,29 @@ exchange, and the worker's `adopted` report goes to `on_adopted`. The offer surv
 
 Lifecycle: `run()` restarts a worker that dies with exponential backoff (1 s doubling to 60 s, reset
 after a minute of healthy running); the new worker resumes from its latest checkpoint. A worker that
-reports a fatal start-up error (a bad task or config) is not restarted: the state becomes "failed" and
-status says why. On cancellation `run()` asks the worker to checkpoint and stop, waits up to
-`stop_grace` seconds (shielded), then kills it - no stray process is left behind.
+reports a fatal start-up error (a bad task or config) is not restarted, nor is one that died `max_restarts`
+times in a row without a healthy minute between (a task whose loss() raises would otherwise restart
+forever): the state becomes "failed" for good and status says why. `error` in the status is the last
+worker error (the exception text a crashing worker sent, or how it ended); it stays after a recovery, so
+that a flapping worker can be diagnosed while it trains. On cancellation `run()` asks the worker to
+checkpoint and stop, waits up to `stop_grace` seconds (shielded), then kills it - no stray process is left
+behind. A worker group (`train.local_ranks > 1`, node/worker_group.py) is one worker here: its ranks
+start together, rank 0 alone speaks the protocol, and when any rank dies the others are stopped and the
+whole group restarts.
+
+`check_task()` is the daemon's start-up check: it loads the device and the task in a throwaway worker
+process (`python -m node.worker --check`) before the daemon reports ready, so that a task that cannot be
+imported or built, or a missing GPU, stops the start with one line instead of a failed worker later.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +52,7 @@ from node.worker import (
     Adopted,
     Attach,
     CheckpointSaved,
+    Crashed,
     Fatal,
     FrameBuffer,
     Hello,
@@ -54,8 +66,58 @@ from node.worker import (
     Stopped,
     encode_message,
 )
+from node.worker_group import FollowerProcs
 
 log = logging.getLogger("starling.supervisor")
+
+# The start-up check imports torch and calls the task factory (which may read its data): generous, yet
+# well inside systemd's TimeoutStartSec (deploy/systemd/starling.service).
+TASK_CHECK_TIMEOUT_S = 60.0
+# Worker deaths in a row, each within `healthy_after` of its start, before training is given up for good.
+MAX_RESTARTS = 5
+
+
+class TaskCheckError(Exception):
+    """The configured task or device cannot be used; the message is one line for the operator."""
+
+
+async def check_task(
+    cfg: TrainConfig,
+    peer_id: str,
+    *,
+    python: str = sys.executable,
+    log_level: str = "warning",
+    timeout: float = TASK_CHECK_TIMEOUT_S,
+    task_options: Mapping[str, Any] | None = None,
+) -> str | None:
+    """Load `cfg.device` and `cfg.task` (given the `[task]` section's `task_options`) in a throwaway worker
+    process; return the task's name, or None when the check ran out of `timeout` (a slow factory is not an
+    error: the worker's own start-up timeout still applies). Raises TaskCheckError with the worker's
+    one-line reason otherwise."""
+    request = json.dumps({"config": dataclasses.asdict(cfg), "peer_id": peer_id, "log_level": log_level,
+                          "task_options": dict(task_options or {})})
+    result = None
+    with trio.move_on_after(timeout):
+        result = await trio.run_process(
+            [python, "-P", "-m", "node.worker", "--check"],  # -P: as the worker itself is started
+            stdin=request.encode(),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    if result is None:
+        log.warning("loading train.task %r took longer than %.0f s; starting the worker anyway", cfg.task, timeout)
+        return None
+    if result.returncode == 0:
+        return result.stdout.decode(errors="replace").strip() or None
+    lines = [line for line in result.stderr.decode(errors="replace").splitlines() if line.strip()]
+    for line in lines[:-1]:  # the task's own output, or a traceback at log level debug
+        log.debug("task check: %s", line)
+    reason = lines[-1].strip() if lines else ""
+    if result.returncode == 2 and reason:
+        raise TaskCheckError(reason)
+    how = f"killed by signal {-result.returncode}" if result.returncode < 0 else f"exit code {result.returncode}"
+    raise TaskCheckError(f"train.task: loading {cfg.task!r} failed ({how}){': ' + reason if reason else ''}")
 
 
 @dataclass
@@ -155,10 +217,14 @@ class WorkerSupervisor:
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
         healthy_after: float = 60.0,
+        max_restarts: int = MAX_RESTARTS,
         on_adopted: Callable[[Adopted], None] | None = None,
         pace: Callable[[], float] | None = None,
+        on_metrics: Callable[[Metrics], None] | None = None,
+        task_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.task_options = dict(task_options or {})  # the [task] section, handed to the worker's task
         self.home = home
         self.peer_id = peer_id
         self._exchange = exchange
@@ -169,7 +235,12 @@ class WorkerSupervisor:
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
         self._healthy_after = healthy_after
+        self._max_restarts = max_restarts
         self._on_adopted = on_adopted
+        # Every progress report, as it comes (the daemon's loss history records its own trainer from it).
+        self._on_metrics = on_metrics
+        self._crash: str | None = None  # what the current worker said before it died (a Crashed message)
+        self._group_exit: str | None = None  # why a worker group's rank 1.. ended the current lifetime
         # Seconds between two publishes that the swarm sets (0: every H inner steps), asked at each result.
         self._pace = pace
         self._adoption: _Adoption | None = None
@@ -187,6 +258,7 @@ class WorkerSupervisor:
             "lr": None,
             "restarts": 0,
             "pid": None,
+            "group_pids": None,  # with train.local_ranks > 1: the worker group's pids, rank 0 first
             "resumed_step": None,
             "checkpoint_step": None,
             "checkpoint_rejected": [],
@@ -230,6 +302,7 @@ class WorkerSupervisor:
             log.info("removed %d shared-memory segments left by a killed daemon", swept)
         task_status.started()
         backoff = self._backoff_initial
+        failures = 0  # worker deaths in a row, none after a healthy run
         try:
             while True:
                 self._status["state"] = "starting"
@@ -241,9 +314,16 @@ class WorkerSupervisor:
                     await trio.sleep_forever()
                 if trio.current_time() - began >= self._healthy_after:
                     backoff = self._backoff_initial
+                    failures = 0
+                failures += 1
+                if failures > self._max_restarts:
+                    error = f"the worker failed {failures} times in a row; last: {ended.reason}"
+                    self._status.update(state="failed", error=error, pid=None)
+                    log.error("training stopped: %s", error)
+                    await trio.sleep_forever()
                 self._status["restarts"] += 1
                 self._status.update(state="restarting", pid=None, error=ended.reason)
-                log.warning("worker exited (%s); restarting in %.0f s", ended.reason, backoff)
+                log.warning("%s; restarting the worker in %.0f s", ended.reason, backoff)
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, self._backoff_max)
         finally:
@@ -255,24 +335,37 @@ class WorkerSupervisor:
     # -- one worker lifetime --
 
     async def _run_one_worker(self) -> _Exit:
+        self._crash = None
+        self._group_exit = None
+        # train.local_ranks > 1: this process is rank 0 of a worker group whose other ranks start, stop and
+        # restart with it (node/worker_group.py).
+        followers = FollowerProcs(self.cfg.local_ranks, self._python) if self.cfg.local_ranks > 1 else None
         ours, theirs = socket.socketpair()
         try:
             proc = await trio.lowlevel.open_process(
                 # -P: do not put the current directory first on sys.path, so a stray `node/` folder
                 # where the daemon was started cannot shadow our package.
-                [self._python, "-P", "-m", "node.worker", "--fd", str(theirs.fileno())],
+                [self._python, "-P", "-m", "node.worker", "--fd", str(theirs.fileno()),
+                 *(followers.leader_args() if followers is not None else ())],
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,  # terminal signals go to the daemon, which stops us properly
             )
         except BaseException:
             ours.close()
+            if followers is not None:
+                await followers.stop(0)
             raise
         finally:
             theirs.close()
         self._status["pid"] = proc.pid
         chan = _Channel(trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
         try:
+            if followers is not None:
+                await followers.start()
+                self._status["group_pids"] = [proc.pid, *followers.pids()]
             async with trio.open_nursery() as nursery:
+                if followers is not None:
+                    nursery.start_soon(self._watch_group, followers, proc)
                 ended = await self._serve(proc, chan, nursery)
                 nursery.cancel_scope.cancel()  # an exchange still running belongs to the dead worker
             return ended
@@ -280,12 +373,30 @@ class WorkerSupervisor:
             with trio.CancelScope(shield=True):
                 await self._stop_process(proc, chan)
                 await chan.aclose()
+                if followers is not None:
+                    await followers.stop(self._stop_grace)  # rank 0 told them to stop; stragglers are killed
+                    self._status["group_pids"] = None
+
+    async def _watch_group(self, followers: FollowerProcs, proc: trio.Process) -> None:
+        """A worker group whose rank 1.. exited cannot go on: end rank 0 too, so the group restarts as a
+        unit. Rank 0 gets `stop_grace` first, to report a fatal start-up error that both ranks hit."""
+        rank, code = await followers.first_exit()
+        if proc.poll() is not None:
+            return  # rank 0 ended first: its own reason stands, and the others were following it
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        self._group_exit = f"worker rank {rank} exited ({how}); the whole worker group is restarted"
+        log.warning("%s", self._group_exit)
+        with trio.move_on_after(self._stop_grace):
+            while proc.poll() is None:
+                await trio.sleep(0.1)
+        proc.kill()
 
     async def _serve(self, proc: trio.Process, chan: _Channel, nursery: trio.Nursery) -> _Exit:
         cfg_dict = dataclasses.asdict(self.cfg)
         level = logging.getLevelName(logging.getLogger("starling").getEffectiveLevel()).lower()
         try:
-            await chan.send(Init(config=cfg_dict, home=str(self.home), peer_id=self.peer_id, log_level=level))
+            await chan.send(Init(config=cfg_dict, home=str(self.home), peer_id=self.peer_id, log_level=level,
+                                 task_options=self.task_options))
             first: Message | None = None
             with trio.move_on_after(self._startup_timeout) as startup:
                 first = await chan.receive()
@@ -294,6 +405,9 @@ class WorkerSupervisor:
                 return _Exit(reason=f"no hello within {self._startup_timeout:.0f} s; killed")
             if isinstance(first, Fatal):
                 return _Exit(fatal=first.error)
+            if isinstance(first, Crashed):
+                self._crash = first.error
+                return await self._exited(proc, "failed before saying hello")
             if first is None:
                 return await self._exited(proc, "ended before saying hello")
             if not isinstance(first, Hello):
@@ -320,7 +434,6 @@ class WorkerSupervisor:
             outer_step=hello.outer_step,
             resumed_step=hello.step if hello.resumed_from else None,
             checkpoint_rejected=list(hello.rejected),
-            error=None,
         )
         for rejected in hello.rejected:
             log.warning("corrupt checkpoint set aside: %s", rejected)
@@ -382,6 +495,13 @@ class WorkerSupervisor:
             )
             if msg.loss is not None:
                 self._status["loss"] = msg.loss
+            if self._on_metrics is not None:
+                try:
+                    self._on_metrics(msg)
+                except Exception:  # a bookkeeping bug must not end the worker's life
+                    log.exception("recording the worker's progress failed")
+        elif isinstance(msg, Crashed):
+            self._crash = msg.error  # it exits next; `_exited` puts this in the reason
         elif isinstance(msg, CheckpointSaved):
             self._status.update(checkpoint_step=msg.step, step=msg.step, outer_step=msg.outer_step)
         elif isinstance(msg, Adopted):
@@ -457,7 +577,10 @@ class WorkerSupervisor:
             await proc.wait()
         code = proc.returncode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return _Exit(reason=f"worker {what} ({how})")
+        said = f": {self._crash}" if self._crash else ""
+        if self._group_exit:  # another rank died first; what rank 0 said is only the consequence
+            return _Exit(reason=self._group_exit)
+        return _Exit(reason=f"worker {what} ({how}){said}")
 
     async def _stop_process(self, proc: trio.Process, chan: _Channel) -> None:
         """Ask the worker to checkpoint and exit; kill it if it does not within the grace period."""

@@ -9,16 +9,28 @@ of peers can join without coordination.
 Every peer must build the *same* initial model (NoLoCo averages weights position by position), so
 `build_model` must be deterministic given the config - seed it with `cfg.seed`, never with the PeerID.
 `fingerprint()` names everything that fixes the model's architecture; peers whose fingerprints differ
-cannot average and must not pair (the daemon puts its hash in the run manifest).
+cannot average and must not pair (the daemon puts its hash in the run manifest). So do the task's own
+settings (the `[task]` config section, `TaskContext.options`): every one of them is hashed into the
+manifest, except those the task names in `local_options` (paths to this machine's data, which may differ
+from peer to peer).
+
+Optional hooks (`TaskHooks`; a task without them gets the defaults): `configure_optimizer(model)` for the
+inner optimizer (default AdamW, node/worker.py `default_optimizer`), `lr_at(step)` for the learning-rate
+schedule (default warm-up + cosine, node/worker.py `lr_at`) and `save_pretrained(model, directory)` for
+`starling export --format hf`. Gradient accumulation and precision are config (`train.accum_steps`,
+`train.precision`): the trainer does them for every task, so a task only ever sees micro-batches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -32,11 +44,26 @@ class TaskError(Exception):
 
 @dataclass(frozen=True)
 class TaskContext:
-    """What a task factory is given."""
+    """What a task factory is given.
+
+    `cfg.batch_size` is the *micro*-batch: `train.batch_size / train.accum_steps` sequences, what one
+    `next_batch()` must yield (the trainer accumulates `accum_steps` of them into one inner step).
+    `accum_steps` is there for a task that wants its validation set independent of it (the default task
+    evaluates `eval_batches * batch_size * accum_steps` sequences, the same set whatever the split).
+    `options` is the `[task]` config section as it was given (plain TOML values).
+    `rank` / `world_size`: this process's place in the node's worker group (`train.local_ranks`,
+    node/worker_group.py); each rank must draw a different shard. `peer_id` already differs per rank
+    (`<PeerID>/rank<r>` for r > 0), so a task that shards by PeerID needs nothing more; `cfg.batch_size`
+    stays per rank (the node's inner step covers `world_size` times as many sequences).
+    """
 
     cfg: TrainConfig
     peer_id: str
     device: torch.device
+    options: Mapping[str, Any] = field(default_factory=dict)
+    accum_steps: int = 1
+    rank: int = 0
+    world_size: int = 1
 
 
 @runtime_checkable
@@ -80,6 +107,34 @@ class Task(Protocol):
         ...
 
 
+def task_context(cfg: TrainConfig, peer_id: str, device: torch.device,
+                 options: Mapping[str, Any] | None = None, *, rank: int = 0, world_size: int = 1) -> TaskContext:
+    """The context a task is built with: `cfg` with `batch_size` cut to the micro-batch (see TaskContext)."""
+    micro = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.accum_steps)
+    return TaskContext(micro, peer_id, device, dict(options or {}), cfg.accum_steps, rank, world_size)
+
+
+class TaskHooks(Protocol):
+    """Optional members of a task; the trainer uses each one a task has, and its default otherwise."""
+
+    #: `[task]` option names that may differ between peers (local data paths): left out of the manifest.
+    local_options: frozenset[str]
+
+    def configure_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """The inner optimizer over the model's trainable parameters. The trainer sets each param group's
+        `lr` before every step (to `lr_at(step)` times the group's `lr_scale`, if it has one); every other
+        hyperparameter is the task's, and wins over what a resumed checkpoint held."""
+        ...
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of inner step `step` (counted from 0 over the node's whole run)."""
+        ...
+
+    def save_pretrained(self, model: torch.nn.Module, directory: Path) -> None:
+        """Write the model (and its tokenizer, say) for `starling export --format hf`."""
+        ...
+
+
 def load_task(spec: str, ctx: TaskContext) -> Task:
     """Import `module:function`, call it with `ctx` and check the result is a Task; TaskError otherwise."""
     module_name, sep, func_name = spec.partition(":")
@@ -109,20 +164,42 @@ def load_task(spec: str, ctx: TaskContext) -> Task:
     return task
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast on CUDA (the fast path on modern GPUs), plain fp32 elsewhere."""
-    if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`train.precision` as used on `device`: `auto` is bf16 on CUDA (the fast path on modern GPUs, no
+    loss scaling needed) and fp32 elsewhere (CPU autocast is rarely faster, and fp32 is exact)."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str = "auto") -> contextlib.AbstractContextManager[Any]:
+    """The autocast context for `train.precision` on `device` (fp32: none). Weights, gradients and the
+    optimizer stay fp32 whatever the precision: only the forward pass runs in bf16/fp16."""
+    dtype = _AUTOCAST_DTYPES.get(resolve_precision(precision, device))
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when present; an explicit `cuda` without a GPU is a configuration error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TaskError(f"train.device: {name} requested but no CUDA device is available")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:  # a string torch does not know: name it, not torch's list of backends
+        raise TaskError(f"train.device: {name!r} is not a torch device ({str(e).splitlines()[0]})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TaskError(f"train.device: {name} requested but no CUDA device is available")
+        count = torch.cuda.device_count()
+        # torch only fails at the first tensor moved there, deep inside the task: say it here instead.
+        if device.index is not None and device.index >= count:
+            raise TaskError(f"train.device: {name} requested but this machine has {count} CUDA device(s)"
+                            f" (cuda:0..cuda:{count - 1})")
     return device
 
 
@@ -138,9 +215,21 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def model_hash(task: Task) -> str:
-    """Hash of the task name and its architecture fingerprint: equal on peers that can average."""
-    return _digest({"task": task.name, "fingerprint": task.fingerprint()})
+def shared_options(task: Task, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The `[task]` options that must be equal on peers that average: all but the task's `local_options`."""
+    local = frozenset(getattr(task, "local_options", ()) or ())
+    return {k: v for k, v in options.items() if k not in local}
+
+
+def model_hash(task: Task, options: Mapping[str, Any] | None = None) -> str:
+    """Hash of the task name, its architecture fingerprint and its shared `[task]` options: equal on peers
+    that can average. Without options the hash is what it was before `[task]` existed, so that existing
+    checkpoints (whose directory is named by it) and swarms keep theirs."""
+    body: dict[str, Any] = {"task": task.name, "fingerprint": task.fingerprint()}
+    shared = shared_options(task, options or {})
+    if shared:
+        body["options"] = shared
+    return _digest(body)
 
 
 def layout_hash(layout: Layout) -> str:

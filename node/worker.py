@@ -1,4 +1,4 @@
-"""The local torch worker: inner Adam steps, the outer step, checkpoints; one OS process per node.
+"""The local torch worker: inner optimizer steps, the outer step, checkpoints; one OS process per node.
 
 Started by `node.supervisor.WorkerSupervisor` as `python -m node.worker --fd N`, where N is this end of a
 socketpair. Why a separate process: the trio daemon never competes with torch for the GIL, so networking
@@ -21,6 +21,15 @@ Conversation with the daemon (msgpack maps, length-prefixed, over the socketpair
     daemon -> worker   stop      checkpoint and exit
     worker -> daemon   stopped   the final checkpoint is on disk
     worker -> daemon   fatal     a start-up error that a restart cannot fix (bad task, bad config)
+    worker -> daemon   crashed   an unexpected error (e.g. the task's loss() raised), sent just before
+                                 exiting, so that status can say why the worker is being restarted
+
+`python -m node.worker --check` (no socket) only loads the configured device and task from a JSON request
+on stdin and exits 0, or 2 with the reason on one line: the daemon runs it before it reports ready, so a
+task that cannot be imported or built, or a missing GPU, stops the start-up with exit code 2.
+
+With `train.local_ranks > 1` this process is rank 0 of a worker group (`--fd N --group DIR`), and ranks
+1.. run as `python -m node.worker --follow DIR --rank R`: node/worker_group.py says how they train as one.
 
 The inner/outer loop (overlap mode, the default): after H inner steps the worker writes `phi` and
 `Delta = theta - phi` into shared memory, says `publish`, and keeps training. When the result arrives it
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -52,9 +62,10 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
@@ -64,7 +75,6 @@ from node.outer import OuterHyper, OuterOptimizer
 from node.shm import ExchangeSlots
 from node.task import (
     Layout,
-    TaskContext,
     TaskError,
     autocast,
     layout_hash,
@@ -72,15 +82,23 @@ from node.task import (
     model_hash,
     param_layout,
     resolve_device,
+    resolve_precision,
+    task_context,
 )
 from node.train_config import TrainConfig
+
+if TYPE_CHECKING:
+    from node.worker_group import Rendezvous
 
 log = logging.getLogger("starling.worker")
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 8 << 20  # bytes; the largest message is `hello` with the parameter layout
 _LEN = struct.Struct(">I")
-CHECKPOINT_FORMAT = 1
+# 2: the inner optimizer became AdamW with two param groups (weight decay on matrices only) and an fp16
+# run's GradScaler state is kept; format-1 checkpoints (plain Adam, one group) still load.
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, 2)
 METRICS_INTERVAL = 1.0  # seconds between metrics messages (also the worker's heartbeat)
 
 
@@ -93,6 +111,7 @@ class Init:
     home: str
     peer_id: str
     log_level: str = "info"
+    task_options: dict[str, Any] = field(default_factory=dict)  # the [task] config section
 
 
 @dataclass
@@ -183,12 +202,21 @@ class Fatal:
     error: str
 
 
+@dataclass
+class Crashed:
+    """The worker's last words before an unexpected error ends it (a restart may help, or may not)."""
+
+    error: str  # one line: exception type and message
+
+
 Message = (
     Init | Hello | Attach | Publish | Result | Adopted | Metrics | CheckpointSaved | Stop | Stopped | Fatal
+    | Crashed
 )
 _TYPES: dict[str, type] = {
     "init": Init, "hello": Hello, "attach": Attach, "publish": Publish, "result": Result, "adopted": Adopted,
     "metrics": Metrics, "checkpoint": CheckpointSaved, "stop": Stop, "stopped": Stopped, "fatal": Fatal,
+    "crashed": Crashed,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
@@ -296,6 +324,18 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def default_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay `cfg.weight_decay` on weight matrices (parameters of 2 or more
+    dimensions) and none on biases, norm gains and other vectors, as GPT-style training does: decaying a
+    LayerNorm gain or a bias towards 0 only fights the normalisation. The decayed group comes first.
+    With `weight_decay = 0` this is plain Adam, the NoLoCo paper's inner optimizer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    plain = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+
+
 class Trainer:
     """Model, inner optimizer, slow weights, outer optimizer and counters of one replica; no I/O policy.
 
@@ -303,20 +343,29 @@ class Trainer:
     does each of those correctly, which keeps it testable in-process.
     """
 
-    def __init__(self, cfg: TrainConfig, home: Path, peer_id: str) -> None:
+    def __init__(
+        self, cfg: TrainConfig, home: Path, peer_id: str, task_options: Mapping[str, Any] | None = None,
+        *, rank: int = 0, world_size: int = 1,
+    ) -> None:
         self.cfg = cfg
         self.home = home
         self.device = resolve_device(cfg.device)
-        self.task = load_task(cfg.task, TaskContext(cfg, peer_id, self.device))
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self.task_options = dict(task_options or {})
+        # The task sees the micro-batch as its batch size (TaskContext): accumulation is the trainer's.
+        self.task = load_task(cfg.task, task_context(cfg, peer_id, self.device, self.task_options,
+                                                     rank=rank, world_size=world_size))
         self.model = self.task.build_model()
         self.model.train()
         self.params = [p for _, p in self.model.named_parameters() if p.requires_grad]
         self.layout: Layout = param_layout(self.model)
         self.numel = sum(p.numel() for p in self.params)
-        self.model_hash = model_hash(self.task)
+        self.model_hash = model_hash(self.task, self.task_options)
         self.layout_hash = layout_hash(self.layout)
-        # Plain Adam, no weight decay, as in the paper; its state is never averaged nor reset.
-        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr)
+        # The inner optimizer's state is never averaged nor reset (see adopt_snapshot).
+        self.optimizer = self._build_optimizer()
+        # fp16 needs loss scaling (its range underflows small gradients); bf16 has fp32's range and does not.
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.stream = self.task.train_stream()
         self.outer = OuterOptimizer(cfg.outer, OuterHyper(cfg.alpha, cfg.beta, cfg.gamma), self.numel)
         # fp32 CPU master copies: slow weights, the fast weights at publish time, and scratch space.
@@ -368,10 +417,36 @@ class Trainer:
                 p.copy_(src[offset : offset + n].view_as(p))
                 offset += n
 
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """The task's `configure_optimizer(model)` if it has one, else `default_optimizer`; TaskError if the
+        hook fails or returns something else than a torch optimizer."""
+        hook = getattr(self.task, "configure_optimizer", None)
+        if hook is None:
+            return default_optimizer(self.model, self.cfg)
+        try:
+            optimizer = hook(self.model)
+        except Exception as e:
+            raise TaskError(f"train.task: {self.task.name}.configure_optimizer failed: {type(e).__name__}: {e}") from e
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TaskError(f"train.task: {self.task.name}.configure_optimizer returned {type(optimizer).__name__},"
+                            " not a torch.optim.Optimizer")
+        return optimizer
+
+    def lr_at(self, step: int) -> float:
+        """The inner learning rate at `step`: the task's `lr_at` hook if it has one, else warm-up + cosine."""
+        hook = getattr(self.task, "lr_at", None)
+        if hook is None:
+            return lr_at(self.cfg, step)
+        lr = float(hook(step))
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"{self.task.name}.lr_at({step}) returned {lr}, not a learning rate >= 0")
+        return lr
+
     # -- the inner step --
 
     def inner_step(self) -> float:
-        """One Adam step on the next batch; returns the loss (a non-finite loss skips the update)."""
+        """One optimizer step over `accum_steps` micro-batches; returns the mean loss (a non-finite loss
+        skips the update)."""
         began = time.perf_counter()
         try:
             return self._inner_step()
@@ -380,24 +455,50 @@ class Trainer:
             self.step_time_s = took if self.step_time_s is None else 0.9 * self.step_time_s + 0.1 * took
 
     def _inner_step(self) -> float:
-        lr = lr_at(self.cfg, self.step)
+        lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        batch = self.stream.next_batch()
-        with autocast(self.device):
-            loss = self.task.loss(self.model, batch)
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        value = float(loss.detach())
+        micro = self.cfg.accum_steps
+        total = 0.0
+        for _ in range(micro):
+            batch = self.stream.next_batch()
+            with autocast(self.device, self.precision):
+                loss = self.task.loss(self.model, batch)
+            value = float(loss.detach())
+            total += value
+            if not math.isfinite(value):
+                break
+            # Each micro-batch's graph is freed by its backward: memory is that of one micro-batch. The
+            # 1/micro makes the summed gradients those of the mean loss over the whole batch.
+            scaled = loss / micro if micro > 1 else loss
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        total = self.reduce_gradients(total)
         self.step += 1
-        if not math.isfinite(value):
+        if not math.isfinite(total):
+            self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
-            log.warning("inner step %d: loss is %s; update skipped", self.step, value)
-            return value
-        loss.backward()
+            log.warning("inner step %d: loss is %s; update skipped", self.step, total)
+            return total
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.optimizer.step()
-        return value
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed; the scale backs off
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return total / micro
+
+    def reduce_gradients(self, loss_sum: float) -> float:
+        """Hook between backward and the update: a worker group (node/worker_group.py) averages the
+        gradients and the loss over its ranks here, so that every rank takes the same step. A single
+        process has nothing to do."""
+        return loss_sum
+
+    def close(self) -> None:
+        """Release what outlives the process loop: a worker group's rank 0 tells the other ranks to stop."""
 
     # -- the outer step --
 
@@ -538,6 +639,7 @@ class Trainer:
             "phi": self.phi,
             "outer": self.outer.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "data": self.stream.state_dict(),
             "rng": rng,
             "val_loss": self.val_loss,
@@ -545,7 +647,7 @@ class Trainer:
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Reject (with CheckpointError) a checkpoint that verifies but does not belong to this model."""
-        if state.get("format") != CHECKPOINT_FORMAT:
+        if state.get("format") not in READABLE_FORMATS:
             raise CheckpointError(f"unknown checkpoint format {state.get('format')!r}")
         if state.get("model_hash") != self.model_hash or state.get("layout_hash") != self.layout_hash:
             raise CheckpointError("checkpoint is for a different model")
@@ -560,7 +662,9 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.phi.copy_(state["phi"])
         self.outer.load_state_dict(state["outer"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer(state["optimizer"], int(state["format"]))
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.stream.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["cpu"])
         if self.device.type == "cuda" and "cuda" in state["rng"]:
@@ -570,6 +674,35 @@ class Trainer:
         self.last_publish_step = int(state["last_publish_step"])
         self.pending = None
         self.val_loss = state.get("val_loss")
+
+    def _load_optimizer(self, saved: dict[str, Any], fmt: int) -> None:
+        """Load the inner optimizer's state (its moments) and keep the configured hyperparameters: torch
+        would take the checkpoint's, so a changed `train.weight_decay` would be ignored after a restart.
+        A format-1 checkpoint (plain Adam over all parameters in one group) has its per-parameter state
+        moved into the default optimizer's groups; raises (ValueError, KeyError) if it does not fit."""
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        if fmt == 1 and len(saved["param_groups"]) == 1 and len(self.optimizer.param_groups) > 1:
+            saved = self._regroup_format1(saved)
+        self.optimizer.load_state_dict(saved)
+        for group, hyper in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(hyper)
+
+    def _regroup_format1(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A one-group optimizer state (indices in model parameter order) re-indexed for our groups."""
+        if len(saved["param_groups"][0]["params"]) != len(self.params):
+            raise ValueError("the checkpoint's optimizer covers a different number of parameters")
+        position = {id(p): i for i, p in enumerate(self.params)}
+        old_state = saved["state"]
+        state, groups, index = {}, [], 0
+        for group in self.optimizer.param_groups:
+            ids = []
+            for p in group["params"]:
+                if position[id(p)] in old_state:
+                    state[index] = old_state[position[id(p)]]
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
 
     def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self.state_dict(), self.step)
@@ -690,17 +823,22 @@ class _Meter:
 
     def __init__(self) -> None:
         self.reset()
+        self.first = True
 
     def reset(self) -> None:
         self.started = time.monotonic()
         self.losses: list[float] = []
+        self.first = False
 
     def due(self) -> bool:
-        return time.monotonic() - self.started >= METRICS_INTERVAL
+        # The first report goes out right after the first inner step: the loss curve (`starling plot`)
+        # starts where training starts instead of a second and some hundred steps in.
+        return (self.first and bool(self.losses)) or time.monotonic() - self.started >= METRICS_INTERVAL
 
 
-def run_worker(chan: WorkerChannel, init: Init, stop: _StopFlag) -> int:
-    """Build the trainer, resume, and train until told to stop; returns the process exit code."""
+def run_worker(chan: WorkerChannel, init: Init, stop: _StopFlag, group: Rendezvous | None = None) -> int:
+    """Build the trainer, resume, and train until told to stop; returns the process exit code. `group`
+    (a node.worker_group.Rendezvous) makes this process rank 0 of a worker group."""
     try:
         cfg = TrainConfig(**init.config)
         cfg.validate()
@@ -709,9 +847,16 @@ def run_worker(chan: WorkerChannel, init: Init, stop: _StopFlag) -> int:
         return 2
     torch.set_num_threads(cfg.threads)
     try:
-        trainer = Trainer(cfg, Path(init.home), init.peer_id)
+        if group is None:
+            trainer = Trainer(cfg, Path(init.home), init.peer_id, init.task_options)
+        else:
+            from node.worker_group import lead_group
+
+            trainer = lead_group(group, cfg, init)
     except TaskError as e:
-        log.error("%s", e, exc_info=e.__cause__ is not None)
+        # One line for the operator; the task's own traceback only at debug (it is the task author's).
+        log.error("%s", e)
+        log.debug("the task failed with", exc_info=e.__cause__)
         chan.send(Fatal(str(e)))
         return 2
     resumed_from, rejected = trainer.resume()
@@ -734,12 +879,15 @@ def run_worker(chan: WorkerChannel, init: Init, stop: _StopFlag) -> int:
     )
     attach = _wait_for(chan, Attach, timeout=60.0, stop=stop)
     if attach is None:
+        trainer.close()
         return 0
     slots = ExchangeSlots.attach(attach.names, trainer.numel)
     try:
-        return _train(chan, trainer, slots, stop)
+        code = _train(chan, trainer, slots, stop)
     finally:
         slots.close()
+    trainer.close()  # not after an exception: the other ranks may be mid-collective; the supervisor kills them
+    return code
 
 
 def _wait_for(chan: WorkerChannel, kind: type, *, timeout: float, stop: _StopFlag) -> Any:
@@ -849,7 +997,7 @@ def _send_metrics(chan: WorkerChannel, trainer: Trainer, meter: _Meter) -> None:
             # The machine's training speed, smoothed (steady whatever this interval holds): what the swarm
             # paces outer steps by (node/daemon.py).
             samples_per_s=trainer.samples_per_s(),
-            lr=lr_at(trainer.cfg, trainer.step),
+            lr=trainer.lr_at(trainer.step),
         )
     )
     meter.reset()
@@ -873,8 +1021,24 @@ def _final_checkpoint(chan: WorkerChannel | None, trainer: Trainer) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m node.worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--fd", type=int, required=True, help="this end of the daemon's control socketpair")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--fd", type=int, help="this end of the daemon's control socketpair")
+    mode.add_argument("--check", action="store_true",
+                      help="only load the device and task of the JSON request on stdin; exit 0, or 2 and why")
+    mode.add_argument("--follow", metavar="DIR", help="be rank --rank of the worker group meeting in DIR")
+    parser.add_argument("--group", metavar="DIR", help="with --fd: be rank 0 of the worker group meeting in DIR")
+    parser.add_argument("--rank", type=int, default=0, help="with --follow: this process's rank (>= 1)")
+    parser.add_argument("--world-size", type=int, default=1, help="processes in the worker group")
     args = parser.parse_args(argv)
+    if args.check:
+        return check_main()
+    group = None
+    if args.follow or args.group:
+        from node.worker_group import Rendezvous, follow_main
+
+        group = Rendezvous(Path(args.follow or args.group), args.world_size)
+        if args.follow:
+            return follow_main(group, args.rank)
     stop = _StopFlag()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -885,11 +1049,69 @@ def main(argv: list[str] | None = None) -> int:
             print("worker: no init message from the daemon", file=sys.stderr)
             return 2
         _setup_logging(init.log_level)
-        return run_worker(chan, init, stop)
+        return run_worker(chan, init, stop, group)
     except DaemonGone:
         return 0
+    except Exception as e:
+        # The traceback goes to the log for whoever debugs the task; the daemon gets one line, which
+        # `starling status` shows as the reason for the restart (or for giving up after too many).
+        log.exception("the worker failed")
+        text = " ".join(f"{type(e).__name__}: {e}".split())[:MAX_ERROR_CHARS]
+        try:
+            chan.send(Crashed(error=text))
+        except DaemonGone:
+            pass
+        return 1
     finally:
         chan.close()
+
+
+MAX_ERROR_CHARS = 300  # of an error sent to the daemon: one status line, not a dump
+
+
+def check_task(request: dict[str, Any]) -> str:
+    """Resolve the device and build the task of a `{"config": {...}, "peer_id": ...}` request, the way
+    `Trainer` does; return the task's name. Raises TaskError (one line) for anything the operator must fix.
+
+    Why a separate process runs this and not the daemon: the task factory may put data on the GPU, and a
+    CUDA context in the daemon would hold GPU memory for its whole life.
+    """
+    try:
+        cfg = TrainConfig(**request["config"])
+        cfg.validate()
+        peer_id = str(request["peer_id"])
+        options = dict(request.get("task_options") or {})
+    except (KeyError, TypeError, ValueError) as e:
+        raise TaskError(f"bad train config: {e}") from None
+    device = resolve_device(cfg.device)
+    if cfg.local_ranks > 1:
+        from node.worker_group import check_group
+
+        check_group(cfg, device)
+    return load_task(cfg.task, task_context(cfg, peer_id, device, options)).name
+
+
+def check_main() -> int:
+    """`python -m node.worker --check`: read the request (JSON) on stdin; print the task's name and exit 0,
+    or print the reason on one line on stderr and exit 2 (with its traceback too at log level debug)."""
+    try:
+        request = json.loads(sys.stdin.read(MAX_FRAME))
+        if not isinstance(request, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        print(f"worker --check: unreadable request: {e}", file=sys.stderr)
+        return 2
+    level = str(request.get("log_level") or "warning")
+    _setup_logging(level)
+    try:
+        name = check_task(request)
+    except TaskError as e:
+        if level == "debug" and e.__cause__ is not None:
+            log.debug("the task failed with", exc_info=e.__cause__)
+        print(e, file=sys.stderr)
+        return 2
+    print(name)
+    return 0
 
 
 def _setup_logging(level: str) -> None:
@@ -902,4 +1124,8 @@ def _setup_logging(level: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's main, not this __main__ copy of it: node/worker_group.py subclasses
+    # node.worker.Trainer, whose messages the loop must know as its own classes.
+    from node.worker import main as _main
+
+    sys.exit(_main())

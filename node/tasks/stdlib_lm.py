@@ -142,7 +142,8 @@ class WindowStream:
     """
 
     def __init__(
-        self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int, peer_id: str, device: torch.device
+        self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int, peer_id: str, device: torch.device,
+        task_name: str = TASK_NAME,
     ) -> None:
         self.data = data
         self.seq_len = seq_len
@@ -150,7 +151,7 @@ class WindowStream:
         self.device = device
         self.windows = (len(data) - 1) // seq_len
         if self.windows < 1:
-            raise TaskError("stdlib-lm: training text shorter than one sequence")
+            raise TaskError(f"{task_name}: training text shorter than one sequence")
         self._seed_base = _hash64("stream", str(seed), peer_id) >> 1  # fits a torch seed (< 2**63)
         self.epoch = 0
         self.cursor = 0
@@ -253,11 +254,14 @@ class StdlibLMTask:
 
     name = TASK_NAME
 
-    def __init__(self, cfg: TrainConfig, peer_id: str, device: torch.device, corpus: Corpus) -> None:
+    def __init__(
+        self, cfg: TrainConfig, peer_id: str, device: torch.device, corpus: Corpus, accum_steps: int = 1
+    ) -> None:
         self.cfg = cfg
         self.peer_id = peer_id
         self.device = device
         self.corpus = corpus
+        self.accum_steps = accum_steps
         self._val_batches = self._fixed_val_batches()
 
     def fingerprint(self) -> dict[str, Any]:
@@ -282,9 +286,10 @@ class StdlibLMTask:
         return F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
 
     def _fixed_val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Evenly spaced validation windows: the same text at every evaluation, on every peer."""
+        """Evenly spaced validation windows: the same text at every evaluation, on every peer, and for
+        every `accum_steps` (in micro-batch sized batches, so evaluation fits where training does)."""
         c = self.cfg
-        n = c.eval_batches * c.batch_size
+        n = c.eval_batches * c.batch_size * self.accum_steps
         windows = (len(self.corpus.val) - 1) // c.seq_len
         starts = torch.linspace(0, windows - 1, n).long() * c.seq_len
         chunk = self.corpus.val[starts.unsqueeze(1) + torch.arange(c.seq_len + 1)].long()
@@ -297,7 +302,7 @@ class StdlibLMTask:
         model.eval()
         try:
             total = 0.0
-            with autocast(self.device):
+            with autocast(self.device, self.cfg.precision):
                 for batch in self._val_batches:
                     total += float(self.loss(model, batch))
             return total / len(self._val_batches)
@@ -308,6 +313,9 @@ class StdlibLMTask:
 
 def make_task(ctx: TaskContext) -> StdlibLMTask:
     """The `train.task` factory: reads this peer's shard of the stdlib (bounded by train.data_bytes)."""
+    if ctx.options:  # a [task] section meant for another task, or a typo: say so rather than ignore it
+        raise TaskError(f"task.{sorted(ctx.options)[0]}: {TASK_NAME} takes no [task] options (its sizes are "
+                        "train.d_model, train.n_layers, ...); remove the [task] section or set train.task")
     c = ctx.cfg
     corpus = load_corpus(ctx.peer_id, c.data_bytes, c.val_fraction, c.seq_len)
-    return StdlibLMTask(c, ctx.peer_id, ctx.device, corpus)
+    return StdlibLMTask(c, ctx.peer_id, ctx.device, corpus, ctx.accum_steps)

@@ -1,0 +1,111 @@
+"""`starling export`: the slow weights of the latest checkpoint as plain files, and its one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.cli import main
+from node.config import load_config
+from node.worker import Trainer
+
+TINY_TOML = """[train]
+d_model = 32
+n_layers = 1
+n_heads = 2
+seq_len = 32
+batch_size = 4
+data_bytes = 100000
+eval_batches = 1
+warmup = 2
+lr = 0.003
+inner_steps = 5
+max_lag = 2
+"""
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def train_and_checkpoint(home: Path) -> Trainer:
+    """Two outer steps, evaluated right after the second (theta = phi then), then one more inner step so
+    that the checkpoint's fast weights are not its slow weights: the export must take phi."""
+    tr = Trainer(load_config(home, environ={}).train, home, "peer-a")
+    for _ in range(2):
+        while not tr.publish_due():
+            tr.inner_step()
+        tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+        tr.apply_result(1)
+    tr.evaluate()
+    tr.inner_step()
+    tr.save_checkpoint()
+    return tr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Trainer]:
+    home = tmp_path_factory.mktemp("home")
+    (home / "config.toml").write_text(TINY_TOML)
+    return home, train_and_checkpoint(home)
+
+
+def test_the_safetensors_export_is_phi_and_gives_the_recorded_validation_loss(trained, tmp_path: Path, capsys) -> None:
+    from safetensors.torch import load_file
+
+    home, tr = trained
+    assert main(["export", "--home", str(home), "--out", str(tmp_path / "out")]) == 0
+    assert "step 11, outer step 2" in capsys.readouterr().out
+    state = load_file(tmp_path / "out" / "model.safetensors")
+    fresh = tr.task.build_model()
+    fresh.load_state_dict(state)  # strict: every name of the model, nothing else
+    flat = torch.cat([p.detach().reshape(-1) for p in fresh.parameters()])
+    assert torch.equal(flat, tr.phi)
+    assert tr.task.evaluate(fresh) == pytest.approx(tr.val_loss, abs=1e-6)
+    assert tr.task.evaluate(tr.model) != pytest.approx(tr.val_loss, abs=1e-6)  # theta moved on: not exported
+
+
+def test_the_torch_export_is_a_plain_state_dict_for_weights_only_load(trained, tmp_path: Path) -> None:
+    home, tr = trained
+    assert main(["export", "--home", str(home), "--out", str(tmp_path), "--format", "torch"]) == 0
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert set(state) == set(tr.model.state_dict())
+    fresh = tr.task.build_model()
+    fresh.load_state_dict(state)
+    assert tr.task.evaluate(fresh) == pytest.approx(tr.val_loss, abs=1e-6)
+
+
+def test_export_evaluate_measures_the_exported_weights(trained, tmp_path: Path, capsys) -> None:
+    home, tr = trained
+    assert main(["export", "--home", str(home), "--out", str(tmp_path), "--evaluate"]) == 0
+    assert f"{tr.val_loss:.4f} measured on the exported weights" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--format", "onnx"], "--format: one of safetensors, torch, hf; got 'onnx'"),
+        (["--format", "hf"], "--format hf: the model of task stdlib-lm is not a Hugging Face model"),
+        (["--set", "train.d_model=64"], "no checkpoint of the configured model (stdlib-lm-"),
+        (["--out", "{file}/sub"], "cannot create it: Not a directory"),
+        (["--set", "train.lr=lots"], "train.lr: expected a number"),
+    ],
+)
+def test_export_errors_are_one_line_and_exit_2(trained, tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    home, _ = trained
+    (tmp_path / "file").write_text("not a directory")
+    args = [a.replace("{file}", str(tmp_path / "file")) for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "out")]
+    assert main(["export", "--home", str(home), *out, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_export_before_the_first_checkpoint_says_so(tmp_path: Path, capsys) -> None:
+    (tmp_path / "config.toml").write_text(TINY_TOML)
+    assert main(["export", "--home", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "no checkpoint yet" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
