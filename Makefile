@@ -29,7 +29,8 @@ $(STAMP): pyproject.toml | sysdeps
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the local CPU wheel; an unpinned torch would pull GBs of CUDA packages.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	# hf: transformers for the Hugging Face task (node/tasks/hf_causal_lm.py), whose tests run too.
+	$(PIP) install -q -e '.[dev,hf]'
 	$(PIP) check
 	@touch $(STAMP)
 
@@ -87,12 +88,19 @@ fuzz: install
 	$(PY) bench/fuzz.py --n 100000
 
 # docker-compose swarm (needs a Docker engine): one bootstrap/relay service and scalable trainers.
+# COMPOSE is the `docker compose` v2 plugin when Docker has it, else the standalone `docker-compose`
+# (what `make install` gets from Debian); evaluated only by these targets. Override: make swarm-up COMPOSE=...
 TRAINERS ?= 3
+COMPOSE ?= $(shell if docker compose version >/dev/null 2>&1; then echo "docker compose"; \
+	elif command -v docker-compose >/dev/null 2>&1; then echo docker-compose; fi)
+NO_COMPOSE := echo "error: neither 'docker compose' nor 'docker-compose' is installed (Debian: apt-get install docker-compose)" >&2; exit 2
 swarm-up:
-	docker compose -f docker/docker-compose.yml up -d --build --scale trainer=$(TRAINERS)
+	@[ -n "$(COMPOSE)" ] || { $(NO_COMPOSE); }
+	$(COMPOSE) -f docker/docker-compose.yml up -d --build --scale trainer=$(TRAINERS)
 
 swarm-down:
-	docker compose -f docker/docker-compose.yml down
+	@[ -n "$(COMPOSE)" ] || { $(NO_COMPOSE); }
+	$(COMPOSE) -f docker/docker-compose.yml down
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

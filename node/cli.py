@@ -1,13 +1,16 @@
-"""The `starling` command: init | run | status.
+"""The `starling` command: init | run | status | doctor | plot | export | swarm-key.
 
 Exit codes are part of the contract operators' scripts rely on: 0 success, 1 "no daemon" for status,
 2 bad input or a start-up problem the operator must fix (bad option, port in use, corrupt identity,
-second daemon on the same home). User errors are one line on stderr, never a traceback.
+second daemon on the same home, a read-only home, a task or device the worker cannot load), 3 for status
+when the daemon runs but its training has failed for good (so health checks see it). User errors are one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -18,14 +21,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_NO_DAEMON, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_NO_DAEMON, EXIT_USAGE, EXIT_TRAINING_FAILED = 0, 1, 2, 3
 SHUTDOWN_GRACE_S = 9.0
 
 log = logging.getLogger("starling.cli")
 
 
 def _die(msg: str, code: int = EXIT_USAGE) -> int:
-    print(f"starling: error: {msg}", file=sys.stderr)
+    from node.logs import journal_prefix  # `<3>` under systemd, so the journal shows it as an error
+
+    print(f"{journal_prefix(logging.ERROR)}starling: error: {msg}", file=sys.stderr)
     return code
 
 
@@ -39,8 +44,21 @@ def _parse_set(values: list[str]) -> dict[str, str]:
     return out
 
 
+def _version() -> str:
+    """The installed package's version (without importing the daemon, which is slow to import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("starling")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser; each command's namespace carries its own parser as `_parser`, so that an option the
+    command does not know is reported with that command's usage (see `main`)."""
     p = argparse.ArgumentParser(prog="starling", description="Decentralized peer-to-peer training daemon.")
+    p.add_argument("--version", action="version", version=f"starling {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def home_arg(sp: argparse.ArgumentParser) -> None:
@@ -50,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     home_arg(sp)
     sp.add_argument("--swarm", help="swarm name to write into config.toml")
     sp.add_argument("--swarm-key", metavar="FILE", help="copy this swarm key into HOME/swarm.key (private swarm)")
+    sp.add_argument("--founder", metavar="PEERID",
+                    help="write node.founder: only this PeerID's run manifest is adopted (the founder's init prints it)")
 
     sp = sub.add_parser("swarm-key", help="generate a new swarm key (32 random bytes) for a private swarm")
     sp.add_argument("--out", metavar="FILE", help="write it to FILE (mode 0600) instead of printing it")
@@ -63,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="file of bootstrap multiaddrs, one per line; waited for and re-read")
     sp.add_argument("--addr-file", metavar="PATH", help="write this node's multiaddrs here once listening")
     sp.add_argument("--swarm")
+    sp.add_argument("--founder", metavar="PEERID", help="node.founder: only this PeerID's run manifest is adopted")
     sp.add_argument("--no-train", action="store_true", help="network-only node (bootstrap/relay host)")
     sp.add_argument("--metrics-port", type=int, default=None)
     sp.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
@@ -77,10 +98,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("doctor", help="check identity, config, ports, bootstrap peers, clocks, versions; print fixes")
     home_arg(sp)
     sp.add_argument("--json", action="store_true", help="print one JSON object")
+    sp.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
+                    help="check these bootstrap peers, as `run --bootstrap` would use them (default: the running "
+                         "daemon's, else the config's)")
+    sp.add_argument("--bootstrap-file", action="append", default=None, metavar="PATH",
+                    help="check the peers listed in this file, as `run --bootstrap-file` would")
 
     sp = sub.add_parser("plot", help="draw loss against step for every member this node has heard of")
     home_arg(sp)
     sp.add_argument("--out", default="loss.png", help="PNG file to write (default: loss.png)")
+
+    sp = sub.add_parser("export", help="write the slow weights of the latest checkpoint as a plain state dict")
+    home_arg(sp)
+    sp.add_argument("--out", required=True, metavar="DIR", help="directory to write into (created if missing)")
+    sp.add_argument("--format", default="safetensors", metavar="FORMAT",
+                    help="safetensors (default: DIR/model.safetensors) | torch (DIR/model.pt) | hf (save_pretrained)")
+    sp.add_argument("--evaluate", action="store_true", help="also measure the exported weights' validation loss")
+    sp.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
+                    help="a config option, as given to `run` (the task and its [task] options fix the model)")
+    for command_parser in sub.choices.values():
+        command_parser.set_defaults(_parser=command_parser)
     return p
 
 
@@ -88,51 +125,86 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from node.config import CONFIG_FILE, ConfigError, NodeConfig, render_config_file, resolve_home
+    """Create HOME's identity, config.toml and swarm.key, or nothing at all.
+
+    Every input (swarm name, swarm key, an existing config, the environment) is checked before the first
+    file is written, and a write that fails removes what this run created: a half-made home would keep an
+    identity the operator never meant to create, and a retry should start from the same state.
+    An existing config.toml is never rewritten, so `--swarm` naming another swarm than it does is refused.
+    """
+    from node.config import (
+        CONFIG_FILE,
+        ConfigError,
+        load_config,
+        render_config_file,
+        resolve_home,
+        unknown_environment,
+    )
+    from p2p.auth import SWARM_KEY_FILE, SwarmKeyError, read_swarm_key, write_swarm_key
     from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity, peer_id_of
 
     home = resolve_home(args.home)
+    config_path, key_path = home / CONFIG_FILE, home / SWARM_KEY_FILE
+    key_hex: str | None = None
     try:
-        home.mkdir(parents=True, exist_ok=True)
-        os.chmod(home, 0o700)
-        key_pair, created = load_or_create_identity(home / IDENTITY_FILE)
-    except IdentityError as e:
+        overrides = {"node.swarm": args.swarm} if args.swarm is not None else {}
+        if args.founder is not None:
+            overrides["node.founder"] = args.founder
+        cfg = load_config(home, overrides=overrides)  # the file, the environment and flags, as `run` sees them
+        if args.swarm is not None and config_path.exists():
+            configured = load_config(home, environ={}).node.swarm
+            if configured != args.swarm:
+                return _die(f"{config_path} already names swarm {configured!r}; init does not rewrite an existing "
+                            f"config.toml: edit node.swarm there to move this node to swarm {args.swarm!r}")
+        if args.founder is not None and config_path.exists():
+            configured = load_config(home, environ={}).node.founder
+            if configured != args.founder:
+                return _die(f"{config_path} already names founder {configured or 'none'!r}; init does not rewrite an "
+                            f"existing config.toml: edit node.founder there")
+        if args.swarm_key:
+            key_hex = read_swarm_key(Path(args.swarm_key))
+            if key_path.exists() and read_swarm_key(key_path) != key_hex:
+                return _die(f"{key_path} already holds a different swarm key; remove it first to change swarms")
+    except (ConfigError, SwarmKeyError) as e:
         return _die(str(e))
     except OSError as e:
         return _die(f"{home}: {e.strerror or e}")
-    config_path = home / CONFIG_FILE
-    if args.swarm is not None:
-        try:
-            NodeConfig(swarm=args.swarm).validate()
-        except ValueError as e:
-            return _die(str(e))
-    if not config_path.exists():
-        overrides = {"node": {"swarm": args.swarm}} if args.swarm else {}
-        config_path.write_text(render_config_file(overrides))
-    elif args.swarm is not None:
-        print(f"note: {config_path} exists and was left unchanged", file=sys.stderr)
+    for warning in unknown_environment():
+        print(f"starling: warning: {warning}", file=sys.stderr)
+    home_existed = home.exists()
+    made: list[Path] = []  # files this run creates, listed before writing so that a partial write is undone
     try:
-        from node.config import load_config
-
-        load_config(home)
-    except ConfigError as e:
-        return _die(str(e))
-    if args.swarm_key:
-        from p2p.auth import SWARM_KEY_FILE, SwarmKeyError, read_swarm_key, write_swarm_key
-
-        try:
-            key_hex = read_swarm_key(Path(args.swarm_key))
-            target = home / SWARM_KEY_FILE
-            if target.exists():
-                if read_swarm_key(target) != key_hex:
-                    return _die(f"{target} already holds a different swarm key; remove it first to change swarms")
-            else:
-                write_swarm_key(target, key_hex)
-        except SwarmKeyError as e:
-            return _die(str(e))
+        home.mkdir(parents=True, exist_ok=True)
+        os.chmod(home, 0o700)
+        if not (home / IDENTITY_FILE).exists():
+            made.append(home / IDENTITY_FILE)
+        key_pair, created = load_or_create_identity(home / IDENTITY_FILE)
+        if not config_path.exists():
+            made.append(config_path)
+            written = {"swarm": args.swarm} if args.swarm else {}
+            if args.founder:
+                written["founder"] = args.founder
+            config_path.write_text(render_config_file({"node": written} if written else {}))
+        elif args.swarm is not None:
+            print(f"note: {config_path} exists and was left unchanged", file=sys.stderr)
+        if key_hex is not None and not key_path.exists():
+            made.append(key_path)
+            write_swarm_key(key_path, key_hex)
+    except (IdentityError, OSError) as e:
+        for path in made:
+            path.unlink(missing_ok=True)
+        if not home_existed:
+            with contextlib.suppress(OSError):
+                home.rmdir()
+        return _die(str(e) if isinstance(e, IdentityError) else f"{home}: {e.strerror or e}")
     if created:
         print(f"created identity in {home / IDENTITY_FILE}", file=sys.stderr)
-    print(peer_id_of(key_pair))
+    peer_id = str(peer_id_of(key_pair))
+    print(peer_id)
+    if cfg.node.founder in ("", peer_id):
+        # What to share: with it every other node adopts no run manifest but this node's (README: Threat model).
+        print(f"to make this node the swarm's founder, give the other nodes --founder {peer_id} "
+              f"(or node.founder = \"{peer_id}\" in their config.toml)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -171,6 +243,8 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         o["node.addr_file"] = args.addr_file
     if args.swarm is not None:
         o["node.swarm"] = args.swarm
+    if args.founder is not None:
+        o["node.founder"] = args.founder
     if args.metrics_port is not None:
         o["node.metrics_port"] = args.metrics_port
     if args.log_level is not None:
@@ -179,7 +253,8 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from node.config import ConfigError, load_config, resolve_home
+    from node.config import ConfigError, load_config, resolve_home, unknown_environment
+    from node.fsutil import unwritable_reason
     from node.lock import HomeLock, LockError
     from node.logs import setup_logging
     from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
@@ -187,23 +262,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     home = resolve_home(args.home)
     try:
         overrides = _run_overrides(args)
-        home.mkdir(parents=True, exist_ok=True)
+        if not home.is_dir():
+            home.mkdir(parents=True)
+            os.chmod(home, 0o700)  # as `init` makes it: the identity key and the swarm key live here
+        problem = unwritable_reason(home)
+        if problem:
+            return _die(f"{home}: cannot be this node's home: {problem} (the daemon writes its lock, control "
+                        "socket, state and checkpoints there; fix the permissions or pick another --home)")
         cfg = load_config(home, overrides=overrides)
     except (ConfigError, ValueError) as e:
         return _die(str(e))
     except OSError as e:
         return _die(f"{home}: {e.strerror or e}")
     setup_logging(cfg.node.log_level)
+    for warning in unknown_environment():
+        log.warning("%s", warning)
     lock = HomeLock(home)
     try:
         lock.acquire()
     except LockError as e:
         return _die(str(e))
+    except OSError as e:
+        return _die(f"{lock.path}: {e.strerror or e}")
     try:
         try:
             key_pair, created = load_or_create_identity(home / IDENTITY_FILE)
         except IdentityError as e:
             return _die(str(e))
+        except OSError as e:
+            return _die(f"{home / IDENTITY_FILE}: {e.strerror or e}")
         if created:
             log.info("created a new identity in %s", home / IDENTITY_FILE)
         import trio
@@ -305,13 +392,28 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=None, sort_keys=True))
     else:
         print(render_status(status))
+    # The daemon answers, but a trainer that cannot train is not healthy: Docker's HEALTHCHECK and other
+    # monitors run this command and only see its exit code.
+    if (status.get("training") or {}).get("state") == "failed":
+        return EXIT_TRAINING_FAILED
     return EXIT_OK
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from node.doctor import doctor_main
+    from p2p.addrs import AddrError, parse_bootstrap
 
-    return doctor_main(args.home, args.json)
+    overrides: dict[str, Any] = {}
+    if args.bootstrap is not None:
+        for text in args.bootstrap:  # doctor's own flag: a bad one is a usage error, as for `run`
+            try:
+                parse_bootstrap(text)
+            except AddrError as e:
+                return _die(f"--bootstrap: {e}")
+        overrides["node.bootstrap"] = args.bootstrap
+    if args.bootstrap_file is not None:
+        overrides["node.bootstrap_files"] = args.bootstrap_file
+    return doctor_main(args.home, args.json, overrides)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -319,6 +421,33 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from node.plot import plot_main  # matplotlib is imported only when plotting
 
     return plot_main(resolve_home(args.home), Path(args.out))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`starling export`: one line on stdout saying what was written; every failure one line, exit 2."""
+    from node.config import ConfigError, load_config, resolve_home
+
+    home = resolve_home(args.home)
+    if not home.is_dir():
+        return _die(f"{home}: no such node home (pass --home or set STARLING_HOME)")
+    try:
+        cfg = load_config(home, overrides=_parse_set(args.set))
+    except (ConfigError, ValueError) as e:
+        return _die(str(e))
+    from node.export import FORMATS, ExportError, export_weights  # imports torch: only now
+    from node.task import TaskError
+
+    if args.format not in FORMATS:
+        return _die(f"--format: one of {', '.join(FORMATS)}; got {args.format!r}")
+    try:
+        result = export_weights(home, Path(args.out).expanduser(), args.format, cfg, evaluate=args.evaluate)
+    except (ExportError, TaskError) as e:
+        return _die(str(e))
+    recorded = "none yet" if result.val_loss is None else f"{result.val_loss:.4f}"
+    measured = "" if result.eval_loss is None else f", {result.eval_loss:.4f} measured on the exported weights"
+    print(f"exported the slow weights of {result.checkpoint} (step {result.step}, outer step {result.outer_step}; "
+          f"validation loss {recorded} as recorded{measured}) to {', '.join(str(f) for f in result.files)}")
+    return EXIT_OK
 
 
 def _watch_status(home: Path, interval: float) -> int:
@@ -343,7 +472,12 @@ def _watch_status(home: Path, interval: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would blame the top-level parser and print its usage, not the command's
+        tokens = list(sys.argv[1:] if argv is None else argv)
+        before_command = tokens.index(unknown[0]) < tokens.index(args.command) if unknown[0] in tokens else False
+        (parser if before_command else args._parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     handlers = {
         "init": cmd_init,
         "run": cmd_run,
@@ -351,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         "plot": cmd_plot,
         "swarm-key": cmd_swarm_key,
         "doctor": cmd_doctor,
+        "export": cmd_export,
     }
     try:
         return handlers[args.command](args)

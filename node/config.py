@@ -9,9 +9,12 @@ needs the option's name, not a traceback.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
+import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -20,6 +23,8 @@ import tomli_w
 
 CONFIG_FILE = "config.toml"
 ENV_PREFIX = "STARLING_"
+#: STARLING_* variables that are not options (unknown_environment warns about any other).
+NON_OPTION_VARIABLES = frozenset({"STARLING_HOME"})
 
 
 class ConfigError(Exception):
@@ -50,6 +55,10 @@ class NodeConfig:
     heartbeat_s: float = opt(2.0, "seconds between this node's signed heartbeats to the swarm state")
     suspect_after: float = opt(15.0, "a member silent this long is shown as suspect")
     gone_after: float = opt(60.0, "a member silent this long is shown as gone (its history is kept)")
+    founder: str = opt("", "PeerID of the swarm's founder: only its run manifest is adopted ('' = trust the first seen)")
+    manifest_hash: str = opt("", "the only run manifest hash this node adopts ('' = any allowed by founder)")
+    max_members_per_subnet: int = opt(256, "most swarm members one IPv4 /24 or IPv6 /48 may place in the member table")
+    max_conns_per_subnet: int = opt(16, "most connections from one IPv4 /24 or IPv6 /48 (loopback exempt)")
     log_level: str = opt("info", "debug | info | warning | error")
     metrics_port: int = opt(0, "Prometheus metrics port on 127.0.0.1 (0 = off)")
     metrics_host: str = opt("127.0.0.1", "address the metrics endpoint binds")
@@ -95,10 +104,93 @@ class NodeConfig:
             raise ValueError("node.heartbeat_s: must be between 0.2 and 600 seconds")
         if not self.heartbeat_s < self.suspect_after < self.gone_after:
             raise ValueError("node.suspect_after / node.gone_after: need heartbeat_s < suspect_after < gone_after")
+        if self.founder and not _is_peer_id(self.founder):
+            raise ValueError(
+                f"node.founder: {self.founder[:80]!r} is not a PeerID (the 12D3KooW... line `starling init` "
+                "prints on the founder)"
+            )
+        if self.manifest_hash and not re.fullmatch(r"[0-9a-f]{64}", self.manifest_hash):
+            raise ValueError("node.manifest_hash: expected 64 lowercase hex digits (the swarm's manifest_hash)")
+        if not 1 <= self.max_members_per_subnet <= 1024:
+            raise ValueError("node.max_members_per_subnet: must be between 1 and 1024")
+        if not 1 <= self.max_conns_per_subnet <= 32:
+            raise ValueError("node.max_conns_per_subnet: must be between 1 and 32")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError("node.log_level: one of debug, info, warning, error")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("node.metrics_port: must be a port number (0 = off)")
+
+
+def _is_peer_id(text: str) -> bool:
+    """Whether `text` is a base58 libp2p PeerID: a multihash, identity (an inlined ed25519 key, 12D3KooW...)
+    or sha2-256 (Qm...). Stricter than py-libp2p's ID.from_base58, which takes any base58 text, because a
+    mistyped founder would leave the swarm without a manifest."""
+    import base58
+
+    try:
+        raw = base58.b58decode(text)
+    except ValueError:
+        return False
+    if base58.b58encode(raw).decode() != text or len(raw) < 3:
+        return False
+    identity = raw[0] == 0x00 and raw[1] == len(raw) - 2 and len(raw) <= 44
+    sha256 = raw[0] == 0x12 and raw[1] == 0x20 and len(raw) == 34
+    return identity or sha256
+
+
+TASK_OPTION_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+MAX_TASK_OPTION_CHARS = 64 << 10  # of one option's value as JSON: settings, not data
+
+
+@dataclass
+class TaskOptions:
+    """The free-form `[task]` section: settings of the training task (`train.task`), handed to its factory
+    as they are (`TaskContext.options`), e.g. a data directory or a hidden size.
+
+    Why free-form: what a task needs is the task author's business, not Starling's, so no option list can
+    be fixed here. Values are any TOML value (string, number, boolean, list, table); from the environment
+    (`STARLING_TASK_<NAME>`) or a flag (`--set task.<name>=...`) the text is read as a TOML value when it
+    is one (`64`, `true`, `[1, 2]`, `{ n_embd = 64 }`) and as a plain string otherwise (`/srv/text`).
+    Names are lower-case so that each maps to exactly one environment variable. The task checks the
+    values; the options that fix the model are part of the run manifest (node/task.py, `model_hash`).
+    """
+
+    free_form = True  # load_config, render_config_file and unknown_environment take any option name
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        for name, value in self.values.items():
+            if not TASK_OPTION_NAME.match(name):
+                raise ValueError(f"task.{name}: option names are lower-case letters, digits and '_'")
+            problem = _plain_value_problem(value)
+            if problem:
+                raise ValueError(f"task.{name}: {problem}")
+            if len(json.dumps(value)) > MAX_TASK_OPTION_CHARS:
+                raise ValueError(f"task.{name}: value longer than {MAX_TASK_OPTION_CHARS} characters")
+
+
+def _plain_value_problem(value: Any, depth: int = 0) -> str:
+    """Why `value` cannot travel to the worker (msgpack) and into the manifest hash (JSON), or ''."""
+    if depth > 8:
+        return "nested too deeply"
+    if isinstance(value, bool | int | str) or (isinstance(value, float) and value == value):
+        return ""
+    if isinstance(value, float):
+        return "NaN is not a usable value"
+    if isinstance(value, list):
+        return next((p for v in value if (p := _plain_value_problem(v, depth + 1))), "")
+    if isinstance(value, dict):
+        return next((p for v in value.values() if (p := _plain_value_problem(v, depth + 1))), "")
+    return f"{type(value).__name__} values (dates, times) are not supported; quote it as a string"
+
+
+def parse_task_value(text: str) -> Any:
+    """A `[task]` value given as text (environment, `--set`): a TOML value if it reads as one, else the text."""
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except (tomllib.TOMLDecodeError, RecursionError):
+        return text
+    return value if not _plain_value_problem(value) else text
 
 
 def _sections() -> dict[str, type]:
@@ -116,6 +208,7 @@ def _sections() -> dict[str, type]:
         pass
     else:
         sections["sync"] = SyncConfig
+    sections["task"] = TaskOptions
     return sections
 
 
@@ -132,7 +225,8 @@ class Config:
             raise AttributeError(name) from None
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(sec) for name, sec in self.sections.items()}
+        return {name: dict(sec.values) if isinstance(sec, TaskOptions) else dataclasses.asdict(sec)
+                for name, sec in self.sections.items()}
 
 
 # --- coercion ---------------------------------------------------------------------------------------------
@@ -200,6 +294,9 @@ def load_config(
     environ = os.environ if environ is None else environ
     sections = _sections()
     values: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    # "section.option" -> where its value came from, when not a flag: an operator reading
+    # "node.max_peers: must be ..." must know whether to fix config.toml or a unit's Environment= line.
+    sources: dict[str, str] = {}
 
     # 1. the file
     if home is not None and (home / CONFIG_FILE).exists():
@@ -215,37 +312,100 @@ def load_config(
                 raise ConfigError(f"{path}: unknown section [{sec_name}] (known: {', '.join(sections)})")
             if not isinstance(sec_values, dict):
                 raise ConfigError(f"{path}: {sec_name} must be a [section]")
+            if getattr(sections[sec_name], "free_form", False):
+                for key, value in sec_values.items():
+                    sources[f"{sec_name}.{key}"] = str(path)
+                    values[sec_name][key] = value
+                continue
             types = _field_types(sections[sec_name])
             for key, value in sec_values.items():
                 if key not in types:
                     raise ConfigError(f"{sec_name}.{key}: unknown option in {path}")
-                values[sec_name][key] = _coerce(sec_name, key, types[key], value, from_text=False)
+                sources[f"{sec_name}.{key}"] = str(path)
+                try:
+                    values[sec_name][key] = _coerce(sec_name, key, types[key], value, from_text=False)
+                except ConfigError as e:
+                    raise ConfigError(f"{path}: {e}") from None
 
     # 2. the environment
     for sec_name, cls in sections.items():
+        if getattr(cls, "free_form", False):
+            prefix = f"{ENV_PREFIX}{sec_name.upper()}_"
+            for env_name in sorted(k for k in environ if k.startswith(prefix) and len(k) > len(prefix)):
+                key = env_name[len(prefix) :].lower()
+                sources[f"{sec_name}.{key}"] = _env_source(env_name, environ[env_name])
+                values[sec_name][key] = parse_task_value(environ[env_name])
+            continue
         types = _field_types(cls)
         for key, typ in types.items():
             env_name = f"{ENV_PREFIX}{sec_name.upper()}_{key.upper()}"
             if env_name in environ:
-                values[sec_name][key] = _coerce(sec_name, key, typ, environ[env_name], from_text=True)
+                source = _env_source(env_name, environ[env_name])
+                sources[f"{sec_name}.{key}"] = source
+                try:
+                    values[sec_name][key] = _coerce(sec_name, key, typ, environ[env_name], from_text=True)
+                except ConfigError as e:
+                    raise ConfigError(f"{source}: {e}") from None
 
     # 3. flags
     for dotted, value in (overrides or {}).items():
         sec_name, _, key = dotted.partition(".")
+        if sec_name in sections and getattr(sections[sec_name], "free_form", False) and key:
+            values[sec_name][key] = parse_task_value(value) if isinstance(value, str) else value
+            sources.pop(dotted, None)
+            continue
         if sec_name not in sections or key not in _field_types(sections[sec_name]):
             raise ConfigError(f"{dotted}: unknown option")
         typ = _field_types(sections[sec_name])[key]
         values[sec_name][key] = _coerce(sec_name, key, typ, value, from_text=isinstance(value, str))
+        sources.pop(dotted, None)  # the operator typed it: the option's name is enough
 
     built: dict[str, Any] = {}
     for sec_name, cls in sections.items():
-        sec = cls(**values[sec_name])
+        sec = cls(values[sec_name]) if getattr(cls, "free_form", False) else cls(**values[sec_name])
         try:
             sec.validate()
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise ConfigError(_with_sources(str(e), sources)) from None
         built[sec_name] = sec
     return Config(built)
+
+
+def _env_source(name: str, value: str) -> str:
+    """`NAME=value (environment)`, the value quoted only when it would not read as one word."""
+    shown = value if value and len(value) <= 80 and value.isprintable() and " " not in value else repr(value[:80])
+    return f"{name}={shown} (environment)"
+
+
+def _with_sources(message: str, sources: dict[str, str]) -> str:
+    """A validation message prefixed by where the options it names got their values (file or environment)."""
+    named = []
+    for m in re.finditer(r"\b[a-z_]+\.[a-z_]+\b", message):
+        where = sources.get(m.group(0))
+        if where is not None and where not in named:
+            named.append(where)
+    return f"{', '.join(named)}: {message}" if named else message
+
+
+def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning per STARLING_* variable that is neither an option nor STARLING_HOME, naming the closest
+    known variable. Warned about, not refused: wrappers may export their own STARLING_* names (compose's
+    STARLING_SWARM), yet a misspelt option must not be ignored silently."""
+    environ = os.environ if environ is None else environ
+    sections = _sections()
+    known = {f"{ENV_PREFIX}{sec.upper()}_{key.upper()}" for sec, cls in sections.items() for key in _field_types(cls)
+             if not getattr(cls, "free_form", False)}
+    known |= NON_OPTION_VARIABLES
+    # Any STARLING_TASK_<NAME> is a [task] option: the task, not Starling, knows which names it reads.
+    free = tuple(f"{ENV_PREFIX}{sec.upper()}_" for sec, cls in sections.items() if getattr(cls, "free_form", False))
+    warnings = []
+    suffixes = sorted(k[len(ENV_PREFIX) :] for k in known)  # the shared prefix would make everything "close"
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in known and not name.startswith(free):
+            close = difflib.get_close_matches(name[len(ENV_PREFIX) :], suffixes, n=1, cutoff=0.6)
+            hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+            warnings.append(f"environment variable {name} is not a Starling option and is ignored{hint}")
+    return warnings
 
 
 def render_config_file(overrides: dict[str, dict[str, Any]] | None = None) -> str:
@@ -261,6 +421,13 @@ def render_config_file(overrides: dict[str, dict[str, Any]] | None = None) -> st
     for sec_name, cls in _sections().items():
         lines.append("")
         lines.append(f"[{sec_name}]")
+        if getattr(cls, "free_form", False):
+            lines.append("# Settings of the training task (train.task), handed to it as they are; which names it reads is")
+            lines.append("# the task's own (see README: Bring your own model). The built-in stdlib-lm reads none. E.g.:")
+            lines.append('# data = "/srv/text"')
+            for key, value in overrides.get(sec_name, {}).items():
+                lines.append(_toml_line(key, value))
+            continue
         for f in dataclasses.fields(cls):
             help_text = f.metadata.get("help", "")
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

@@ -32,23 +32,34 @@ from libp2p.peer.peerinfo import PeerInfo
 from node.averager import Averager
 from node.config import Config
 from node.control import SOCKET_FILE, serve_control
-from node.crdt import Manifest
-from node.fsutil import atomic_write_bytes
+from node.crdt import Manifest, ManifestAuthority
+from node.fsutil import atomic_write_bytes, tighten_private_folders
 from node.history import HISTORY_FILE, HistoryError, LossHistory
 from node.latejoin import CatchUp, late_join, progress_view, snapshot_source
+from node.logs import log_summary_loop
 from node.metrics import Metrics, serve_metrics
-from node.replicator import STATE_FILE, StateReplicator, load_state
+from node.replicator import (
+    MANIFEST_PIN_FILE,
+    STATE_FILE,
+    ManifestPinError,
+    StateReplicator,
+    load_state,
+    read_manifest_pin,
+)
 from node.sdnotify import Notifier, summarize_status, watchdog_loop
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import SWARM_KEY_FILE, AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
 from p2p.connmgr import ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
-from p2p.host import build_host
+from p2p.host import build_host, foreign_listeners, port_in_use
 from p2p.identity import peer_id_of
 from p2p.nat import NatConfig, NatService
+from p2p.netgroup import SubnetStreamLimits
+from protocols.dialback import PROTOCOL_ID as DIALBACK_PROTOCOL
 from protocols.snapshot import PROTOCOL_ID as SNAPSHOT_PROTOCOL
 from protocols.snapshot import SnapshotServer
+from protocols.state import PROTOCOL_ID as STATE_PROTOCOL
 
 if TYPE_CHECKING:
     from node.worker import Adopted
@@ -85,6 +96,17 @@ def _why_not_listening(host: str, port: int) -> str:
     return "the listener failed to start"
 
 
+def _find_os_error(exc: BaseException) -> OSError | None:
+    """The first OSError in `exc` or the exception groups trio wraps it in (nested nurseries)."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _find_os_error(inner)) is not None:
+                return found
+    return None
+
+
 class Daemon:
     def __init__(self, cfg: Config, home: Path, key_pair: KeyPair, *, train: bool) -> None:
         self.cfg = cfg
@@ -94,6 +116,8 @@ class Daemon:
         self.train = train
         self.started_at = time.time()
         node = cfg.node
+        for problem in tighten_private_folders(home):  # checkpoints are 0600 in 0700 folders
+            log.warning("cannot make %s private (0600/0700)", problem)
         self.listen_addrs = [parse_listen(a) for a in node.listen]
         announce = [parse_listen(a, allow_wildcard=False) for a in node.announce]
         key_file = Path(node.swarm_key_file) if node.swarm_key_file else home / SWARM_KEY_FILE
@@ -111,26 +135,46 @@ class Daemon:
         # Before any protocol registers its handler, so that every handler is gated.
         self.access = AccessControl(keyed=psk is not None, allow=node.allow_peers)
         self.access.install(self.host)
+        # Per-subnet shares of the protocols a peer can make this node work for (see p2p/netgroup.py).
+        # Averaging requests have their own per-IP share and IP bans in the averager (node/averager.py).
+        self.stream_limits = SubnetStreamLimits({SNAPSHOT_PROTOCOL: 1, STATE_PROTOCOL: 4, DIALBACK_PROTOCOL: 2})
+        self.stream_limits.install(self.host)
         self.connmgr = ConnManager(
-            self.host, target=node.target_peers, cap=node.max_peers, dial_timeout=node.dial_timeout
+            self.host,
+            target=node.target_peers,
+            cap=node.max_peers,
+            dial_timeout=node.dial_timeout,
+            max_per_subnet=node.max_conns_per_subnet,
         )
         self.discovery = SwarmDiscovery(self.host, self.connmgr, node.swarm, interval=node.discovery_interval)
         for text in node.bootstrap:
             self.connmgr.add_candidate(parse_bootstrap(text), source="bootstrap", permanent=True)
 
+        try:
+            pinned = read_manifest_pin(home / MANIFEST_PIN_FILE, node.swarm)
+        except ManifestPinError as e:
+            raise StartupError(str(e)) from None
+        # What makes the run manifest unforgeable: the configured founder or hash, else the first one seen.
+        authority = ManifestAuthority(founder=node.founder, manifest_hash=node.manifest_hash, pinned=pinned)
         state = load_state(
-            home / STATE_FILE, key_pair, suspect_after=node.suspect_after, gone_after=node.gone_after
+            home / STATE_FILE,
+            key_pair,
+            suspect_after=node.suspect_after,
+            gone_after=node.gone_after,
+            max_per_subnet=node.max_members_per_subnet,
+            authority=authority,
         )
         self.replicator = StateReplicator(
             self.host,
             state,
             node.swarm,
             path=home / STATE_FILE,
+            pin_path=home / MANIFEST_PIN_FILE,
             self_fields=self._member_fields,
             local_manifest=self._local_manifest,
             heartbeat_s=node.heartbeat_s,
         )
-        self.nat = NatService(self.host, self.connmgr, NatConfig())
+        self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial
         self.connmgr.on_connected = make_on_connected(
             self.discovery.peer_connected, self.replicator.peer_connected, self.nat.peer_connected
@@ -160,7 +204,7 @@ class Daemon:
             self.averager = Averager(
                 self.host,
                 cfg.sync,
-                manifest_hash=lambda: (m.hash if (m := self._local_manifest()) else None),
+                manifest_hash=self._averaging_manifest_hash,
                 eligible_peers=self._eligible_partners,
                 metrics=self.metrics,
                 listen_host=bind,
@@ -211,7 +255,8 @@ class Daemon:
     def _count_progress(self, step: int) -> None:
         """Feed the swarm-wide G-counter with the samples and tokens trained since the last heartbeat."""
         if step > self._last_progress_step:
-            samples = (step - self._last_progress_step) * self.cfg.train.batch_size
+            # An inner step of a worker group (train.local_ranks) covers every rank's batch.
+            samples = (step - self._last_progress_step) * self.cfg.train.batch_size * self.cfg.train.local_ranks
             self._last_progress_step = step
             self.replicator.add_progress(samples, samples * self.cfg.train.seq_len)
         elif step < self._last_progress_step:  # the worker resumed from an older checkpoint
@@ -233,6 +278,19 @@ class Daemon:
             protocol_version=AVG_PROTOCOL_VERSION,
         )
 
+    def _averaging_manifest_hash(self) -> str | None:
+        """The manifest hash the averager compares partners' requests with: our own once the worker has
+        loaded the task; until then the swarm's, which the worker will be checked against.
+
+        Before the worker says what it trains, a request from an honest member met an unknown manifest of
+        ours and was logged as `ERROR refusing ...: run manifest ... differs from ours none` on every
+        normal join; with the swarm's hash it is answered `busy` (nothing to exchange yet) without an error.
+        """
+        if (local := self._local_manifest()) is not None:
+            return local.hash
+        swarm = self.replicator.state.manifest
+        return swarm.hash if swarm is not None else None
+
     def _eligible_partners(self) -> list[str]:
         """Possible partners (below) whose outer step is within the allowed gap (plus one: a record is a
         heartbeat old)."""
@@ -249,6 +307,7 @@ class Daemon:
             m
             for m in self.replicator.alive_members()
             if m.record.role == "trainer"
+            and m.record.manifest_hash  # a trainer whose task is not loaded yet can only refuse
             and m.record.peer_id != str(self.peer_id)
             and (allow_relay or self.nat.path_of(m.record.peer_id) in ("direct", "hole-punched"))
         ]
@@ -258,7 +317,8 @@ class Daemon:
         trainer we know (its `samples_per_s`, measured over whole outer steps), so the fastest takes about H
         and slower machines fewer in the same time (node/worker.py, `publish_due`). 0 (every H inner steps
         of this machine) with `sync.pace = steps` or before any speed is known. Batch sizes are assumed
-        equal across the swarm (they are part of one run's settings)."""
+        equal across the swarm (they are part of one run's settings); a worker group's inner step covers
+        `local_ranks` batches, and its samples/s counts them all."""
         if self.cfg.sync.pace != "swarm":
             return 0.0
         own = float(self._training().get("samples_per_s") or 0.0)
@@ -270,7 +330,7 @@ class Daemon:
             fastest = min(fastest, own * MAX_SPEEDUP)
         if fastest <= 0:
             return 0.0
-        return self.cfg.train.inner_steps * self.cfg.train.batch_size / fastest
+        return self.cfg.train.inner_steps * self.cfg.train.batch_size * self.cfg.train.local_ranks / fastest
 
     def _trainer_steps(self) -> dict[str, int]:
         """Outer step of every alive trainer of our run (for the catch-up's swarm median)."""
@@ -311,9 +371,12 @@ class Daemon:
             "addrs": [str(a) for a in self.host.get_addrs()],
             "connected_peers": sorted(str(p) for p in self.connmgr.connected()),
             "connections": self.connmgr.status(),
+            # What this daemon was given, its command line included: `doctor` checks these, not the config's.
+            "bootstrap": {"addrs": list(self.cfg.node.bootstrap), "files": list(self.cfg.node.bootstrap_files)},
             "discovery": self.discovery.status(),
             "role": "trainer" if self.train else "network-only",
             "authorization": self.access.status(),
+            "stream_limits": self.stream_limits.status(),
             "reachability": self.nat.reachability,
             "nat": self.nat.status(),
             "peers": self.nat.peers_status(),
@@ -345,6 +408,9 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         node = self.cfg.node
+        if self.train:
+            await self._check_task()
+        self._check_ports_free()
         async with self.host.run(self.listen_addrs):
             self._check_listening()
             log.info("peer id %s, swarm %r", self.peer_id, node.swarm)
@@ -356,7 +422,12 @@ class Daemon:
                 if node.bootstrap_files:
                     paths = [Path(p) for p in node.bootstrap_files]
                     nursery.start_soon(watch_bootstrap_files, paths, self.connmgr)
-                await nursery.start(serve_control, self.home / SOCKET_FILE, self._handle_control)
+                try:
+                    await nursery.start(serve_control, self.home / SOCKET_FILE, self._handle_control)
+                except OSError as e:  # a read-only or foreign-owned HOME
+                    raise StartupError(
+                        f"cannot create the control socket {self.home / SOCKET_FILE}: {e.strerror or e}"
+                    ) from None
                 await nursery.start(self.connmgr.run)
                 await nursery.start(self.nat.run)
                 nursery.start_soon(self._learn_member_addrs)
@@ -378,12 +449,18 @@ class Daemon:
                     self.host.set_stream_handler(SNAPSHOT_PROTOCOL, self.snapshots.handle)
                     self.supervisor = self._make_supervisor()
                     assert self.averager is not None and self.catch_up is not None
-                    await nursery.start(self.averager.run)
+                    try:
+                        await nursery.start(self.averager.run)
+                    except (OSError, BaseExceptionGroup) as e:
+                        if (startup := self._datapath_error(e)) is None:
+                            raise
+                        raise startup from None
                     await nursery.start(self.catch_up.run)
                     nursery.start_soon(self._train)
                 self.ready.set()
                 self.notifier.ready(summarize_status(self.status()))
                 nursery.start_soon(watchdog_loop, self.notifier, lambda: summarize_status(self.status()))
+                nursery.start_soon(log_summary_loop, lambda: summarize_status(self.status()))
                 task_status.started()
                 try:
                     await trio.sleep_forever()
@@ -445,7 +522,49 @@ class Daemon:
             self.metrics.update_from_status(self.status())
             await trio.sleep(1.0)
 
+    def _datapath_error(self, exc: BaseException) -> StartupError | None:
+        """The averager's start failed: if its side-channel listener could not bind (sync.datapath_port busy
+        or not allowed), a one-line StartupError saying so; None for any other failure. Without this, a busy
+        port was an 84-line ExceptionGroup and exit 1."""
+        error = _find_os_error(exc)
+        if error is None or self.averager is None or self.averager.listener is None:
+            return None
+        listener = self.averager.listener
+        in_use = error.errno == errno.EADDRINUSE
+        why = f"port {listener.port} is already in use" if in_use else (error.strerror or str(error))
+        return StartupError(
+            f"cannot open the averaging side channel on {listener.host}:{listener.port} (sync.datapath_port): "
+            f"{why}; choose another sync.datapath_port, or 0 for any free port"
+        )
+
+    def _fixed_ports(self) -> list[tuple[multiaddr.Multiaddr, str, int]]:
+        """(address, IP, port) of each listen address with an IP and a fixed (non-zero) port."""
+        out = []
+        for addr in self.listen_addrs:
+            proto = addr.protocols()[0].name
+            port = int(addr.value_for_protocol("tcp"))
+            if proto in ("ip4", "ip6") and port:
+                out.append((addr, addr.value_for_protocol(proto), port))
+        return out
+
+    def _check_ports_free(self) -> None:
+        """A fixed listen port that anything listens on already is an operator's error (exit 2), even when
+        the holder is another Starling daemon, which py-libp2p's SO_REUSEPORT would let us share silently
+        (see p2p/host.py, `port_in_use`)."""
+        for addr, host, port in self._fixed_ports():
+            if port_in_use(host, port):
+                raise StartupError(
+                    f"cannot listen on {addr}: port {port} is already in use (another starling daemon with a "
+                    "different --home, or another program); stop it or choose another port with --listen"
+                )
+
     def _check_listening(self) -> None:
+        for addr, host, port in self._fixed_ports():
+            if foreign_listeners(host, port):  # a twin started at the same moment passed the check too
+                raise StartupError(
+                    f"cannot listen on {addr}: port {port} is also bound by another process (another starling "
+                    "daemon started at the same time?); give each daemon its own port"
+                )
         bound = self.host.get_transport_addrs()
         if len(bound) >= len(self.listen_addrs):
             return
@@ -465,4 +584,32 @@ class Daemon:
 
         assert self.averager is not None
         return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange,
-                                on_adopted=self._on_adopted, pace=self._pace)
+                                on_adopted=self._on_adopted, pace=self._pace, on_metrics=self._record_own_progress,
+                                task_options=self._task_options())
+
+    def _task_options(self) -> dict[str, Any]:
+        """The `[task]` section for the worker's task (empty for a Config built without one)."""
+        section = self.cfg.sections.get("task")
+        return dict(section.values) if section is not None else {}
+
+    def _record_own_progress(self, metrics: Any) -> None:
+        """Our own trainer's every report goes into the loss history as it comes, not only the member
+        record's value once a heartbeat: the curve then starts at the first inner step (the worker reports
+        it at once) and has the worker's resolution."""
+        self.history.observe(str(self.peer_id), metrics.step, metrics.outer_step, metrics.loss, metrics.val_loss,
+                             time.time())
+
+    async def _check_task(self) -> None:
+        """Before anything starts: can the worker load the configured device and task? A task that cannot
+        be imported or built, or a GPU that is not there, is an operator's error (exit 2, one line), not a
+        worker that fails after the daemon said it was ready (node/supervisor.py, `check_task`)."""
+        from node.supervisor import TaskCheckError, check_task
+
+        level = logging.getLevelName(logging.getLogger("starling").getEffectiveLevel()).lower()
+        try:
+            name = await check_task(self.cfg.train, str(self.peer_id), log_level=level,
+                                    task_options=self._task_options())
+        except TaskCheckError as e:
+            raise StartupError(str(e)) from None
+        if name is not None:
+            log.debug("train.task %r loads (task %s)", self.cfg.train.task, name)

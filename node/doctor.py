@@ -2,8 +2,9 @@
 
 The doctor runs a fixed list of checks, each producing `Finding`s (check, level, message, fix):
 
-* local checks, which need no daemon: identity file, config (file and STARLING_* environment), swarm key,
-  whether the listen ports can be bound, whether the bootstrap peers answer on TCP;
+* local checks, which need no daemon: identity file, whether HOME is writable, config (file and
+  STARLING_* environment), swarm key, whether the listen ports can be bound, whether the bootstrap peers
+  answer on TCP;
 * status checks, which read the running daemon's `status` (the same dict `starling status --json`
   prints): own reachability, clock skew against peers, versions, run manifest, training. They are pure
   functions of that dict so that each verdict can be tested on a synthetic status. Without a daemon they
@@ -172,10 +173,34 @@ def check_identity(home: Path, status: dict[str, Any] | None = None) -> tuple[li
     return findings, peer_id
 
 
+def check_home(home: Path) -> list[Finding]:
+    """HOME is writable by this user: the daemon creates its lock, control socket, state, history and
+    checkpoints there, and refuses to start otherwise. Asked with access(2), nothing is written. A missing
+    HOME is the identity check's finding (`run` creates it)."""
+    from node.fsutil import unwritable_reason
+
+    if not home.is_dir():
+        return []
+    problem = unwritable_reason(home)
+    if problem is None:
+        return [Finding("home", OK, f"{home} is writable")]
+    return [
+        Finding(
+            "home",
+            ERROR,
+            f"{home} cannot hold a running node: {problem}",
+            f"run the daemon as the user that owns {home} (or `chown` it to that user); on a read-only mount, "
+            "point --home / STARLING_HOME at a writable directory (under systemd: StateDirectory=)",
+        )
+    ]
+
+
 def _option_types() -> dict[str, dict[str, Any]]:
     """{section: {option: dataclass field}} from the built-in defaults (the public way to list options)."""
     defaults = load_config(None, environ={})
-    return {name: {f.name: f for f in dataclasses.fields(sec)} for name, sec in defaults.sections.items()}
+    # The free-form [task] section has no fixed options: any STARLING_TASK_<NAME> is one of the task's.
+    return {name: {f.name: f for f in dataclasses.fields(sec)} for name, sec in defaults.sections.items()
+            if not getattr(sec, "free_form", False)}
 
 
 def _config_fix(message: str, path: Path, environ: Mapping[str, str]) -> str:
@@ -191,7 +216,8 @@ def _config_fix(message: str, path: Path, environ: Mapping[str, str]) -> str:
         close = difflib.get_close_matches(m.group(1), list(options), n=1)
         hint = f" (did you mean [{close[0]}]?)" if close else ""
         return f"remove or rename the section [{m.group(1)}] in {path}{hint}"
-    m = re.match(r"([a-z_]+)\.([a-z_]+)", message)
+    # The option comes after the source the message may start with ("/x/config.toml: node.max_peers: ...").
+    m = next((m for m in re.finditer(r"\b([a-z_]+)\.([a-z_]+)\b", message) if m.group(1) in options), None)
     if not m:
         return (
             f"correct {path} (`starling init --home <empty dir>` writes a commented example of every option)"
@@ -215,12 +241,16 @@ def _config_fix(message: str, path: Path, environ: Mapping[str, str]) -> str:
     return f"correct {where}{about}"
 
 
-def check_config(home: Path, environ: Mapping[str, str]) -> tuple[list[Finding], Config | None]:
-    """config.toml and STARLING_* variables load; typos in variable names are flagged (they are ignored)."""
+def check_config(
+    home: Path, environ: Mapping[str, str], overrides: Mapping[str, Any] | None = None
+) -> tuple[list[Finding], Config | None]:
+    """config.toml and STARLING_* variables load; typos in variable names are flagged (they are ignored).
+
+    `overrides` are doctor's own command-line options (`--bootstrap`, ...), applied as `run` applies them."""
     path = home / CONFIG_FILE
     findings = _check_environment(environ)
     try:
-        cfg = load_config(home if home.is_dir() else None, environ=dict(environ))
+        cfg = load_config(home if home.is_dir() else None, environ=dict(environ), overrides=dict(overrides or {}))
     except ConfigError as e:
         return [Finding("config", ERROR, str(e), _config_fix(str(e), path, environ)), *findings], None
     source = f"{path} loads" if path.exists() else "no config.toml; using the built-in defaults"
@@ -474,11 +504,12 @@ def check_ports(cfg: Config | None, status: dict[str, Any] | None) -> list[Findi
     return findings
 
 
-def bootstrap_addresses(cfg: Config) -> tuple[list[tuple[str, str]], list[Finding]]:
-    """[(address, where it came from)] from node.bootstrap and the bootstrap files, plus file problems."""
+def bootstrap_addresses(cfg: Config, label: str = "node.bootstrap") -> tuple[list[tuple[str, str]], list[Finding]]:
+    """[(address, where it came from)] from node.bootstrap (named `label`) and the bootstrap files, plus file
+    problems."""
     from p2p.addrs import AddrError, parse_bootstrap
 
-    out = [(a, "node.bootstrap") for a in cfg.node.bootstrap]
+    out = [(a, label) for a in cfg.node.bootstrap]
     findings = []
     for name in cfg.node.bootstrap_files:
         path = Path(name)
@@ -561,23 +592,50 @@ async def _probe_all(targets: list[tuple[str, int, int]], timeout: float) -> lis
     return results
 
 
+def effective_bootstrap(cfg: Config, status: dict[str, Any] | None, *, given: bool) -> tuple[Config, str]:
+    """The bootstrap sources to check and a label for them.
+
+    `given`: doctor's own `--bootstrap`/`--bootstrap-file` are in `cfg` already; they win. Otherwise a
+    running daemon's own list (its `--bootstrap` flags included, which no config file shows) replaces the
+    config's: doctor used to report "none configured" for a node started with `run --bootstrap`.
+    """
+    if given:
+        return cfg, "--bootstrap"
+    running = (status or {}).get("bootstrap")
+    if not isinstance(running, dict):
+        return cfg, "node.bootstrap"  # no daemon, or one too old to say
+    addrs, files = running.get("addrs"), running.get("files")
+    if not (isinstance(addrs, list) and isinstance(files, list) and all(isinstance(a, str) for a in addrs + files)):
+        return cfg, "node.bootstrap"
+    if addrs == cfg.node.bootstrap and files == cfg.node.bootstrap_files:
+        return cfg, "node.bootstrap"
+    node = dataclasses.replace(cfg.node, bootstrap=addrs, bootstrap_files=files)
+    try:
+        node.validate()
+    except ValueError:
+        return cfg, "node.bootstrap"
+    return dataclasses.replace(cfg, sections={**cfg.sections, "node": node}), "the running daemon's --bootstrap"
+
+
 def check_bootstrap(
     cfg: Config | None,
     status: dict[str, Any] | None,
     own_peer_id: str | None,
     *,
     timeout: float = CONNECT_TIMEOUT_S,
+    label: str = "node.bootstrap",
 ) -> list[Finding]:
     """Each bootstrap address answers on TCP (or is already connected); a node with none is told so.
 
     A TCP answer proves the host and port are reachable, not that the right node listens there; a daemon
-    that is connected to the bootstrap peer is the stronger proof and is reported as such.
+    that is connected to the bootstrap peer is the stronger proof and is reported as such. `label` names
+    where `cfg.node.bootstrap` came from (see `effective_bootstrap`).
     """
     from p2p.addrs import parse_bootstrap
 
     if cfg is None:
         return [Finding("bootstrap", SKIP, "skipped: the config does not load")]
-    addrs, findings = bootstrap_addresses(cfg)
+    addrs, findings = bootstrap_addresses(cfg, label)
     connected = set((status or {}).get("connected_peers") or [])
     if not addrs:
         if cfg.node.bootstrap_files and not findings:  # the files exist but list nothing (yet)
@@ -1020,19 +1078,23 @@ def run_checks(
     *,
     environ: Mapping[str, str] | None = None,
     connect_timeout: float = CONNECT_TIMEOUT_S,
+    overrides: Mapping[str, Any] | None = None,
 ) -> list[Finding]:
-    """Every check, in report order."""
+    """Every check, in report order. `overrides`: doctor's command-line options, as "section.option"."""
     environ = os.environ if environ is None else environ
+    overrides = overrides or {}
     probe = probe_daemon(home)
     status = probe.status
     identity, own_peer_id = check_identity(home, status)
-    config, cfg = check_config(home, environ)
-    findings = [probe.finding, *identity, *config]
+    config, cfg = check_config(home, environ, overrides)
+    findings = [probe.finding, *identity, *check_home(home), *config]
     if cfg is not None:
         findings += check_swarm_key(home, cfg)
     findings += check_ports(cfg, status)
+    given = "node.bootstrap" in overrides or "node.bootstrap_files" in overrides
+    cfg_boot, label = effective_bootstrap(cfg, status, given=given) if cfg is not None else (None, "node.bootstrap")
     findings += check_bootstrap(
-        cfg, status, own_peer_id or (status or {}).get("peer_id"), timeout=connect_timeout
+        cfg_boot, status, own_peer_id or (status or {}).get("peer_id"), timeout=connect_timeout, label=label
     )
     heartbeat_s = cfg.node.heartbeat_s if cfg is not None else 2.0
     status_checks: list[tuple[str, Callable[[dict[str, Any]], list[Finding]]]] = [
@@ -1075,9 +1137,10 @@ def report_json(home: Path, findings: list[Finding]) -> dict[str, Any]:
     }
 
 
-def doctor_main(args_home: str | None, as_json: bool = False) -> int:
-    """`starling doctor [--home DIR] [--json]`: 0 when nothing is wrong, 1 when a finding is an error,
-    2 when HOME is not usable as a node directory at all."""
+def doctor_main(args_home: str | None, as_json: bool = False, overrides: Mapping[str, Any] | None = None) -> int:
+    """`starling doctor [--home DIR] [--json] [--bootstrap ADDR] [--bootstrap-file PATH]`: 0 when nothing is
+    wrong, 1 when a finding is an error, 2 when HOME is not usable as a node directory at all.
+    `overrides` ("section.option" -> value) are applied to the config as `run` applies its flags."""
     home = resolve_home(args_home)
     if home.exists() and not home.is_dir():
         print(
@@ -1085,7 +1148,7 @@ def doctor_main(args_home: str | None, as_json: bool = False) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    findings = run_checks(home)
+    findings = run_checks(home, overrides=overrides)
     if as_json:
         print(json.dumps(report_json(home, findings), sort_keys=True))
     else:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
-from procs import DaemonGroup, free_port
+from procs import DaemonGroup, free_port, starling
 
 from node.config import load_config
 from node.doctor import (
@@ -34,6 +34,7 @@ from node.doctor import (
     check_training,
     check_versions,
     doctor_main,
+    effective_bootstrap,
     run_checks,
     short,
 )
@@ -237,6 +238,35 @@ def test_no_bootstrap_and_no_peers_warns_of_a_lone_node(tmp_path: Path) -> None:
     assert boot.level == WARN and "lone node" in boot.fix
 
 
+def test_doctor_checks_bootstrap_peers_given_on_its_command_line(tmp_path: Path) -> None:
+    """Issue #14: `--bootstrap` as `run` takes it; the address is checked (and named as from --bootstrap)."""
+    home = make_home(tmp_path)
+    addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{other_peer_id()}"
+    r = starling("doctor", "--home", str(home), "--bootstrap", addr)
+    assert r.returncode == 1, r.stderr
+    [line] = [ln for ln in r.stdout.splitlines() if addr in ln]
+    assert "ERROR" in line and "(from --bootstrap)" in line and "connection refused" in line
+    assert "none configured" not in r.stdout and "no bootstrap peers configured" not in r.stdout
+
+
+def test_a_bad_bootstrap_address_given_to_doctor_is_a_one_line_usage_error(tmp_path: Path) -> None:
+    r = starling("doctor", "--home", str(make_home(tmp_path)), "--bootstrap", "/ip4/127.0.0.1/tcp/1")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().count("\n") == 0 and "--bootstrap" in r.stderr and "/p2p/<peer id>" in r.stderr
+
+
+def test_the_running_daemons_own_bootstrap_list_replaces_the_configs(tmp_path: Path) -> None:
+    cfg = load_config(None, environ={})
+    addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{other_peer_id()}"
+    status = {"bootstrap": {"addrs": [addr], "files": []}, "connected_peers": []}
+    used, label = effective_bootstrap(cfg, status, given=False)
+    assert used.node.bootstrap == [addr] and label == "the running daemon's --bootstrap"
+    assert effective_bootstrap(cfg, status, given=True) == (cfg, "--bootstrap")  # doctor's own flags win
+    garbage = {"bootstrap": {"addrs": ["not an address"], "files": []}}
+    assert effective_bootstrap(cfg, garbage, given=False) == (cfg, "node.bootstrap")
+    assert effective_bootstrap(cfg, {}, given=False) == (cfg, "node.bootstrap")  # an older daemon
+
+
 def test_without_a_daemon_the_status_checks_are_skipped_not_errors(tmp_path: Path) -> None:
     home = make_home(tmp_path)
     findings = run_checks(home, environ={})
@@ -291,6 +321,17 @@ def test_healthy_running_daemon_passes_with_exit_0(
         assert of(findings, "clock")[0].level == OK
     finally:
         group.close()
+
+
+@pytest.mark.slow
+def test_doctor_checks_the_bootstrap_peer_a_running_daemon_got_on_its_command_line(group: DaemonGroup) -> None:
+    """Issue #14: a node started with `run --bootstrap` was reported as having "none configured"."""
+    first = group.start("first", "--no-train", "--listen", "/ip4/127.0.0.1/tcp/0")
+    addr = first.addr()
+    second = group.start("second", "--no-train", "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap", addr)
+    second.wait_status(lambda s: len(s["connected_peers"]) == 1)
+    boot = of(run_checks(second.home, environ={}), "bootstrap")
+    assert boot == [Finding("bootstrap", OK, f"{addr}: connected")]
 
 
 # ---------------------------------------------------------------------------------------------------------
