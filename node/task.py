@@ -184,6 +184,36 @@ def autocast(device: torch.device, precision: str = "auto") -> contextlib.Abstra
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def fixed_val_batches(ids: torch.Tensor, cfg: TrainConfig, accum_steps: int, device: torch.device) -> list[Batch]:
+    """Evenly spaced (input, target) windows of a token sequence, the same at every evaluation and for
+    every `accum_steps` (in micro-batch sized batches, so evaluation fits where training does): what the
+    language-model tasks evaluate on."""
+    n = cfg.eval_batches * cfg.batch_size * accum_steps
+    windows = (len(ids) - 1) // cfg.seq_len
+    starts = torch.linspace(0, windows - 1, n).long() * cfg.seq_len
+    chunk = ids[starts.unsqueeze(1) + torch.arange(cfg.seq_len + 1)].long()
+    xs, ys = chunk[:, :-1].to(device), chunk[:, 1:].to(device)
+    return [(xs[i : i + cfg.batch_size], ys[i : i + cfg.batch_size]) for i in range(0, n, cfg.batch_size)]
+
+
+@torch.no_grad()
+def mean_loss(task: Task, model: torch.nn.Module, batches: list[Batch], device: torch.device, precision: str) -> float:
+    """The task's mean loss over fixed batches, in eval mode (restored after) and the run's precision."""
+    was_training = model.training
+    model.eval()
+    try:
+        total = 0.0
+        with autocast(device, precision):
+            for batch in batches:
+                total += float(task.loss(model, batch))
+        return total / len(batches)
+    finally:
+        model.train(was_training)
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when present; an explicit `cuda` without a GPU is a configuration error."""
     if name == "auto":

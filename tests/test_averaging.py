@@ -417,10 +417,8 @@ class FakeStream:
         pass
 
 
-async def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_identities() -> None:
-    """One machine's Sybil identities share its IP: they cannot take all MAX_INBOUND request slots."""
-    from node.averager import MAX_INBOUND_PER_IP
-
+def held_averager() -> tuple[Averager, trio.Event, list[FakeStream]]:
+    """An averager whose admitted requests are held (until the event is set) and listed as they come."""
     av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
     gate, served = trio.Event(), []
 
@@ -429,6 +427,14 @@ async def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_iden
         await gate.wait()
 
     av._serve_request = serve  # type: ignore[method-assign]
+    return av, gate, served
+
+
+async def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_identities() -> None:
+    """One machine's Sybil identities share its IP: they cannot take all MAX_INBOUND request slots."""
+    from node.averager import MAX_INBOUND_PER_IP
+
+    av, gate, served = held_averager()
     sybils = [FakeStream("10.0.0.66") for _ in range(MAX_INBOUND_PER_IP + 3)]
     honest = FakeStream("10.0.0.7")
     async with trio.open_nursery() as nursery:
@@ -475,14 +481,7 @@ async def test_loopback_peers_are_exempt_from_per_ip_limits() -> None:
     """`make run`'s local swarm puts every peer on 127.0.0.1: they are the operator's own machine."""
     from node.averager import MAX_INBOUND_PER_IP
 
-    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
-    gate, served = trio.Event(), []
-
-    async def serve(stream: FakeStream) -> None:
-        served.append(stream)
-        await gate.wait()
-
-    av._serve_request = serve  # type: ignore[method-assign]
+    av, gate, served = held_averager()
     async with trio.open_nursery() as nursery:
         for _ in range(MAX_INBOUND_PER_IP + 3):
             nursery.start_soon(av._handle_stream, FakeStream("127.0.0.1"))

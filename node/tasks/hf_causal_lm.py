@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.task import TaskContext, TaskError, autocast
+from node.task import TaskContext, TaskError, fixed_val_batches, mean_loss
 from node.tasks.stdlib_lm import WindowStream, is_validation, shard_order
 from node.train_config import TrainConfig
 
@@ -248,7 +248,7 @@ class HFCausalLMTask:
         if len(self.train_ids) < need or len(self.val_ids) < need:
             raise TaskError(f"task.data: {len(self.train_ids)} training / {len(self.val_ids)} validation tokens "
                             f"under {opts.data}; need at least {need} of each (train.seq_len = {c.seq_len})")
-        self._val_batches = self._fixed_val_batches()
+        self._val_batches = fixed_val_batches(self.val_ids, self.cfg, self.accum_steps, self.device)
 
     def _model_config(self) -> Any:
         from transformers import AutoConfig
@@ -311,28 +311,8 @@ class HFCausalLMTask:
         logits = model(input_ids=x, use_cache=False).logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 
-    def _fixed_val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Evenly spaced validation windows, the same at every evaluation and for every `accum_steps`."""
-        c = self.cfg
-        n = c.eval_batches * c.batch_size * self.accum_steps
-        windows = (len(self.val_ids) - 1) // c.seq_len
-        starts = torch.linspace(0, windows - 1, n).long() * c.seq_len
-        chunk = self.val_ids[starts.unsqueeze(1) + torch.arange(c.seq_len + 1)].long()
-        xs, ys = chunk[:, :-1].to(self.device), chunk[:, 1:].to(self.device)
-        return [(xs[i : i + c.batch_size], ys[i : i + c.batch_size]) for i in range(0, n, c.batch_size)]
-
-    @torch.no_grad()
     def evaluate(self, model: nn.Module) -> float:
-        was_training = model.training
-        model.eval()
-        try:
-            total = 0.0
-            with autocast(self.device, self.cfg.precision):
-                for batch in self._val_batches:
-                    total += float(self.loss(model, batch))
-            return total / len(self._val_batches)
-        finally:
-            model.train(was_training)
+        return mean_loss(self, model, self._val_batches, self.device, self.cfg.precision)
 
     def save_pretrained(self, model: nn.Module, directory: Path) -> None:
         """`starling export --format hf`: the model, and the tokenizer when there is one, so that

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.task import TaskContext, TaskError, autocast
+from node.task import TaskContext, TaskError, fixed_val_batches, mean_loss
 from node.train_config import TrainConfig
 
 TASK_NAME = "stdlib-lm"
@@ -262,7 +262,7 @@ class StdlibLMTask:
         self.device = device
         self.corpus = corpus
         self.accum_steps = accum_steps
-        self._val_batches = self._fixed_val_batches()
+        self._val_batches = fixed_val_batches(self.corpus.val, self.cfg, self.accum_steps, self.device)
 
     def fingerprint(self) -> dict[str, Any]:
         c = self.cfg
@@ -285,29 +285,8 @@ class StdlibLMTask:
         logits = model(x)
         return F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
 
-    def _fixed_val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Evenly spaced validation windows: the same text at every evaluation, on every peer, and for
-        every `accum_steps` (in micro-batch sized batches, so evaluation fits where training does)."""
-        c = self.cfg
-        n = c.eval_batches * c.batch_size * self.accum_steps
-        windows = (len(self.corpus.val) - 1) // c.seq_len
-        starts = torch.linspace(0, windows - 1, n).long() * c.seq_len
-        chunk = self.corpus.val[starts.unsqueeze(1) + torch.arange(c.seq_len + 1)].long()
-        xs, ys = chunk[:, :-1].to(self.device), chunk[:, 1:].to(self.device)
-        return [(xs[i : i + c.batch_size], ys[i : i + c.batch_size]) for i in range(0, n, c.batch_size)]
-
-    @torch.no_grad()
     def evaluate(self, model: nn.Module) -> float:
-        was_training = model.training
-        model.eval()
-        try:
-            total = 0.0
-            with autocast(self.device, self.cfg.precision):
-                for batch in self._val_batches:
-                    total += float(self.loss(model, batch))
-            return total / len(self._val_batches)
-        finally:
-            model.train(was_training)
+        return mean_loss(self, model, self._val_batches, self.device, self.cfg.precision)
 
 
 
