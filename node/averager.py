@@ -28,10 +28,11 @@ and stay where they are) or halfway towards those that did not (they move toward
 (`_phase_shift`).
 
 Weights: each side says how many inner steps and samples its Delta covers; the worker weights the pair's
-Delta by samples (node/outer.py, `PairWeights`). What a partner sends is bounded before it reaches the
+Delta and its phi pull by samples (node/outer.py, `PairWeights`). What a partner sends is bounded before it reaches the
 worker (node/robust.py): its Delta norm and its phi's distance from ours are clipped to a multiple of our
 own Delta norm per inner step (scaled by the steps the exchange covers, a partner's claimed steps and
-samples credited up to the swarm's H), and refused far beyond it.
+samples credited up to the swarm's H); only values that are no model of ours (non-finite, or longer than
+`sync.max_delta_ratio` x our own phi's norm) are refused.
 
 Two rules keep heterogeneous machines from drifting apart for good:
 

@@ -155,7 +155,7 @@ class OuterOptimizer:
     ) -> None:
         """Update `phi` in place. Solo when `group_size <= 1`; otherwise both of the group's sums (over its
         `group_size` members, this replica included) are required. `samples` = (ours, the partner's) makes a
-        pair's Delta term sample-weighted (`PairWeights`); None or equal counts give the plain mean."""
+        pair's Delta term and phi pull sample-weighted (`PairWeights`); None or equal counts give the plain mean."""
         if phi.shape != self.momentum.shape or own_delta.shape != self.momentum.shape:
             raise ValueError("phi and Delta must be flat tensors of the optimizer's size")
         if group_size <= 1:
