@@ -1128,4 +1128,9 @@ if __name__ == "__main__":
     # node.worker.Trainer, whose messages the loop must know as its own classes.
     from node.worker import main as _main
 
-    sys.exit(_main())
+    code = _main()
+    if "--follow" in sys.argv or "--group" in sys.argv:
+        from node.worker_group import exit_group_process
+
+        exit_group_process(code)
+    sys.exit(code)

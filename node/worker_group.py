@@ -37,6 +37,7 @@ import dataclasses
 import datetime
 import logging
 import math
+import os
 import shutil
 import signal
 import sys
@@ -315,6 +316,26 @@ class GroupTrainer(Trainer):
         if self.group.rank == 0 and not self.group.closed:
             self.group.command(STOP)
             self.group.close()
+
+
+def exit_group_process(code: int) -> None:
+    """End a worker-group process now, without the interpreter's finalization.
+
+    Why: gloo's worker thread drops its reference to a finished collective (and to the tensors it moved)
+    a moment after `wait()` returns. When that moment falls inside interpreter finalization, dropping a
+    tensor's Python object needs the GIL, which a finalizing interpreter no longer hands out, and the
+    process aborts with `terminate called without an active exception` (SIGABRT; torch PR 179291
+    describes it). The supervisor would read that as a crash after a clean stop. Everything the group's
+    processes write (checkpoints, saved files) is closed by then, so flushing the logs and stdio is all
+    that finalization would have done for us.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def lead_group(rendezvous: Rendezvous, cfg: TrainConfig, init: Init) -> GroupTrainer:

@@ -24,7 +24,7 @@ from node.supervisor import ExchangeRequest, WorkerSupervisor
 from node.task import TaskContext
 from node.train_config import TrainConfig
 from node.worker import Trainer
-from node.worker_group import GroupTrainer, Rendezvous, WorkerGroup
+from node.worker_group import GroupTrainer, Rendezvous, WorkerGroup, exit_group_process
 
 # --- a tiny task whose data is a function of the *global* batch ----------------------------------------------
 
@@ -121,6 +121,7 @@ def _rank(rank: int, directory: str, out: str) -> None:
         assert trainer.follow() == 0
         theta = _flat(trainer)
     torch.save(theta, Path(out) / f"theta{rank}.pt")
+    exit_group_process(0)  # as node/worker.py does: no finalization race with gloo's threads
 
 
 @pytest.mark.slow
@@ -164,6 +165,7 @@ def _nan_rank(rank: int, directory: str, out: str) -> None:
         trainer.close()
     torch.save({"losses": losses, "skipped": trainer.skipped_steps, "theta": _flat(trainer)},
                Path(out) / f"nan{rank}.pt")
+    exit_group_process(0)
 
 
 @pytest.mark.slow
