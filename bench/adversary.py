@@ -164,7 +164,7 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
             await stack.enter_async_context(h.run(LISTEN))
         nursery = await stack.enter_async_context(trio.open_nursery())
         # The attacker runs the same averager with its own checks off: it accepts whatever the victim sends.
-        lax = SyncConfig(wire_dtype="fp32", pair_window_s=1, backoff_s=0.1, clip_ratio=1e6, max_delta_ratio=1e6)
+        lax = SyncConfig(wire_dtype="fp32", pair_window_s=1, backoff_s=0.1, clip_ratio=1e6, clip_phi_ratio=1e6, max_delta_ratio=1e6)
         avs = [Averager(hosts[0], sync, manifest_hash=lambda: "m", max_inner_steps=cfg.inner_steps),
                Averager(hosts[1], sync if attack is None else lax, manifest_hash=lambda: "m")]
         for a in avs:

@@ -225,7 +225,7 @@ class Averager:
         # nothing, so bans per identity alone let one machine offend forever (bounded like _links).
         self._ip_bans: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
         # The swarm's H: the most inner steps an honest partner's Delta covers (node/robust.py).
-        self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps)
+        self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps, cfg.clip_phi_ratio)
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
 
     # --- lifecycle ---------------------------------------------------------------------------------------
@@ -734,8 +734,10 @@ class Averager:
             link.clipped += 1
             self.clipped["delta"] += result.clip.delta_scale < 1.0
             self.clipped["phi"] += result.clip.phi_scale < 1.0
-            log.warning("clipped the update of %s: kept %.2g of its Delta and %.2g of its phi's distance from ours",
-                        partner, result.clip.delta_scale, result.clip.phi_scale)
+            # Honest partners are clipped too (a late starter, a partition, a node in warm-up): one line per
+            # exchange would flood the journal, so the counts go to status and metrics, the detail to debug.
+            log.debug("clipped the update of %s: kept %.2g of its Delta and %.2g of its phi's distance from ours",
+                      partner, result.clip.delta_scale, result.clip.phi_scale)
         total = result.bytes_sent + result.bytes_received
         self.stats.update(
             rounds=self.stats["rounds"] + 1,

@@ -23,8 +23,10 @@ class SyncConfig:
     datapath: bool = opt(True, "move bulk tensors over a direct encrypted TCP side channel when reachable")
     datapath_port: int = opt(0, "TCP port of the side channel (0 = any free port)")
     allow_relay_bulk: bool = opt(False, "allow averaging with peers reachable only through a relay")
-    clip_ratio: float = opt(2.0, "clip a partner's Delta norm, and its phi's distance from ours, to this many times our own "
-                            "Delta norm per inner step times the steps exchanged")
+    clip_ratio: float = opt(2.0, "clip a partner's Delta norm to this many times our own Delta norm per inner step "
+                            "times the steps exchanged")
+    clip_phi_ratio: float = opt(4.0, "clip the distance of a partner's phi from ours to this many times the same "
+                                "reference (honest phis drift apart by a few Deltas between pairings)")
     max_delta_ratio: float = opt(4.0, "refuse a partner's values (an offence) whose Delta norm or phi distance from ours "
                                  "exceeds this many times the norm of our own phi (no model of ours)")
     ban_after: int = opt(3, "offences (poisoned or malformed updates) before a partner is banned")
@@ -56,6 +58,8 @@ class SyncConfig:
             raise ValueError("sync.max_delta_ratio: must be between 0.01 and 1000000")
         if not 1.0 <= self.clip_ratio <= 1e6:
             raise ValueError("sync.clip_ratio: must be between 1 and 1000000")
+        if not 1.0 <= self.clip_phi_ratio <= 1e6:
+            raise ValueError("sync.clip_phi_ratio: must be between 1 and 1000000")
         if not 1 <= self.ban_after <= 1000:
             raise ValueError("sync.ban_after: must be between 1 and 1000")
         if not 0 <= self.ban_s <= 86400 * 7:

@@ -27,6 +27,15 @@ def test_values_beyond_the_clip_ratio_are_scaled_down_to_it() -> None:
     assert clip.delta_scale == pytest.approx(2 / 5) and clip.phi_scale == pytest.approx(2 / 8)
 
 
+def test_the_phi_distance_has_its_own_wider_clip_ratio() -> None:
+    # Honest phis drift a few Deltas apart between pairings (in a 5-node swarm at H = 5 a clip of 2 cut
+    # the pull of 25-50% of honest exchanges), while a Delta covers one outer step: two ratios.
+    bound = UpdateBound(clip_ratio=2, reject_ratio=10, max_inner_steps=10, clip_phi_ratio=4)
+    assert bound.judge(seen(own=1.0, theirs=2.0, phi_distance=4.0), 10, 10) == Clip(1.0, 1.0)
+    clip = bound.judge(seen(own=1.0, theirs=3.0, phi_distance=8.0), 10, 10)
+    assert clip.delta_scale == pytest.approx(2 / 3) and clip.phi_scale == pytest.approx(4 / 8)
+
+
 @pytest.mark.parametrize(("theirs", "distance", "reason"), [(401.0, 0.0, "delta_norm"), (1.0, 401.0, "phi_distance"),
                                                            (1.0, float("inf"), "non_finite")])
 def test_values_longer_than_reject_ratio_times_our_phi_are_no_model_and_refused(theirs, distance, reason) -> None:

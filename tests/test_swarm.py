@@ -35,8 +35,11 @@ def test_five_trainers_average_with_several_distinct_partners_while_loss_falls(g
     for d in nodes:
         st = d.wait_status(lambda s: s["sync"]["distinct_partners"] >= 3, timeout=150, interval=1)
         assert st["sync"]["rounds"] >= 3
+    # Against the untrained model's loss (the highest first loss): a node that joined late starts from the
+    # swarm's trained weights, so its own first loss may already be low.
+    untrained = max(first_loss.values())
     for d in nodes:
-        st = d.wait_status(lambda s, d=d: s["training"]["loss"] < first_loss[d.home.name] - 0.3, timeout=60)
+        st = d.wait_status(lambda s: s["training"]["loss"] < untrained - 0.3, timeout=60)
         assert st["training"]["outer_step"] >= 3
 
 
