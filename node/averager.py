@@ -171,6 +171,7 @@ class Averager:
         pace: Callable[[], float] | None = None,
         max_inner_steps: int | None = None,
         swarm_steps: Callable[[], dict[str, int]] | None = None,
+        speeds: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -194,6 +195,9 @@ class Averager:
         self.pace = pace
         # Outer steps of the swarm's alive trainers (member records), to keep our counter in their range.
         self.swarm_steps = swarm_steps
+        # Samples/s of the trainers (ours included) as their records show: the schedule pairs like speeds
+        # in some outer steps (node/pairing.py).
+        self.speeds = speeds
         self._last_publish_at: float | None = None  # trio clock: our latest publish
         self.listener = DataPathListener(listen_host, cfg.datapath_port, max_frame_size=avg.MAX_FRAME) if cfg.datapath else None
         self.me = str(host.get_id())
@@ -328,7 +332,8 @@ class Averager:
             layout_hash(request.layout),
             began=began,
         )
-        pending.scheduled = scheduled_partner(self.me, self._schedule_members(), request.outer_step)
+        pending.scheduled = scheduled_partner(self.me, self._schedule_members(), request.outer_step,
+                                              self.speeds() if self.speeds is not None else None)
         pending.scheduled_until = began + SCHEDULED_SHARE * self.cfg.pair_window_s
         self._pending = pending
         self._last_publish_at = began

@@ -218,6 +218,7 @@ class Daemon:
                 # partner's Delta covers more (node/robust.py).
                 max_inner_steps=cfg.train.inner_steps,
                 swarm_steps=self._trainer_steps,
+                speeds=self._trainer_speeds,
             )
         self.ready = trio.Event()
         self._last_progress_step = 0
@@ -331,6 +332,12 @@ class Daemon:
         if fastest <= 0:
             return 0.0
         return self.cfg.train.inner_steps * self.cfg.train.batch_size * self.cfg.train.local_ranks / fastest
+
+    def _trainer_speeds(self) -> dict[str, float]:
+        """Samples/s of the trainers we could pair with, and ours (for the pairing schedule's speed tiers)."""
+        speeds = {m.record.peer_id: m.record.samples_per_s for m in self._possible_partners()}
+        speeds[str(self.peer_id)] = float(self._training().get("samples_per_s") or 0.0)
+        return speeds
 
     def _trainer_steps(self) -> dict[str, int]:
         """Outer step of every alive trainer of our run (for the catch-up's swarm median)."""

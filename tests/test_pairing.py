@@ -73,3 +73,61 @@ def test_fewer_than_two_members_have_no_partner() -> None:
     assert matching(["A"], 5) == {"A": BYE}
     assert matching([], 5) == {}
     assert scheduled_partner("A", [], 3) is BYE
+
+
+# --- machines of different speeds ---------------------------------------------------------------------------
+
+speeds_st = st.dictionaries(st.text("abcdefghij", min_size=1, max_size=6),
+                            st.one_of(st.none(), st.floats(0.01, 1e5)), min_size=2, max_size=12)
+
+
+def _pair_kinds(speeds: dict[str, float], rounds: int) -> collections.Counter:
+    fast = {m for m, v in speeds.items() if v >= 100}
+    kinds: collections.Counter = collections.Counter()
+    for r in range(rounds):
+        for a, b in matching(list(speeds), r, speeds).items():
+            if b is not BYE and a < b:
+                kinds["like" if (a in fast) == (b in fast) else "mixed"] += 1
+    return kinds
+
+
+def test_two_fast_and_two_slow_trainers_pair_by_like_speed_more_often_but_still_mostly_meet_across() -> None:
+    speeds = {"f0": 160.0, "f1": 150.0, "s0": 40.0, "s1": 45.0}
+    kinds = _pair_kinds(speeds, 2000)
+    # Random matchings of four give like-speed pairs in 1/3 of the exchanges; the tiered share lifts that to
+    # TIER_SHARE + (1 - TIER_SHARE) / 3 = 0.6, and leaves 40% of the exchanges between speeds (>= 30%).
+    like = kinds["like"] / (kinds["like"] + kinds["mixed"])
+    assert 0.55 < like < 0.65
+    partners: dict[str, set[str]] = collections.defaultdict(set)
+    for r in range(40):
+        for a, b in matching(list(speeds), r, speeds).items():
+            partners[a].add(b)
+    assert all(partners[m] == set(speeds) - {m} for m in speeds)
+
+
+def test_equal_machines_are_one_tier_and_keep_the_random_matchings() -> None:
+    members = [f"peer{i}" for i in range(6)]
+    jittered = {m: 130.0 + 20 * i for i, m in enumerate(members)}  # 130-230 samples/s: one factor-2 tier
+    assert all(matching(members, r, jittered) == matching(members, r) for r in range(200))
+
+
+@settings(max_examples=50)
+@given(speeds_st, st.integers(0, 10_000), st.randoms(use_true_random=False))
+def test_with_speeds_every_node_computes_the_same_symmetric_matching(speeds: dict, round_no: int,
+                                                                     rng: random.Random) -> None:
+    members = list(speeds)
+    m = matching(members, round_no, speeds)
+    assert set(m) == set(members) and all(b is BYE or m[b] == a for a, b in m.items())
+    shuffled = list(members)
+    rng.shuffle(shuffled)
+    for me in members:
+        assert scheduled_partner(me, [x for x in shuffled if x != me], round_no, speeds) == m[me]
+
+
+@settings(max_examples=30)
+@given(speeds_st, st.integers(0, 1000))
+def test_with_speeds_an_odd_one_still_sits_out_exactly_once_every_n_outer_steps(speeds: dict, start: int) -> None:
+    members, n = list(speeds), len(speeds)
+    byes = collections.Counter(a for r in range(start, start + n)
+                               for a, b in matching(members, r, speeds).items() if b is BYE)
+    assert byes == ({m: 1 for m in members} if n % 2 else {})
