@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-adversary chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-adversary bench-memory chaos fuzz swarm-up swarm-down clean
 
 install: $(STAMP)
 
@@ -39,7 +39,7 @@ run: install
 	$(PY) -m node.localswarm --peers 3 --seconds $(RUN_SECONDS)
 
 test: install
-	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" --durations=20 $(PYTEST_ARGS)
 
 # Unit and property tests only (no multi-process, no lab): a quick loop while editing.
 test-fast: install
@@ -73,6 +73,11 @@ bench-swarm: install
 # Hostile averaging partners against a real victim (docs/reliability.md); about 1 min.
 bench-adversary: install
 	$(PY) bench/adversary.py --write-docs
+
+# Peak RSS of daemon + worker at 10M and 100M parameters, two daemons averaging (section Memory of
+# docs/benchmarks.md; 1B extrapolated); about 5 min on 2 cores, ~14 GB of RAM at its peak.
+bench-memory: install
+	$(PY) bench/memory.py --before bench/memory_before.json --write-docs
 
 bench-hivemind: install
 	$(PY) bench/sync.py --parts 3

@@ -261,8 +261,11 @@ class Swarm:
     swarm). Use as a context manager: leaving it stops every daemon (SIGTERM, SIGKILL after a timeout) and
     removes every cgroup, whatever happened."""
 
-    def __init__(self, root: Path, roles: list[tuple[str, str]], args: list[str], *, connected: bool = True) -> None:
+    def __init__(self, root: Path, roles: list[tuple[str, str]], args: list[str], *, connected: bool = True,
+                 quotas: dict[str, int] | None = None) -> None:
         self.root = root
+        # Per role, the worker's cgroup quota in us per SLOW_PERIOD_US (absent: uncapped).
+        self.quotas = {"slow": SLOW_QUOTA_US} if quotas is None else quotas
         self.swarm = f"bench-{uuid.uuid4().hex[:10]}"
         self.connected = connected
         self.boot: DaemonProc | None = None
@@ -280,8 +283,8 @@ class Swarm:
     def __enter__(self) -> Swarm:
         try:
             for node in self.nodes:
-                if node.role == "slow":
-                    node.cap = CpuCap(f"starling-bench-{os.getpid()}-{self.swarm}-{node.name}")
+                if self.quotas.get(node.role):
+                    node.cap = CpuCap(f"starling-bench-{os.getpid()}-{self.swarm}-{node.name}", self.quotas[node.role])
             if self.boot is not None:
                 self.boot.start()
             for node in self.nodes:
@@ -520,15 +523,16 @@ def measure_mixing(swarm: Swarm, label: str, seconds: float, startup_s: float,
 
 def run_mixing(root: Path, label: str, roles: list[tuple[str, str]], train: dict[str, Any], sync: dict[str, Any],
                seconds: float, startup_s: float, evaluate: bool,
-               bystander_roles: list[tuple[str, str]] | None = None) -> MixingRun:
+               bystander_roles: list[tuple[str, str]] | None = None,
+               quotas: dict[str, int] | None = None) -> MixingRun:
     """One measured swarm; `bystander_roles` train at the same time, each alone (not measured), so that a
     smaller swarm is compared with a larger one under the same load on this shared machine."""
     with contextlib.ExitStack() as stack:
         bystanders = None
         if bystander_roles:
             bystanders = stack.enter_context(Swarm(root / "bystanders", bystander_roles, set_args(train, sync),
-                                                   connected=False))
-        swarm = stack.enter_context(Swarm(root, roles, set_args(train, sync)))
+                                                   connected=False, quotas=quotas))
+        swarm = stack.enter_context(Swarm(root, roles, set_args(train, sync), quotas=quotas))
         run = measure_mixing(swarm, label, seconds, startup_s, bystanders)
         nodes = swarm.nodes
     if evaluate:
@@ -658,6 +662,13 @@ class Plan:
     startup_s: float
     sync: dict[str, Any] = field(default_factory=dict)  # every scenario's sync options besides the defaults
     repeats: int = 1  # runs of each homogeneous convergence row (swarm, no communication, simulation)
+    # hetero: the fast workers' quota too (us per SLOW_PERIOD_US; 0 = uncapped). On this one shared machine
+    # the slow nodes' daemons take CPU that their workers' fast partners would have on separate machines;
+    # a cap that binds in both runs gives the fast workers the same compute with and without them.
+    fast_quota_us: int = 0
+
+    def quotas(self) -> dict[str, int]:
+        return {"slow": SLOW_QUOTA_US, **({"fast": self.fast_quota_us} if self.fast_quota_us else {})}
 
     def mixing_train(self) -> dict[str, Any]:
         """mixing3: the DEFAULT model (quick: the tiny one) at H = 20."""
@@ -709,11 +720,11 @@ def scenario_hetero(plan: Plan, tmp: Path, out: Results) -> None:
     train = plan.hetero_train()
     roles = [("f0", "fast"), ("f1", "fast"), ("s0", "slow"), ("s1", "slow")]
     out.hetero = run_mixing(tmp / "hetero", "2 fast + 2 slow", roles, train, plan.sync, plan.seconds,
-                            plan.startup_s, evaluate=True)
+                            plan.startup_s, evaluate=True, quotas=plan.quotas())
     # The slow machines still run, each alone, while the fast pair is measured: on this shared machine the
     # comparison is then "the slow machines join the swarm" against "they train apart", at equal load.
     out.fast_only = run_mixing(tmp / "fast-only", "2 fast alone", roles[:2], train, plan.sync, plan.seconds,
-                               plan.startup_s, evaluate=True, bystander_roles=roles[2:])
+                               plan.startup_s, evaluate=True, bystander_roles=roles[2:], quotas=plan.quotas())
 
 
 def scenario_convergence(plan: Plan, tmp: Path, out: Results) -> None:
@@ -859,7 +870,10 @@ def render(plan: Plan, res: Results, command: str, wall: float, scenarios: list[
              "process with its supervised torch worker). Validation losses are bench/convergence.py's: each node's "
              "checkpointed slow weights phi evaluated by `Trainer.evaluate()` after a graceful stop. Throttled "
              f"('slow') workers run in their own cgroup v1 cpu group at {SLOW_QUOTA_US}/{SLOW_PERIOD_US} us (25% of "
-             "one core); their daemons are not throttled."]
+             "one core); their daemons are not throttled."
+             + (f" With --fast-cap, the fast workers are capped likewise at {plan.fast_quota_us}/{SLOW_PERIOD_US} us, so "
+                "that the slow nodes' daemons on this shared machine do not take compute from the fast workers (as "
+                "they would not on separate machines)." if plan.fast_quota_us else "")]
     verdicts: list[str] = []
     if res.mixing3 is not None:
         parts.append(f"### mixing3\n\n3 trainers, the default model, train.inner_steps=20"
@@ -928,6 +942,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the simulation and evaluation")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each homogeneous convergence row, averaged (default 3; quick 1)")
+    parser.add_argument("--fast-cap", type=float, default=0.0, metavar="PCT",
+                        help="hetero: cap the fast workers too, at PCT %% of a core (default 0: uncapped)")
     args = parser.parse_args(argv)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in scenarios if s not in SCENARIOS]
@@ -941,6 +957,10 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.repeats <= 20:
             parser.error("--repeats must be between 1 and 20")
         plan = dataclasses.replace(plan, repeats=args.repeats)
+    if not 0 <= args.fast_cap <= 100:
+        parser.error("--fast-cap must be between 0 and 100 (percent of a core)")
+    if args.fast_cap:
+        plan = dataclasses.replace(plan, fast_quota_us=int(args.fast_cap / 100 * SLOW_PERIOD_US))
     res = Results()
     started = time.monotonic()
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="starling-bench-swarm-") as tmp:
