@@ -152,8 +152,9 @@ def _request(trainer: Trainer, outer_step: int) -> Request:
 async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "honest") -> Outcome:
     """`rounds` outer steps of a victim with one partner (honest when `attack` is None)."""
     cfg = train_config()
-    # A short pairing window: once the victim bans the attacker, every round waits it out alone.
-    sync = SyncConfig(wire_dtype="fp32", pair_window_s=1, backoff_s=0.1)
+    # A pairing window long enough for a loaded machine (every round must pair); once the victim has banned
+    # the attacker there is nobody else, so its rounds are solo at once (`anyone_else` below).
+    sync = SyncConfig(wire_dtype="fp32", pair_window_s=5, backoff_s=0.1)
     victim, partner = Trainer(cfg, home / "victim", "victim"), Trainer(cfg, home / "partner", "partner")
     u = torch.randn(victim.numel, generator=torch.Generator().manual_seed(7))
     u /= u.norm()
@@ -164,9 +165,21 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
             await stack.enter_async_context(h.run(LISTEN))
         nursery = await stack.enter_async_context(trio.open_nursery())
         # The attacker runs the same averager with its own checks off: it accepts whatever the victim sends.
-        lax = SyncConfig(wire_dtype="fp32", pair_window_s=1, backoff_s=0.1, clip_ratio=1e6, clip_phi_ratio=1e6, max_delta_ratio=1e6)
-        avs = [Averager(hosts[0], sync, manifest_hash=lambda: "m", max_inner_steps=cfg.inner_steps),
-               Averager(hosts[1], sync if attack is None else lax, manifest_hash=lambda: "m")]
+        lax = SyncConfig(wire_dtype="fp32", pair_window_s=5, backoff_s=0.1, clip_ratio=1e6, clip_phi_ratio=1e6,
+                         max_delta_ratio=1e6)
+        ids = [str(h.get_id()) for h in hosts]
+        avs: list[Averager] = []
+
+        def banned() -> bool:
+            return bool(avs[0].status()["banned"])
+
+        # Each side's only possible partner is the other, until the victim bans the attacker: from then on
+        # both step solo at once instead of waiting out every pairing window (the attacker is told, as it
+        # would learn from the refusals).
+        avs += [Averager(hosts[0], sync, manifest_hash=lambda: "m", max_inner_steps=cfg.inner_steps,
+                         eligible_peers=lambda: [] if banned() else [ids[1]], anyone_else=lambda: not banned()),
+                Averager(hosts[1], sync if attack is None else lax, manifest_hash=lambda: "m",
+                         eligible_peers=lambda: [] if banned() else [ids[0]], anyone_else=lambda: not banned())]
         for a in avs:
             await nursery.start(a.run)
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
