@@ -368,10 +368,13 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.stream = self.task.train_stream()
         self.outer = OuterOptimizer(cfg.outer, OuterHyper(cfg.alpha, cfg.beta, cfg.gamma), self.numel)
-        # fp32 CPU master copies: slow weights, the fast weights at publish time, and scratch space.
+        # fp32 CPU master copies: slow weights and the fast weights at publish time. The worker moves phi
+        # into its shared phi slot (`share_phi`) and lends its Delta slot to the outer step (`apply_result`),
+        # so a single worker keeps no model-sized scratch; `_scratch` is allocated only where it is used
+        # without one (in-process trainers, a worker group's weight broadcast). See bench/memory.py.
         self.phi = torch.empty(self.numel, dtype=torch.float32)
         self.theta_published = torch.empty(self.numel, dtype=torch.float32)
-        self._scratch = torch.empty(self.numel, dtype=torch.float32)
+        self._scratch_buf: torch.Tensor | None = None
         self.gather_theta(self.phi)
 
         self.step = 0  # inner steps taken, ever (the lr schedule and checkpoint names use it)
@@ -399,6 +402,26 @@ class Trainer:
         self.checkpoints = CheckpointStore(ckpt_dir, cfg.checkpoints_keep)
 
     # -- flat views --
+
+    @property
+    def _scratch(self) -> torch.Tensor:
+        """A model-sized fp32 scratch tensor, allocated on first use (a single worker never uses it)."""
+        if self._scratch_buf is None:
+            self._scratch_buf = torch.empty(self.numel, dtype=torch.float32)
+        return self._scratch_buf
+
+    def share_phi(self, buf: torch.Tensor) -> None:
+        """Keep the slow weights in `buf` (the worker's shared phi slot) instead of a private copy.
+
+        Why it is safe: the daemon only reads the phi slot, and only while an exchange is in flight, which
+        lasts from a publish until its result (the supervisor answers only once the exchange has returned,
+        its side-channel threads included); the worker changes phi only when no exchange is in flight
+        (applying a result, adopting a snapshot). The publish's copy of phi into the slot then is a no-op."""
+        if buf.shape != self.phi.shape or buf.dtype != self.phi.dtype:
+            raise ValueError("the phi buffer must be a flat fp32 tensor of the model's size")
+        if buf.data_ptr() != self.phi.data_ptr():
+            buf.copy_(self.phi)
+            self.phi = buf
 
     def gather_theta(self, out: torch.Tensor) -> None:
         """Copy the model's parameters into the flat fp32 CPU tensor `out`."""
@@ -489,6 +512,9 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        # Free the gradients now rather than at the next step: the outer step, evaluation and checkpoint
+        # that may come in between then run without them (4 bytes per parameter less at their peak).
+        self.optimizer.zero_grad(set_to_none=True)
         return total / micro
 
     def reduce_gradients(self, loss_sum: float) -> float:
@@ -533,7 +559,8 @@ class Trainer:
     def publish(self, phi_out: torch.Tensor, delta_out: torch.Tensor) -> Publish:
         """Write phi and Delta = theta - phi (into the shared slots) and remember theta for the rebase."""
         self.gather_theta(self.theta_published)
-        phi_out.copy_(self.phi)
+        if phi_out.data_ptr() != self.phi.data_ptr():  # equal when phi lives in the slot (share_phi)
+            phi_out.copy_(self.phi)
         torch.sub(self.theta_published, self.phi, out=delta_out)
         inner_steps = self.step - self.last_publish_step
         self._publish_before_pending = self.last_publish_step
@@ -580,10 +607,16 @@ class Trainer:
         sum_delta: torch.Tensor | None = None,
         group_outer_step: int | None = None,
         partner_samples: int = 0,
+        scratch: torch.Tensor | None = None,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
         size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
         `sum_delta` are the group's sums over its `group_size` members, this one included.
+
+        `scratch`: a flat fp32 tensor of `numel` elements that the caller lends for our own Delta (the
+        worker lends its Delta slot, which holds that very Delta since the publish and which the daemon
+        no longer reads once the result came); without it, the trainer's own `_scratch`. Afterwards
+        `theta_published` holds the rebased theta (it is rewritten at the next publish).
 
         After a group step the outer-step counter continues from the group's largest one
         (`group_outer_step`), as the partner's does: counters of paired nodes stay together. A solo step
@@ -598,21 +631,32 @@ class Trainer:
             if not (bool(torch.isfinite(sum_phi).all()) and bool(torch.isfinite(sum_delta).all())):
                 log.warning("outer step %d: group sums are not finite; taking a solo step", self.outer_step)
                 group_size = 1
-        own_delta = torch.sub(self.theta_published, self.phi, out=self._scratch)
+        own_delta = torch.sub(self.theta_published, self.phi, out=self._scratch if scratch is None else scratch)
         samples = (self.published_samples, partner_samples) if group_size == 2 and partner_samples > 0 else None
         self.outer.step(self.phi, own_delta, group_size=group_size, sum_phi=sum_phi, sum_delta=sum_delta,
                         samples=samples)
-        # theta <- phi_new + (theta_now - theta_published): keep what was learnt while the exchange ran.
-        theta = self._scratch
-        self.gather_theta(theta)
-        theta.sub_(self.theta_published).add_(self.phi)
-        self.scatter_theta(theta)
+        self._rebase()
         published_at = self.pending
         self.pending = None
         if group_outer_step is not None:
             published_at = max(published_at, group_outer_step)
         self.outer_step = published_at + 1
         return group_size
+
+    def _rebase(self) -> None:
+        """theta <- (theta_now - theta_published) + phi_new: keep what was learnt while the exchange ran.
+
+        Parameter by parameter, in `theta_published` (not needed once the outer step is taken): no
+        model-sized scratch, and the same bits as the flat form."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                theta = self.theta_published[offset : offset + n]
+                torch.sub(p.detach().reshape(-1).to(device="cpu", dtype=torch.float32), theta, out=theta)
+                theta.add_(self.phi[offset : offset + n])
+                p.copy_(theta.view_as(p))
+                offset += n
 
     def evaluate(self) -> float:
         self.val_loss = self.task.evaluate(self.model)
@@ -909,6 +953,7 @@ def _wait_for(chan: WorkerChannel, kind: type, *, timeout: float, stop: _StopFla
 
 def _train(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: _StopFlag) -> int:
     cfg = trainer.cfg
+    trainer.share_phi(slots.phi.tensor)  # one copy of phi, in the slot the daemon sends it from
     meter = _Meter()
     try:
         while not stop.set:
@@ -948,8 +993,9 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
     if msg.adopt:
         _adopt(chan, trainer, msg)
         return
+    # The Delta slot is lent for our own Delta: the exchange is over (see Trainer.apply_result).
     used = trainer.apply_result(msg.group_size, slots.phi_out.tensor, slots.delta_out.tensor, msg.group_outer_step,
-                                partner_samples=msg.partner_samples)
+                                partner_samples=msg.partner_samples, scratch=slots.delta.tensor)
     trainer.set_pace(msg.period_s, msg.shift_s)
     log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
     if trainer.outer_step % trainer.cfg.eval_every == 0:

@@ -596,3 +596,37 @@ def test_a_weighted_pair_result_reaches_the_outer_step(tmp_path: Path) -> None:
     tr.apply_result(2, 2 * phi_old, own_delta + their_delta, partner_samples=partner_samples)
     expected = phi_old + TINY.beta * (0.25 * own_delta + 0.75 * their_delta)
     assert torch.allclose(tr.phi, expected, atol=1e-5)
+
+
+def test_phi_in_the_slot_and_a_lent_scratch_give_the_same_bits_without_a_private_scratch(tmp_path: Path) -> None:
+    """The worker's memory cuts (bench/memory.py): phi kept in the shared phi slot, our own Delta computed in
+    the lent Delta slot and the rebase done in theta_published take the same steps, bit for bit, as the
+    in-process trainer with its own copies; and no model-sized scratch is ever allocated."""
+    plain, lean = Trainer(TINY, tmp_path / "plain", "p"), Trainer(TINY, tmp_path / "lean", "p")
+    assert torch.equal(plain.phi, lean.phi)
+    slot_phi, slot_delta = torch.empty(lean.numel), torch.empty(lean.numel)
+    lean.share_phi(slot_phi)
+    assert lean.phi.data_ptr() == slot_phi.data_ptr()
+    partner_phi = plain.phi + 0.01
+    for _ in range(2):
+        for tr in (plain, lean):
+            while not tr.publish_due():
+                tr.inner_step()
+            assert all(p.grad is None for p in tr.params)  # freed right after the optimizer step
+        plain.publish(torch.empty(plain.numel), torch.empty(plain.numel))
+        lean.publish(slot_phi, slot_delta)
+        assert torch.equal(slot_phi, plain.phi) and torch.equal(slot_delta, plain.theta_published - plain.phi)
+        for tr in (plain, lean):
+            tr.inner_step()  # progress made while the exchange runs, which the rebase keeps
+        theta_now = torch.cat([p.detach().reshape(-1) for p in plain.params])
+        theta_pub = plain.theta_published.clone()
+        sum_phi, sum_delta = plain.phi + partner_phi, slot_delta + 0.02
+        plain.apply_result(2, sum_phi.clone(), sum_delta.clone(), partner_samples=plain.published_samples)
+        lean.apply_result(2, sum_phi.clone(), sum_delta.clone(), partner_samples=lean.published_samples,
+                          scratch=slot_delta)
+        assert torch.equal(plain.phi, lean.phi) and lean.phi.data_ptr() == slot_phi.data_ptr()
+        for a, b in zip(plain.params, lean.params, strict=True):
+            assert torch.equal(a, b)
+        # The flat form of the rebase, theta <- (theta_now - theta_published) + phi, to the bit.
+        assert torch.equal(torch.cat([p.detach().reshape(-1) for p in lean.params]), (theta_now - theta_pub) + plain.phi)
+    assert lean._scratch_buf is None

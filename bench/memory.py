@@ -1,0 +1,396 @@
+"""Peak memory of a trainer for real model sizes: the daemon and its torch worker, in bytes per parameter.
+
+For each size, two real `starling run` daemons on 127.0.0.1 train the default task (node/tasks/stdlib_lm.py,
+sized with train.d_model / train.n_layers) and average with each other: a few inner steps, at least one
+averaged outer step (so the four shared-memory slots and the exchange path are in use), the evaluation and
+the checkpoint that follow it. The peak resident set (`VmHWM` in /proc/PID/status) of each daemon and of
+its worker (`training.pid` in the daemon's status) is read at the end; while the run lasts, the resident
+anonymous and shared-memory parts (`RssAnon`, `RssShmem`) are sampled too, to say which is which.
+
+Bytes per parameter are given two ways: gross (peak / parameters, the fixed cost of Python, torch and
+libp2p included) and marginal (the slope between the two sizes, what each further parameter costs). 1B
+parameters does not fit a 2-core / 24 GB machine with two daemons: its row is extrapolated from the
+measured fixed cost and slope, never measured.
+
+Shared memory is counted in both processes' peaks (both map and touch the slots), so "daemon + worker"
+double-counts it; the "machine" column counts it once.
+
+    .venv/bin/python bench/memory.py                         # 10M and 100M (about 3 minutes on 2 cores)
+    .venv/bin/python bench/memory.py --sizes 10M             # one size
+    .venv/bin/python bench/memory.py --before bench/memory_before.json --write-docs
+                                                             # the `## Memory` section of docs/benchmarks.md
+                                                             # (`make bench-memory`), beside the figures of
+                                                             # the code before the cuts (an earlier --json)
+
+bench/memory_before.json is `--json` of a run on the code before the cuts of issue #15 (a private
+`Trainer.phi`, a model-sized `Trainer._scratch`, gradients kept until the next inner step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.discovery import replace_section  # noqa: E402
+from node.control import SOCKET_FILE, ControlError, request_sync  # noqa: E402
+from node.shm import sweep_orphans  # noqa: E402
+from tests.procs import DaemonProc  # noqa: E402
+
+DOCS = ROOT / "docs" / "benchmarks.md"
+SECTION = "## Memory"
+MIB = 1 << 20
+
+# name -> (d_model, n_layers, n_heads): the default task at about 10M and 100M parameters.
+SIZES: dict[str, tuple[int, int, int]] = {"10M": (512, 3, 8), "100M": (1024, 8, 16)}
+SEQ_LEN = 32
+TIMEOUT_S = {"10M": 240.0, "100M": 540.0}  # the whole run of one size, start-up included
+EXTRAPOLATE = 1_000_000_000
+
+# Small batches (a 100M step is seconds on one CPU thread), H = 3, a checkpoint after every outer step (so
+# its transient memory is in the peak), outer steps every H steps of this machine (no pace to wait for).
+TRAIN_SETS = {
+    "train.seq_len": SEQ_LEN, "train.batch_size": 2, "train.inner_steps": 3, "train.max_lag": 2,
+    "train.warmup": 1, "train.total_steps": 1000, "train.eval_batches": 1, "train.checkpoint_every": 1,
+    "train.data_bytes": 1_000_000, "train.threads": 1, "train.exchange_timeout": 300,
+    "sync.pace": "steps", "sync.max_step_gap": 50,
+}
+
+
+def param_count(d: int, n_layers: int) -> int:
+    """Parameters of node/tasks/stdlib_lm.py's ByteTransformer (256-byte vocabulary, untied head)."""
+    vocab = 256
+    block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    return vocab * d + SEQ_LEN * d + n_layers * block + 2 * d + d * vocab
+
+
+@dataclass
+class Proc:
+    """One process's memory: the peak RSS (VmHWM) and the largest anonymous / shared parts sampled."""
+
+    pid: int = 0
+    hwm: int = 0  # bytes
+    anon: int = 0
+    shmem: int = 0
+
+    def sample(self) -> None:
+        fields = read_status(self.pid)
+        if fields:
+            self.hwm = max(self.hwm, fields.get("VmHWM", 0))
+            self.anon = max(self.anon, fields.get("RssAnon", 0))
+            self.shmem = max(self.shmem, fields.get("RssShmem", 0))
+
+
+@dataclass
+class Row:
+    size: str
+    params: int
+    daemon: Proc = field(default_factory=Proc)
+    worker: Proc = field(default_factory=Proc)
+    averaged: int = 0
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> int:
+        return self.daemon.hwm + self.worker.hwm
+
+    @property
+    def machine(self) -> int:
+        """Daemon + worker with the shared slots counted once."""
+        return self.total - min(self.daemon.shmem, self.worker.shmem)
+
+
+def read_status(pid: int) -> dict[str, int]:
+    """The kB fields of /proc/PID/status, in bytes ({} if the process is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        parts = value.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            out[key] = int(parts[0]) * 1024
+    return out
+
+
+def status(d: DaemonProc) -> dict[str, Any] | None:
+    if d.proc is None or d.proc.poll() is not None:
+        return None
+    try:
+        answer = request_sync(d.home / SOCKET_FILE, {"cmd": "status"}, timeout=5.0)
+    except (ControlError, OSError, ValueError):
+        return None
+    return answer.get("status") if answer.get("ok") else None
+
+
+def set_args(d_model: int, n_layers: int, n_heads: int) -> list[str]:
+    sets = {**TRAIN_SETS, "train.d_model": d_model, "train.n_layers": n_layers, "train.n_heads": n_heads}
+    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def kill(d: DaemonProc, worker_pid: int | None) -> None:
+    """SIGKILL the worker first (a worker that sees its daemon go writes a final checkpoint), then the
+    daemon; wait for both."""
+    if worker_pid:
+        try:
+            os.kill(worker_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if d.proc is not None and d.proc.poll() is None:
+        d.proc.kill()
+        d.proc.wait(30)
+    if worker_pid:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and Path(f"/proc/{worker_pid}").exists():
+            time.sleep(0.1)
+
+
+def measure(size: str, root: Path) -> Row:
+    """Two daemons training the default task at `size`, until both have averaged an outer step and written
+    the checkpoint after it; the busier node's figures (each process's larger peak of the two)."""
+    d_model, n_layers, n_heads = SIZES[size]
+    row = Row(size, param_count(d_model, n_layers))
+    swarm = f"mem-{uuid.uuid4().hex[:8]}"
+    common = ["--listen", "/ip4/127.0.0.1/tcp/0", "--swarm", swarm, "--set", "sync.datapath_port=0",
+              *set_args(d_model, n_layers, n_heads)]
+    addr = root / "a.addr"
+    nodes = [DaemonProc(root / "a", [*common, "--addr-file", str(addr)]),
+             DaemonProc(root / "b", [*common, "--bootstrap-file", str(addr)])]
+    procs = [(Proc(), Proc()) for _ in nodes]  # (daemon, worker) per node
+    workers: list[int | None] = [None, None]
+    began = time.monotonic()
+    deadline = began + TIMEOUT_S[size]
+    try:
+        for d in nodes:
+            d.start()
+        for (dp, _), d in zip(procs, nodes, strict=True):
+            dp.pid = d.proc.pid
+        ckpt_after: list[int | None] = [None, None]  # a checkpoint step seen once the node had averaged
+        done = [False, False]
+        while not all(done):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{size}: no averaged outer step and checkpoint within {TIMEOUT_S[size]:.0f} s:\n"
+                                 + "\n".join(d.log()[-2000:] for d in nodes))
+            for i, d in enumerate(nodes):
+                if d.proc.poll() is not None:
+                    raise SystemExit(f"{size}: daemon {d.home.name} exited with {d.proc.returncode}:\n{d.log()[-3000:]}")
+                st = status(d)
+                tr = (st or {}).get("training") or {}
+                pid = tr.get("pid")
+                if pid:
+                    if workers[i] not in (None, pid):
+                        raise SystemExit(f"{size}: the worker of {d.home.name} restarted ({tr.get('error')})")
+                    workers[i] = procs[i][1].pid = int(pid)
+                for p in procs[i]:
+                    if p.pid:
+                        p.sample()
+                group = int((tr.get("exchanges") or {}).get("group", 0))
+                ckpt = tr.get("checkpoint_step")
+                if group >= 1 and not done[i]:
+                    if ckpt_after[i] is None:
+                        ckpt_after[i] = -1 if ckpt is None else int(ckpt)
+                    elif ckpt is not None and int(ckpt) > ckpt_after[i]:
+                        done[i] = True
+                        row.averaged = max(row.averaged, group)
+            time.sleep(0.25)
+        for _ in range(4):  # a second more of sampling, then the peaks
+            for pair in procs:
+                for p in pair:
+                    p.sample()
+            time.sleep(0.25)
+    finally:
+        for i, d in enumerate(nodes):
+            kill(d, workers[i])
+        sweep_orphans()
+    row.seconds = time.monotonic() - began
+    pick = max(procs, key=lambda pair: pair[0].hwm + pair[1].hwm)
+    row.daemon, row.worker = pick
+    return row
+
+
+# --- the report -------------------------------------------------------------------------------------------
+
+
+def per_param(n_bytes: float, params: int) -> str:
+    return f"{n_bytes / params:.1f}"
+
+
+def fit(rows: list[Row], key: str) -> tuple[float, float] | None:
+    """(fixed bytes, bytes per parameter) of a line through the two sizes, or None with fewer."""
+    if len(rows) < 2:
+        return None
+    a, b = rows[0], rows[-1]
+    ya, yb = value(a, key), value(b, key)
+    slope = (yb - ya) / (b.params - a.params)
+    return ya - slope * a.params, slope
+
+
+def value(r: Row, key: str) -> float:
+    return {"daemon": r.daemon.hwm, "worker": r.worker.hwm, "total": r.total, "machine": r.machine}[key]
+
+
+KEYS = ("daemon", "worker", "total", "machine")
+
+
+def table(rows: list[Row]) -> list[str]:
+    out = ["| model | parameters | daemon peak MiB (B/param) | worker peak MiB (B/param) | daemon + worker MiB "
+           "(B/param) | machine, shared slots once, MiB (B/param) | shared slots in each MiB |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{value(r, k) / MIB:,.0f} ({per_param(value(r, k), r.params)})" for k in KEYS]
+        out.append(f"| {r.size} (measured) | {r.params:,} | " + " | ".join(cells)
+                   + f" | {min(r.daemon.shmem, r.worker.shmem) / MIB:,.0f} |")
+    fits = {k: fit(rows, k) for k in KEYS}
+    if all(fits.values()):
+        slope_cells = [f"+{fits[k][1]:.1f} B/param over {fits[k][0] / MIB:,.0f} MiB fixed" for k in KEYS]  # type: ignore[index]
+        out.append("| marginal (slope 10M -> 100M) | | " + " | ".join(slope_cells) + " | |")
+        cells = []
+        for k in KEYS:
+            fixed, slope = fits[k]  # type: ignore[misc]
+            y = fixed + slope * EXTRAPOLATE
+            cells.append(f"{y / MIB:,.0f} ({per_param(y, EXTRAPOLATE)})")
+        out.append(f"| **1B (extrapolated, not measured)** | {EXTRAPOLATE:,} | " + " | ".join(cells) + " | |")
+    return out
+
+
+# The copies per parameter the code keeps (fp32 = 4 bytes), before and after this benchmark's cuts: (process,
+# what, B/param before, after, where the peak is). The peak of a single worker is the AdamW step: the
+# gradients, the optimizer's state and its one temporary are all alive then, beside every master copy.
+ACCOUNTING = [
+    ("worker", "model parameters (the fast weights theta)", "4", "4"),
+    ("worker", "gradients (backward until zero_grad: before, the next inner step; after, right after the "
+               "optimizer step, so not during the outer step, evaluation and checkpoint)", "4", "4"),
+    ("worker", "AdamW state (exp_avg, exp_avg_sq)", "8", "8"),
+    ("worker", "AdamW step temporary (torch's foreach AdamW: sqrt(exp_avg_sq), during the step only)", "4", "4"),
+    ("worker", "slow weights phi (`Trainer.phi`): after, kept in the shared phi slot (`share_phi`)", "4", "0"),
+    ("worker", "theta at publish (`Trainer.theta_published`)", "4", "4"),
+    ("worker", "scratch (`Trainer._scratch`): after, own Delta in the Delta slot, rebase in theta_published",
+     "4", "0"),
+    ("worker", "outer momentum (node/outer.py)", "4", "4"),
+    ("worker", "NoLoCo pull temporary `sum_phi - n*phi` (node/outer.py, outer step only; grads are freed "
+               "by then after the cut, so it no longer adds to the peak)", "4", "4"),
+    ("worker", "checkpoint write (torch.save streams each tensor's storage)", "~0", "~0"),
+    ("both", "shared slots phi, Delta, phi_out, Delta_out (node/shm.py), resident in both processes", "16", "16"),
+    ("daemon", "exchange buffers (protocols/avg.py, codec.py: one 1 MiB frame and chunk-sized scratch)", "~0", "~0"),
+]
+
+
+def accounting() -> list[str]:
+    out = ["| process | what | fp32 B/param before | after |", "|---|---|---|---|"]
+    out += [f"| {p} | {what} | {b} | {a} |" for p, what, b, a in ACCOUNTING]
+    out.append("| **worker, at its peak (the AdamW step)** | params + grads + AdamW + its temporary + master "
+               "copies + slots | 4+4+8+4 + 16 + 16 = **52** | 4+4+8+4 + 8 + 16 = **44** |")
+    out.append("| **worker, during the outer step** | | 4+4+8 + 16 + 4 + 16 = 52 | 4+8 + 8 + 4 + 16 = 40 |")
+    out.append("| **daemon** | the shared slots | **16** | **16** |")
+    return out
+
+
+def render(rows: list[Row], before: list[Row] | None, command: str) -> str:
+    parts = [SECTION,
+             f"`{command}`: two `starling run` daemons on 127.0.0.1 train the default task "
+             f"(node/tasks/stdlib_lm.py; sizes via `train.d_model` / `train.n_layers`; batch "
+             f"{TRAIN_SETS['train.batch_size']} x {SEQ_LEN} bytes, H = {TRAIN_SETS['train.inner_steps']}, fp32 on "
+             "CPU, AdamW) until each has averaged an outer step with the other and written the checkpoint "
+             "after it. Peak RSS is `VmHWM` of /proc/PID/status of the daemon and of its worker (of the node "
+             "whose two peaks sum higher); B/param = peak / parameters, the fixed cost of Python, torch, "
+             "libp2p and the data included. The shared slots are resident in both processes and so counted "
+             "in both peaks; the machine column counts them once. The marginal row is the slope between the "
+             "two sizes: what each further parameter costs, the figure to size a machine by. **1B is "
+             "extrapolated, not measured** (fixed + slope x 1B): two daemons at 1B do not fit this 2-core, "
+             "24 GB machine, so it was not run.",
+             "### After\n\n" + "\n".join(table(rows))]
+    if before:
+        parts.append("### Before (the same benchmark on the code before the cuts)\n\n" + "\n".join(table(before)))
+    parts.append("### Where the bytes go\n\n"
+                 "Expected fp32 copies per parameter, from the code, to read beside the measured marginal "
+                 "figures (the inner step's activations grow with batch x seq_len, not with the parameters, "
+                 "and are small here):\n\n" + "\n".join(accounting()) + "\n\n"
+                 "Measured against expected: the daemon's marginal 16.0 B/param is exactly the four slots; "
+                 "the worker's lies 1 to 4 B/param above the table and moves by about 2.5 B/param from run "
+                 "to run of the same code (two runs after the cuts gave 44.9 and 47.4): a high-water mark "
+                 "also catches freed gradients and temporaries that the allocator has not returned to the "
+                 "system yet, more or fewer of them depending on timing.")
+    parts.append("What was cut (8 B/param of the worker's peak, 12 B/param during its outer step), each giving "
+                 "the same bits as before (tests/test_worker.py):\n\n"
+                 "- `Trainer._scratch`: the outer step's own Delta is recomputed into the worker's Delta slot, "
+                 "which holds exactly that Delta since the publish; the rebase `theta <- (theta_now - "
+                 "theta_published) + phi` runs parameter by parameter in `theta_published`, which the next "
+                 "publish rewrites anyway. A trainer used in-process without slots (tests, bench/adversary.py) "
+                 "or a worker group (which broadcasts theta through it) allocates the scratch on first use.\n"
+                 "- The private copy of phi: the worker keeps phi in its shared phi slot (`Trainer.share_phi`), "
+                 "and the publish's copy into the slot becomes a no-op.\n"
+                 "- The gradients are freed right after the optimizer step instead of at the next one, so the "
+                 "outer step, the evaluation and the checkpoint run without them.\n\n"
+                 "Why the slots may be used so: the daemon reads phi and Delta (and writes the sums) only while "
+                 "an exchange is in flight, from a publish until its result, and the supervisor sends the "
+                 "result only once the exchange has returned, its side-channel threads included "
+                 "(`SecureChannel.run_in_threads` returns only after both stopped; a worker's death cancels and "
+                 "awaits its exchange before a new worker starts). The worker changes phi and the Delta slot "
+                 "only after a result.\n\n"
+                 "Not cut, and why: the daemon holds no model-sized buffer of its own (the exchange decodes "
+                 "into the shared outputs chunk by chunk), so its 16 B/param are the slots themselves; "
+                 "`theta_published` is needed for the rebase (phi + Delta does not give theta's bits back); "
+                 "the NoLoCo pull's temporary (node/outer.py) could go into the phi_out slot, free by then, but "
+                 "it no longer sets the peak; the AdamW temporary is torch's (`foreach=False` would trade it "
+                 "for speed).")
+    return "\n\n".join(parts) + "\n"
+
+
+def load_rows(path: Path) -> list[Row]:
+    rows = []
+    for obj in json.loads(path.read_text()):
+        rows.append(Row(obj["size"], obj["params"], Proc(**obj["daemon"]), Proc(**obj["worker"]),
+                        obj.get("averaged", 0), obj.get("seconds", 0.0)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated: {', '.join(SIZES)}")
+    ap.add_argument("--json", type=Path, help="also write the measured rows to this JSON file")
+    ap.add_argument("--before", type=Path, help="an earlier run's --json, shown as the 'before' table")
+    ap.add_argument("--write-docs", action="store_true", help=f"write the `{SECTION}` section of {DOCS.name}")
+    args = ap.parse_args(argv)
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown or not sizes:
+        ap.error(f"--sizes: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(SIZES)}")
+    before = load_rows(args.before) if args.before else None
+    rows = []
+    for size in sizes:
+        root = Path(tempfile.mkdtemp(prefix=f"starling-mem-{size}-"))
+        try:
+            r = measure(size, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        rows.append(r)
+        print(f"{size}: {r.params:,} params in {r.seconds:.0f} s: daemon {r.daemon.hwm / MIB:,.0f} MiB, worker "
+              f"{r.worker.hwm / MIB:,.0f} MiB ({r.total / r.params:.1f} B/param together; shared slots "
+              f"{r.worker.shmem / MIB:,.0f} MiB in each)", file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(r)} for r in rows], indent=1))
+    command = ("python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    text = render(rows, before, command)
+    print(text)
+    if args.write_docs:
+        replace_section(DOCS, SECTION, text)
+        print(f"written to {DOCS}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
