@@ -68,12 +68,13 @@ def matching(members: Iterable[str], round_no: int, speeds: Mapping[str, float] 
         pairs[bye] = BYE
         names.remove(bye)
     tiers = {n: speed_tier((speeds or {}).get(n)) for n in names}
-    order = _rng("round", round_no, *names)
+    rng = _rng("round", round_no, *names)
     if len(set(tiers.values())) > 1 and _rng("tiered", round_no, *names).random() < TIER_SHARE:
-        names = [n for t in sorted(set(tiers.values()), reverse=True) for n in _shuffled(
-            [m for m in names if tiers[m] == t], order)]
+        # Like speeds: each tier shuffled, tiers laid out fastest first, neighbours pair.
+        names = [n for t in sorted(set(tiers.values()), reverse=True)
+                 for n in _shuffled([m for m in names if tiers[m] == t], rng)]
     else:
-        order.shuffle(names)
+        rng.shuffle(names)
     for a, b in zip(names[0::2], names[1::2], strict=True):
         pairs[a], pairs[b] = b, a
     return pairs
