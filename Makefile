@@ -49,8 +49,10 @@ test-fast: install
 test-long: install
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
+# ruff, then the import layers (pyproject.toml's [tool.importlinter] contracts: p2p <- protocols <- node).
 lint: install
 	$(VENV)/bin/ruff check p2p protocols node tests bench
+	$(VENV)/bin/lint-imports
 
 # Benchmarks print ratios measured in one run and write their sections of docs/benchmarks.md.
 bench: install
@@ -108,4 +110,4 @@ swarm-down:
 	$(COMPOSE) -f docker/docker-compose.yml down
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .import_linter_cache .hypothesis

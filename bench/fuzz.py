@@ -92,9 +92,7 @@ from p2p.datapath import (  # noqa: E402
     SecureChannel,
     connect_datapath,
 )
-from protocols import avg, dialback, state  # noqa: E402
-from protocols.codec import ChunkPlan, get_codec, recv_tensor  # noqa: E402
-from protocols.wire import (  # noqa: E402
+from p2p.wire import (  # noqa: E402
     FRAME_DATA,
     FRAME_HEADER,
     PlainFrameChannel,
@@ -104,6 +102,8 @@ from protocols.wire import (  # noqa: E402
     recv_msg,
     to_map,
 )
+from protocols import avg, dialback, state  # noqa: E402
+from protocols.codec import ChunkPlan, get_codec, recv_tensor  # noqa: E402
 
 #: Longest any single input may take before it counts as a hang (every input ends in EOF, so no
 #: decoder has a reason to wait for anything).
@@ -121,7 +121,7 @@ class Violation(AssertionError):
 # Inputs: seeds and mutations
 # --------------------------------------------------------------------------------------------------
 
-#: One piece of a seed. ``msg``: a u32-length-prefixed msgpack message (protocols.wire framing);
+#: One piece of a seed. ``msg``: a u32-length-prefixed msgpack message (p2p.wire framing);
 #: ``doc``: a bare msgpack document (records, digests, files); ``toml``: a TOML document; ``raw``: bytes.
 Part = tuple[str, Any]
 Seed = list[Part]
@@ -372,7 +372,7 @@ class Mutator:
 
 
 class ScriptedStream:
-    """A :class:`protocols.wire.ByteStream` that serves ``data`` in reads of at most ``chunk`` bytes,
+    """A :class:`p2p.wire.ByteStream` that serves ``data`` in reads of at most ``chunk`` bytes,
     then EOF, and records what is written to it."""
 
     def __init__(self, data: bytes, *, chunk: int = 1021) -> None:
@@ -593,7 +593,7 @@ class Target:
         return f"{type(exc).__name__}:{_category(str(exc))}"
 
 
-# -- protocols.wire and protocols.codec (fuzzed in their own tests too) -----------------------------
+# -- p2p.wire and protocols.codec (fuzzed in their own tests too) ---------------------------------
 
 
 class WireDecodeMsg(Target):

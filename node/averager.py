@@ -62,14 +62,14 @@ from typing import Any
 import msgpack
 import trio
 from libp2p.peer.id import ID
-
 from node.pairing import scheduled_partner
 from node.robust import UpdateBound
 from node.sync_config import SyncConfig
 from p2p.datapath import DataPathListener
+
+from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
 from protocols.avg import Declined, Rejected, Tensors
-from protocols.wire import ProtocolError, close_quietly
 
 log = logging.getLogger("starling.averager")
 
@@ -178,7 +178,7 @@ class Averager:
         self.manifest_hash = manifest_hash
         self.eligible_peers = eligible_peers
         self.metrics = metrics
-        self.path_of = path_of  # direct | hole-punched | relayed | none (p2p/nat.py)
+        self.path_of = path_of  # direct | hole-punched | relayed | none (node/nat.py)
         self.on_transfer = on_transfer
         # Behind a NAT our side-channel port cannot be reached: offering it would cost the partner a
         # connect timeout on every round before it falls back to the libp2p stream.

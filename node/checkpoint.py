@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from node.fsutil import PRIVATE_FILE_MODE, open_private, private_dir
+from p2p.fsutil import PRIVATE_FILE_MODE, open_private, private_dir
 
 log = logging.getLogger("starling.checkpoint")
 

@@ -254,9 +254,9 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from node.config import ConfigError, load_config, resolve_home, unknown_environment
-    from node.fsutil import unwritable_reason
     from node.lock import HomeLock, LockError
     from node.logs import setup_logging
+    from p2p.fsutil import unwritable_reason
     from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
 
     home = resolve_home(args.home)

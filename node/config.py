@@ -21,6 +21,8 @@ from typing import Any, get_type_hints
 
 import tomli_w
 
+from node.config_base import opt
+
 CONFIG_FILE = "config.toml"
 ENV_PREFIX = "STARLING_"
 #: STARLING_* variables that are not options (unknown_environment warns about any other).
@@ -29,13 +31,6 @@ NON_OPTION_VARIABLES = frozenset({"STARLING_HOME"})
 
 class ConfigError(Exception):
     """A bad option value or config file; the message names the option (one line, no traceback)."""
-
-
-def opt(default: Any, help: str, **kw: Any) -> Any:
-    """A config field with a default and a one-line help text."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass

@@ -33,11 +33,11 @@ from node.averager import Averager
 from node.config import Config
 from node.control import SOCKET_FILE, serve_control
 from node.crdt import Manifest, ManifestAuthority
-from node.fsutil import atomic_write_bytes, tighten_private_folders
 from node.history import HISTORY_FILE, HistoryError, LossHistory
 from node.latejoin import CatchUp, late_join, progress_view, snapshot_source
 from node.logs import log_summary_loop
 from node.metrics import Metrics, serve_metrics
+from node.nat import NatConfig, NatService
 from node.replicator import (
     MANIFEST_PIN_FILE,
     STATE_FILE,
@@ -52,9 +52,9 @@ from p2p.auth import SWARM_KEY_FILE, AccessControl, SwarmKeyError, read_swarm_ke
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
 from p2p.connmgr import ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
+from p2p.fsutil import atomic_write_bytes, tighten_private_folders
 from p2p.host import build_host, foreign_listeners, port_in_use
 from p2p.identity import peer_id_of
-from p2p.nat import NatConfig, NatService
 from p2p.netgroup import SubnetStreamLimits
 from protocols.dialback import PROTOCOL_ID as DIALBACK_PROTOCOL
 from protocols.snapshot import PROTOCOL_ID as SNAPSHOT_PROTOCOL

@@ -52,7 +52,7 @@ CONNECT_TIMEOUT_S = 3.0  # per bootstrap address, DNS included
 STATUS_TIMEOUT_S = 5.0  # a daemon that does not answer within this is reported as wedged
 SKEW_WARN_S = 2.0
 SKEW_ERROR_S = 60.0
-HLC_MAX_DRIFT_S = 600.0  # node/hlc.py rejects records stamped further ahead than this
+HLC_MAX_DRIFT_S = 600.0  # protocols/hlc.py rejects records stamped further ahead than this
 DELIVERY_ALLOWANCE_S = 1.0  # gossip delay assumed when a heartbeat's receipt time is known
 MANY_RESTARTS = 3
 SOLO_SHARE_WARN = 0.5  # own recent outer steps without a partner, above which mixing is too weak
@@ -177,7 +177,7 @@ def check_home(home: Path) -> list[Finding]:
     """HOME is writable by this user: the daemon creates its lock, control socket, state, history and
     checkpoints there, and refuses to start otherwise. Asked with access(2), nothing is written. A missing
     HOME is the identity check's finding (`run` creates it)."""
-    from node.fsutil import unwritable_reason
+    from p2p.fsutil import unwritable_reason
 
     if not home.is_dir():
         return []

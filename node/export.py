@@ -34,8 +34,8 @@ import torch
 
 from node.checkpoint import CheckpointError, list_checkpoints, read_checkpoint
 from node.config import Config
-from node.fsutil import unwritable_reason
 from node.task import TaskError, layout_hash, load_task, model_hash, param_layout, task_context
+from p2p.fsutil import unwritable_reason
 
 FORMATS = ("safetensors", "torch", "hf")
 WEIGHT_FILES = {"safetensors": "model.safetensors", "torch": "model.pt"}

@@ -42,7 +42,7 @@ from typing import Any
 
 import msgpack
 
-from node.fsutil import atomic_write_bytes
+from p2p.fsutil import atomic_write_bytes
 
 #: Name of the history file inside a node's HOME directory.
 HISTORY_FILE = "history.msgpack"

@@ -29,8 +29,8 @@ import trio
 from libp2p.peer.id import ID
 
 from node.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from node.fsutil import private_dir
 from node.sync_config import SyncConfig
+from p2p.fsutil import private_dir
 from protocols.snapshot import PROTOCOL_ID, JoinDownload, Snapshot, combine
 
 if TYPE_CHECKING:

@@ -82,11 +82,11 @@ from node.crdt import (
     StateFileError,
     SwarmState,
 )
-from node.fsutil import atomic_write_bytes
+from p2p.fsutil import atomic_write_bytes
 from p2p.netgroup import group_of, peer_ip, stream_ip
+from p2p.wire import LibP2PByteStream, ProtocolError
 from protocols import state as protocol
 from protocols.state import LocalInfo, SyncRefused
-from protocols.wire import LibP2PByteStream, ProtocolError
 
 log = logging.getLogger("starling.replicator")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node.config import opt
+from node.config_base import opt
 
 WIRE_DTYPES = ("fp32", "bf16", "int8")
 PACES = ("swarm", "steps")

@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from node.config import opt
+from node.config_base import opt
 
 # "package.module:function" - the factory that builds the task (see node/task.py).
 _TASK_SPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")

@@ -23,8 +23,8 @@ How it is secured, in order:
    replayed, reordered, dropped, truncated or tampered frame fails authentication; a clean end of
    stream is itself an authenticated CLOSE frame, so cutting the TCP connection cannot pass for one.
 
-Where no direct path exists, callers use :class:`protocols.wire.PlainFrameChannel` over a libp2p
-stream instead; both implement :class:`protocols.wire.FrameChannel`.
+Where no direct path exists, callers use :class:`p2p.wire.PlainFrameChannel` over a libp2p
+stream instead; both implement :class:`p2p.wire.FrameChannel`.
 
 Small frames (handshake, tests) go through the async methods on the trio thread. A bulk transfer runs
 in two OS threads, one per direction, with blocking socket calls (:meth:`SecureChannel.run_in_threads`):
@@ -53,7 +53,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from protocols.wire import (
+from p2p.wire import (
     DEFAULT_MAX_FRAME,
     FRAME_CLOSE,
     FRAME_DATA,
@@ -188,7 +188,7 @@ def _nonce(counter: int) -> bytes:
 
 
 class SecureChannel:
-    """An AES-256-GCM framed channel over a TCP stream (implements ``protocols.wire.FrameChannel``).
+    """An AES-256-GCM framed channel over a TCP stream (implements ``p2p.wire.FrameChannel``).
 
     One task may send while another receives (the exchange streams both ways at once, and must, or
     both sides' socket buffers fill and the transfer deadlocks). Once any operation fails, the channel

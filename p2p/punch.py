@@ -22,7 +22,7 @@ import socket
 
 import trio
 
-from protocols.wire import ProtocolError, Reason
+from p2p.wire import ProtocolError, Reason
 
 __all__ = ["PunchSocket", "simultaneous_open"]
 

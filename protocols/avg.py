@@ -32,7 +32,6 @@ from typing import ClassVar
 
 import torch
 import trio
-
 from p2p.datapath import (
     BlockingFrames,
     DataPathListener,
@@ -54,7 +53,8 @@ from protocols.codec import (
     send_tensor,
     send_tensor_blocking,
 )
-from protocols.wire import (
+
+from p2p.wire import (
     FrameChannel,
     LibP2PByteStream,
     PlainFrameChannel,

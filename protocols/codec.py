@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocols.wire import DEFAULT_MAX_FRAME, Buffer, FrameChannel, ProtocolError, Reason
+from p2p.wire import DEFAULT_MAX_FRAME, Buffer, FrameChannel, ProtocolError, Reason
 
 __all__ = [
     "DEFAULT_INT8_BLOCK",

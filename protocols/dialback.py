@@ -5,7 +5,7 @@ a NAT is told it is public (shared/design/py-libp2p-notes.md, pitfall 7). Here t
 *throwaway host with a fresh key*, which has no connection to anyone, so the only way its dial can arrive
 is through the asker's address from the outside, exactly what a future peer would have to do.
 
-Protocol ``/starling/dialback/1.0.0`` (msgpack messages framed by :mod:`protocols.wire`)::
+Protocol ``/starling/dialback/1.0.0`` (msgpack messages framed by :mod:`p2p.wire`)::
 
     asker  --DialbackRequest{nonce, addrs}-->  helper            (existing connection)
     helper's throwaway host  --DialbackProbe{nonce}-->  asker    (NEW connection, fresh key)
@@ -50,7 +50,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 
 from p2p.host import build_host
-from protocols.wire import LibP2PByteStream, ProtocolError, recv_as, send_msg, spec
+from p2p.wire import LibP2PByteStream, ProtocolError, recv_as, send_msg, spec
 
 log = logging.getLogger("starling.dialback")
 

@@ -26,9 +26,8 @@ from typing import Any, ClassVar
 import torch
 import trio
 
-from node.fsutil import open_private, private_dir
-from protocols.codec import tensor_bytes
-from protocols.wire import (
+from p2p.fsutil import open_private, private_dir
+from p2p.wire import (
     LibP2PByteStream,
     PlainFrameChannel,
     ProtocolError,
@@ -38,6 +37,7 @@ from protocols.wire import (
     send_msg,
     spec,
 )
+from protocols.codec import tensor_bytes
 
 log = logging.getLogger("starling.snapshot")
 

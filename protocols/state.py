@@ -37,7 +37,8 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import trio
 from libp2p.custom_types import TProtocol
 
-from node.crdt import (
+from p2p.wire import ByteStream, ProtocolError, Reason, recv_as, send_msg, spec
+from protocols.record import (
     MAX_ENVELOPE_BYTES,
     MAX_HASH_CHARS,
     ApplyResult,
@@ -45,7 +46,6 @@ from node.crdt import (
     decode_digest,
     encode_digest,
 )
-from protocols.wire import ByteStream, ProtocolError, Reason, recv_as, send_msg, spec
 
 __all__ = [
     "BUSY",
@@ -116,7 +116,7 @@ class Hello:
     version: str = spec(max_len=_MAX_VERSION_CHARS)
     swarm: str = spec(min_len=1, max_len=_MAX_SWARM_CHARS)
     manifest_hash: str = spec(max_len=MAX_HASH_CHARS)  # "" while the sender knows no manifest
-    digest: bytes = spec()  # node.crdt.encode_digest(); bounded by the message size limit
+    digest: bytes = spec()  # protocols.record.encode_digest(); bounded by the message size limit
 
 
 @dataclass(frozen=True)

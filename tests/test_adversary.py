@@ -44,8 +44,6 @@ from node.crdt import (
     peer_id_of,
     sign_record,
 )
-from node.fsutil import tighten_private_folders
-from node.hlc import Timestamp
 from node.replicator import (
     DeliveredReplica,
     StateReplicator,
@@ -53,12 +51,14 @@ from node.replicator import (
     write_manifest_pin,
 )
 from p2p.connmgr import ConnManager
+from p2p.fsutil import tighten_private_folders
 from p2p.host import build_host
 from p2p.netgroup import SubnetStreamLimits, group_of
+from p2p.wire import LibP2PByteStream, TrioByteStream, recv_as, send_msg
 from protocols import snapshot as snap
 from protocols import state as protocol
+from protocols.hlc import Timestamp
 from protocols.state import LocalInfo
-from protocols.wire import LibP2PByteStream, TrioByteStream, recv_as, send_msg
 
 SWARM = "adversary"
 MANIFEST = Manifest("stdlib-lm", "a" * 64, "b" * 64, 1)

@@ -264,7 +264,7 @@ async def test_a_5x_norm_update_is_clipped_to_the_bound_and_still_averaged() -> 
 async def test_a_partner_that_stops_mid_transfer_costs_one_solo_step_and_no_update() -> None:
     from p2p.datapath import KeyAgreement
     from protocols import avg
-    from protocols.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
+    from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
 
     cfg = SyncConfig(wire_dtype="fp32", pair_window_s=3, datapath=False)
     hosts = [build_host(create_new_key_pair()) for _ in range(2)]

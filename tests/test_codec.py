@@ -11,6 +11,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from p2p.wire import PlainFrameChannel, ProtocolError, Reason, TrioByteStream
 from protocols.codec import (
     Bf16Codec,
     ChunkPlan,
@@ -23,7 +24,6 @@ from protocols.codec import (
     send_tensor,
     tensor_bytes,
 )
-from protocols.wire import PlainFrameChannel, ProtocolError, Reason, TrioByteStream
 
 torch.set_num_threads(1)
 

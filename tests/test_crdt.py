@@ -1,4 +1,4 @@
-"""Unit tests for the swarm-state CRDT (node/crdt.py) and its hybrid logical clock (node/hlc.py)."""
+"""Unit tests for the swarm-state CRDT (node/crdt.py) and its hybrid logical clock (protocols/hlc.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from node.crdt import (
     peer_id_of,
     sign_record,
 )
-from node.hlc import MAX_LOGICAL, ClockSkewError, HybridLogicalClock, Timestamp
+from protocols.hlc import MAX_LOGICAL, ClockSkewError, HybridLogicalClock, Timestamp
+from protocols.record import _record_to_wire
 
 # Key generation is cheap but deterministic keys make failures reproducible.
 KEYS: list[KeyPair] = [create_new_key_pair(bytes([i + 1]) * 32) for i in range(8)]
@@ -66,7 +67,7 @@ def signed_envelope(body: bytes, key: KeyPair) -> bytes:
 
 
 def member_wire(**overrides: Any) -> dict[str, Any]:
-    wire = crdt._record_to_wire(MemberRecord(PIDS[0], Timestamp(1, 0)))
+    wire = _record_to_wire(MemberRecord(PIDS[0], Timestamp(1, 0)))
     wire.update(overrides)
     return wire
 

@@ -29,7 +29,7 @@ from node.crdt import (
     peer_id_of,
     sign_record,
 )
-from node.hlc import Timestamp
+from protocols.hlc import Timestamp
 
 # Keys are made once per module; authors write records, observers own the replicas.
 AUTHORS: list[KeyPair] = [create_new_key_pair(bytes([0x40 + i]) * 32) for i in range(4)]

@@ -21,6 +21,13 @@ from p2p.datapath import (
     connect_datapath,
     new_session_id,
 )
+from p2p.wire import (
+    PlainFrameChannel,
+    ProtocolError,
+    Reason,
+    TrioByteStream,
+    read_exactly,
+)
 from protocols.codec import (
     ChunkPlan,
     get_codec,
@@ -28,13 +35,6 @@ from protocols.codec import (
     recv_tensor_blocking,
     send_tensor,
     send_tensor_blocking,
-)
-from protocols.wire import (
-    PlainFrameChannel,
-    ProtocolError,
-    Reason,
-    TrioByteStream,
-    read_exactly,
 )
 
 torch.set_num_threads(1)
@@ -568,7 +568,7 @@ async def test_keys_agreed_over_a_libp2p_stream_open_the_side_channel_and_the_fa
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
     from p2p.host import build_host
-    from protocols.wire import LibP2PByteStream, recv_msg, send_msg
+    from p2p.wire import LibP2PByteStream, recv_msg, send_msg
 
     x = torch.randn(200_000)
     codec = get_codec("bf16")

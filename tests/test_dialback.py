@@ -16,6 +16,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from p2p.auth import generate_swarm_key
 from p2p.host import build_host
+from p2p.wire import LibP2PByteStream, ProtocolError, from_map, recv_as, send_msg, to_map
 from protocols import dialback
 from protocols.dialback import (
     DialbackOutcome,
@@ -29,7 +30,6 @@ from protocols.dialback import (
     select_targets,
     verdict,
 )
-from protocols.wire import LibP2PByteStream, ProtocolError, from_map, recv_as, send_msg, to_map
 
 LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
 

@@ -4,7 +4,7 @@ The targets live in ``bench/fuzz.py``: for each decoder, valid encodings to star
 harness that feeds it one input, and the exception types it documents. ``bench/fuzz.py`` runs them with
 >= 100k inputs each (``make fuzz``); here hypothesis gives each a couple of hundred inputs on every test
 run: random bytes, or mutations of the seeds driven by hypothesis' own random source, so that a failure
-shrinks to a small input. ``protocols.wire`` and ``protocols.codec`` are fuzzed in their own test files.
+shrinks to a small input. ``p2p.wire`` and ``protocols.codec`` are fuzzed in their own test files.
 
 An input passes when the decoder accepts it or rejects it with a documented exception type, and breaks
 none of its other promises: the averager counts a garbage conversation as a failure, the dial-back
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for bench/
 from bench import fuzz  # noqa: E402
-from protocols.wire import FRAME_HEADER, ProtocolError, Reason  # noqa: E402
+from p2p.wire import FRAME_HEADER, ProtocolError, Reason  # noqa: E402
 
 TARGETS = [t for t in fuzz.TARGETS if not t.fuzzed_elsewhere]
 EXAMPLES = 150

@@ -22,15 +22,15 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
 from netlab import Host, Lab, Proc
 
-from p2p.connmgr import ConnManager
-from p2p.host import build_host
-from p2p.nat import (
+from node.nat import (
     NatConfig,
     NatService,
     RelayRefused,
     describe_punch_failure,
     parse_circuit_addr,
 )
+from p2p.connmgr import ConnManager
+from p2p.host import build_host
 from protocols.dialback import DialStatus
 
 LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
@@ -201,7 +201,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from p2p.addrs import parse_bootstrap
 from p2p.connmgr import ConnManager
 from p2p.host import build_host
-from p2p.nat import NatConfig, NatService, parse_circuit_addr
+from node.nat import NatConfig, NatService, parse_circuit_addr
 
 port, bootstrap, dial_file = int(sys.argv[1]), [b for b in sys.argv[2].split(",") if b], sys.argv[3]
 

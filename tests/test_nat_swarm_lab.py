@@ -36,7 +36,7 @@ from labdaemon import PORT, PYTHON, ROOT, LabDaemon, path_to, start_daemon
 from netlab import Host, Lab, NatStyle
 from procs import TINY_TRAIN
 
-from p2p.nat import short_id
+from node.nat import short_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.lab]
 

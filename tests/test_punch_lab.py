@@ -13,7 +13,7 @@ import sys, trio, torch
 from p2p.datapath import Role, SessionKeys, open_punched
 from p2p.punch import PunchSocket, simultaneous_open
 from protocols.codec import ChunkPlan, get_codec, recv_tensor_blocking, send_tensor_blocking
-from protocols.wire import ProtocolError
+from p2p.wire import ProtocolError
 
 role, my_port, peer_ip, peer_port, seconds = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
 torch.set_num_threads(1)

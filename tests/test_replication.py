@@ -28,12 +28,12 @@ from multiaddr import Multiaddr
 
 from node import crdt
 from node.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
-from node.hlc import Timestamp
 from node.replicator import StateReplicator, load_state
 from p2p.host import build_host
+from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, send_msg
 from protocols import state as protocol
+from protocols.hlc import Timestamp
 from protocols.state import LocalInfo, SyncRefused
-from protocols.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, send_msg
 
 SWARM = "test-swarm"
 MANIFEST_A = Manifest("stdlib-lm", "a" * 64, "b" * 64, 1)

@@ -12,9 +12,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from p2p.host import build_host
+from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
 from protocols import snapshot as snap
 from protocols.codec import tensor_bytes
-from protocols.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 NUMEL = int(snap.CHUNK_ELEMS * 3.5)

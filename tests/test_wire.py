@@ -1,4 +1,4 @@
-"""protocols.wire: framing, strict message validation, frame channels, stream adapters."""
+"""p2p.wire: framing, strict message validation, frame channels, stream adapters."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocols.wire import (
+from p2p.wire import (
     ByteStream,
     FrameChannel,
     LibP2PByteStream,

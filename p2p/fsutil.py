@@ -4,6 +4,9 @@ Readers (`starling plot` while the daemon runs, the next start after a power cut
 the new one, never half of one: write a temp file in the same directory, fsync it, rename it over the
 target, then fsync the directory so the rename itself survives a crash. Blocking: from trio, call it with
 `trio.to_thread.run_sync` on bytes prepared in the trio task.
+
+It lives in the bottom layer (``p2p/``) because both the protocols (snapshot downloads) and the daemon
+(``node/``) write private files, and a layer imports only the ones below it.
 """
 
 from __future__ import annotations

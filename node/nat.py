@@ -55,6 +55,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.connmgr import ConnManager
 from p2p.host import interface_ipv4_addrs
+from p2p.wire import LibP2PByteStream, ProtocolError, read_exactly
 from protocols.dialback import (
     PROTOCOL_ID as DIALBACK_PROTOCOL_ID,
 )
@@ -68,7 +69,6 @@ from protocols.dialback import (
     protocol_unsupported,
     verdict,
 )
-from protocols.wire import LibP2PByteStream, ProtocolError, read_exactly
 
 log = logging.getLogger("starling.nat")
 
