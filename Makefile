@@ -49,10 +49,13 @@ test-fast: install
 test-long: install
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
-# ruff, then the import layers (pyproject.toml's [tool.importlinter] contracts: p2p <- protocols <- node).
+# ruff, then the import layers (pyproject.toml's [tool.importlinter] contracts:
+# p2p <- protocols <- node <- starling_testing), then mypy on the status schema and the modules that build
+# or read the status ([tool.mypy]).
 lint: install
-	$(VENV)/bin/ruff check p2p protocols node tests bench
+	$(VENV)/bin/ruff check p2p protocols node starling_testing tests bench tools
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # Benchmarks print ratios measured in one run and write their sections of docs/benchmarks.md.
 bench: install
@@ -110,4 +113,4 @@ swarm-down:
 	$(COMPOSE) -f docker/docker-compose.yml down
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .import_linter_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .import_linter_cache .mypy_cache .hypothesis

@@ -52,14 +52,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node.checkpoint import CheckpointError, read_checkpoint
+from node.sync_config import SyncConfig
+from starling_testing.daemon import DaemonProc  # starts a daemon, its log in HOME
+from starling_testing.report import replace_section
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-from procs import DaemonProc  # noqa: E402, I001  (tests/procs.py: starts a daemon, its log in HOME)
-from bench.discovery import replace_section  # noqa: E402
-from node.checkpoint import CheckpointError, read_checkpoint  # noqa: E402
-from node.control import SOCKET_FILE, ControlError, request_sync  # noqa: E402
-from node.sync_config import SyncConfig  # noqa: E402
 
 DOCS = ROOT / "docs" / "reliability.md"
 SECTION = "## Chaos run"
@@ -198,16 +196,9 @@ class Node:
 
     def status(self) -> dict[str, Any] | None:
         """The daemon's status, or None while it is down or starting."""
-        if self.proc is None or self.proc.proc is None or self.proc.proc.poll() is not None:
-            return None
-        try:
-            answer = request_sync(self.home / SOCKET_FILE, {"cmd": "status"}, timeout=5.0)
-        except ControlError:
-            return None
-        if not answer.get("ok"):
-            return None
-        st = answer["status"]
-        self.peer_id = st.get("peer_id", self.peer_id)
+        st = self.proc.status(timeout=5.0) if self.proc is not None and self.proc.running() else None
+        if st is not None:
+            self.peer_id = st.get("peer_id", self.peer_id)
         return st
 
     def kill(self, target: str) -> list[int]:

@@ -22,16 +22,13 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 import torch
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from p2p.datapath import (  # noqa: E402
+from p2p.datapath import (
     DataPathListener,
     KeyAgreement,
     Role,
@@ -39,7 +36,7 @@ from p2p.datapath import (  # noqa: E402
     connect_datapath,
     new_session_id,
 )
-from protocols.codec import ChunkPlan, get_codec, recv_tensor, send_tensor  # noqa: E402
+from protocols.codec import ChunkPlan, get_codec, recv_tensor, send_tensor
 
 MiB = 1 << 20
 FRAME = MiB

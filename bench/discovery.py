@@ -21,42 +21,29 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from node.control import ControlError, request_sync  # noqa: E402
-
-STARLING = [sys.executable, "-m", "node.cli"]
-
-
-def status(home: Path) -> dict | None:
-    try:
-        answer = request_sync(home / "control.sock", {"cmd": "status"}, timeout=5)
-    except ControlError:
-        return None
-    return answer.get("status")
+from starling_testing.daemon import DaemonProc
+from starling_testing.report import replace_section
 
 
 def run_once(n: int, root: Path, timeout: float = 120.0) -> dict[str, float]:
-    procs: list[subprocess.Popen] = []
+    daemons: list[DaemonProc] = []
     homes = [root / f"n{i}" for i in range(n)]
     common = ["--no-train", "--listen", "/ip4/127.0.0.1/tcp/0", "--swarm", f"bench{n}",
               "--set", f"node.target_peers={min(32, n - 1)}", "--log-level", "warning"]
 
-    def spawn(home: Path, extra: list[str]) -> subprocess.Popen:
-        home.mkdir(parents=True)
-        return subprocess.Popen([*STARLING, "run", "--home", str(home), *common, *extra],
-                                stdout=subprocess.DEVNULL, stderr=open(home / "log", "wb"))
+    def spawn(home: Path, extra: list[str]) -> DaemonProc:
+        d = DaemonProc(home, [*common, *extra]).start(log=home / "log", append_log=False, stdout_to_log=False)
+        daemons.append(d)
+        return d
 
     try:
-        procs.append(spawn(homes[0], []))
-        while (st := status(homes[0])) is None or not st["addrs"]:
-            time.sleep(0.1)
-        boot = st["addrs"][0]
+        boot = spawn(homes[0], []).wait(lambda s: bool(s["addrs"]), timeout, "a listen address", 0.1)["addrs"][0]
         t0 = time.monotonic()
         for home in homes[1:]:
-            procs.append(spawn(home, ["--bootstrap", boot]))
+            spawn(home, ["--bootstrap", boot])
         t_discovered = t_connected = None
         while time.monotonic() - t0 < timeout and (t_connected is None or t_discovered is None):
-            sts = [status(h) for h in homes]
+            sts = [d.status(timeout=5) for d in daemons]
             if all(sts):
                 ids = {s["peer_id"] for s in sts}
                 # A node knows a member once the member's signed record reached it (DHT lookups, gossip or
@@ -74,13 +61,13 @@ def run_once(n: int, root: Path, timeout: float = 120.0) -> dict[str, float]:
                   [sum(m["state"] == "alive" for m in s.get("members", [])) for s in sts], flush=True)
         return {"n": n, "discovered_s": t_discovered or float("nan"), "connected_s": t_connected or float("nan")}
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
+        for d in daemons:
+            d.signal(signal.SIGTERM)
+        for d in daemons:
             try:
-                p.wait(15)
+                d.proc.wait(15)
             except subprocess.TimeoutExpired:
-                p.kill()
+                d.kill()
 
 
 def write_docs(rows: list[dict[str, float]], command: str) -> None:
@@ -93,20 +80,6 @@ def write_docs(rows: list[dict[str, float]], command: str) -> None:
                "| daemons | all members known (s) | fully connected (s) |", "|---|---|---|"]
     section += [f"| {r['n']} | {r['discovered_s']:.1f} | {r['connected_s']:.1f} |" for r in rows]
     replace_section(path, "## Discovery", "\n".join(section) + "\n")
-
-
-def replace_section(path: Path, heading: str, body: str) -> None:
-    """Replace one `## ` section of docs/benchmarks.md (or append it), leaving the others alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section says the command that produced it.\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
-    if start is None:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        text = "".join(lines[:start]) + body + ("\n" if end < len(lines) else "") + "".join(lines[end:])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
 
 
 def main() -> int:

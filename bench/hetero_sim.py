@@ -30,15 +30,12 @@ import time
 from pathlib import Path
 
 import torch
+from convergence import BenchConfig  # bench/convergence.py, beside this script (run as `python bench/...`)
+
+from node.pairing import BYE, matching
+from node.worker import Publish, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from convergence import BenchConfig  # noqa: E402
-
-from node.pairing import BYE, matching  # noqa: E402
-from node.worker import Publish, Trainer  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Heterogeneous machines, in-process"

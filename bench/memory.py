@@ -41,13 +41,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from node.shm import sweep_orphans
+from starling_testing.daemon import DaemonProc
+from starling_testing.report import replace_section
 
-from bench.discovery import replace_section  # noqa: E402
-from node.control import SOCKET_FILE, ControlError, request_sync  # noqa: E402
-from node.shm import sweep_orphans  # noqa: E402
-from tests.procs import DaemonProc  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Memory"
@@ -128,13 +126,7 @@ def read_status(pid: int) -> dict[str, int]:
 
 
 def status(d: DaemonProc) -> dict[str, Any] | None:
-    if d.proc is None or d.proc.poll() is not None:
-        return None
-    try:
-        answer = request_sync(d.home / SOCKET_FILE, {"cmd": "status"}, timeout=5.0)
-    except (ControlError, OSError, ValueError):
-        return None
-    return answer.get("status") if answer.get("ok") else None
+    return d.status(timeout=5.0) if d.running() else None
 
 
 def set_args(d_model: int, n_layers: int, n_heads: int) -> list[str]:
@@ -329,7 +321,7 @@ def render(rows: list[Row], before: list[Row] | None, command: str) -> str:
                  "- `Trainer._scratch`: the outer step's own Delta is recomputed into the worker's Delta slot, "
                  "which holds exactly that Delta since the publish; the rebase `theta <- (theta_now - "
                  "theta_published) + phi` runs parameter by parameter in `theta_published`, which the next "
-                 "publish rewrites anyway. A trainer used in-process without slots (tests, bench/adversary.py) "
+                 "publish rewrites anyway. A trainer used in-process without slots (tests, starling_testing/adversary.py) "
                  "or a worker group (which broadcasts theta through it) allocates the scratch on first use.\n"
                  "- The private copy of phi: the worker keeps phi in its shared phi slot (`Trainer.share_phi`), "
                  "and the publish's copy into the slot becomes a no-op.\n"

@@ -1,6 +1,6 @@
 """NAT traversal benchmark: how soon two NATed daemons get a direct path, and how fast they average over it.
 
-Both parts run whole `starling run` daemons in the network lab (tests/netlab.py: one network namespace
+Both parts run whole `starling run` daemons in the network lab (starling_testing/netlab.py: one network namespace
 per host, nftables NAT routers, tc shaping), so the benchmark needs root. Every daemon knows only the
 bootstrap address; everything else comes from the product itself (DHT, swarm state, relays, DCUtR).
 
@@ -42,14 +42,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-import netlab  # noqa: E402
-from labdaemon import PORT, DaemonError, LabDaemon, path_to, spawn_daemon, start_daemon  # noqa: E402
-from netlab import Host, Lab, LabError, Proc  # noqa: E402
+from starling_testing import netlab
+from starling_testing.daemon import PORT, DaemonError, LabDaemon, path_to, spawn_daemon, start_daemon
+from starling_testing.netlab import Host, Lab, LabError, Proc
+from starling_testing.report import replace_section
 
-from bench.discovery import replace_section  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SWARM = "natbench"
 TARGET_RATIO = 0.9

@@ -56,19 +56,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+from convergence import QUICK as QUICK_BENCH  # bench/convergence.py, beside this script
+from convergence import BenchConfig, relative_spread, run_ddp, run_outer
+
+from node.checkpoint import CheckpointError, read_checkpoint
+from node.control import SOCKET_FILE, ControlError, request_sync
+from node.train_config import TrainConfig
+from node.worker import Trainer
+from starling_testing.daemon import DaemonProc
+from starling_testing.report import replace_section
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # `python bench/swarm.py` puts bench/ first; bench.* and tests.* live at ROOT
-
-import torch  # noqa: E402
-
-from bench.convergence import QUICK as QUICK_BENCH  # noqa: E402
-from bench.convergence import BenchConfig, relative_spread, run_ddp, run_outer  # noqa: E402
-from bench.discovery import replace_section  # noqa: E402
-from node.checkpoint import CheckpointError, read_checkpoint  # noqa: E402
-from node.control import SOCKET_FILE, ControlError, request_sync  # noqa: E402
-from node.train_config import TrainConfig  # noqa: E402
-from node.worker import Trainer  # noqa: E402
-from tests.procs import DaemonProc  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Swarm"

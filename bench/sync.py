@@ -38,7 +38,6 @@ import platform
 import random
 import select
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -47,7 +46,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -56,10 +55,10 @@ from typing import Any
 import torch
 import trio
 
+from starling_testing.daemon import DaemonProc
+from starling_testing.report import replace_section
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.discovery import replace_section  # noqa: E402
-from node.control import ControlError, request_sync  # noqa: E402
 
 HOST = "127.0.0.1"
 MB = 1e6
@@ -713,7 +712,6 @@ def bench_hivemind(numel: int, rounds: int) -> HivemindResult:
 # Part 4: worker throughput while syncing
 # ==========================================================================================================
 
-STARLING = [sys.executable, "-m", "node.cli"]
 
 
 @dataclass
@@ -752,43 +750,23 @@ class TrainingResult:
         return statistics.mean(self.syncing.samples_per_s) / self.alone_rate
 
 
-class Daemon:
+class Daemon(DaemonProc):
     """One `starling run` process, optionally pinned to one core (its worker inherits the affinity)."""
+
+    error = BenchError
 
     def __init__(self, home: Path, args: list[str], core: int | None) -> None:
         home.mkdir(parents=True)
-        self.home = home
-        pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
-        with open(home / "daemon.log", "wb") as log:
-            self.proc = subprocess.Popen([*STARLING, "run", "--home", str(home), *args], stdout=log,
-                                         stderr=subprocess.STDOUT, preexec_fn=pin)
+        super().__init__(home, args)
+        self.start(append_log=False, core=core)
 
-    def status(self) -> dict[str, Any] | None:
-        if self.proc.poll() is not None:
-            tail = (self.home / "daemon.log").read_text(errors="replace")[-2000:]
-            raise BenchError(f"daemon in {self.home} exited with {self.proc.returncode}:\n{tail}")
-        try:
-            return request_sync(self.home / "control.sock", {"cmd": "status"}, timeout=10).get("status")
-        except ControlError:
-            return None
+    def status(self, timeout: float = 10.0) -> dict[str, Any] | None:
+        if self.exited():
+            raise BenchError(f"daemon in {self.home} exited with {self.returncode()}:\n{self.log()[-2000:]}")
+        return super().status(timeout)
 
-    def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = self.status()
-            if st is not None and pred(st):
-                return st
-            time.sleep(0.5)
-        raise BenchError(f"daemon in {self.home}: {what} not reached within {timeout:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+    def stop(self, timeout: float = 20.0) -> int | None:
+        return super().stop(timeout)
 
 
 def _training(st: dict[str, Any]) -> dict[str, Any]:

@@ -452,15 +452,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _watch_status(home: Path, interval: float) -> int:
     """Redraw the readable status in place; a daemon that goes away is shown, not fatal."""
-    from node.control import SOCKET_FILE, ControlError, request_sync
+    from node.control import ControlError, request_status
     from node.status_view import render_status
 
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
     try:
         while True:
             try:
-                answer = request_sync(home / SOCKET_FILE, {"cmd": "status"})
-                body = render_status(answer["status"]) if answer.get("ok") else f"daemon error: {answer.get('error')}"
+                body = render_status(request_status(home))
             except ControlError as e:
                 body = f"starling: {e}"
             stamp = time.strftime("%H:%M:%S")

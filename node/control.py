@@ -128,3 +128,15 @@ def request_sync(path: Path, request: dict[str, Any], *, timeout: float = 10.0) 
     if not isinstance(answer, dict):
         raise ControlError("the daemon sent an unreadable answer")
     return answer
+
+
+def request_status(home: Path, *, timeout: float = 10.0) -> dict[str, Any]:
+    """The status of the daemon on `home` (the dict `starling status --json` prints), over its control
+    socket: the one status client of the launcher (node/launcher.py), tests and benchmarks.
+
+    Raises :class:`ControlError` when no daemon answers, or when it answers with an error."""
+    answer = request_sync(Path(home) / SOCKET_FILE, {"cmd": "status"}, timeout=timeout)
+    status = answer.get("status")
+    if not answer.get("ok") or not isinstance(status, dict):
+        raise ControlError(f"daemon error: {answer.get('error')}")
+    return status

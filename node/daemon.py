@@ -47,6 +47,7 @@ from node.replicator import (
     read_manifest_pin,
 )
 from node.sdnotify import Notifier, summarize_status, watchdog_loop
+from node.status_schema import JoinStatus, NodeStatus
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import SWARM_KEY_FILE, AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
@@ -368,8 +369,8 @@ class Daemon:
 
     # --- status ------------------------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        st: dict[str, Any] = {
+    def status(self) -> NodeStatus:
+        st: NodeStatus = {
             "peer_id": str(self.peer_id),
             "swarm": self.cfg.node.swarm,
             "version": starling_version(),
@@ -387,18 +388,19 @@ class Daemon:
             "reachability": self.nat.reachability,
             "nat": self.nat.status(),
             "peers": self.nat.peers_status(),
+            **self.replicator.status(),  # members, swarm_totals
         }
-        st.update(self.replicator.status())
         if self.supervisor is not None:
             st["training"] = self.supervisor.status()
         if self.averager is not None:
-            st["sync"] = self.averager.status()
+            sync = st["sync"] = self.averager.status()
             if self.catch_up is not None:
-                st["sync"]["catch_ups"] = self.catch_up.catch_ups
-                st["sync"]["catch_up"] = progress_view(self.catch_up.status)
-            st["join"] = progress_view(self.join_status)
-            st["join"]["serving"] = self.snapshots.serving
-            st["join"]["served"] = self.snapshots.served
+                sync["catch_ups"] = self.catch_up.catch_ups
+                sync["catch_up"] = progress_view(self.catch_up.status)
+            join: JoinStatus = {**progress_view(self.join_status)}
+            join["serving"] = self.snapshots.serving
+            join["served"] = self.snapshots.served
+            st["join"] = join
         return st
 
     async def _handle_control(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -32,12 +32,13 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import trio
 
 from node.config import CONFIG_FILE, ENV_PREFIX, Config, ConfigError, load_config, resolve_home
 from node.mixing import PairingGraph, pairing_graph
+from node.status_schema import MemberStatus, NodeStatus
 
 Level = Literal["ok", "skip", "warn", "error"]
 OK: Level = "ok"
@@ -91,7 +92,7 @@ def _listed(items: list[str]) -> str:
 # ==========================================================================================================
 
 
-def check_identity(home: Path, status: dict[str, Any] | None = None) -> tuple[list[Finding], str | None]:
+def check_identity(home: Path, status: NodeStatus | None = None) -> tuple[list[Finding], str | None]:
     """The identity file exists, is readable, is private (0600) and holds a key. Returns its PeerID too.
 
     The key is loaded with libp2p's reader directly rather than `load_existing_identity`, which tightens a
@@ -158,7 +159,7 @@ def check_identity(home: Path, status: dict[str, Any] | None = None) -> tuple[li
             )
         )
         return findings, None
-    running = (status or {}).get("peer_id")
+    running = status.get("peer_id") if status is not None else None
     if running and running != peer_id:
         findings.append(
             Finding(
@@ -256,8 +257,8 @@ def check_config(
     source = f"{path} loads" if path.exists() else "no config.toml; using the built-in defaults"
     options = _option_types()
     names = {f"{ENV_PREFIX}{sec.upper()}_{opt.upper()}" for sec, fields in options.items() for opt in fields}
-    overrides = sorted(k for k in environ if k in names)
-    note = f"; overridden by {', '.join(overrides)}" if overrides else ""
+    from_env = sorted(k for k in environ if k in names)
+    note = f"; overridden by {', '.join(from_env)}" if from_env else ""
     findings.insert(0, Finding("config", OK, f"{source}: swarm {cfg.node.swarm!r}{note}"))
     return findings, cfg
 
@@ -317,7 +318,7 @@ class DaemonProbe:
     """What the control socket said: the status when a daemon answered, and the finding to print."""
 
     finding: Finding
-    status: dict[str, Any] | None
+    status: NodeStatus | None
 
 
 def probe_daemon(home: Path, *, timeout: float = STATUS_TIMEOUT_S) -> DaemonProbe:
@@ -367,7 +368,8 @@ def probe_daemon(home: Path, *, timeout: float = STATUS_TIMEOUT_S) -> DaemonProb
             f"running as {status.get('peer_id', '?')} in swarm "
             f"{status.get('swarm', '?')!r}, role {status.get('role', '?')}{up_text}",
         ),
-        status,
+        # This version's schema, or what an older daemon has of it: the checks read every key as optional.
+        cast("NodeStatus", status),
     )
 
 
@@ -453,7 +455,7 @@ def _bind_finding(option: str, label: str, host: str, port: int, family: int) ->
     return Finding("ports", ERROR, f"{label}: {what}", fixes.get(kind, f"check {option}"))
 
 
-def check_ports(cfg: Config | None, status: dict[str, Any] | None) -> list[Finding]:
+def check_ports(cfg: Config | None, status: NodeStatus | None) -> list[Finding]:
     """With a daemon: where it listens. Without one: every port it would need can be bound now."""
     if status is not None:
         addrs = [str(a) for a in status.get("addrs") or []]
@@ -592,7 +594,7 @@ async def _probe_all(targets: list[tuple[str, int, int]], timeout: float) -> lis
     return results
 
 
-def effective_bootstrap(cfg: Config, status: dict[str, Any] | None, *, given: bool) -> tuple[Config, str]:
+def effective_bootstrap(cfg: Config, status: NodeStatus | None, *, given: bool) -> tuple[Config, str]:
     """The bootstrap sources to check and a label for them.
 
     `given`: doctor's own `--bootstrap`/`--bootstrap-file` are in `cfg` already; they win. Otherwise a
@@ -601,7 +603,7 @@ def effective_bootstrap(cfg: Config, status: dict[str, Any] | None, *, given: bo
     """
     if given:
         return cfg, "--bootstrap"
-    running = (status or {}).get("bootstrap")
+    running = status.get("bootstrap") if status is not None else None
     if not isinstance(running, dict):
         return cfg, "node.bootstrap"  # no daemon, or one too old to say
     addrs, files = running.get("addrs"), running.get("files")
@@ -619,7 +621,7 @@ def effective_bootstrap(cfg: Config, status: dict[str, Any] | None, *, given: bo
 
 def check_bootstrap(
     cfg: Config | None,
-    status: dict[str, Any] | None,
+    status: NodeStatus | None,
     own_peer_id: str | None,
     *,
     timeout: float = CONNECT_TIMEOUT_S,
@@ -636,7 +638,7 @@ def check_bootstrap(
     if cfg is None:
         return [Finding("bootstrap", SKIP, "skipped: the config does not load")]
     addrs, findings = bootstrap_addresses(cfg, label)
-    connected = set((status or {}).get("connected_peers") or [])
+    connected = set(status.get("connected_peers") or []) if status is not None else set()
     if not addrs:
         if cfg.node.bootstrap_files and not findings:  # the files exist but list nothing (yet)
             files = _listed(cfg.node.bootstrap_files)
@@ -711,11 +713,11 @@ def check_bootstrap(
 # ==========================================================================================================
 
 
-def _members(status: dict[str, Any]) -> list[dict[str, Any]]:
+def _members(status: NodeStatus) -> list[MemberStatus]:
     return [m for m in status.get("members") or [] if isinstance(m, dict)]
 
 
-def _peers(status: dict[str, Any], states: tuple[str, ...] = ("alive", "suspect")) -> list[dict[str, Any]]:
+def _peers(status: NodeStatus, states: tuple[str, ...] = ("alive", "suspect")) -> list[MemberStatus]:
     """Other members in one of `states`."""
     return [m for m in _members(status) if not m.get("self") and m.get("state") in states]
 
@@ -724,7 +726,7 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def check_reachability(status: dict[str, Any]) -> list[Finding]:
+def check_reachability(status: NodeStatus) -> list[Finding]:
     """Whether peers can dial this node, as the daemon's NAT detection found."""
     reach = status.get("reachability")
     paths = [p.get("path") for p in status.get("peers") or [] if isinstance(p, dict)]
@@ -753,7 +755,7 @@ def check_reachability(status: dict[str, Any]) -> list[Finding]:
     ]
 
 
-def _skew_estimate(member: dict[str, Any], heartbeat_s: float) -> tuple[float, str] | None:
+def _skew_estimate(member: MemberStatus, heartbeat_s: float) -> tuple[float, str] | None:
     """(estimated seconds the member's clock is ahead of ours, negative = behind; how it was estimated).
 
     Best case the status gives the author's heartbeat time and our receipt time: skew ~ heartbeat -
@@ -777,7 +779,7 @@ def _skew_estimate(member: dict[str, Any], heartbeat_s: float) -> tuple[float, s
     return -max(0.0, age - 2 * heartbeat_s), f"its latest heartbeat looks {age:.1f} s old"
 
 
-def check_clock_skew(status: dict[str, Any], *, heartbeat_s: float = 2.0) -> list[Finding]:
+def check_clock_skew(status: NodeStatus, *, heartbeat_s: float = 2.0) -> list[Finding]:
     """Peers whose clock differs from ours: > SKEW_WARN_S warns, > SKEW_ERROR_S is an error.
 
     Skew matters because liveness and the CRDT's hybrid logical clock use wall time: a peer far behind
@@ -838,7 +840,7 @@ def check_clock_skew(status: dict[str, Any], *, heartbeat_s: float = 2.0) -> lis
     return findings
 
 
-def check_versions(status: dict[str, Any], *, installed: str | None = None) -> list[Finding]:
+def check_versions(status: NodeStatus, *, installed: str | None = None) -> list[Finding]:
     """This daemon's version against the installed one and against the peers'."""
     ours = status.get("version")
     findings = []
@@ -873,10 +875,10 @@ def check_versions(status: dict[str, Any], *, installed: str | None = None) -> l
     return findings
 
 
-def check_manifest(status: dict[str, Any]) -> list[Finding]:
+def check_manifest(status: NodeStatus) -> list[Finding]:
     """This node trains the swarm's run (task, model, optimizer, protocol); peers that do not are named."""
     totals = status.get("swarm_totals") or {}
-    me = next((m for m in _members(status) if m.get("self")), {})
+    me: MemberStatus | dict[str, Any] = next((m for m in _members(status) if m.get("self")), {})
     ours = str(me.get("manifest_hash") or "")
     findings = []
     if totals.get("manifest_error"):
@@ -934,7 +936,7 @@ def check_manifest(status: dict[str, Any]) -> list[Finding]:
     return findings
 
 
-def check_training(status: dict[str, Any]) -> list[Finding]:
+def check_training(status: NodeStatus) -> list[Finding]:
     """The trainer runs; a failed or flapping worker is reported with its last error."""
     tr = status.get("training")
     if not isinstance(tr, dict) or not tr:
@@ -990,7 +992,7 @@ ISLANDS_FIX = (
 )
 
 
-def check_pairing(status: dict[str, Any]) -> list[Finding]:
+def check_pairing(status: NodeStatus) -> list[Finding]:
     """The alive trainers average across one connected group, and this node does not mostly step solo.
 
     Islands are groups of trainers that only pair among themselves: each trains its own model, which no
@@ -1024,14 +1026,14 @@ def _island_findings(graph: PairingGraph, steps: Mapping[str, Any]) -> list[Find
     ]
 
 
-def _solo_findings(status: dict[str, Any], trainers: int) -> list[Finding]:
+def _solo_findings(status: NodeStatus, trainers: int) -> list[Finding]:
     """A warning when this node took most of its recent outer steps solo although others could pair."""
     sync = status.get("sync")
     mixing = sync.get("mixing") if isinstance(sync, dict) else None
     if not isinstance(mixing, dict):
         return []
     share, steps = _num(mixing.get("solo_share")), _num(mixing.get("outer_steps"))
-    me = next((m for m in _members(status) if m.get("self")), {})
+    me: MemberStatus | dict[str, Any] = next((m for m in _members(status) if m.get("self")), {})
     others = trainers - (1 if me.get("state") == "alive" and me.get("role") == "trainer" else 0)
     if share is None or steps is None or steps < SOLO_MIN_STEPS or share <= SOLO_SHARE_WARN or others < 1:
         return []
@@ -1094,10 +1096,10 @@ def run_checks(
     given = "node.bootstrap" in overrides or "node.bootstrap_files" in overrides
     cfg_boot, label = effective_bootstrap(cfg, status, given=given) if cfg is not None else (None, "node.bootstrap")
     findings += check_bootstrap(
-        cfg_boot, status, own_peer_id or (status or {}).get("peer_id"), timeout=connect_timeout, label=label
+        cfg_boot, status, own_peer_id or (status.get("peer_id") if status is not None else None), timeout=connect_timeout, label=label
     )
     heartbeat_s = cfg.node.heartbeat_s if cfg is not None else 2.0
-    status_checks: list[tuple[str, Callable[[dict[str, Any]], list[Finding]]]] = [
+    status_checks: list[tuple[str, Callable[[NodeStatus], list[Finding]]]] = [
         ("reachability", check_reachability),
         ("clock", lambda st: check_clock_skew(st, heartbeat_s=heartbeat_s)),
         ("versions", lambda st: check_versions(st, installed=_installed_version())),

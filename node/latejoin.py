@@ -23,12 +23,13 @@ import random
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 from libp2p.peer.id import ID
 
 from node.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from node.status_schema import ProgressStatus
 from node.sync_config import SyncConfig
 from p2p.fsutil import private_dir
 from protocols.snapshot import PROTOCOL_ID, JoinDownload, Snapshot, combine
@@ -273,7 +274,7 @@ class CatchUp:
         self.deliver(path, self.swarm_outer_step)
 
 
-def progress_view(status: dict[str, Any]) -> dict[str, Any]:
+def progress_view(status: dict[str, Any]) -> ProgressStatus:
     """The JSON-friendly `join` section of status."""
     out = {k: v for k, v in status.items() if k != "progress"}
     progress = status.get("progress")
@@ -281,4 +282,4 @@ def progress_view(status: dict[str, Any]) -> dict[str, Any]:
         out["downloads"] = {
             d: {"have_chunks": p.have, "done": p.done, "bytes": p.bytes, "error": p.error} for d, p in progress.items()
         }
-    return out
+    return cast("ProgressStatus", out)  # its keys follow the join's state

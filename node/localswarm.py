@@ -8,30 +8,18 @@ node with SIGTERM, which is the same graceful stop systemd uses.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-STARLING = [sys.executable, "-m", "node.cli"]
-
-
-def _status(home: Path) -> dict[str, Any] | None:
-    try:
-        r = subprocess.run([*STARLING, "status", "--home", str(home), "--json"], capture_output=True, text=True, timeout=15)
-    except subprocess.TimeoutExpired:
-        return None
-    if r.returncode != 0:
-        return None
-    try:
-        return json.loads(r.stdout)
-    except ValueError:
-        return None
+from node.launcher import DaemonProcess
+from node.status_schema import NodeStatus, SyncStatus, TrainingStatus
 
 
 def _trainer_available() -> bool:
@@ -46,7 +34,7 @@ def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def render(names: list[str], statuses: list[dict[str, Any] | None], started: float) -> str:
+def render(names: list[str], statuses: Sequence[NodeStatus | None], started: float) -> str:
     ids = {s["peer_id"] for s in statuses if s}
     lines = [f"Starling local swarm — {len(names)} nodes — {time.monotonic() - started:.0f}s (Ctrl+C to stop)", ""]
     lines.append(f"{'node':<6} {'peer':<16} {'peers':>5} {'step':>7} {'outer':>6} {'loss':>8} {'val':>8} {'smp/s':>7} {'sync':>10} {'partners':>8}")
@@ -54,8 +42,8 @@ def render(names: list[str], statuses: list[dict[str, Any] | None], started: flo
         if st is None:
             lines.append(f"{name:<6} (starting...)")
             continue
-        tr = st.get("training") or {}
-        sy = st.get("sync") or {}
+        tr: TrainingStatus | dict[str, Any] = st.get("training") or {}
+        sy: SyncStatus | dict[str, Any] = st.get("sync") or {}
         connected = len(set(st.get("connected_peers", [])) & ids)
         sync = f"{sy.get('rounds', 0)}/{sy.get('solo_rounds', 0)}s" if sy else "-"
         # Distinct partners over the last outer steps: one means fixed pairs, none means it never averages.
@@ -91,23 +79,18 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     train = not args.no_train and _trainer_available()
-    procs: list[subprocess.Popen] = []
+    daemons: list[DaemonProcess] = []
     names = ["boot"] + [f"peer{i}" for i in range(1, args.peers + 1)]
     homes = [root / n for n in names]
     interactive = sys.stdout.isatty()
     started = time.monotonic()
 
-    def spawn(home: Path, extra: list[str]) -> subprocess.Popen:
+    def spawn(home: Path, extra: list[str]) -> None:
         home.mkdir(parents=True, exist_ok=True)
         os.chmod(home, 0o700)  # as `starling init` makes a home: identity key and checkpoints live there
-        log = open(home / "daemon.log", "ab")
-        try:
-            return subprocess.Popen(
-                [*STARLING, "run", "--home", str(home), "--swarm", args.swarm, "--listen", "/ip4/127.0.0.1/tcp/0", *extra],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        finally:
-            log.close()
+        argv = ["--swarm", args.swarm, "--listen", "/ip4/127.0.0.1/tcp/0", *extra]
+        # Its own session: a Ctrl+C in the terminal reaches only this launcher, which stops every node.
+        daemons.append(DaemonProcess(home, argv).start(new_session=True))
 
     stop = False
 
@@ -130,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starling: error: {e}", file=sys.stderr)
             return 2
     try:
-        procs.append(spawn(homes[0], ["--no-train", *founder]))
+        spawn(homes[0], ["--no-train", *founder])
         boot_addr = None
         while boot_addr is None and not stop:
-            st = _status(homes[0])
+            st = daemons[0].status(timeout=15)
             if st and st.get("addrs"):
                 boot_addr = st["addrs"][0]
-            elif procs[0].poll() is not None:
+            elif daemons[0].exited():
                 print((homes[0] / "daemon.log").read_text()[-2000:], file=sys.stderr)
                 return 1
             else:
@@ -147,18 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         for s in args.set:
             extra += ["--set", s]
         for home in homes[1:]:
-            procs.append(spawn(home, extra))
+            spawn(home, extra)
         while not stop:
             if args.seconds and time.monotonic() - started >= args.seconds:
                 break
-            statuses = [_status(h) for h in homes]
+            statuses = [d.status(timeout=15) for d in daemons]
             view = render(names, statuses, started)
             if interactive:
                 sys.stdout.write("\x1b[H\x1b[2J" + view + "\n")
             else:
                 print(view + "\n")
             sys.stdout.flush()
-            dead = [n for n, pr in zip(names, procs, strict=True) if pr.poll() is not None]
+            dead = [n for n, d in zip(names, daemons, strict=True) if d.exited()]
             if dead:
                 print(f"nodes exited: {', '.join(dead)} (see their daemon.log)", file=sys.stderr)
                 return 1
@@ -169,14 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         print("stopping the swarm...")
-        for pr in procs:
-            if pr.poll() is None:
-                pr.send_signal(signal.SIGTERM)
-        for pr in procs:
+        for d in daemons:
+            d.signal(signal.SIGTERM)
+        for d in daemons:
             try:
-                pr.wait(15)
+                d.proc.wait(15)
             except subprocess.TimeoutExpired:
-                os.killpg(pr.pid, signal.SIGKILL)
+                os.killpg(d.proc.pid, signal.SIGKILL)  # its own process group: the worker too
         if train:
             try:
                 from node.plot import plot_homes  # noqa: PLC0415 (optional: loss plot at the end)

@@ -35,6 +35,14 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from node.mixing import pairing_graph
+from node.status_schema import (
+    MemberStatus,
+    MixingStatus,
+    NodeStatus,
+    PeerPathStatus,
+    SyncStatus,
+    TrainingStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +89,6 @@ def _label(value: Any) -> str | None:
     return value[:MAX_LABEL_CHARS]
 
 
-def _section(status: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
-    section = status.get(key)
-    return section if isinstance(section, Mapping) else None
-
-
 def _gauge(name: str, doc: str, value: Any) -> Iterator[Metric]:
     number = _gauge_value(value)
     if number is not None:
@@ -102,15 +105,15 @@ def _counter(name: str, doc: str, value: Any) -> Iterator[Metric]:
         yield family
 
 
-def _status_families(status: Mapping[str, Any], max_peer_labels: int) -> list[Metric]:
+def _status_families(status: NodeStatus, max_peer_labels: int) -> list[Metric]:
     """Every metric family the status dict supports; unknown, missing or mistyped fields are skipped."""
     families: list[Metric] = []
     families.extend(_node_families(status))
-    training = _section(status, "training")
-    if training is not None:
+    training = status.get("training")
+    if isinstance(training, Mapping):
         families.extend(_training_families(training))
-    sync = _section(status, "sync")
-    if sync is not None:
+    sync = status.get("sync")
+    if isinstance(sync, Mapping):
         families.extend(_sync_families(sync, max_peer_labels))
     peers = status.get("peers")
     if isinstance(peers, list):
@@ -129,7 +132,7 @@ def _status_families(status: Mapping[str, Any], max_peer_labels: int) -> list[Me
     return families
 
 
-def _node_families(status: Mapping[str, Any]) -> Iterator[Metric]:
+def _node_families(status: NodeStatus) -> Iterator[Metric]:
     labels = {key: _label(status.get(key)) or "" for key in ("peer_id", "swarm", "version")}
     if any(labels.values()):
         info = GaugeMetricFamily(
@@ -143,7 +146,7 @@ def _node_families(status: Mapping[str, Any]) -> Iterator[Metric]:
         yield from _gauge("connected_peers", "Peers with an open libp2p connection", len(connected))
 
 
-def _training_families(training: Mapping[str, Any]) -> Iterator[Metric]:
+def _training_families(training: TrainingStatus) -> Iterator[Metric]:
     yield from _gauge("training_step", "Inner optimizer steps taken", training.get("step"))
     yield from _gauge("training_outer_step", "Outer (averaging) steps taken", training.get("outer_step"))
     yield from _gauge("training_loss", "Latest training loss", training.get("loss"))
@@ -184,7 +187,7 @@ def _reason_counter(name: str, doc: str, counts: Any) -> Iterator[Metric]:
     yield family
 
 
-def _sync_families(sync: Mapping[str, Any], max_peer_labels: int) -> Iterator[Metric]:
+def _sync_families(sync: SyncStatus, max_peer_labels: int) -> Iterator[Metric]:
     yield from _counter("sync_rounds", "Averaging rounds completed with a partner", sync.get("rounds"))
     yield from _counter("sync_solo_rounds", "Outer steps taken without a partner", sync.get("solo_rounds"))
     yield from _counter("sync_failures", "Averaging rounds that failed", sync.get("failures"))
@@ -197,8 +200,8 @@ def _sync_families(sync: Mapping[str, Any], max_peer_labels: int) -> Iterator[Me
     yield from _gauge("sync_last_bytes", "Bytes moved by the latest round", sync.get("last_bytes"))
     yield from _counter("sync_sent_bytes", "Bytes sent in averaging rounds", sync.get("bytes_sent"))
     yield from _counter("sync_received_bytes", "Bytes received in averaging rounds", sync.get("bytes_received"))
-    mixing = _section(sync, "mixing")
-    if mixing is not None:
+    mixing = sync.get("mixing")
+    if isinstance(mixing, Mapping):
         yield from _mixing_families(mixing)
     wire_dtype = _label(sync.get("wire_dtype"))
     if wire_dtype is not None:
@@ -227,7 +230,7 @@ def _sync_families(sync: Mapping[str, Any], max_peer_labels: int) -> Iterator[Me
         yield received
 
 
-def _peer_families(peers: list[Any], max_peer_labels: int) -> Iterator[Metric]:
+def _peer_families(peers: list[PeerPathStatus], max_peer_labels: int) -> Iterator[Metric]:
     by_path: dict[str, int] = dict.fromkeys(CONNECTION_PATHS, 0)
     rtt = GaugeMetricFamily(
         f"{PREFIX}_peer_rtt_seconds", "Round-trip time to each connected peer", labels=["peer_id", "path"]
@@ -252,7 +255,7 @@ def _peer_families(peers: list[Any], max_peer_labels: int) -> Iterator[Metric]:
     yield rtt
 
 
-def _member_families(members: list[Any]) -> Iterator[Metric]:
+def _member_families(members: list[MemberStatus]) -> Iterator[Metric]:
     by_state: dict[str, int] = dict.fromkeys(MEMBER_STATES, 0)
     for member in members:
         if isinstance(member, Mapping):
@@ -267,7 +270,7 @@ def _member_families(members: list[Any]) -> Iterator[Metric]:
     yield family
 
 
-def _mixing_families(mixing: Mapping[str, Any]) -> Iterator[Metric]:
+def _mixing_families(mixing: MixingStatus) -> Iterator[Metric]:
     """This node's recent mixing: the totals above never forget, so a node that paired well at first and
     steps solo now only shows here."""
     yield from _gauge(
@@ -283,7 +286,7 @@ def _mixing_families(mixing: Mapping[str, Any]) -> Iterator[Metric]:
     )
 
 
-def _pairing_families(members: list[Any]) -> Iterator[Metric]:
+def _pairing_families(members: list[MemberStatus]) -> Iterator[Metric]:
     """The pairing graph over alive trainers (node/mixing.py): more than one island means a split swarm."""
     graph = pairing_graph(members)
     yield from _gauge(
@@ -364,7 +367,7 @@ class Metrics:
         # Partners in least-recently-used order: the oldest one's series are dropped past the cap.
         self._partners: OrderedDict[str, None] = OrderedDict()
 
-    def update_from_status(self, status: Mapping[str, Any]) -> None:
+    def update_from_status(self, status: NodeStatus) -> None:
         """Replace the snapshot metrics with those of ``status`` (the ``starling status --json`` dict).
 
         Sections may be absent (a network-only node has no ``training``); fields that are missing or

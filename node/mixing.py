@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from node.status_schema import MemberStatus
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class PairingGraph:
         return sum(len(island) for island in self.islands)
 
 
-def alive_trainers(members: Iterable[Any]) -> dict[str, list[str]]:
+def alive_trainers(members: Iterable[MemberStatus]) -> dict[str, list[str]]:
     """{PeerID: the PeerIDs it names as recent partners} for members that are alive and train.
 
     Entries that are not dicts, lack a PeerID, or carry a malformed `partners` field are skipped or read
@@ -85,7 +86,7 @@ def _component(start: str, adjacent: Mapping[str, set[str]]) -> set[str]:
     return seen
 
 
-def pairing_graph(members: Iterable[Any]) -> PairingGraph:
+def pairing_graph(members: Iterable[MemberStatus]) -> PairingGraph:
     """The islands and unpaired trainers among `members` (the `members` list of the status dict)."""
     adjacent = _adjacency(alive_trainers(members))
     unpaired = sorted(p for p, edges in adjacent.items() if not edges)

@@ -53,6 +53,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
 
+from node.status_schema import NatStatus, PeerPathStatus
 from p2p.connmgr import ConnManager
 from p2p.host import interface_ipv4_addrs
 from p2p.wire import LibP2PByteStream, ProtocolError, read_exactly
@@ -427,12 +428,12 @@ class NatService:
             return "hole-punched" if punching or (state is not None and state.punched) else "direct"
         return "relayed" if relayed else "none"
 
-    def peers_status(self) -> list[dict[str, Any]]:
+    def peers_status(self) -> list[PeerPathStatus]:
         """Per connected peer: path, RTT (ms) and throughput (Mbit/s) where measured."""
-        out: list[dict[str, Any]] = []
+        out: list[PeerPathStatus] = []
         for peer_id in sorted(self._connected(), key=str):
             state = self._paths.get(peer_id, _PeerPath())
-            row: dict[str, Any] = {
+            row: PeerPathStatus = {
                 "peer_id": str(peer_id),
                 "path": self.path_of(peer_id),
                 "rtt_ms": round(state.rtt_s * 1000, 1) if state.rtt_s is not None else None,
@@ -465,7 +466,7 @@ class NatService:
         old = state.throughput_mbps
         state.throughput_mbps = mbps if old is None else old + 0.5 * (mbps - old)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> NatStatus:
         """For the daemon's status: verdict and reasons, relay service and relay slots, dial-back counts."""
         clients = [
             p for p in self._relayed_for if self.circuit.resource_manager.get_reservation(p) is not None
@@ -764,7 +765,8 @@ class NatService:
     def _relay_candidates(self) -> list[ID]:
         """Directly connected peers to try as relays: those announcing the HOP protocol first."""
         now = self.clock()
-        preferred, others = [], []
+        preferred: list[ID] = []
+        others: list[ID] = []
         for peer_id in self._connected():
             if peer_id in self.reservations or self._relay_next_try.get(peer_id, (0.0, 0.0))[0] > now:
                 continue

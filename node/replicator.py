@@ -55,7 +55,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -82,6 +82,7 @@ from node.crdt import (
     StateFileError,
     SwarmState,
 )
+from node.status_schema import MemberStatus, ReplicaStatus, ReplicationStatus
 from p2p.fsutil import atomic_write_bytes
 from p2p.netgroup import group_of, peer_ip, stream_ip
 from p2p.wire import LibP2PByteStream, ProtocolError
@@ -212,10 +213,10 @@ class ReplicationStats:
     save_errors: int = 0
     last_save: float | None = None  # wall time
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> ReplicationStatus:
         out = dataclasses.asdict(self)
         out["session_failures"] = dict(self.session_failures)
-        return out
+        return cast("ReplicationStatus", out)
 
 
 class StateReplicator:
@@ -332,7 +333,7 @@ class StateReplicator:
             and (not ours or not view.record.manifest_hash or view.record.manifest_hash == ours)
         ]
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ReplicaStatus:
         """``{"members": [...], "swarm_totals": {...}}`` for ``starling status --json``."""
         now = self._clock()
         views = self.state.members(now)
@@ -359,7 +360,7 @@ class StateReplicator:
             },
         }
 
-    def _member_status(self, view: MemberView, now: float) -> dict[str, Any]:
+    def _member_status(self, view: MemberView, now: float) -> MemberStatus:
         r = view.record
         return {
             "peer_id": r.peer_id,

@@ -27,6 +27,8 @@ from typing import Any
 
 import trio
 
+from node.status_schema import NodeStatus
+
 log = logging.getLogger(__name__)
 
 # systemd accepts notify datagrams up to 4 KiB; a STATUS line longer than this is useless in
@@ -216,7 +218,7 @@ async def watchdog_loop(
         await trio.sleep(period)
 
 
-def summarize_status(status: Mapping[str, Any]) -> str:
+def summarize_status(status: NodeStatus) -> str:
     """A one-line summary of the daemon's status JSON for ``STATUS=``; copes with missing sections.
 
     e.g. ``peers 3 | step 1200 outer 12 loss 2.314 | sync 11 rounds (1 solo, 0 failed)``.

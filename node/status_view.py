@@ -10,6 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from node.mixing import pairing_graph
+from node.status_schema import (
+    MemberStatus,
+    MixingStatus,
+    NodeStatus,
+    PeerPathStatus,
+    SyncStatus,
+    TrainingStatus,
+)
 
 MAX_PARTNERS_SHOWN = 4  # partners named on the mixing line; the rest are counted
 
@@ -39,7 +47,7 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
-def render_status(st: dict[str, Any]) -> str:
+def render_status(st: NodeStatus) -> str:
     out: list[str] = []
     out.append(f"starling {st.get('version', '?')}  peer {st.get('peer_id', '?')}")
     out.append(
@@ -59,7 +67,7 @@ def render_status(st: dict[str, Any]) -> str:
     if peers:
         rows = [["peer", "path", "rtt_ms"]]
         for p in peers:
-            d = detail.get(p, {})
+            d: PeerPathStatus | dict[str, Any] = detail.get(p) or {}
             rows.append([short(p), str(d.get("path", "-")), _fmt(d.get("rtt_ms"), ".1f")])
         out.extend(_table(rows))
     nat = st.get("nat") or {}
@@ -120,7 +128,7 @@ def render_status(st: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _training_error_line(tr: dict[str, Any]) -> str:
+def _training_error_line(tr: TrainingStatus) -> str:
     """Why training stopped, or what the worker last died of (it may be training again by now)."""
     state = tr.get("state")
     if state == "failed":
@@ -128,12 +136,15 @@ def _training_error_line(tr: dict[str, Any]) -> str:
     return f"last worker error: {tr['error']}"
 
 
-def _bounds_line(sy: dict[str, Any]) -> str | None:
+def _bounds_line(sy: SyncStatus) -> str | None:
     """What partners sent outside the bounds (node/robust.py), shown only once something was: clipped
     updates, refused ones by reason, and banned partners."""
-    clipped = sy.get("clipped") if isinstance(sy.get("clipped"), dict) else {}
-    refused = sy.get("rejections") if isinstance(sy.get("rejections"), dict) else {}
-    banned = sy.get("banned") if isinstance(sy.get("banned"), list) else []
+    clipped = sy.get("clipped")
+    clipped = clipped if isinstance(clipped, dict) else {}
+    refused = sy.get("rejections")
+    refused = refused if isinstance(refused, dict) else {}
+    banned = sy.get("banned")
+    banned = banned if isinstance(banned, list) else []
     if not (any(clipped.values()) or refused or banned):
         return None
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))
@@ -142,7 +153,7 @@ def _bounds_line(sy: dict[str, Any]) -> str | None:
             f" banned {', '.join(short(str(p)) for p in banned) or 'none'}")
 
 
-def _mixing_line(mixing: dict[str, Any]) -> str:
+def _mixing_line(mixing: MixingStatus) -> str:
     """How well this node mixes: the averaged share of its recent outer steps and whom with.
 
     The totals on the `sync:` line count since the daemon started and hide a node that paired well an
@@ -151,7 +162,8 @@ def _mixing_line(mixing: dict[str, Any]) -> str:
     steps = mixing.get("outer_steps")
     if not isinstance(steps, int) or steps <= 0:
         return "mixing: no outer steps yet"
-    partners = mixing.get("partners") if isinstance(mixing.get("partners"), dict) else {}
+    partners = mixing.get("partners")
+    partners = partners if isinstance(partners, dict) else {}
     ranked = sorted(partners.items(), key=lambda kv: (-_count(kv[1]), str(kv[0])))
     named = [f"{short(str(p))} x{_count(n)}" for p, n in ranked[:MAX_PARTNERS_SHOWN]]
     if len(ranked) > MAX_PARTNERS_SHOWN:
@@ -177,7 +189,7 @@ def _secs(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
-def _pace_line(tr: dict[str, Any]) -> str:
+def _pace_line(tr: TrainingStatus) -> str:
     """The swarm's pace, and how many inner steps this machine fits in one outer step (fewer = slower)."""
     period = tr.get("period_s")
     inner = tr.get("last_inner_steps")
@@ -189,7 +201,7 @@ def _pace_line(tr: dict[str, Any]) -> str:
     return f"pace: {pace}" + (f", {inner} inner steps in the last" if isinstance(inner, int) else "")
 
 
-def _partner_count(member: dict[str, Any]) -> str:
+def _partner_count(member: MemberStatus) -> str:
     """How many partners a trainer names for its recent outer steps; blank for non-trainers."""
     partners = member.get("partners")
     if member.get("role") != "trainer" or not isinstance(partners, list):
@@ -197,7 +209,7 @@ def _partner_count(member: dict[str, Any]) -> str:
     return str(len(partners))
 
 
-def _pairing_line(members: list[Any]) -> str:
+def _pairing_line(members: list[MemberStatus]) -> str:
     """Whether the alive trainers form one pairing group, as `starling doctor` judges it."""
     graph = pairing_graph(members)
     unpaired = f", {len(graph.unpaired)} unpaired" if graph.unpaired else ""

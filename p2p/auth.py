@@ -32,6 +32,8 @@ from typing import Any
 
 from libp2p.transport.exceptions import SecurityUpgradeFailure
 
+from p2p.status import AuthorizationStatus
+
 log = logging.getLogger("starling.auth")
 
 SWARM_KEY_FILE = "swarm.key"
@@ -228,7 +230,7 @@ class AccessControl:
                 except Exception as e:  # already gone
                     log.debug("disconnect %s: %s", peer_id, e)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> AuthorizationStatus:
         return {
             "swarm_key": self.keyed,
             "allowlist": len(self.allow),

@@ -28,6 +28,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from p2p.netgroup import group_of, is_loopback_group, peer_ip
+from p2p.status import ConnectionsStatus
 
 log = logging.getLogger("starling.connmgr")
 
@@ -128,7 +129,7 @@ class ConnManager:
     def connected(self) -> list[ID]:
         return [p for p in self.host.get_connected_peers() if p != self.host.get_id()]
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> ConnectionsStatus:
         now = self.clock()
         return {
             "target": self.target,

@@ -23,6 +23,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.connmgr import ConnManager
+from p2p.status import DiscoveryStatus
 
 log = logging.getLogger("starling.discovery")
 
@@ -183,7 +184,7 @@ class SwarmDiscovery:
                     queue.append(peer_id)
         return list(found.values())
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> DiscoveryStatus:
         return {
             "members_found": len(self.members_found),
             "routing_table": self.dht.get_routing_table_size(),

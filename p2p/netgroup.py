@@ -13,6 +13,8 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from p2p.status import StreamLimitsStatus
+
 #: Group of a connection whose address cannot be read (a relayed stream, a test double): all such
 #: peers share one group, so hiding the address buys an attacker nothing.
 UNKNOWN_GROUP = "?"
@@ -142,5 +144,5 @@ class SubnetStreamLimits:
 
         host.set_stream_handler = limited_set_stream_handler
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StreamLimitsStatus:
         return {"per_subnet": dict(self.per_subnet), "refused": dict(self.refused)}

@@ -1,0 +1,60 @@
+"""protocols: the wire protocols on the transport, the middle of p2p <- protocols <- node.
+
+Each module is one protocol (its messages, both sides of its exchange), or what they share; a protocol is
+used as a module (``from protocols import avg``; ``avg.initiate``, ``avg.respond``):
+
+    avg.py       /starling/avg: one pairwise averaging exchange of (phi, Delta); AvgRequest, TransferResult
+    codec.py     get_codec, WireDtype, TensorCodec: how a flat fp32 tensor travels (fp32, bf16, int8 blocks)
+    state.py     /starling/state: anti-entropy of the swarm state; Replica, LocalInfo, SessionResult
+    record.py    MemberRecord, CounterRecord, ManifestRecord, Manifest, SignedRecord: the state's signed records
+    hlc.py       HybridLogicalClock, Timestamp: the order of those records
+    snapshot.py  /starling/snapshot: a late joiner downloads a donor's weights; SnapshotServer, JoinDownload
+    dialback.py  /starling/dialback: reachability checked by peers dialling back; DialbackService, Verdict
+
+The names below are importable from the package itself (``from protocols import MemberRecord``); each
+module is imported on first use, so ``import protocols`` loads neither torch (avg, codec, snapshot) nor
+libp2p.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AvgRequest": "protocols.avg",
+    "TransferResult": "protocols.avg",
+    "TensorCodec": "protocols.codec",
+    "WireDtype": "protocols.codec",
+    "get_codec": "protocols.codec",
+    "LocalInfo": "protocols.state",
+    "Replica": "protocols.state",
+    "SessionResult": "protocols.state",
+    "CounterRecord": "protocols.record",
+    "Manifest": "protocols.record",
+    "ManifestRecord": "protocols.record",
+    "MemberRecord": "protocols.record",
+    "RecordError": "protocols.record",
+    "SignedRecord": "protocols.record",
+    "HybridLogicalClock": "protocols.hlc",
+    "Timestamp": "protocols.hlc",
+    "JoinDownload": "protocols.snapshot",
+    "Snapshot": "protocols.snapshot",
+    "SnapshotServer": "protocols.snapshot",
+    "DialbackService": "protocols.dialback",
+    "Verdict": "protocols.dialback",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """The curated names, from their modules on first use (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

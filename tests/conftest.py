@@ -1,23 +1,22 @@
-"""Shared test setup: makes tests/ helper modules importable and provides the network-lab and daemon-group
-fixtures."""
+"""Shared test setup: the network-lab and daemon-group fixtures (from the starling_testing package).
+
+tests/ itself is on sys.path through pyproject.toml's `[tool.pytest.ini_options] pythonpath`, for the few
+tests that share a helper with another test module."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import netlab` under any import mode
-
-import netlab  # noqa: E402
-from procs import DaemonGroup  # noqa: E402
+from starling_testing import netlab
+from starling_testing.daemon import DaemonGroup
 
 
 @pytest.fixture
 def group(tmp_path: Path) -> Iterator[DaemonGroup]:
-    """Real `starling run` daemons for one test (tests/procs.py), all stopped and their homes under tmp_path."""
+    """Real `starling run` daemons for one test (starling_testing/daemon.py), all stopped and their homes under tmp_path."""
     g = DaemonGroup(tmp_path)
     yield g
     g.close()

@@ -59,6 +59,7 @@ from protocols import snapshot as snap
 from protocols import state as protocol
 from protocols.hlc import Timestamp
 from protocols.state import LocalInfo
+from starling_testing.fakes import FakeHost
 
 SWARM = "adversary"
 MANIFEST = Manifest("stdlib-lm", "a" * 64, "b" * 64, 1)
@@ -366,31 +367,15 @@ def test_crowd_eviction_never_swaps_two_peers_of_one_subnet() -> None:
 # Per-subnet limits on connections and protocol streams
 
 
-class FakeHost:
-    def __init__(self, peers: dict[ID, str]) -> None:
-        self.peers = dict(peers)
-        self.closed: list[ID] = []
-
-    def get_id(self) -> ID:
-        return ID(b"\x00\x05local")
-
-    def get_connected_peers(self) -> list[ID]:
-        return list(self.peers)
-
-    async def disconnect(self, peer_id: ID) -> None:
-        self.closed.append(peer_id)
-        self.peers.pop(peer_id, None)
-
-
 async def test_connections_from_one_subnet_are_capped_and_loopback_is_exempt() -> None:
     sybils = {ID(f"sybil{i}".encode()): f"203.0.113.{i}" for i in range(20)}
     local = {ID(f"local{i}".encode()): "127.0.0.1" for i in range(20)}
     honest = {ID(b"honest"): "198.51.100.7"}
-    host = FakeHost({**sybils, **local, **honest})
+    host = FakeHost(peers={**sybils, **local, **honest})
     mgr = ConnManager(host, target=8, cap=64, max_per_subnet=16, ip_of=lambda p: host.peers.get(p))
     async with trio.open_nursery() as nursery:
         mgr._tick(nursery)
-    assert len(host.closed) == 4 and set(host.closed) <= set(sybils)
+    assert len(host.disconnected) == 4 and set(host.disconnected) <= set(sybils)
     assert mgr.status()["subnet_pruned"] == 4
 
 
@@ -399,7 +384,7 @@ def test_connection_candidates_are_bounded_and_bootstrap_peers_always_fit() -> N
 
     from p2p import connmgr
 
-    mgr = ConnManager(FakeHost({}))
+    mgr = ConnManager(FakeHost())
     addr = [multiaddr.Multiaddr("/ip4/203.0.113.9/tcp/1")]
     for i in range(1100):
         mgr.add_candidate(PeerInfo(ID(f"sybil{i}".encode()), addr), source="state")

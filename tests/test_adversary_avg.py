@@ -1,8 +1,8 @@
 """Hostile averaging partners against a real victim: what one partner's phi and Delta can do to it.
 
 The victim is the worker's `Trainer` averaging through the real `Averager` over libp2p; the attacker is the
-same modules with its values tampered with on the way out (bench/adversary.py builds both and lists the
-attacks; `python bench/adversary.py --write-docs` records the figures in docs/reliability.md). The bound:
+same modules with its values tampered with on the way out (starling_testing/adversary.py builds both and
+lists the attacks; `python bench/adversary.py --write-docs` records the figures in docs/reliability.md). The bound:
 over 40 rounds of any attack the victim moves along the attack direction by at most 10x what 20 rounds
 with an honest partner move it, stays finite and keeps training; blatant values are refused and their
 sender banned, and honest exchanges are never clipped.
@@ -11,15 +11,11 @@ sender banned, and honest exchanges are never clipped.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import adversary  # noqa: E402
+from starling_testing import adversary
 
 pytestmark = pytest.mark.slow
 

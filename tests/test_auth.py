@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import TINY, DaemonGroup, starling
 
 from p2p.auth import SwarmKeyError, format_swarm_key, generate_swarm_key, read_swarm_key
+from starling_testing.daemon import TINY, DaemonGroup, starling
 
 LOOPBACK = ["--no-train", "--listen", "/ip4/127.0.0.1/tcp/0"]
 

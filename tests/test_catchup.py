@@ -17,8 +17,6 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from procs import TINY as TINY_DAEMON
-from procs import DaemonGroup
 
 from node import latejoin
 from node.checkpoint import CheckpointError, write_checkpoint
@@ -29,6 +27,8 @@ from node.train_config import TrainConfig
 from node.worker import Adopted, CheckpointSaved, Publish, Result, Stop, Trainer, _StopFlag, _train
 from p2p.host import build_host
 from protocols import snapshot as snap
+from starling_testing.daemon import TINY as TINY_DAEMON
+from starling_testing.daemon import DaemonGroup
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                    eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)

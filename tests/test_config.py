@@ -6,9 +6,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from procs import starling
 
 from node.config import ConfigError, load_config, render_config_file, resolve_home, unknown_environment
+from starling_testing.daemon import starling
 
 
 def write(home: Path, text: str) -> None:

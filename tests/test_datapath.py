@@ -36,6 +36,7 @@ from protocols.codec import (
     send_tensor,
     send_tensor_blocking,
 )
+from starling_testing.conformance import FRAME_CHANNEL_CHECKS, Check
 
 torch.set_num_threads(1)
 
@@ -361,6 +362,17 @@ async def test_a_tampered_frame_fails_authentication_in_a_threaded_receive() -> 
     await tap.deliver(bytes(raw))
     buf = bytearray(64)
     await expect_protocol_error(Reason.AUTH, tap.receiver.run_in_threads, lambda io: 0, lambda io: io.recv_into(buf))
+
+
+def secure_pair(max_frame_size: int) -> tuple[SecureChannel, SecureChannel]:
+    ki, kr = agree()
+    a, b = socket_pair()
+    return SecureChannel(a, ki, max_frame_size=max_frame_size), SecureChannel(b, kr, max_frame_size=max_frame_size)
+
+
+@pytest.mark.parametrize("check", FRAME_CHANNEL_CHECKS, ids=lambda c: c.__name__)
+async def test_the_secure_channel_meets_the_frame_channel_contract(check: Check) -> None:
+    await check(secure_pair)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
-from procs import DaemonGroup, free_port, starling
 
 from node.config import load_config
 from node.doctor import (
@@ -40,6 +39,7 @@ from node.doctor import (
 )
 from node.lock import HomeLock
 from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
+from starling_testing.daemon import DaemonGroup, free_port, starling
 
 LOOPBACK_CONFIG = '[node]\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n'
 

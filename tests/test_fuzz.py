@@ -1,7 +1,7 @@
 """Hypothesis fuzzing of every decoder and protocol handler that its own module's tests do not fuzz.
 
-The targets live in ``bench/fuzz.py``: for each decoder, valid encodings to start from (seeds), the
-harness that feeds it one input, and the exception types it documents. ``bench/fuzz.py`` runs them with
+The targets live in ``starling_testing/fuzz.py``: for each decoder, valid encodings to start from (seeds),
+the harness that feeds it one input, and the exception types it documents. ``bench/fuzz.py`` runs them with
 >= 100k inputs each (``make fuzz``); here hypothesis gives each a couple of hundred inputs on every test
 run: random bytes, or mutations of the seeds driven by hypothesis' own random source, so that a failure
 shrinks to a small input. ``p2p.wire`` and ``protocols.codec`` are fuzzed in their own test files.
@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
-from pathlib import Path
 
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for bench/
-from bench import fuzz  # noqa: E402
-from p2p.wire import FRAME_HEADER, ProtocolError, Reason  # noqa: E402
+from p2p.wire import FRAME_HEADER, ProtocolError, Reason
+from starling_testing import fuzz
 
 TARGETS = [t for t in fuzz.TARGETS if not t.fuzzed_elsewhere]
 EXAMPLES = 150

@@ -3,7 +3,7 @@
 Two real trainers (``starling run`` processes with a tiny model) average with each other; a stranger --
 a libp2p host in this test process, plus raw sockets -- then sends them what a buggy or hostile peer
 might: random bytes, truncated valid messages, a 4 GiB length prefix, valid encodings with one value
-mutated (``bench/fuzz.py``'s mutator), and a valid start followed by silence. It does so on every Starling
+mutated (``starling_testing/fuzz.py``'s mutator), and a valid start followed by silence. It does so on every Starling
 protocol id, on py-libp2p's own protocols the daemon serves, on the encrypted side channel's raw TCP
 port and on the local control socket. Every such conversation must end -- the daemon answers, closes or
 resets it within its own deadline -- and afterwards the daemon must still answer ``status``, still be
@@ -16,11 +16,9 @@ import json
 import random
 import socket
 import struct
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import multiaddr
@@ -31,15 +29,13 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.io.exceptions import IOException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from procs import TINY, DaemonGroup, DaemonProc
 
 from p2p.datapath import MAGIC
 from p2p.host import build_host
 from protocols import avg, dialback, state
 from protocols.dialback import protocol_unsupported
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for bench/
-from bench import fuzz  # noqa: E402
+from starling_testing import fuzz
+from starling_testing.daemon import TINY, DaemonGroup, DaemonProc
 
 pytestmark = pytest.mark.slow
 

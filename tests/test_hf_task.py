@@ -164,7 +164,7 @@ def test_without_transformers_the_task_says_which_extra_to_install(monkeypatch, 
 
 @pytest.mark.slow
 def test_two_daemons_average_the_hf_task_on_loopback(group, text_dir: Path) -> None:
-    from procs import TINY as TINY_DAEMON
+    from starling_testing.daemon import TINY as TINY_DAEMON
 
     args = [*TINY_DAEMON, "--swarm", "hf", "--set", f"train.task={TASK}", "--set", f"task.data={text_dir}",
             "--set", "task.model={ model_type = 'gpt2', n_embd = 32, n_layer = 1, n_head = 2 }",

@@ -6,9 +6,9 @@ import stat
 from pathlib import Path
 
 import pytest
-from procs import starling
 
 from p2p.identity import IdentityError, load_or_create_identity, peer_id_of
+from starling_testing.daemon import starling
 
 
 def test_identity_file_is_private_and_reloads_to_the_same_peer_id(tmp_path: Path) -> None:

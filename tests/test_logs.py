@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import trio
-from procs import STARLING
-from test_averaging import exchange_both, pair, request
+from test_averaging import pair, request
 
 from node.logs import SUMMARY_EVERY_S, JournalFormatter, Libp2pFilter, _libp2p_dir, log_summary_loop
 from node.sync_config import SyncConfig
+from starling_testing.averaging import exchange_both
+from starling_testing.daemon import STARLING
 
 
 def stderr_under_journal(argv: list[str], env: dict[str, str], *, matching: bool = True) -> list[str]:

@@ -20,7 +20,6 @@ import trio
 from libp2p.abc import IHost
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
-from netlab import Host, Lab, Proc
 
 from node.nat import (
     NatConfig,
@@ -32,6 +31,7 @@ from node.nat import (
 from p2p.connmgr import ConnManager
 from p2p.host import build_host
 from protocols.dialback import DialStatus
+from starling_testing.netlab import Host, Lab, Proc
 
 LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
 

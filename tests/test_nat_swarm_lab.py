@@ -1,6 +1,6 @@
 """Whole Starling daemons behind real NATs: discovery, relays, hole punching and averaging, end to end.
 
-Each swarm lives in the network lab (tests/netlab.py): a bootstrap node and a relay (both network-only)
+Each swarm lives in the network lab (starling_testing/netlab.py): a bootstrap node and a relay (both network-only)
 and one trainer on the public segment, and two trainers, A and B, each behind its own NAT. Every node
 is a real `starling run` process (plus its torch worker) in its own network namespace, so the only way
 A and B can meet is the product's own: the DHT and the swarm state tell each about the other, the
@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import netlab
 import pytest
-from labdaemon import PORT, PYTHON, ROOT, LabDaemon, path_to, start_daemon
-from netlab import Host, Lab, NatStyle
-from procs import TINY_TRAIN
 
 from node.nat import short_id
+from starling_testing import netlab
+from starling_testing.daemon import PORT, PYTHON, ROOT, TINY_TRAIN, LabDaemon, path_to, start_daemon
+from starling_testing.netlab import Host, Lab, NatStyle
 
 pytestmark = [pytest.mark.slow, pytest.mark.lab]
 

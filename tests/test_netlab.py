@@ -13,9 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import netlab
 import pytest
-from netlab import Host, Lab, LabError
+
+from starling_testing import netlab
+from starling_testing.netlab import Host, Lab, LabError
 
 pytestmark = pytest.mark.lab
 
@@ -440,9 +441,8 @@ def test_using_a_closed_lab_is_an_error(tmp_path: Path) -> None:
 LAB_IN_A_PROCESS = r"""
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in background
-sys.path.insert(0, sys.argv[1])
-from netlab import Lab
-with Lab(sys.argv[3], log_dir=sys.argv[2]) as lab:
+from starling_testing.netlab import Lab
+with Lab(sys.argv[2], log_dir=sys.argv[1]) as lab:
     lab.private_host("a", lab.nat("nat1"))
     sleeper = lab.public_host("boot").spawn(["sleep", "60"])
     print(lab.tag, sleeper.pid, flush=True)
@@ -455,7 +455,7 @@ def test_signalled_lab_cleans_up_or_is_swept_after_a_crash(tmp_path: Path, sig: 
     need_lab()
     prefix = f"stlt{os.getpid()}-"  # a prefix of our own: no concurrent test run sweeps these
     owner = subprocess.Popen(
-        [sys.executable, "-c", LAB_IN_A_PROCESS, str(Path(__file__).parent), str(tmp_path), prefix],
+        [sys.executable, "-c", LAB_IN_A_PROCESS, str(tmp_path), prefix],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import trio
-from procs import STARLING, TINY, TINY_TRAIN, DaemonGroup, starling
 
 from node.cli import main as cli_main
 from node.control import SOCKET_FILE, request_sync
@@ -29,6 +28,7 @@ from node.status_view import render_status
 from node.supervisor import WorkerSupervisor, solo_exchange
 from node.task import TaskError, resolve_device
 from node.train_config import TrainConfig
+from starling_testing.daemon import STARLING, TINY, TINY_TRAIN, DaemonGroup, starling
 
 # Tasks that go wrong in the ways operators meet: a factory that raises, a loss() that raises, and a
 # factory that works once (the daemon's start-up check) and then fails (the worker): "failed for good".

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
-from procs import TINY, DaemonGroup, free_port, starling
 
 from node.cli import _find_exception
 from node.config import load_config
 from node.daemon import Daemon, StartupError
 from p2p.host import foreign_listeners, port_in_use
+from starling_testing.daemon import TINY, DaemonGroup, free_port, starling
 
 
 def reuseport_listener(port: int = 0) -> socket.socket:

@@ -6,7 +6,8 @@ reason (the exchange then keeps the libp2p stream)."""
 from __future__ import annotations
 
 import pytest
-from netlab import Host, Lab, NatStyle, Proc
+
+from starling_testing.netlab import Host, Lab, NatStyle, Proc
 
 PEER = r"""
 import sys, trio, torch

@@ -13,7 +13,7 @@ CAPTURED = Path(__file__).parent / "data" / "status_three_trainers.json"
 
 
 def captured() -> dict[str, Any]:
-    """`status --json` of a real three-trainer TINY swarm after ~45 s (tests/procs.py TINY)."""
+    """`status --json` of a real three-trainer TINY swarm after ~45 s (starling_testing/daemon.py TINY)."""
     return json.loads(CAPTURED.read_text())
 
 

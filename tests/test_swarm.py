@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import TINY, DaemonGroup, DaemonProc
 
 from node.control import SOCKET_FILE, request_sync
+from starling_testing.daemon import TINY, DaemonGroup, DaemonProc
 
 pytestmark = pytest.mark.slow
 

@@ -226,9 +226,11 @@ def test_the_example_task_names_a_bad_option(tmp_path: Path, examples_on_path: N
 
 
 @pytest.mark.slow
-def test_two_daemons_average_the_example_task_and_its_export_gives_the_reported_loss(group, tmp_path: Path) -> None:
-    from procs import TINY as TINY_DAEMON
-    from procs import starling
+def test_two_daemons_average_the_example_task_and_its_export_gives_the_reported_loss(
+    group, tmp_path: Path, examples_on_path: None
+) -> None:
+    from starling_testing.daemon import TINY as TINY_DAEMON
+    from starling_testing.daemon import starling
 
     env = {"PYTHONPATH": str(EXAMPLES)}
     args = [*TINY_DAEMON, "--swarm", "byo", "--set", "train.task=mlp_task:make_task", "--set", "task.hidden=32",
@@ -249,19 +251,14 @@ def test_two_daemons_average_the_example_task_and_its_export_gives_the_reported_
     assert r.returncode == 0, r.stderr
     info = json.loads((out / "starling-export.json").read_text())
     assert info["task"] == "mlp-task" and info["outer_step"] >= 2
+    import mlp_task
     from safetensors.torch import load_file
 
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import mlp_task
-
-        cfg = load_config(a.home, environ={}, overrides=options)
-        task = mlp_task.make_task(TaskContext(cfg.train, "x", torch.device("cpu"), cfg.task.values))
-        model = task.build_model()
-        model.load_state_dict(load_file(out / "model.safetensors"))
-        assert task.evaluate(model) == pytest.approx(info["val_loss"], rel=1e-5)
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    cfg = load_config(a.home, environ={}, overrides=options)
+    task = mlp_task.make_task(TaskContext(cfg.train, "x", torch.device("cpu"), cfg.task.values))
+    model = task.build_model()
+    model.load_state_dict(load_file(out / "model.safetensors"))
+    assert task.evaluate(model) == pytest.approx(info["val_loss"], rel=1e-5)
 
 
 def _set_pairs(args: list[str]) -> dict[str, str]:

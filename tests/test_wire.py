@@ -32,34 +32,12 @@ from p2p.wire import (
     spec,
     to_map,
 )
+from starling_testing.conformance import FRAME_CHANNEL_CHECKS, Check
+from starling_testing.fakes import FakeNetStream, ScriptedStream
 
 # ---------------------------------------------------------------------------------------------
-# Test doubles and sample messages
+# Test doubles (starling_testing.fakes) and sample messages
 # ---------------------------------------------------------------------------------------------
-
-
-class ScriptedStream:
-    """A ByteStream that serves fixed bytes (then EOF) and records how much was asked for."""
-
-    def __init__(self, data: bytes, *, max_read: int = 1 << 30) -> None:
-        self.data = data
-        self.pos = 0
-        self.max_read = max_read
-        self.requested: list[int] = []
-        self.written = bytearray()
-
-    async def read(self, max_bytes: int) -> bytes:
-        self.requested.append(max_bytes)
-        n = min(max_bytes, self.max_read)
-        chunk = self.data[self.pos : self.pos + n]
-        self.pos += len(chunk)
-        return chunk
-
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += data
-
-    async def aclose(self) -> None:
-        pass
 
 
 def stream_pair() -> tuple[TrioByteStream, TrioByteStream]:
@@ -148,7 +126,7 @@ async def test_oversized_length_is_refused_before_the_payload_is_read() -> None:
 
 async def test_message_cut_inside_the_payload_is_truncated() -> None:
     payload = msgpack.packb({"a": 1})
-    stream = ScriptedStream(struct.pack(">I", len(payload)) + payload[:-1], max_read=1)
+    stream = ScriptedStream(struct.pack(">I", len(payload)) + payload[:-1], chunk=1)
     with pytest.raises(ProtocolError) as exc:
         await recv_msg(stream)
     assert reason_of(exc) is Reason.TRUNCATED
@@ -167,7 +145,7 @@ async def test_clean_end_of_stream_before_a_message_is_closed() -> None:
 
 
 async def test_read_exactly_assembles_short_reads() -> None:
-    stream = ScriptedStream(b"abcdefgh", max_read=3)
+    stream = ScriptedStream(b"abcdefgh", chunk=3)
     assert await read_exactly(stream, 8, limit=8) == b"abcdefgh"
 
 
@@ -205,7 +183,7 @@ def test_undecodable_payloads_are_malformed(payload: bytes) -> None:
 def test_recv_msg_on_garbage_raises_only_protocol_errors(data: bytes) -> None:
     async def main() -> None:
         try:
-            await recv_msg(ScriptedStream(data, max_read=7), max_bytes=256)
+            await recv_msg(ScriptedStream(data, chunk=7), max_bytes=256)
         except ProtocolError:
             pass
 
@@ -366,6 +344,17 @@ async def test_plain_frames_roundtrip_and_close_cleanly() -> None:
     assert sender.bytes_sent == receiver.bytes_received == 3 * 5 + 3 + 4
 
 
+def plain_pair(max_frame_size: int) -> tuple[PlainFrameChannel, PlainFrameChannel]:
+    left, right = stream_pair()
+    return (PlainFrameChannel(left, max_frame_size=max_frame_size),
+            PlainFrameChannel(right, max_frame_size=max_frame_size))
+
+
+@pytest.mark.parametrize("check", FRAME_CHANNEL_CHECKS, ids=lambda c: c.__name__)
+async def test_the_plain_frame_channel_meets_the_frame_channel_contract(check: Check) -> None:
+    await check(plain_pair)
+
+
 async def test_plain_frame_over_the_limit_is_refused_from_its_header() -> None:
     stream = ScriptedStream(struct.pack(">IB", 1 << 30, 0))
     with pytest.raises(ProtocolError) as exc:
@@ -423,37 +412,6 @@ async def test_trio_adapter_turns_a_broken_stream_into_a_protocol_error() -> Non
     assert reason_of(exc) is Reason.BROKEN
 
 
-class FakeNetStream:
-    """Mimics py-libp2p's INetStream error behaviour (StreamEOF at end, StreamReset on reset)."""
-
-    def __init__(self, chunks: list[bytes], *, reset_at_end: bool = False) -> None:
-        self.chunks = chunks
-        self.reset_at_end = reset_at_end
-        self.written: list[bytes] = []
-        self.closed = False
-
-    async def read(self, n: int | None = None) -> bytes:
-        from libp2p.network.stream.exceptions import StreamEOF, StreamReset
-
-        if self.chunks:
-            chunk = self.chunks.pop(0)
-            if n is not None and len(chunk) > n:  # like yamux: at most n, keep the rest buffered
-                chunk, rest = chunk[:n], chunk[n:]
-                self.chunks.insert(0, rest)
-            return chunk
-        raise StreamReset() if self.reset_at_end else StreamEOF()
-
-    async def write(self, data: bytes) -> None:
-        assert type(data) is bytes  # yamux concatenates; the adapter must hand it real bytes
-        self.written.append(data)
-
-    async def close(self) -> None:
-        self.closed = True
-
-    async def reset(self) -> None:
-        self.closed = True
-
-
 async def test_libp2p_adapter_maps_eof_to_empty_read_and_reset_to_broken() -> None:
     payload = encode_msg({"a": 1})
     adapter = LibP2PByteStream(FakeNetStream([payload[:3], payload[3:]]))
@@ -474,4 +432,4 @@ async def test_libp2p_adapter_writes_bytes_and_closes_the_stream() -> None:
     await send_msg(adapter, {"a": 1})
     await adapter.write(memoryview(b"xyz"))
     await adapter.aclose()
-    assert fake.written[0] == encode_msg({"a": 1}) and fake.written[1] == b"xyz" and fake.closed
+    assert fake.writes[0] == encode_msg({"a": 1}) and fake.writes[1] == b"xyz" and fake.closed

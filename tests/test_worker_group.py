@@ -15,8 +15,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import trio
-from procs import TINY as TINY_DAEMON
-from procs import DaemonGroup
 from test_worker import TINY, alive, wait_until
 
 from node.checkpoint import read_checkpoint
@@ -25,6 +23,8 @@ from node.task import TaskContext
 from node.train_config import TrainConfig
 from node.worker import Trainer
 from node.worker_group import GroupTrainer, Rendezvous, WorkerGroup, exit_group_process
+from starling_testing.daemon import TINY as TINY_DAEMON
+from starling_testing.daemon import DaemonGroup
 
 # --- a tiny task whose data is a function of the *global* batch ----------------------------------------------
 

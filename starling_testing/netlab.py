@@ -27,7 +27,7 @@ inside its namespaces, and deletes the namespaces (which deletes their veths and
 names carry the owning process id (``stl-<pid>-<n>-<host>``), so a new lab also sweeps namespaces
 left by a crashed run whose process is gone, and never touches those of a live concurrent run.
 
-Run ``python tests/netlab.py --sweep`` to remove stale namespaces by hand.
+Run ``python -m starling_testing.netlab --sweep`` to remove stale namespaces by hand.
 """
 
 from __future__ import annotations
@@ -727,7 +727,7 @@ def _signals_deferred() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python tests/netlab.py --sweep [--prefix stl-]`: remove namespaces left by crashed runs."""
+    """`python -m starling_testing.netlab --sweep [--prefix stl-]`: remove namespaces left by crashed runs."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

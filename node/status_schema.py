@@ -1,0 +1,288 @@
+"""The schema of a daemon's status: the dict `starling status --json` prints and the control socket returns.
+
+The daemon builds it (node/daemon.py `Daemon.status`, which takes sections from node/supervisor.py,
+node/averager.py, node/replicator.py, node/nat.py, node/latejoin.py and the p2p layer's managers), and
+metrics (node/metrics.py), `starling doctor` (node/doctor.py), the status view (node/status_view.py),
+sd_notify's summary (node/sdnotify.py), `make run` (node/localswarm.py), benches and tests read it by
+key. These TypedDicts are that contract: mypy (`make lint`) checks the builders' dict literals against
+them, and the readers' subscripts (``st["training"]``) and the types of what their ``.get`` returns.
+
+The JSON shape is the operators' API (their scripts read it): these types describe it, they do not change
+it. ``NotRequired`` marks a key that only some nodes have (a network-only node has no ``training``,
+``sync`` or ``join``); ``total=False`` marks a section whose keys come and go with its state (a late
+join's progress). A ``None`` value means "not known yet" (no loss before the first report). The readers
+still treat every key as possibly absent or mistyped, since an older daemon may answer: the schema says
+what this version writes.
+
+The p2p layer's own sections (``connections``, ``discovery``, ``authorization``, ``stream_limits``) are
+declared in p2p/status.py, since p2p/ cannot import node/, and re-exported here. Like that module, this one
+imports nothing heavy: `starling status` renders with it.
+"""
+
+# No `from __future__ import annotations`: Python 3.11's TypedDict reads NotRequired only from evaluated
+# annotations, and tests read __required_keys__.
+from typing import NotRequired, TypedDict
+
+from p2p.status import AuthorizationStatus, ConnectionsStatus, DiscoveryStatus, StreamLimitsStatus
+
+__all__ = [
+    "AuthorizationStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
+    "ExchangeCounts", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
+    "PeerPathStatus", "ProgressStatus", "ReplicaStatus", "ReplicationStatus", "StreamLimitsStatus",
+    "SwarmTotals", "SyncStatus", "TrainingStatus",
+]  # fmt: skip
+
+
+# --- training: the local torch worker, as its supervisor sees it (node/supervisor.py) -------------------------
+
+
+class ExchangeCounts(TypedDict):
+    """Outer steps by how their exchange ended."""
+
+    group: int  # averaged with one or more partners
+    solo: int  # no partner: a local outer step
+    failed: int  # the exchange failed (the worker stepped solo)
+
+
+class TrainingStatus(TypedDict):
+    """``training``: the worker's progress and health (trainers only)."""
+
+    state: str  # idle | starting | training | restarting | stopping | stopped | failed
+    task: str
+    device: str | None  # None until the worker has said hello
+    step: int  # inner optimizer steps
+    outer_step: int  # averaging steps (partners are chosen by it)
+    loss: float | None
+    val_loss: float | None
+    samples_per_s: float
+    lr: float | None
+    restarts: int
+    pid: int | None
+    group_pids: list[int] | None  # with train.local_ranks > 1: the worker group's pids, rank 0 first
+    resumed_step: int | None
+    checkpoint_step: int | None
+    checkpoint_rejected: list[str]  # "path: reason" for each corrupt checkpoint set aside
+    exchanges: ExchangeCounts
+    last_group_size: int | None
+    last_inner_steps: int | None  # inner steps in the latest outer step (fewer on slower machines)
+    period_s: float | None  # the swarm's pace: seconds between two outer steps (None: every H steps)
+    error: str | None
+
+
+# --- sync: the averager (node/averager.py) and the catch-up (node/latejoin.py) ------------------------------
+
+
+class MixingStatus(TypedDict):
+    """``sync.mixing``: whom this node averaged with over its last ``window`` outer steps."""
+
+    window: int
+    outer_steps: int
+    averaged: int
+    solo: int
+    solo_share: float | None  # None before the first outer step
+    scheduled: int  # averaged with the partner the schedule chose first
+    partners: dict[str, int]  # partner peer id -> outer steps averaged with it
+    distinct_partners: int
+
+
+class PeerLinkStatus(TypedDict):
+    """``sync.per_peer[peer_id]``: the averaging link to one partner."""
+
+    rounds: int
+    bytes_sent: int
+    bytes_received: int
+    rate_mbps: float
+    failures: int
+    path: str  # datapath (side channel) or stream (libp2p); "" before the first transfer
+    clipped: int
+
+
+class DownloadStatus(TypedDict):
+    """One donor's download in a late join or catch-up."""
+
+    have_chunks: int
+    done: bool
+    bytes: int
+    error: str  # "" while it goes well
+
+
+class ProgressStatus(TypedDict, total=False):
+    """A late join's or catch-up's progress (node/latejoin.py); its keys follow its state."""
+
+    state: str
+    error: str
+    donors: list[str]
+    from_outer_step: int
+    swarm_outer_step: int
+    snapshot_outer_step: int
+    outer_step: int
+    step: int
+    downloads: dict[str, DownloadStatus]
+
+
+class JoinStatus(ProgressStatus, total=False):
+    """``join``: this node's late join, and the snapshots it serves to joiners."""
+
+    serving: int  # downloads being served now
+    served: int
+
+
+class SyncStatus(TypedDict):
+    """``sync``: averaging rounds with partners (trainers only)."""
+
+    rounds: int
+    solo_rounds: int
+    unpaired_rounds: int  # solo at once: no eligible partner when the outer step began
+    failures: int
+    declined: int
+    last_partner: str | None
+    last_duration_s: float | None
+    last_bytes: int | None
+    last_path: str | None
+    bytes_sent: int
+    bytes_received: int
+    last_error: str | None
+    distinct_partners: int  # since the daemon started (mixing.distinct_partners: the recent window)
+    wire_dtype: str
+    datapath_port: int | None
+    per_peer: dict[str, PeerLinkStatus]
+    mixing: MixingStatus
+    state: str  # pairing | idle
+    rejections: dict[str, int]  # partner updates refused, by reason (node/robust.py)
+    clipped: dict[str, int]  # partner updates clipped, by part: delta | phi
+    banned: list[str]
+    catch_ups: NotRequired[int]  # snapshots the worker adopted
+    catch_up: NotRequired[ProgressStatus]
+
+
+# --- membership: the swarm-state replica (node/replicator.py) -----------------------------------------------
+
+
+class MemberStatus(TypedDict):
+    """``members[i]``: one member record as this node holds it."""
+
+    peer_id: str
+    self: bool
+    state: str  # alive | suspect | gone | left
+    role: str  # trainer | network-only
+    version: str
+    outer_step: int
+    step: int
+    loss: float | None
+    val_loss: float | None
+    samples_per_s: float
+    partners: list[str]  # whom it averaged with over its recent outer steps
+    reachability: str
+    addrs: list[str]
+    manifest_hash: str
+    incompatible: bool
+    last_seen: float  # this node's clock when the record was last refreshed
+    last_seen_s: float  # seconds since then
+    heartbeat: float  # the author's wall time when it wrote the record
+    received_at: float  # our wall time when it arrived
+
+
+class ReplicationStatus(TypedDict):
+    """``swarm_totals.replication``: the replica's anti-entropy and gossip counters."""
+
+    sessions_ok: int
+    session_failures: dict[str, int]  # by reason: timeout, malformed, ...
+    records_sent: int
+    records_received: int
+    records_changed: int
+    gossip_published: int
+    gossip_received: int
+    gossip_refused: int
+    gossip_dropped: int
+    manifest_mismatches: int
+    saves: int
+    save_errors: int
+    last_save: float | None  # wall time
+
+
+class SwarmTotals(TypedDict):
+    """``swarm_totals``: the swarm as this node's replica sees it."""
+
+    members: dict[str, int]  # member state -> count (every state present, 0 included)
+    samples: int
+    tokens: int
+    rejected: dict[str, int]  # records refused, by reason
+    manifest_hash: str | None
+    manifest_founder: str | None
+    manifest_authority: str
+    manifest_error: str | None
+    member_groups: dict[str, int]  # peers held per network group, the largest few
+    crowd_evictions: int
+    incompatible_peers: list[str]
+    replication: ReplicationStatus
+
+
+class ReplicaStatus(TypedDict):
+    """The replica's part of the status (node/replicator.py), merged into its top level."""
+
+    members: list[MemberStatus]
+    swarm_totals: SwarmTotals
+
+
+# --- the network: NAT traversal (node/nat.py) ------------------------------------------------------------
+
+
+class NatStatus(TypedDict):
+    """``nat``: reachability verdict, relay service and relay slots, dial-back counts."""
+
+    reachability: str  # public | private | unknown
+    reason: str
+    reachability_reason: str
+    relay_service: str  # serving | off
+    relay_clients: int  # peers holding a reservation on us
+    relay_circuits: int  # circuits we relay now
+    relays: list[str]  # relays we hold a slot on
+    relay_addrs: list[str]
+    dialback_helpers: int
+    dialbacks_served: int
+
+
+class PeerPathStatus(TypedDict):
+    """``peers[i]``: one connected peer's network path."""
+
+    peer_id: str
+    path: str  # direct | hole-punched | relayed | none
+    rtt_ms: float | None
+    throughput_mbps: NotRequired[float]  # once a bulk transfer measured it
+    note: NotRequired[str]  # why a relayed peer is not direct
+
+
+class BootstrapStatus(TypedDict):
+    """``bootstrap``: what this daemon was given, its command line included (`doctor` checks these)."""
+
+    addrs: list[str]
+    files: list[str]
+
+
+# --- the whole status --------------------------------------------------------------------------------------
+
+
+class NodeStatus(TypedDict):
+    """What ``starling status --json`` prints and the control socket's ``status`` command returns."""
+
+    peer_id: str
+    swarm: str
+    version: str
+    uptime_s: float
+    home: str
+    addrs: list[str]
+    connected_peers: list[str]
+    connections: ConnectionsStatus
+    bootstrap: BootstrapStatus
+    discovery: DiscoveryStatus
+    role: str  # trainer | network-only
+    authorization: AuthorizationStatus
+    stream_limits: StreamLimitsStatus
+    reachability: str  # public | private | unknown
+    nat: NatStatus
+    peers: list[PeerPathStatus]
+    members: list[MemberStatus]
+    swarm_totals: SwarmTotals
+    training: NotRequired[TrainingStatus]  # trainers only, as the three below
+    sync: NotRequired[SyncStatus]
+    join: NotRequired[JoinStatus]

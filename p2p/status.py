@@ -1,0 +1,48 @@
+"""The transport layer's sections of a daemon's status (`starling status --json`), as TypedDicts.
+
+Their builders are here in p2p/ (the `status()` of the connection manager, discovery, access control and
+the per-subnet stream limits); the whole status is node/status_schema.py's `NodeStatus`, which names these.
+This module imports nothing else, so that the status schema stays cheap to import (`starling status`).
+"""
+
+from typing import TypedDict
+
+__all__ = ["AuthorizationStatus", "ConnectionsStatus", "DiscoveryStatus", "StreamLimitsStatus"]
+
+
+class ConnectionsStatus(TypedDict):
+    """``connections`` (p2p/connmgr.py): the connection manager's targets and queues."""
+
+    target: int
+    cap: int
+    connected: int
+    candidates: int  # known peers
+    dialing: int
+    backing_off: int
+    max_per_subnet: int
+    subnet_pruned: int
+
+
+class DiscoveryStatus(TypedDict):
+    """``discovery`` (p2p/discovery.py): swarm members found through the DHT."""
+
+    members_found: int
+    routing_table: int
+    lookups: int
+    last_error: str  # "" while none failed
+
+
+class AuthorizationStatus(TypedDict):
+    """``authorization`` (p2p/auth.py): the swarm key, the allowlist and what they refused."""
+
+    swarm_key: bool  # the swarm is closed by a pre-shared key
+    allowlist: int  # peers in node.allow_peers (0: any peer)
+    refused_handshakes: int
+    refused_peers: int
+
+
+class StreamLimitsStatus(TypedDict):
+    """``stream_limits`` (p2p/netgroup.py): streams per network group and protocol."""
+
+    per_subnet: dict[str, int]  # protocol -> streams one network group may hold at once
+    refused: dict[str, int]  # protocol -> streams reset because their group had its share

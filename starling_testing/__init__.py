@@ -1,0 +1,32 @@
+"""starling_testing: what Starling's tests and benchmarks are built from, for the project and its users (as
+``trio.testing`` is for trio). It sits above ``node`` in the import layers (pyproject.toml's
+``[tool.importlinter]``): it may import the product, the product never imports it, and tests and benchmarks
+import it instead of each other.
+
+Files and their main names:
+
+* ``netlab.py``: a network lab of Linux network namespaces with real NATs (:class:`Lab`, :class:`Host`,
+  :class:`Proc`; ``python -m starling_testing.netlab --sweep`` removes namespaces left by a crash);
+* ``daemon.py``: real `starling run` daemons on 127.0.0.1 or in a lab (:class:`DaemonProc`,
+  :class:`DaemonGroup`, :class:`LabDaemon`, :data:`TINY`), all started by the one launcher
+  (``node.launcher.DaemonProcess``) and read through the one status client (``node.control.request_status``);
+* ``fakes.py``: transport test doubles (``ScriptedStream``, ``FakeNetStream``, ``FakeHost``, ``RefusingProber``);
+* ``conformance.py``: the :class:`p2p.wire.FrameChannel` contract as checks (``FRAME_CHANNEL_CHECKS``,
+  ``check_frame_channel``);
+* ``averaging.py``: ``exchange_both``, two real averagers' exchanges at once;
+* ``fuzz.py``: the fuzzer's targets, mutator and runner (``make fuzz``; tests/test_fuzz.py drives the same
+  targets with hypothesis);
+* ``adversary.py``: hostile averaging partners against a real victim (``make bench-adversary``);
+* ``report.py``: ``replace_section``, how benchmarks write their figures into docs/.
+
+Only the network lab and the daemon helpers are imported here (they need neither torch nor libp2p); import
+the other modules by name.
+"""
+
+from starling_testing.daemon import TINY, TINY_TRAIN, DaemonError, DaemonGroup, DaemonProc, LabDaemon
+from starling_testing.netlab import Host, Lab, LabError, Proc
+
+__all__ = [
+    "TINY", "TINY_TRAIN", "DaemonError", "DaemonGroup", "DaemonProc", "Host", "Lab", "LabDaemon", "LabError",
+    "Proc",
+]  # fmt: skip

@@ -1,0 +1,274 @@
+"""What a hostile averaging partner can do to a victim: phi and Delta attacks, measured against honest training.
+
+A victim `Trainer` (the real worker's training and outer step) averages over real libp2p hosts and the real
+`Averager` with a partner built from the same modules: an honest `Trainer` whose values are tampered with
+just before they go on the wire (and whose header may lie about the steps and samples it covers). The
+victim applies what its averager leaves in the sums, exactly as the worker does. Each attack runs for
+ROUNDS outer steps; the yardstick is how far 20 honest rounds (the same victim, an honest partner) move the
+victim's weights. tests/test_adversary_avg.py asserts the bounds; `python bench/adversary.py --write-docs`
+records the figures in docs/reliability.md.
+
+Attacks (from issue #13's review; the attacker knows the rules and picks the largest offsets they let
+through):
+- phi_plus_1000: +1000 added to every value of the phi it sends;
+- phi_1e30: a phi of 1e30 everywhere;
+- phi_drift: its phi moved 9 of its own Delta norms along a fixed direction u each round (under the
+  refusal ratio of 10);
+- delta_drift: its Delta plus 9.9 of its own Delta norms along u, claiming a million inner steps and a
+  billion samples (to win a larger bound and all of the sample weight);
+- norm_ratchet: its Delta along u, 1.2x longer every round (the old reference took accepted partners'
+  norms and let this lift the bound 1,300x in 35 rounds);
+- combined: phi_drift and delta_drift at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import multiaddr
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from node.averager import Averager
+from node.sync_config import SyncConfig
+from node.train_config import TrainConfig
+from node.worker import Trainer
+from p2p.host import build_host
+from starling_testing.averaging import exchange_both
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+
+ROUNDS = 40
+HONEST_ROUNDS = 20
+DOCS = ROOT / "docs" / "reliability.md"
+SECTION = "## Hostile averaging partners"
+LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+
+
+def train_config(inner_steps: int = 5) -> TrainConfig:
+    """The default task at a size that trains 2 x 40 outer steps in seconds on one core."""
+    cfg = TrainConfig(device="cpu", inner_steps=inner_steps, batch_size=4, seq_len=32, d_model=32, n_layers=1,
+                      n_heads=2, warmup=4, total_steps=ROUNDS * inner_steps * 2, data_bytes=200_000,
+                      eval_batches=2, overlap=False, max_lag=0, seed=0)
+    cfg.validate()
+    return cfg
+
+
+@dataclass
+class Request:
+    """What the supervisor hands the averager (node/supervisor.py, ExchangeRequest)."""
+
+    outer_step: int
+    phi: torch.Tensor
+    delta: torch.Tensor
+    phi_out: torch.Tensor
+    delta_out: torch.Tensor
+    layout: list
+    inner_steps: int = 0
+    samples: int = 0
+    group_outer_step: int | None = None
+    partner_samples: int = 0
+    shift_s: float = 0.0
+
+
+Attack = Callable[["Request", torch.Tensor, int, float], None]
+"""attack(request about to go out, direction u, round, the attacker's own honest Delta norm)."""
+
+
+def phi_plus_1000(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+    req.phi.add_(1000.0)
+
+
+def phi_1e30(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+    req.phi.fill_(1e30)
+
+
+def phi_drift(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+    req.phi.add_(u, alpha=9.0 * norm)
+
+
+def delta_drift(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+    req.delta.add_(u, alpha=9.9 * norm)
+    req.inner_steps, req.samples = 1_000_000, 1_000_000_000
+
+
+def norm_ratchet(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+    req.delta.copy_(u).mul_(norm * 1.2**r)
+
+
+def combined(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+    phi_drift(req, u, r, norm)
+    delta_drift(req, u, r, norm)
+
+
+ATTACKS: dict[str, Attack] = {f.__name__: f for f in (phi_plus_1000, phi_1e30, phi_drift, delta_drift, norm_ratchet,
+                                                       combined)}
+
+
+@dataclass
+class Outcome:
+    name: str
+    rounds: int
+    along_u: float  # the victim's displacement along the attack direction over the run
+    moved: float  # |phi_end - phi_start|
+    moved_honest_span: float  # |phi - phi_start| after HONEST_ROUNDS (the yardstick, from an honest run)
+    finite: bool
+    val_loss: float
+    averaged: int  # victim's exchanges that reached its outer step
+    rejections: dict[str, int] = field(default_factory=dict)
+    clipped: dict[str, int] = field(default_factory=dict)
+    banned: bool = False
+
+
+def _request(trainer: Trainer, outer_step: int) -> Request:
+    n = trainer.numel
+    return Request(outer_step, torch.empty(n), torch.empty(n), torch.empty(n), torch.empty(n), trainer.layout)
+
+
+async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "honest") -> Outcome:
+    """`rounds` outer steps of a victim with one partner (honest when `attack` is None)."""
+    cfg = train_config()
+    # A pairing window long enough for a loaded machine (every round must pair); once the victim has banned
+    # the attacker there is nobody else, so its rounds are solo at once (`anyone_else` below).
+    sync = SyncConfig(wire_dtype="fp32", pair_window_s=5, backoff_s=0.1)
+    victim, partner = Trainer(cfg, home / "victim", "victim"), Trainer(cfg, home / "partner", "partner")
+    u = torch.randn(victim.numel, generator=torch.Generator().manual_seed(7))
+    u /= u.norm()
+    start = victim.phi.clone()
+    async with AsyncExitStack() as stack:
+        hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+        for h in hosts:
+            await stack.enter_async_context(h.run(LISTEN))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        # The attacker runs the same averager with its own checks off: it accepts whatever the victim sends.
+        lax = SyncConfig(wire_dtype="fp32", pair_window_s=5, backoff_s=0.1, clip_ratio=1e6, clip_phi_ratio=1e6,
+                         max_delta_ratio=1e6)
+        ids = [str(h.get_id()) for h in hosts]
+        avs: list[Averager] = []
+
+        def banned() -> bool:
+            return bool(avs[0].status()["banned"])
+
+        # Each side's only possible partner is the other, until the victim bans the attacker: from then on
+        # both step solo at once instead of waiting out every pairing window (the attacker is told, as it
+        # would learn from the refusals).
+        avs += [Averager(hosts[0], sync, manifest_hash=lambda: "m", max_inner_steps=cfg.inner_steps,
+                         eligible_peers=lambda: [] if banned() else [ids[1]], anyone_else=lambda: not banned()),
+                Averager(hosts[1], sync if attack is None else lax, manifest_hash=lambda: "m",
+                         eligible_peers=lambda: [] if banned() else [ids[0]], anyone_else=lambda: not banned())]
+        for a in avs:
+            await nursery.start(a.run)
+        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+        averaged, moved_honest_span = 0, math.nan
+        for r in range(rounds):
+            reqs = []
+            for t in (victim, partner):
+                while not t.publish_due():
+                    t.inner_step()
+                req = _request(t, r)
+                pub = t.publish(req.phi, req.delta)
+                req.inner_steps, req.samples = pub.inner_steps, pub.samples
+                reqs.append(req)
+            honest_phi, honest_delta = reqs[1].phi.clone(), reqs[1].delta.clone()
+            if attack is not None:
+                attack(reqs[1], u, r, float(honest_delta.norm()))
+            results = await exchange_both(avs, reqs)
+            v = reqs[0]
+            used = victim.apply_result(results[0], v.phi_out, v.delta_out, partner_samples=v.partner_samples)
+            averaged += used >= 2
+            if r + 1 == HONEST_ROUNDS:
+                moved_honest_span = float((victim.phi - start).norm())
+            if results[1] >= 2:
+                # The attacker trains on as an honest replica would have: its own true values in the sums.
+                p = reqs[1]
+                p.phi_out.sub_(p.phi).add_(honest_phi)
+                p.delta_out.sub_(p.delta).add_(honest_delta)
+                partner.apply_result(2, p.phi_out, p.delta_out, partner_samples=reqs[0].samples)
+            else:
+                partner.apply_result(1)
+        st = avs[0].status()
+        nursery.cancel_scope.cancel()
+    moved = victim.phi - start
+    finite = bool(torch.isfinite(victim.phi).all())
+    return Outcome(name, rounds, float(moved @ u) if finite else math.inf, float(moved.norm()), moved_honest_span,
+                   finite, victim.evaluate(), averaged, st["rejections"], st["clipped"], bool(st["banned"]))
+
+
+async def measure(names: list[str], home: Path) -> tuple[Outcome, list[Outcome]]:
+    """The honest duel and every attack's, side by side (each is mostly waiting on its exchanges)."""
+    runs: dict[str, Outcome] = {}
+
+    async def one(name: str) -> None:
+        runs[name] = await duel(home / name, ATTACKS.get(name), ROUNDS, name)
+
+    async with trio.open_nursery() as nursery:
+        for name in ["honest", *names]:
+            nursery.start_soon(one, name)
+    return runs["honest"], [runs[name] for name in names]
+
+
+def table(honest: Outcome, outcomes: list[Outcome]) -> str:
+    rows = [f"| attack | victim moved along it ({ROUNDS} rounds) | / honest {HONEST_ROUNDS}-round move | victim val "
+            "loss | victim outer steps averaged | refused | clipped (Delta, phi) | partner banned |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| none (honest partner) | {honest.along_u:+.3f} | {HONEST_ROUNDS} rounds moved it "
+            f"{honest.moved_honest_span:.3f} in all | {honest.val_loss:.3f} | {honest.averaged}/{honest.rounds} | "
+            f"{sum(honest.rejections.values())} | {honest.clipped.get('delta', 0)}, {honest.clipped.get('phi', 0)} | no |"]
+    for o in outcomes:
+        refused = sum(o.rejections.values())
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(o.rejections.items()))
+        rows.append(f"| {o.name} | {o.along_u:+.3f} | {o.along_u / honest.moved_honest_span:.2f}x | {o.val_loss:.3f} | "
+                    f"{o.averaged}/{o.rounds} | {refused}{f' ({reasons})' if reasons else ''} | "
+                    f"{o.clipped.get('delta', 0)}, {o.clipped.get('phi', 0)} | {'yes' if o.banned else 'no'} |")
+    return "\n".join(rows)
+
+
+def write_table(text: str, path: Path = DOCS) -> None:
+    """Replace the table of the section SECTION in docs/reliability.md (its prose stays as written)."""
+    doc = path.read_text()
+    if SECTION not in doc:
+        raise SystemExit(f"{path} has no section '{SECTION}' to update")
+    head, section = doc.split(SECTION, 1)
+    lines = section.split("\n")
+    first = next(i for i, x in enumerate(lines) if x.startswith("| attack"))
+    last = first
+    while last + 1 < len(lines) and lines[last + 1].startswith("|"):
+        last += 1
+    lines[first:last + 1] = text.split("\n")
+    path.write_text(head + SECTION + "\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated: " + ", ".join(ATTACKS))
+    ap.add_argument("--write-docs", action="store_true", help=f"replace the table of '{SECTION}' in {DOCS}")
+    args = ap.parse_args(argv)
+    names = [a for a in args.attacks.split(",") if a]
+    unknown = [a for a in names if a not in ATTACKS]
+    if unknown:
+        print(f"unknown attack(s): {', '.join(unknown)} (known: {', '.join(ATTACKS)})", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        honest, outcomes = trio.run(measure, names, Path(tmp))
+    text = table(honest, outcomes)
+    print(text)
+    if args.write_docs:
+        write_table(text)
+    print(f"({time.monotonic() - began:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
