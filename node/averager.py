@@ -27,6 +27,14 @@ its next publish all the way to the phase of those that averaged (they are in ph
 and stay where they are) or halfway towards those that did not (they move towards us too)
 (`_phase_shift`).
 
+Groups of four: with `sync.group_size` = 4 (opt-in) an outer step has a second round with the
+partner the schedule gives for it (`_second_round`): each side sends what its first round gave (the
+pair's sample-weighted means, or its own values after a bye) and says how many trainers and samples
+that stands for, and both end with the sample-weighted means of the group (of four, or three with a
+bye). The second round waits for its scheduled partner only (no open phase, one window); when it does
+not happen the first round's result stands. A second-round request carries `stage` 2, so it never meets
+a first-round exchange: a partner still in its first round answers "not ready" and is asked again.
+
 Weights: each side says how many inner steps and samples its Delta covers; the worker weights the pair's
 Delta and its phi pull by samples (node/outer.py, `PairWeights`). What a partner sends is bounded before it reaches the
 worker (node/robust.py): its Delta norm and its phi's distance from ours are clipped to a multiple of our
@@ -57,16 +65,18 @@ import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
+import torch
 import trio
 from libp2p.peer.id import ID
-from node.pairing import scheduled_partner
+
+from node.pairing import scheduled_partners
 from node.robust import UpdateBound
+from node.status_schema import MixingStatus, SyncStatus
 from node.sync_config import SyncConfig
 from p2p.datapath import DataPathListener
-
 from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
 from protocols.avg import Declined, Rejected, Tensors
@@ -92,11 +102,17 @@ def layout_hash(layout: Any) -> str:
 
 @dataclass
 class _Pending:
-    """This node's published outer step while it looks for a partner."""
+    """One round of this node's published outer step while it looks for a partner."""
 
     request: Any  # node.supervisor.ExchangeRequest
     tensors: Tensors
     layout_hash: str
+    stage: int = 1  # the round of the outer step (node/pairing.py, `schedule`)
+    members: int = 1  # trainers whose (mean) values `tensors` carries: 2 in a second round after a pair
+    samples: int | None = None  # the samples those values stand for (None: the request's own)
+    inner_steps: int | None = None  # the most inner steps among them (None: the request's own)
+    window_s: float | None = None  # how long this round looks for a partner (None: sync.pair_window_s)
+    open_phase: bool = True  # whether anyone may be asked once the scheduled partner is out of reach
     claimed_by: str | None = None  # partner peer id once an exchange owns the outputs; "solo" when closed
     initiating_to: str | None = None
     result: int = 1
@@ -106,6 +122,7 @@ class _Pending:
     partner_outer_step: int | None = None  # the partner's, from its request or its answer
     partner_samples: int = 0
     partner_inner_steps: int = 0
+    partner_members: int = 1
     partner_waited_s: float = 0.0
     began: float = 0.0  # when the worker published (trio clock)
     waited_s: float = 0.0  # from the publish to the pairing
@@ -116,6 +133,10 @@ class _Pending:
     # whether its last outer step was averaged.
     phase_gaps: list[tuple[float, bool]] = field(default_factory=list)
     largest_seen: int = 0  # the largest outer step a ready partner showed us in this window
+
+    @property
+    def own_steps(self) -> int:
+        return self.request.inner_steps if self.inner_steps is None else self.inner_steps
 
     def in_scheduled_phase(self, now: float) -> bool:
         return self.scheduled is not None and now < self.scheduled_until
@@ -218,8 +239,8 @@ class Averager:
             "last_error": None,
         }
         self._partners: set[str] = set()
-        # (outer step, partner or None for a solo step, whether it was the scheduled partner), newest last.
-        self._recent: collections.deque[tuple[int, str | None, bool]] = collections.deque(maxlen=MIXING_WINDOW)
+        # (outer step, its partners (none: a solo step), whether the first was the scheduled one), newest last.
+        self._recent: collections.deque[tuple[int, tuple[str, ...], bool]] = collections.deque(maxlen=MIXING_WINDOW)
         self._last_paired: dict[str, int] = {}  # partner -> our exchange count when we last averaged with it
         self._last_outer_step = 0  # the outer step our latest exchange ended at (after any adoption)
         self.rejections: dict[str, int] = {}
@@ -231,6 +252,7 @@ class Averager:
         # The swarm's H: the most inner steps an honest partner's Delta covers (node/robust.py).
         self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps, cfg.clip_phi_ratio)
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
+        self._phi_mean: torch.Tensor | None = None  # a pair's mean phi, sent in a second round
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -242,8 +264,8 @@ class Averager:
             task_status.started()
             await trio.sleep_forever()
 
-    def status(self) -> dict[str, Any]:
-        st = dict(self.stats)
+    def status(self) -> SyncStatus:
+        st = cast("SyncStatus", dict(self.stats))  # the counters; the rest is checked key by key
         st["distinct_partners"] = len(self._partners)
         st["wire_dtype"] = self.cfg.wire_dtype
         st["datapath_port"] = self.listener.port if self.listener is not None else None
@@ -261,22 +283,22 @@ class Averager:
         st["banned"] = sorted(p for p, link in self._links.items() if link.banned_until > now)
         return st
 
-    def mixing(self) -> dict[str, Any]:
+    def mixing(self) -> MixingStatus:
         """Whom this node averaged with over its last MIXING_WINDOW outer steps, and how often it stepped
         solo: what `starling status` shows and `starling doctor` checks for islands."""
         recent = list(self._recent)
         partners: dict[str, int] = {}
-        for _, partner, _ in recent:
-            if partner is not None:
+        for _, step_partners, _ in recent:
+            for partner in step_partners:
                 partners[partner] = partners.get(partner, 0) + 1
-        averaged = sum(partners.values())
+        averaged = sum(1 for _, step_partners, _ in recent if step_partners)
         return {
             "window": MIXING_WINDOW,
             "outer_steps": len(recent),
             "averaged": averaged,
             "solo": len(recent) - averaged,
             "solo_share": round((len(recent) - averaged) / len(recent), 3) if recent else None,
-            "scheduled": sum(1 for _, p, sched in recent if p is not None and sched),
+            "scheduled": sum(1 for _, p, sched in recent if p and sched),
             "partners": partners,
             "distinct_partners": len(partners),
         }
@@ -290,27 +312,33 @@ class Averager:
     # --- validation of what partners send ------------------------------------------------------------------
 
     def _credit(self, pending: _Pending) -> tuple[int, int]:
-        """The partner's inner steps and samples as we believe them (node/robust.py, `credit`)."""
+        """The partner's inner steps and samples as we believe them (node/robust.py, `credit`); a side
+        that carries the mean of `members` trainers is credited up to that many trainers' samples."""
         own = pending.request
+        members = max(1, pending.partner_members)
         credited = self.bound.credit(own.inner_steps, own.samples, pending.partner_inner_steps,
-                                     pending.partner_samples)
-        return credited.inner_steps, credited.samples
+                                     pending.partner_samples // members)
+        return credited.inner_steps, credited.samples * members
 
     def _values_judge(self, pending: _Pending) -> avg.Validator:
         """What the transfer asks once the partner's values are in: how much of them to keep
         (`UpdateBound.judge`). The partner's steps are known only once it has answered, so they are read
         when the values arrive."""
-        return lambda seen: self.bound.judge(seen, pending.request.inner_steps, self._credit(pending)[0])
+        return lambda seen: self.bound.judge(seen, pending.own_steps, self._credit(pending)[0])
 
     # --- the supervisor's call ---------------------------------------------------------------------------
 
     async def exchange(self, request: Any) -> int:
-        """Average this outer step with one partner; returns 2, or 1 for a solo step.
+        """Average this outer step with the partners the schedule gives; returns the group size n
+        (2 for a pair, up to 4 after a second round), or 1 for a solo step.
 
-        With 2, `request.phi_out` and `request.delta_out` hold the pair's sums of phi and Delta (the
-        same bits on both partners; the worker's outer step divides by the group size).
+        With n >= 2, `request.phi_out` and `request.delta_out` hold the group's sums of phi and Delta
+        (the worker's outer step divides by n). After one round they are the pair's plain sums (the same
+        bits on both partners) and `request.partner_samples` the partner's credited samples (the worker
+        weights the pair's mean by samples, node/outer.py); after a second round they are n times the
+        group's sample-weighted means, already weighted (`partner_samples` 0).
 
-        After an exchange, `request.group_outer_step` is the larger of the two outer steps (the worker
+        After an exchange, `request.group_outer_step` is the largest outer step of the group (the worker
         adopts it). With no other trainer to pair with (`anyone_else`) the step is solo at once (see the
         module docstring); otherwise it waits up to the pairing window for a partner.
         """
@@ -321,22 +349,61 @@ class Averager:
             if not has_partner and self.anyone_else is not None and not self.anyone_else():
                 self.stats["solo_rounds"] += 1
                 self.stats["unpaired_rounds"] += 1
-                self._recent.append((request.outer_step, None, False))
+                self._recent.append((request.outer_step, (), False))
                 log.debug("outer step %d: solo after 0.00s (no other trainer to pair with)", request.outer_step)
                 self._follow_the_swarm(request)
                 return 1
         began = trio.current_time()
+        first, second = scheduled_partners(self.me, self._schedule_members(), request.outer_step,
+                                           self.speeds() if self.speeds is not None else None)
+        if self.cfg.group_size < 4:
+            second = None
         pending = _Pending(
             request,
             Tensors(request.phi, request.delta, request.phi_out, request.delta_out),
             layout_hash(request.layout),
             began=began,
+            scheduled=first,
+            scheduled_until=began + SCHEDULED_SHARE * self.cfg.pair_window_s,
         )
-        pending.scheduled = scheduled_partner(self.me, self._schedule_members(), request.outer_step,
-                                              self.speeds() if self.speeds is not None else None)
-        pending.scheduled_until = began + SCHEDULED_SHARE * self.cfg.pair_window_s
-        self._pending = pending
         self._last_publish_at = began
+        partners: list[str] = []
+        joins_later = first is None and second is not None
+        if not joins_later:
+            await self._run_round(pending)
+        # (A bye with a second-round partner joins that partner's pair instead of looking for anyone.)
+        size = pending.result
+        request.group_outer_step = request.outer_step
+        if size < 2:
+            if not pending.saw_ready and not joins_later:
+                # Nobody was ready in the whole window: our phase is off everyone's. Move towards theirs.
+                request.shift_s = self._phase_shift(pending.phase_gaps)
+            # A solo step follows the largest outer step that ready trainers showed us meanwhile (within our
+            # gap), as an exchange does: the schedule is keyed by the outer step, and a node one step
+            # behind the others would otherwise compute another matching than theirs at every step.
+            request.group_outer_step = self._group_outer_step(request.outer_step, pending.largest_seen or None)
+        else:
+            request.group_outer_step = self._group_outer_step(request.outer_step, pending.partner_outer_step)
+            request.partner_samples = self._credit(pending)[1]
+            # Meet halfway: the one that waited longer published earlier and moves its next publish later.
+            request.shift_s = (pending.waited_s - pending.partner_waited_s) / 2
+            partners.append(pending.claimed_by)
+        if second is not None:
+            size = await self._second_round(request, pending if size >= 2 else None, second, size, partners)
+        if size < 2:
+            self.stats["solo_rounds"] += 1
+        self._recent.append((request.outer_step, tuple(partners), partners[:1] == [first] if first else False))
+        for partner in partners:
+            self._last_paired[partner] = self.stats["rounds"]
+        self._follow_the_swarm(request)
+        self._last_outer_step = max(request.outer_step, request.group_outer_step or 0)
+        log.debug("outer step %d: %s after %.2fs", request.outer_step,
+                  f"averaged in a group of {size}" if size >= 2 else "solo", trio.current_time() - began)
+        return size
+
+    async def _run_round(self, pending: _Pending) -> None:
+        """Look for a partner and exchange with it, for one round; `pending.result` says how it went."""
+        self._pending = pending
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pair, pending)
@@ -350,30 +417,64 @@ class Averager:
                 pending.transfer_scope.cancel()
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     await pending.transfer_finished.wait()
-        if pending.result < 2:
-            self.stats["solo_rounds"] += 1
-            self._recent.append((request.outer_step, None, False))
-            if not pending.saw_ready:
-                # Nobody was ready in the whole window: our phase is off everyone's. Move towards theirs.
-                request.shift_s = self._phase_shift(pending.phase_gaps)
-            # A solo step follows the largest outer step that ready trainers showed us meanwhile (within our
-            # gap), as an exchange does: the schedule is keyed by the outer step, and a node one step
-            # behind the others would otherwise compute another matching than theirs at every step.
-            request.group_outer_step = self._group_outer_step(request.outer_step, pending.largest_seen or None)
+
+    async def _second_round(self, request: Any, first: _Pending | None, partner: str, size: int,
+                            partners: list[str]) -> int:
+        """The second round of a group step (node/pairing.py, `schedule`): send what the first round gave
+        (the pair's sample-weighted means, or our own values after a bye or a failed first round) to the
+        second-round partner, receive its side's, and leave n times the group's weighted means in the
+        outputs. Returns the group size; a second round that does not happen or fails leaves the first
+        round's result (a pair's weighted means, or a solo step).
+
+        Where the pair's means go: phi's into a buffer of ours (the worker's phi slot is its live phi),
+        Delta's into the worker's Delta slot, which it only wrote for us (its outer step recomputes its
+        own Delta from its weights, node/worker.py `apply_result`)."""
+        own_samples = max(0, request.samples)
+        if first is not None:
+            partner_samples = self._credit(first)[1]
+            phi_mean = self._phi_buffer(request.phi)
+            _weighted_mean(phi_mean, request.phi, request.phi_out, own_samples, partner_samples)
+            _weighted_mean(request.delta, request.delta, request.delta_out, own_samples, partner_samples)
+            mine = Tensors(phi_mean, request.delta, request.phi_out, request.delta_out)
+            members, samples = 2, own_samples + partner_samples
+            steps = max(request.inner_steps, self._credit(first)[0])
+            request.partner_samples = 0  # the outputs will hold weighted means, not a pair's plain sums
         else:
-            request.group_outer_step = self._group_outer_step(request.outer_step, pending.partner_outer_step)
-            request.partner_samples = self._credit(pending)[1]
-            # Meet halfway: the one that waited longer published earlier and moves its next publish later.
-            request.shift_s = (pending.waited_s - pending.partner_waited_s) / 2
-            partner = pending.claimed_by
-            self._recent.append((request.outer_step, partner, partner == pending.scheduled))
-            if partner is not None:
-                self._last_paired[partner] = self.stats["rounds"]
-        self._follow_the_swarm(request)
-        self._last_outer_step = max(request.outer_step, request.group_outer_step or 0)
-        log.debug("outer step %d: %s after %.2fs", request.outer_step,
-                  "averaged" if pending.result >= 2 else "solo", trio.current_time() - began)
-        return pending.result
+            mine = Tensors(request.phi, request.delta, request.phi_out, request.delta_out)
+            members, samples, steps = 1, own_samples, request.inner_steps
+        began = trio.current_time()
+        # A bye's partner is still in its first round: it gets that round's window as well.
+        window = self.cfg.pair_window_s * (2 if first is None and not partners else 1)
+        pending = _Pending(request, mine, layout_hash(request.layout), stage=2, members=members, samples=samples,
+                           inner_steps=steps, window_s=window, open_phase=False, began=began, scheduled=partner,
+                           scheduled_until=began + window)
+        await self._run_round(pending)
+        if pending.result < 2:
+            if first is None:
+                return size
+            # The transfer may have written into the outputs before it failed: the first round's result
+            # is the pair's means, kept in `mine`.
+            torch.mul(mine.phi, 2, out=request.phi_out)
+            torch.mul(mine.delta, 2, out=request.delta_out)
+            return 2
+        partners.append(partner)
+        theirs = self._credit(pending)[1]
+        group = members + pending.partner_members
+        # The outputs hold the plain sum of the two sides' means; weight each side by its samples (by its
+        # members where samples are unknown) and scale by the group size for the worker.
+        weights = (samples, theirs) if samples > 0 and theirs > 0 else (members, pending.partner_members)
+        _weighted_mean(request.phi_out, mine.phi, request.phi_out, *weights, scale=group)
+        _weighted_mean(request.delta_out, mine.delta, request.delta_out, *weights, scale=group)
+        request.partner_samples = 0
+        request.group_outer_step = self._group_outer_step(request.group_outer_step or request.outer_step,
+                                                          pending.partner_outer_step)
+        return group
+
+    def _phi_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A model-sized fp32 buffer for a pair's mean phi, kept between outer steps."""
+        if self._phi_mean is None or self._phi_mean.shape != like.shape:
+            self._phi_mean = torch.empty_like(like)
+        return self._phi_mean
 
     def _follow_the_swarm(self, request: Any) -> None:
         """Jump our outer-step counter up to the swarm's when we have fallen more than half the step gap
@@ -419,11 +520,13 @@ class Averager:
         return sorted(members)
 
     async def _pair(self, pending: _Pending) -> None:
-        deadline = pending.began + self.cfg.pair_window_s
+        deadline = pending.began + (self.cfg.pair_window_s if pending.window_s is None else pending.window_s)
         while pending.claimed_by is None and trio.current_time() < deadline:
             if pending.in_scheduled_phase(trio.current_time()):
                 await self._meet_scheduled(pending)
                 continue
+            if not pending.open_phase:
+                break
             partner = self._choose_partner()
             if partner is None:
                 await trio.sleep(random.uniform(0.1, 0.4))
@@ -515,23 +618,27 @@ class Averager:
             "wire_dtype": self.cfg.wire_dtype,
             "int8_block": 4096,
             "datapath": self.listener is not None,
+            "stage": pending.stage,
             **self._contribution(pending),
         }
 
     @staticmethod
     def _contribution(pending: _Pending) -> dict[str, int]:
-        """What our Delta covers and how long we have waited: the partner's weights and phase."""
+        """What our values cover and how long we have waited: the partner's weights and phase."""
         waited = max(0.0, trio.current_time() - pending.began)
+        samples = pending.request.samples if pending.samples is None else pending.samples
         return {
-            "inner_steps": max(0, pending.request.inner_steps),
-            "samples": max(0, pending.request.samples),
+            "inner_steps": min(max(0, pending.own_steps), 1 << 30),
+            "samples": min(max(0, samples), 1 << 40),
             "waited_ms": min(int(waited * 1000), 1 << 30),
+            "members": pending.members,
         }
 
     def _note_partner(self, pending: _Pending, message: avg.AvgRequest | avg.AvgAnswer) -> None:
         pending.partner_outer_step = message.outer_step
         pending.partner_samples = message.samples
         pending.partner_inner_steps = message.inner_steps
+        pending.partner_members = message.members
         # A partner cannot have waited longer than our window allows (its figure only moves our phase).
         pending.partner_waited_s = min(message.waited_ms / 1000, self.cfg.pair_window_s)
 
@@ -650,7 +757,7 @@ class Averager:
                 since = max(1, min(int((trio.current_time() - self._last_publish_at) * 1000), 1 << 31))
             await avg.answer(stream, verdict[0], verdict[1],
                              pending.request.outer_step if pending else self._last_outer_step, since,
-                             paired=pending is None and bool(self._recent) and self._recent[-1][1] is not None)
+                             paired=pending is None and bool(self._recent) and bool(self._recent[-1][1]))
             await close_quietly(stream)
             return
         assert pending is not None
@@ -705,6 +812,11 @@ class Averager:
             return ("refuse", f"manifest mismatch: yours {req.manifest_hash}, ours {ours}")
         if pending is None:
             return ("busy", "not ready (training between outer steps)")
+        if req.stage != pending.stage:
+            # A second-round request while we are still in our first round: the asker retries ("not
+            # ready"); a first-round request while we are in our second: we are busy with our group.
+            return ("busy", "not ready (in the first round of its outer step)" if req.stage > pending.stage
+                    else "in the second round of its outer step")
         if req.layout_hash != pending.layout_hash or req.numel != pending.tensors.phi.numel():
             return ("refuse", f"parameter layout mismatch: yours {req.layout_hash[:12]}, ours {pending.layout_hash[:12]}")
         gap = abs(req.outer_step - pending.request.outer_step)
@@ -812,3 +924,26 @@ class Averager:
         link.failures += 1
         delay = min(BACKOFF_MAX_S, self.cfg.backoff_s * 2 ** (link.failures - 1))
         link.next_try = trio.current_time() + delay * random.uniform(0.8, 1.2)
+
+
+def _weighted_mean(out: torch.Tensor, own: torch.Tensor, pair_sum: torch.Tensor, w_own: int, w_partner: int,
+                   *, scale: float = 1.0) -> None:
+    """out = scale * (w_own * own + w_partner * other) / (w_own + w_partner), given pair_sum = own + other,
+    as `scale * (a * pair_sum + b * own)`: no copy of `other` is needed. `out` may be `own` or `pair_sum`
+    (in place). Unknown (non-positive) weights give the plain mean."""
+    if w_own <= 0 or w_partner <= 0:
+        w_own = w_partner = 1
+    total = w_own + w_partner
+    a, b = scale * w_partner / total, scale * (w_own - w_partner) / total
+    if out.data_ptr() == own.data_ptr():
+        if b:
+            own.mul_(b).add_(pair_sum, alpha=a)
+        else:
+            torch.mul(pair_sum, a, out=own)
+        return
+    if out.data_ptr() == pair_sum.data_ptr():
+        out.mul_(a)
+    else:
+        torch.mul(pair_sum, a, out=out)
+    if b:
+        out.add_(own, alpha=b)

@@ -29,6 +29,15 @@ seeds; docs/benchmarks.md, "Pairing rule") the fast members reached 2.2195 with 
 like-speed pairs in 40% of steps, against 2.2131 for the two fast machines alone; the slow ones stayed
 within 0.5% of the fast ones, and fast-slow exchanges were 40% of all. Equal machines are one tier, and
 their matchings are exactly the random ones.
+
+Groups (`sync.group_size` = 4, opt-in: see docs/benchmarks.md "Groups of four"). Pairs alone leave every trainer with its own phi, and the
+spread between them (the consensus error) costs loss: in-process, one group of all four of 2 fast + 2 slow
+machines reached 0.019 below the 2 fast alone, random pairs 0.003 above. So each outer step has a second
+round (`schedule`): the first round's pairs are joined two by two, crosswise (a-c and b-d after a-b and
+c-d), and each side sends its pair's mean, so that all four end with the mean of the four, from pairwise
+exchanges only (a butterfly). A bye joins a pair that has no other pair to join (its first member), so
+with three trainers nobody steps solo. Groups never grow past four: the second round's partners carry at
+most two trainers' values each (`protocols.avg.MAX_MEMBERS`).
 """
 
 from __future__ import annotations
@@ -59,13 +68,30 @@ def _rng(*parts: object) -> random.Random:
 def matching(members: Iterable[str], round_no: int, speeds: Mapping[str, float] | None = None) -> dict[str, str | None]:
     """Everyone's partner at outer step `round_no` (BYE: a solo step), for the given member list and the
     members' samples/s (`speeds`, as their records show; None or missing: unknown)."""
+    return {name: first for name, (first, _) in schedule(members, round_no, speeds).items()}
+
+
+def schedule(members: Iterable[str], round_no: int,
+             speeds: Mapping[str, float] | None = None) -> dict[str, tuple[str | None, str | None]]:
+    """Everyone's two partners at outer step `round_no`: (the first round's, the second round's), either
+    None where there is none.
+
+    The first round is the matching (a random one, or like speeds together in a share of the steps where
+    speeds differ). The second round joins the first round's pairs two by two, crosswise: pairs (a, b)
+    and (c, d), in the order the first round laid them out, meet as a-c and b-d. After the second round
+    (each side sending its pair's mean, node/averager.py) all four hold the mean of the four: groups of
+    four from pairwise exchanges only, as a butterfly all-reduce builds them. A bye meets the first member
+    of the last pair that has no pair to join, so that with three trainers nobody steps solo. Why groups:
+    in-process, averaging all four of 2 fast + 2 slow machines at every outer step reached a loss 0.019
+    below the 2 fast machines alone, while random pairs stayed 0.003 above it (docs/benchmarks.md,
+    "Heterogeneous machines, in-process"): the pairs' consensus error ate what the slow machines' samples
+    brought."""
     names = sorted(set(members))
-    pairs: dict[str, str | None] = {}
+    bye: str | None = None
     if len(names) % 2:
         order = list(names)
         _rng("byes", *names).shuffle(order)
         bye = order[round_no % len(order)]
-        pairs[bye] = BYE
         names.remove(bye)
     tiers = {n: speed_tier((speeds or {}).get(n)) for n in names}
     rng = _rng("round", round_no, *names)
@@ -75,9 +101,20 @@ def matching(members: Iterable[str], round_no: int, speeds: Mapping[str, float] 
                  for n in _shuffled([m for m in names if tiers[m] == t], rng)]
     else:
         rng.shuffle(names)
-    for a, b in zip(names[0::2], names[1::2], strict=True):
-        pairs[a], pairs[b] = b, a
-    return pairs
+    pairs = list(zip(names[0::2], names[1::2], strict=True))
+    first: dict[str, str | None] = {}
+    second: dict[str, str | None] = {}
+    if bye is not None:
+        first[bye] = BYE
+    for a, b in pairs:
+        first[a], first[b] = b, a
+    for i in range(0, len(pairs), 2):
+        if i + 1 < len(pairs):
+            (a, b), (c, d) = pairs[i], pairs[i + 1]
+            second[a], second[c], second[b], second[d] = c, a, d, b
+        elif bye is not None:
+            second[bye], second[pairs[i][0]] = pairs[i][0], bye
+    return {name: (first[name], second.get(name)) for name in first}
 
 
 def _shuffled(names: list[str], rng: random.Random) -> list[str]:
@@ -90,3 +127,9 @@ def scheduled_partner(me: str, others: Iterable[str], round_no: int,
     """This node's partner at outer step `round_no` among `others` (the trainers it could pair with); None
     when the schedule gives it a bye or it knows no one."""
     return matching([me, *others], round_no, speeds).get(me)
+
+
+def scheduled_partners(me: str, others: Iterable[str], round_no: int,
+                       speeds: Mapping[str, float] | None = None) -> tuple[str | None, str | None]:
+    """This node's (first-round, second-round) partners at outer step `round_no` (`schedule`)."""
+    return schedule([me, *others], round_no, speeds).get(me, (None, None))

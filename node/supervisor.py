@@ -46,6 +46,7 @@ import torch
 import trio
 
 from node.shm import ExchangeSlots, sweep_orphans
+from node.status_schema import TrainingStatus
 from node.task import Layout
 from node.train_config import TrainConfig
 from node.worker import (
@@ -124,10 +125,12 @@ async def check_task(
 class ExchangeRequest:
     """One outer step's exchange, handed to the daemon's averager.
 
-    The tensors are views of shared memory: `phi` and `delta` are the worker's and must only be read;
-    the daemon writes the group's sums into `phi_out` and `delta_out` before returning the group size n
+    The tensors are views of shared memory: `phi` is the worker's live phi and must only be read; the
+    daemon writes the group's sums into `phi_out` and `delta_out` before returning the group size n
     (sums, not means: the worker's outer step folds the 1/n into its scalars, the daemon saves a pass).
-    They stay valid until the exchange function returns (or is cancelled).
+    `delta` is written by the worker for the daemon only: a group's second round overwrites it with the
+    pair's mean Delta (the worker recomputes its own Delta from its weights). They stay valid until the
+    exchange function returns (or is cancelled).
     """
 
     outer_step: int
@@ -140,7 +143,9 @@ class ExchangeRequest:
     samples: int = 0  # sequences they trained on (the weight of this Delta in a pair's mean)
     # Set by the daemon with the sums: the largest outer step in the group, which the worker adopts.
     group_outer_step: int | None = None
-    partner_samples: int = 0  # the partner's samples (a pair's sample-weighted Delta, node/outer.py)
+    # The partner's samples, for a pair's sample-weighted step (node/outer.py); 0 where the sums are plain or
+    # already weighted (a group's second round).
+    partner_samples: int = 0
     shift_s: float = 0.0  # move the next publish by this much, towards the partners' phase
 
 
@@ -246,7 +251,7 @@ class WorkerSupervisor:
         self._adoption: _Adoption | None = None
         self._slots: ExchangeSlots | None = None
         self._hello: Hello | None = None
-        self._status: dict[str, Any] = {
+        self._status: TrainingStatus = {
             "state": "idle",
             "task": cfg.task,
             "device": None,
@@ -271,10 +276,10 @@ class WorkerSupervisor:
 
     # -- the public surface --
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> TrainingStatus:
         """The `training` section of `status --json` (plain JSON types, a copy)."""
-        out = dict(self._status)
-        out["exchanges"] = dict(self._status["exchanges"])
+        out = self._status.copy()
+        out["exchanges"] = self._status["exchanges"].copy()
         out["checkpoint_rejected"] = list(self._status["checkpoint_rejected"])
         return out
 
@@ -309,7 +314,7 @@ class WorkerSupervisor:
                 began = trio.current_time()
                 ended = await self._run_one_worker()
                 if ended.fatal is not None:
-                    self._status.update(state="failed", error=ended.fatal, pid=None)
+                    self._status.update({"state": "failed", "error": ended.fatal, "pid": None})
                     log.error("training stopped: %s", ended.fatal)
                     await trio.sleep_forever()
                 if trio.current_time() - began >= self._healthy_after:
@@ -318,16 +323,16 @@ class WorkerSupervisor:
                 failures += 1
                 if failures > self._max_restarts:
                     error = f"the worker failed {failures} times in a row; last: {ended.reason}"
-                    self._status.update(state="failed", error=error, pid=None)
+                    self._status.update({"state": "failed", "error": error, "pid": None})
                     log.error("training stopped: %s", error)
                     await trio.sleep_forever()
                 self._status["restarts"] += 1
-                self._status.update(state="restarting", pid=None, error=ended.reason)
+                self._status.update({"state": "restarting", "pid": None, "error": ended.reason})
                 log.warning("%s; restarting the worker in %.0f s", ended.reason, backoff)
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, self._backoff_max)
         finally:
-            self._status.update(state="stopped", pid=None)
+            self._status.update({"state": "stopped", "pid": None})
             if self._slots is not None:
                 self._slots.close()
                 self._slots = None
@@ -426,15 +431,15 @@ class WorkerSupervisor:
             if self._slots is not None:
                 self._slots.close()
             self._slots = ExchangeSlots.create(hello.numel)
-        self._status.update(
-            state="training",
-            task=hello.task,
-            device=hello.device,
-            step=hello.step,
-            outer_step=hello.outer_step,
-            resumed_step=hello.step if hello.resumed_from else None,
-            checkpoint_rejected=list(hello.rejected),
-        )
+        self._status.update({
+            "state": "training",
+            "task": hello.task,
+            "device": hello.device,
+            "step": hello.step,
+            "outer_step": hello.outer_step,
+            "resumed_step": hello.step if hello.resumed_from else None,
+            "checkpoint_rejected": list(hello.rejected),
+        })
         for rejected in hello.rejected:
             log.warning("corrupt checkpoint set aside: %s", rejected)
         if hello.resumed_from:
@@ -486,13 +491,13 @@ class WorkerSupervisor:
     def _note(self, msg: Message) -> None:
         """Fold a progress report into the status."""
         if isinstance(msg, Metrics):
-            self._status.update(
-                step=msg.step,
-                outer_step=msg.outer_step,
-                val_loss=msg.val_loss,
-                samples_per_s=round(msg.samples_per_s, 2),
-                lr=msg.lr,
-            )
+            self._status.update({
+                "step": msg.step,
+                "outer_step": msg.outer_step,
+                "val_loss": msg.val_loss,
+                "samples_per_s": round(msg.samples_per_s, 2),
+                "lr": msg.lr,
+            })
             if msg.loss is not None:
                 self._status["loss"] = msg.loss
             if self._on_metrics is not None:
@@ -503,11 +508,11 @@ class WorkerSupervisor:
         elif isinstance(msg, Crashed):
             self._crash = msg.error  # it exits next; `_exited` puts this in the reason
         elif isinstance(msg, CheckpointSaved):
-            self._status.update(checkpoint_step=msg.step, step=msg.step, outer_step=msg.outer_step)
+            self._status.update({"checkpoint_step": msg.step, "step": msg.step, "outer_step": msg.outer_step})
         elif isinstance(msg, Adopted):
             self._adoption = None
             if not msg.error:
-                self._status.update(step=msg.step, outer_step=msg.outer_step, val_loss=msg.val_loss)
+                self._status.update({"step": msg.step, "outer_step": msg.outer_step, "val_loss": msg.val_loss})
             if self._on_adopted is not None:
                 self._on_adopted(msg)
         elif isinstance(msg, Stopped):

@@ -17,6 +17,8 @@ class SyncConfig:
                     "take fewer) | steps: every H inner steps of this machine")
     max_step_gap: int = opt(4, "refuse partners whose outer step differs from ours by more than this")
     pair_window_s: float = opt(5.0, "seconds to look for a partner before taking a solo outer step")
+    group_size: int = opt(2, "2: average with one partner per outer step | 4: a second round joins two pairs "
+                          "into a group of four (every trainer of a swarm should use the same)")
     handshake_timeout_s: float = opt(5.0, "seconds a partner has to answer a pairing request")
     assumed_rate_mbps: float = opt(100.0, "link rate assumed for a partner before it is measured (Mbit/s)")
     deadline_slack: float = opt(3.0, "a transfer may take this many times its expected duration (plus 10 s)")
@@ -44,6 +46,8 @@ class SyncConfig:
             raise ValueError(f"sync.pace: one of {', '.join(PACES)}")
         if not 0 <= self.max_step_gap <= 1000:
             raise ValueError("sync.max_step_gap: must be between 0 and 1000")
+        if self.group_size not in (2, 4):
+            raise ValueError(f"sync.group_size: 2 or 4, got {self.group_size}")
         if not 0.1 <= self.pair_window_s <= 600:
             raise ValueError("sync.pair_window_s: must be between 0.1 and 600 seconds")
         if not 0.5 <= self.handshake_timeout_s <= 120:

@@ -1,4 +1,4 @@
-"""`/starling/avg/1.0.0`: one pairwise averaging exchange of `(phi, Delta)` between two trainers.
+"""`/starling/avg/1.1.0`: one pairwise averaging exchange of `(phi, Delta)` between two trainers.
 
 Control flow on the libp2p stream (Noise-authenticated, so both PeerIDs are proven):
 
@@ -19,6 +19,13 @@ model-sized buffer beyond those and no second pass over them; the caller uses th
 `run_transfer` returns, so a failure or a rejection never leaves a half-applied update. Sums rather than
 means: the worker's outer step folds the 1/n into its own scalars for free (node/outer.py), while a
 halving here was one more pass over every received byte, about a tenth of the exchange's CPU.
+
+An outer step may take two exchanges (node/pairing.py, `schedule`): in the second (`stage` 2) each side
+sends the sample-weighted mean of the pair it averaged with in the first, and says how many trainers'
+values that mean carries (`members`) and their samples, so that two pairs become a group of four. The
+stage is part of the request, so that a second-round request never meets a first-round exchange. Version
+1.1.0 added `stage` and `members`: a 1.0.0 peer refuses them as unknown fields, so the protocol id
+changed and the two versions do not negotiate (the run manifest pins the version anyway).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import ClassVar
 
 import torch
 import trio
+
 from p2p.datapath import (
     BlockingFrames,
     DataPathListener,
@@ -44,16 +52,6 @@ from p2p.datapath import (
     open_punched,
 )
 from p2p.punch import PunchSocket, simultaneous_open
-from protocols.codec import (
-    ChunkPlan,
-    Fp32Codec,
-    get_codec,
-    recv_tensor,
-    recv_tensor_blocking,
-    send_tensor,
-    send_tensor_blocking,
-)
-
 from p2p.wire import (
     FrameChannel,
     LibP2PByteStream,
@@ -64,10 +62,20 @@ from p2p.wire import (
     send_msg,
     spec,
 )
+from protocols.codec import (
+    ChunkPlan,
+    Fp32Codec,
+    get_codec,
+    recv_tensor,
+    recv_tensor_blocking,
+    send_tensor,
+    send_tensor_blocking,
+)
 
 log = logging.getLogger("starling.avg")
 
-PROTOCOL_ID = "/starling/avg/1.0.0"
+PROTOCOL_ID = "/starling/avg/1.1.0"
+MAX_MEMBERS = 2  # trainers whose mean one side of an exchange may carry (a pair's, in the second round)
 MAX_CONTROL_BYTES = 16 * 1024
 MAX_NUMEL = 1 << 34  # 16 G parameters: refuse anything a real model could not be
 MAX_FRAME = 1 << 20
@@ -96,6 +104,9 @@ class AvgRequest:
     inner_steps: int = spec(ge=0, le=1 << 30, default=0)
     samples: int = spec(ge=0, le=1 << 40, default=0)
     waited_ms: int = spec(ge=0, le=1 << 30, default=0)
+    # The round of the outer step (node/pairing.py) and how many trainers' mean the tensors carry.
+    stage: int = spec(ge=1, le=2, default=1)
+    members: int = spec(ge=1, le=MAX_MEMBERS, default=1)
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,7 @@ class AvgAnswer:
     # is off everyone's can move towards theirs (node/averager.py).
     since_publish_ms: int = spec(ge=0, le=1 << 31, default=0)
     paired: bool = spec(default=False)  # its last outer step was averaged: it is in phase with someone
+    members: int = spec(ge=1, le=MAX_MEMBERS, default=1)  # as in AvgRequest
 
     def __post_init__(self) -> None:
         if self.verdict not in ("accept", "busy", "refuse"):
@@ -473,6 +485,7 @@ async def respond(
     inner_steps: int = 0,
     samples: int = 0,
     waited_ms: int = 0,
+    members: int = 1,
 ) -> TransferResult:
     """The responder's side, after the caller decided to accept `request`.
 
@@ -511,6 +524,7 @@ async def respond(
             inner_steps=inner_steps,
             samples=samples,
             waited_ms=waited_ms,
+            members=members,
         )
         with trio.fail_after(transfer_deadline):
             if accept.datapath_port and listener is not None:

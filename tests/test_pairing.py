@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.pairing import BYE, matching, scheduled_partner
+from node.pairing import BYE, matching, schedule, scheduled_partner, scheduled_partners
 
 members_st = st.lists(st.text("abcdefghij", min_size=1, max_size=6), min_size=2, max_size=12, unique=True)
 
@@ -131,3 +131,36 @@ def test_with_speeds_an_odd_one_still_sits_out_exactly_once_every_n_outer_steps(
     byes = collections.Counter(a for r in range(start, start + n)
                                for a, b in matching(members, r, speeds).items() if b is BYE)
     assert byes == ({m: 1 for m in members} if n % 2 else {})
+
+
+@given(members_st, st.integers(0, 10_000), st.dictionaries(st.text("abcdefghij", min_size=1, max_size=6),
+                                                          st.floats(0.5, 500)))
+def test_the_second_round_joins_first_round_pairs_into_groups_of_four_or_a_bye_into_a_pair(
+    members: list[str], round_no: int, speeds: dict[str, float]
+) -> None:
+    """Second-round partners are symmetric, always from another first-round pair (or the bye), and the
+    four of two joined pairs are exactly the two pairs: a group of four, never a chain."""
+    plan = schedule(members, round_no, speeds)
+    first = {n: p[0] for n, p in plan.items()}
+    assert first == matching(members, round_no, speeds)
+    for a, (p1, p2) in plan.items():
+        if p2 is None:
+            continue
+        assert plan[p2][1] == a and p2 != p1 and p2 != a
+        if p1 is not None and plan[p2][0] is not None:
+            # a-c and b-d: the partners' partners meet too
+            assert plan[p1][1] == plan[p2][0]
+    solo = [a for a, (p1, p2) in plan.items() if p1 is None and p2 is None]
+    # Only a bye left over beside an even number of pairs steps solo (5, 9, ... trainers).
+    assert len(solo) == (1 if len(members) % 4 == 1 else 0)
+
+
+def test_with_three_trainers_every_one_averages_at_every_outer_step_and_meets_both_others() -> None:
+    names = ["a", "b", "c"]
+    met: dict[str, set[str]] = {n: set() for n in names}
+    for step in range(30):
+        for me in names:
+            p1, p2 = scheduled_partners(me, [n for n in names if n != me], step)
+            assert (p1, p2) != (None, None)
+            met[me] |= {p for p in (p1, p2) if p is not None}
+    assert all(met[n] == set(names) - {n} for n in names)

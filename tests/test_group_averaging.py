@@ -1,0 +1,134 @@
+"""Groups from pairwise exchanges: a second round joins two pairs into a group of four (or a bye into a
+pair, a group of three), and every member ends with the group's sample-weighted means."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from test_averaging import LISTEN, request
+
+import node.averager as averager_module
+from node.averager import Averager, _weighted_mean
+from node.sync_config import SyncConfig
+from p2p.host import build_host
+from starling_testing.averaging import exchange_both
+
+CFG = SyncConfig(wire_dtype="fp32", pair_window_s=3, group_size=4)
+
+
+async def connected(stack: AsyncExitStack, n: int, cfg: SyncConfig = CFG) -> list[Averager]:
+    hosts = [build_host(create_new_key_pair()) for _ in range(n)]
+    for h in hosts:
+        await stack.enter_async_context(h.run(LISTEN))
+    nursery = await stack.enter_async_context(trio.open_nursery())
+    stack.callback(nursery.cancel_scope.cancel)
+    avs = [Averager(h, cfg, manifest_hash=lambda: "m1") for h in hosts]
+    for a in avs:
+        await nursery.start(a.run)
+    for i in range(n):
+        for j in range(i + 1, n):
+            await hosts[i].connect(info_from_p2p_addr(hosts[j].get_addrs()[0]))
+    return avs
+
+
+def weighted(values: list[torch.Tensor], weights: list[int]) -> torch.Tensor:
+    return sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+
+
+def with_samples(seed: int, inner_steps: int, samples: int, outer_step: int = 3):
+    r = request(seed, outer_step)
+    r.inner_steps, r.samples = inner_steps, samples
+    return r
+
+
+async def test_four_trainers_of_two_speeds_all_end_with_the_sample_weighted_mean_of_the_four() -> None:
+    """Two fast trainers (20 inner steps, 160 samples) and two slow ones (10 steps, 80 samples): whatever
+    the first round's pairs, the second round crosses them, and every trainer holds 4 x the four's
+    sample-weighted means of phi and Delta (the worker divides by 4; no pair weighting is left to it)."""
+    async with AsyncExitStack() as stack:
+        avs = await connected(stack, 4)
+        shape = [(20, 160), (20, 160), (10, 80), (10, 80)]
+        reqs = [with_samples(i + 1, *shape[i]) for i in range(4)]
+        phis = [r.phi.clone() for r in reqs]
+        deltas = [r.delta.clone() for r in reqs]
+        assert await exchange_both(avs, reqs) == [4, 4, 4, 4]
+        weights = [s for _, s in shape]
+        phi_mean, delta_mean = weighted(phis, weights), weighted(deltas, weights)
+        for r in reqs:
+            assert r.partner_samples == 0
+            torch.testing.assert_close(r.phi_out / 4, phi_mean, rtol=0, atol=1e-5)
+            torch.testing.assert_close(r.delta_out / 4, delta_mean, rtol=0, atol=1e-6)
+        for a in avs:
+            mixing = a.status()["mixing"]
+            assert mixing["averaged"] == 1 and mixing["distinct_partners"] == 2, mixing
+
+
+async def test_with_three_trainers_the_bye_joins_a_pair_and_nobody_steps_solo() -> None:
+    """Three trainers: one pair in the first round, and the bye meets one of the pair in the second. Those
+    two hold the three's means (a group of 3); the pair's other member keeps the pair's plain sums
+    (its worker weights them by the partner's samples). At no outer step does anyone step solo."""
+    async with AsyncExitStack() as stack:
+        avs = await connected(stack, 3)
+        for step in range(3):
+            reqs = [request(10 * step + i, outer_step=step) for i in range(3)]
+            phis = [r.phi.clone() for r in reqs]
+            results = await exchange_both(avs, reqs)
+            assert sorted(results) == [2, 3, 3], results
+            mean3 = sum(phis) / 3
+            for r, size in zip(reqs, results, strict=True):
+                if size == 3:
+                    torch.testing.assert_close(r.phi_out / 3, mean3, rtol=0, atol=1e-5)
+        for a in avs:
+            assert a.status()["solo_rounds"] == 0
+
+
+async def test_a_pair_whose_second_round_partner_is_absent_keeps_the_pairs_weighted_mean(monkeypatch) -> None:
+    """The second round's partner never shows up: the pair's result stands, as n x its sample-weighted
+    means (whatever the failed round may have written into the outputs), and the step is not solo."""
+    async with AsyncExitStack() as stack:
+        avs = await connected(stack, 2)
+        a, b = avs[0].me, avs[1].me
+        ghost = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a peer nobody is connected to
+        monkeypatch.setattr(averager_module, "scheduled_partners",
+                            lambda me, others, step, speeds=None: ((b if me == a else a), ghost))
+        reqs = [with_samples(1, 20, 160), with_samples(2, 5, 40)]  # 8 samples per step, as the manifest fixes
+        phis = [r.phi.clone() for r in reqs]
+        deltas = [r.delta.clone() for r in reqs]
+        with trio.fail_after(30):
+            assert await exchange_both(avs, reqs) == [2, 2]
+        for r in reqs:
+            assert r.partner_samples == 0
+            torch.testing.assert_close(r.phi_out / 2, weighted(phis, [160, 40]), rtol=0, atol=1e-5)
+            torch.testing.assert_close(r.delta_out / 2, weighted(deltas, [160, 40]), rtol=0, atol=1e-6)
+
+
+async def test_group_size_2_keeps_one_partner_per_outer_step() -> None:
+    """`sync.group_size = 2` turns the second round off: four trainers form two pairs, each with the
+    pair's plain sums, as before groups existed."""
+    async with AsyncExitStack() as stack:
+        avs = await connected(stack, 4, SyncConfig(wire_dtype="fp32", pair_window_s=3, group_size=2))
+        reqs = [request(i + 1) for i in range(4)]
+        phis = [r.phi.clone() for r in reqs]
+        assert await exchange_both(avs, reqs) == [2, 2, 2, 2]
+        for r in reqs:
+            assert any(torch.equal(r.phi_out, r.phi + other) for other in phis if other is not r.phi)
+
+
+@pytest.mark.parametrize("target", ["fresh", "own", "sum"])
+@pytest.mark.parametrize("weights", [(3, 1), (2, 2), (0, 5)], ids=["unequal", "equal", "unknown"])
+def test_the_weighted_mean_from_a_pair_sum_is_right_in_place_or_not(target: str, weights: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(7)
+    own, other = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    pair_sum = own + other
+    w_own, w_other = weights if min(weights) > 0 else (1, 1)
+    expected = 3 * (w_own * own + w_other * other) / (w_own + w_other)
+    out = {"fresh": torch.empty(1000), "own": own.clone(), "sum": pair_sum.clone()}[target]
+    mine = out if target == "own" else own.clone()
+    total = out if target == "sum" else pair_sum.clone()
+    _weighted_mean(out, mine, total, *weights, scale=3)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
