@@ -15,6 +15,7 @@ What a node needs to reach peers and move bytes, with no knowledge of training:
     punch.py           simultaneous_open: TCP hole punching for that side channel
     fsutil.py          atomic_write_bytes: atomic, private file writes
     status.py          ConnectionsStatus, DiscoveryStatus, ...: this layer's sections of the daemon's status
+    lazy.py            lazy_exports: the packages' surfaces, loaded on first use
 
 The names below are importable from the package itself (``from p2p import ConnManager``); each module is
 imported on first use, so ``import p2p`` loads neither libp2p nor anything else.
@@ -22,8 +23,7 @@ imported on first use, so ``import p2p`` loads neither libp2p nor anything else.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from p2p.lazy import lazy_exports
 
 _EXPORTS = {
     "build_host": "p2p.host",
@@ -55,15 +55,4 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    """The curated names, from their modules on first use (PEP 562)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

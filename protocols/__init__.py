@@ -18,8 +18,7 @@ libp2p.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from p2p.lazy import lazy_exports
 
 _EXPORTS = {
     "AvgRequest": "protocols.avg",
@@ -46,15 +45,4 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    """The curated names, from their modules on first use (PEP 562)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
