@@ -29,18 +29,8 @@ Records (one per key, the key derived from the record):
     counted (``manifest_refused``) and reported once (:meth:`SwarmState.take_manifest_refusals`). Lowest
     HLC alone, as before, let a fresh key sign a manifest at HLC (0, 0) and take the swarm over.
 
-Ordering. Each signed record has an ``order`` tuple of integers: ``(wall_ms, logical, h)`` for member
-and manifest records, ``(samples, tokens, wall_ms, logical, h)`` for counter records, where ``h`` is the
-first 8 bytes of the SHA-256 of the signed body (a tie-break that makes the order total). The order is
-also what a digest carries, so two replicas can tell who has the newer record without shipping it.
-
-Signing. A record travels as an envelope ``{v, body, pubkey, sig}`` (msgpack). ``sig`` is the author's
-libp2p signature over a domain tag plus the exact ``body`` bytes, and ``pubkey`` is the author's
-serialized libp2p public key. A record is accepted only if the signature verifies *and* the peer ID
-derived from ``pubkey`` is the peer the record describes: nobody can speak for another peer. Forged,
+Ordering, signing and strict decoding are the record schema's (:mod:`protocols.record`); forged,
 unsigned, malformed and oversized records are dropped and counted in :attr:`SwarmState.rejected`.
-Decoding is strict: sizes are checked before decoding, every field's type and range is checked, unknown
-fields and unknown versions are refused, and every failure is one exception type, :class:`RecordError`.
 
 Failure detection is a local view, not replicated state: a member not heard from for ``suspect_after``
 seconds is ``suspect``, for ``gone_after`` seconds ``gone``; its record is kept (history). When it was last
@@ -1008,32 +998,3 @@ class SwarmState:
             raise RecordError(MALFORMED, "retired must be [samples, tokens]")
         return records, tombstones, (int(_COUNT("samples", retired[0])), int(_COUNT("tokens", retired[1])))
 
-
-__all__ = [
-    "ApplyResult",
-    "CounterRecord",
-    "Delivery",
-    "Digest",
-    "Manifest",
-    "ManifestAuthority",
-    "ManifestMismatch",
-    "ManifestRecord",
-    "ManifestRefused",
-    "MemberRecord",
-    "MemberState",
-    "MemberView",
-    "Record",
-    "RecordError",
-    "SignedRecord",
-    "StateFileError",
-    "SwarmState",
-    "Totals",
-    "Verifier",
-    "decode_body",
-    "decode_digest",
-    "encode_body",
-    "encode_digest",
-    "join",
-    "peer_id_of",
-    "sign_record",
-]
