@@ -264,13 +264,22 @@ def test_raw_tcp_garbage_on_the_side_channel_port_is_dropped_and_the_daemon_serv
 
 
 def test_the_daemon_keeps_averaging_over_the_side_channel_while_garbage_arrives_everywhere(pair: Pair) -> None:
-    before = assert_serving(pair)["sync"]
+    # The claim is about the side channel, so start from an exchange it carried: on a loaded machine one
+    # exchange may fall back to the libp2p stream (a side channel that did not connect in time), and
+    # that fallback is the daemon's designed behaviour, not what this test judges.
+    assert_serving(pair)
+    before = pair.a.wait_status(lambda s: s["sync"]["last_path"] == "datapath", timeout=60)["sync"]
     port = before["datapath_port"]
     targets = [(avg.PROTOCOL_ID, fuzz.AvgResponder), (state.PROTOCOL_ID, fuzz.StateResponder)]
     seeds = {protocol: fuzz.seeds_of(target) for protocol, target in targets}
 
-    def averaged_twice_more(s: dict[str, Any]) -> bool:
-        return s["sync"]["rounds"] >= before["rounds"] + 2 and pair.b_peer_id in s["connected_peers"]
+    def averaged_twice_more_the_last_over_the_side_channel(s: dict[str, Any]) -> bool:
+        sync = s["sync"]
+        return (
+            sync["rounds"] >= before["rounds"] + 2
+            and sync["last_path"] == "datapath"
+            and pair.b_peer_id in s["connected_peers"]
+        )
 
     async def main() -> dict[str, Any]:
         rng = random.Random(7)
@@ -290,12 +299,13 @@ def test_the_daemon_keeps_averaging_over_the_side_channel_while_garbage_arrives_
             for protocol in seeds:
                 nursery.start_soon(keep_sending, protocol)
             nursery.start_soon(keep_poking_the_side_channel)
-            status = await trio.to_thread.run_sync(lambda: pair.a.wait_status(averaged_twice_more, timeout=120))
+            wanted = averaged_twice_more_the_last_over_the_side_channel
+            status = await trio.to_thread.run_sync(lambda: pair.a.wait_status(wanted, timeout=120))
             nursery.cancel_scope.cancel()
         return status
 
     after = trio.run(main)["sync"]
-    assert after["last_path"] == before["last_path"] == "datapath"
+    assert after["rounds"] >= before["rounds"] + 2 and after["last_path"] == "datapath"
     assert pair.a.proc is not None and pair.a.proc.poll() is None
 
 
