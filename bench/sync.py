@@ -55,6 +55,8 @@ from typing import Any
 import torch
 import trio
 
+from node.exchange import ExchangeRequest
+from node.task import layout_hash
 from starling_testing.daemon import DaemonProc
 from starling_testing.report import replace_section
 
@@ -83,22 +85,9 @@ def median(xs: list[float]) -> float:
 # ==========================================================================================================
 
 
-@dataclass
-class Request:
-    """What the supervisor hands `Averager.exchange` (see tests/test_averaging.py): flat fp32 inputs and
-    the outputs the group's sums land in."""
-
-    outer_step: int
-    phi: torch.Tensor
-    delta: torch.Tensor
-    phi_out: torch.Tensor
-    delta_out: torch.Tensor
-    layout: list = field(default_factory=list)
-    inner_steps: int = 0  # as node.supervisor.ExchangeRequest
-    samples: int = 0
-
-
-def make_request(numel: int, seed: int) -> Request:
+def make_request(numel: int, seed: int) -> ExchangeRequest:
+    """What the supervisor hands `Averager.exchange` (node/exchange.py): flat fp32 inputs and the outputs
+    the group's sums land in."""
     # Replicas of one model: phis around a common point, as far apart as their Deltas are long (within
     # the averager's bounds, node/robust.py).
     phi = torch.randn(numel, generator=torch.Generator().manual_seed(0))
@@ -106,13 +95,14 @@ def make_request(numel: int, seed: int) -> Request:
     phi.add_(torch.randn(numel, generator=g), alpha=0.01)
     delta = torch.randn(numel, generator=g).mul_(0.01)
     # Outputs written once now so their pages exist before any clock starts (the daemon reuses its slots).
-    return Request(1, phi, delta, torch.zeros(numel), torch.zeros(numel), [("w", (numel,))])
+    layout = [("w", (numel,))]
+    return ExchangeRequest(1, phi, delta, torch.zeros(numel), torch.zeros(numel), layout, layout_hash(layout))
 
 
 class _PeerState:
     """The child's side: a host, the current Averager, and the commands the parent sends."""
 
-    def __init__(self, host: Any, req: Request, nursery: trio.Nursery) -> None:
+    def __init__(self, host: Any, req: ExchangeRequest, nursery: trio.Nursery) -> None:
         self.host = host
         self.req = req
         self.nursery = nursery
@@ -177,10 +167,10 @@ class _PeerState:
         self.partner = partner
         cpu0, t0 = time.process_time(), time.perf_counter()
         with trio.fail_after(timeout):
-            result = await self.averager.exchange(self.req)
+            outcome = await self.averager.exchange(self.req)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         st = self.averager.status()
-        if result < 2:
+        if outcome.group_size < 2:
             raise BenchError(f"exchange ended solo: {st['last_error'] or 'no partner within the window'}")
         if not bool(torch.isfinite(self.req.phi_out[:1000]).all()):
             raise BenchError("the averaged output is not finite")

@@ -14,7 +14,8 @@ The daemon process (trio, libp2p; no torch of its own):
     pairing.py        schedule, scheduled_partners: who averages with whom at each outer step
     robust.py         UpdateBound: how far one partner's values may move us
     latejoin.py       CatchUp, late_join: a trainer takes the swarm's weights instead of its own
-    supervisor.py     WorkerSupervisor, ExchangeRequest: spawns, watches and restarts the torch worker
+    supervisor.py     WorkerSupervisor: spawns, watches and restarts the torch worker
+    exchange.py       ExchangeRequest, ExchangeOutcome, ExchangeFn: what the supervisor and averager trade
     shm.py            ExchangeSlots, SharedTensor: tensors in shared memory between daemon and worker
     control.py        serve_control, request_status, ControlError: the local control socket
     lock.py           HomeLock: one daemon per HOME

@@ -20,7 +20,7 @@ measured throughput (an EWMA), not from a fixed timeout.
 
 Phase: outer steps are paced by time (node/worker.py, `publish_due`), and two partners that published at
 different moments meet halfway: each tells the other how long it waited for the pairing, and the result
-moves the next publish by half the difference (`ExchangeRequest.shift_s`), so phases converge across the
+moves the next publish by half the difference (`ExchangeOutcome.shift_s`), so phases converge across the
 swarm like any gossip average. A node that found nobody ready at all in its window is out of phase with
 everyone: the trainers it asked said how long ago they published and whether they averaged, and it moves
 its next publish all the way to the phase of those that averaged (they are in phase with their partners
@@ -50,7 +50,7 @@ Two rules keep heterogeneous machines from drifting apart for good:
   `sync.max_step_gap` still get the window (records lag a heartbeat, and in a swarm of short outer steps
   a node that never waited would race away from everyone). Busy partners count as eligible.
 - After an exchange both partners adopt the larger of their two outer steps (each learns the other's
-  from the request or the answer, `ExchangeRequest.group_outer_step` hands it to the worker), so paired
+  from the request or the answer, `ExchangeOutcome.group_outer_step` hands it to the worker), so paired
   nodes' counters never drift apart. A node that has had no eligible partner for a while re-syncs from
   the swarm instead (node/latejoin.py, `CatchUp`), fed by `on_outer_step`.
 """
@@ -58,7 +58,6 @@ Two rules keep heterogeneous machines from drifting apart for good:
 from __future__ import annotations
 
 import collections
-import hashlib
 import ipaddress
 import logging
 import random
@@ -67,11 +66,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import msgpack
 import torch
 import trio
 from libp2p.peer.id import ID
 
+from node.exchange import ExchangeOutcome, ExchangeRequest
 from node.pairing import scheduled_partners
 from node.robust import UpdateBound
 from node.status_schema import MixingStatus, SyncStatus
@@ -96,17 +95,12 @@ SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still trai
 MIXING_WINDOW = 20  # outer steps that `status()["mixing"]` and the member record's partners look back over
 
 
-def layout_hash(layout: Any) -> str:
-    return hashlib.sha256(msgpack.packb([[n, list(s)] for n, s in layout])).hexdigest()
-
-
 @dataclass
 class _Pending:
     """One round of this node's published outer step while it looks for a partner."""
 
-    request: Any  # node.supervisor.ExchangeRequest
+    request: ExchangeRequest  # its `layout_hash` is what partners compare
     tensors: Tensors
-    layout_hash: str
     stage: int = 1  # the round of the outer step (node/pairing.py, `schedule`)
     members: int = 1  # trainers whose (mean) values `tensors` carries: 2 in a second round after a pair
     samples: int | None = None  # the samples those values stand for (None: the request's own)
@@ -328,19 +322,20 @@ class Averager:
 
     # --- the supervisor's call ---------------------------------------------------------------------------
 
-    async def exchange(self, request: Any) -> int:
-        """Average this outer step with the partners the schedule gives; returns the group size n
-        (2 for a pair, up to 4 after a second round), or 1 for a solo step.
+    async def exchange(self, request: ExchangeRequest) -> ExchangeOutcome:
+        """Average this outer step with the partners the schedule gives; the outcome's `group_size` is
+        the group size n (2 for a pair, up to 4 after a second round), or 1 for a solo step. The request
+        is not changed, only its output tensors (and its Delta slot in a second round).
 
         With n >= 2, `request.phi_out` and `request.delta_out` hold the group's sums of phi and Delta
         (the worker's outer step divides by n). After one round they are the pair's plain sums (the same
-        bits on both partners) and `request.partner_samples` the partner's credited samples (the worker
-        weights the pair's mean by samples, node/outer.py); after a second round they are n times the
-        group's sample-weighted means, already weighted (`partner_samples` 0).
+        bits on both partners) and the outcome's `partner_samples` the partner's credited samples (the
+        worker weights the pair's mean by samples, node/outer.py); after a second round they are n times
+        the group's sample-weighted means, already weighted (`partner_samples` 0).
 
-        After an exchange, `request.group_outer_step` is the largest outer step of the group (the worker
-        adopts it). With no other trainer to pair with (`anyone_else`) the step is solo at once (see the
-        module docstring); otherwise it waits up to the pairing window for a partner.
+        After an exchange, the outcome's `group_outer_step` is the largest outer step of the group (the
+        worker adopts it). With no other trainer to pair with (`anyone_else`) the step is solo at once
+        (see the module docstring); otherwise it waits up to the pairing window for a partner.
         """
         if self.eligible_peers is not None:
             has_partner = any(p != self.me for p in self.eligible_peers())
@@ -351,8 +346,7 @@ class Averager:
                 self.stats["unpaired_rounds"] += 1
                 self._recent.append((request.outer_step, (), False))
                 log.debug("outer step %d: solo after 0.00s (no other trainer to pair with)", request.outer_step)
-                self._follow_the_swarm(request)
-                return 1
+                return ExchangeOutcome.solo(self._follow_the_swarm(request.outer_step, None))
         began = trio.current_time()
         first, second = scheduled_partners(self.me, self._schedule_members(), request.outer_step,
                                            self.speeds() if self.speeds is not None else None)
@@ -361,7 +355,6 @@ class Averager:
         pending = _Pending(
             request,
             Tensors(request.phi, request.delta, request.phi_out, request.delta_out),
-            layout_hash(request.layout),
             began=began,
             scheduled=first,
             scheduled_until=began + SCHEDULED_SHARE * self.cfg.pair_window_s,
@@ -373,33 +366,36 @@ class Averager:
             await self._run_round(pending)
         # (A bye with a second-round partner joins that partner's pair instead of looking for anyone.)
         size = pending.result
-        request.group_outer_step = request.outer_step
+        partner_samples, shift_s = 0, 0.0
         if size < 2:
             if not pending.saw_ready and not joins_later:
                 # Nobody was ready in the whole window: our phase is off everyone's. Move towards theirs.
-                request.shift_s = self._phase_shift(pending.phase_gaps)
+                shift_s = self._phase_shift(pending.phase_gaps)
             # A solo step follows the largest outer step that ready trainers showed us meanwhile (within our
             # gap), as an exchange does: the schedule is keyed by the outer step, and a node one step
             # behind the others would otherwise compute another matching than theirs at every step.
-            request.group_outer_step = self._group_outer_step(request.outer_step, pending.largest_seen or None)
+            group_outer_step = self._group_outer_step(request.outer_step, pending.largest_seen or None)
         else:
-            request.group_outer_step = self._group_outer_step(request.outer_step, pending.partner_outer_step)
-            request.partner_samples = self._credit(pending)[1]
+            group_outer_step = self._group_outer_step(request.outer_step, pending.partner_outer_step)
+            partner_samples = self._credit(pending)[1]
             # Meet halfway: the one that waited longer published earlier and moves its next publish later.
-            request.shift_s = (pending.waited_s - pending.partner_waited_s) / 2
-            partners.append(pending.claimed_by)
+            shift_s = (pending.waited_s - pending.partner_waited_s) / 2
+            partners.append(str(pending.claimed_by))
         if second is not None:
-            size = await self._second_round(request, pending if size >= 2 else None, second, size, partners)
+            size, group_outer_step = await self._second_round(request, pending if size >= 2 else None, second, size,
+                                                              partners, group_outer_step)
+            # The outputs hold weighted means (or a solo step's): no pair weighting is left to the worker.
+            partner_samples = 0
         if size < 2:
             self.stats["solo_rounds"] += 1
         self._recent.append((request.outer_step, tuple(partners), partners[:1] == [first] if first else False))
         for partner in partners:
             self._last_paired[partner] = self.stats["rounds"]
-        self._follow_the_swarm(request)
-        self._last_outer_step = max(request.outer_step, request.group_outer_step or 0)
+        group_outer_step = self._follow_the_swarm(request.outer_step, group_outer_step)
+        self._last_outer_step = max(request.outer_step, group_outer_step or 0)
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   f"averaged in a group of {size}" if size >= 2 else "solo", trio.current_time() - began)
-        return size
+        return ExchangeOutcome(size, group_outer_step, partner_samples, shift_s)
 
     async def _run_round(self, pending: _Pending) -> None:
         """Look for a partner and exchange with it, for one round; `pending.result` says how it went."""
@@ -418,13 +414,14 @@ class Averager:
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     await pending.transfer_finished.wait()
 
-    async def _second_round(self, request: Any, first: _Pending | None, partner: str, size: int,
-                            partners: list[str]) -> int:
+    async def _second_round(self, request: ExchangeRequest, first: _Pending | None, partner: str, size: int,
+                            partners: list[str], group_outer_step: int) -> tuple[int, int]:
         """The second round of a group step (node/pairing.py, `schedule`): send what the first round gave
         (the pair's sample-weighted means, or our own values after a bye or a failed first round) to the
         second-round partner, receive its side's, and leave n times the group's weighted means in the
-        outputs. Returns the group size; a second round that does not happen or fails leaves the first
-        round's result (a pair's weighted means, or a solo step).
+        outputs. Returns the group size and the group's outer step (`group_outer_step`: the first round's);
+        a second round that does not happen or fails leaves the first round's result (a pair's weighted
+        means, or a solo step).
 
         Where the pair's means go: phi's into a buffer of ours (the worker's phi slot is its live phi),
         Delta's into the worker's Delta slot, which it only wrote for us (its outer step recomputes its
@@ -438,25 +435,24 @@ class Averager:
             mine = Tensors(phi_mean, request.delta, request.phi_out, request.delta_out)
             members, samples = 2, own_samples + partner_samples
             steps = max(request.inner_steps, self._credit(first)[0])
-            request.partner_samples = 0  # the outputs will hold weighted means, not a pair's plain sums
         else:
             mine = Tensors(request.phi, request.delta, request.phi_out, request.delta_out)
             members, samples, steps = 1, own_samples, request.inner_steps
         began = trio.current_time()
         # A bye's partner is still in its first round: it gets that round's window as well.
         window = self.cfg.pair_window_s * (2 if first is None and not partners else 1)
-        pending = _Pending(request, mine, layout_hash(request.layout), stage=2, members=members, samples=samples,
-                           inner_steps=steps, window_s=window, open_phase=False, began=began, scheduled=partner,
+        pending = _Pending(request, mine, stage=2, members=members, samples=samples, inner_steps=steps,
+                           window_s=window, open_phase=False, began=began, scheduled=partner,
                            scheduled_until=began + window)
         await self._run_round(pending)
         if pending.result < 2:
             if first is None:
-                return size
+                return size, group_outer_step
             # The transfer may have written into the outputs before it failed: the first round's result
             # is the pair's means, kept in `mine`.
             torch.mul(mine.phi, 2, out=request.phi_out)
             torch.mul(mine.delta, 2, out=request.delta_out)
-            return 2
+            return 2, group_outer_step
         partners.append(partner)
         theirs = self._credit(pending)[1]
         group = members + pending.partner_members
@@ -465,10 +461,7 @@ class Averager:
         weights = (samples, theirs) if samples > 0 and theirs > 0 else (members, pending.partner_members)
         _weighted_mean(request.phi_out, mine.phi, request.phi_out, *weights, scale=group)
         _weighted_mean(request.delta_out, mine.delta, request.delta_out, *weights, scale=group)
-        request.partner_samples = 0
-        request.group_outer_step = self._group_outer_step(request.group_outer_step or request.outer_step,
-                                                          pending.partner_outer_step)
-        return group
+        return group, self._group_outer_step(group_outer_step, pending.partner_outer_step)
 
     def _phi_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A model-sized fp32 buffer for a pair's mean phi, kept between outer steps."""
@@ -476,9 +469,9 @@ class Averager:
             self._phi_mean = torch.empty_like(like)
         return self._phi_mean
 
-    def _follow_the_swarm(self, request: Any) -> None:
-        """Jump our outer-step counter up to the swarm's when we have fallen more than half the step gap
-        behind it.
+    def _follow_the_swarm(self, outer_step: int, group_outer_step: int | None) -> int | None:
+        """The outer step to continue from (`group_outer_step`, the exchange's, None: our own
+        `outer_step`), jumped up to the swarm's when we have fallen more than half the step gap behind it.
 
         Why: the counter keys the pairing schedule and `sync.max_step_gap` refuses partners too far apart,
         while pairs adopt each other's larger count only when they meet. Groups whose outer steps take
@@ -487,14 +480,15 @@ class Averager:
         the inner step), so following the swarm's is safe. The swarm's is the second largest outer step
         among the other alive trainers' records, so that no single record (a liar) can move it."""
         if self.swarm_steps is None:
-            return
+            return group_outer_step
         others = sorted((step for peer, step in self.swarm_steps().items() if peer != self.me), reverse=True)
         if len(others) < 2:
-            return
-        lead, ours = others[1], max(request.outer_step, request.group_outer_step or 0)
+            return group_outer_step
+        lead, ours = others[1], max(outer_step, group_outer_step or 0)
         if lead > ours + max(1, self.cfg.max_step_gap // 2):
             log.info("outer step %d is far behind the swarm's %d: following it", ours, lead)
-            request.group_outer_step = lead
+            return lead
+        return group_outer_step
 
     def _phase_shift(self, gaps: list[tuple[float, bool]]) -> float:
         """How far to move our next publish towards the trainers that were between outer steps: the median
@@ -614,7 +608,7 @@ class Averager:
         return {
             "outer_step": pending.request.outer_step,
             "manifest_hash": self.manifest_hash() or "none",
-            "layout_hash": pending.layout_hash,
+            "layout_hash": pending.request.layout_hash,
             "wire_dtype": self.cfg.wire_dtype,
             "int8_block": 4096,
             "datapath": self.listener is not None,
@@ -817,8 +811,9 @@ class Averager:
             # ready"); a first-round request while we are in our second: we are busy with our group.
             return ("busy", "not ready (in the first round of its outer step)" if req.stage > pending.stage
                     else "in the second round of its outer step")
-        if req.layout_hash != pending.layout_hash or req.numel != pending.tensors.phi.numel():
-            return ("refuse", f"parameter layout mismatch: yours {req.layout_hash[:12]}, ours {pending.layout_hash[:12]}")
+        ours_layout = pending.request.layout_hash
+        if req.layout_hash != ours_layout or req.numel != pending.tensors.phi.numel():
+            return ("refuse", f"parameter layout mismatch: yours {req.layout_hash[:12]}, ours {ours_layout[:12]}")
         gap = abs(req.outer_step - pending.request.outer_step)
         if gap > self.cfg.max_step_gap:
             return ("refuse", f"outer steps too far apart: yours {req.outer_step}, ours {pending.request.outer_step}")

@@ -13,9 +13,12 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
+
+if TYPE_CHECKING:
+    from node.status_schema import NodeStatus
 
 log = logging.getLogger("starling.control")
 
@@ -130,7 +133,7 @@ def request_sync(path: Path, request: dict[str, Any], *, timeout: float = 10.0) 
     return answer
 
 
-def request_status(home: Path, *, timeout: float = 10.0) -> dict[str, Any]:
+def request_status(home: Path, *, timeout: float = 10.0) -> NodeStatus:
     """The status of the daemon on `home` (the dict `starling status --json` prints), over its control
     socket: the one status client of the launcher (node/launcher.py), tests and benchmarks.
 
@@ -139,4 +142,4 @@ def request_status(home: Path, *, timeout: float = 10.0) -> dict[str, Any]:
     status = answer.get("status")
     if not answer.get("ok") or not isinstance(status, dict):
         raise ControlError(f"daemon error: {answer.get('error')}")
-    return status
+    return cast("NodeStatus", status)  # the daemon built it as one (node/status_schema.py)

@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any, Self
 
 from node.control import ControlError, request_status
+from node.status_schema import NodeStatus
 
 #: `starling` as a command line, with this interpreter (the venv's, by absolute path).
 STARLING = [sys.executable, "-m", "node.cli"]
 
 LOG_FILE = "daemon.log"
 
-Status = dict[str, Any]
+Status = NodeStatus
 
 
 class DaemonError(RuntimeError):

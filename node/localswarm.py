@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             else:
                 time.sleep(0.3)
+        if boot_addr is None:
+            return 0  # Ctrl+C before the bootstrap node answered: nothing else was started
         print(f"bootstrap node: {boot_addr}")
         print(f"starting {args.peers} {'training' if train else 'network-only'} peers; logs in {root}/*/daemon.log")
         extra = ["--bootstrap", boot_addr, *founder] + ([] if train else ["--no-train"])

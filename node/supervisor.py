@@ -37,17 +37,16 @@ import json
 import logging
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import trio
 
+from node.exchange import ExchangeFn, ExchangeOutcome, ExchangeRequest
 from node.shm import ExchangeSlots, sweep_orphans
 from node.status_schema import TrainingStatus
-from node.task import Layout
 from node.train_config import TrainConfig
 from node.worker import (
     Adopted,
@@ -122,49 +121,12 @@ async def check_task(
 
 
 @dataclass
-class ExchangeRequest:
-    """One outer step's exchange, handed to the daemon's averager.
-
-    The tensors are views of shared memory: `phi` is the worker's live phi and must only be read; the
-    daemon writes the group's sums into `phi_out` and `delta_out` before returning the group size n
-    (sums, not means: the worker's outer step folds the 1/n into its scalars, the daemon saves a pass).
-    `delta` is written by the worker for the daemon only: a group's second round overwrites it with the
-    pair's mean Delta (the worker recomputes its own Delta from its weights). They stay valid until the
-    exchange function returns (or is cancelled).
-    """
-
-    outer_step: int
-    phi: torch.Tensor  # flat fp32 slow weights
-    delta: torch.Tensor  # flat fp32 outer gradient, Delta = theta - phi
-    phi_out: torch.Tensor  # flat fp32: sum of phi over the group, filled by the daemon
-    delta_out: torch.Tensor  # flat fp32: sum of Delta over the group, filled by the daemon
-    layout: Layout  # parameter names and shapes (for the run manifest)
-    inner_steps: int = 0  # inner steps that Delta covers
-    samples: int = 0  # sequences they trained on (the weight of this Delta in a pair's mean)
-    # Set by the daemon with the sums: the largest outer step in the group, which the worker adopts.
-    group_outer_step: int | None = None
-    # The partner's samples, for a pair's sample-weighted step (node/outer.py); 0 where the sums are plain or
-    # already weighted (a group's second round).
-    partner_samples: int = 0
-    shift_s: float = 0.0  # move the next publish by this much, towards the partners' phase
-
-
-@dataclass
 class _Adoption:
     """A swarm snapshot on disk for the worker to take at its next outer step (a catch-up)."""
 
     path: Path
     outer_step: Callable[[], int | None]  # the swarm's outer step to continue from, asked when it is sent
     sent_to: set[int] = field(default_factory=set)  # pids of the workers it was sent to
-
-
-# Returns the size n of the group whose sums were written; 0 or 1 means "solo step, outputs ignored".
-ExchangeFn = Callable[[ExchangeRequest], Awaitable[int]]
-
-
-async def solo_exchange(request: ExchangeRequest) -> int:
-    """The exchange of a node without averaging: always a solo step."""
-    return 1
 
 
 class _Channel:
@@ -538,14 +500,15 @@ class WorkerSupervisor:
             phi_out=slots.phi_out.tensor,
             delta_out=slots.delta_out.tensor,
             layout=[(str(name), tuple(shape)) for name, shape in self._hello.layout],
+            layout_hash=self._hello.layout_hash,
             inner_steps=publish.inner_steps,
             samples=publish.samples,
         )
-        size = 0
+        outcome = ExchangeOutcome(0)  # a failed exchange: a solo step
         counts = self._status["exchanges"]
         with trio.move_on_after(self.cfg.exchange_timeout) as deadline:
             try:
-                size = int(await self._exchange(request))
+                outcome = await self._exchange(request)
             except Exception:
                 log.exception("outer exchange %d failed; taking a solo step", publish.outer_step)
                 counts["failed"] += 1
@@ -553,16 +516,17 @@ class WorkerSupervisor:
             log.warning("outer exchange %d timed out after %.0f s; taking a solo step",
                         publish.outer_step, self.cfg.exchange_timeout)
             counts["failed"] += 1
-            size = 0
+            outcome = ExchangeOutcome(0)
+        size = int(outcome.group_size)
         counts["group" if size >= 2 else "solo"] += 1
         self._status["last_group_size"] = max(size, 1)
         return Result(
             outer_step=publish.outer_step,
             group_size=size,
-            group_outer_step=request.group_outer_step,
-            partner_samples=request.partner_samples if size == 2 else 0,
+            group_outer_step=outcome.group_outer_step,
+            partner_samples=outcome.partner_samples if size == 2 else 0,
             period_s=self._record_period(self._period()),
-            shift_s=request.shift_s,
+            shift_s=outcome.shift_s,
         )
 
     def _record_period(self, period: float) -> float:

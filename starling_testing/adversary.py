@@ -40,6 +40,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averager import Averager
+from node.exchange import ExchangeRequest
 from node.sync_config import SyncConfig
 from node.train_config import TrainConfig
 from node.worker import Trainer
@@ -64,49 +65,32 @@ def train_config(inner_steps: int = 5) -> TrainConfig:
     return cfg
 
 
-@dataclass
-class Request:
-    """What the supervisor hands the averager (node/supervisor.py, ExchangeRequest)."""
-
-    outer_step: int
-    phi: torch.Tensor
-    delta: torch.Tensor
-    phi_out: torch.Tensor
-    delta_out: torch.Tensor
-    layout: list
-    inner_steps: int = 0
-    samples: int = 0
-    group_outer_step: int | None = None
-    partner_samples: int = 0
-    shift_s: float = 0.0
-
-
-Attack = Callable[["Request", torch.Tensor, int, float], None]
+Attack = Callable[[ExchangeRequest, torch.Tensor, int, float], None]
 """attack(request about to go out, direction u, round, the attacker's own honest Delta norm)."""
 
 
-def phi_plus_1000(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+def phi_plus_1000(req: ExchangeRequest, u: torch.Tensor, r: int, norm: float) -> None:
     req.phi.add_(1000.0)
 
 
-def phi_1e30(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+def phi_1e30(req: ExchangeRequest, u: torch.Tensor, r: int, norm: float) -> None:
     req.phi.fill_(1e30)
 
 
-def phi_drift(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+def phi_drift(req: ExchangeRequest, u: torch.Tensor, r: int, norm: float) -> None:
     req.phi.add_(u, alpha=9.0 * norm)
 
 
-def delta_drift(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+def delta_drift(req: ExchangeRequest, u: torch.Tensor, r: int, norm: float) -> None:
     req.delta.add_(u, alpha=9.9 * norm)
     req.inner_steps, req.samples = 1_000_000, 1_000_000_000
 
 
-def norm_ratchet(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+def norm_ratchet(req: ExchangeRequest, u: torch.Tensor, r: int, norm: float) -> None:
     req.delta.copy_(u).mul_(norm * 1.2**r)
 
 
-def combined(req: Request, u: torch.Tensor, r: int, norm: float) -> None:
+def combined(req: ExchangeRequest, u: torch.Tensor, r: int, norm: float) -> None:
     phi_drift(req, u, r, norm)
     delta_drift(req, u, r, norm)
 
@@ -130,9 +114,11 @@ class Outcome:
     banned: bool = False
 
 
-def _request(trainer: Trainer, outer_step: int) -> Request:
+def _request(trainer: Trainer, outer_step: int) -> ExchangeRequest:
+    """What the supervisor hands the averager (node/exchange.py), with the worker's layout hash."""
     n = trainer.numel
-    return Request(outer_step, torch.empty(n), torch.empty(n), torch.empty(n), torch.empty(n), trainer.layout)
+    return ExchangeRequest(outer_step, torch.empty(n), torch.empty(n), torch.empty(n), torch.empty(n), trainer.layout,
+                           trainer.layout_hash)
 
 
 async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "honest") -> Outcome:
@@ -184,11 +170,12 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
                 attack(reqs[1], u, r, float(honest_delta.norm()))
             results = await exchange_both(avs, reqs)
             v = reqs[0]
-            used = victim.apply_result(results[0], v.phi_out, v.delta_out, partner_samples=v.partner_samples)
+            used = victim.apply_result(results[0].group_size, v.phi_out, v.delta_out,
+                                       partner_samples=results[0].partner_samples)
             averaged += used >= 2
             if r + 1 == HONEST_ROUNDS:
                 moved_honest_span = float((victim.phi - start).norm())
-            if results[1] >= 2:
+            if results[1].group_size >= 2:
                 # The attacker trains on as an honest replica would have: its own true values in the sums.
                 p = reqs[1]
                 p.phi_out.sub_(p.phi).add_(honest_phi)

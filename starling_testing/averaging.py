@@ -7,13 +7,16 @@ from typing import Any
 
 import trio
 
-__all__ = ["exchange_both"]
+from node.exchange import ExchangeOutcome, ExchangeRequest
+
+__all__ = ["exchange_both", "group_sizes"]
 
 
-async def exchange_both(avs: Sequence[Any], reqs: Sequence[Any], *, timeout: float = 60.0) -> list[Any]:
-    """Both sides' ``exchange`` at once, as two daemons' supervisors call it; what each returned (in the
-    order of ``avs``). Raises ``trio.TooSlowError`` after ``timeout`` seconds."""
-    results: list[Any] = [None] * len(avs)
+async def exchange_both(avs: Sequence[Any], reqs: Sequence[ExchangeRequest], *,
+                        timeout: float = 60.0) -> list[ExchangeOutcome]:
+    """Both sides' ``exchange`` at once, as two daemons' supervisors call it; the outcome each returned
+    (in the order of ``avs``). Raises ``trio.TooSlowError`` after ``timeout`` seconds."""
+    results: list[ExchangeOutcome | None] = [None] * len(avs)
 
     async def one(i: int) -> None:
         results[i] = await avs[i].exchange(reqs[i])
@@ -22,4 +25,9 @@ async def exchange_both(avs: Sequence[Any], reqs: Sequence[Any], *, timeout: flo
         async with trio.open_nursery() as nursery:
             for i in range(len(avs)):
                 nursery.start_soon(one, i)
-    return results
+    return [r for r in results if r is not None]
+
+
+def group_sizes(outcomes: Sequence[ExchangeOutcome]) -> list[int]:
+    """Each outcome's group size (1: a solo step)."""
+    return [o.group_size for o in outcomes]

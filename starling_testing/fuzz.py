@@ -65,7 +65,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from node import checkpoint as ckpt
-from node.averager import Averager, layout_hash
+from node.averager import Averager
 from node.config import ConfigError, load_config
 from node.control import serve_control
 from node.crdt import (
@@ -77,8 +77,10 @@ from node.crdt import (
     decode_digest,
     encode_digest,
 )
+from node.exchange import ExchangeRequest
 from node.history import HistoryError, LossHistory
 from node.sync_config import SyncConfig
+from node.task import layout_hash
 from p2p.datapath import (
     FRAME_HELLO,
     MAGIC,
@@ -664,20 +666,6 @@ class AvgMessages(Target):
         return "accepted"
 
 
-@dataclass
-class _Exchange:
-    """The supervisor's side of one outer step (node.supervisor.ExchangeRequest's fields)."""
-
-    outer_step: int
-    phi: torch.Tensor
-    delta: torch.Tensor
-    phi_out: torch.Tensor
-    delta_out: torch.Tensor
-    layout: list = field(default_factory=lambda: AVG_LAYOUT)
-    inner_steps: int = 0
-    samples: int = 0
-
-
 class AvgResponder(Target):
     """``Averager._handle_stream``: a partner's whole conversation (request, path, frames) against a
     node that is pairing. Every input must end in a completed exchange, a busy/refuse answer or a
@@ -704,7 +692,8 @@ class AvgResponder(Target):
         t = avg_tensors(1)
         stream = FakeNetStream(data, PEERS[1])
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(averager.exchange, _Exchange(3, t.phi, t.delta, t.phi_out, t.delta_out))
+            nursery.start_soon(averager.exchange, ExchangeRequest(3, t.phi, t.delta, t.phi_out, t.delta_out,
+                                                                  AVG_LAYOUT, layout_hash(AVG_LAYOUT)))
             while averager.status()["state"] != "pairing":
                 await trio.sleep(0)
             await averager._handle_stream(stream)

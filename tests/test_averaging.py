@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
 
 import multiaddr
 import pytest
@@ -15,38 +14,36 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averager import Averager
+from node.exchange import ExchangeRequest
 from node.robust import Credited, UpdateBound
 from node.sync_config import SyncConfig
+from node.task import layout_hash
 from p2p.host import build_host
 from protocols.avg import Clip, Received
-from starling_testing.averaging import exchange_both
+from starling_testing.averaging import exchange_both, group_sizes
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 LAYOUT = [("w", (1000, 300)), ("b", (300,))]
 NUMEL = 1000 * 300 + 300
-
-
-@dataclass
-class Request:
-    outer_step: int
-    phi: torch.Tensor
-    delta: torch.Tensor
-    phi_out: torch.Tensor = field(default_factory=lambda: torch.full((NUMEL,), float("nan")))
-    delta_out: torch.Tensor = field(default_factory=lambda: torch.full((NUMEL,), float("nan")))
-    layout: list = field(default_factory=lambda: LAYOUT)
-    group_outer_step: int | None = None
-    inner_steps: int = 0  # as node.supervisor.ExchangeRequest
-    samples: int = 0
+LAYOUT_HASH = layout_hash(LAYOUT)  # the worker's (node/task.py), which it sends in its hello
 
 
 BASE = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
 
 
-def request(seed: int, outer_step: int = 3) -> Request:
+def request(seed: int, outer_step: int = 3) -> ExchangeRequest:
     """Replicas of one model: phis a little apart around a common point (as far apart as their Deltas are
-    long, well inside the bounds of node/robust.py), Deltas of the same size."""
+    long, well inside the bounds of node/robust.py), Deltas of the same size; outputs NaN until written."""
     g = torch.Generator().manual_seed(seed)
-    return Request(outer_step, BASE + torch.randn(NUMEL, generator=g) * 0.01, torch.randn(NUMEL, generator=g) * 0.01)
+    return ExchangeRequest(
+        outer_step,
+        phi=BASE + torch.randn(NUMEL, generator=g) * 0.01,
+        delta=torch.randn(NUMEL, generator=g) * 0.01,
+        phi_out=torch.full((NUMEL,), float("nan")),
+        delta_out=torch.full((NUMEL,), float("nan")),
+        layout=LAYOUT,
+        layout_hash=LAYOUT_HASH,
+    )
 
 
 async def pair(stack: AsyncExitStack, cfg_a: SyncConfig, cfg_b: SyncConfig, *, manifest_b: str = "m1"):
@@ -70,7 +67,7 @@ async def test_two_nodes_end_with_the_exact_fp32_sums_that_give_the_exact_mean(d
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
         reqs = [request(1), request(2)]
-        assert await exchange_both(avs, reqs) == [2, 2]
+        assert group_sizes(await exchange_both(avs, reqs)) == [2, 2]
         phi_sum, delta_sum = reqs[0].phi + reqs[1].phi, reqs[0].delta + reqs[1].delta
         for r in reqs:
             assert torch.equal(r.phi_out, phi_sum) and torch.equal(r.delta_out, delta_sum)
@@ -89,7 +86,7 @@ async def test_both_partners_compute_bit_identical_sums_with_lossy_wire_dtypes(d
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
         reqs = [request(5), request(6)]
-        assert await exchange_both(avs, reqs) == [2, 2]
+        assert group_sizes(await exchange_both(avs, reqs)) == [2, 2]
         assert torch.equal(reqs[0].phi_out, reqs[1].phi_out)
         assert torch.equal(reqs[0].delta_out, reqs[1].delta_out)
         exact = reqs[0].phi + reqs[1].phi
@@ -102,7 +99,7 @@ async def test_a_partner_with_another_manifest_is_refused_and_both_step_solo() -
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg, manifest_b="other")
         reqs = [request(1), request(2)]
-        assert await exchange_both(avs, reqs) == [1, 1]
+        assert group_sizes(await exchange_both(avs, reqs)) == [1, 1]
         assert avs[0].status()["rounds"] == 0 and avs[0].status()["solo_rounds"] == 1
         nursery.cancel_scope.cancel()
 
@@ -111,7 +108,7 @@ async def test_partners_whose_outer_steps_are_too_far_apart_refuse() -> None:
     cfg = SyncConfig(wire_dtype="fp32", pair_window_s=1.5, max_step_gap=2)
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
-        assert await exchange_both(avs, [request(1, outer_step=3), request(2, outer_step=10)]) == [1, 1]
+        assert group_sizes(await exchange_both(avs, [request(1, outer_step=3), request(2, outer_step=10)])) == [1, 1]
         nursery.cancel_scope.cancel()
 
 
@@ -120,7 +117,7 @@ async def test_a_node_alone_takes_a_solo_step_after_the_pairing_window() -> None
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
         with trio.fail_after(5):
-            assert await avs[0].exchange(request(1)) == 1  # the partner is connected but never ready
+            assert (await avs[0].exchange(request(1))).group_size == 1  # the partner is connected but never ready
         nursery.cancel_scope.cancel()
 
 
@@ -146,7 +143,7 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
     alone = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [],
                      on_outer_step=seen.append, anyone_else=lambda: False)
     began = trio.current_time()
-    assert await alone.exchange(request(1)) == 1
+    assert (await alone.exchange(request(1))).group_size == 1
     assert trio.current_time() == began
     assert seen == [False]
     st = alone.status()
@@ -157,7 +154,7 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
     distant = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [],
                        on_outer_step=seen.append, anyone_else=lambda: True)
     began = trio.current_time()
-    assert await distant.exchange(request(1)) == 1
+    assert (await distant.exchange(request(1))).group_size == 1
     assert trio.current_time() - began >= 600
     assert seen == [False, False] and distant.status()["unpaired_rounds"] == 0
 
@@ -166,7 +163,7 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
     hopeful = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [partner],
                        on_outer_step=seen.append, anyone_else=lambda: True)
     began = trio.current_time()
-    assert await hopeful.exchange(request(1)) == 1
+    assert (await hopeful.exchange(request(1))).group_size == 1
     assert trio.current_time() - began >= 600
     assert seen == [False, False, True] and hopeful.status()["unpaired_rounds"] == 0
 
@@ -188,9 +185,10 @@ async def test_after_an_exchange_both_partners_hold_the_larger_outer_step(steps:
             await nursery.start(a.run)
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
         reqs = [request(1, outer_step=steps[0]), request(2, outer_step=steps[1])]
-        assert await exchange_both([initiator, responder], reqs) == [2, 2]
+        outcomes = await exchange_both([initiator, responder], reqs)
+        assert group_sizes(outcomes) == [2, 2]
         assert responder.status()["per_peer"][initiator.me]["rounds"] == 1
-        assert [r.group_outer_step for r in reqs] == [7, 7]
+        assert [o.group_outer_step for o in outcomes] == [7, 7]
         nursery.cancel_scope.cancel()
 
 
@@ -206,7 +204,7 @@ async def test_a_partner_that_sends_non_finite_values_is_rejected_with_no_update
         bad = request(2)
         getattr(bad, tensor)[NUMEL - 3] = value  # in the last chunk: every chunk before it was folded already
         results = await exchange_both(avs, [request(1), bad])
-        assert results[0] == 1  # the honest node rejected the poisoned values and stepped solo
+        assert results[0].group_size == 1  # the honest node rejected the poisoned values and stepped solo
         assert avs[0].status()["failures"] == 1
         assert avs[0].status()["rejections"] == {"non_finite": 1}
         nursery.cancel_scope.cancel()
@@ -220,14 +218,14 @@ async def test_a_1000x_norm_update_is_rejected_and_repeated_offences_ban_the_par
             honest, poisoned = request(10 + round_no, outer_step=round_no), request(20 + round_no, outer_step=round_no)
             poisoned.delta.mul_(1000)
             results = await exchange_both(avs, [honest, poisoned])
-            assert results[0] == 1
+            assert results[0].group_size == 1
             await trio.sleep(0.3)  # let the back-off pass
         st = avs[0].status()
         assert st["rejections"] == {"delta_norm": 2}
         assert st["banned"] == [str(avs[1].me)]
         # A banned partner is refused outright: the next exchange is solo without any transfer.
         sent_before = st["bytes_sent"]
-        assert await exchange_both(avs, [request(30, 2), request(31, 2)]) == [1, 1]
+        assert group_sizes(await exchange_both(avs, [request(30, 2), request(31, 2)])) == [1, 1]
         assert avs[0].status()["bytes_sent"] == sent_before
         nursery.cancel_scope.cancel()
 
@@ -240,7 +238,7 @@ async def test_a_5x_norm_update_is_clipped_to_the_bound_and_still_averaged() -> 
         avs, nursery = await pair(stack, cfg, cfg)
         honest, loud = request(40), request(41)
         loud.delta.mul_(5)
-        assert await exchange_both(avs, [honest, loud]) == [2, 2]
+        assert group_sizes(await exchange_both(avs, [honest, loud])) == [2, 2]
         scale = 2 * float(honest.delta.norm()) / float(loud.delta.norm())
         assert torch.allclose(honest.delta_out, honest.delta + scale * loud.delta, atol=1e-6)
         assert torch.equal(honest.phi_out, honest.phi + loud.phi)  # phis within bounds: exact
@@ -278,7 +276,7 @@ async def test_a_partner_that_stops_mid_transfer_costs_one_solo_step_and_no_upda
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
         req = request(1)
         with trio.fail_after(20):
-            assert await honest.exchange(req) == 1
+            assert (await honest.exchange(req)).group_size == 1
         st = honest.status()
         assert st["failures"] >= 1 and st["rounds"] == 0 and st["solo_rounds"] == 1
         nursery.cancel_scope.cancel()
@@ -311,7 +309,7 @@ async def test_a_trainer_that_always_publishes_a_little_later_than_the_other_two
             async def one(i: int, step: int = outer_step) -> None:
                 if i == 2:
                     await trio.sleep(0.3)  # the late one
-                averaged[i] += await avs[i].exchange(request(10 * step + i, outer_step=step)) >= 2
+                averaged[i] += (await avs[i].exchange(request(10 * step + i, outer_step=step))).group_size >= 2
 
             with trio.fail_after(20):
                 async with trio.open_nursery() as n:
@@ -360,9 +358,10 @@ async def test_a_trainer_one_outer_step_behind_joins_the_others_count_and_their_
 
             async def one(i: int, seed: int = round_no) -> None:
                 req = request(10 * seed + i, outer_step=steps[i])
-                averaged[i] += await avs[i].exchange(req) >= 2
+                outcome = await avs[i].exchange(req)
+                averaged[i] += outcome.group_size >= 2
                 # What the worker does with the result: continue from the larger count.
-                steps[i] = max(steps[i], req.group_outer_step or 0) + 1
+                steps[i] = max(steps[i], outcome.group_outer_step or 0) + 1
 
             with trio.fail_after(20):
                 async with trio.open_nursery() as n:
@@ -487,9 +486,8 @@ async def test_a_trainer_far_behind_the_swarms_outer_step_follows_it_and_one_lia
     av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [], anyone_else=lambda: False,
                   swarm_steps=lambda: steps)
     behind = request(1, outer_step=12)
-    assert await av.exchange(behind) == 1
-    assert behind.group_outer_step == 198
+    outcome = await av.exchange(behind)
+    assert outcome.group_size == 1 and outcome.group_outer_step == 198
     steps.update(a=10**9, b=14)  # one liar, everyone else where we are
     near = request(2, outer_step=13)
-    await av.exchange(near)
-    assert near.group_outer_step in (None, 13)
+    assert (await av.exchange(near)).group_outer_step in (None, 13)

@@ -22,10 +22,11 @@ import trio
 
 from node.cli import main as cli_main
 from node.control import SOCKET_FILE, request_sync
+from node.exchange import solo_exchange
 from node.history import HistoryError, LossHistory
 from node.sdnotify import summarize_status
 from node.status_view import render_status
-from node.supervisor import WorkerSupervisor, solo_exchange
+from node.supervisor import WorkerSupervisor
 from node.task import TaskError, resolve_device
 from node.train_config import TrainConfig
 from starling_testing.daemon import STARLING, TINY, TINY_TRAIN, DaemonGroup, starling

@@ -16,8 +16,9 @@ import torch
 import trio
 
 from node.checkpoint import CheckpointError, write_checkpoint
+from node.exchange import ExchangeOutcome, ExchangeRequest, solo_exchange
 from node.shm import ExchangeSlots, SharedTensor
-from node.supervisor import ExchangeRequest, WorkerSupervisor, solo_exchange
+from node.supervisor import WorkerSupervisor
 from node.train_config import TrainConfig
 from node.worker import (
     MAX_FRAME,
@@ -423,7 +424,8 @@ FAKE_DAEMON = textwrap.dedent(
     """
     import dataclasses, json, sys, trio
     from pathlib import Path
-    from node.supervisor import WorkerSupervisor, solo_exchange
+    from node.exchange import solo_exchange
+    from node.supervisor import WorkerSupervisor
     from node.train_config import TrainConfig
 
     async def main():
@@ -481,7 +483,7 @@ async def test_failed_and_hung_exchanges_become_solo_steps_and_group_sums_reach_
 ) -> None:
     requests: list[ExchangeRequest] = []
 
-    async def exchange(req: ExchangeRequest) -> int:
+    async def exchange(req: ExchangeRequest) -> ExchangeOutcome:
         requests.append(req)
         if len(requests) == 1:
             raise ConnectionError("partner vanished")
@@ -491,8 +493,7 @@ async def test_failed_and_hung_exchanges_become_solo_steps_and_group_sums_reach_
         # but 10 outer steps ahead: the worker adopts its counter.
         torch.mul(req.phi, 2, out=req.phi_out)
         torch.mul(req.delta, 2, out=req.delta_out)
-        req.group_outer_step = req.outer_step + 10
-        return 2
+        return ExchangeOutcome(2, group_outer_step=req.outer_step + 10)
 
     sup = supervisor(tmp_path, exchange, exchange_timeout=0.5)
     async with trio.open_nursery() as nursery:

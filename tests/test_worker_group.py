@@ -18,7 +18,8 @@ import trio
 from test_worker import TINY, alive, wait_until
 
 from node.checkpoint import read_checkpoint
-from node.supervisor import ExchangeRequest, WorkerSupervisor
+from node.exchange import ExchangeOutcome, ExchangeRequest
+from node.supervisor import WorkerSupervisor
 from node.task import TaskContext
 from node.train_config import TrainConfig
 from node.worker import Trainer
@@ -192,11 +193,11 @@ def test_a_group_config_is_checked_with_one_line_errors() -> None:
 
 @pytest.mark.slow
 async def test_the_supervisor_restarts_the_whole_group_when_any_rank_dies(tmp_path: Path) -> None:
-    async def twin(req: ExchangeRequest) -> int:
+    async def twin(req: ExchangeRequest) -> ExchangeOutcome:
         # A partner identical to us: a group step of 2, as when averaging with another node.
         torch.mul(req.phi, 2, out=req.phi_out)
         torch.mul(req.delta, 2, out=req.delta_out)
-        return 2
+        return ExchangeOutcome(2)
 
     cfg = dataclasses.replace(TINY, device="cpu", local_ranks=2, batch_size=2)
     sup = WorkerSupervisor(cfg, tmp_path, "peer-a", twin, backoff_initial=0.1, stop_grace=8.0)
