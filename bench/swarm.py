@@ -61,7 +61,6 @@ from convergence import QUICK as QUICK_BENCH  # bench/convergence.py, beside thi
 from convergence import BenchConfig, relative_spread, run_ddp, run_outer
 
 from node.checkpoint import CheckpointError, read_checkpoint
-from node.control import SOCKET_FILE, ControlError, request_sync
 from node.train_config import TrainConfig
 from node.worker import Trainer
 from starling_testing.daemon import DaemonProc
@@ -195,16 +194,9 @@ class Node:
     def status(self) -> dict[str, Any] | None:
         """The daemon's status over its control socket (what `starling status --json` prints, without
         spawning a Python process per poll, which costs a second of CPU on a loaded 2-core machine)."""
-        p = self.proc.proc
-        if p is None or p.poll() is not None:
+        st = self.proc.status(timeout=5.0)
+        if st is None:
             return None
-        try:
-            answer = request_sync(self.proc.home / SOCKET_FILE, {"cmd": "status"}, timeout=5.0)
-        except (ControlError, OSError, ValueError):
-            return None
-        if not answer.get("ok"):
-            return None
-        st = answer["status"]
         self.peer_id = st.get("peer_id", self.peer_id)
         self.last = st
         return st
@@ -688,7 +680,7 @@ class Plan:
 
 def make_plan(quick: bool, seconds: float | None) -> Plan:
     if quick:
-        # Quick pairing as in tests/procs.py TINY_TRAIN; the default 10 s join wait would only idle.
+        # Quick pairing as in starling_testing's TINY_TRAIN; the default 10 s join wait would only idle.
         return Plan(True, seconds or 10.0, dataclasses.replace(QUICK_BENCH), 2, 120.0,
                     {"pair_window_s": 2, "join_wait_s": 2, "backoff_s": 1})
     return Plan(False, seconds or 300.0, BenchConfig(), 4, 300.0, repeats=3)

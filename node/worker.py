@@ -1065,7 +1065,7 @@ def _final_checkpoint(chan: WorkerChannel | None, trainer: Trainer) -> None:
             pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m node.worker", description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--fd", type=int, help="this end of the daemon's control socketpair")
@@ -1075,7 +1075,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", metavar="DIR", help="with --fd: be rank 0 of the worker group meeting in DIR")
     parser.add_argument("--rank", type=int, default=0, help="with --follow: this process's rank (>= 1)")
     parser.add_argument("--world-size", type=int, default=1, help="processes in the worker group")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(parse_args(argv))
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """The worker process for parsed arguments: the daemon's worker (--fd, optionally rank 0 of a group
+    with --group), a group follower (--follow), or the task check (--check). Returns the exit code."""
     if args.check:
         return check_main()
     group = None
@@ -1172,10 +1181,12 @@ def _setup_logging(level: str) -> None:
 if __name__ == "__main__":
     # Run the importable module's main, not this __main__ copy of it: node/worker_group.py subclasses
     # node.worker.Trainer, whose messages the loop must know as its own classes.
-    from node.worker import main as _main
+    from node.worker import parse_args as _parse_args
+    from node.worker import run_main as _run_main
 
-    code = _main()
-    if "--follow" in sys.argv or "--group" in sys.argv:
+    _args = _parse_args()
+    code = _run_main(_args)
+    if _args.follow or _args.group:
         from node.worker_group import exit_group_process
 
         exit_group_process(code)
