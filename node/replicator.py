@@ -648,10 +648,11 @@ class StateReplicator:
             async with trio.open_nursery() as nursery:
                 if self.gossip:
                     nursery.start_soon(self._publish_departure, pubsub, signed.data)
+                # Every connected peer, even one with a session in flight: that session may have sent our
+                # record before the departure was signed, and then neither carrier would bring it.
                 for peer in self._connected():
-                    if peer not in self._in_flight:
-                        self._in_flight.add(peer)
-                        nursery.start_soon(self._sync_with, peer)
+                    self._in_flight.add(peer)
+                    nursery.start_soon(self._sync_with, peer)
 
     async def _publish_departure(self, pubsub: Pubsub, data: bytes) -> None:
         try:
