@@ -33,7 +33,11 @@ pair's sample-weighted means, or its own values after a bye) and says how many t
 that stands for, and both end with the sample-weighted means of the group (of four, or three with a
 bye). The second round waits for its scheduled partner only (no open phase, one window); when it does
 not happen the first round's result stands. A second-round request carries `stage` 2, so it never meets
-a first-round exchange: a partner still in its first round answers "not ready" and is asked again.
+a first-round exchange. When it reaches a partner still in its first round, and comes from the trainer
+the schedule gives that partner for its second round, the partner holds it until its second round
+begins (`_await_round`: at most what is left of its first round's window, and never near the asker's
+answer deadline) instead of sending the asker away to ask again a few hundred ms later; a request it
+could not hold is answered "not ready", and the asker asks again.
 
 Weights: each side says how many inner steps and samples its Delta covers; the worker weights the pair's
 Delta and its phi pull by samples (node/outer.py, `PairWeights`). What a partner sends is bounded before it reaches the
@@ -92,6 +96,10 @@ IP_BAN_AFTER = 2  # identities banned from one IP before the IP itself is banned
 MAX_LINKS = 4096  # partners remembered (rate, back-off, bans); the least useful are forgotten first
 SCHEDULED_SHARE = 0.5  # of the pairing window spent on the scheduled partner only
 SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still training, again after this
+# A second-round request that arrives during our first round is held for at most this share of the
+# handshake deadline (the asker's wait for our answer; past it the asker counts a failure against us).
+HOLD_SHARE = 0.5
+HOLD_MARGIN_S = 0.5  # past our first round's window: the second round begins right after it ends
 MIXING_WINDOW = 20  # outer steps that `status()["mixing"]` and the member record's partners look back over
 
 
@@ -121,6 +129,7 @@ class _Pending:
     began: float = 0.0  # when the worker published (trio clock)
     waited_s: float = 0.0  # from the publish to the pairing
     scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
+    next_partner: str | None = None  # the schedule's partner for the outer step's next round (groups of four)
     scheduled_until: float = 0.0  # end of the scheduled phase
     saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
     # Between-steps answers: how far (s) each asked trainer's publish was from ours (theirs - ours), and
@@ -247,6 +256,7 @@ class Averager:
         self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps, cfg.clip_phi_ratio)
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
         self._phi_mean: torch.Tensor | None = None  # a pair's mean phi, sent in a second round
+        self._round_begun = trio.Event()  # set (and replaced) whenever a round of an outer step begins
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -358,6 +368,7 @@ class Averager:
             began=began,
             scheduled=first,
             scheduled_until=began + SCHEDULED_SHARE * self.cfg.pair_window_s,
+            next_partner=second,
         )
         self._last_publish_at = began
         partners: list[str] = []
@@ -400,6 +411,8 @@ class Averager:
     async def _run_round(self, pending: _Pending) -> None:
         """Look for a partner and exchange with it, for one round; `pending.result` says how it went."""
         self._pending = pending
+        self._round_begun.set()  # wakes requests held for this round (`_await_round`)
+        self._round_begun = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pair, pending)
@@ -744,6 +757,10 @@ class Averager:
             pending.saw_ready = True  # whoever asks has published: our phase is not off everyone's
             pending.largest_seen = max(pending.largest_seen, request.outer_step)
         verdict = self._judge(request, pending, partner)
+        if verdict is not None and pending is not None and request.stage > pending.stage \
+                and partner == pending.next_partner:
+            pending = await self._await_round(request.stage, pending)
+            verdict = self._judge(request, pending, partner)
         if verdict is not None:
             # Between outer steps we say the last one we took: an asker that is behind learns the count.
             since = 0
@@ -789,6 +806,25 @@ class Averager:
         pending.result = 2
         pending.done.set()
         await close_quietly(stream)
+
+    async def _await_round(self, stage: int, current: _Pending) -> _Pending | None:
+        """Wait for round `stage` of this outer step to begin and return its pending round (or whatever
+        round is on when the wait ends; None between outer steps).
+
+        Why hold: in a group of four the two pairs rarely end their first rounds together. The second-round
+        asker that ends first used to be told "not ready" and ask again 0.15-0.3 s later, which at outer
+        steps of a second or two is a real share of the step and stalls the worker (`train.max_lag`).
+        Held, the request is answered the moment our second round begins. The wait is bounded by what is
+        left of our first round's window (the second round begins as soon as it ends) and by a share of
+        the asker's deadline for our answer, so a hold never turns into a failure the asker counts against
+        us. Only the partner the schedule gives us for that round is held (`_serve_request`), so a peer
+        cannot park requests here."""
+        window = self.cfg.pair_window_s if current.window_s is None else current.window_s
+        left = current.began + window - trio.current_time()
+        with trio.move_on_after(max(0.0, min(left + HOLD_MARGIN_S, HOLD_SHARE * self.cfg.handshake_timeout_s))):
+            while self._pending is None or self._pending.stage < stage:
+                await self._round_begun.wait()
+        return self._pending
 
     def _judge(self, req: avg.AvgRequest, pending: _Pending | None, partner: str) -> tuple[str, str] | None:
         """None to accept, else (verdict, reason)."""

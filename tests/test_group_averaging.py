@@ -109,6 +109,37 @@ async def test_a_pair_whose_second_round_partner_is_absent_keeps_the_pairs_weigh
             torch.testing.assert_close(r.delta_out / 2, weighted(deltas, [160, 40]), rtol=0, atol=1e-6)
 
 
+async def test_a_second_round_request_that_arrives_during_the_first_round_is_held_not_sent_away(monkeypatch) -> None:
+    """Three trainers: A pairs with B in the first round and the bye C joins A in the second. C asks A at
+    once, while A still waits for B (B publishes half a second later). A holds C's request until its
+    second round begins and serves it then, so A and C end in a group of three. Sent away with "not
+    ready", C would ask again only after the retry interval (here set past every window): C would step
+    solo and A keep the pair's result."""
+    async with AsyncExitStack() as stack:
+        avs = await connected(stack, 3)
+        c, b, a = sorted(avs, key=lambda av: av.me)  # C < A, so C asks A; B < A, so B asks A
+        schedule = {a.me: (b.me, c.me), b.me: (a.me, None), c.me: (None, a.me)}
+        monkeypatch.setattr(averager_module, "scheduled_partners", lambda me, others, step, speeds=None: schedule[me])
+        monkeypatch.setattr(averager_module, "SCHEDULED_RETRY_S", (8.0, 8.0))
+        reqs = {av.me: request(i + 1) for i, av in enumerate((a, b, c))}
+        sizes: dict[str, int] = {}
+
+        async def one(av: Averager, delay: float) -> None:
+            await trio.sleep(delay)
+            sizes[av.me] = (await av.exchange(reqs[av.me])).group_size
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, a, 0.0)
+                nursery.start_soon(one, c, 0.0)
+                nursery.start_soon(one, b, 0.5)
+        assert [sizes[a.me], sizes[b.me], sizes[c.me]] == [3, 2, 3]
+        assert c.stats["declined"] == 0  # C's one request was held and served, never sent away
+        mean3 = sum(r.phi for r in reqs.values()) / 3
+        for av in (a, c):
+            torch.testing.assert_close(reqs[av.me].phi_out / 3, mean3, rtol=0, atol=1e-5)
+
+
 async def test_group_size_2_keeps_one_partner_per_outer_step() -> None:
     """`sync.group_size = 2` turns the second round off: four trainers form two pairs, each with the
     pair's plain sums, as before groups existed."""
