@@ -5,7 +5,7 @@ A receiver child process and this (sender) process move the same number of bytes
 * ``raw``      -- plain trio TCP: ``send_all`` of 1 MiB buffers, ``recv_into`` on the other side.
 * ``secure``   -- :class:`p2p.datapath.SecureChannel` (AES-256-GCM, 1 MiB frames), opened through a real
   :class:`~p2p.datapath.DataPathListener` handshake.
-* ``tensor-*`` -- a flat fp32 tensor of the same byte size sent with ``send_tensor``/``recv_tensor``
+* ``tensor-*`` -- a flat fp32 array of the same byte size sent with ``send_tensor``/``recv_tensor``
   over a SecureChannel for each wire dtype (encode + encrypt + decrypt + decode), reported both as
   fp32-equivalent "model" MB/s and as MB/s on the wire.
 
@@ -25,7 +25,7 @@ import statistics
 import time
 from multiprocessing.connection import Connection
 
-import torch
+import numpy as np
 import trio
 
 from p2p.datapath import (
@@ -63,7 +63,6 @@ def make_keys() -> tuple[SessionKeys, SessionKeys]:
 
 
 def receiver_process(conn: Connection) -> None:
-    torch.set_num_threads(1)
     while True:
         cmd = conn.recv()
         if cmd is None:
@@ -95,8 +94,9 @@ async def receive_one(cmd: dict, conn: Connection) -> None:
     out = plan = None
     if mode.startswith("tensor-"):
         # Allocated and paged in before the clock starts: in the daemon this is a reused slot.
-        out = torch.empty(nbytes // 4).fill_(0.0)
-        plan = ChunkPlan.for_frame_size(out.numel(), get_codec(cmd["dtype"]), FRAME)
+        out = np.empty(nbytes // 4, dtype=np.float32)
+        out.fill(0.0)
+        plan = ChunkPlan.for_frame_size(out.size, get_codec(cmd["dtype"]), FRAME)
     listener = DataPathListener(HOST, 0)
     async with trio.open_nursery() as nursery:
         await nursery.start(listener.serve)
@@ -141,7 +141,7 @@ async def send_raw(port: int, nbytes: int) -> tuple[float, float]:
 
 
 async def send_secure(
-    port: int, nbytes: int, keys: SessionKeys, tensor: torch.Tensor | None, dtype: str | None
+    port: int, nbytes: int, keys: SessionKeys, tensor: np.ndarray | None, dtype: str | None
 ) -> tuple[float, float]:
     channel = await connect_datapath((HOST, port), keys, timeout=30)
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -153,7 +153,7 @@ async def send_secure(
             sent += len(payload)
     else:
         codec = get_codec(dtype)
-        await send_tensor(channel, tensor, ChunkPlan.for_frame_size(tensor.numel(), codec, FRAME))
+        await send_tensor(channel, tensor, ChunkPlan.for_frame_size(tensor.size, codec, FRAME))
     assert await channel.recv() == b"k"
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     await channel.aclose()
@@ -180,8 +180,7 @@ def main() -> None:
     modes = ["raw", "secure"]
     tensor = None
     if not args.no_tensors:
-        torch.set_num_threads(1)
-        tensor = torch.randn(nbytes // 4)
+        tensor = np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)
         modes += ["tensor-fp32", "tensor-bf16", "tensor-int8"]
 
     ctx = mp.get_context("spawn")

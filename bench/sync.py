@@ -52,6 +52,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import trio
 
@@ -90,13 +91,17 @@ def make_request(numel: int, seed: int) -> ExchangeRequest:
     the group's sums land in."""
     # Replicas of one model: phis around a common point, as far apart as their Deltas are long (within
     # the averager's bounds, node/robust.py).
-    phi = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(seed)
-    phi.add_(torch.randn(numel, generator=g), alpha=0.01)
-    delta = torch.randn(numel, generator=g).mul_(0.01)
+    # numpy float32, as the daemon holds them (views of the worker's shared memory, node/shm.py).
+    phi = np.random.default_rng(0).standard_normal(numel, dtype=np.float32)
+    g = np.random.default_rng(seed)
+    phi += g.standard_normal(numel, dtype=np.float32) * np.float32(0.01)
+    delta = g.standard_normal(numel, dtype=np.float32) * np.float32(0.01)
     # Outputs written once now so their pages exist before any clock starts (the daemon reuses its slots).
+    phi_out, delta_out = np.empty(numel, np.float32), np.empty(numel, np.float32)
+    phi_out.fill(0.0)
+    delta_out.fill(0.0)
     layout = [("w", (numel,))]
-    return ExchangeRequest(1, phi, delta, torch.zeros(numel), torch.zeros(numel), layout, layout_hash(layout))
+    return ExchangeRequest(1, phi, delta, phi_out, delta_out, layout, layout_hash(layout))
 
 
 class _PeerState:
@@ -172,7 +177,7 @@ class _PeerState:
         st = self.averager.status()
         if outcome.group_size < 2:
             raise BenchError(f"exchange ended solo: {st['last_error'] or 'no partner within the window'}")
-        if not bool(torch.isfinite(self.req.phi_out[:1000]).all()):
+        if not bool(np.isfinite(self.req.phi_out[:1000]).all()):
             raise BenchError("the averaged output is not finite")
         return {"wall_s": wall, "transfer_s": st["last_duration_s"], "path": st["last_path"], "cpu_s": cpu,
                 "bytes": st["last_bytes"]}
@@ -504,14 +509,16 @@ def _gloo_main(conn: Connection, rank: int, world: int, port: int, numel: int, r
         dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))
         req = make_request(numel, rank)
+        # gloo wants tensors: zero-copy views of the request's numpy arrays.
+        phi, delta, phi_out, delta_out = (torch.from_numpy(a) for a in (req.phi, req.delta, req.phi_out, req.delta_out))
         times = []
         for r in range(rounds + 1):
             dist.barrier()
             cpu0, t0 = time.process_time(), time.perf_counter()
-            req.phi_out.copy_(req.phi)
-            req.delta_out.copy_(req.delta)
-            dist.all_reduce(req.phi_out)
-            dist.all_reduce(req.delta_out)  # sums, as Starling leaves them (the outer step divides)
+            phi_out.copy_(phi)
+            delta_out.copy_(delta)
+            dist.all_reduce(phi_out)
+            dist.all_reduce(delta_out)  # sums, as Starling leaves them (the outer step divides)
             if r > 0:
                 times.append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0})
         dist.destroy_process_group()

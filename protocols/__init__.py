@@ -4,7 +4,7 @@ Each module is one protocol (its messages, both sides of its exchange), or what 
 used as a module (``from protocols import avg``; ``avg.initiate``, ``avg.respond``):
 
     avg.py       /starling/avg: one pairwise averaging exchange of (phi, Delta); AvgRequest, TransferResult
-    codec.py     get_codec, WireDtype, TensorCodec: how a flat fp32 tensor travels (fp32, bf16, int8 blocks)
+    codec.py     get_codec, WireDtype, TensorCodec: how a flat fp32 array travels (fp32, bf16, int8 blocks)
     state.py     /starling/state: anti-entropy of the swarm state; Replica, LocalInfo, SessionResult
     record.py    MemberRecord, CounterRecord, ManifestRecord, Manifest, SignedRecord: the state's signed records
     hlc.py       HybridLogicalClock, Timestamp: the order of those records
@@ -12,8 +12,9 @@ used as a module (``from protocols import avg``; ``avg.initiate``, ``avg.respond
     dialback.py  /starling/dialback: reachability checked by peers dialling back; DialbackService, Verdict
 
 The names below are importable from the package itself (``from protocols import MemberRecord``); each
-module is imported on first use, so ``import protocols`` loads neither torch (avg, codec, snapshot) nor
-libp2p.
+module is imported on first use, so ``import protocols`` loads neither numpy (avg, codec, snapshot) nor
+libp2p. No module here imports torch: tensors travel as numpy float32 arrays, and torch stays in the
+worker process (tests/test_codec.py checks it).
 """
 
 from __future__ import annotations

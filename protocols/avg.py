@@ -11,7 +11,7 @@ Control flow on the libp2p stream (Noise-authenticated, so both PeerIDs are prov
     AvgPath(datapath | stream)               ->
     phi, Delta  (chunks, both directions at once, over the side channel or this stream)
 
-Both sides then hold the same two pairs of (wire-encoded) tensors and compute the same sums: the
+Both sides then hold the same two pairs of (wire-encoded) arrays and compute the same sums: the
 sender's own contribution goes through the same codec round trip as what it sent, so the two sums are
 bit-identical whatever the wire dtype. Received bytes land directly in the caller's output tensors
 (shared memory) and become the group's sums there chunk by chunk as they arrive, so an exchange needs no
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
+import numpy as np
 import trio
 
 from p2p.datapath import (
@@ -63,8 +63,11 @@ from p2p.wire import (
     spec,
 )
 from protocols.codec import (
+    PASS_ELEMS,
     ChunkPlan,
+    Flat,
     Fp32Codec,
+    flat_fp32,
     get_codec,
     recv_tensor,
     recv_tensor_blocking,
@@ -171,12 +174,24 @@ class Declined(Exception):
 
 @dataclass
 class Tensors:
-    """This side's inputs and the outputs the group's sums go into (flat fp32, same length)."""
+    """This side's inputs and the outputs the group's sums go into (flat fp32 numpy arrays, same length).
 
-    phi: torch.Tensor
-    delta: torch.Tensor
-    phi_out: torch.Tensor
-    delta_out: torch.Tensor
+    Held as given: a caller may still pass CPU torch tensors, which :meth:`as_arrays` views as arrays
+    without a copy at the entry points, so the sums land in the caller's memory either way."""
+
+    phi: np.ndarray
+    delta: np.ndarray
+    phi_out: np.ndarray
+    delta_out: np.ndarray
+
+    def as_arrays(self) -> Tensors:
+        """The same memory as flat float32 arrays (zero-copy views; ``ValueError`` where that cannot be)."""
+        return Tensors(
+            flat_fp32(self.phi, "phi"),
+            flat_fp32(self.delta, "delta"),
+            flat_fp32(self.phi_out, "phi_out", writable=True),
+            flat_fp32(self.delta_out, "delta_out", writable=True),
+        )
 
 
 @dataclass(frozen=True)
@@ -238,50 +253,61 @@ class _Fold:
     """Turns each received chunk of the partner's values into the group's sum, in place, on arrival.
 
     Why on arrival: the chunk was just written by the decryption, so the finiteness check, the norm and
-    the sum read it from the cache; a separate pass over model-sized tensors afterwards cost as much
+    the sum read it from the cache; a separate pass over model-sized arrays afterwards cost as much
     as the transfer itself (bench/sync.py). Both sides compute ``theirs + own`` with ``own`` through the
     same codec round trip as what was sent, so the two sums are bit-identical (addition commutes).
+
+    The squared norms are float32 BLAS dot products per chunk (``np.dot``, as ``torch.dot`` was), summed
+    over chunks in Python floats (float64): their overflow on absurd values is part of the finiteness check.
     """
 
-    def __init__(self, mine: torch.Tensor, out: torch.Tensor, plan: ChunkPlan, seen: Received, *, is_delta: bool):
+    def __init__(self, mine: Flat, out: Flat, plan: ChunkPlan, seen: Received, *, is_delta: bool):
         self.mine, self.out, self.codec, self.seen, self.is_delta = mine, out, plan.codec, seen, is_delta
         lossless = isinstance(plan.codec, Fp32Codec)
         chunk = min(plan.chunk_elems, plan.numel)
-        self.scratch = None if lossless else torch.empty(chunk, dtype=torch.float32)
-        self.diff = None if is_delta else torch.empty(chunk, dtype=torch.float32)
+        # Our own chunk's round trip reuses these two buffers for every chunk (no allocation per chunk).
+        self.scratch = None if lossless else np.empty(chunk, dtype=np.float32)
+        self.encoded = None if lossless else bytearray(plan.max_chunk_bytes)
+        self.diff = None if is_delta else np.empty(chunk, dtype=np.float32)
 
     def __call__(self, start: int, stop: int) -> None:
         if not self.seen.finite:
             return  # the exchange will be rejected: draining the rest is all that is left to do
+        # A partner's infinities and overflows are judged below, not warned about by numpy.
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._fold(start, stop)
+
+    def _fold(self, start: int, stop: int) -> None:
         theirs, mine = self.out[start:stop], self.mine[start:stop]
         if self.is_delta:
             # The squared norm doubles as the finiteness check: one NaN or infinity makes the sum NaN or
             # infinite, and so do values too large to square (|x| > 1e19, an update no model survives).
-            their_sq = float(torch.dot(theirs, theirs))
+            their_sq = float(np.dot(theirs, theirs))
             if not math.isfinite(their_sq):
                 self.seen.finite = False
                 return
             self.seen.their_delta_sq += their_sq
-            self.seen.own_delta_sq += float(torch.dot(mine, mine))
-        if self.scratch is None:
+            self.seen.own_delta_sq += float(np.dot(mine, mine))
+        if self.scratch is None or self.encoded is None:
             own = mine
         else:
             own = self.scratch[: stop - start]
             # Decode plainly, then add: a fused decode-and-accumulate would round differently from the
             # partner's plain decode of the same bytes, and the two sums would differ.
-            self.codec.decode_into(self.codec.encode(mine), own)
-        if not self.is_delta:
+            size = self.codec.encode_into(mine, self.encoded)
+            self.codec.decode_into(memoryview(self.encoded)[:size], own)
+        if self.diff is not None:
             # The distance of their phi from ours (as both crossed the wire) bounds the NoLoCo pull. A NaN
             # or an infinity makes it NaN or infinite, so it doubles as the finiteness check, as does a
             # value too large to square (|x| > 1e19).
-            diff = torch.sub(theirs, own, out=self.diff[: stop - start])
-            dist_sq = float(torch.dot(diff, diff))
+            diff = np.subtract(theirs, own, out=self.diff[: stop - start])
+            dist_sq = float(np.dot(diff, diff))
             if not math.isfinite(dist_sq):
                 self.seen.finite = False
                 return
             self.seen.phi_distance_sq += dist_sq
-            self.seen.own_phi_sq += float(torch.dot(own, own))
-        theirs.add_(own)
+            self.seen.own_phi_sq += float(np.dot(own, own))
+        np.add(theirs, own, out=theirs)
 
 
 async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int, int, Received]:
@@ -343,11 +369,35 @@ def apply_clip(t: Tensors, clip: Clip) -> None:
 
     With S = own + theirs: own + s*theirs = own + s*(S - own), and own + (own + s*(theirs - own)) =
     2*own + s*(S - 2*own). (Over a lossy wire the sum holds our value as it crossed the wire, which
-    differs from ours by the codec's rounding; the clipped sums carry that rounding times s.)"""
+    differs from ours by the codec's rounding; the clipped sums carry that rounding times s.)
+    Any float dtype, as long as the four share it; CPU torch tensors are rewritten in their own memory."""
     if clip.delta_scale < 1.0:
-        t.delta_out.sub_(t.delta).mul_(clip.delta_scale).add_(t.delta)
+        _rescale(_inplace(t.delta_out), np.asarray(t.delta), clip.delta_scale, copies=1)
     if clip.phi_scale < 1.0:
-        t.phi_out.sub_(t.phi, alpha=2).mul_(clip.phi_scale).add_(t.phi, alpha=2)
+        _rescale(_inplace(t.phi_out), np.asarray(t.phi), clip.phi_scale, copies=2)
+
+
+def _inplace(x: object) -> np.ndarray:
+    """``x`` as an array over its own memory, or ``ValueError`` (a copy would drop what is written)."""
+    arr = np.asarray(x)
+    if not arr.flags.writeable or (arr is not x and arr.base is None):
+        raise ValueError(f"cannot rewrite a {type(x).__name__} in place")
+    return arr
+
+
+def _rescale(total: np.ndarray, own: np.ndarray, scale: float, *, copies: int) -> None:
+    """``total = copies*own + scale*(total - copies*own)`` in place, a cache-sized slice at a time (no
+    model-sized temporary). Step by step as torch's ``sub_(own, alpha=copies).mul_(scale).add_(own,
+    alpha=copies)`` was, so bit for bit the same (``copies*own`` is exact; ``scale`` rounds to the dtype)."""
+    work = np.empty(min(PASS_ELEMS, total.size), dtype=total.dtype) if copies != 1 else None
+    for lo in range(0, total.size, PASS_ELEMS):
+        hi = min(lo + PASS_ELEMS, total.size)
+        part, mine = total[lo:hi], own[lo:hi]
+        if work is not None:
+            mine = np.multiply(mine, copies, out=work[: hi - lo])
+        np.subtract(part, mine, out=part)
+        np.multiply(part, scale, out=part)
+        np.add(part, mine, out=part)
 
 
 async def run_transfer(
@@ -357,6 +407,7 @@ async def run_transfer(
     Rejected (non-finite values, or what ``validate`` refuses) or ProtocolError; the outputs are
     meaningful only when it returns. Nothing clipped: the sums are the exact ones both sides hold."""
     began = trio.current_time()
+    t = t.as_arrays()
     sent, received, seen = await _swap(channel, t, plan)
     if not seen.finite:
         raise Rejected("non_finite", "partner sent NaN, infinite or overflowing values")
@@ -389,7 +440,8 @@ async def initiate(
     announces it: a responder behind a NAT, whose listener we cannot dial, may take it up (``p2p.punch``)."""
     control = LibP2PByteStream(stream)
     mine = KeyAgreement()
-    numel = tensors.phi.numel()
+    tensors = tensors.as_arrays()
+    numel = tensors.phi.size
     plan = make_plan(numel, request_fields["wire_dtype"], request_fields["int8_block"])
     with contextlib.ExitStack() as cleanup:
         punch = None
@@ -492,8 +544,9 @@ async def respond(
     Where it offers no listener (``listener`` None: we are not publicly reachable) but the initiator
     offered a punch port, both open a punched side channel at once; else the libp2p stream."""
     control = LibP2PByteStream(stream)
-    if request.numel != tensors.phi.numel():
-        raise ProtocolError(Reason.BAD_FIELD, f"numel {request.numel} != ours {tensors.phi.numel()}")
+    tensors = tensors.as_arrays()
+    if request.numel != tensors.phi.size:
+        raise ProtocolError(Reason.BAD_FIELD, f"numel {request.numel} != ours {tensors.phi.size}")
     try:
         plan = make_plan(request.numel, request.wire_dtype, request.int8_block, request.chunk_elems)
     except ValueError as e:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
+import numpy as np
 import trio
 
 from p2p.fsutil import open_private, private_dir
@@ -37,7 +37,7 @@ from p2p.wire import (
     send_msg,
     spec,
 )
-from protocols.codec import tensor_bytes
+from protocols.codec import Flat, tensor_bytes
 
 log = logging.getLogger("starling.snapshot")
 
@@ -84,9 +84,9 @@ class SnapMeta:
 
 @dataclass
 class Snapshot:
-    """Slow weights and counters, in memory, with the hash of every chunk."""
+    """Slow weights and counters, in memory, with the hash of every chunk (``phi``: flat float32)."""
 
-    phi: torch.Tensor
+    phi: Flat
     step: int
     outer_step: int
     layout_hash: str
@@ -94,12 +94,14 @@ class Snapshot:
     snapshot_id: str
 
     @classmethod
-    def of(cls, phi: torch.Tensor, step: int, outer_step: int, layout_hash: str) -> Snapshot:
-        phi = phi.detach().to(torch.float32).contiguous().reshape(-1)
-        raw = tensor_bytes(phi)
-        hashes = [hashlib.sha256(raw[i * FRAME : (i + 1) * FRAME]).digest() for i in range(-(-phi.numel() // CHUNK_ELEMS))]
+    def of(cls, phi: Any, step: int, outer_step: int, layout_hash: str) -> Snapshot:
+        """``phi``: a numpy array or a CPU torch tensor, of any shape; served as flat float32 (a view where
+        it already is contiguous float32, else a converted copy, as before)."""
+        flat = _flat_float32(phi)
+        raw = tensor_bytes(flat)
+        hashes = [hashlib.sha256(raw[i * FRAME : (i + 1) * FRAME]).digest() for i in range(-(-flat.size // CHUNK_ELEMS))]
         sid = hashlib.sha256(b"".join(hashes) + f"{step}:{outer_step}:{layout_hash}".encode()).hexdigest()[:32]
-        return cls(phi, step, outer_step, layout_hash, hashes, sid)
+        return cls(flat, step, outer_step, layout_hash, hashes, sid)
 
     def meta(self) -> SnapMeta:
         return SnapMeta(
@@ -108,9 +110,18 @@ class Snapshot:
             step=self.step,
             outer_step=self.outer_step,
             layout_hash=self.layout_hash,
-            numel=self.phi.numel(),
+            numel=self.phi.size,
             chunk_hashes=self.chunk_hashes,
         )
+
+
+def _flat_float32(phi: Any) -> Flat:
+    """``phi`` flattened to contiguous float32 without importing torch: a tensor is recognised by its
+    ``detach`` (one that requires grad refuses ``np.asarray``) and converted by its own ``float()`` (numpy
+    cannot read bfloat16 or half tensors)."""
+    if hasattr(phi, "detach"):
+        phi = phi.detach().float()
+    return np.ascontiguousarray(np.asarray(phi), dtype=np.float32).reshape(-1)
 
 
 class SnapshotServer:
@@ -321,16 +332,22 @@ def _verified_prefix(data_path: Path, p: DonorProgress) -> int:
 
 def combine(downloads: list[tuple[DonorProgress, Path]]) -> dict[str, Any]:
     """The joiner's starting state: the mean of the donors' slow weights (close models, NoLoCo keeps them
-    so), the most advanced step counters, and the layout they share. Donors on another layout are left out."""
+    so), the most advanced step counters, and the layout they share. Donors on another layout are left out.
+
+    ``"phi"`` is a flat float32 numpy array of ``numel`` values (the donors' sum divided by their count, in
+    float32 as before); a data file shorter than its meta says raises ``ValueError``."""
     if not downloads:
         raise ValueError("no complete download")
     layout = downloads[0][0].meta["layout_hash"]  # type: ignore[index]
     usable = [(p, path) for p, path in downloads if p.meta and p.meta["layout_hash"] == layout]
     numel = usable[0][0].meta["numel"]  # type: ignore[index]
-    mean = torch.zeros(numel, dtype=torch.float32)
+    mean = np.zeros(numel, dtype=np.float32)
     for _, path in usable:
-        mean.add_(torch.from_file(str(path), size=numel, dtype=torch.float32))
-    mean.div_(len(usable))
+        values = np.fromfile(path, dtype="<f4", count=numel)
+        if values.size != numel:
+            raise ValueError(f"{path} holds {values.size} of {numel} values")
+        mean += values
+    mean /= len(usable)
     return {
         "format": "starling-snapshot-1",
         "phi": mean,

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import msgpack
+import numpy as np
 import tomli_w
 import torch
 import trio
@@ -563,7 +564,7 @@ class CodecDecodeInto(Target):
 
     @classmethod
     def seeds(cls) -> list[Seed]:
-        x = torch.randn(300, generator=torch.Generator().manual_seed(1))
+        x = np.random.default_rng(1).standard_normal(300, dtype=np.float32)
         return [
             [("raw", _codec_header(i, acc, 300)), ("raw", get_codec(d, int8_block=64).encode(x))]
             for i, d in enumerate(DTYPES)
@@ -575,7 +576,7 @@ class CodecDecodeInto(Target):
             return "short header (harness)"
         dtype, accumulate, numel = struct.unpack(">BBH", data[:4])
         codec = get_codec(DTYPES[dtype % 3], int8_block=64)
-        codec.decode_into(data[4:], torch.zeros(numel % 4097), accumulate=bool(accumulate & 1))
+        codec.decode_into(data[4:], np.zeros(numel % 4097, np.float32), accumulate=bool(accumulate & 1))
         return "accepted"
 
 
@@ -588,7 +589,7 @@ class CodecRecvTensor(Target):
 
     @classmethod
     def seeds(cls) -> list[Seed]:
-        x = torch.randn(300, generator=torch.Generator().manual_seed(2))
+        x = np.random.default_rng(2).standard_normal(300, dtype=np.float32)
         out = []
         for i, d in enumerate(DTYPES):
             codec = get_codec(d, int8_block=64)
@@ -602,8 +603,8 @@ class CodecRecvTensor(Target):
             return "short header (harness)"
         dtype, numel, chunk_elems = struct.unpack(">BHI", data[:7])
         codec = get_codec(DTYPES[dtype % 3], int8_block=64)
-        out = torch.zeros(numel % 4097)  # our own tensor: its size is never the peer's to choose
-        plan = ChunkPlan.from_header(out.numel(), codec, chunk_elems, max_frame_size=4096)
+        out = np.zeros(numel % 4097, np.float32)  # our own array: its size is never the peer's to choose
+        plan = ChunkPlan.from_header(out.size, codec, chunk_elems, max_frame_size=4096)
         await recv_tensor(PlainFrameChannel(ScriptedStream(data[7:]), max_frame_size=4096), out, plan)
         return "accepted"
 
@@ -616,11 +617,13 @@ AVG_MANIFEST = "m" * 64
 
 
 def avg_tensors(seed: int) -> avg.Tensors:
-    """Replicas of one model: phis around a common point, within the averager's bounds (node/robust.py)."""
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(AVG_NUMEL, generator=torch.Generator().manual_seed(0))
-    return avg.Tensors(base + torch.randn(AVG_NUMEL, generator=g) * 0.01, torch.randn(AVG_NUMEL, generator=g) * 0.01,
-                       torch.empty(AVG_NUMEL), torch.empty(AVG_NUMEL))
+    """Replicas of one model: phis around a common point, within the averager's bounds (node/robust.py).
+    numpy float32, as the daemon holds them (node/shm.py)."""
+    g = np.random.default_rng(seed)
+    base = np.random.default_rng(0).standard_normal(AVG_NUMEL, dtype=np.float32)
+    return avg.Tensors(base + g.standard_normal(AVG_NUMEL, dtype=np.float32) * np.float32(0.01),
+                       g.standard_normal(AVG_NUMEL, dtype=np.float32) * np.float32(0.01),
+                       np.empty(AVG_NUMEL, np.float32), np.empty(AVG_NUMEL, np.float32))
 
 
 def _avg_request(dtype: str, *, datapath: bool = False) -> avg.AvgRequest:

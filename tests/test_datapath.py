@@ -7,8 +7,8 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import numpy as np
 import pytest
-import torch
 import trio
 
 from p2p.datapath import (
@@ -38,10 +38,12 @@ from protocols.codec import (
 )
 from starling_testing.conformance import FRAME_CHANNEL_CHECKS, Check
 
-torch.set_num_threads(1)
-
 PROTO = "/starling/avg/1.0.0"
 TIMEOUT = 10
+
+
+def randn(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
 
 
 def agree(
@@ -203,10 +205,10 @@ async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback(initia
     """Both directions at once; with ``initiator_threads`` one side runs them in threads on blocking
     calls (the bulk path of an exchange) and the other on the event loop: the wire is the same."""
     ki, kr = agree()
-    x, y = torch.randn(1_500_000), torch.randn(1_250_000)  # 6 MB and 5 MB, in both directions at once
-    got_x, got_y = torch.empty_like(x), torch.empty_like(y)
+    x, y = randn(1_500_000, 1), randn(1_250_000, 2)  # 6 MB and 5 MB, in both directions at once
+    got_x, got_y = np.empty_like(x), np.empty_like(y)
     codec = get_codec("fp32")
-    plan_x, plan_y = ChunkPlan.for_frame_size(x.numel(), codec), ChunkPlan.for_frame_size(y.numel(), codec)
+    plan_x, plan_y = ChunkPlan.for_frame_size(x.size, codec), ChunkPlan.for_frame_size(y.size, codec)
     async with serving() as (listener, addr):
         initiator, responder = await connect_both(listener, addr, ki, kr)
         with trio.fail_after(60):
@@ -228,8 +230,8 @@ async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback(initia
         await initiator.aclose()
         assert await responder.recv() == b""
         await responder.aclose()
-    assert torch.equal(got_x.view(torch.int32), x.view(torch.int32))
-    assert torch.equal(got_y.view(torch.int32), y.view(torch.int32))
+    assert np.array_equal(got_x.view(np.int32), x.view(np.int32))
+    assert np.array_equal(got_y.view(np.int32), y.view(np.int32))
 
 
 @pytest.mark.parametrize("path", ["datapath", "stream"])
@@ -242,9 +244,9 @@ async def test_an_exchange_measures_both_deltas_norms_and_the_phi_distance_and_l
     n = 700_001  # three chunks of 1 MiB, the last one short
     sides = []
     for seed in (1, 2):
-        g = torch.Generator().manual_seed(seed)
-        phi, delta = torch.randn(n, generator=g), torch.randn(n, generator=g).mul_(seed)
-        sides.append(Tensors(phi, delta, torch.empty(n), torch.empty(n)))
+        rng = np.random.default_rng(seed)
+        phi, delta = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32) * seed
+        sides.append(Tensors(phi, delta, np.empty(n, dtype=np.float32), np.empty(n, dtype=np.float32)))
     plan = make_plan(n, "fp32", 64)
     seen: list[Received] = [Received(), Received()]
 
@@ -270,15 +272,48 @@ async def test_an_exchange_measures_both_deltas_norms_and_the_phi_distance_and_l
     else:
         a, b = socket_pair()
         await run((PlainFrameChannel(TrioByteStream(a)), PlainFrameChannel(TrioByteStream(b))))
-    true_norms = [float(torch.linalg.vector_norm(t.delta.double())) for t in sides]
-    true_distance = float(torch.linalg.vector_norm(sides[0].phi.double() - sides[1].phi.double()))
+    true_norms = [float(np.linalg.norm(t.delta.astype(np.float64))) for t in sides]
+    true_distance = float(np.linalg.norm(sides[0].phi.astype(np.float64) - sides[1].phi.astype(np.float64)))
     for i, received in enumerate(seen):
         own, theirs = received.delta_norms
         assert own == pytest.approx(true_norms[i], rel=1e-5) and theirs == pytest.approx(true_norms[1 - i], rel=1e-5)
         assert received.phi_distance == pytest.approx(true_distance, rel=1e-5)
     for t in sides:
-        assert torch.equal(t.phi_out, sides[0].phi + sides[1].phi)
-        assert torch.equal(t.delta_out, sides[0].delta + sides[1].delta)
+        assert np.array_equal(t.phi_out, sides[0].phi + sides[1].phi)
+        assert np.array_equal(t.delta_out, sides[0].delta + sides[1].delta)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+async def test_over_a_lossy_wire_both_sides_hold_the_same_sums_in_their_own_memory(wire: str) -> None:
+    """Each side adds its own values as they crossed the wire to the partner's, so the two sums are
+    bit-identical; outputs that are CPU torch tensors (not numpy arrays) receive them in place."""
+    import torch
+
+    from protocols.avg import Tensors, make_plan, run_transfer
+
+    n = 600_001
+    numpy_side = Tensors(randn(n, 1), randn(n, 2) * 0.01, np.zeros(n, np.float32), np.zeros(n, np.float32))
+    torch_side = Tensors(*(torch.from_numpy(v) for v in (randn(n, 3), randn(n, 4) * 0.01)), torch.zeros(n), torch.zeros(n))
+    sides = [numpy_side, torch_side]
+    plan = make_plan(n, wire, 4096)
+
+    def crossed(values: object) -> np.ndarray:
+        out = np.empty(n, dtype=np.float32)
+        for start, stop in plan:
+            plan.codec.decode_into(plan.codec.encode(np.asarray(values)[start:stop]), out[start:stop])
+        return out
+
+    a, b = socket_pair()
+    channels = (PlainFrameChannel(TrioByteStream(a)), PlainFrameChannel(TrioByteStream(b)))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for channel, side in zip(channels, sides, strict=True):
+                nursery.start_soon(run_transfer, channel, side, plan, "stream")
+    phi_sum = crossed(numpy_side.phi) + crossed(torch_side.phi)
+    delta_sum = crossed(numpy_side.delta) + crossed(torch_side.delta)
+    for side in sides:
+        assert np.array_equal(np.asarray(side.phi_out).view(np.int32), phi_sum.view(np.int32))
+        assert np.array_equal(np.asarray(side.delta_out).view(np.int32), delta_sum.view(np.int32))
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="this OS has no TCP_NOTSENT_LOWAT")
@@ -305,10 +340,10 @@ async def test_a_threaded_bulk_transfer_lifts_trios_unsent_data_limit_and_puts_i
 
 async def test_int8_transfer_accumulates_into_an_fp32_sum() -> None:
     ki, kr = agree()
-    x, base = torch.randn(300_000), torch.randn(300_000)
+    x, base = randn(300_000, 1), randn(300_000, 2)
     codec = get_codec("int8")
-    plan = ChunkPlan.for_frame_size(x.numel(), codec)
-    acc = base.clone()
+    plan = ChunkPlan.for_frame_size(x.size, codec)
+    acc = base.copy()
     async with serving() as (listener, addr):
         initiator, responder = await connect_both(listener, addr, ki, kr)
         async with trio.open_nursery() as nursery:
@@ -316,16 +351,16 @@ async def test_int8_transfer_accumulates_into_an_fp32_sum() -> None:
             await recv_tensor(responder, acc, plan, accumulate=True)
         await initiator.aclose()
         await responder.aclose()
-    expected = base.clone()
+    expected = base.copy()
     for start, stop in plan:
         codec.decode_into(codec.encode(x[start:stop]), expected[start:stop], accumulate=True)
-    assert torch.equal(acc, expected)
+    assert np.array_equal(acc, expected)
 
 
 async def test_sender_stopping_mid_tensor_gives_the_receiver_a_clean_error() -> None:
     ki, kr = agree()
-    x = torch.randn(600_000)
-    plan = ChunkPlan.for_frame_size(x.numel(), get_codec("bf16"))
+    x = randn(600_000)
+    plan = ChunkPlan.for_frame_size(x.size, get_codec("bf16"))
     async with serving() as (listener, addr):
         initiator, responder = await connect_both(listener, addr, ki, kr)
 
@@ -335,14 +370,14 @@ async def test_sender_stopping_mid_tensor_gives_the_receiver_a_clean_error() -> 
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send_one_chunk_then_stop)
-            await expect_protocol_error(Reason.TRUNCATED, recv_tensor, responder, torch.empty_like(x), plan)
+            await expect_protocol_error(Reason.TRUNCATED, recv_tensor, responder, np.empty_like(x), plan)
         await responder.aclose()
 
 
 async def test_a_deadline_stops_a_threaded_transfer_blocked_on_a_silent_partner() -> None:
     ki, kr = agree()
-    out = torch.zeros(500_000)
-    plan = ChunkPlan.for_frame_size(out.numel(), get_codec("fp32"))
+    out = np.zeros(500_000, dtype=np.float32)
+    plan = ChunkPlan.for_frame_size(out.size, get_codec("fp32"))
     async with serving() as (listener, addr):
         initiator, responder = await connect_both(listener, addr, ki, kr)
         with trio.fail_after(TIMEOUT):  # the threads block in recv; only the deadline can end them
@@ -582,10 +617,10 @@ async def test_keys_agreed_over_a_libp2p_stream_open_the_side_channel_and_the_fa
     from p2p.host import build_host
     from p2p.wire import LibP2PByteStream, recv_msg, send_msg
 
-    x = torch.randn(200_000)
+    x = randn(200_000)
     codec = get_codec("bf16")
-    plan = ChunkPlan.for_frame_size(x.numel(), codec, max_frame_size=65536)
-    via_side_channel, via_fallback = torch.empty_like(x), torch.empty_like(x)
+    plan = ChunkPlan.for_frame_size(x.size, codec, max_frame_size=65536)
+    via_side_channel, via_fallback = np.empty_like(x), np.empty_like(x)
     listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
     host_a, host_b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
     done = trio.Event()
@@ -639,9 +674,9 @@ async def test_keys_agreed_over_a_libp2p_stream_open_the_side_channel_and_the_fa
             await done.wait()
         await control.aclose()
 
-    expected = torch.empty_like(x)
+    expected = np.empty_like(x)
     codec.decode_into(codec.encode(x), expected)
-    assert torch.equal(via_side_channel, expected) and torch.equal(via_fallback, expected)
+    assert np.array_equal(via_side_channel, expected) and np.array_equal(via_fallback, expected)
 
 
 async def test_an_unreachable_data_path_is_a_protocol_error_so_callers_can_fall_back() -> None:

@@ -6,6 +6,8 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import multiaddr
+import numpy as np
+import pytest
 import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -18,6 +20,10 @@ from protocols.codec import tensor_bytes
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 NUMEL = int(snap.CHUNK_ELEMS * 3.5)
+
+
+def randn(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
 
 
 async def hosts(stack: AsyncExitStack, n: int) -> list:
@@ -39,7 +45,7 @@ def opener(joiner):
 
 
 async def test_two_donors_at_once_give_their_verified_mean_and_max_counters(tmp_path: Path) -> None:
-    a, b = torch.randn(NUMEL), torch.randn(NUMEL)
+    a, b = randn(NUMEL, 1), randn(NUMEL, 2)
     snaps = [snap.Snapshot.of(a, 100, 10, "L"), snap.Snapshot.of(b, 120, 12, "L")]
     async with AsyncExitStack() as stack:
         joiner, d1, d2 = await hosts(stack, 3)
@@ -51,13 +57,14 @@ async def test_two_donors_at_once_give_their_verified_mean_and_max_counters(tmp_
                 for donor in (d1, d2):
                     n.start_soon(lambda d=donor: dl.fetch(opener(joiner), str(d.get_id()), timeout_s=20))
         state = snap.combine(dl.complete())
-    assert torch.allclose(state["phi"], (a + b) / 2)
+    assert isinstance(state["phi"], np.ndarray) and state["phi"].dtype == np.float32
+    assert np.array_equal(state["phi"], (a + b) / 2)  # float32 sum, then division: as the torch code did
     assert (state["step"], state["outer_step"], state["layout_hash"]) == (120, 12, "L")
     assert len(state["donors"]) == 2
 
 
 async def test_an_interrupted_download_resumes_from_the_first_missing_chunk(tmp_path: Path) -> None:
-    phi = torch.randn(NUMEL)
+    phi = randn(NUMEL, 3)
     s = snap.Snapshot.of(phi, 50, 5, "L")
     requests: list[snap.SnapRequest] = []
 
@@ -87,11 +94,11 @@ async def test_an_interrupted_download_resumes_from_the_first_missing_chunk(tmp_
         second = await dl.fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
         assert second.done and second.bytes == (NUMEL - 2 * snap.CHUNK_ELEMS) * 4  # only the missing part moved
         state = snap.combine(dl.complete())
-    assert torch.equal(state["phi"], phi)
+    assert np.array_equal(state["phi"], phi)
 
 
 async def test_a_chunk_that_does_not_match_its_hash_stops_the_download(tmp_path: Path) -> None:
-    s = snap.Snapshot.of(torch.randn(NUMEL), 1, 1, "L")
+    s = snap.Snapshot.of(randn(NUMEL, 4), 1, 1, "L")
 
     async def liar(stream) -> None:
         control = LibP2PByteStream(stream)
@@ -108,10 +115,47 @@ async def test_a_chunk_that_does_not_match_its_hash_stops_the_download(tmp_path:
 
 
 async def test_a_donor_serving_its_limit_answers_busy(tmp_path: Path) -> None:
-    s = snap.Snapshot.of(torch.randn(NUMEL), 1, 1, "L")
+    s = snap.Snapshot.of(randn(NUMEL, 5), 1, 1, "L")
     server = snap.SnapshotServer(lambda: s, max_serving=0)
     async with AsyncExitStack() as stack:
         joiner, donor = await hosts(stack, 2)
         donor.set_stream_handler(snap.PROTOCOL_ID, server.handle)
         p = await snap.JoinDownload(tmp_path / "dl").fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
     assert not p.done and p.error.startswith("busy") and server.refused_busy == 1
+
+
+def test_a_snapshot_of_a_tensor_is_the_snapshot_of_its_values_as_flat_float32() -> None:
+    """The worker's checkpoint may hold a torch tensor of any shape (or one that requires grad): it is
+    served as the same flat float32 values, with the same chunk hashes, as the numpy array would be."""
+    values = randn(snap.CHUNK_ELEMS + 10, 6)
+    expected = snap.Snapshot.of(values, 3, 1, "L")
+    assert expected.phi.dtype == np.float32 and expected.phi.shape == (values.size,)
+    for phi in (torch.from_numpy(values.copy()).reshape(2, -1), torch.from_numpy(values.copy()).requires_grad_(),
+                values.astype(np.float64)):
+        s = snap.Snapshot.of(phi, 3, 1, "L")
+        assert np.array_equal(s.phi, values)
+        assert (s.chunk_hashes, s.snapshot_id) == (expected.chunk_hashes, expected.snapshot_id)
+
+
+def donor_file(tmp_path: Path, name: str, phi: np.ndarray, **meta: object) -> tuple[snap.DonorProgress, Path]:
+    path = tmp_path / f"{name}.bin"
+    phi.astype("<f4").tofile(path)
+    fields = {"layout_hash": "L", "numel": phi.size, "step": 1, "outer_step": 1, **meta}
+    return snap.DonorProgress(name, meta=fields, done=True), path
+
+
+def test_combine_returns_the_float32_mean_of_the_donors_on_the_first_ones_layout(tmp_path: Path) -> None:
+    a, b, c = randn(1000, 7), randn(1000, 8), randn(1000, 9)
+    state = snap.combine([donor_file(tmp_path, "a", a, step=5), donor_file(tmp_path, "b", b, outer_step=4),
+                          donor_file(tmp_path, "c", c, layout_hash="other", step=99)])
+    assert state["phi"].dtype == np.float32 and state["phi"].shape == (1000,)
+    assert np.array_equal(state["phi"], (a + b) / np.float32(2))
+    assert (state["step"], state["outer_step"], state["donors"]) == (5, 4, ["a", "b"])
+
+
+def test_combine_refuses_a_data_file_shorter_than_its_meta(tmp_path: Path) -> None:
+    p, path = donor_file(tmp_path, "a", randn(1000, 10))
+    assert p.meta is not None
+    p.meta["numel"] = 1001
+    with pytest.raises(ValueError):
+        snap.combine([(p, path)])
