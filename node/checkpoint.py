@@ -1,17 +1,15 @@
-"""Atomic, hashed checkpoints of the worker's whole training state, last N kept.
+"""Atomic, hashed checkpoints of the worker's whole training state, last N kept (the worker's side: torch).
 
-A checkpoint file is a fixed header followed by a `torch.save` payload:
+The file format is `node.ckptfile`'s: a hashed header, then the slow weights `phi` as raw float32 with a
+msgpack map of their counters, then a `torch.save` payload of the rest of the state. `phi` is apart so that
+the daemon, which imports no torch, can serve it to late joiners (`node.ckptfile.read_phi`) and leave the
+swarm's weights for the worker (`node.ckptfile.write_phi`), which reads them here as a state dict.
+`read_checkpoint` returns the state as it was saved, from current (format 2) and older (format 1: one
+`torch.save` of everything) files alike; a corrupt or truncated file is a CheckpointError, and the store
+sets it aside as `*.corrupt` and falls back to the previous checkpoint.
 
-    b"STLCKPT1" | sha256(payload) (32 bytes) | len(payload) (8 bytes, big endian) | payload
-
-Why the header: a power cut or a full disk can leave a short or garbled file behind despite the atomic
-rename (e.g. a filesystem that reorders data and metadata writes), and `torch.load` on such a file fails
-in unhelpful ways or, worse, succeeds on a bit flip inside a tensor. With the hash we detect it, say so,
-set the file aside as `*.corrupt` and fall back to the previous checkpoint.
-
-Writing is atomic: the payload goes to a hidden temp file in the same directory, which is fsynced, renamed
-over the final name, and the directory fsynced; readers never see a half-written checkpoint under a real
-name. Loading uses `torch.load(weights_only=True)`, so a planted file cannot run code.
+Writing is atomic (temp file, fsync, rename, directory fsync). Loading uses
+`torch.load(weights_only=True)`, so a planted file cannot run code.
 
 Permissions: checkpoint files are 0600 and their folders 0700, whatever the umask (a checkpoint is the
 whole model and optimizer state); a store opened on an older, world-readable folder tightens it.
@@ -19,31 +17,40 @@ whole model and optimizer state); a store opened on an older, world-readable fol
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import os
 import re
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
+import numpy as np
 import torch
 
-from p2p.fsutil import PRIVATE_FILE_MODE, open_private, private_dir
+from node.ckptfile import (
+    MAGIC_V1,
+    MAGIC_V2,
+    PHI_DTYPE,
+    TMP_PREFIX,
+    CheckpointError,
+    HashingWriter,
+    read_file,
+    write_file,
+)
+from p2p.fsutil import PRIVATE_FILE_MODE, private_dir
+
+__all__ = [
+    "MAGIC", "MAGIC_V1", "MAGIC_V2", "CheckpointError", "CheckpointStore", "LoadResult", "LoadedCheckpoint",
+    "list_checkpoints", "read_checkpoint", "write_checkpoint",
+]
 
 log = logging.getLogger("starling.checkpoint")
 
-MAGIC = b"STLCKPT1"
-_HEADER = struct.Struct(">8s32sQ")
+MAGIC = MAGIC_V2  # what write_checkpoint writes
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
-_TMP_PREFIX = ".ckpt-tmp-"
-
-
-class CheckpointError(Exception):
-    """A checkpoint file is unreadable, truncated, corrupt or does not fit the model."""
+_COUNTERS = ("step", "outer_step", "layout_hash")  # also in the meta, where the daemon reads them
 
 
 @dataclass
@@ -63,76 +70,58 @@ class LoadResult:
     rejected: list[tuple[Path, str]] = field(default_factory=list)
 
 
-class _HashingWriter:
-    """A write-only file wrapper that hashes and counts what `torch.save` writes through it."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self._f = f
-        self.sha = hashlib.sha256()
-        self.size = 0
-        self.error: OSError | None = None  # the file's own error, which torch would otherwise mask
-
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        try:
-            return self._f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
 def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write `state` to `path` atomically (temp file + fsync + rename + directory fsync)."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{os.getpid()}")
-    writer: _HashingWriter | None = None
-    try:
-        with open_private(tmp, "wb") as f:
-            f.write(b"\0" * _HEADER.size)  # placeholder: the hash is known only after the payload
-            writer = _HashingWriter(f)
-            torch.save(state, writer)  # type: ignore[arg-type]  # only .write is needed
-            f.seek(0)
-            f.write(_HEADER.pack(MAGIC, writer.sha.digest(), writer.size))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if writer is not None and writer.error is not None and not isinstance(e, OSError):
-            # torch's zip writer turns e.g. ENOSPC into "RuntimeError: unexpected pos ..."; say what it was.
-            raise writer.error from e
-        raise
-    _fsync_dir(path.parent)
+    """Write `state` to `path` atomically (temp file + fsync + rename + directory fsync), in format 2:
+    `state["phi"]` (a plain float32 tensor) in the raw section, with the counters in the meta; the rest of
+    the state in the torch payload. A state without such a phi is all payload.
+
+    A float32 numpy phi goes to the raw section too (and reads back as a tensor): in the payload it would
+    make a file that `torch.load(weights_only=True)` refuses."""
+    phi = state.get("phi")
+    raw: np.ndarray | None = None
+    rest = state
+    meta: dict[str, Any] = {}
+    if isinstance(phi, np.ndarray) and phi.dtype == np.float32:
+        phi = torch.from_numpy(np.ascontiguousarray(phi))
+    if (type(phi) is torch.Tensor and phi.dtype == torch.float32 and phi.layout == torch.strided
+            and not phi.requires_grad):
+        cpu = phi.detach().to("cpu").contiguous()
+        raw = cpu.numpy().reshape(-1).astype(PHI_DTYPE, copy=False)  # a view of phi on a little-endian host
+        rest = {k: v for k, v in state.items() if k != "phi"}
+        meta = {"numel": int(cpu.numel()), "shape": [int(n) for n in cpu.shape]}
+        for key in _COUNTERS:
+            value = state.get(key)
+            if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+                meta[key] = value
+
+    def payload(writer: HashingWriter) -> None:
+        torch.save(rest, writer)  # type: ignore[arg-type]  # only .write is needed
+
+    write_file(path, meta, raw, payload)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Read and verify one checkpoint file; raise CheckpointError with a one-line reason."""
-    try:
-        with open(path, "rb") as f:
-            header = f.read(_HEADER.size)
-            if len(header) < _HEADER.size:
-                raise CheckpointError("truncated header")
-            magic, digest, size = _HEADER.unpack(header)
-            if magic != MAGIC:
-                raise CheckpointError("not a Starling checkpoint (bad magic)")
-            if size > os.fstat(f.fileno()).st_size - _HEADER.size:
-                raise CheckpointError("truncated payload")
-            payload = f.read(size)
-    except OSError as e:
-        raise CheckpointError(f"cannot read: {e.strerror or e}") from None
-    if len(payload) != size:
-        raise CheckpointError("truncated payload")
-    if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError("hash mismatch (the file is corrupt)")
-    try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as e:  # a payload that hashes right but does not unpickle: a writer bug
-        raise CheckpointError(f"payload does not load: {type(e).__name__}: {e}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError("payload is not a state dict")
+    """Read and verify one checkpoint file (format 1 or 2); raise CheckpointError with a one-line reason.
+
+    Returns the state as written: phi is a float32 CPU tensor. A file of the slow weights only
+    (`node.ckptfile.write_phi`) gives {"phi", "step", "outer_step", "layout_hash"}, and "donors" if any."""
+    raw = read_file(path)
+    state: dict[str, Any] = {}
+    if raw.payload or raw.version == 1:
+        try:
+            loaded = torch.load(io.BytesIO(raw.payload or b""), map_location="cpu", weights_only=True)
+        except Exception as e:  # a payload that hashes right but does not unpickle: a writer bug
+            raise CheckpointError(f"payload does not load: {type(e).__name__}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise CheckpointError("payload is not a state dict")
+        state = loaded
+    elif raw.phi is None:
+        raise CheckpointError("holds neither slow weights nor a payload")
+    else:  # slow weights only: the counters are the meta's
+        state = {key: raw.meta[key] for key in (*_COUNTERS, "donors") if key in raw.meta}
+    if raw.phi is not None:
+        phi = raw.phi if raw.phi.dtype == np.float32 else raw.phi.astype(np.float32)  # a big-endian host
+        state["phi"] = torch.from_numpy(phi).reshape(raw.meta.get("shape", [phi.size]))
     return state
 
 
@@ -159,7 +148,7 @@ class CheckpointStore:
         self.keep = keep
         private_dir(directory)
         # Temp files left by a writer that died mid-write are garbage; nobody else writes here.
-        for stale in directory.glob(f"{_TMP_PREFIX}*"):
+        for stale in directory.glob(f"{TMP_PREFIX}*"):
             stale.unlink(missing_ok=True)
         for _, path in self.checkpoints():  # written 0644 by versions before 0600 was the rule
             os.chmod(path, PRIVATE_FILE_MODE)
@@ -209,16 +198,3 @@ class CheckpointStore:
         except OSError as e:
             log.warning("cannot set aside %s: %s", path, e)
 
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename durable: fsync the directory entry (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -2,10 +2,10 @@
 
 The checkpoints directory is a tiny tmpfs (root mounts it; the tests skip, saying why, where mounting is
 not allowed). The disk is filled with a file until the kernel refuses more, then some room is given back -
-less than a checkpoint needs - so the write fails at its first byte or part-way through the payload, where
-a writer is most likely to leave a truncated file behind. Where it fails matters: torch's zip writer turns
-an ENOSPC from the file into an opaque RuntimeError ("unexpected pos ..."), except when the final flush
-happens to fail too.
+less than a checkpoint needs - so the write fails at its first byte, inside the raw slow weights (written by
+Starling itself) or part-way through the torch payload, where a writer is most likely to leave a truncated
+file behind. Where it fails matters: torch's zip writer turns an ENOSPC from the file into an opaque
+RuntimeError ("unexpected pos ..."), except when the final flush happens to fail too.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def tiny_state(step: int) -> dict:
-    """A small model's training state: weights, an optimizer's moments, counters."""
+    """A small model's training state: slow weights (a third of the file), weights, an optimizer's moments,
+    counters. An eighth of a checkpoint's room runs out inside phi, three quarters inside the payload."""
     weights = torch.full((16_000,), float(step))
-    return {"step": step, "model": {"w": weights}, "optimizer": {"exp_avg": weights * 0.5}, "lr": 0.001}
+    return {"step": step, "outer_step": step // 10, "layout_hash": "abc", "phi": weights * 2, "model": {"w": weights},
+            "optimizer": {"exp_avg": weights * 0.5}, "lr": 0.001}
 
 
 def fill(directory: Path, leave_free: int) -> Path:
@@ -76,6 +78,7 @@ def test_a_checkpoint_write_on_a_full_disk_fails_with_enospc_and_keeps_the_previ
     assert result.rejected == []
     assert result.checkpoint is not None and result.checkpoint.step == 10
     assert torch.equal(result.checkpoint.state["model"]["w"], tiny_state(10)["model"]["w"])
+    assert torch.equal(result.checkpoint.state["phi"], tiny_state(10)["phi"])
     # The error says what happened, in the exception itself (not only in a chained cause).
     assert isinstance(failure.value, OSError) and failure.value.errno == errno.ENOSPC, repr(failure.value)
     assert os.strerror(errno.ENOSPC) in str(failure.value)
@@ -95,3 +98,15 @@ def test_checkpoints_are_written_again_once_space_is_freed(tiny_disk: Path) -> N
     assert [s for s, _ in store.checkpoints()] == [40, 30]
     assert read_checkpoint(store.path_for(40))["step"] == 40
     assert not [p for p in store.directory.iterdir() if p.name.startswith(".")]  # no temp files
+
+
+def test_the_daemons_snapshot_write_on_a_full_disk_fails_with_enospc_and_leaves_nothing(tiny_disk: Path) -> None:
+    from node.ckptfile import write_phi  # the daemon's torch-free writer (node/latejoin.py)
+
+    join = tiny_disk / "join"
+    join.mkdir()
+    fill(tiny_disk, leave_free=16_000)  # a quarter of the slow weights
+    with pytest.raises(OSError) as failure:
+        write_phi(join / "snapshot.pt", tiny_state(10)["phi"].numpy(), 10, 1, "abc")
+    assert failure.value.errno == errno.ENOSPC
+    assert list(join.iterdir()) == []
