@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 from convergence import BenchConfig  # bench/convergence.py, beside this script (run as `python bench/...`)
 
+from node.ipc import Publish
 from node.pairing import BYE, matching
-from node.worker import Publish, Trainer
+from node.worker import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 

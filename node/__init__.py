@@ -1,6 +1,6 @@
 """node: the daemon, the top of p2p <- protocols <- node (pyproject.toml's import contracts).
 
-The daemon process (trio, libp2p; no torch of its own):
+The daemon process (trio, libp2p, numpy; it loads no torch):
 
     daemon.py         Daemon, StartupError: owns the host and runs everything below; builds the status
     cli.py            main: the `starling` command (init, run, status, doctor, plot, export, swarm-key)
@@ -14,9 +14,12 @@ The daemon process (trio, libp2p; no torch of its own):
     pairing.py        schedule, scheduled_partners: who averages with whom at each outer step
     robust.py         UpdateBound: how far one partner's values may move us
     latejoin.py       CatchUp, late_join: a trainer takes the swarm's weights instead of its own
+    ckptfile.py       read_phi, write_phi, CheckpointError: the checkpoint file format, phi without torch
     supervisor.py     WorkerSupervisor: spawns, watches and restarts the torch worker
+    ipc.py            Hello, Publish, Result, ...: the daemon-worker messages and their framing
+    group_procs.py    FollowerProcs, Rendezvous: a multi-GPU worker group's ranks as processes
     exchange.py       ExchangeRequest, ExchangeOutcome, ExchangeFn: what the supervisor and averager trade
-    shm.py            ExchangeSlots, SharedTensor: tensors in shared memory between daemon and worker
+    shm.py            ExchangeSlots, SharedTensor: float32 arrays in shared memory, daemon and worker
     control.py        serve_control, request_status, ControlError: the local control socket
     lock.py           HomeLock: one daemon per HOME
     status_schema.py  NodeStatus, TrainingStatus, SyncStatus, ...: the schema of `starling status --json`
@@ -32,7 +35,7 @@ The daemon process (trio, libp2p; no torch of its own):
 
 The torch worker process (imports torch):
 
-    worker.py         Trainer, the worker's messages (Hello, Publish, Result, ...): inner and outer steps
+    worker.py         Trainer: inner and outer steps, the worker's side of the conversation
     worker_group.py   WorkerGroup: a multi-GPU host as one node (torch.distributed)
     outer.py          OuterOptimizer: NoLoCo and DiLoCo on flat fp32 slow weights
     task.py           Task, TaskContext, load_task: what a training task provides (tasks/: the built-in ones)

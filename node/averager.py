@@ -70,7 +70,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import torch
+import numpy as np
 import trio
 from libp2p.peer.id import ID
 
@@ -255,7 +255,7 @@ class Averager:
         # The swarm's H: the most inner steps an honest partner's Delta covers (node/robust.py).
         self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps, cfg.clip_phi_ratio)
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
-        self._phi_mean: torch.Tensor | None = None  # a pair's mean phi, sent in a second round
+        self._phi_mean: np.ndarray | None = None  # a pair's mean phi, sent in a second round
         self._round_begun = trio.Event()  # set (and replaced) whenever a round of an outer step begins
 
     # --- lifecycle ---------------------------------------------------------------------------------------
@@ -362,9 +362,10 @@ class Averager:
                                            self.speeds() if self.speeds is not None else None)
         if self.cfg.group_size < 4:
             second = None
+        arrays = _arrays(request)
         pending = _Pending(
             request,
-            Tensors(request.phi, request.delta, request.phi_out, request.delta_out),
+            arrays,
             began=began,
             scheduled=first,
             scheduled_until=began + SCHEDULED_SHARE * self.cfg.pair_window_s,
@@ -393,8 +394,8 @@ class Averager:
             shift_s = (pending.waited_s - pending.partner_waited_s) / 2
             partners.append(str(pending.claimed_by))
         if second is not None:
-            size, group_outer_step = await self._second_round(request, pending if size >= 2 else None, second, size,
-                                                              partners, group_outer_step)
+            size, group_outer_step = await self._second_round(request, arrays, pending if size >= 2 else None,
+                                                              second, size, partners, group_outer_step)
             # The outputs hold weighted means (or a solo step's): no pair weighting is left to the worker.
             partner_samples = 0
         if size < 2:
@@ -427,8 +428,8 @@ class Averager:
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     await pending.transfer_finished.wait()
 
-    async def _second_round(self, request: ExchangeRequest, first: _Pending | None, partner: str, size: int,
-                            partners: list[str], group_outer_step: int) -> tuple[int, int]:
+    async def _second_round(self, request: ExchangeRequest, arrays: Tensors, first: _Pending | None, partner: str,
+                            size: int, partners: list[str], group_outer_step: int) -> tuple[int, int]:
         """The second round of a group step (node/pairing.py, `schedule`): send what the first round gave
         (the pair's sample-weighted means, or our own values after a bye or a failed first round) to the
         second-round partner, receive its side's, and leave n times the group's weighted means in the
@@ -442,14 +443,14 @@ class Averager:
         own_samples = max(0, request.samples)
         if first is not None:
             partner_samples = self._credit(first)[1]
-            phi_mean = self._phi_buffer(request.phi)
-            _weighted_mean(phi_mean, request.phi, request.phi_out, own_samples, partner_samples)
-            _weighted_mean(request.delta, request.delta, request.delta_out, own_samples, partner_samples)
-            mine = Tensors(phi_mean, request.delta, request.phi_out, request.delta_out)
+            phi_mean = self._phi_buffer(arrays.phi)
+            _weighted_mean(phi_mean, arrays.phi, arrays.phi_out, own_samples, partner_samples)
+            _weighted_mean(arrays.delta, arrays.delta, arrays.delta_out, own_samples, partner_samples)
+            mine = Tensors(phi_mean, arrays.delta, arrays.phi_out, arrays.delta_out)
             members, samples = 2, own_samples + partner_samples
             steps = max(request.inner_steps, self._credit(first)[0])
         else:
-            mine = Tensors(request.phi, request.delta, request.phi_out, request.delta_out)
+            mine = arrays
             members, samples, steps = 1, own_samples, request.inner_steps
         began = trio.current_time()
         # A bye's partner is still in its first round: it gets that round's window as well.
@@ -463,8 +464,8 @@ class Averager:
                 return size, group_outer_step
             # The transfer may have written into the outputs before it failed: the first round's result
             # is the pair's means, kept in `mine`.
-            torch.mul(mine.phi, 2, out=request.phi_out)
-            torch.mul(mine.delta, 2, out=request.delta_out)
+            np.multiply(mine.phi, 2, out=arrays.phi_out)
+            np.multiply(mine.delta, 2, out=arrays.delta_out)
             return 2, group_outer_step
         partners.append(partner)
         theirs = self._credit(pending)[1]
@@ -472,14 +473,14 @@ class Averager:
         # The outputs hold the plain sum of the two sides' means; weight each side by its samples (by its
         # members where samples are unknown) and scale by the group size for the worker.
         weights = (samples, theirs) if samples > 0 and theirs > 0 else (members, pending.partner_members)
-        _weighted_mean(request.phi_out, mine.phi, request.phi_out, *weights, scale=group)
-        _weighted_mean(request.delta_out, mine.delta, request.delta_out, *weights, scale=group)
+        _weighted_mean(arrays.phi_out, mine.phi, arrays.phi_out, *weights, scale=group)
+        _weighted_mean(arrays.delta_out, mine.delta, arrays.delta_out, *weights, scale=group)
         return group, self._group_outer_step(group_outer_step, pending.partner_outer_step)
 
-    def _phi_buffer(self, like: torch.Tensor) -> torch.Tensor:
+    def _phi_buffer(self, like: np.ndarray) -> np.ndarray:
         """A model-sized fp32 buffer for a pair's mean phi, kept between outer steps."""
         if self._phi_mean is None or self._phi_mean.shape != like.shape:
-            self._phi_mean = torch.empty_like(like)
+            self._phi_mean = np.empty_like(like)
         return self._phi_mean
 
     def _follow_the_swarm(self, outer_step: int, group_outer_step: int | None) -> int | None:
@@ -655,7 +656,7 @@ class Averager:
         pending.initiating_to = partner
         began = trio.current_time()
         claimed_here = False
-        numel = pending.tensors.phi.numel()
+        numel = pending.tensors.phi.size
         try:
             stream = None
             with trio.fail_after(self.cfg.handshake_timeout_s):
@@ -848,7 +849,7 @@ class Averager:
             return ("busy", "not ready (in the first round of its outer step)" if req.stage > pending.stage
                     else "in the second round of its outer step")
         ours_layout = pending.request.layout_hash
-        if req.layout_hash != ours_layout or req.numel != pending.tensors.phi.numel():
+        if req.layout_hash != ours_layout or req.numel != pending.tensors.phi.size:
             return ("refuse", f"parameter layout mismatch: yours {req.layout_hash[:12]}, ours {ours_layout[:12]}")
         gap = abs(req.outer_step - pending.request.outer_step)
         if gap > self.cfg.max_step_gap:
@@ -957,24 +958,42 @@ class Averager:
         link.next_try = trio.current_time() + delay * random.uniform(0.8, 1.2)
 
 
-def _weighted_mean(out: torch.Tensor, own: torch.Tensor, pair_sum: torch.Tensor, w_own: int, w_partner: int,
+def _arrays(request: ExchangeRequest) -> Tensors:
+    """The request's four slots as flat float32 numpy arrays over the same memory (no copy).
+
+    The daemon's views of the shared memory are numpy arrays already (node/shm.py); `np.asarray` also
+    takes CPU torch tensors without a copy, as tests and benches hand them in."""
+    views = [np.asarray(t) for t in (request.phi, request.delta, request.phi_out, request.delta_out)]
+    for v in views:
+        if v.dtype != np.float32 or v.ndim != 1 or not v.flags.c_contiguous or not v.flags.writeable:
+            raise ValueError("exchange slots must be flat, contiguous, writable float32 arrays")
+    return Tensors(*views)
+
+
+_BLOCK = 1 << 20  # elements per step of `_weighted_mean`: its temporaries stay a few MB, whatever the model
+
+
+def _weighted_mean(out: np.ndarray, own: np.ndarray, pair_sum: np.ndarray, w_own: int, w_partner: int,
                    *, scale: float = 1.0) -> None:
     """out = scale * (w_own * own + w_partner * other) / (w_own + w_partner), given pair_sum = own + other,
     as `scale * (a * pair_sum + b * own)`: no copy of `other` is needed. `out` may be `own` or `pair_sum`
-    (in place). Unknown (non-positive) weights give the plain mean."""
+    (in place). Unknown (non-positive) weights give the plain mean.
+
+    Block by block through two block-sized buffers, so that a model of billions of parameters costs no
+    model-sized temporary (numpy has no fused in-place `add(x, alpha=...)`)."""
     if w_own <= 0 or w_partner <= 0:
         w_own = w_partner = 1
     total = w_own + w_partner
-    a, b = scale * w_partner / total, scale * (w_own - w_partner) / total
-    if out.data_ptr() == own.data_ptr():
+    a = np.float32(scale * w_partner / total)
+    b = np.float32(scale * (w_own - w_partner) / total)
+    block = min(_BLOCK, out.size)
+    scaled, term = np.empty(block, np.float32), np.empty(block, np.float32)
+    for start in range(0, out.size, block):
+        stop = min(start + block, out.size)
+        s = scaled[: stop - start]
+        np.multiply(pair_sum[start:stop], a, out=s)
         if b:
-            own.mul_(b).add_(pair_sum, alpha=a)
-        else:
-            torch.mul(pair_sum, a, out=own)
-        return
-    if out.data_ptr() == pair_sum.data_ptr():
-        out.mul_(a)
-    else:
-        torch.mul(pair_sum, a, out=out)
-    if b:
-        out.add_(own, alpha=b)
+            t = term[: stop - start]
+            np.multiply(own[start:stop], b, out=t)
+            s += t
+        out[start:stop] = s

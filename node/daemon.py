@@ -63,7 +63,7 @@ from protocols.snapshot import SnapshotServer
 from protocols.state import PROTOCOL_ID as STATE_PROTOCOL
 
 if TYPE_CHECKING:
-    from node.worker import Adopted
+    from node.ipc import Adopted
 
 AVG_PROTOCOL_VERSION = 1  # the major version of /starling/avg; peers on another one cannot average
 

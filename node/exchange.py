@@ -3,7 +3,8 @@
 The supervisor (node/supervisor.py) hands an `ExchangeRequest` to the daemon's exchange function (an
 `ExchangeFn`: `Averager.exchange` in the daemon, `solo_exchange` for a node without averaging) and gets
 one `ExchangeOutcome` back: the request is the input, the outcome (with the sums in the request's output
-tensors) the only result. No torch here at run time: the tensors are only named in annotations.
+slots) the only result. No torch here: the slots are numpy float32 arrays over the shared memory
+(node/shm.py), and the daemon process loads no torch at all.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
     from node.task import Layout
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 class ExchangeRequest:
     """One outer step's exchange, handed to the daemon's averager.
 
-    The tensors are views of shared memory: `phi` is the worker's live phi and must only be read; the
+    The arrays are views of shared memory: `phi` is the worker's live phi and must only be read; the
     daemon writes the group's sums into `phi_out` and `delta_out` before returning an outcome of group
     size n (`ExchangeOutcome`; sums, not means: the worker's outer step folds the 1/n into its scalars,
     the daemon saves a pass).
@@ -32,10 +33,10 @@ class ExchangeRequest:
     """
 
     outer_step: int
-    phi: torch.Tensor  # flat fp32 slow weights
-    delta: torch.Tensor  # flat fp32 outer gradient, Delta = theta - phi
-    phi_out: torch.Tensor  # flat fp32: sum of phi over the group, filled by the daemon
-    delta_out: torch.Tensor  # flat fp32: sum of Delta over the group, filled by the daemon
+    phi: np.ndarray  # flat fp32 slow weights
+    delta: np.ndarray  # flat fp32 outer gradient, Delta = theta - phi
+    phi_out: np.ndarray  # flat fp32: sum of phi over the group, filled by the daemon
+    delta_out: np.ndarray  # flat fp32: sum of Delta over the group, filled by the daemon
     layout: Layout  # parameter names and shapes (for the run manifest)
     # The worker's task layout hash (node/task.py, `layout_hash`, sent in its hello): partners compare it
     # before they exchange, so every side must compute it with that one function.

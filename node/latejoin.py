@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 from libp2p.peer.id import ID
 
-from node.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from node.ckptfile import CheckpointError, read_phi, write_phi
 from node.status_schema import ProgressStatus
 from node.sync_config import SyncConfig
 from p2p.fsutil import private_dir
 from protocols.snapshot import PROTOCOL_ID, JoinDownload, Snapshot, combine
 
 if TYPE_CHECKING:
-    from node.worker import Adopted
+    from node.ipc import Adopted
 
 log = logging.getLogger("starling.latejoin")
 
@@ -75,8 +75,10 @@ def snapshot_source(home: Path) -> Callable[[], Snapshot | None]:
             if cache["path"] == path:
                 return cache["snapshot"]
             try:
-                state = read_checkpoint(path)
-                snap = Snapshot.of(state["phi"], int(state["step"]), int(state["outer_step"]), str(state["layout_hash"]))
+                # Only phi and the counters, without torch (node/ckptfile.py): a checkpoint of an older
+                # version (format 1) is not served until the worker writes its next one.
+                state = read_phi(path)
+                snap = Snapshot.of(state.phi, state.step, state.outer_step, state.layout_hash)
             except (CheckpointError, KeyError, TypeError, ValueError) as e:
                 log.debug("not serving %s: %s", path, e)
                 continue
@@ -151,7 +153,10 @@ async def fetch_swarm_snapshot(
         return None
     state = await trio.to_thread.run_sync(combine, complete)
     private_dir(target.parent)
-    await trio.to_thread.run_sync(write_checkpoint, target, state)
+    # phi and the counters only, in the checkpoint format the worker reads (node/ckptfile.py), without torch.
+    await trio.to_thread.run_sync(functools.partial(
+        write_phi, target, state["phi"], state["step"], state["outer_step"], state["layout_hash"],
+        donors=state["donors"]))
     download.clear()
     return state
 

@@ -3,7 +3,9 @@
 Why shared memory: the slow weights and outer gradient of even a small model are megabytes, and a large
 one gigabytes; pickling them through a pipe would copy them twice and stall whichever side is busier.
 Instead the supervisor (daemon side) creates four segments once the worker says how many parameters it
-has, sends their names over the control channel, and both sides wrap the same pages in torch tensors.
+has, sends their names over the control channel, and both sides view the same pages as flat float32
+arrays: numpy arrays in the daemon, which loads no torch, and torch tensors over those in the worker
+(`torch.from_numpy(slot.array)`, no copy).
 
 The daemon owns the segments: they outlive a crashed worker, and the daemon unlinks them when it stops.
 The worker only attaches. Python 3.11's `SharedMemory` registers *attached* segments with the attaching
@@ -13,13 +15,14 @@ undoes that registration.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
-import torch
+import numpy as np
 
 log = logging.getLogger("starling.shm")
 
@@ -28,17 +31,17 @@ _FLOAT_BYTES = 4
 
 
 class SharedTensor:
-    """One named shared-memory segment viewed as a flat float32 tensor of `numel` elements."""
+    """One named shared-memory segment viewed as a flat float32 array of `numel` elements (`array`)."""
 
     def __init__(self, shm: shared_memory.SharedMemory, numel: int, *, owner: bool) -> None:
         if shm.size < numel * _FLOAT_BYTES:
             shm.close()
             raise ValueError(f"shared memory {shm.name} holds {shm.size} bytes, need {numel * _FLOAT_BYTES}")
-        self._shm = shm
+        self._shm: shared_memory.SharedMemory | None = shm
         self.name = shm.name
         self.numel = numel
         self.owner = owner
-        self.tensor = torch.frombuffer(shm.buf, dtype=torch.float32, count=numel)
+        self.array: np.ndarray = np.frombuffer(shm.buf, dtype=np.float32, count=numel)  # type: ignore[arg-type]
 
     @classmethod
     def create(cls, numel: int, tag: str) -> SharedTensor:
@@ -61,13 +64,20 @@ class SharedTensor:
         if self._shm is None:
             return
         shm, self._shm = self._shm, None
-        self.tensor = torch.empty(0)
+        self.array = np.empty(0, dtype=np.float32)
         try:
             shm.close()
         except BufferError:
-            # Someone still holds a view of the pages (e.g. a tensor kept by the daemon's averager):
-            # the mapping then lives until that view is collected; unlinking the name is still safe.
-            log.debug("shared memory %s still has views; leaving the mapping to the GC", self.name)
+            # Someone still holds a view of the pages (an array kept by the daemon's averager, the worker's
+            # phi tensor): numpy views hold the mmap's buffer, so the mapping lives until the last one is
+            # collected (the mmap unmaps itself then) and no view ever points at unmapped memory. Let go of
+            # the mmap here, or `SharedMemory.__del__` would try again and print "Exception ignored" at
+            # exit. Private attributes of CPython's SharedMemory (3.11-3.13); unlinking the name is safe.
+            log.debug("shared memory %s still has views; leaving the mapping to them", self.name)
+            shm._mmap = None  # type: ignore[attr-defined]
+            with contextlib.suppress(AttributeError, OSError):
+                os.close(shm._fd)  # type: ignore[attr-defined]
+                shm._fd = -1  # type: ignore[attr-defined]
         if self.owner:
             try:
                 shm.unlink()

@@ -45,10 +45,8 @@ from typing import Any
 import trio
 
 from node.exchange import ExchangeFn, ExchangeOutcome, ExchangeRequest
-from node.shm import ExchangeSlots, sweep_orphans
-from node.status_schema import TrainingStatus
-from node.train_config import TrainConfig
-from node.worker import (
+from node.group_procs import FollowerProcs
+from node.ipc import (
     Adopted,
     Attach,
     CheckpointSaved,
@@ -66,7 +64,9 @@ from node.worker import (
     Stopped,
     encode_message,
 )
-from node.worker_group import FollowerProcs
+from node.shm import ExchangeSlots, sweep_orphans
+from node.status_schema import TrainingStatus
+from node.train_config import TrainConfig
 
 log = logging.getLogger("starling.supervisor")
 
@@ -495,10 +495,10 @@ class WorkerSupervisor:
         slots = self._slots
         request = ExchangeRequest(
             outer_step=publish.outer_step,
-            phi=slots.phi.tensor,
-            delta=slots.delta.tensor,
-            phi_out=slots.phi_out.tensor,
-            delta_out=slots.delta_out.tensor,
+            phi=slots.phi.array,
+            delta=slots.delta.array,
+            phi_out=slots.phi_out.array,
+            delta_out=slots.delta_out.array,
             layout=[(str(name), tuple(shape)) for name, shape in self._hello.layout],
             layout_hash=self._hello.layout_hash,
             inner_steps=publish.inner_steps,

@@ -51,28 +51,41 @@ meant for the daemon does not interrupt it mid-step; the daemon asks it to stop 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
 import os
-import select
 import signal
 import socket
-import struct
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import torch
 
 from node.checkpoint import CheckpointError, CheckpointStore, read_checkpoint
+from node.ipc import (
+    MAX_FRAME,
+    Adopted,
+    Attach,
+    CheckpointSaved,
+    Crashed,
+    DaemonGone,
+    Fatal,
+    Hello,
+    Init,
+    Metrics,
+    ProtocolError,
+    Publish,
+    Result,
+    Stop,
+    Stopped,
+    WorkerChannel,
+)
 from node.outer import OuterHyper, OuterOptimizer
-from node.shm import ExchangeSlots
+from node.shm import ExchangeSlots, SharedTensor
 from node.task import (
     Layout,
     TaskError,
@@ -88,228 +101,15 @@ from node.task import (
 from node.train_config import TrainConfig
 
 if TYPE_CHECKING:
-    from node.worker_group import Rendezvous
+    from node.group_procs import Rendezvous
 
 log = logging.getLogger("starling.worker")
 
-PROTOCOL_VERSION = 1
-MAX_FRAME = 8 << 20  # bytes; the largest message is `hello` with the parameter layout
-_LEN = struct.Struct(">I")
 # 2: the inner optimizer became AdamW with two param groups (weight decay on matrices only) and an fp16
 # run's GradScaler state is kept; format-1 checkpoints (plain Adam, one group) still load.
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)
 METRICS_INTERVAL = 1.0  # seconds between metrics messages (also the worker's heartbeat)
-
-
-# --- wire messages ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class Init:
-    config: dict[str, Any]
-    home: str
-    peer_id: str
-    log_level: str = "info"
-    task_options: dict[str, Any] = field(default_factory=dict)  # the [task] config section
-
-
-@dataclass
-class Hello:
-    pid: int
-    numel: int
-    layout: list[list[Any]]  # [[name, [dims...]], ...]
-    task: str
-    device: str
-    model_hash: str
-    layout_hash: str
-    step: int
-    outer_step: int
-    resumed_from: str | None
-    rejected: list[str] = field(default_factory=list)  # "path: reason" for each corrupt checkpoint
-
-
-@dataclass
-class Attach:
-    names: dict[str, str]
-
-
-@dataclass
-class Publish:
-    outer_step: int
-    step: int
-    inner_steps: int = 0  # inner steps this Delta covers (since the previous publish)
-    samples: int = 0  # sequences those steps trained on: the weight of this Delta in a pair's mean
-
-
-@dataclass
-class Result:
-    outer_step: int
-    group_size: int
-    # The outer step to continue from when larger than ours: the group's largest (n >= 2), or for a solo
-    # step the largest that ready trainers showed the daemon meanwhile (node/averager.py).
-    group_outer_step: int | None = None
-    adopt: str = ""  # a swarm snapshot file to adopt instead of this outer step (a catch-up)
-    adopt_outer_step: int | None = None  # the swarm's outer step to continue from with the snapshot
-    partner_samples: int = 0  # a pair's other member's samples (0: unknown, plain mean)
-    period_s: float = 0.0  # the swarm's pace: seconds between two publishes (0: every H inner steps)
-    shift_s: float = 0.0  # move the next publish by this much, to meet the swarm's phase
-
-
-@dataclass
-class Adopted:
-    """The answer to a result with `adopt`: the counters before and after, or why it was not adopted."""
-
-    previous_step: int
-    previous_outer_step: int
-    step: int
-    outer_step: int
-    donors: list[str] = field(default_factory=list)
-    val_loss: float | None = None
-    error: str = ""
-
-
-@dataclass
-class Metrics:
-    step: int
-    outer_step: int
-    loss: float | None
-    val_loss: float | None
-    samples_per_s: float
-    lr: float
-
-
-@dataclass
-class CheckpointSaved:
-    step: int
-    outer_step: int
-    path: str
-
-
-@dataclass
-class Stop:
-    pass
-
-
-@dataclass
-class Stopped:
-    step: int
-    outer_step: int
-
-
-@dataclass
-class Fatal:
-    error: str
-
-
-@dataclass
-class Crashed:
-    """The worker's last words before an unexpected error ends it (a restart may help, or may not)."""
-
-    error: str  # one line: exception type and message
-
-
-Message = (
-    Init | Hello | Attach | Publish | Result | Adopted | Metrics | CheckpointSaved | Stop | Stopped | Fatal
-    | Crashed
-)
-_TYPES: dict[str, type] = {
-    "init": Init, "hello": Hello, "attach": Attach, "publish": Publish, "result": Result, "adopted": Adopted,
-    "metrics": Metrics, "checkpoint": CheckpointSaved, "stop": Stop, "stopped": Stopped, "fatal": Fatal,
-    "crashed": Crashed,
-}
-_NAMES = {cls: name for name, cls in _TYPES.items()}
-
-
-class ProtocolError(Exception):
-    """A malformed frame or message on the daemon-worker channel (a bug on one side, or a stray writer)."""
-
-
-def encode_message(msg: Message) -> bytes:
-    body = msgpack.packb({"v": PROTOCOL_VERSION, "t": _NAMES[type(msg)], **dataclasses.asdict(msg)})
-    return _LEN.pack(len(body)) + body
-
-
-def decode_body(body: bytes) -> Message:
-    try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise ProtocolError(f"undecodable frame: {e}") from None
-    if not isinstance(obj, dict) or obj.pop("v", None) != PROTOCOL_VERSION:
-        raise ProtocolError("frame is not a versioned map")
-    cls = _TYPES.get(obj.pop("t", None))  # type: ignore[arg-type]
-    if cls is None:
-        raise ProtocolError("unknown message type")
-    names = {f.name for f in dataclasses.fields(cls)}
-    if not set(obj) <= names:
-        raise ProtocolError(f"unexpected fields in {cls.__name__}: {sorted(set(obj) - names)}")
-    try:
-        return cls(**obj)
-    except TypeError as e:
-        raise ProtocolError(f"bad {cls.__name__}: {e}") from None
-
-
-class FrameBuffer:
-    """Accumulates bytes and splits off complete frames (bounded by MAX_FRAME)."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> None:
-        self._buf += data
-
-    def next_message(self) -> Message | None:
-        if len(self._buf) < _LEN.size:
-            return None
-        (size,) = _LEN.unpack_from(self._buf)
-        if size > MAX_FRAME:
-            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
-        if len(self._buf) < _LEN.size + size:
-            return None
-        body = bytes(self._buf[_LEN.size : _LEN.size + size])
-        del self._buf[: _LEN.size + size]
-        return decode_body(body)
-
-
-class DaemonGone(Exception):
-    """End of file on the control socket: the daemon died or closed it."""
-
-
-class WorkerChannel:
-    """The worker's blocking end of the control socket, with a poll for use between training steps."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        sock.setblocking(True)
-        self._sock = sock
-        self._frames = FrameBuffer()
-
-    def send(self, msg: Message) -> None:
-        try:
-            self._sock.sendall(encode_message(msg))
-        except (BrokenPipeError, ConnectionResetError) as e:
-            raise DaemonGone(str(e)) from None
-
-    def receive(self, timeout: float) -> Message | None:
-        """The next message, waiting at most `timeout` seconds (0 = just poll); None if none came."""
-        deadline = time.monotonic() + timeout
-        while True:
-            msg = self._frames.next_message()
-            if msg is not None:
-                return msg
-            remaining = max(0.0, deadline - time.monotonic())
-            readable, _, _ = select.select([self._sock], [], [], remaining)
-            if not readable:
-                return None
-            try:
-                data = self._sock.recv(1 << 16)
-            except ConnectionResetError:
-                data = b""
-            if not data:
-                raise DaemonGone("control socket closed")
-            self._frames.feed(data)
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 # --- the training core ------------------------------------------------------------------------------------
@@ -951,9 +751,14 @@ def _wait_for(chan: WorkerChannel, kind: type, *, timeout: float, stop: _StopFla
     raise ProtocolError(f"no {kind.__name__} from the daemon within {timeout:.0f}s")
 
 
+def _view(slot: SharedTensor) -> torch.Tensor:
+    """A shared-memory slot as a torch tensor over the same pages (no copy; the daemon sees numpy)."""
+    return torch.from_numpy(slot.array)
+
+
 def _train(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: _StopFlag) -> int:
     cfg = trainer.cfg
-    trainer.share_phi(slots.phi.tensor)  # one copy of phi, in the slot the daemon sends it from
+    trainer.share_phi(_view(slots.phi))  # one copy of phi, in the slot the daemon sends it from
     meter = _Meter()
     try:
         while not stop.set:
@@ -971,7 +776,7 @@ def _train(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: _S
                 log.warning("ignoring unexpected %s from the daemon", type(msg).__name__)
             elif trainer.publish_due():
                 # 2. Publish every H inner steps (only one outer exchange in flight at a time).
-                chan.send(trainer.publish(slots.phi.tensor, slots.delta.tensor))
+                chan.send(trainer.publish(_view(slots.phi), _view(slots.delta)))
             elif not must_wait:
                 # 3. One inner step.
                 meter.losses.append(trainer.inner_step())
@@ -994,8 +799,8 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
         _adopt(chan, trainer, msg)
         return
     # The Delta slot is lent for our own Delta: the exchange is over (see Trainer.apply_result).
-    used = trainer.apply_result(msg.group_size, slots.phi_out.tensor, slots.delta_out.tensor, msg.group_outer_step,
-                                partner_samples=msg.partner_samples, scratch=slots.delta.tensor)
+    used = trainer.apply_result(msg.group_size, _view(slots.phi_out), _view(slots.delta_out), msg.group_outer_step,
+                                partner_samples=msg.partner_samples, scratch=_view(slots.delta))
     trainer.set_pace(msg.period_s, msg.shift_s)
     log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
     if trainer.outer_step % trainer.cfg.eval_every == 0:
@@ -1089,7 +894,8 @@ def run_main(args: argparse.Namespace) -> int:
         return check_main()
     group = None
     if args.follow or args.group:
-        from node.worker_group import Rendezvous, follow_main
+        from node.group_procs import Rendezvous
+        from node.worker_group import follow_main
 
         group = Rendezvous(Path(args.follow or args.group), args.world_size)
         if args.follow:

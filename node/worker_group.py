@@ -16,7 +16,7 @@ evaluates and writes checkpoints. The other ranks follow its commands:
     STOP   exit (rank 0 stops when the daemon says so, or is gone)
 
 Processes. The supervisor starts rank 0 as `python -m node.worker --fd N --group DIR --world-size W` and
-ranks 1..W-1 as `python -m node.worker --follow DIR --rank R --world-size W` (`FollowerProcs`); they meet
+ranks 1..W-1 as `python -m node.worker --follow DIR --rank R --world-size W` (`FollowerProcs`, node/group_procs.py); they meet
 through a `FileStore` in DIR, so there is no port to pick or collide on. Rank 0 puts the daemon's `init` in
 the store for the others. If any rank dies the supervisor kills the others and restarts the whole group: a
 group that lost a rank cannot go on (its collectives would wait forever), and the restart resumes every
@@ -38,23 +38,21 @@ import datetime
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import torch
 import torch.distributed as dist
-import trio
 
 from node.checkpoint import read_checkpoint
+from node.group_procs import Rendezvous
+from node.ipc import Adopted, Init
 from node.task import TaskError, resolve_device
 from node.train_config import TrainConfig
-from node.worker import Adopted, Init, Trainer, _setup_logging
+from node.worker import Trainer, _setup_logging
 
 log = logging.getLogger("starling.worker_group")
 
@@ -62,24 +60,9 @@ log = logging.getLogger("starling.worker_group")
 # (no metrics from rank 0) usually restarts the group well before. Ranks 1.. wait in one while rank 0
 # waits for an outer result, hence at least a few `train.exchange_timeout`s.
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-# Ranks 1.. wait this long for rank 0 to hand them the daemon's init.
-INIT_TIMEOUT = datetime.timedelta(minutes=10)
 INIT_KEY = "starling/init"
 
 STEP, SYNC, SAVE, STOP = 1, 2, 3, 4
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where a worker group's processes meet: a fresh directory holding their torch.distributed FileStore."""
-
-    directory: Path
-    world_size: int
-
-    def store(self) -> dist.FileStore:
-        store = dist.FileStore(str(self.directory / "store"), self.world_size)
-        store.set_timeout(INIT_TIMEOUT)
-        return store
 
 
 def rank_device(cfg: TrainConfig, rank: int) -> torch.device:
@@ -380,56 +363,3 @@ def follow_main(rendezvous: Rendezvous, rank: int) -> int:
 
 
 # --- the supervisor's side ----------------------------------------------------------------------------------
-
-
-class FollowerProcs:
-    """Ranks 1..W-1 of one worker-group lifetime, started next to rank 0 by node/supervisor.py and
-    stopped (killed after a grace period) with it; each lifetime meets in a fresh directory."""
-
-    def __init__(self, world_size: int, python: str) -> None:
-        self.rendezvous = Rendezvous(Path(tempfile.mkdtemp(prefix="starling-group-")), world_size)
-        self._python = python
-        self.procs: list[trio.Process] = []
-
-    def leader_args(self) -> list[str]:
-        """Rank 0's extra command-line arguments."""
-        return ["--group", str(self.rendezvous.directory), "--world-size", str(self.rendezvous.world_size)]
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    async def start(self) -> None:
-        for rank in range(1, self.rendezvous.world_size):
-            self.procs.append(await trio.lowlevel.open_process(
-                [self._python, "-P", "-m", "node.worker", "--follow", str(self.rendezvous.directory),
-                 "--rank", str(rank), "--world-size", str(self.rendezvous.world_size)],
-                start_new_session=True,  # like rank 0: terminal signals go to the daemon
-            ))
-
-    async def first_exit(self) -> tuple[int, int | None]:
-        """Wait until one of the ranks exits: (its rank, its exit code)."""
-        send, receive = trio.open_memory_channel(len(self.procs))
-
-        async def wait(rank: int, proc: trio.Process) -> None:
-            await proc.wait()
-            send.send_nowait((rank, proc.returncode))
-
-        async with trio.open_nursery() as nursery:
-            for rank, proc in enumerate(self.procs, start=1):
-                nursery.start_soon(wait, rank, proc)
-            ended = await receive.receive()
-            nursery.cancel_scope.cancel()
-        return ended
-
-    async def stop(self, grace: float) -> None:
-        """Give the ranks `grace` seconds to exit (rank 0 told them to), kill the rest, remove the store."""
-        with trio.move_on_after(grace):
-            for proc in self.procs:
-                await proc.wait()
-        for proc in self.procs:
-            if proc.returncode is None:
-                log.warning("worker rank process %d did not stop within %.0f s; killing it", proc.pid, grace)
-                proc.kill()
-        for proc in self.procs:
-            await proc.wait()
-        shutil.rmtree(self.rendezvous.directory, ignore_errors=True)

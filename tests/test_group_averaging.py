@@ -154,7 +154,10 @@ async def test_group_size_2_keeps_one_partner_per_outer_step() -> None:
 
 @pytest.mark.parametrize("target", ["fresh", "own", "sum"])
 @pytest.mark.parametrize("weights", [(3, 1), (2, 2), (0, 5)], ids=["unequal", "equal", "unknown"])
-def test_the_weighted_mean_from_a_pair_sum_is_right_in_place_or_not(target: str, weights: tuple[int, int]) -> None:
+def test_the_weighted_mean_from_a_pair_sum_is_right_in_place_or_not(target: str, weights: tuple[int, int],
+                                                                   monkeypatch) -> None:
+    """Also across blocks: 1000 elements in blocks of 300 (three whole ones and a tail)."""
+    monkeypatch.setattr(averager_module, "_BLOCK", 300)
     g = torch.Generator().manual_seed(7)
     own, other = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
     pair_sum = own + other
@@ -163,5 +166,5 @@ def test_the_weighted_mean_from_a_pair_sum_is_right_in_place_or_not(target: str,
     out = {"fresh": torch.empty(1000), "own": own.clone(), "sum": pair_sum.clone()}[target]
     mine = out if target == "own" else own.clone()
     total = out if target == "sum" else pair_sum.clone()
-    _weighted_mean(out, mine, total, *weights, scale=3)
+    _weighted_mean(out.numpy(), mine.numpy(), total.numpy(), *weights, scale=3)  # the daemon's numpy views
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)

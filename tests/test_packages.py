@@ -39,3 +39,15 @@ def test_importing_the_packages_loads_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_daemon_process_loads_no_torch() -> None:
+    """The daemon averages on numpy views of the shared memory and reads checkpoints' phi without torch:
+    `starling run` (node.cli -> node.daemon and everything it imports) must never load torch, which
+    would cost the daemon about 200 MB of memory and seconds of start-up. Only the worker imports it."""
+    code = (
+        "import sys, node.cli, node.daemon, node.supervisor, node.averager, node.latejoin\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"

@@ -116,6 +116,10 @@ def test_a_late_joiner_starts_from_the_swarms_weights_not_a_fresh_model(group: D
     # Close to the swarm's loss at that step (the mean of two donors is often a little better than either).
     assert first["val_loss"] <= 1.10 * donor_val, (first, donor_val)
     assert first["val_loss"] < 0.6 * fresh_loss, first
+    # The donors served their checkpoints' phi and the joiner wrote the swarm's mean for its worker, and
+    # not one of the three daemon processes loaded torch: only their workers do.
+    for d in [*nodes, joiner]:
+        assert "libtorch" not in Path(f"/proc/{d.proc.pid}/maps").read_text(), f"{d.home.name}'s daemon loaded torch"
 
 
 def swarm_val_loss_at(node: DaemonProc, peer_ids: list[str], outer_step: int) -> float:

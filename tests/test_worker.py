@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -11,29 +12,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import trio
 
 from node.checkpoint import CheckpointError, write_checkpoint
 from node.exchange import ExchangeOutcome, ExchangeRequest, solo_exchange
+from node.ipc import MAX_FRAME, FrameBuffer, Metrics, ProtocolError, Publish, Result, Stop, encode_message
 from node.shm import ExchangeSlots, SharedTensor
 from node.supervisor import WorkerSupervisor
 from node.train_config import TrainConfig
-from node.worker import (
-    MAX_FRAME,
-    FrameBuffer,
-    Metrics,
-    ProtocolError,
-    Publish,
-    Result,
-    Stop,
-    Trainer,
-    _StopFlag,
-    _train,
-    encode_message,
-    lr_at,
-)
+from node.worker import Trainer, _StopFlag, _train, lr_at
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                    eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)
@@ -121,18 +111,37 @@ def test_shared_slots_are_one_memory_for_creator_and_attacher() -> None:
     owner = ExchangeSlots.create(16)
     try:
         peer = ExchangeSlots.attach(owner.names(), 16)
-        owner.phi.tensor.copy_(torch.arange(16.0))
-        assert torch.equal(peer.phi.tensor, torch.arange(16.0))
-        peer.delta_out.tensor.fill_(2.5)
-        assert torch.equal(owner.delta_out.tensor, torch.full((16,), 2.5))
+        owner.phi.array[:] = np.arange(16.0)
+        assert np.array_equal(peer.phi.array, np.arange(16.0))
+        torch.from_numpy(peer.delta_out.array).fill_(2.5)  # the worker's view: a tensor over the same pages
+        assert np.array_equal(owner.delta_out.array, np.full(16, 2.5))
         peer.close()  # the attacher's close must not remove the owner's segments
         again = SharedTensor.attach(owner.phi.name, 16)
-        assert torch.equal(again.tensor, torch.arange(16.0))
+        assert np.array_equal(again.array, np.arange(16.0))
         again.close()
     finally:
         owner.close()
     with pytest.raises(FileNotFoundError):
         SharedTensor.attach(owner.phi.name, 16)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_view_that_outlives_its_slots_stays_valid_and_their_close_is_quiet() -> None:
+    """The worker's phi tensor is a view of its slot and may outlive the slots' close (a restart, the end
+    of a test): the pages stay mapped while the view lives (no dangling pointer), the owner's names are
+    gone at once, and nothing prints "Exception ignored" when the closed segments are collected."""
+    owner = ExchangeSlots.create(16)
+    view = torch.from_numpy(owner.phi.array)
+    name = owner.phi.name
+    owner.close()
+    del owner
+    gc.collect()
+    view.fill_(1.5)
+    assert float(view.sum()) == 24.0
+    with pytest.raises(FileNotFoundError):
+        SharedTensor.attach(name, 16)
+    del view
+    gc.collect()
 
 
 # --- the trainer: outer step, rebase, checkpoints ---------------------------------------------------------
@@ -491,8 +500,8 @@ async def test_failed_and_hung_exchanges_become_solo_steps_and_group_sums_reach_
             await trio.sleep_forever()  # cut off by train.exchange_timeout
         # A partner identical to us: the sums are twice our own values (so the step equals a solo one),
         # but 10 outer steps ahead: the worker adopts its counter.
-        torch.mul(req.phi, 2, out=req.phi_out)
-        torch.mul(req.delta, 2, out=req.delta_out)
+        np.multiply(req.phi, 2, out=req.phi_out)  # the daemon's views of the slots are numpy arrays
+        np.multiply(req.delta, 2, out=req.delta_out)
         return ExchangeOutcome(2, group_outer_step=req.outer_step + 10)
 
     sup = supervisor(tmp_path, exchange, exchange_timeout=0.5)
@@ -506,7 +515,7 @@ async def test_failed_and_hung_exchanges_become_solo_steps_and_group_sums_reach_
     assert [r.outer_step for r in requests[:4]] == [0, 1, 2, 13]  # after the group round: its step + 1
     req = requests[-1]
     total = sum(torch.Size(shape).numel() for _, shape in req.layout)
-    assert req.phi.numel() == req.delta.numel() == req.phi_out.numel() == total
+    assert req.phi.size == req.delta.size == req.phi_out.size == total
     assert sup.manifest_fields() == {
         "task": "stdlib-lm", "model_hash": sup._hello.model_hash, "layout_hash": sup._hello.layout_hash,
         "numel": total, "outer": "noloco",

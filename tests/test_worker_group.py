@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -19,11 +20,12 @@ from test_worker import TINY, alive, wait_until
 
 from node.checkpoint import read_checkpoint
 from node.exchange import ExchangeOutcome, ExchangeRequest
+from node.group_procs import Rendezvous
 from node.supervisor import WorkerSupervisor
 from node.task import TaskContext
 from node.train_config import TrainConfig
 from node.worker import Trainer
-from node.worker_group import GroupTrainer, Rendezvous, WorkerGroup, exit_group_process
+from node.worker_group import GroupTrainer, WorkerGroup, exit_group_process
 from starling_testing.daemon import TINY as TINY_DAEMON
 from starling_testing.daemon import DaemonGroup
 
@@ -195,8 +197,8 @@ def test_a_group_config_is_checked_with_one_line_errors() -> None:
 async def test_the_supervisor_restarts_the_whole_group_when_any_rank_dies(tmp_path: Path) -> None:
     async def twin(req: ExchangeRequest) -> ExchangeOutcome:
         # A partner identical to us: a group step of 2, as when averaging with another node.
-        torch.mul(req.phi, 2, out=req.phi_out)
-        torch.mul(req.delta, 2, out=req.delta_out)
+        np.multiply(req.phi, 2, out=req.phi_out)  # the daemon's views of the slots are numpy arrays
+        np.multiply(req.delta, 2, out=req.delta_out)
         return ExchangeOutcome(2)
 
     cfg = dataclasses.replace(TINY, device="cpu", local_ranks=2, batch_size=2)
