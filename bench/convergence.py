@@ -154,11 +154,16 @@ def run_ddp(bc: BenchConfig, n: int) -> RunResult:
                      time.monotonic() - started)
 
 
-def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "replica") -> RunResult:
-    """DiLoCo or NoLoCo with N in-process `Trainer`s and an in-memory exchange (`prefix`: see replica_ids)."""
+def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "replica",
+              ids: list[str] | None = None) -> RunResult:
+    """DiLoCo or NoLoCo with N in-process `Trainer`s and an in-memory exchange (`prefix`: see replica_ids;
+    `ids`: the replicas' PeerIDs themselves, e.g. real daemons', whose data shards they then train on)."""
     started = time.monotonic()
     cfg = bc.train_config(method)
-    trainers = [Trainer(cfg, home / pid, pid) for pid in replica_ids(n, prefix)]
+    names = ids if ids is not None else replica_ids(n, prefix)
+    if len(names) != n:
+        raise ValueError(f"{len(names)} replica ids for {n} replicas")
+    trainers = [Trainer(cfg, home / pid, pid) for pid in names]
     numel = trainers[0].numel
     initial = trainers[0].evaluate()
     phis = [torch.empty(numel) for _ in trainers]

@@ -63,6 +63,7 @@ from convergence import BenchConfig, relative_spread, run_ddp, run_outer
 from node.checkpoint import CheckpointError, read_checkpoint
 from node.train_config import TrainConfig
 from node.worker import Trainer
+from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
 from starling_testing.daemon import DaemonProc
 from starling_testing.report import replace_section
 
@@ -550,8 +551,17 @@ class ConvRow:
     gap_closed: float | None = None  # (nocomm - val_mean) / (nocomm - ddp), filled in by `fill_gaps`
 
 
+def make_identities(directory: Path, n: int) -> tuple[list[Path], list[str]]:
+    """`n` fresh identity files and their PeerIDs. Why: a node's data shard follows its PeerID, so the
+    rows of one repeat that start their daemons from these files (and the simulation, whose replicas take
+    the same PeerIDs as names) train on the same shards: a paired comparison, free of the shard noise
+    that random PeerIDs bring (a few hundredths of loss from run to run on this small model)."""
+    paths = [directory / f"n{i}.key" for i in range(n)]
+    return paths, [str(peer_id_of(create_identity(p))) for p in paths]
+
+
 def run_daemons_to_target(bc: BenchConfig, n: int, root: Path, label: str, *, connected: bool, slow: int,
-                          sync: dict[str, Any], timeout_s: float) -> ConvRow:
+                          sync: dict[str, Any], timeout_s: float, identities: list[Path] | None = None) -> ConvRow:
     """N daemons train until each has applied the outer step that covers inner step `bc.total_steps`
     (with `sync.pace=steps`: exactly its `bc.outer_steps`-th); each is stopped (SIGTERM) as soon as it gets
     there, so every node spends the simulation's compute and a node that finishes early does not keep the
@@ -560,6 +570,11 @@ def run_daemons_to_target(bc: BenchConfig, n: int, root: Path, label: str, *, co
     `first_checkpoint_from`), not from status counters: that is also the file the evaluation reads."""
     train = convergence_fields(bc)
     roles = [(f"n{i}", "slow" if i >= n - slow else "trainer") for i in range(n)]
+    for (name, _), key in zip(roles, identities or [], strict=False):
+        home = root / name
+        home.mkdir(parents=True, mode=0o700)
+        (home / IDENTITY_FILE).write_bytes(key.read_bytes())
+        (home / IDENTITY_FILE).chmod(0o600)
     started = time.monotonic()
     with Swarm(root, roles, set_args(train, sync), connected=connected) as swarm:
         done: dict[str, dict[str, Any] | None] = {}
@@ -593,13 +608,13 @@ def steps_note(res: Evaluated, target: int, pace: str) -> str:
         f"{k} {v}" for k, v in sorted(res.publishes.items())))
 
 
-def run_simulation(bc: BenchConfig, n: int, home: Path, repeats: int = 1) -> list[ConvRow]:
-    """bench/convergence.py's own NoLoCo (each repeat on other data shards: replicas named as in another
-    run, as the daemons' random PeerIDs pick theirs) and DDP, called directly (same BenchConfig, same N)."""
+def run_simulation(bc: BenchConfig, n: int, home: Path, replica_ids: list[list[str]]) -> list[ConvRow]:
+    """bench/convergence.py's own NoLoCo, one run per list of replica PeerIDs (the daemons' of the same
+    repeat, so on their data shards), and DDP, called directly (same BenchConfig, same N)."""
     rows = []
     sims = []
-    for k in range(repeats):
-        sim = run_outer(bc, n, "noloco", home / f"run{k}", prefix="replica" if k == 0 else f"replica{k}")
+    for k, ids in enumerate(replica_ids):
+        sim = run_outer(bc, n, "noloco", home / f"run{k}", ids=ids)
         sims.append(ConvRow(SIM, n, sim.val_mean, sim.val_avg_model, sim.spread, sim.seconds,
                             1.0 if n % 2 == 0 else None))
     rows.append(mean_row(sims))
@@ -610,8 +625,8 @@ def run_simulation(bc: BenchConfig, n: int, home: Path, repeats: int = 1) -> lis
 
 def mean_row(runs: list[ConvRow]) -> ConvRow:
     """Repeats of one row as one: the means, and each run's loss in the note. Why repeats: each daemon's
-    data shard follows its PeerID, a fresh random one every run, and on this small model one run's mean
-    loss moves by a few hundredths from run to run, as much as the differences being measured."""
+    data shard follows its PeerID, other ones in every repeat (`make_identities`), and on this small model
+    one run's mean loss moves by a few hundredths with its shards, as much as the differences measured."""
     if len(runs) == 1:
         return runs[0]
     first = runs[0]
@@ -727,11 +742,14 @@ def scenario_convergence(plan: Plan, tmp: Path, out: Results) -> None:
     # clock, fewer inner steps per outer step on a throttled node): what the daemon does for slow machines.
     steps = {**sync, "pace": "steps"}
 
+    # One set of PeerIDs per repeat, shared by that repeat's swarm, no-communication and simulation runs.
+    keys = [make_identities(tmp / f"keys-{k}", n) for k in range(plan.repeats)]
+
     def repeated(label: str, connected: bool, name: str) -> ConvRow:
         runs = []
         for k in range(plan.repeats):
             runs.append(run_daemons_to_target(bc, n, tmp / f"{name}-{k}", label, connected=connected, slow=0,
-                                              sync=steps, timeout_s=timeout))
+                                              sync=steps, timeout_s=timeout, identities=keys[k][0]))
             _progress(runs[-1])
         return mean_row(runs)
 
@@ -743,7 +761,7 @@ def scenario_convergence(plan: Plan, tmp: Path, out: Results) -> None:
     else:
         out.notes.append("heterogeneous convergence row skipped: throttling needs root and cgroup v1 cpu")
     rows.append(repeated(NOCOMM, False, "conv-nocomm"))
-    for row in run_simulation(bc, n, tmp / "conv-sim", plan.repeats):
+    for row in run_simulation(bc, n, tmp / "conv-sim", [ids for _, ids in keys]):
         rows.append(row)
         _progress(row)
     fill_gaps(rows)
@@ -898,9 +916,11 @@ def render(plan: Plan, res: Results, command: str, wall: float, scenarios: list[
             "solo when alone). No late join, no catch-up. 'no communication' = the same daemons, each alone in "
             "its own swarm (every outer step solo). Gap closed = (no-comm - run) / (no-comm - DDP), on the mean "
             f"over nodes. The swarm, no-communication and simulation rows are each the mean of {plan.repeats} "
-            "run(s) (the note lists them): a daemon's data shard follows its PeerID, a fresh random one every "
-            "run, and the simulation's repeats take other shards likewise (replicas named as in another run); "
-            "one run's mean loss moves by a few hundredths from run to run on this small model.\n\n"
+            "run(s) (the note lists them): a daemon's data shard follows its PeerID, and each repeat's swarm, "
+            "no-communication and simulation runs share one set of PeerIDs (identity keys made by the bench; "
+            "the simulation's replicas take them as names), so they train on the same shards and compare "
+            "paired; from one repeat to the next the shards differ, and a run's mean loss moves by a few "
+            "hundredths with them on this small model.\n\n"
             f"{convergence_table(res.convergence)}")
         verdicts += convergence_verdicts(res.convergence)
     if verdicts or res.notes:

@@ -48,7 +48,10 @@ def test_quick_swarm_benchmark_prints_the_convergence_and_mixing_rows() -> None:
         assert math.isfinite(float(rows[0][2])) and math.isfinite(float(rows[0][3])), rows[0]
     for label in labels[:2]:  # fixed H: evaluated at exactly the simulation's last step
         assert _rows(out, label)[0][-1] == "pace=steps", f"{label}: {_rows(out, label)[0][-1]}"
-    assert "| swarm (real daemons) |" in out and "gap share closed" in out
+    # A quick run is too short for DDP to pull ahead of no communication at times: the verdict then says
+    # the gap is undefined rather than printing a share.
+    assert "| swarm (real daemons) |" in out
+    assert "gap share closed" in out or "no gap to close here" in out, out
     mixing = _rows(out, "mixing3")
     assert sorted(row[1] for row in mixing) == ["n0", "n1", "n2"], out
     assert all(int(row[3]) > 0 for row in mixing), out  # every trainer took outer steps in the window
