@@ -959,15 +959,10 @@ class Averager:
 
 
 def _arrays(request: ExchangeRequest) -> Tensors:
-    """The request's four slots as flat float32 numpy arrays over the same memory (no copy).
-
-    The daemon's views of the shared memory are numpy arrays already (node/shm.py); `np.asarray` also
-    takes CPU torch tensors without a copy, as tests and benches hand them in."""
-    views = [np.asarray(t) for t in (request.phi, request.delta, request.phi_out, request.delta_out)]
-    for v in views:
-        if v.dtype != np.float32 or v.ndim != 1 or not v.flags.c_contiguous or not v.flags.writeable:
-            raise ValueError("exchange slots must be flat, contiguous, writable float32 arrays")
-    return Tensors(*views)
+    """The request's four slots as flat float32 numpy arrays over the same memory (no copy; `ValueError`
+    where that cannot be). The daemon's views of the shared memory are numpy arrays already
+    (node/shm.py); CPU torch tensors, as tests and benches hand them in, are viewed without a copy too."""
+    return Tensors(request.phi, request.delta, request.phi_out, request.delta_out).as_arrays()
 
 
 _BLOCK = 1 << 20  # elements per step of `_weighted_mean`: its temporaries stay a few MB, whatever the model
