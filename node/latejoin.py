@@ -118,8 +118,13 @@ async def late_join(
         return False
     chosen = random.sample(found, min(max_donors, len(found)))
     status.update(state="downloading", donors=chosen)
-    state = await fetch_swarm_snapshot(host, home / JOIN_DIR / "partial", chosen, target, timeout_s=timeout_s,
-                                       status=status)
+    try:
+        state = await fetch_swarm_snapshot(host, home / JOIN_DIR / "partial", chosen, target, timeout_s=timeout_s,
+                                           status=status)
+    except (OSError, ValueError) as e:  # a full disk, or donors whose snapshots cannot be combined
+        status["state"] = f"download failed ({e}): starting a fresh model"
+        log.warning("late join failed: %s; starting from a fresh model", e)
+        return False
     if state is None:
         status["state"] = "download failed: starting a fresh model (will resume the download next start)"
         return False
@@ -132,8 +137,9 @@ async def fetch_swarm_snapshot(
     host: Any, directory: Path, donors: list[str], target: Path, *, timeout_s: float, status: dict[str, Any]
 ) -> dict[str, Any] | None:
     """Download the snapshots of `donors` at once into `directory` (resuming what is there), write their
-    mean (`protocols.snapshot.combine`) to `target` as a hashed checkpoint file and return it; None if no
-    download completed within `timeout_s` (the parts that arrived are kept for a resume)."""
+    robust mean (`protocols.snapshot.combine`) to `target` as a hashed checkpoint file and return it; None
+    if no download completed within `timeout_s` (the parts that arrived are kept for a resume); ValueError
+    (the downloads deleted) if what the donors sent cannot be combined."""
     download = JoinDownload(directory)
     if directory.is_dir():
         download.prune(donors)
@@ -151,7 +157,11 @@ async def fetch_swarm_snapshot(
             log.warning("snapshot download from %s incomplete: %s", p.donor, p.error or "stopped")
     if not complete:
         return None
-    state = await trio.to_thread.run_sync(combine, complete)
+    try:
+        state = await trio.to_thread.run_sync(combine, complete)
+    except ValueError:
+        download.clear()  # what these donors sent cannot be combined: resuming it would only fail again
+        raise
     private_dir(target.parent)
     # phi and the counters only, in the checkpoint format the worker reads (node/ckptfile.py), without torch.
     await trio.to_thread.run_sync(functools.partial(

@@ -558,6 +558,8 @@ class Trainer:
         phi = state.get("phi")
         if state.get("layout_hash") != self.layout_hash or not isinstance(phi, torch.Tensor) or phi.numel() != self.numel:
             raise CheckpointError("the swarm snapshot is for a different model")
+        if not bool(torch.isfinite(phi).all()):  # the daemon's combine leaves such donors out; never start from one
+            raise CheckpointError("the swarm snapshot's slow weights are not finite")
         for key in ("step", "outer_step"):
             if not isinstance(state.get(key), int) or state[key] < 0:
                 raise CheckpointError(f"the swarm snapshot has no valid {key}")

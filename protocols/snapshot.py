@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -330,29 +331,91 @@ def _verified_prefix(data_path: Path, p: DonorProgress) -> int:
     return good
 
 
-def combine(downloads: list[tuple[DonorProgress, Path]]) -> dict[str, Any]:
-    """The joiner's starting state: the mean of the donors' slow weights (close models, NoLoCo keeps them
-    so), the most advanced step counters, and the layout they share. Donors on another layout are left out.
+COMBINE_BLOCK = 1 << 20  # values per donor in memory at a time while combining
 
-    ``"phi"`` is a flat float32 numpy array of ``numel`` values (the donors' sum divided by their count, in
-    float32 as before); a data file shorter than its meta says raises ``ValueError``."""
-    if not downloads:
+
+def combine(downloads: list[tuple[DonorProgress, Path]]) -> dict[str, Any]:
+    """The joiner's starting state from its complete downloads, none of which is trusted: a donor's chunks
+    match the hashes it sent, but it chose those hashes, its counters and its layout itself.
+
+    - The model is the majority's: the largest group of donors with the same ``(layout_hash, numel)``; a
+      data file that does not hold exactly ``numel`` float32 values is left out. A tie between groups is a
+      ``ValueError``: nothing says which is the swarm's (the worker refuses a layout that is not its own, so
+      a donor that lies about it can only cost the joiner its head start, never its model).
+    - A donor with a value that is not finite is left out.
+    - ``"phi"`` (flat float32 numpy): the coordinate-wise median of three or more donors, so that one of
+      three cannot move any value outside the range of the other two (NoLoCo keeps honest donors close, so
+      their median is as good a start as their mean); the mean of two (which cannot be told apart), in
+      float32 as before; the values of one.
+    - ``"step"`` / ``"outer_step"``: the low median of the donors' counters, an honest donor's value where
+      most are honest (a donor that claims 2^50 outer steps would otherwise put the joiner out of every
+      partner's reach and at the end of its learning-rate schedule).
+
+    ``ValueError`` if no donor is left. Reads each file twice, ``COMBINE_BLOCK`` values at a time: memory
+    is the result plus a block per donor, whatever the model's size."""
+    groups: dict[tuple[str, int], list[tuple[DonorProgress, Path]]] = {}
+    for p, path in downloads:
+        if not p.meta:
+            continue
+        numel = int(p.meta["numel"])
+        try:
+            size = path.stat().st_size
+        except OSError:
+            size = -1
+        if size != numel * 4:
+            log.warning("snapshot from %s: %d bytes on disk, not the %d values its meta says; left out",
+                        p.donor, size, numel)
+            continue
+        groups.setdefault((str(p.meta["layout_hash"]), numel), []).append((p, path))
+    if not groups:
         raise ValueError("no complete download")
-    layout = downloads[0][0].meta["layout_hash"]  # type: ignore[index]
-    usable = [(p, path) for p, path in downloads if p.meta and p.meta["layout_hash"] == layout]
-    numel = usable[0][0].meta["numel"]  # type: ignore[index]
-    mean = np.zeros(numel, dtype=np.float32)
-    for _, path in usable:
-        values = np.fromfile(path, dtype="<f4", count=numel)
-        if values.size != numel:
-            raise ValueError(f"{path} holds {values.size} of {numel} values")
-        mean += values
-    mean /= len(usable)
+    ranked = sorted(groups.items(), key=lambda kv: len(kv[1]), reverse=True)
+    if len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1]):
+        raise ValueError("the donors disagree on the model (layout or size) and no majority decides: "
+                         + ", ".join(f"{p.donor} {key[0][:12]}/{key[1]}" for key, ds in ranked for p, _ in ds))
+    (layout, numel), candidates = ranked[0]
+    usable = []
+    for p, path in candidates:
+        if _all_finite(path, numel):
+            usable.append((p, path))
+        else:
+            log.warning("snapshot from %s holds values that are not finite; left out", p.donor)
+    if not usable:
+        raise ValueError("every donor's slow weights hold values that are not finite")
+    phi = np.empty(numel, dtype=np.float32)
+    files = [open(path, "rb") for _, path in usable]  # noqa: SIM115 - closed below, all together
+    try:
+        for lo in range(0, numel, COMBINE_BLOCK):
+            n = min(COMBINE_BLOCK, numel - lo)
+            blocks = [np.fromfile(f, dtype="<f4", count=n) for f in files]
+            if any(b.size != n for b in blocks):
+                raise ValueError("a snapshot file changed while it was combined")
+            out = phi[lo : lo + n]
+            if len(blocks) >= 3:
+                np.median(np.stack(blocks), axis=0, out=out)
+            elif len(blocks) == 2:
+                np.add(blocks[0], blocks[1], out=out)
+                out /= np.float32(2)
+            else:
+                out[:] = blocks[0]
+    finally:
+        for f in files:
+            f.close()
+    metas = [p.meta for p, _ in usable]
     return {
         "format": "starling-snapshot-1",
-        "phi": mean,
-        "step": max(p.meta["step"] for p, _ in usable),  # type: ignore[index]
-        "outer_step": max(p.meta["outer_step"] for p, _ in usable),  # type: ignore[index]
+        "phi": phi,
+        "step": statistics.median_low(int(m["step"]) for m in metas),  # type: ignore[index]
+        "outer_step": statistics.median_low(int(m["outer_step"]) for m in metas),  # type: ignore[index]
         "layout_hash": layout,
         "donors": [p.donor for p, _ in usable],
     }
+
+
+def _all_finite(path: Path, numel: int) -> bool:
+    with open(path, "rb") as f:
+        for lo in range(0, numel, COMBINE_BLOCK):
+            block = np.fromfile(f, dtype="<f4", count=min(COMBINE_BLOCK, numel - lo))
+            if not np.isfinite(block).all():
+                return False
+    return True

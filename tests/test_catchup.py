@@ -208,6 +208,35 @@ def test_a_snapshot_of_another_model_is_refused_and_nothing_changes(tmp_path: Pa
     assert (tr.step, tr.outer_step) == before[:2] and torch.equal(tr.phi, before[2])
 
 
+def test_a_snapshot_whose_slow_weights_are_not_finite_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    tr = trained(tmp_path, 1)
+    before = (tr.step, tr.outer_step, tr.phi.clone())
+    phi = tr.phi.clone()
+    phi[3] = float("nan")
+    path = tmp_path / "snapshot.pt"
+    write_checkpoint(path, {"phi": phi, "step": 5, "outer_step": 9, "layout_hash": tr.layout_hash})
+    with pytest.raises(CheckpointError, match="not finite"):
+        tr.adopt_snapshot(path, 40)
+    assert (tr.step, tr.outer_step) == before[:2] and torch.equal(tr.phi, before[2])
+
+
+async def test_a_late_join_whose_donors_cannot_be_combined_starts_a_fresh_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, combine's ValueError (donors that disagree on the model, a file of the wrong size) escaped
+    late_join and took the daemon down with a traceback, at every start."""
+
+    async def fetch(host, directory, donors, target, *, timeout_s, status):
+        raise ValueError("the donors disagree on the model (layout or size) and no majority decides")
+
+    monkeypatch.setattr(latejoin, "fetch_swarm_snapshot", fetch)
+    status: dict[str, Any] = {}
+    joined = await latejoin.late_join(None, tmp_path, lambda: ["a", "b"], max_donors=3, wait_s=1, timeout_s=5,
+                                      status=status)
+    assert joined is False
+    assert status["state"].startswith("download failed (the donors disagree") and "fresh model" in status["state"]
+
+
 def test_a_runaway_that_comes_back_drops_its_later_checkpoints_so_a_restart_does_not_undo_it(tmp_path: Path) -> None:
     donor = trained(tmp_path / "donor", 1)
     runaway = trained(tmp_path / "runaway", 3)

@@ -44,7 +44,7 @@ def opener(joiner):
     return open_stream
 
 
-async def test_two_donors_at_once_give_their_verified_mean_and_max_counters(tmp_path: Path) -> None:
+async def test_two_donors_at_once_give_their_verified_mean_and_low_median_counters(tmp_path: Path) -> None:
     a, b = randn(NUMEL, 1), randn(NUMEL, 2)
     snaps = [snap.Snapshot.of(a, 100, 10, "L"), snap.Snapshot.of(b, 120, 12, "L")]
     async with AsyncExitStack() as stack:
@@ -59,7 +59,7 @@ async def test_two_donors_at_once_give_their_verified_mean_and_max_counters(tmp_
         state = snap.combine(dl.complete())
     assert isinstance(state["phi"], np.ndarray) and state["phi"].dtype == np.float32
     assert np.array_equal(state["phi"], (a + b) / 2)  # float32 sum, then division: as the torch code did
-    assert (state["step"], state["outer_step"], state["layout_hash"]) == (120, 12, "L")
+    assert (state["step"], state["outer_step"], state["layout_hash"]) == (100, 10, "L")
     assert len(state["donors"]) == 2
 
 
@@ -144,18 +144,61 @@ def donor_file(tmp_path: Path, name: str, phi: np.ndarray, **meta: object) -> tu
     return snap.DonorProgress(name, meta=fields, done=True), path
 
 
-def test_combine_returns_the_float32_mean_of_the_donors_on_the_first_ones_layout(tmp_path: Path) -> None:
+def test_combine_returns_the_float32_mean_of_two_donors_on_the_majority_layout(tmp_path: Path) -> None:
     a, b, c = randn(1000, 7), randn(1000, 8), randn(1000, 9)
-    state = snap.combine([donor_file(tmp_path, "a", a, step=5), donor_file(tmp_path, "b", b, outer_step=4),
-                          donor_file(tmp_path, "c", c, layout_hash="other", step=99)])
+    # The odd one out comes first: the first donor no longer decides the layout.
+    state = snap.combine([donor_file(tmp_path, "c", c, layout_hash="other", step=99),
+                          donor_file(tmp_path, "a", a, step=5), donor_file(tmp_path, "b", b, outer_step=4)])
     assert state["phi"].dtype == np.float32 and state["phi"].shape == (1000,)
     assert np.array_equal(state["phi"], (a + b) / np.float32(2))
-    assert (state["step"], state["outer_step"], state["donors"]) == (5, 4, ["a", "b"])
+    assert (state["step"], state["outer_step"], state["donors"]) == (1, 1, ["a", "b"])
+
+
+def test_combine_leaves_out_a_donor_whose_file_is_not_the_size_its_meta_says(tmp_path: Path) -> None:
+    """A donor that claims twice the values, listed first: before, the honest files were 'too short' and
+    the joiner's daemon died with a ValueError; now the liar is left out."""
+    a, b = randn(1000, 1), randn(1000, 2)
+    liar = donor_file(tmp_path, "liar", randn(1000, 3), numel=2000)
+    state = snap.combine([liar, donor_file(tmp_path, "a", a), donor_file(tmp_path, "b", b)])
+    assert state["donors"] == ["a", "b"] and np.array_equal(state["phi"], (a + b) / np.float32(2))
 
 
 def test_combine_refuses_a_data_file_shorter_than_its_meta(tmp_path: Path) -> None:
     p, path = donor_file(tmp_path, "a", randn(1000, 10))
     assert p.meta is not None
     p.meta["numel"] = 1001
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no complete download"):
         snap.combine([(p, path)])
+
+
+def test_combine_refuses_donors_that_disagree_on_the_model_with_no_majority(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="disagree on the model"):
+        snap.combine([donor_file(tmp_path, "a", randn(1000, 1)),
+                      donor_file(tmp_path, "b", randn(1000, 2), layout_hash="other")])
+
+
+def test_combine_leaves_out_a_donor_with_values_that_are_not_finite(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(snap, "COMBINE_BLOCK", 300)  # the NaN in a later block than the first
+    a, b, bad = randn(1000, 1), randn(1000, 2), randn(1000, 3)
+    bad[700] = np.nan
+    state = snap.combine([donor_file(tmp_path, "bad", bad), donor_file(tmp_path, "a", a),
+                          donor_file(tmp_path, "b", b)])
+    assert state["donors"] == ["a", "b"] and np.array_equal(state["phi"], (a + b) / np.float32(2))
+    with pytest.raises(ValueError, match="not finite"):
+        snap.combine([donor_file(tmp_path, "bad", bad)])
+
+
+def test_one_lying_donor_of_three_moves_no_weight_and_no_counter_outside_the_honest_ones(
+    tmp_path: Path, monkeypatch,
+) -> None:
+    """The median of three: a finite donor far from the others (1e30 everywhere, 2^50 outer steps) moves
+    every weight only within the honest two's range; the counters are an honest donor's."""
+    monkeypatch.setattr(snap, "COMBINE_BLOCK", 300)
+    a, b = randn(1000, 1), randn(1000, 2)
+    liar = np.full(1000, 1e30, dtype=np.float32)
+    state = snap.combine([donor_file(tmp_path, "liar", liar, step=1 << 50, outer_step=1 << 50),
+                          donor_file(tmp_path, "a", a, step=40, outer_step=4),
+                          donor_file(tmp_path, "b", b, step=50, outer_step=5)])
+    assert np.array_equal(state["phi"], np.maximum(a, b))  # the median of {a, b, +huge}
+    assert (state["step"], state["outer_step"]) == (50, 5)
+    assert state["donors"] == ["liar", "a", "b"]
