@@ -56,6 +56,7 @@ MAGIC_V2 = b"STLCKPT2"
 HEADER = struct.Struct(">8s32sQ")  # magic | sha256 of the body | body length: the same in both formats
 SECTIONS = struct.Struct(">QQ")  # len(meta) | len(phi) in bytes: the body's first 16 bytes (format 2)
 MAX_META_BYTES = 1 << 20  # the meta is a few counters; a larger length is corruption
+MAX_DIMS = 64  # the most dimensions the shape of phi may have (numpy's own limit)
 PHI_DTYPE = np.dtype("<f4")
 CHUNK_BYTES = 8 << 20  # reads and writes of phi and the payload, each hashed as it passes
 TMP_PREFIX = ".ckpt-tmp-"
@@ -211,8 +212,10 @@ def _read_body(f: io.BufferedReader, digest: bytes, size: int, keep_payload: boo
             raise CheckpointError("meta does not describe the slow weights")
         return RawCheckpoint(2, meta, None, payload)
     shape = meta.get("shape", [meta["numel"]])
+    # The shape's length is checked before its product: math.prod over a long list of big ints is slow.
     if (not _is_int(meta["numel"]) or meta["numel"] != phi.size or not isinstance(shape, list)
-            or not all(_is_int(n) and n >= 0 for n in shape) or math.prod(shape) != phi.size):
+            or len(shape) > MAX_DIMS or not all(_is_int(n) and n >= 0 for n in shape)
+            or math.prod(shape) != phi.size):
         raise CheckpointError("the slow weights' size does not match the meta")
     return RawCheckpoint(2, meta, phi, payload)
 
