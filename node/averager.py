@@ -99,6 +99,8 @@ SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still trai
 # A second-round request that arrives during our first round is held for at most this share of the
 # handshake deadline (the asker's wait for our answer; past it the asker counts a failure against us).
 HOLD_SHARE = 0.5
+# The answer to a second-round request during our first round (the one request that may be held).
+NOT_IN_ROUND = "not ready (in the first round of its outer step)"
 HOLD_MARGIN_S = 0.5  # past our first round's window: the second round begins right after it ends
 MIXING_WINDOW = 20  # outer steps that `status()["mixing"]` and the member record's partners look back over
 
@@ -745,6 +747,7 @@ class Averager:
                     self._inbound_by_ip[ip] = left
 
     async def _serve_request(self, stream: Any) -> None:
+        arrived = trio.current_time()
         partner = str(stream.muxed_conn.peer_id)
         self._link(partner).ip = _per_ip_key(avg.partner_ip(stream))
         try:
@@ -758,9 +761,10 @@ class Averager:
             pending.saw_ready = True  # whoever asks has published: our phase is not off everyone's
             pending.largest_seen = max(pending.largest_seen, request.outer_step)
         verdict = self._judge(request, pending, partner)
-        if verdict is not None and pending is not None and request.stage > pending.stage \
-                and partner == pending.next_partner:
-            pending = await self._await_round(request.stage, pending)
+        if verdict == ("busy", NOT_IN_ROUND) and pending is not None and partner == pending.next_partner:
+            # Held only when nothing but our stage stands between the request and a yes: a banned, relayed
+            # or foreign-run partner is answered at once.
+            pending = await self._await_round(request.stage, pending, arrived)
             verdict = self._judge(request, pending, partner)
         if verdict is not None:
             # Between outer steps we say the last one we took: an asker that is behind learns the count.
@@ -808,7 +812,7 @@ class Averager:
         pending.done.set()
         await close_quietly(stream)
 
-    async def _await_round(self, stage: int, current: _Pending) -> _Pending | None:
+    async def _await_round(self, stage: int, current: _Pending, arrived: float) -> _Pending | None:
         """Wait for round `stage` of this outer step to begin and return its pending round (or whatever
         round is on when the wait ends; None between outer steps).
 
@@ -817,12 +821,15 @@ class Averager:
         steps of a second or two is a real share of the step and stalls the worker (`train.max_lag`).
         Held, the request is answered the moment our second round begins. The wait is bounded by what is
         left of our first round's window (the second round begins as soon as it ends) and by a share of
-        the asker's deadline for our answer, so a hold never turns into a failure the asker counts against
-        us. Only the partner the schedule gives us for that round is held (`_serve_request`), so a peer
-        cannot park requests here."""
+        the asker's deadline for our answer, counted from the request's arrival (`arrived`: reading it took
+        some of that deadline already), so a hold never turns into a failure the asker counts against us.
+        Only the partner the schedule gives us for that round is held (`_serve_request`), so a peer cannot
+        park requests here."""
+        now = trio.current_time()
         window = self.cfg.pair_window_s if current.window_s is None else current.window_s
-        left = current.began + window - trio.current_time()
-        with trio.move_on_after(max(0.0, min(left + HOLD_MARGIN_S, HOLD_SHARE * self.cfg.handshake_timeout_s))):
+        left = current.began + window - now
+        share = HOLD_SHARE * self.cfg.handshake_timeout_s - (now - arrived)
+        with trio.move_on_after(max(0.0, min(left + HOLD_MARGIN_S, share))):
             while self._pending is None or self._pending.stage < stage:
                 await self._round_begun.wait()
         return self._pending
@@ -846,8 +853,7 @@ class Averager:
         if req.stage != pending.stage:
             # A second-round request while we are still in our first round: the asker retries ("not
             # ready"); a first-round request while we are in our second: we are busy with our group.
-            return ("busy", "not ready (in the first round of its outer step)" if req.stage > pending.stage
-                    else "in the second round of its outer step")
+            return ("busy", NOT_IN_ROUND if req.stage > pending.stage else "in the second round of its outer step")
         ours_layout = pending.request.layout_hash
         if req.layout_hash != ours_layout or req.numel != pending.tensors.phi.size:
             return ("refuse", f"parameter layout mismatch: yours {req.layout_hash[:12]}, ours {ours_layout[:12]}")

@@ -4,6 +4,7 @@ pair, a group of three), and every member ends with the group's sample-weighted 
 from __future__ import annotations
 
 from contextlib import AsyncExitStack
+from typing import Any
 
 import pytest
 import torch
@@ -138,6 +139,41 @@ async def test_a_second_round_request_that_arrives_during_the_first_round_is_hel
         mean3 = sum(r.phi for r in reqs.values()) / 3
         for av in (a, c):
             torch.testing.assert_close(reqs[av.me].phi_out / 3, mean3, rtol=0, atol=1e-5)
+
+
+async def test_a_scheduled_partner_refused_for_another_reason_is_answered_at_once_not_held(monkeypatch) -> None:
+    """The same three trainers, but A has banned C: C's second-round request is refused on arrival, though
+    C is the partner A's schedule gives it and A is still in its first round. A hold would keep a refused
+    request (and one of A's inbound slots) for up to half of C's deadline for nothing."""
+    async with AsyncExitStack() as stack:
+        avs = await connected(stack, 3)
+        c, b, a = sorted(avs, key=lambda av: av.me)
+        schedule = {a.me: (b.me, c.me), b.me: (a.me, None), c.me: (None, a.me)}
+        monkeypatch.setattr(averager_module, "scheduled_partners", lambda me, others, step, speeds=None: schedule[me])
+        monkeypatch.setattr(averager_module, "SCHEDULED_RETRY_S", (8.0, 8.0))
+        a._link(c.me).banned_until = trio.current_time() + 1000
+        held: list[str] = []
+        await_round = a._await_round
+
+        async def spy(stage: int, current: Any, arrived: float) -> Any:
+            held.append(current.next_partner)
+            return await await_round(stage, current, arrived)
+
+        monkeypatch.setattr(a, "_await_round", spy)
+        reqs = {av.me: request(i + 1) for i, av in enumerate((a, b, c))}
+        sizes: dict[str, int] = {}
+
+        async def one(av: Averager, delay: float) -> None:
+            await trio.sleep(delay)
+            sizes[av.me] = (await av.exchange(reqs[av.me])).group_size
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, a, 0.0)
+                nursery.start_soon(one, c, 0.0)
+                nursery.start_soon(one, b, 0.5)
+        assert held == []
+        assert [sizes[a.me], sizes[b.me], sizes[c.me]] == [2, 2, 1]  # A and B pair; C is refused, steps solo
 
 
 async def test_group_size_2_keeps_one_partner_per_outer_step() -> None:
