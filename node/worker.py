@@ -145,8 +145,11 @@ class Trainer:
 
     def __init__(
         self, cfg: TrainConfig, home: Path, peer_id: str, task_options: Mapping[str, Any] | None = None,
-        *, rank: int = 0, world_size: int = 1,
+        *, rank: int = 0, world_size: int = 1, slow_weights: bool = True,
     ) -> None:
+        """`slow_weights=False`: this process takes no outer step and keeps none of the fp32 master copies
+        (phi, theta at publish, outer momentum: 12 bytes per parameter). A worker group's ranks 1.. are
+        built so; only rank 0 publishes and applies results (node/worker_group.py)."""
         self.cfg = cfg
         self.home = home
         self.device = resolve_device(cfg.device)
@@ -167,15 +170,18 @@ class Trainer:
         # fp16 needs loss scaling (its range underflows small gradients); bf16 has fp32's range and does not.
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.stream = self.task.train_stream()
-        self.outer = OuterOptimizer(cfg.outer, OuterHyper(cfg.alpha, cfg.beta, cfg.gamma), self.numel)
+        self.slow_weights = slow_weights
+        masters = self.numel if slow_weights else 0
+        self.outer = OuterOptimizer(cfg.outer, OuterHyper(cfg.alpha, cfg.beta, cfg.gamma), masters)
         # fp32 CPU master copies: slow weights and the fast weights at publish time. The worker moves phi
         # into its shared phi slot (`share_phi`) and lends its Delta slot to the outer step (`apply_result`),
         # so a single worker keeps no model-sized scratch; `_scratch` is allocated only where it is used
-        # without one (in-process trainers, a worker group's weight broadcast). See bench/memory.py.
-        self.phi = torch.empty(self.numel, dtype=torch.float32)
-        self.theta_published = torch.empty(self.numel, dtype=torch.float32)
+        # without one (in-process trainers). See bench/memory.py.
+        self.phi = torch.empty(masters, dtype=torch.float32)
+        self.theta_published = torch.empty(masters, dtype=torch.float32)
         self._scratch_buf: torch.Tensor | None = None
-        self.gather_theta(self.phi)
+        if slow_weights:
+            self.gather_theta(self.phi)
 
         self.step = 0  # inner steps taken, ever (the lr schedule and checkpoint names use it)
         self.outer_step = 0  # outer steps applied
@@ -352,12 +358,17 @@ class Trainer:
         now = time.monotonic() if now is None else now
         return now + (self.step_time_s or 0.0) / 2 >= self.next_publish_at
 
+    def _require_slow_weights(self, what: str) -> None:
+        if not self.slow_weights:
+            raise RuntimeError(f"{what}: this trainer keeps no slow weights (a worker group's rank > 0)")
+
     def lag(self) -> int:
         """Inner steps taken since the pending publish (0 when nothing is pending)."""
         return 0 if self.pending is None else self.step - self.last_publish_step
 
     def publish(self, phi_out: torch.Tensor, delta_out: torch.Tensor) -> Publish:
         """Write phi and Delta = theta - phi (into the shared slots) and remember theta for the rebase."""
+        self._require_slow_weights("publish")
         self.gather_theta(self.theta_published)
         if phi_out.data_ptr() != self.phi.data_ptr():  # equal when phi lives in the slot (share_phi)
             phi_out.copy_(self.phi)
@@ -467,6 +478,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly; a publish still in flight is treated as not made
         (phi is the pre-exchange one and theta has all progress, so the next publish carries it)."""
+        self._require_slow_weights("checkpoint")
         last_publish = self._publish_before_pending if self.pending is not None else self.last_publish_step
         rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
@@ -496,7 +508,7 @@ class Trainer:
         if state.get("model_hash") != self.model_hash or state.get("layout_hash") != self.layout_hash:
             raise CheckpointError("checkpoint is for a different model")
         phi = state.get("phi")
-        if not isinstance(phi, torch.Tensor) or phi.shape != self.phi.shape:
+        if not isinstance(phi, torch.Tensor) or phi.shape != (self.numel,):
             raise CheckpointError("slow weights have the wrong size")
         for key in ("model", "outer", "optimizer", "data", "rng"):
             if not isinstance(state.get(key), dict):
@@ -504,8 +516,9 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.phi.copy_(state["phi"])
-        self.outer.load_state_dict(state["outer"])
+        if self.slow_weights:
+            self.phi.copy_(state["phi"])
+            self.outer.load_state_dict(state["outer"])
         self._load_optimizer(state["optimizer"], int(state["format"]))
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

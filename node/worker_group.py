@@ -26,9 +26,14 @@ Data. Rank r's task is built with `TaskContext(rank=r, world_size=W)` and the Pe
 for r > 0 (rank 0 keeps the node's own, so going from one process to a group keeps its shard): a task that
 shards by PeerID, as the default does, gives each rank its own shard unchanged.
 
+Memory. Only rank 0 keeps `Trainer`'s fp32 master copies (phi, theta at publish, outer momentum: 12 bytes
+per parameter); ranks 1.. take no outer step and are built without them. Gradients and weights cross the
+group in buckets of at most `BUCKET_BYTES`, so no rank holds a model-sized flat buffer for them: a rank
+beyond 0 costs its model, gradients and optimizer state, as one DDP process would.
+
 Backends: `gloo` on CPU (tested with 2 processes), `nccl` on CUDA with rank r on cuda:r (not tested here).
-Not done: communication does not overlap the backward pass (one flat all-reduce per inner step, after
-all micro-batches), and ranks 1.. hold the fp32 master copies of `Trainer` they do not use.
+Not done: communication does not overlap the backward pass (the gradient buckets are all-reduced after
+all micro-batches, one after the other).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +69,27 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 INIT_KEY = "starling/init"
 
 STEP, SYNC, SAVE, STOP = 1, 2, 3, 4
+
+# The most a bucket of gradients or weights crossing the group holds (DDP's default bucket is 25 MiB): large
+# enough that a collective's latency does not matter, small enough to be no memory to speak of.
+BUCKET_BYTES = 32 << 20
+
+
+def buckets(tensors: Sequence[torch.Tensor], cap_bytes: int | None = None) -> Iterator[list[torch.Tensor]]:
+    """`tensors` in order, cut into runs of one dtype and device of at most `cap_bytes` (default
+    `BUCKET_BYTES`) each, a larger tensor forming a run of its own: what one collective moves at a time."""
+    cap = BUCKET_BYTES if cap_bytes is None else cap_bytes
+    run: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if run and (t.dtype != run[0].dtype or t.device != run[0].device or size + nbytes > cap):
+            yield run
+            run, size = [], 0
+        run.append(t)
+        size += nbytes
+    if run:
+        yield run
 
 
 def rank_device(cfg: TrainConfig, rank: int) -> torch.device:
@@ -169,9 +196,9 @@ class GroupTrainer(Trainer):
         self.group = group
         rank_cfg = dataclasses.replace(cfg, device=str(rank_device(cfg, group.rank)))
         shard_id = peer_id if group.rank == 0 else f"{peer_id}/rank{group.rank}"
-        super().__init__(rank_cfg, home, shard_id, task_options, rank=group.rank, world_size=group.world_size)
+        super().__init__(rank_cfg, home, shard_id, task_options, rank=group.rank, world_size=group.world_size,
+                         slow_weights=group.rank == 0)
         self.cfg = dataclasses.replace(rank_cfg, batch_size=cfg.batch_size * group.world_size)
-        self._grads: torch.Tensor | None = None  # flat gradients + one "has a gradient" flag per parameter
 
     # -- the inner step: every rank, in lockstep --
 
@@ -181,38 +208,36 @@ class GroupTrainer(Trainer):
         return super().inner_step()
 
     def reduce_gradients(self, loss_sum: float) -> float:
-        """Average the loss and the gradients over the ranks. The loss first: if it is not finite on any
-        rank, every rank skips the update (one that skipped alone would leave the others waiting)."""
-        loss = torch.tensor([loss_sum], dtype=torch.float64)
-        self.group.all_reduce_(loss)
-        total = float(loss) / self.group.world_size
+        """Average the loss and the gradients over the ranks. The loss first, with one "has a gradient"
+        flag per parameter: if the loss is not finite on any rank, every rank skips the update (one that
+        skipped alone would leave the others waiting); a parameter that some rank's forward did not use
+        counts as a zero gradient there, as DDP's would, and one that no rank used keeps no gradient."""
+        world = self.group.world_size
+        stats = torch.tensor([loss_sum] + [0.0 if p.grad is None else 1.0 for p in self.params], dtype=torch.float64)
+        self.group.all_reduce_(stats)
+        total = float(stats[0]) / world
         if not math.isfinite(total):
             return total
-        if self._grads is None:
-            self._grads = torch.zeros(self.numel + len(self.params), dtype=torch.float32, device=self.group.device)
-        buf, flags = self._grads[: self.numel], self._grads[self.numel :]
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            if p.grad is None:  # unused in this rank's forward: counts as zero, as DDP's would
-                buf[offset : offset + n].zero_()
-            else:
-                buf[offset : offset + n].copy_(p.grad.reshape(-1))
-            offset += n
-        # Built on the CPU and read back once: no device round trip per parameter.
-        flags.copy_(torch.tensor([0.0 if p.grad is None else 1.0 for p in self.params]))
-        dist.all_reduce(self._grads)
-        buf.div_(self.group.world_size)
-        present = flags.cpu().tolist()
-        offset = 0
-        for i, p in enumerate(self.params):
-            n = p.numel()
-            if present[i] > 0:  # a gradient on some rank: every rank gets the same one
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(buf[offset : offset + n].view_as(p))
-            offset += n
+        used = [p for p, flag in zip(self.params, stats[1:].tolist(), strict=True) if flag > 0]
+        for p in used:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        with torch.no_grad():
+            for bucket in buckets([p.grad for p in used if p.grad is not None]):
+                # fp32 whatever the parameters' dtype, as the sum of a group's gradients deserves.
+                flat = torch.cat([g.reshape(-1).float() for g in bucket])
+                self.group.all_reduce_(flat)
+                flat.div_(world)
+                self._unflatten(flat, bucket)
         return total
+
+    @staticmethod
+    def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
 
     # -- rank 0 decides; the others take its weights --
 
@@ -229,13 +254,22 @@ class GroupTrainer(Trainer):
     def _share_weights(self) -> None:
         """Rank 0: every rank continues from rank 0's theta and inner step (the outer step's result)."""
         self.group.command(SYNC, self.step)
-        self.gather_theta(self._scratch)
-        self.group.broadcast_(self._scratch)
+        self._broadcast_params()
 
     def _take_weights(self, step: int) -> None:
-        self.group.broadcast_(self._scratch)
-        self.scatter_theta(self._scratch)
+        self._broadcast_params()
         self.step = step
+
+    def _broadcast_params(self) -> None:
+        """Every rank's parameters become rank 0's, bit for bit (in their own dtype), one bucket at a time."""
+        with torch.no_grad():
+            for bucket in buckets(self.params):
+                if self.group.rank == 0:
+                    self.group.broadcast_(torch.cat([p.detach().reshape(-1) for p in bucket]))
+                else:
+                    flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                    self.group.broadcast_(flat)
+                    self._unflatten(flat, bucket)
 
     def resume(self) -> tuple[Path | None, list[str]]:
         """Rank 0 resumes as a single worker does; the others load the same checkpoint (for the inner

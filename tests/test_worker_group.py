@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 import trio
 from test_worker import TINY, alive, wait_until
 
+from node import worker_group
 from node.checkpoint import read_checkpoint
 from node.exchange import ExchangeOutcome, ExchangeRequest
 from node.group_procs import Rendezvous
@@ -25,7 +26,7 @@ from node.supervisor import WorkerSupervisor
 from node.task import TaskContext
 from node.train_config import TrainConfig
 from node.worker import Trainer
-from node.worker_group import GroupTrainer, WorkerGroup, exit_group_process
+from node.worker_group import GroupTrainer, WorkerGroup, buckets, exit_group_process
 from starling_testing.daemon import TINY as TINY_DAEMON
 from starling_testing.daemon import DaemonGroup
 
@@ -106,6 +107,7 @@ def _join(rank: int, directory: str, out: str) -> GroupTrainer:
 def _rank(rank: int, directory: str, out: str) -> None:
     """One rank of the 2-process group: rank 0 drives (3 inner steps, publish, a group outer step, one more
     inner step); rank 1 follows. Each saves what the parent checks."""
+    worker_group.BUCKET_BYTES = 64  # several buckets per collective, even for this tiny model
     trainer = _join(rank, directory, out)
     if rank == 0:
         for _ in range(STEPS):
@@ -114,8 +116,8 @@ def _rank(rank: int, directory: str, out: str) -> None:
         published = trainer.publish(phi, delta)
         torch.save({"delta": delta.clone(), "samples": published.samples}, Path(out) / "published.pt")
         # A partner whose slow weights are 1 higher everywhere: the outer step moves phi, and both ranks
-        # must go on from the result.
-        trainer.apply_result(2, sum_phi=2 * phi + 1, sum_delta=2 * delta)
+        # must go on from the result. The Delta buffer is lent as scratch, as the worker lends its slot.
+        trainer.apply_result(2, sum_phi=2 * phi + 1, sum_delta=2 * delta, scratch=delta)
         trainer.inner_step()
         trainer.save_checkpoint()  # gathers rank 1's data position too
         theta = _flat(trainer)
@@ -123,7 +125,10 @@ def _rank(rank: int, directory: str, out: str) -> None:
     else:
         assert trainer.follow() == 0
         theta = _flat(trainer)
-    torch.save(theta, Path(out) / f"theta{rank}.pt")
+    kept = {"phi": trainer.phi.numel(), "theta_published": trainer.theta_published.numel(),
+            "momentum": trainer.outer.momentum.numel(), "scratch": trainer._scratch_buf is not None,
+            "numel": trainer.numel}
+    torch.save({"theta": theta, "kept": kept}, Path(out) / f"theta{rank}.pt")
     exit_group_process(0)  # as node/worker.py does: no finalization race with gloo's threads
 
 
@@ -145,9 +150,77 @@ def test_a_two_rank_gloo_group_publishes_the_delta_of_one_process_on_the_concate
     torch.testing.assert_close(group["delta"], delta, rtol=1e-5, atol=1e-7)
     assert group["samples"] == published.samples == STEPS * 2 * LINEAR.batch_size
     # After the outer step every rank holds the same weights, bit for bit.
-    assert torch.equal(torch.load(tmp_path / "theta0.pt"), torch.load(tmp_path / "theta1.pt"))
+    rank0, rank1 = torch.load(tmp_path / "theta0.pt"), torch.load(tmp_path / "theta1.pt")
+    assert torch.equal(rank0["theta"], rank1["theta"])
+    # Only rank 0 keeps the fp32 master copies, and neither rank a model-sized scratch for the broadcast.
+    n = rank0["kept"]["numel"]
+    assert rank0["kept"] == {"phi": n, "theta_published": n, "momentum": n, "scratch": False, "numel": n}
+    assert rank1["kept"] == {"phi": 0, "theta_published": 0, "momentum": 0, "scratch": False, "numel": n}
     ckpt = next((tmp_path / "home" / "checkpoints").rglob("ckpt-*.pt"))
     assert read_checkpoint(ckpt)["group"]["ranks"][0]["data"] == {"i": STEPS + 1}
+
+
+class _TwoHeadsTask(_LinearTask):
+    """Rank 1's forward also uses `extra`; no rank's uses `unused`."""
+
+    name = "group-two-heads"
+
+    def build_model(self) -> torch.nn.Module:
+        torch.manual_seed(self.ctx.cfg.seed)
+        return torch.nn.ModuleDict({"body": torch.nn.Linear(4, 3), "extra": torch.nn.Linear(4, 3),
+                                    "unused": torch.nn.Linear(4, 3)})
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        out = model["body"](x)
+        if self.ctx.rank == 1:
+            out = out + model["extra"](x)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def make_two_heads_task(ctx: TaskContext) -> _TwoHeadsTask:
+    return _TwoHeadsTask(ctx)
+
+
+def _two_heads_rank(rank: int, directory: str, out: str) -> None:
+    torch.set_num_threads(1)
+    cfg = dataclasses.replace(LINEAR, task=f"{__name__}:make_two_heads_task")
+    rendezvous = Rendezvous(Path(directory), 2)
+    group = WorkerGroup.join(rendezvous, rank, cfg, rendezvous.store())
+    trainer = GroupTrainer(group, cfg, Path(out) / "home", "peer-a")
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    if rank == 0:
+        for _ in range(2):
+            trainer.inner_step()
+        trainer.close()
+    else:
+        trainer.follow()
+    after = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    torch.save({"before": before, "after": after}, Path(out) / f"heads{rank}.pt")
+    exit_group_process(0)
+
+
+@pytest.mark.slow
+def test_a_parameter_that_only_one_rank_uses_gets_the_same_update_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    mp.spawn(_two_heads_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = torch.load(tmp_path / "heads0.pt"), torch.load(tmp_path / "heads1.pt")
+    for key, value in rank0["after"].items():
+        assert torch.equal(value, rank1["after"][key]), key  # the ranks stay identical
+    # Rank 1's gradient of `extra` (a zero on rank 0) moved it everywhere; `unused` had no gradient on any
+    # rank, so the optimizer left it alone (a zero gradient would have let weight decay shrink it).
+    assert not torch.equal(rank0["after"]["extra.weight"], rank0["before"]["extra.weight"])
+    assert torch.equal(rank0["after"]["unused.weight"], rank0["before"]["unused.weight"])
+
+
+def test_buckets_keep_the_order_and_cut_at_the_byte_cap_and_at_a_dtype_change() -> None:
+    f32 = [torch.zeros(4), torch.zeros(4), torch.zeros(4)]  # 16 bytes each
+    big, half = torch.zeros(100), torch.zeros(2, dtype=torch.bfloat16)
+    tensors = [*f32, big, half, torch.zeros(1)]
+    runs = list(buckets(tensors, cap_bytes=32))
+    assert [[id(t) for t in run] for run in runs] == [
+        [id(f32[0]), id(f32[1])], [id(f32[2])], [id(big)], [id(half)], [id(tensors[-1])]]
+    assert list(buckets([], cap_bytes=32)) == []
 
 
 def _nan_rank(rank: int, directory: str, out: str) -> None:
