@@ -82,9 +82,11 @@ bench-adversary: install
 	$(PY) bench/adversary.py --write-docs
 
 # Peak RSS of daemon + worker at 10M and 100M parameters, two daemons averaging (section Memory of
-# docs/benchmarks.md; 1B extrapolated); about 5 min on 2 cores, ~14 GB of RAM at its peak.
+# docs/benchmarks.md; 1B extrapolated), then the same with one node's worker a 2-process group (section
+# Memory of a worker group); about 8 min on 2 cores, ~16 GB of RAM at its peak.
 bench-memory: install
 	$(PY) bench/memory.py --before bench/memory_before.json --write-docs
+	$(PY) bench/memory.py --group --before bench/memory_group_before.json --write-docs
 
 bench-hivemind: install
 	$(PY) bench/sync.py --parts 3

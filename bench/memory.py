@@ -21,9 +21,15 @@ double-counts it; the "machine" column counts it once.
                                                              # the `## Memory` section of docs/benchmarks.md
                                                              # (`make bench-memory`), beside the figures of
                                                              # the code before the cuts (an earlier --json)
+    .venv/bin/python bench/memory.py --group --before bench/memory_group_before.json --write-docs
+                                                             # node a's worker as a 2-process group: the
+                                                             # daemon's and each rank's peak, section
+                                                             # `## Memory of a worker group`
 
 bench/memory_before.json is `--json` of a run on the code before the cuts of issue #15 (a private
-`Trainer.phi`, a model-sized `Trainer._scratch`, gradients kept until the next inner step).
+`Trainer.phi`, a model-sized `Trainer._scratch`, gradients kept until the next inner step);
+bench/memory_group_before.json is `--group --json` of a run on the code before ranks 1.. of a worker group
+dropped the master copies and the model-sized broadcast and gradient buffers.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ SIZES: dict[str, tuple[int, int, int]] = {"10M": (512, 3, 8), "100M": (1024, 8, 
 SEQ_LEN = 32
 TIMEOUT_S = {"10M": 240.0, "100M": 540.0}  # the whole run of one size, start-up included
 EXTRAPOLATE = 1_000_000_000
+GROUP_RANKS = 2  # --group: node a's worker as a 2-process gloo group (the CPU stand-in for a 2-GPU host)
+GROUP_SECTION = "## Memory of a worker group"
 
 # Small batches (a 100M step is seconds on one CPU thread), H = 3, a checkpoint after every outer step (so
 # its transient memory is in the peak), outer steps every H steps of this machine (no pace to wait for).
@@ -110,6 +118,18 @@ class Row:
         return self.total - min(self.daemon.shmem, self.worker.shmem)
 
 
+@dataclass
+class GroupRow:
+    """Node a of a run whose worker is a group (`train.local_ranks`): its daemon and each rank."""
+
+    size: str
+    params: int
+    daemon: Proc = field(default_factory=Proc)
+    ranks: list[Proc] = field(default_factory=list)
+    averaged: int = 0
+    seconds: float = 0.0
+
+
 def read_status(pid: int) -> dict[str, int]:
     """The kB fields of /proc/PID/status, in bytes ({} if the process is gone)."""
     try:
@@ -134,36 +154,54 @@ def set_args(d_model: int, n_layers: int, n_heads: int) -> list[str]:
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
-def kill(d: DaemonProc, worker_pid: int | None) -> None:
-    """SIGKILL the worker first (a worker that sees its daemon go writes a final checkpoint), then the
-    daemon; wait for both."""
-    if worker_pid:
+def kill(d: DaemonProc, worker_pids: list[int]) -> None:
+    """SIGKILL the worker's processes first (a worker that sees its daemon go writes a final checkpoint),
+    then the daemon; wait for all."""
+    for pid in worker_pids:
         try:
-            os.kill(worker_pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     if d.proc is not None and d.proc.poll() is None:
         d.proc.kill()
         d.proc.wait(30)
-    if worker_pid:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and Path(f"/proc/{worker_pid}").exists():
-            time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in worker_pids):
+        time.sleep(0.1)
 
 
 def measure(size: str, root: Path) -> Row:
     """Two daemons training the default task at `size`, until both have averaged an outer step and written
     the checkpoint after it; the busier node's figures (each process's larger peak of the two)."""
+    row = Row(size, param_count(*SIZES[size][:2]))
+    procs, row.averaged, row.seconds = run_pair(size, root, local_ranks=1)
+    row.daemon, (row.worker,) = max(procs, key=lambda pair: pair[0].hwm + pair[1][0].hwm)
+    return row
+
+
+def measure_group(size: str, root: Path) -> GroupRow:
+    """The same run with node a's worker a group of `GROUP_RANKS` processes (node b stays one process):
+    node a's daemon and each of its ranks."""
+    row = GroupRow(size, param_count(*SIZES[size][:2]))
+    procs, row.averaged, row.seconds = run_pair(size, root, local_ranks=GROUP_RANKS)
+    row.daemon, row.ranks = procs[0]
+    return row
+
+
+def run_pair(size: str, root: Path, local_ranks: int) -> tuple[list[tuple[Proc, list[Proc]]], int, float]:
+    """Run the two daemons (node a with `train.local_ranks = local_ranks`) until both have averaged an outer
+    step and written the checkpoint after it; per node (daemon, [worker processes, rank 0 first]), the
+    averaged outer steps and the seconds it took."""
     d_model, n_layers, n_heads = SIZES[size]
-    row = Row(size, param_count(d_model, n_layers))
     swarm = f"mem-{uuid.uuid4().hex[:8]}"
     common = ["--listen", "/ip4/127.0.0.1/tcp/0", "--swarm", swarm, "--set", "sync.datapath_port=0",
               *set_args(d_model, n_layers, n_heads)]
     addr = root / "a.addr"
-    nodes = [DaemonProc(root / "a", [*common, "--addr-file", str(addr)]),
+    nodes = [DaemonProc(root / "a", [*common, "--addr-file", str(addr), "--set", f"train.local_ranks={local_ranks}"]),
              DaemonProc(root / "b", [*common, "--bootstrap-file", str(addr)])]
-    procs = [(Proc(), Proc()) for _ in nodes]  # (daemon, worker) per node
-    workers: list[int | None] = [None, None]
+    procs: list[tuple[Proc, list[Proc]]] = [(Proc(), []) for _ in nodes]
+    workers: list[int | None] = [None, None]  # rank 0's pid, to see a restart
+    averaged = 0
     began = time.monotonic()
     deadline = began + TIMEOUT_S[size]
     try:
@@ -186,10 +224,13 @@ def measure(size: str, root: Path) -> Row:
                 if pid:
                     if workers[i] not in (None, pid):
                         raise SystemExit(f"{size}: the worker of {d.home.name} restarted ({tr.get('error')})")
-                    workers[i] = procs[i][1].pid = int(pid)
-                for p in procs[i]:
-                    if p.pid:
-                        p.sample()
+                    workers[i] = int(pid)
+                    pids = [int(p) for p in (tr.get("group_pids") or [pid])]
+                    if [p.pid for p in procs[i][1]] != pids:  # the group's followers show up after rank 0
+                        known = {p.pid: p for p in procs[i][1]}
+                        procs[i][1][:] = [known.get(p) or Proc(pid=p) for p in pids]
+                for p in [procs[i][0], *procs[i][1]]:
+                    p.sample()
                 group = int((tr.get("exchanges") or {}).get("group", 0))
                 ckpt = tr.get("checkpoint_step")
                 if group >= 1 and not done[i]:
@@ -197,21 +238,20 @@ def measure(size: str, root: Path) -> Row:
                         ckpt_after[i] = -1 if ckpt is None else int(ckpt)
                     elif ckpt is not None and int(ckpt) > ckpt_after[i]:
                         done[i] = True
-                        row.averaged = max(row.averaged, group)
+                        averaged = max(averaged, group)
             time.sleep(0.25)
         for _ in range(4):  # a second more of sampling, then the peaks
-            for pair in procs:
-                for p in pair:
+            for daemon, ranks in procs:
+                for p in [daemon, *ranks]:
                     p.sample()
             time.sleep(0.25)
     finally:
-        for i, d in enumerate(nodes):
-            kill(d, workers[i])
+        for (_, ranks), d in zip(procs, nodes, strict=True):
+            kill(d, [p.pid for p in ranks])
         sweep_orphans()
-    row.seconds = time.monotonic() - began
-    pick = max(procs, key=lambda pair: pair[0].hwm + pair[1].hwm)
-    row.daemon, row.worker = pick
-    return row
+    if any(len(ranks) != n for (_, ranks), n in zip(procs, (local_ranks, 1), strict=True)):
+        raise SystemExit(f"{size}: did not see every worker process: {[[p.pid for p in r] for _, r in procs]}")
+    return procs, averaged, time.monotonic() - began
 
 
 # --- the report -------------------------------------------------------------------------------------------
@@ -345,6 +385,62 @@ def render(rows: list[Row], before: list[Row] | None, command: str) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def group_table(rows: list[GroupRow]) -> list[str]:
+    columns = ["daemon"] + [f"rank {r}" for r in range(GROUP_RANKS)]
+    out = ["| model | parameters | " + " | ".join(f"{c} peak MiB (B/param)" for c in columns) + " |",
+           "|---|---|" + "---|" * len(columns)]
+
+    def peaks(r: GroupRow) -> list[int]:
+        return [r.daemon.hwm, *(p.hwm for p in r.ranks)]
+
+    for r in rows:
+        out.append(f"| {r.size} (measured) | {r.params:,} | "
+                   + " | ".join(f"{b / MIB:,.0f} ({per_param(b, r.params)})" for b in peaks(r)) + " |")
+    if len(rows) >= 2:
+        a, b = rows[0], rows[-1]
+        slopes = [(yb - ya) / (b.params - a.params) for ya, yb in zip(peaks(a), peaks(b), strict=True)]
+        fixed = [ya - k * a.params for ya, k in zip(peaks(a), slopes, strict=True)]
+        out.append(f"| marginal (slope {a.size} -> {b.size}) | | "
+                   + " | ".join(f"+{k:.1f} B/param over {f / MIB:,.0f} MiB fixed" for k, f in zip(slopes, fixed, strict=True))
+                   + " |")
+    return out
+
+
+def render_group(rows: list[GroupRow], before: list[GroupRow] | None, command: str) -> str:
+    parts = [GROUP_SECTION,
+             f"`{command}`: the run of `## Memory` with node a's worker a group of {GROUP_RANKS} processes "
+             f"(`train.local_ranks = {GROUP_RANKS}`, gloo on the CPU, the stand-in for a {GROUP_RANKS}-GPU host; "
+             "node b stays one process), until node a has averaged an outer step and written the checkpoint "
+             "after it. Peaks (`VmHWM`) of node a's daemon and of each rank; B/param = peak / parameters.",
+             "### After\n\n" + "\n".join(group_table(rows))]
+    if before:
+        parts.append("### Before (the same benchmark on the code before the cut)\n\n" + "\n".join(group_table(before)))
+    parts.append("Expected fp32 B/param, from the code. Rank 0 runs the single worker's loop: model 4, "
+                 "gradients 4, AdamW 8 and its temporary 4, theta at publish 4, outer momentum 4, the four "
+                 "shared slots 16 = 44; before the cut it also wrote a model-sized scratch for the weight "
+                 "broadcast and a flat fp32 gradient buffer for the all-reduce (8 more). A rank beyond 0 takes "
+                 "no outer step: model, gradients, AdamW and its temporary = 20, what one DDP process holds. "
+                 "Before the cut it also allocated phi, theta at publish and the outer momentum, which only "
+                 "rank 0 uses, and the same scratch and gradient buffer (40 B/param); a fresh start writes "
+                 "phi, the scratch and the gradient buffer of those, so 32 were resident (pages never written "
+                 "are not: theta at publish is never written on a follower, the outer momentum only when it "
+                 "resumes from a checkpoint). What was cut (node/worker_group.py): ranks 1.. are built "
+                 "without the master copies (`Trainer(slow_weights=False)`), and gradients and weights cross "
+                 "the group in buckets of `BUCKET_BYTES` (32 MiB) instead of model-sized flat buffers; the "
+                 "group's Delta still equals one process's on the concatenated batch, and the ranks' weights "
+                 "stay identical (tests/test_worker_group.py). On "
+                 "a GPU host the model, gradients and AdamW state sit on the devices, and so did the gradient "
+                 "buffer: there the cut saves 4 B/param of GPU memory on every rank, and host RAM: 8 to 12 "
+                 "B/param resident (16 allocated) per rank beyond 0, 8 to 12 GB per extra GPU at 1B "
+                 "parameters, and the scratch's 4 on rank 0.")
+    return "\n\n".join(parts) + "\n"
+
+
+def load_group_rows(path: Path) -> list[GroupRow]:
+    return [GroupRow(o["size"], o["params"], Proc(**o["daemon"]), [Proc(**r) for r in o["ranks"]],
+                     o.get("averaged", 0), o.get("seconds", 0.0)) for o in json.loads(path.read_text())]
+
+
 def load_rows(path: Path) -> list[Row]:
     rows = []
     for obj in json.loads(path.read_text()):
@@ -358,12 +454,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated: {', '.join(SIZES)}")
     ap.add_argument("--json", type=Path, help="also write the measured rows to this JSON file")
     ap.add_argument("--before", type=Path, help="an earlier run's --json, shown as the 'before' table")
-    ap.add_argument("--write-docs", action="store_true", help=f"write the `{SECTION}` section of {DOCS.name}")
+    ap.add_argument("--write-docs", action="store_true",
+                    help=f"write the `{SECTION}` section of {DOCS.name} (with --group: `{GROUP_SECTION}`)")
+    ap.add_argument("--group", action="store_true",
+                    help=f"measure node a with its worker as a {GROUP_RANKS}-process group instead")
     args = ap.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown or not sizes:
         ap.error(f"--sizes: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(SIZES)}")
+    command = ("python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    if args.group:
+        return main_group(sizes, args, command)
     before = load_rows(args.before) if args.before else None
     rows = []
     for size in sizes:
@@ -378,11 +480,33 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.worker.shmem / MIB:,.0f} MiB in each)", file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r)} for r in rows], indent=1))
-    command = ("python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     text = render(rows, before, command)
     print(text)
     if args.write_docs:
         replace_section(DOCS, SECTION, text)
+        print(f"written to {DOCS}", file=sys.stderr)
+    return 0
+
+
+def main_group(sizes: list[str], args: argparse.Namespace, command: str) -> int:
+    before = load_group_rows(args.before) if args.before else None
+    rows = []
+    for size in sizes:
+        root = Path(tempfile.mkdtemp(prefix=f"starling-memg-{size}-"))
+        try:
+            r = measure_group(size, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        rows.append(r)
+        print(f"{size} group: {r.params:,} params in {r.seconds:.0f} s: daemon {r.daemon.hwm / MIB:,.0f} MiB, "
+              + ", ".join(f"rank {i} {p.hwm / MIB:,.0f} MiB ({p.hwm / r.params:.1f} B/param)"
+                          for i, p in enumerate(r.ranks)), file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    text = render_group(rows, before, command)
+    print(text)
+    if args.write_docs:
+        replace_section(DOCS, GROUP_SECTION, text)
         print(f"written to {DOCS}", file=sys.stderr)
     return 0
 
