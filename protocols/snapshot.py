@@ -14,6 +14,7 @@ checkpoint and limit how many downloads they serve at once (`busy` beyond that).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -383,8 +384,8 @@ def combine(downloads: list[tuple[DonorProgress, Path]]) -> dict[str, Any]:
     if not usable:
         raise ValueError("every donor's slow weights hold values that are not finite")
     phi = np.empty(numel, dtype=np.float32)
-    files = [open(path, "rb") for _, path in usable]  # noqa: SIM115 - closed below, all together
-    try:
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(open(path, "rb")) for _, path in usable]
         for lo in range(0, numel, COMBINE_BLOCK):
             n = min(COMBINE_BLOCK, numel - lo)
             blocks = [np.fromfile(f, dtype="<f4", count=n) for f in files]
@@ -398,9 +399,6 @@ def combine(downloads: list[tuple[DonorProgress, Path]]) -> dict[str, Any]:
                 out /= np.float32(2)
             else:
                 out[:] = blocks[0]
-    finally:
-        for f in files:
-            f.close()
     metas = [p.meta for p, _ in usable]
     return {
         "format": "starling-snapshot-1",
