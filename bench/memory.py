@@ -43,9 +43,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from node.shm import sweep_orphans
 from starling_testing.daemon import DaemonProc
@@ -64,6 +65,7 @@ TIMEOUT_S = {"10M": 240.0, "100M": 540.0}  # the whole run of one size, start-up
 EXTRAPOLATE = 1_000_000_000
 GROUP_RANKS = 2  # --group: node a's worker as a 2-process gloo group (the CPU stand-in for a 2-GPU host)
 GROUP_SECTION = "## Memory of a worker group"
+RowT = TypeVar("RowT")
 
 # Small batches (a 100M step is seconds on one CPU thread), H = 3, a checkpoint after every outer step (so
 # its transient memory is in the peak), outer steps every H steps of this machine (no pace to wait for).
@@ -466,48 +468,43 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(SIZES)}")
     command = ("python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     if args.group:
-        return main_group(sizes, args, command)
+        group_rows = []
+        for size in sizes:  # each size's line as soon as it is measured
+            g = run_size(size, measure_group)
+            group_rows.append(g)
+            print(f"{size} group: {g.params:,} params in {g.seconds:.0f} s: daemon {g.daemon.hwm / MIB:,.0f} MiB, "
+                  + ", ".join(f"rank {i} {p.hwm / MIB:,.0f} MiB ({p.hwm / g.params:.1f} B/param)"
+                              for i, p in enumerate(g.ranks)), file=sys.stderr, flush=True)
+        before_group = load_group_rows(args.before) if args.before else None
+        return publish(args, [asdict(r) for r in group_rows], render_group(group_rows, before_group, command),
+                       GROUP_SECTION)
+    rows = []
+    for size in sizes:
+        row = run_size(size, measure)
+        rows.append(row)
+        print(f"{size}: {row.params:,} params in {row.seconds:.0f} s: daemon {row.daemon.hwm / MIB:,.0f} MiB, "
+              f"worker {row.worker.hwm / MIB:,.0f} MiB ({row.total / row.params:.1f} B/param together; shared "
+              f"slots {row.worker.shmem / MIB:,.0f} MiB in each)", file=sys.stderr, flush=True)
     before = load_rows(args.before) if args.before else None
-    rows = []
-    for size in sizes:
-        root = Path(tempfile.mkdtemp(prefix=f"starling-mem-{size}-"))
-        try:
-            r = measure(size, root)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        rows.append(r)
-        print(f"{size}: {r.params:,} params in {r.seconds:.0f} s: daemon {r.daemon.hwm / MIB:,.0f} MiB, worker "
-              f"{r.worker.hwm / MIB:,.0f} MiB ({r.total / r.params:.1f} B/param together; shared slots "
-              f"{r.worker.shmem / MIB:,.0f} MiB in each)", file=sys.stderr, flush=True)
-    if args.json:
-        args.json.write_text(json.dumps([{**asdict(r)} for r in rows], indent=1))
-    text = render(rows, before, command)
-    print(text)
-    if args.write_docs:
-        replace_section(DOCS, SECTION, text)
-        print(f"written to {DOCS}", file=sys.stderr)
-    return 0
+    return publish(args, [asdict(r) for r in rows], render(rows, before, command), SECTION)
 
 
-def main_group(sizes: list[str], args: argparse.Namespace, command: str) -> int:
-    before = load_group_rows(args.before) if args.before else None
-    rows = []
-    for size in sizes:
-        root = Path(tempfile.mkdtemp(prefix=f"starling-memg-{size}-"))
-        try:
-            r = measure_group(size, root)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        rows.append(r)
-        print(f"{size} group: {r.params:,} params in {r.seconds:.0f} s: daemon {r.daemon.hwm / MIB:,.0f} MiB, "
-              + ", ".join(f"rank {i} {p.hwm / MIB:,.0f} MiB ({p.hwm / r.params:.1f} B/param)"
-                          for i, p in enumerate(r.ranks)), file=sys.stderr, flush=True)
+def run_size(size: str, measure_one: Callable[[str, Path], RowT]) -> RowT:
+    """One size's run in a temporary home directory, removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix=f"starling-mem-{size}-"))
+    try:
+        return measure_one(size, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def publish(args: argparse.Namespace, rows: list[dict[str, Any]], text: str, section: str) -> int:
+    """--json, the report on stdout and, with --write-docs, `section` of docs/benchmarks.md."""
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    text = render_group(rows, before, command)
+        args.json.write_text(json.dumps(rows, indent=1))
     print(text)
     if args.write_docs:
-        replace_section(DOCS, GROUP_SECTION, text)
+        replace_section(DOCS, section, text)
         print(f"written to {DOCS}", file=sys.stderr)
     return 0
 
