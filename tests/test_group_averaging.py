@@ -110,6 +110,33 @@ async def test_a_pair_whose_second_round_partner_is_absent_keeps_the_pairs_weigh
             torch.testing.assert_close(r.delta_out / 2, weighted(deltas, [160, 40]), rtol=0, atol=1e-6)
 
 
+def bye_joins_in_the_second_round(avs: list[Averager], monkeypatch) -> tuple[Averager, Averager, Averager]:
+    """(A, B, C) of three trainers whose schedule pairs A with B in the first round and gives the bye C to A
+    in the second (C < A, so C asks A; B < A, so B asks A); a declined request is asked again only after
+    every window has passed."""
+    c, b, a = sorted(avs, key=lambda av: av.me)
+    schedule = {a.me: (b.me, c.me), b.me: (a.me, None), c.me: (None, a.me)}
+    monkeypatch.setattr(averager_module, "scheduled_partners", lambda me, others, step, speeds=None: schedule[me])
+    monkeypatch.setattr(averager_module, "SCHEDULED_RETRY_S", (8.0, 8.0))
+    return a, b, c
+
+
+async def exchange_c_early_b_late(a: Averager, b: Averager, c: Averager, reqs: dict[str, Any]) -> dict[str, int]:
+    """A and C publish at once, B half a second later; each trainer's group size."""
+    sizes: dict[str, int] = {}
+
+    async def one(av: Averager, delay: float) -> None:
+        await trio.sleep(delay)
+        sizes[av.me] = (await av.exchange(reqs[av.me])).group_size
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, a, 0.0)
+            nursery.start_soon(one, c, 0.0)
+            nursery.start_soon(one, b, 0.5)
+    return sizes
+
+
 async def test_a_second_round_request_that_arrives_during_the_first_round_is_held_not_sent_away(monkeypatch) -> None:
     """Three trainers: A pairs with B in the first round and the bye C joins A in the second. C asks A at
     once, while A still waits for B (B publishes half a second later). A holds C's request until its
@@ -117,23 +144,9 @@ async def test_a_second_round_request_that_arrives_during_the_first_round_is_hel
     ready", C would ask again only after the retry interval (here set past every window): C would step
     solo and A keep the pair's result."""
     async with AsyncExitStack() as stack:
-        avs = await connected(stack, 3)
-        c, b, a = sorted(avs, key=lambda av: av.me)  # C < A, so C asks A; B < A, so B asks A
-        schedule = {a.me: (b.me, c.me), b.me: (a.me, None), c.me: (None, a.me)}
-        monkeypatch.setattr(averager_module, "scheduled_partners", lambda me, others, step, speeds=None: schedule[me])
-        monkeypatch.setattr(averager_module, "SCHEDULED_RETRY_S", (8.0, 8.0))
+        a, b, c = bye_joins_in_the_second_round(await connected(stack, 3), monkeypatch)
         reqs = {av.me: request(i + 1) for i, av in enumerate((a, b, c))}
-        sizes: dict[str, int] = {}
-
-        async def one(av: Averager, delay: float) -> None:
-            await trio.sleep(delay)
-            sizes[av.me] = (await av.exchange(reqs[av.me])).group_size
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(one, a, 0.0)
-                nursery.start_soon(one, c, 0.0)
-                nursery.start_soon(one, b, 0.5)
+        sizes = await exchange_c_early_b_late(a, b, c, reqs)
         assert [sizes[a.me], sizes[b.me], sizes[c.me]] == [3, 2, 3]
         assert c.stats["declined"] == 0  # C's one request was held and served, never sent away
         mean3 = sum(r.phi for r in reqs.values()) / 3
@@ -146,11 +159,7 @@ async def test_a_scheduled_partner_refused_for_another_reason_is_answered_at_onc
     C is the partner A's schedule gives it and A is still in its first round. A hold would keep a refused
     request (and one of A's inbound slots) for up to half of C's deadline for nothing."""
     async with AsyncExitStack() as stack:
-        avs = await connected(stack, 3)
-        c, b, a = sorted(avs, key=lambda av: av.me)
-        schedule = {a.me: (b.me, c.me), b.me: (a.me, None), c.me: (None, a.me)}
-        monkeypatch.setattr(averager_module, "scheduled_partners", lambda me, others, step, speeds=None: schedule[me])
-        monkeypatch.setattr(averager_module, "SCHEDULED_RETRY_S", (8.0, 8.0))
+        a, b, c = bye_joins_in_the_second_round(await connected(stack, 3), monkeypatch)
         a._link(c.me).banned_until = trio.current_time() + 1000
         held: list[str] = []
         await_round = a._await_round
@@ -161,17 +170,7 @@ async def test_a_scheduled_partner_refused_for_another_reason_is_answered_at_onc
 
         monkeypatch.setattr(a, "_await_round", spy)
         reqs = {av.me: request(i + 1) for i, av in enumerate((a, b, c))}
-        sizes: dict[str, int] = {}
-
-        async def one(av: Averager, delay: float) -> None:
-            await trio.sleep(delay)
-            sizes[av.me] = (await av.exchange(reqs[av.me])).group_size
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(one, a, 0.0)
-                nursery.start_soon(one, c, 0.0)
-                nursery.start_soon(one, b, 0.5)
+        sizes = await exchange_c_early_b_late(a, b, c, reqs)
         assert held == []
         assert [sizes[a.me], sizes[b.me], sizes[c.me]] == [2, 2, 1]  # A and B pair; C is refused, steps solo
 
