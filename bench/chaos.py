@@ -14,7 +14,7 @@ What it checks (exit code 1 if any check fails):
 (a) deadlines: no exchange took longer than its deadline. Each daemon runs with `--log-level debug`, so
     the averager logs every outer step's whole exchange ("outer step K: averaged|solo after X s": pairing
     window, handshake and transfer); the longest must stay within the bound the averager's own deadlines
-    give (`sync.pair_window_s` + 2 x `sync.handshake_timeout_s` + the transfer deadline + 1.5 s for the
+    give (`sync.pair_window_s` + 2 x `sync.handshake_timeout_s` + the transfer's bound + 1.5 s for the
     shielded stream close), and the supervisor's hard cap (`train.exchange_timeout`) must never fire.
 (b) resume: every restarted trainer resumed from the newest checkpoint on its disk at the time of the kill
     (its `training.resumed_step`), not from step 0, and its step counter never went below it afterwards.
@@ -54,6 +54,7 @@ from typing import Any
 
 from node.checkpoint import CheckpointError, read_checkpoint
 from node.sync_config import SyncConfig
+from protocols.avg import WATCH_S, TransferLimits
 from starling_testing.daemon import DaemonProc  # starts a daemon, its log in HOME
 from starling_testing.report import replace_section
 
@@ -77,7 +78,6 @@ TRAIN = {
 # the swarm tests overload gossip with seven daemons on two busy cores: records arrive ever later and every
 # member turns "gone" on most nodes within a minute, even with no training and no kills at all
 # (docs/reliability.md, "Chaos run: what did not hold").
-TRANSFER_FLOOR_S = 10.0  # node/averager.py: _transfer_deadline = 10 s + slack x expected transfer time
 CLOSE_GRACE_S = 1.5  # the initiator's shielded stream close (1 s) and its short sleeps between tries
 
 EXCHANGE_LINE = re.compile(r"outer step (\d+): (averaged|solo) after ([0-9.]+)s")
@@ -309,8 +309,7 @@ class ChaosRun:
         self.losses: list[tuple[float, float]] = []  # (seconds since the chaos began, swarm mean loss)
         self.kills: list[Kill] = []
         self.skipped_kills = 0
-        # For the transfer deadline: the slowest link rate measured and the largest round (both ways).
-        self.min_rate_mbps = SyncConfig().assumed_rate_mbps
+        # For the transfer bound: the largest round (both ways).
         self.round_bytes = 0
         self.t0 = self.chaos_end = 0.0  # monotonic times: the chaos began, the kills stopped
         self.views = ""  # the member tables at the last convergence poll
@@ -392,9 +391,6 @@ class ChaosRun:
             self.losses.append((now, statistics.fmean(finite)))
         for st in statuses.values():
             sync = (st or {}).get("sync") or {}
-            for peer in (sync.get("per_peer") or {}).values():
-                if peer.get("rounds"):
-                    self.min_rate_mbps = min(self.min_rate_mbps, float(peer["rate_mbps"]))
             if sync.get("last_bytes"):
                 self.round_bytes = max(self.round_bytes, int(sync["last_bytes"]))
 
@@ -537,9 +533,10 @@ class ChaosRun:
     def exchange_bound(self) -> float:
         """The longest an exchange may take under the averager's own deadlines (see the module doc)."""
         cfg = dataclasses.replace(SyncConfig(), **SYNC)
-        # _transfer_deadline: expected = 2 x one direction's bytes / rate; last_bytes counts both directions.
-        expected = self.round_bytes / max(self.min_rate_mbps * 1e6 / 8, 1.0)
-        transfer = TRANSFER_FLOOR_S + cfg.deadline_slack * expected
+        # protocols/avg.py TransferLimits: a transfer that is not cut moves at least the floor rate (counted
+        # both ways, as last_bytes is) once it has run for the stall timeout, and is looked at every WATCH_S.
+        limits = TransferLimits(stall_s=cfg.stall_timeout_s, max_s=cfg.max_transfer_s)
+        transfer = min(limits.max_s, max(limits.stall_s, self.round_bytes / limits.floor_bps)) + WATCH_S
         return cfg.pair_window_s + 2 * cfg.handshake_timeout_s + transfer + CLOSE_GRACE_S
 
     def exchanges(self) -> dict[str, Any]:

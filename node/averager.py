@@ -15,8 +15,12 @@ starves an odd one out. For up to `sync.pair_window_s`:
 
 No node ever waits for more than one partner, and a partner that refuses, fails or misses its deadline
 costs a back-off for that partner and, at worst, a solo step here. Crossing requests (A asks B while B
-asks A) become one exchange: the request of the smaller PeerID wins. Deadlines come from each link's
-measured throughput (an EWMA), not from a fixed timeout.
+asks A) become one exchange: the request of the smaller PeerID wins. Once paired, a transfer runs as long
+as it moves (`sync.stall_timeout_s` without a byte, a floor of a few kbit/s, `sync.max_transfer_s` in all:
+protocols/avg.py, `TransferLimits`), so a slow link is never ruled out by a guess of its rate; each
+partner's rate is measured while bytes flow, after failed transfers too, and shown in status. The worker
+keeps training meanwhile (node/worker.py): on a slow link an outer step simply lasts as long as its
+exchange.
 
 Phase: outer steps are paced by time (node/worker.py, `publish_due`), and two partners that published at
 different moments meet halfway: each tells the other how long it waited for the pairing, and the result
@@ -118,6 +122,7 @@ class _Pending:
     window_s: float | None = None  # how long this round looks for a partner (None: sync.pair_window_s)
     open_phase: bool = True  # whether anyone may be asked once the scheduled partner is out of reach
     claimed_by: str | None = None  # partner peer id once an exchange owns the outputs; "solo" when closed
+    progress: avg.Progress | None = None  # the claiming exchange's bytes, while its transfer runs (status)
     initiating_to: str | None = None
     result: int = 1
     done: trio.Event = field(default_factory=trio.Event)
@@ -155,7 +160,7 @@ class _Pending:
 class _Link:
     """What we know of one partner: measured rate and back-off."""
 
-    rate_bps: float
+    rate_bps: float | None = None  # bytes/s each way while data flowed (EWMA; None: never measured)
     failures: int = 0
     offences: int = 0
     banned_until: float = 0.0
@@ -258,6 +263,9 @@ class Averager:
         self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps, cfg.clip_phi_ratio)
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
         self._phi_mean: np.ndarray | None = None  # a pair's mean phi, sent in a second round
+        if cfg.assumed_rate_mbps != 100.0 or cfg.deadline_slack != 3.0:
+            log.warning("sync.assumed_rate_mbps and sync.deadline_slack are ignored now: a transfer runs as long "
+                        "as it moves (sync.stall_timeout_s, sync.max_transfer_s); remove them from the config")
         self._round_begun = trio.Event()  # set (and replaced) whenever a round of an outer step begins
 
     # --- lifecycle ---------------------------------------------------------------------------------------
@@ -277,12 +285,20 @@ class Averager:
         st["datapath_port"] = self.listener.port if self.listener is not None else None
         st["per_peer"] = {
             p: {"rounds": link.rounds, "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
-                "rate_mbps": round(link.rate_bps * 8 / 1e6, 1), "failures": link.failures, "path": link.last_path,
+                "rate_mbps": None if link.rate_bps is None else round(link.rate_bps * 8 / 1e6, 3), "failures": link.failures, "path": link.last_path,
                 "clipped": link.clipped}
             for p, link in self._links.items()
         }
         st["mixing"] = self.mixing()
-        st["state"] = "pairing" if self._pending is not None else "idle"
+        pending = self._pending
+        st["state"] = "idle" if pending is None else ("pairing" if pending.claimed_by is None else "exchanging")
+        if pending is not None and pending.progress is not None and pending.claimed_by not in (None, "solo"):
+            # What a slow link's operator wants to see: the transfer is moving, and how fast.
+            moved = pending.progress
+            rate = moved.rate_bps()
+            st["transfer"] = {"partner": str(pending.claimed_by), "bytes": moved.bytes,
+                              "seconds": round(trio.current_time() - pending.began - pending.waited_s, 1),
+                              "rate_mbps": None if rate is None else round(rate * 8 / 2 / 1e6, 3)}
         st["rejections"] = dict(self.rejections)
         st["clipped"] = dict(self.clipped)
         now = trio.current_time()
@@ -602,7 +618,7 @@ class Averager:
         if link is None:
             if len(self._links) >= MAX_LINKS:
                 self._forget_a_link()
-            link = self._links[peer] = _Link(rate_bps=self.cfg.assumed_rate_mbps * 1e6 / 8)
+            link = self._links[peer] = _Link()
         return link
 
     def _forget_a_link(self) -> None:
@@ -615,10 +631,20 @@ class Averager:
         victim = (never or unbanned or list(self._links))[0]
         del self._links[victim]
 
-    def _transfer_deadline(self, peer: str, numel: int) -> float:
-        plan = avg.make_plan(numel, self.cfg.wire_dtype, 4096)
-        expected = 2 * plan.total_bytes / max(self._link(peer).rate_bps, 1.0)
-        return 10.0 + self.cfg.deadline_slack * expected
+    def _transfer_limits(self) -> avg.TransferLimits:
+        """A transfer runs as long as it moves (protocols/avg.py, `TransferLimits`): no deadline from a link
+        rate, assumed or measured, can rule out a slow link that works."""
+        return avg.TransferLimits(stall_s=self.cfg.stall_timeout_s, max_s=self.cfg.max_transfer_s)
+
+    def _learn_rate(self, partner: str, progress: avg.Progress) -> None:
+        """Fold the rate this transfer's bytes flowed at into the partner's link (EWMA), whether it
+        completed or not: a transfer that was cut still shows what the link does."""
+        rate = progress.rate_bps()
+        if rate is None:
+            return
+        link = self._link(partner)
+        each_way = rate / 2
+        link.rate_bps = each_way if link.rate_bps is None else (1 - RATE_EWMA) * link.rate_bps + RATE_EWMA * each_way
 
     def _request_fields(self, pending: _Pending) -> dict[str, Any]:
         return {
@@ -658,7 +684,7 @@ class Averager:
         pending.initiating_to = partner
         began = trio.current_time()
         claimed_here = False
-        numel = pending.tensors.phi.size
+        progress = avg.Progress()
         try:
             stream = None
             with trio.fail_after(self.cfg.handshake_timeout_s):
@@ -671,6 +697,7 @@ class Averager:
                     return False  # a crossing request claimed this step meanwhile
                 pending.mark_paired(partner, trio.current_time())
                 self._note_partner(pending, answer)
+                pending.progress = progress
                 claimed_here = True
                 return True
 
@@ -683,7 +710,8 @@ class Averager:
                     remote_peer_id=ID.from_base58(partner).to_bytes(),
                     remote_ip=avg.partner_ip(stream),
                     handshake_timeout=self.cfg.handshake_timeout_s,
-                    transfer_deadline=self._transfer_deadline(partner, numel),
+                    limits=self._transfer_limits(),
+                    progress=progress,
                     on_accept=claim,
                     validate=self._values_judge(pending),
                     offer_punch=self._may_punch(partner),
@@ -705,6 +733,7 @@ class Averager:
             log.debug("partner %s declined: %s", partner, e)
             return "not ready" if not_ready else ("busy" if e.verdict == "busy" else "refused")
         except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
+            self._learn_rate(partner, progress)
             self._fail(partner, e, trio.current_time() - began)
             if claimed_here:  # our exchange owned this step and failed: solo, nothing applied
                 pending.result = 1
@@ -712,6 +741,7 @@ class Averager:
             return "failed"
         finally:
             pending.initiating_to = None
+        self._learn_rate(partner, progress)
         self._succeed(partner, result)
         pending.result = 2
         pending.done.set()
@@ -780,6 +810,7 @@ class Averager:
         pending.mark_paired(partner, trio.current_time())
         self._note_partner(pending, request)
         began = trio.current_time()
+        progress = pending.progress = avg.Progress()
         try:
             with trio.CancelScope() as scope:
                 pending.transfer_scope = scope
@@ -792,7 +823,8 @@ class Averager:
                     local_peer_id=self.host.get_id().to_bytes(),
                     remote_peer_id=stream.muxed_conn.peer_id.to_bytes(),
                     handshake_timeout=self.cfg.handshake_timeout_s,
-                    transfer_deadline=self._transfer_deadline(partner, request.numel),
+                    limits=self._transfer_limits(),
+                    progress=progress,
                     validate=self._values_judge(pending),
                     allow_punch=self._may_punch(partner),
                     **self._contribution(pending),
@@ -800,6 +832,7 @@ class Averager:
             if scope.cancelled_caught:
                 raise trio.TooSlowError("cancelled by shutdown")
         except Exception as e:  # ProtocolError, TooSlowError, a reset stream: all end in a solo step
+            self._learn_rate(partner, progress)
             self._fail(partner, e, trio.current_time() - began)
             pending.result = 1
             pending.done.set()
@@ -807,6 +840,7 @@ class Averager:
             return
         finally:
             pending.transfer_finished.set()
+        self._learn_rate(partner, progress)
         self._succeed(partner, result)
         pending.result = 2
         pending.done.set()
@@ -876,8 +910,6 @@ class Averager:
 
     def _succeed(self, partner: str, result: avg.TransferResult) -> None:
         link = self._link(partner)
-        measured = (result.bytes_sent + result.bytes_received) / 2 / max(result.duration_s, 1e-3)
-        link.rate_bps = measured if link.rounds == 0 else (1 - RATE_EWMA) * link.rate_bps + RATE_EWMA * measured
         link.rounds += 1
         link.failures = 0
         link.next_try = 0.0

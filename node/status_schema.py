@@ -28,7 +28,7 @@ from p2p.status import AuthorizationStatus, ConnectionsStatus, DiscoveryStatus, 
 __all__ = [
     "AuthorizationStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
     "ExchangeCounts", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
-    "PeerPathStatus", "ProgressStatus", "ReplicaStatus", "ReplicationStatus", "StreamLimitsStatus",
+    "PeerPathStatus", "ProgressStatus", "ReplicaStatus", "ReplicationStatus", "StreamLimitsStatus", "TransferStatus",
     "SwarmTotals", "SyncStatus", "TrainingStatus",
 ]  # fmt: skip
 
@@ -91,7 +91,7 @@ class PeerLinkStatus(TypedDict):
     rounds: int
     bytes_sent: int
     bytes_received: int
-    rate_mbps: float
+    rate_mbps: float | None  # each way while bytes flowed (EWMA); None before any was measured
     failures: int
     path: str  # datapath (side channel) or stream (libp2p); "" before the first transfer
     clipped: int
@@ -127,6 +127,15 @@ class JoinStatus(ProgressStatus, total=False):
     served: int
 
 
+class TransferStatus(TypedDict):
+    """``sync.transfer``: the exchange whose transfer is running now (a slow link's can take minutes)."""
+
+    partner: str
+    bytes: int  # both ways so far
+    seconds: float  # since the pairing
+    rate_mbps: float | None  # each way while bytes flowed (None: too early to say)
+
+
 class SyncStatus(TypedDict):
     """``sync``: averaging rounds with partners (trainers only)."""
 
@@ -147,7 +156,8 @@ class SyncStatus(TypedDict):
     datapath_port: int | None
     per_peer: dict[str, PeerLinkStatus]
     mixing: MixingStatus
-    state: str  # pairing | idle
+    state: str  # idle | pairing | exchanging
+    transfer: NotRequired[TransferStatus]  # while exchanging
     rejections: dict[str, int]  # partner updates refused, by reason (node/robust.py)
     clipped: dict[str, int]  # partner updates clipped, by part: delta | phi
     banned: list[str]

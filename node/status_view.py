@@ -98,6 +98,13 @@ def render_status(st: NodeStatus) -> str:
             f" {sy.get('distinct_partners', 0)} partners since start, last {short(str(sy.get('last_partner') or '-'))}"
             f" in {_fmt(sy.get('last_duration_s'), '.2f')}s, wire {sy.get('wire_dtype', '?')}"
         )
+        transfer = sy.get("transfer")
+        if isinstance(transfer, dict):
+            out.append(
+                f"  exchanging with {short(str(transfer.get('partner', '?')))}: "
+                f"{_fmt((transfer.get('bytes') or 0) / 1e6, '.1f')} MB in {_fmt(transfer.get('seconds'), '.0f')}s"
+                + (f" at {transfer['rate_mbps']:g} Mbit/s each way" if transfer.get("rate_mbps") is not None else "")
+            )
         mixing = sy.get("mixing")
         if isinstance(mixing, dict):
             out.append(_mixing_line(mixing))

@@ -20,8 +20,12 @@ class SyncConfig:
     group_size: int = opt(2, "2: average with one partner per outer step | 4: a second round joins two pairs "
                           "into a group of four (every trainer of a swarm should use the same)")
     handshake_timeout_s: float = opt(5.0, "seconds a partner has to answer a pairing request")
-    assumed_rate_mbps: float = opt(100.0, "link rate assumed for a partner before it is measured (Mbit/s)")
-    deadline_slack: float = opt(3.0, "a transfer may take this many times its expected duration (plus 10 s)")
+    stall_timeout_s: float = opt(30.0, "an exchange's transfer is given up when no byte moved either way for this "
+                                 "long (a slow link that moves is never cut off)")
+    max_transfer_s: float = opt(3600.0, "the longest one exchange's transfer may take, however it moves (seconds)")
+    assumed_rate_mbps: float = opt(100.0, "deprecated and ignored: transfers run as long as they move "
+                                   "(sync.stall_timeout_s) and partners' rates are measured")
+    deadline_slack: float = opt(3.0, "deprecated and ignored (see sync.stall_timeout_s, sync.max_transfer_s)")
     datapath: bool = opt(True, "move bulk tensors over a direct encrypted TCP side channel when reachable")
     datapath_port: int = opt(0, "TCP port of the side channel (0 = any free port)")
     allow_relay_bulk: bool = opt(False, "allow averaging with peers reachable only through a relay")
@@ -52,6 +56,10 @@ class SyncConfig:
             raise ValueError("sync.pair_window_s: must be between 0.1 and 600 seconds")
         if not 0.5 <= self.handshake_timeout_s <= 120:
             raise ValueError("sync.handshake_timeout_s: must be between 0.5 and 120 seconds")
+        if not 5 <= self.stall_timeout_s <= 3600:
+            raise ValueError("sync.stall_timeout_s: must be between 5 and 3600 seconds")
+        if not 10 <= self.max_transfer_s <= 86400:
+            raise ValueError("sync.max_transfer_s: must be between 10 and 86400 seconds")
         if not 0.01 <= self.assumed_rate_mbps <= 1_000_000:
             raise ValueError("sync.assumed_rate_mbps: must be between 0.01 and 1000000")
         if not 1.0 <= self.deadline_slack <= 100:

@@ -217,6 +217,9 @@ class SecureChannel:
         self._failed = False
         self.bytes_sent = 0
         self.bytes_received = 0
+        # Told the size of every piece that crosses the socket, either way (from the transfer threads too):
+        # how a transfer's owner tells a slow link that is moving from a dead one (protocols/avg.py).
+        self.on_bytes: Callable[[int], None] | None = None
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -243,6 +246,11 @@ class SecureChannel:
                 self._failed = True  # cancelled mid-frame: the byte stream is no longer aligned
                 raise
             self.bytes_sent += len(frame)
+            self._moved(len(frame))
+
+    def _moved(self, n: int) -> None:
+        if self.on_bytes is not None and n > 0:
+            self.on_bytes(n)
 
     def _seal(self, kind: int, data: Buffer) -> memoryview:
         """Encrypt one frame into the send buffer; returns the bytes to put on the wire."""
@@ -341,6 +349,7 @@ class SecureChannel:
                 where = "between frames" if at_boundary and got == 0 else "inside a frame"
                 raise ProtocolError(Reason.TRUNCATED, f"data path connection ended {where}")
             got += n
+            self._moved(n)
         return view
 
     # -- bulk transfer in threads ----------------------------------------------------------------
@@ -495,6 +504,7 @@ class BlockingFrames:
         except OSError as exc:
             raise self._broken("send", exc) from None
         ch.bytes_sent += len(frame)
+        ch._moved(len(frame))
 
     def recv_into(self, buf: Buffer) -> int:
         """Receive one data frame into ``buf``; its size, or 0 after the peer's clean close."""
@@ -527,6 +537,7 @@ class BlockingFrames:
                 where = "between frames" if at_boundary and got == 0 else "inside a frame"
                 raise ProtocolError(Reason.TRUNCATED, f"data path connection ended {where}")
             got += n
+            self._channel._moved(n)
         return view
 
     def _broken(self, what: str, exc: OSError) -> ProtocolError:

@@ -33,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -53,6 +54,8 @@ from p2p.datapath import (
 )
 from p2p.punch import PunchSocket, simultaneous_open
 from p2p.wire import (
+    Buffer,
+    ByteStream,
     FrameChannel,
     LibP2PByteStream,
     PlainFrameChannel,
@@ -222,6 +225,125 @@ def make_plan(numel: int, wire_dtype: str, int8_block: int, chunk_elems: int | N
     if chunk_elems is None:
         return ChunkPlan.for_frame_size(numel, codec, MAX_FRAME)
     return ChunkPlan.from_header(numel, codec, chunk_elems, MAX_FRAME)
+
+
+@dataclass(frozen=True)
+class TransferLimits:
+    """When a transfer is given up. Never for being slow while it moves: a deadline computed from an
+    assumed or remembered link rate ruled out every exchange on links slower than the guess, and an
+    exchange that was cut taught nothing about the link (on 0.4 Mbit/s links no exchange ever completed).
+    So a transfer ends only when it is dead or absurd:
+
+    - ``stall_s``: no byte crossed the connection, either way, for this long (a dead link or partner);
+    - ``floor_bps``: after ``stall_s``, its mean rate since it began is below this (bytes/s): a partner
+      that trickles a byte now and then to hold our outer step, or a link no training could use;
+    - ``max_s``: the whole transfer, however it flows (the last resort against a patient trickler).
+    """
+
+    stall_s: float = 30.0
+    floor_bps: float = 2_000.0
+    max_s: float = 3600.0
+
+    def verdict(self, progress: Progress, began: float, now: float) -> str | None:
+        """Why the transfer must end now (None: let it run). Times on the ``time.monotonic`` clock."""
+        elapsed = now - began
+        if elapsed >= self.max_s:
+            return f"the transfer took longer than {self.max_s:g}s"
+        if now - (progress.last or began) >= self.stall_s:
+            return f"no byte moved for {self.stall_s:g}s"
+        if elapsed >= self.stall_s and progress.bytes < self.floor_bps * elapsed:
+            return (f"{progress.bytes} bytes in {elapsed:.0f}s is below the floor of "
+                    f"{self.floor_bps * 8 / 1000:g} kbit/s")
+        return None
+
+
+class Progress:
+    """The bytes one transfer moved and when, counted where they cross the connection (from the side
+    channel's threads too: plain attribute updates under the GIL, and a lost count would only make a
+    stall look a moment older).
+
+    Why a partner's rate is measured from here: the rate while bytes flow is what the link can do. The
+    wall time of a whole exchange also holds the handshake and a side channel's connect, and a failed
+    exchange used to teach nothing; this is known after a failure too."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.first: float | None = None  # time.monotonic() of the first and latest byte
+        self.last: float | None = None
+
+    def moved(self, n: int) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.bytes += n
+
+    def rate_bps(self, min_flow_s: float = 0.01) -> float | None:
+        """Bytes/s while data flowed (both directions together), or None where it flowed for less than
+        ``min_flow_s`` (too short to say anything about the link)."""
+        if self.first is None or self.last is None or self.last - self.first < min_flow_s:
+            return None
+        return self.bytes / (self.last - self.first)
+
+
+WATCH_S = 0.5  # how often a transfer's progress is looked at
+
+
+@contextlib.asynccontextmanager
+async def watched(limits: TransferLimits, progress: Progress) -> AsyncIterator[None]:
+    """Run the body while ``progress`` satisfies ``limits``; raises ``trio.TooSlowError`` (with the
+    reason) once it does not. Exceptions of the body come out as they are, not in a group."""
+    began = time.monotonic()
+    why: list[str] = []
+    with trio.CancelScope() as scope:
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    while True:
+                        await trio.sleep(WATCH_S)
+                        reason = limits.verdict(progress, began, time.monotonic())
+                        if reason is not None:
+                            why.append(reason)
+                            scope.cancel()
+                            return
+
+                nursery.start_soon(watch)
+                yield
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+    if scope.cancelled_caught:
+        raise trio.TooSlowError(why[0] if why else "the transfer was given up")
+
+
+class _Counted:
+    """A byte stream that tells ``progress`` what crosses it (the libp2p stream path of a transfer)."""
+
+    def __init__(self, stream: ByteStream, progress: Progress) -> None:
+        self._stream, self._progress = stream, progress
+
+    async def read(self, max_bytes: int) -> bytes:
+        data = await self._stream.read(max_bytes)
+        if data:
+            self._progress.moved(len(data))
+        return data
+
+    async def write(self, data: Buffer) -> None:
+        await self._stream.write(data)
+        self._progress.moved(memoryview(data).nbytes)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def _counted(channel: FrameChannel, progress: Progress) -> FrameChannel:
+    """Attach ``progress`` to a side channel (its bytes are counted where they cross the socket)."""
+    if isinstance(channel, SecureChannel):
+        channel.on_bytes = progress.moved
+    return channel
 
 
 @dataclass
@@ -427,7 +549,8 @@ async def initiate(
     remote_peer_id: bytes,
     remote_ip: str | None,
     handshake_timeout: float,
-    transfer_deadline: float,
+    limits: TransferLimits,
+    progress: Progress | None = None,
     on_accept: Callable[[AvgAnswer], bool] | None = None,
     validate: Validator | None = None,
     offer_punch: bool = False,
@@ -437,8 +560,12 @@ async def initiate(
     in the answer); returning False declines after all (we were claimed by a crossing request meanwhile).
 
     With ``offer_punch`` (and the side channel enabled) it binds a port for a punched side channel and
-    announces it: a responder behind a NAT, whose listener we cannot dial, may take it up (``p2p.punch``)."""
+    announces it: a responder behind a NAT, whose listener we cannot dial, may take it up (``p2p.punch``).
+
+    After the handshake the transfer runs as long as it moves (``limits``); ``progress`` (the caller's,
+    so that it can read the link's rate after a failure too) counts its bytes."""
     control = LibP2PByteStream(stream)
+    progress = Progress() if progress is None else progress
     mine = KeyAgreement()
     tensors = tensors.as_arrays()
     numel = tensors.phi.size
@@ -464,7 +591,7 @@ async def initiate(
             remote_peer_id=remote_peer_id,
             protocol_id=PROTOCOL_ID,
         )
-        with trio.fail_after(transfer_deadline):
+        async with watched(limits, progress):
             channel: FrameChannel | None = None
             if request.datapath and answer.datapath_port and remote_ip:
                 try:
@@ -479,9 +606,10 @@ async def initiate(
             await send_msg(control, AvgPath("datapath" if channel else "stream"), max_bytes=MAX_CONTROL_BYTES)
             if channel is not None:
                 async with channel:
-                    return await run_transfer(channel, tensors, plan, "datapath", validate)
+                    return await run_transfer(_counted(channel, progress), tensors, plan, "datapath", validate)
             return await run_transfer(
-                PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream", validate
+                PlainFrameChannel(_Counted(control, progress), max_frame_size=MAX_FRAME), tensors, plan, "stream",
+                validate,
             )
     raise AssertionError("unreachable")  # pragma: no cover (the ExitStack does not swallow exceptions)
 
@@ -531,7 +659,8 @@ async def respond(
     local_peer_id: bytes,
     remote_peer_id: bytes,
     handshake_timeout: float,
-    transfer_deadline: float,
+    limits: TransferLimits,
+    progress: Progress | None = None,
     validate: Validator | None = None,
     allow_punch: bool = False,
     inner_steps: int = 0,
@@ -542,8 +671,10 @@ async def respond(
     """The responder's side, after the caller decided to accept `request`.
 
     Where it offers no listener (``listener`` None: we are not publicly reachable) but the initiator
-    offered a punch port, both open a punched side channel at once; else the libp2p stream."""
+    offered a punch port, both open a punched side channel at once; else the libp2p stream. ``limits`` and
+    ``progress`` as in :func:`initiate`."""
     control = LibP2PByteStream(stream)
+    progress = Progress() if progress is None else progress
     tensors = tensors.as_arrays()
     if request.numel != tensors.phi.size:
         raise ProtocolError(Reason.BAD_FIELD, f"numel {request.numel} != ours {tensors.phi.size}")
@@ -579,27 +710,29 @@ async def respond(
             waited_ms=waited_ms,
             members=members,
         )
-        with trio.fail_after(transfer_deadline):
+        async with watched(limits, progress):
             if accept.datapath_port and listener is not None:
                 async with listener.expect(keys, timeout=handshake_timeout + DATAPATH_CONNECT_S) as pending:
                     await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
                     path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
                     if path.path == "datapath":
                         async with await pending.wait() as channel:
-                            return await run_transfer(channel, tensors, plan, "datapath", validate)
+                            return await run_transfer(_counted(channel, progress), tensors, plan, "datapath",
+                                                      validate)
             elif punch is not None and remote_ip:
                 await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
                 channel = await _punched_or_stream(control, punch, (remote_ip, request.punch_port), keys)
                 if channel is not None:
                     async with channel:
-                        return await run_transfer(channel, tensors, plan, "datapath", validate)
+                        return await run_transfer(_counted(channel, progress), tensors, plan, "datapath", validate)
             else:
                 await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
                 path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
                 if path.path == "datapath":
                     raise ProtocolError(Reason.BAD_FIELD, "partner chose a side channel we did not offer")
             return await run_transfer(
-                PlainFrameChannel(control, max_frame_size=MAX_FRAME), tensors, plan, "stream", validate
+                PlainFrameChannel(_Counted(control, progress), max_frame_size=MAX_FRAME), tensors, plan, "stream",
+                validate,
             )
     raise AssertionError("unreachable")  # pragma: no cover
 

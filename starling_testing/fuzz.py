@@ -764,7 +764,8 @@ class AvgInitiator(Target):
                   "wire_dtype": dtype, "int8_block": 64, "datapath": True}
         await avg.initiate(FakeNetStream(data[1:], PEERS[1]), fields, avg_tensors(2),
                            local_peer_id=PEERS[0].to_bytes(), remote_peer_id=PEERS[1].to_bytes(),
-                           remote_ip=None, handshake_timeout=HANG_S, transfer_deadline=HANG_S)
+                           remote_ip=None, handshake_timeout=HANG_S,
+                           limits=avg.TransferLimits(stall_s=HANG_S, max_s=HANG_S))
         return "accepted"
 
 

@@ -116,3 +116,11 @@ def test_bounds_line_appears_once_a_partner_was_clipped_refused_or_banned() -> N
     text = line(render_status(st), "bounds:")
     assert "clipped 4 Delta / 1 phi" in text and "refused 3 (phi_distance 3)" in text
     assert short("12D3KooWAttacker99") in text
+
+
+def test_a_running_transfer_shows_how_much_has_moved_and_how_fast() -> None:
+    st = captured()
+    st["sync"].update(state="exchanging", transfer={"partner": "12D3KooWAaaaaaaaaaaaaaaaaaaaa", "bytes": 12_400_000,
+                                                    "seconds": 95.2, "rate_mbps": 0.41})
+    assert line(render_status(st), "  exchanging with") == (
+        "  exchanging with 12D3Ko..aaaaaa: 12.4 MB in 95s at 0.41 Mbit/s each way")

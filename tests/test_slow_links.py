@@ -1,0 +1,267 @@
+"""Slow links: a transfer runs as long as it moves, the link's rate is learned from the bytes, and the
+worker never idles while the exchange is on the wire (issue: over slow links).
+
+Speeds are not asserted here (they are benchmark figures, bench/wan.py); what is asserted is which
+transfers are kept, which are cut and why, and what the worker does meanwhile."""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from node.averager import Averager
+from node.exchange import ExchangeRequest
+from node.ipc import Publish, Result, Stop
+from node.shm import ExchangeSlots
+from node.sync_config import SyncConfig
+from node.task import layout_hash
+from node.train_config import TrainConfig
+from node.worker import Trainer, _StopFlag, _train
+from p2p.datapath import KeyAgreement
+from p2p.host import build_host
+from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
+from protocols import avg
+from protocols.avg import Progress, TransferLimits
+from tests.test_averaging import LISTEN
+
+# -- the limits ---------------------------------------------------------------------------------------
+
+LIMITS = TransferLimits(stall_s=30.0, floor_bps=2_000.0, max_s=3600.0)
+
+
+def progress_at(times_and_bytes: list[tuple[float, int]]) -> Progress:
+    p = Progress()
+    for t, n in times_and_bytes:
+        p.first = t if p.first is None else p.first
+        p.last = t
+        p.bytes += n
+    return p
+
+
+def test_a_transfer_that_keeps_moving_at_a_slow_links_rate_is_never_cut_however_long_it_takes() -> None:
+    # 0.4 Mbit/s each way (100 kB/s both ways together), 20 minutes in: a 1B model's outer step on a home link.
+    p = progress_at([(0.0, 0), (1199.5, 120_000_000)])
+    assert LIMITS.verdict(p, began=0.0, now=1200.0) is None
+
+
+def test_a_transfer_with_no_byte_for_the_stall_timeout_is_cut_as_stalled() -> None:
+    p = progress_at([(0.0, 10_000_000), (10.0, 10_000_000)])
+    assert LIMITS.verdict(p, began=0.0, now=39.0) is None
+    assert "no byte moved for 30s" in (LIMITS.verdict(p, began=0.0, now=40.5) or "")
+
+
+def test_a_transfer_where_no_byte_ever_came_is_cut_after_the_stall_timeout() -> None:
+    assert LIMITS.verdict(Progress(), began=5.0, now=34.0) is None
+    assert "no byte moved" in (LIMITS.verdict(Progress(), began=5.0, now=35.5) or "")
+
+
+def test_a_trickle_below_the_floor_is_cut_even_though_bytes_keep_coming() -> None:
+    # One byte every 10 s never stalls, but holds our outer step hostage: the floor ends it.
+    p = progress_at([(float(t), 1) for t in range(0, 60, 10)])
+    assert "below the floor" in (LIMITS.verdict(p, began=0.0, now=59.0) or "")
+
+
+def test_no_transfer_outlives_max_s() -> None:
+    p = progress_at([(0.0, 0), (3599.9, 10**12)])
+    assert "longer than 3600s" in (LIMITS.verdict(p, began=0.0, now=3600.0) or "")
+
+
+def test_the_rate_is_taken_over_the_time_bytes_flowed_not_the_whole_exchange() -> None:
+    p = progress_at([(100.0, 0), (110.0, 1_000_000)])  # a 100 s wait for the handshake does not count
+    assert p.rate_bps() == pytest.approx(100_000)
+    assert progress_at([(1.0, 100)]).rate_bps() is None  # one instant says nothing about the link
+
+
+# -- real averagers, one partner that trickles --------------------------------------------------------
+
+SMALL_LAYOUT = [("w", (200, 100))]
+SMALL = 200 * 100
+# fp32, so each direction carries 2 x 80 kB: at the pace below the partner's half takes ~11 s, longer
+# than the deadline the old code gave it at an assumed 100 Mbit/s (10 s + 3 x the expected 26 ms).
+TRICKLE_PIECES = 40
+TRICKLE_PAUSE_S = 11.0 / TRICKLE_PIECES
+
+
+def small_request(seed: int) -> ExchangeRequest:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(SMALL, generator=torch.Generator().manual_seed(0))
+    return ExchangeRequest(3, phi=base + torch.randn(SMALL, generator=g) * 0.01,
+                           delta=torch.randn(SMALL, generator=g) * 0.01,
+                           phi_out=torch.full((SMALL,), float("nan")), delta_out=torch.full((SMALL,), float("nan")),
+                           layout=SMALL_LAYOUT, layout_hash=layout_hash(SMALL_LAYOUT))
+
+
+class SlowWrites:
+    """A byte stream whose writes go out in `pieces` slices, `pause_s` apart: a slow link's pace."""
+
+    def __init__(self, stream: LibP2PByteStream, pieces: int, pause_s: float) -> None:
+        self.stream, self.pieces, self.pause_s = stream, pieces, pause_s
+
+    async def read(self, max_bytes: int) -> bytes:
+        return await self.stream.read(max_bytes)
+
+    async def write(self, data) -> None:
+        data = bytes(data)
+        step = max(1, len(data) // self.pieces)
+        for i in range(0, len(data), step):
+            await self.stream.write(data[i : i + step])
+            if len(data) > 1024:  # the bulk, not the small control messages
+                await trio.sleep(self.pause_s)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def _with_scripted_partner(partner, cfg: SyncConfig, *, pieces: int = 1, pause_s: float = 0.0,
+                                 seen: list | None = None) -> tuple[int, dict]:
+    """Our averager (`cfg`) exchanges with a host whose avg handler runs `partner(channel, request)` after
+    the handshake, its writes slowed to `pieces` slices `pause_s` apart; returns our group size and status
+    (and appends our status's sync state and transfer to `seen` every half second meanwhile)."""
+    hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+    async with AsyncExitStack() as stack:
+        for h in hosts:
+            await stack.enter_async_context(h.run(LISTEN))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        ours = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
+        await nursery.start(ours.run)
+
+        async def handler(stream) -> None:
+            control = LibP2PByteStream(stream)
+            req = await recv_as(control, avg.AvgRequest)
+            await send_msg(control, avg.AvgAnswer(verdict="accept", pubkey=KeyAgreement().public_key,
+                                                  session_id=b"x" * 16, outer_step=req.outer_step))
+            await recv_as(control, avg.AvgPath)
+            slow = SlowWrites(control, pieces, pause_s)
+            await partner(PlainFrameChannel(slow, max_frame_size=avg.MAX_FRAME), req)  # type: ignore[arg-type]
+            await stream.close()
+
+        hosts[1].set_stream_handler(avg.PROTOCOL_ID, handler)
+        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+        async def sample() -> None:
+            while seen is not None:
+                st = ours.status()
+                seen.append((st["state"], st.get("transfer")))
+                await trio.sleep(0.5)
+
+        nursery.start_soon(sample)
+        with trio.fail_after(60):
+            outcome = await ours.exchange(small_request(1))
+        status = dict(ours.status())
+        nursery.cancel_scope.cancel()
+    return outcome.group_size, status
+
+
+def _slow_cfg() -> SyncConfig:
+    return SyncConfig(wire_dtype="fp32", pair_window_s=3, datapath=False, stall_timeout_s=5.0)
+
+
+async def _drain(channel: PlainFrameChannel, elems: int) -> None:
+    got = 0
+    while got < 2 * elems * 4:
+        got += len(await channel.recv())
+
+
+async def test_an_exchange_whose_partner_sends_slowly_but_steadily_completes_and_teaches_its_rate() -> None:
+    partner_values = small_request(2)
+
+    async def trickler(channel: PlainFrameChannel, req: avg.AvgRequest) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_drain, channel, req.numel)
+            for tensor in (partner_values.phi, partner_values.delta):  # one chunk each (fp32, one frame)
+                await channel.send(np.asarray(tensor).tobytes())
+
+    seen: list = []
+    size, status = await _with_scripted_partner(trickler, _slow_cfg(), pieces=TRICKLE_PIECES // 2,
+                                                pause_s=TRICKLE_PAUSE_S, seen=seen)
+    assert size == 2, status["last_error"]
+    # Meanwhile status said it was exchanging, and how much had moved.
+    moving = [t for state, t in seen if state == "exchanging" and t is not None and t["bytes"] > 0]
+    assert moving and moving[-1]["bytes"] > moving[0]["bytes"]
+    (peer,) = status["per_peer"].values()
+    assert peer["rate_mbps"] is not None and peer["rounds"] == 1
+
+
+async def test_a_partner_that_goes_silent_mid_transfer_is_cut_as_stalled_and_its_rate_is_still_learned() -> None:
+    async def staller(channel: PlainFrameChannel, req: avg.AvgRequest) -> None:
+        with trio.move_on_after(0.6):  # three slices of phi's frame, 0.2 s apart, then silence
+            await channel.send(b"\x00" * (req.numel * 4))
+        await trio.sleep_forever()  # keeps the stream open, sends nothing more
+
+    size, status = await _with_scripted_partner(staller, _slow_cfg(), pieces=8, pause_s=0.2)
+    assert size == 1
+    assert "no byte moved for 5s" in status["last_error"]
+    (peer,) = status["per_peer"].values()
+    assert peer["rate_mbps"] is not None and peer["failures"] == 1
+
+
+# -- the worker: never idle while the exchange is on the wire -------------------------------------------
+
+TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
+                   eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, checkpoint_every=1)
+
+
+def test_by_default_the_worker_trains_on_through_several_outer_steps_worth_of_a_slow_exchange(tmp_path: Path) -> None:
+    """The stand-in daemon answers each publish only after the worker took 3H more inner steps: the worker
+    never blocks (it would with a max_lag), and the next publish waits for the result (one in flight)."""
+    trainer = Trainer(TINY, tmp_path, "peer-a")
+    assert trainer.cfg.max_lag == 0 and trainer.cfg.overlap
+    lags: list[int] = []
+    h = TINY.inner_steps
+
+    class SlowDaemon:
+        pending: Publish | None = None
+
+        def send(self, msg) -> None:
+            if isinstance(msg, Publish):
+                assert self.pending is None, "a second publish while one is in flight"
+                self.pending = msg
+
+        def receive(self, timeout: float):
+            assert timeout == 0, "the worker blocked for its result"
+            if trainer.outer_step >= 3:
+                return Stop()
+            if self.pending is not None and trainer.lag() >= 3 * h:
+                lags.append(trainer.lag())
+                msg, self.pending = self.pending, None
+                return Result(outer_step=msg.outer_step, group_size=1)
+            return None
+
+    slots = ExchangeSlots.create(trainer.numel)
+    try:
+        _train(SlowDaemon(), trainer, slots, _StopFlag())  # type: ignore[arg-type]
+    finally:
+        slots.close()
+    assert lags == [3 * h, 3 * h, 3 * h]
+    assert trainer.blocked_s == 0.0
+
+
+def test_a_result_applied_outer_steps_late_keeps_everything_learnt_meanwhile(tmp_path: Path) -> None:
+    """theta <- phi_new + (theta_now - theta_published), whatever the lag: the outer step moves phi, and the
+    inner steps taken while the exchange ran stay on top of it."""
+    trainer = Trainer(dataclasses.replace(TINY, outer="diloco"), tmp_path, "peer-a")
+    while not trainer.publish_due():
+        trainer.inner_step()
+    slot_phi, slot_delta = torch.empty(trainer.numel), torch.empty(trainer.numel)
+    trainer.publish(slot_phi, slot_delta)
+    published = trainer.theta_published.clone()
+    phi_before = trainer.phi.clone()
+    for _ in range(4 * TINY.inner_steps):  # four outer steps' worth of training while the exchange runs
+        trainer.inner_step()
+    theta_now = torch.empty(trainer.numel)
+    trainer.gather_theta(theta_now)
+    partner_delta = torch.randn(trainer.numel) * 1e-3
+    sum_delta = slot_delta + partner_delta
+    sum_phi = phi_before * 2
+    trainer.apply_result(2, sum_phi, sum_delta)
+    theta_after = torch.empty(trainer.numel)
+    trainer.gather_theta(theta_after)
+    assert not torch.equal(trainer.phi, phi_before)  # the outer step moved phi
+    torch.testing.assert_close(theta_after, trainer.phi + (theta_now - published), rtol=0, atol=1e-6)
