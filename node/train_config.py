@@ -63,8 +63,11 @@ class TrainConfig:
     eval_every: int = opt(1, "outer steps between two validation-loss measurements")
     eval_batches: int = opt(4, "validation batches per measurement")
     overlap: bool = opt(True, "keep training while the outer exchange runs (false = wait for it)")
-    max_lag: int = opt(10, "most inner steps an outer result may lag behind its publish (<= inner_steps)")
-    exchange_timeout: float = opt(120.0, "seconds one outer exchange may take before a solo step is used")
+    max_lag: int = opt(0, "most inner steps an outer result may lag behind its publish before training waits "
+                       "for it (0 = never wait: on a slow link the outer step lasts as long as its exchange)")
+    exchange_timeout: float = opt(7200.0, "seconds one outer exchange may take before a solo step is used (a last "
+                                  "resort: the exchange's own deadlines, sync.stall_timeout_s and "
+                                  "sync.max_transfer_s, end a dead one long before)")
     checkpoint_every: int = opt(5, "outer steps between two checkpoints")
     checkpoints_keep: int = opt(3, "checkpoints kept on disk (older ones are deleted)")
 
@@ -114,7 +117,7 @@ class TrainConfig:
         _float_range("val_fraction", self.val_fraction, 0.0, 0.5, low_open=True)
         _int_range("eval_every", self.eval_every, 1, 1_000_000)
         _int_range("eval_batches", self.eval_batches, 1, 10_000)
-        _int_range("max_lag", self.max_lag, 0, self.inner_steps)
+        _int_range("max_lag", self.max_lag, 0, 1_000_000_000)
         _float_range("exchange_timeout", self.exchange_timeout, 0.1, 86400.0)
         _int_range("checkpoint_every", self.checkpoint_every, 1, 1_000_000)
         _int_range("checkpoints_keep", self.checkpoints_keep, 1, 1000)

@@ -34,8 +34,15 @@ With `train.local_ranks > 1` this process is rank 0 of a worker group (`--fd N -
 The inner/outer loop (overlap mode, the default): after H inner steps the worker writes `phi` and
 `Delta = theta - phi` into shared memory, says `publish`, and keeps training. When the result arrives it
 applies the outer step to `phi` and keeps the progress made meanwhile:
-`theta <- phi_new + (theta_now - theta_published)`. If the result lags `max_lag` inner steps behind the
-publish, training waits for it. With `overlap = false` it waits right away (the blocking baseline).
+`theta <- phi_new + (theta_now - theta_published)`, however late it comes: by default (`max_lag` = 0)
+training never waits for it. Why: on a slow link one exchange can take many times H inner steps (a
+1B-parameter model's outer step moves GBs), and a worker that waited idled for most of its time (3-6% of
+its compute on 0.4-2 Mbit/s links). Instead the outer step stretches: the next publish comes only once
+the result is applied (one exchange in flight), so its Delta covers the steps taken meanwhile and the
+outer steps go at the pace the wire allows; the delayed result is applied with the same rebase (the
+"eager"/overlapped outer step of Streaming DiLoCo, here one outer step or more late). A `max_lag` > 0
+makes training wait once the result lags that many inner steps; `overlap = false` waits right away (the
+blocking baseline).
 
 Outer-step counters. After an exchange the worker continues from the larger of the two partners' outer
 steps, so paired nodes keep the same counter. A node that fell too far from the swarm to pair gets a
@@ -778,7 +785,8 @@ def _train(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: _S
     try:
         while not stop.set:
             # 1. Take in whatever the daemon said; block for the outer result if it lags too far behind.
-            must_wait = trainer.pending is not None and (not cfg.overlap or trainer.lag() >= cfg.max_lag)
+            must_wait = trainer.pending is not None and (
+                not cfg.overlap or (cfg.max_lag > 0 and trainer.lag() >= cfg.max_lag))
             waiting_since = time.monotonic()
             msg = chan.receive(timeout=0.5 if must_wait else 0.0)
             if must_wait:

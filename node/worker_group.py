@@ -64,7 +64,8 @@ log = logging.getLogger("starling.worker_group")
 
 # A collective that waits this long means a rank is gone or hung; the supervisor's silence timeout
 # (no metrics from rank 0) usually restarts the group well before. Ranks 1.. wait in one while rank 0
-# waits for an outer result, hence at least a few `train.exchange_timeout`s.
+# waits for an outer result, hence at least a few `train.exchange_timeout`s where rank 0 may wait for one
+# (`train.overlap` off or a `train.max_lag`; by default it never waits).
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 INIT_KEY = "starling/init"
 
@@ -136,7 +137,9 @@ class WorkerGroup:
         backend = group_backend(cfg, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        timeout = max(GROUP_TIMEOUT, datetime.timedelta(seconds=3 * cfg.exchange_timeout))
+        waits_for_results = not cfg.overlap or cfg.max_lag > 0
+        timeout = max(GROUP_TIMEOUT, datetime.timedelta(seconds=3 * cfg.exchange_timeout)) if waits_for_results \
+            else GROUP_TIMEOUT
         dist.init_process_group(backend, store=store, rank=rank, world_size=rendezvous.world_size, timeout=timeout)
         return cls(rank, rendezvous.world_size, backend, device)
 

@@ -50,7 +50,7 @@ def test_the_default_train_config_is_valid() -> None:
         ({"alpha": 1.0}, "train.alpha:"),
         ({"beta": 0.0}, "train.beta:"),
         ({"inner_steps": 0}, "train.inner_steps:"),
-        ({"max_lag": 51}, "train.max_lag:"),
+        ({"max_lag": -1}, "train.max_lag:"),
         ({"n_heads": 3}, "train.n_heads: must divide"),
         ({"warmup": 20000}, "train.warmup:"),
         ({"lr": float("nan")}, "train.lr:"),
