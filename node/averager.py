@@ -105,7 +105,11 @@ SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still trai
 HOLD_SHARE = 0.5
 # The answer to a second-round request during our first round (the one request that may be held).
 NOT_IN_ROUND = "not ready (in the first round of its outer step)"
+ALREADY_EXCHANGING = "already exchanging"  # the answer of a trainer whose outer step is paired and transferring
 HOLD_MARGIN_S = 0.5  # past our first round's window: the second round begins right after it ends
+# How long a scheduled partner that is busy *transferring* is waited for: this many times our own typical
+# transfer (an EWMA of our exchanges' durations), when that is longer than the pairing window.
+BUSY_WAIT_FACTOR = 1.5
 MIXING_WINDOW = 20  # outer steps that `status()["mixing"]` and the member record's partners look back over
 
 
@@ -138,6 +142,7 @@ class _Pending:
     scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
     next_partner: str | None = None  # the schedule's partner for the outer step's next round (groups of four)
     scheduled_until: float = 0.0  # end of the scheduled phase
+    probed: bool = False  # the larger PeerID asked its scheduled partner once, its request not having come
     saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
     # Between-steps answers: how far (s) each asked trainer's publish was from ours (theirs - ours), and
     # whether its last outer step was averaged.
@@ -267,6 +272,7 @@ class Averager:
             log.warning("sync.assumed_rate_mbps and sync.deadline_slack are ignored now: a transfer runs as long "
                         "as it moves (sync.stall_timeout_s, sync.max_transfer_s); remove them from the config")
         self._round_begun = trio.Event()  # set (and replaced) whenever a round of an outer step begins
+        self._transfer_s: float | None = None  # our exchanges' typical duration (EWMA), for `_busy_wait_s`
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -545,9 +551,23 @@ class Averager:
         members.discard(self.me)
         return sorted(members)
 
+    def _busy_wait_s(self) -> float:
+        """How long a round may wait for a scheduled partner that is still transferring its previous
+        outer step (it answers "already exchanging").
+
+        Why wait at all: on a slow link an exchange lasts minutes, the worker trains on meanwhile (so the
+        wait costs no compute), and pairs end their transfers seconds apart. Giving up after the pairing
+        window sent the pair that finished first back to each other in the open phase, step after step:
+        fixed pairs, the islands the schedule exists to prevent. The bound is our own typical transfer time
+        (partners' links are alike or the schedule pairs like with like), and never below the window."""
+        window = self.cfg.pair_window_s
+        if self._transfer_s is None:
+            return window
+        return max(window, min(BUSY_WAIT_FACTOR * self._transfer_s, self.cfg.max_transfer_s))
+
     async def _pair(self, pending: _Pending) -> None:
         deadline = pending.began + (self.cfg.pair_window_s if pending.window_s is None else pending.window_s)
-        while pending.claimed_by is None and trio.current_time() < deadline:
+        while pending.claimed_by is None and trio.current_time() < max(deadline, pending.scheduled_until):
             if pending.in_scheduled_phase(trio.current_time()):
                 await self._meet_scheduled(pending)
                 continue
@@ -574,11 +594,26 @@ class Averager:
             pending.scheduled_until = 0.0
             return
         if partner < self.me:
-            await trio.sleep(0.1)  # its request comes to _serve_request
-            return
+            # Its request comes to _serve_request. If it has not come by the end of the scheduled phase, ask
+            # once: a partner still transferring its previous outer step over a slow link says so, and is
+            # worth waiting for (below); one that is training or asking us meanwhile is left as it was.
+            if pending.probed or trio.current_time() + 0.2 < pending.scheduled_until:
+                await trio.sleep(0.1)
+                return
+            pending.probed = True
         outcome = await self._try_partner(pending, partner, scheduled=True)
         if pending.claimed_by is not None:
             return
+        if partner < self.me and outcome in ("not ready", "busy"):
+            await trio.sleep(0.1)  # the probe: it will ask us (or its crossing request is on its way)
+            return
+        if outcome == "exchanging" and pending.window_s is None:
+            # Still moving its previous outer step over a slow link: keep the schedule's pairing and wait
+            # for it (`_busy_wait_s`), asking again at a pace that costs nothing next to such a transfer.
+            pending.scheduled_until = max(pending.scheduled_until, pending.began + self._busy_wait_s())
+            if trio.current_time() < pending.scheduled_until:
+                await trio.sleep(random.uniform(*SCHEDULED_RETRY_S) * 3)
+                return
         if outcome == "not ready":
             await trio.sleep(random.uniform(*SCHEDULED_RETRY_S))
         else:
@@ -679,8 +714,8 @@ class Averager:
         pending.partner_waited_s = min(message.waited_ms / 1000, self.cfg.pair_window_s)
 
     async def _try_partner(self, pending: _Pending, partner: str, *, scheduled: bool = False) -> str:
-        """Ask `partner`; returns "paired", "not ready" (it is still training), "busy", "refused" or
-        "failed"."""
+        """Ask `partner`; returns "paired", "not ready" (it is still training), "exchanging" (busy with
+        another partner's transfer), "busy", "refused" or "failed"."""
         pending.initiating_to = partner
         began = trio.current_time()
         claimed_here = False
@@ -731,7 +766,11 @@ class Averager:
             if not scheduled:
                 self._back_off(partner, soft=True)
             log.debug("partner %s declined: %s", partner, e)
-            return "not ready" if not_ready else ("busy" if e.verdict == "busy" else "refused")
+            if not_ready:
+                return "not ready"
+            if e.verdict == "busy":
+                return "exchanging" if e.reason == ALREADY_EXCHANGING else "busy"
+            return "refused"
         except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
             self._learn_rate(partner, progress)
             self._fail(partner, e, trio.current_time() - began)
@@ -897,7 +936,7 @@ class Averager:
         if req.wire_dtype not in ("fp32", "bf16", "int8"):
             return ("refuse", f"unknown wire dtype {req.wire_dtype!r}")
         if pending.claimed_by is not None:
-            return ("busy", "already exchanging")
+            return ("busy", ALREADY_EXCHANGING)
         if pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled:
             return ("busy", "waiting for the partner the schedule gives it")
         if pending.initiating_to is not None:
@@ -910,6 +949,8 @@ class Averager:
 
     def _succeed(self, partner: str, result: avg.TransferResult) -> None:
         link = self._link(partner)
+        self._transfer_s = result.duration_s if self._transfer_s is None else (
+            (1 - RATE_EWMA) * self._transfer_s + RATE_EWMA * result.duration_s)
         link.rounds += 1
         link.failures = 0
         link.next_try = 0.0

@@ -17,7 +17,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node.averager import Averager
+from node.averager import Averager, _Pending
 from node.exchange import ExchangeRequest
 from node.ipc import Publish, Result, Stop
 from node.shm import ExchangeSlots
@@ -265,3 +265,54 @@ def test_a_result_applied_outer_steps_late_keeps_everything_learnt_meanwhile(tmp
     trainer.gather_theta(theta_after)
     assert not torch.equal(trainer.phi, phi_before)  # the outer step moved phi
     torch.testing.assert_close(theta_after, trainer.phi + (theta_now - published), rtol=0, atol=1e-6)
+
+
+# -- pairing: a scheduled partner still transferring is waited for -------------------------------------------
+
+class _NoHost:
+    def get_id(self):
+        return "12D3KooWMe"
+
+    def get_connected_peers(self):
+        return []
+
+
+async def test_a_scheduled_partner_still_transferring_over_a_slow_link_is_waited_for_not_swapped_for_the_old_one(
+    autojump_clock,
+) -> None:
+    """Pairs end their minutes-long transfers seconds apart. The one that ends first used to give up on its
+    scheduled partner after the pairing window and pair again with its old partner in the open phase
+    (fixed pairs, islands); now it waits while that partner says it is exchanging, up to 1.5x our own
+    typical transfer time."""
+    averager = Averager(_NoHost(), SyncConfig(pair_window_s=1.0, datapath=False), manifest_hash=lambda: "m1")
+    averager._transfer_s = 8.0  # our exchanges take ~8 s: a slow link
+    answers = iter(["exchanging"] * 6 + ["paired"])
+    asked: list[float] = []
+
+    async def try_partner(pending, partner, *, scheduled=False) -> str:
+        assert scheduled and partner == "12D3KooWZz"  # never anyone else: no open phase meanwhile
+        asked.append(trio.current_time() - pending.began)
+        outcome = next(answers)
+        if outcome == "paired":
+            pending.claimed_by, pending.result = partner, 2
+            pending.done.set()
+        return outcome
+
+    averager._try_partner = try_partner  # type: ignore[method-assign]
+    averager._choose_partner = lambda: "12D3KooWOld"  # type: ignore[method-assign]
+    pending = _Pending(
+        small_request(1), avg.Tensors(*(np.zeros(4, np.float32) for _ in range(4))), began=trio.current_time(),
+        scheduled="12D3KooWZz", scheduled_until=trio.current_time() + 0.5)
+    with trio.fail_after(30):
+        await averager._pair(pending)
+    assert pending.result == 2 and pending.claimed_by == "12D3KooWZz"
+    assert asked[-1] > 1.0  # paired after the 1 s window had passed, while the partner was exchanging
+
+
+def test_the_wait_for_a_busy_partner_follows_our_own_transfer_time_and_never_drops_below_the_window() -> None:
+    averager = Averager(_NoHost(), SyncConfig(pair_window_s=5.0, datapath=False), manifest_hash=lambda: "m1")
+    assert averager._busy_wait_s() == 5.0  # no transfer measured yet
+    averager._transfer_s = 0.05  # loopback
+    assert averager._busy_wait_s() == 5.0
+    averager._transfer_s = 100.0  # 1.9 MB at 0.4 Mbit/s
+    assert averager._busy_wait_s() == 150.0
