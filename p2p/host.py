@@ -31,6 +31,8 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
+from p2p.limits import release_inbound_slots_on_close
+
 log = logging.getLogger("starling.host")
 
 _SIOCGIFADDR = 0x8915
@@ -188,6 +190,7 @@ def build_host(
         psk=psk,
     )
     _disable_auto_connector(host)
+    release_inbound_slots_on_close(host.get_network())  # else 64 connect/disconnect cycles lock us out
     return host
 
 
