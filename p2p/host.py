@@ -29,7 +29,8 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
+
+from p2p.limits import MuxerOffences, release_inbound_slots_on_close, use_registered_muxers, yamux_with_limits
 
 log = logging.getLogger("starling.host")
 
@@ -153,12 +154,14 @@ def build_host(
     max_connections: int = 64,
     dial_timeout: float = 10.0,
     psk: str | None = None,
+    muxer_offences: MuxerOffences | None = None,
 ) -> IHost:
     """A host with TCP transport, Noise security and yamux muxing, nothing else.
 
     `announce`, when given, replaces the advertised addresses (e.g. a public IP or DNS name in front of a
     port forward); otherwise the listen addresses are advertised with wildcards expanded.
     `psk` (64 hex digits) makes this a private network: see p2p/auth.py.
+    `muxer_offences` counts peers that break Yamux flow control (p2p/limits.py); one is made if not given.
     """
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     fixed = list(announce)
@@ -180,7 +183,8 @@ def build_host(
     host = new_host(
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},
-        muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+        # Yamux with its receive windows enforced (py-libp2p 0.8.1 buffers past them without bound).
+        muxer_opt={YAMUX_PROTOCOL_ID: yamux_with_limits(muxer_offences or MuxerOffences())},
         enable_tcp=True,
         addrs_factory=addrs_factory,
         connection_config=connection_config,
@@ -188,6 +192,8 @@ def build_host(
         psk=psk,
     )
     _disable_auto_connector(host)
+    release_inbound_slots_on_close(host.get_network())  # else 64 connect/disconnect cycles lock us out
+    use_registered_muxers(host.get_network().upgrader)  # else a plain Yamux, whatever muxer_opt says
     return host
 
 

@@ -7,7 +7,7 @@ This module imports nothing else, so that the status schema stays cheap to impor
 
 from typing import TypedDict
 
-__all__ = ["AuthorizationStatus", "ConnectionsStatus", "DiscoveryStatus", "StreamLimitsStatus"]
+__all__ = ["AuthorizationStatus", "ConnectionsStatus", "DiscoveryStatus", "MuxerStatus", "StreamLimitsStatus"]
 
 
 class ConnectionsStatus(TypedDict):
@@ -46,3 +46,11 @@ class StreamLimitsStatus(TypedDict):
 
     per_subnet: dict[str, int]  # protocol -> streams one network group may hold at once
     refused: dict[str, int]  # protocol -> streams reset because their group had its share
+
+
+class MuxerStatus(TypedDict):
+    """``muxer`` (p2p/limits.py): peers that broke Yamux flow control, and what was not buffered."""
+
+    window_overruns: int  # connections closed because the peer sent past a stream's receive window
+    dropped_bytes: int  # bytes not buffered: past a window, or for streams no longer read
+    offenders: int  # distinct peers with an overrun (the most recent 1024)
