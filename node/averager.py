@@ -982,6 +982,11 @@ class Averager:
             self.on_transfer(partner, total, result.duration_s)
         log.debug("averaged with %s over the %s in %.2fs (%.1f MB)", partner, result.path, result.duration_s, total / 1e6)
 
+    def note_offence(self, peer: str, reason: str) -> None:
+        """An offence seen below the averaging layer (a Yamux window overrun, p2p/limits.py): it counts
+        towards the same ban as a malformed update."""
+        self._offence(peer, reason)
+
     def _offence(self, partner: str, reason: str) -> None:
         """A poisoned or malformed update: counted per reason; repeated offences ban the partner."""
         self.rejections[reason] = self.rejections.get(reason, 0) + 1

@@ -56,6 +56,7 @@ from p2p.discovery import SwarmDiscovery, make_on_connected
 from p2p.fsutil import atomic_write_bytes, tighten_private_folders
 from p2p.host import build_host, foreign_listeners, port_in_use
 from p2p.identity import peer_id_of
+from p2p.limits import MuxerOffences
 from p2p.netgroup import SubnetStreamLimits
 from protocols.dialback import PROTOCOL_ID as DIALBACK_PROTOCOL
 from protocols.snapshot import PROTOCOL_ID as SNAPSHOT_PROTOCOL
@@ -126,12 +127,16 @@ class Daemon:
             psk = read_swarm_key(key_file) if (node.swarm_key_file or key_file.exists()) else None
         except SwarmKeyError as e:
             raise StartupError(str(e)) from None
+        # Peers that overrun a stream's receive window (p2p/limits.py): their connection is closed, and the
+        # averager counts each overrun as an offence (repeated ones ban the peer from averaging).
+        self.muxer_offences = MuxerOffences()
         self.host = build_host(
             key_pair,
             announce=announce,
             max_connections=node.max_peers * 2,
             dial_timeout=node.dial_timeout,
             psk=psk,
+            muxer_offences=self.muxer_offences,
         )
         # Before any protocol registers its handler, so that every handler is gated.
         self.access = AccessControl(keyed=psk is not None, allow=node.allow_peers)
@@ -221,6 +226,7 @@ class Daemon:
                 swarm_steps=self._trainer_steps,
                 speeds=self._trainer_speeds,
             )
+            self.muxer_offences.on_offence = self.averager.note_offence
         self.ready = trio.Event()
         self._last_progress_step = 0
         self.snapshots = SnapshotServer(snapshot_source(home), max_serving=2)
@@ -385,6 +391,7 @@ class Daemon:
             "role": "trainer" if self.train else "network-only",
             "authorization": self.access.status(),
             "stream_limits": self.stream_limits.status(),
+            "muxer": self.muxer_offences.status(),
             "reachability": self.nat.reachability,
             "nat": self.nat.status(),
             "peers": self.nat.peers_status(),

@@ -23,7 +23,13 @@ imports nothing heavy: `starling status` renders with it.
 # annotations, and tests read __required_keys__.
 from typing import NotRequired, TypedDict
 
-from p2p.status import AuthorizationStatus, ConnectionsStatus, DiscoveryStatus, StreamLimitsStatus
+from p2p.status import (
+    AuthorizationStatus,
+    ConnectionsStatus,
+    DiscoveryStatus,
+    MuxerStatus,
+    StreamLimitsStatus,
+)
 
 __all__ = [
     "AuthorizationStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
@@ -288,6 +294,7 @@ class NodeStatus(TypedDict):
     role: str  # trainer | network-only
     authorization: AuthorizationStatus
     stream_limits: StreamLimitsStatus
+    muxer: MuxerStatus  # peers that overran a stream's receive window (p2p/limits.py)
     reachability: str  # public | private | unknown
     nat: NatStatus
     peers: list[PeerPathStatus]
