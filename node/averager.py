@@ -909,6 +909,11 @@ class Averager:
             self.on_transfer(partner, total, result.duration_s)
         log.debug("averaged with %s over the %s in %.2fs (%.1f MB)", partner, result.path, result.duration_s, total / 1e6)
 
+    def note_offence(self, partner: str, reason: str) -> None:
+        """An offence seen outside an exchange (a snapshot donor that lied about its model): counted and
+        banned like a poisoned update, so that the liar is not our averaging partner either."""
+        self._offence(partner, reason)
+
     def _offence(self, partner: str, reason: str) -> None:
         """A poisoned or malformed update: counted per reason; repeated offences ban the partner."""
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
