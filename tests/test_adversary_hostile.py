@@ -18,12 +18,13 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node import latejoin
+from node import crdt, latejoin
 from node.ckptfile import read_phi
-from node.crdt import Manifest, SwarmState
+from node.crdt import Manifest, MemberRecord, SwarmState, peer_id_of, sign_record
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
 from protocols import snapshot as snap
+from protocols.hlc import MAX_LEAD_S, Timestamp
 
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 MANIFEST = Manifest("stdlib-lm", "a" * 64, "b" * 64, 1)
@@ -190,3 +191,39 @@ async def test_the_start_up_check_describes_the_model_exactly_as_the_worker_will
         trainer.task.name, trainer.model_hash, trainer.layout_hash, trainer.numel)
     plain = await check_task(cfg, "peer", timeout=120)
     assert plain is not None and plain.name == trainer.task.name and plain.numel == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Item 6: a record dated just inside the skew limit dragged the victim's clock with it
+
+T0 = 1_700_000_000.0
+
+
+def test_a_record_599_s_ahead_moves_the_victims_clock_no_more_than_the_bound() -> None:
+    """Before, a record dated 599.9 s ahead (inside the 600 s skew limit) was accepted and its HLC adopted:
+    the victim's own records then carried +599.9 s, and a node whose clock ran 1 s behind refused every
+    one of them as skewed (and saw a healthy node as gone after 61 s). Now the record is kept, but the
+    victim's clock moves at most MAX_LEAD_S past its own time."""
+    now = [T0]
+    victim = SwarmState(create_new_key_pair(), clock=lambda: now[0])
+    behind = SwarmState(create_new_key_pair(), clock=lambda: now[0] - 1.0)  # an honest clock 1 s slow
+    attacker = create_new_key_pair()
+    future = sign_record(MemberRecord(peer_id_of(attacker.public_key), Timestamp(int((T0 + 599.9) * 1000), 0)),
+                         attacker)
+    assert victim.merge(future) is True  # inside the skew limit: the record is kept
+    assert victim.member(peer_id_of(attacker.public_key)) is not None and victim.clock_capped == 1
+    own = victim.update_self(role="trainer")
+    assert own.record.hlc.wall_ms <= int((T0 + MAX_LEAD_S) * 1000)
+    assert behind.merge(own) is True and behind.rejected[crdt.CLOCK_SKEW] == 0
+    now[0] += 30  # the victim's next heartbeat, too
+    assert behind.merge(victim.update_self()) is True and behind.rejected[crdt.CLOCK_SKEW] == 0
+
+
+def test_a_remote_record_a_little_ahead_is_still_followed() -> None:
+    """Within the bound the clock is an HLC as before: our next timestamp sorts after what we saw."""
+    now = [T0]
+    victim = SwarmState(create_new_key_pair(), clock=lambda: now[0])
+    peer = create_new_key_pair()
+    ahead = Timestamp(int((T0 + MAX_LEAD_S / 2) * 1000), 7)
+    assert victim.merge(sign_record(MemberRecord(peer_id_of(peer.public_key), ahead), peer)) is True
+    assert victim.update_self().record.hlc > ahead and victim.clock_capped == 0
