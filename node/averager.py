@@ -76,6 +76,7 @@ from libp2p.peer.id import ID
 
 from node.exchange import ExchangeOutcome, ExchangeRequest
 from node.pairing import scheduled_partners
+from node.partner_misses import PartnerMisses
 from node.robust import UpdateBound
 from node.status_schema import MixingStatus, SyncStatus
 from node.sync_config import SyncConfig
@@ -259,6 +260,8 @@ class Averager:
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
         self._phi_mean: np.ndarray | None = None  # a pair's mean phi, sent in a second round
         self._round_begun = trio.Event()  # set (and replaced) whenever a round of an outer step begins
+        # Trainers that claim to average but miss round after round sit out (node/partner_misses.py).
+        self.misses = PartnerMisses()
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -416,12 +419,15 @@ class Averager:
         self._pending = pending
         self._round_begun.set()  # wakes requests held for this round (`_await_round`)
         self._round_begun = trio.Event()
+        self.misses.begin_round()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pair, pending)
                 await pending.done.wait()
                 nursery.cancel_scope.cancel()
         finally:
+            # A scheduled partner that never showed up is a miss only when the round found nobody else.
+            self.misses.end_round(pending.scheduled if pending.result < 2 else None)
             self._pending = None
             if pending.transfer_scope is not None and not pending.transfer_finished.is_set():
                 # We are being cancelled while a responder transfer writes into the outputs: stop it
@@ -541,7 +547,7 @@ class Averager:
             if partner is None:
                 await trio.sleep(random.uniform(0.1, 0.4))
                 continue
-            await self._try_partner(pending, partner)
+            self.misses.note(partner, await self._try_partner(pending, partner))
             if pending.claimed_by is None:
                 await trio.sleep(random.uniform(0.05, 0.2))
         if pending.claimed_by is None:
@@ -561,12 +567,23 @@ class Averager:
             await trio.sleep(0.1)  # its request comes to _serve_request
             return
         outcome = await self._try_partner(pending, partner, scheduled=True)
+        self.misses.note(partner, outcome, scheduled=True)
         if pending.claimed_by is not None:
             return
         if outcome == "not ready":
             await trio.sleep(random.uniform(*SCHEDULED_RETRY_S))
         else:
             pending.scheduled_until = 0.0  # it refused, failed, or pairs with someone else: open phase
+
+    def sits_out(self, peer: str) -> bool:
+        """Whether `peer` should not count as a possible partner now: banned (it or its IP), or it missed
+        too many rounds in a row (node/partner_misses.py). A peer that counts costs every outer step the
+        whole pairing window when it never pairs."""
+        link = self._links.get(peer)
+        if link is not None and (link.banned_until > trio.current_time()
+                                 or (link.ip is not None and self._ip_banned(link.ip))):
+            return True
+        return self.misses.sits_out(peer)
 
     def _may_punch(self, partner: str) -> bool:
         """Whether to open a punched side channel with `partner` where its listener (or ours) is behind a
@@ -766,6 +783,8 @@ class Averager:
             # or foreign-run partner is answered at once.
             pending = await self._await_round(request.stage, pending, arrived)
             verdict = self._judge(request, pending, partner)
+        if verdict is None or verdict[0] == "busy":
+            self.misses.heard(partner)  # it asks us as a partner of our run would: it takes part
         if verdict is not None:
             # Between outer steps we say the last one we took: an asker that is behind learns the count.
             since = 0

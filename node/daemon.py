@@ -329,8 +329,11 @@ class Daemon:
     def _possible_partners(self) -> list[Any]:
         """Alive trainers with our manifest (`alive_members` checks it) and (unless the config allows bulk
         over relays) a direct or hole-punched path: bulk tensors never cross a relay. None at all makes the
-        outer step solo at once."""
+        outer step solo at once. A trainer the averager says sits out (banned, or it missed round after
+        round: node/partner_misses.py) does not count: a record that claims the trainer role from a peer
+        that never averages made every outer step wait out the whole pairing window."""
         allow_relay = self.cfg.sync.allow_relay_bulk
+        averager = self.averager
         return [
             m
             for m in self.replicator.alive_members()
@@ -338,6 +341,7 @@ class Daemon:
             and m.record.manifest_hash  # a trainer whose task is not loaded yet can only refuse
             and m.record.peer_id != str(self.peer_id)
             and (allow_relay or self.nat.path_of(m.record.peer_id) in ("direct", "hole-punched"))
+            and (averager is None or not averager.sits_out(m.record.peer_id))
         ]
 
     def _pace(self) -> float:

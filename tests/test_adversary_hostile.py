@@ -227,3 +227,103 @@ def test_a_remote_record_a_little_ahead_is_still_followed() -> None:
     ahead = Timestamp(int((T0 + MAX_LEAD_S / 2) * 1000), 7)
     assert victim.merge(sign_record(MemberRecord(peer_id_of(peer.public_key), ahead), peer)) is True
     assert victim.update_self().record.hlc > ahead and victim.clock_capped == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Item 3: a fake trainer (a member record, no averaging) stalls real ones; a ban did not end it
+
+
+async def test_a_fake_trainer_stops_costing_the_pairing_window_once_it_missed_its_bound() -> None:
+    """Before, a record claiming the trainer role and our manifest, from a host with no averaging handler,
+    counted as a possible partner for good, so every outer step waited out the whole window for it (95 ->
+    2.5 inner steps/s). Now it misses MISS_LIMIT rounds and sits out: the next outer step is solo at once."""
+    import torch
+
+    from node.averager import Averager
+    from node.exchange import ExchangeRequest
+    from node.partner_misses import MISS_LIMIT
+    from node.sync_config import SyncConfig
+
+    window = 1.0
+    n = 1000
+    async with AsyncExitStack() as stack:
+        honest, fake = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+        for h in (honest, fake):
+            await stack.enter_async_context(h.run(LOOPBACK))
+        await honest.connect(info_from_p2p_addr(fake.get_addrs()[0]))  # fake: a host that never averages
+        fake_id = str(fake.get_id())
+        averager: Averager | None = None
+
+        def possible() -> list[str]:  # as the daemon's _possible_partners filters its member records
+            return [p for p in [fake_id] if averager is None or not averager.sits_out(p)]
+
+        averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False), manifest_hash=lambda: "m",
+                            eligible_peers=possible, anyone_else=lambda: bool(possible()))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(averager.run)
+        took = []
+        for step in range(MISS_LIMIT + 2):
+            request = ExchangeRequest(step, torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n),
+                                      [("w", (n,))], "L", inner_steps=5, samples=20)
+            began = trio.current_time()
+            with trio.fail_after(30):
+                assert (await averager.exchange(request)).group_size == 1
+            took.append(trio.current_time() - began)
+        nursery.cancel_scope.cancel()
+    assert all(t >= window * 0.9 for t in took[:MISS_LIMIT]), took  # it is given the window MISS_LIMIT times
+    assert all(t < 0.1 for t in took[MISS_LIMIT:]), took  # then solo at once
+    assert averager.sits_out(fake_id) and averager.status()["unpaired_rounds"] == 2
+
+
+async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> None:
+    """Before, a partner banned for poisoned updates still counted as a possible partner, and the victim
+    stayed at the pairing window's pace."""
+    from node.config import load_config
+    from node.daemon import Daemon
+
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
+    assert daemon.averager is not None
+    founder = SwarmState(create_new_key_pair())
+    daemon.replicator.state.merge(founder.set_manifest(MANIFEST) or b"")
+    poisoner = SwarmState(create_new_key_pair())
+    daemon.replicator.state.merge(poisoner.update_self(role="trainer", manifest_hash=MANIFEST.hash, outer_step=5))
+    daemon.nat.path_of = lambda peer: "direct"  # type: ignore[method-assign]
+    assert [m.peer_id for m in daemon._possible_partners()] == [poisoner.peer_id]
+    for _ in range(cfg.sync.ban_after):
+        daemon.averager._offence(poisoner.peer_id, "delta_too_large")
+    assert daemon.averager.status()["banned"] == [poisoner.peer_id]
+    assert daemon._possible_partners() == [] and daemon._eligible_partners() == []
+
+
+def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_success_clears_it() -> None:
+    from node.partner_misses import PartnerMisses
+
+    now = [0.0]
+    misses = PartnerMisses(limit=3, backoff_s=30.0, clock=lambda: now[0])
+
+    def round_(outcome: str | None, scheduled: str | None = None) -> None:
+        misses.begin_round()
+        if outcome is not None:
+            misses.note("p", outcome)
+        misses.end_round(scheduled)
+
+    # "Not ready" (a phase question) is no miss, nor "busy" outside the schedule (busy with its own partner).
+    for outcome in ("failed", "busy", "not ready", "refused"):
+        assert not misses.sits_out("p")
+        round_(outcome)
+    assert not misses.sits_out("p")
+    misses.begin_round()
+    misses.note("p", "busy", scheduled=True)  # the partner the schedule gave us: it should be waiting for us
+    misses.end_round(None)
+    assert misses.sits_out("p")
+    now[0] = 31.0
+    assert not misses.sits_out("p")  # one try after the back-off ...
+    round_(None, scheduled="p")  # ... a scheduled partner that never showed up is a miss
+    assert misses.sits_out("p") and not misses.sits_out("q")
+    now[0] = 31.0 + 61.0  # the back-off doubled
+    assert not misses.sits_out("p")
+    round_("paired")
+    round_("failed")
+    round_("failed")
+    assert not misses.sits_out("p")  # a success cleared its count
