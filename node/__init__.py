@@ -12,6 +12,7 @@ The daemon process (trio, libp2p, numpy; it loads no torch):
     replicator.py     StateReplicator: that state replicated by gossip and anti-entropy
     averager.py       Averager: the daemon's side of an outer step (pair and average, or step solo)
     pairing.py        schedule, scheduled_partners: who averages with whom at each outer step
+    partner_misses.py PartnerMisses: trainers that miss round after round stop counting as partners
     robust.py         UpdateBound: how far one partner's values may move us
     latejoin.py       CatchUp, late_join: a trainer takes the swarm's weights instead of its own
     ckptfile.py       read_phi, write_phi, CheckpointError: the checkpoint file format, phi without torch

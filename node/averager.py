@@ -80,6 +80,7 @@ from libp2p.peer.id import ID
 
 from node.exchange import ExchangeOutcome, ExchangeRequest
 from node.pairing import scheduled_partners
+from node.partner_misses import PartnerMisses
 from node.robust import UpdateBound
 from node.status_schema import MixingStatus, SyncStatus
 from node.sync_config import SyncConfig
@@ -273,6 +274,8 @@ class Averager:
                         "as it moves (sync.stall_timeout_s, sync.max_transfer_s); remove them from the config")
         self._round_begun = trio.Event()  # set (and replaced) whenever a round of an outer step begins
         self._transfer_s: float | None = None  # our exchanges' typical duration (EWMA), for `_busy_wait_s`
+        # Trainers that claim to average but miss round after round sit out (node/partner_misses.py).
+        self.misses = PartnerMisses()
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -438,12 +441,15 @@ class Averager:
         self._pending = pending
         self._round_begun.set()  # wakes requests held for this round (`_await_round`)
         self._round_begun = trio.Event()
+        self.misses.begin_round()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pair, pending)
                 await pending.done.wait()
                 nursery.cancel_scope.cancel()
         finally:
+            # A scheduled partner that never showed up is a miss only when the round found nobody else.
+            self.misses.end_round(pending.scheduled if pending.result < 2 else None)
             self._pending = None
             if pending.transfer_scope is not None and not pending.transfer_finished.is_set():
                 # We are being cancelled while a responder transfer writes into the outputs: stop it
@@ -577,7 +583,7 @@ class Averager:
             if partner is None:
                 await trio.sleep(random.uniform(0.1, 0.4))
                 continue
-            await self._try_partner(pending, partner)
+            self.misses.note(partner, await self._try_partner(pending, partner))
             if pending.claimed_by is None:
                 await trio.sleep(random.uniform(0.05, 0.2))
         if pending.claimed_by is None:
@@ -602,6 +608,7 @@ class Averager:
                 return
             pending.probed = True
         outcome = await self._try_partner(pending, partner, scheduled=True)
+        self.misses.note(partner, outcome, scheduled=True)
         if pending.claimed_by is not None:
             return
         if partner < self.me and outcome in ("not ready", "busy"):
@@ -618,6 +625,16 @@ class Averager:
             await trio.sleep(random.uniform(*SCHEDULED_RETRY_S))
         else:
             pending.scheduled_until = 0.0  # it refused, failed, or pairs with someone else: open phase
+
+    def sits_out(self, peer: str) -> bool:
+        """Whether `peer` should not count as a possible partner now: banned (it or its IP), or it missed
+        too many rounds in a row (node/partner_misses.py). A peer that counts costs every outer step the
+        whole pairing window when it never pairs."""
+        link = self._links.get(peer)
+        if link is not None and (link.banned_until > trio.current_time()
+                                 or (link.ip is not None and self._ip_banned(link.ip))):
+            return True
+        return self.misses.sits_out(peer)
 
     def _may_punch(self, partner: str) -> bool:
         """Whether to open a punched side channel with `partner` where its listener (or ours) is behind a
@@ -835,6 +852,8 @@ class Averager:
             # or foreign-run partner is answered at once.
             pending = await self._await_round(request.stage, pending, arrived)
             verdict = self._judge(request, pending, partner)
+        if verdict is None or verdict[0] == "busy":
+            self.misses.heard(partner)  # it asks us as a partner of our run would: it takes part
         if verdict is not None:
             # Between outer steps we say the last one we took: an asker that is behind learns the count.
             since = 0
@@ -983,8 +1002,9 @@ class Averager:
         log.debug("averaged with %s over the %s in %.2fs (%.1f MB)", partner, result.path, result.duration_s, total / 1e6)
 
     def note_offence(self, peer: str, reason: str) -> None:
-        """An offence seen below the averaging layer (a Yamux window overrun, p2p/limits.py): it counts
-        towards the same ban as a malformed update."""
+        """An offence seen outside an exchange (a Yamux window overrun, p2p/limits.py; a snapshot donor that
+        lied about its model): counted and banned like a poisoned update, so that the offender is not our
+        averaging partner either."""
         self._offence(peer, reason)
 
     def _offence(self, partner: str, reason: str) -> None:

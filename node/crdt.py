@@ -453,6 +453,9 @@ class SwarmState:
         self._group_sizes: Counter[str] = Counter()
         #: Members evicted to make room for a newcomer from a less crowded network group.
         self.crowd_evictions = 0
+        #: Records of others dated more than MAX_LEAD_S ahead of our clock: kept, but our clock stopped at
+        #: the bound (protocols/hlc.py).
+        self.clock_capped = 0
         self._refusals: list[ManifestRefused] = []  # not yet taken by take_manifest_refusals
         self._refused_seen: OrderedDict[tuple[str, str], None] = OrderedDict()
 
@@ -633,8 +636,13 @@ class SwarmState:
             self.rejected[CLOCK_SKEW] += 1
             return "rejected"
         # Observe every verified timestamp: after a restart this is how the node learns that its own
-        # earlier records exist and makes its next ones newer.
-        self._hlc.adopt(record.hlc)
+        # earlier records exist and makes its next ones newer. Another node's moves our clock at most
+        # MAX_LEAD_S ahead of ours (protocols/hlc.py): the record is kept, but one peer's clock far
+        # ahead cannot date our own records towards the skew limit, where peers behind would refuse them.
+        if record.peer_id == self.peer_id:
+            self._hlc.adopt(record.hlc)
+        elif self._hlc.follow(record.hlc):
+            self.clock_capped += 1
 
         if isinstance(record, ManifestRecord):
             why = self.authority.refusal(record, self.manifest)

@@ -34,7 +34,14 @@ from node.config import Config
 from node.control import SOCKET_FILE, serve_control
 from node.crdt import Manifest, ManifestAuthority
 from node.history import HISTORY_FILE, HistoryError, LossHistory
-from node.latejoin import CatchUp, late_join, progress_view, snapshot_source
+from node.latejoin import (
+    CatchUp,
+    has_checkpoint,
+    join_snapshot_path,
+    late_join,
+    progress_view,
+    snapshot_source,
+)
 from node.logs import log_summary_loop
 from node.metrics import Metrics, serve_metrics
 from node.nat import NatConfig, NatService
@@ -60,11 +67,12 @@ from p2p.limits import MuxerOffences
 from p2p.netgroup import SubnetStreamLimits
 from protocols.dialback import PROTOCOL_ID as DIALBACK_PROTOCOL
 from protocols.snapshot import PROTOCOL_ID as SNAPSHOT_PROTOCOL
-from protocols.snapshot import SnapshotServer
+from protocols.snapshot import ModelShape, SnapshotServer
 from protocols.state import PROTOCOL_ID as STATE_PROTOCOL
 
 if TYPE_CHECKING:
     from node.ipc import Adopted
+    from node.supervisor import CheckedTask
 
 AVG_PROTOCOL_VERSION = 1  # the major version of /starling/avg; peers on another one cannot average
 
@@ -205,6 +213,8 @@ class Daemon:
                 own_outer_step=lambda: int(self._training().get("outer_step") or 0),
                 trainers=self._trainer_steps,
                 deliver=lambda path, outer_step: self.supervisor.adopt_at_next_outer_step(path, outer_step),
+                model=self._worker_model,
+                on_refused=self._donor_lied,
             )
             bind = "127.0.0.1" if all(str(a).startswith("/ip4/127.") for a in self.listen_addrs) else "0.0.0.0"
             self.averager = Averager(
@@ -231,6 +241,9 @@ class Daemon:
         self._last_progress_step = 0
         self.snapshots = SnapshotServer(snapshot_source(home), max_serving=2)
         self.join_status: dict[str, Any] = {"state": "not started"}
+        # Our model as the start-up check described it (only where a late join will run): the donors'
+        # snapshots are checked against it before a byte is downloaded.
+        self._checked: CheckedTask | None = None
 
     # --- what this node tells the swarm ------------------------------------------------------------------
 
@@ -277,14 +290,27 @@ class Daemon:
         fields = self.supervisor.manifest_fields()
         if fields is None:
             return None
+        return self._manifest_of(str(fields["task"]), str(fields["model_hash"]))
+
+    def _manifest_of(self, task: str, model_hash: str) -> Manifest:
         t = self.cfg.train
         optimizer = f"{t.outer}:{t.alpha}:{t.beta}:{t.gamma}:{t.inner_steps}"
         return Manifest(
-            task=str(fields["task"]),
-            model_hash=str(fields["model_hash"]),
+            task=task,
+            model_hash=model_hash,
             optimizer_hash=hashlib.sha256(optimizer.encode()).hexdigest(),
             protocol_version=AVG_PROTOCOL_VERSION,
         )
+
+    def _worker_model(self) -> ModelShape | None:
+        """Our model as the worker's hello said it (None before): what a catch-up's donors must serve."""
+        fields = self.supervisor.manifest_fields() if self.supervisor is not None else None
+        return None if fields is None else ModelShape(str(fields["layout_hash"]), int(fields["numel"]))
+
+    def _join_model(self) -> ModelShape | None:
+        """Our model as the start-up check described it: what a late join's donors must serve."""
+        c = self._checked
+        return ModelShape(c.layout_hash, c.numel) if c is not None and c.layout_hash else None
 
     def _averaging_manifest_hash(self) -> str | None:
         """The manifest hash the averager compares partners' requests with: our own once the worker has
@@ -309,8 +335,11 @@ class Daemon:
     def _possible_partners(self) -> list[Any]:
         """Alive trainers with our manifest (`alive_members` checks it) and (unless the config allows bulk
         over relays) a direct or hole-punched path: bulk tensors never cross a relay. None at all makes the
-        outer step solo at once."""
+        outer step solo at once. A trainer the averager says sits out (banned, or it missed round after
+        round: node/partner_misses.py) does not count: a record that claims the trainer role from a peer
+        that never averages made every outer step wait out the whole pairing window."""
         allow_relay = self.cfg.sync.allow_relay_bulk
+        averager = self.averager
         return [
             m
             for m in self.replicator.alive_members()
@@ -318,6 +347,7 @@ class Daemon:
             and m.record.manifest_hash  # a trainer whose task is not loaded yet can only refuse
             and m.record.peer_id != str(self.peer_id)
             and (allow_relay or self.nat.path_of(m.record.peer_id) in ("direct", "hole-punched"))
+            and (averager is None or not averager.sits_out(m.record.peer_id))
         ]
 
     def _pace(self) -> float:
@@ -497,19 +527,37 @@ class Daemon:
                 self.host,
                 self.home,
                 self._join_donors,
+                model=self._join_model(),
                 max_donors=t.join_donors,
                 wait_s=t.join_wait_s,
                 timeout_s=t.join_timeout_s,
                 status=self.join_status,
+                on_refused=self._donor_lied,
             )
         await self.supervisor.run()
 
+    def _donor_lied(self, peer: str) -> None:
+        """A donor whose record carries our manifest served a snapshot of another model: that is no honest
+        mistake, so it counts as an offence towards a ban, as a poisoned averaging update does."""
+        if self.averager is not None:
+            self.averager.note_offence(peer, "snapshot_mismatch")
+
     def _join_donors(self) -> list[str]:
-        """Alive trainers that have made outer steps (their manifest is checked by the worker's layout)."""
+        """Alive trainers that have made outer steps and whose signed member record carries our run
+        manifest: ours as the start-up check described it, else the swarm's. A member of another run (or
+        one that claims no run) trains another model, and its snapshot would be refused at its meta."""
+        c = self._checked
+        wanted = self._manifest_of(c.name, c.model_hash).hash if c is not None and c.model_hash else None
+        if wanted is None:
+            swarm = self.replicator.state.manifest
+            wanted = swarm.hash if swarm is not None else None
+        if wanted is None:
+            return []
         return [
             m.record.peer_id
             for m in self.replicator.state.members()
             if m.state == "alive" and m.record.role == "trainer" and m.record.outer_step > 0
+            and m.record.manifest_hash == wanted
             and m.record.peer_id != str(self.peer_id)
         ]
 
@@ -622,10 +670,15 @@ class Daemon:
         from node.supervisor import TaskCheckError, check_task
 
         level = logging.getLevelName(logging.getLogger("starling").getEffectiveLevel()).lower()
+        # A late join will run: the check builds the model too and says its size, which the donors'
+        # snapshots must match (a donor's claim alone once decided how much the joiner wrote to disk).
+        joining = (self.cfg.sync.join_donors > 0 and not has_checkpoint(self.home)
+                   and not join_snapshot_path(self.home).exists())
         try:
-            name = await check_task(self.cfg.train, str(self.peer_id), log_level=level,
-                                    task_options=self._task_options())
+            checked = await check_task(self.cfg.train, str(self.peer_id), log_level=level,
+                                       task_options=self._task_options(), describe=joining)
         except TaskCheckError as e:
             raise StartupError(str(e)) from None
-        if name is not None:
-            log.debug("train.task %r loads (task %s)", self.cfg.train.task, name)
+        if checked is not None:
+            self._checked = checked
+            log.debug("train.task %r loads (task %s)", self.cfg.train.task, checked.name)

@@ -32,7 +32,7 @@ from node.ckptfile import CheckpointError, read_phi, write_phi
 from node.status_schema import ProgressStatus
 from node.sync_config import SyncConfig
 from p2p.fsutil import private_dir
-from protocols.snapshot import PROTOCOL_ID, JoinDownload, Snapshot, combine
+from protocols.snapshot import PROTOCOL_ID, JoinDownload, ModelShape, Snapshot, combine
 
 if TYPE_CHECKING:
     from node.ipc import Adopted
@@ -94,15 +94,26 @@ async def late_join(
     home: Path,
     donors: Callable[[], list[str]],
     *,
+    model: ModelShape | None,
     max_donors: int,
     wait_s: float,
     timeout_s: float,
     status: dict[str, Any],
+    on_refused: Callable[[str], None] | None = None,
 ) -> bool:
-    """Download a starting point from the swarm if this node has no checkpoint. True if one was written."""
+    """Download a starting point from the swarm if this node has no checkpoint. True if one was written.
+
+    `model`: our own model (the start-up check's); a donor's snapshot must be exactly that. None (the
+    check did not say in time) starts a fresh model: without our size, a donor's claim would decide how
+    much we write to disk. `on_refused(donor)`: a donor whose snapshot was not our model (an offence)."""
     target = join_snapshot_path(home)
     if has_checkpoint(home) or target.exists():
         status["state"] = "not needed"
+        return False
+    if model is None:
+        status["state"] = "own model not known: starting a fresh model"
+        log.warning("the start-up check did not say this node's model in time: no late join, starting from a "
+                    "fresh model")
         return False
     status["state"] = "looking for donors"
     deadline = trio.current_time() + wait_s
@@ -119,8 +130,8 @@ async def late_join(
     chosen = random.sample(found, min(max_donors, len(found)))
     status.update(state="downloading", donors=chosen)
     try:
-        state = await fetch_swarm_snapshot(host, home / JOIN_DIR / "partial", chosen, target, timeout_s=timeout_s,
-                                           status=status)
+        state = await fetch_swarm_snapshot(host, home / JOIN_DIR / "partial", chosen, target, model=model,
+                                           timeout_s=timeout_s, status=status, on_refused=on_refused)
     except (OSError, ValueError) as e:  # a full disk, or donors whose snapshots cannot be combined
         status["state"] = f"download failed ({e}): starting a fresh model"
         log.warning("late join failed: %s; starting from a fresh model", e)
@@ -134,13 +145,17 @@ async def late_join(
 
 
 async def fetch_swarm_snapshot(
-    host: Any, directory: Path, donors: list[str], target: Path, *, timeout_s: float, status: dict[str, Any]
+    host: Any, directory: Path, donors: list[str], target: Path, *, model: ModelShape, timeout_s: float,
+    status: dict[str, Any], on_refused: Callable[[str], None] | None = None,
 ) -> dict[str, Any] | None:
     """Download the snapshots of `donors` at once into `directory` (resuming what is there), write their
     robust mean (`protocols.snapshot.combine`) to `target` as a hashed checkpoint file and return it; None
     if no download completed within `timeout_s` (the parts that arrived are kept for a resume); ValueError
-    (the downloads deleted) if what the donors sent cannot be combined."""
-    download = JoinDownload(directory)
+    (the downloads deleted) if what the donors sent cannot be combined.
+
+    A donor whose meta is not `model` is refused before anything of it is written (`status["refused"]`
+    names it, and `on_refused` is told); the others go on without it."""
+    download = JoinDownload(directory, model)
     if directory.is_dir():
         download.prune(donors)
     status["progress"] = download.progress
@@ -152,8 +167,14 @@ async def fetch_swarm_snapshot(
         for donor in donors:
             nursery.start_soon(functools.partial(download.fetch, open_stream, donor, timeout_s=timeout_s))
     complete = download.complete()
+    refused = [p.donor for p in download.progress.values() if p.refused]
+    if refused:
+        status["refused"] = refused
+        for donor in refused:
+            if on_refused is not None:
+                on_refused(donor)
     for p in download.progress.values():
-        if not p.done:
+        if not p.done and not p.refused:
             log.warning("snapshot download from %s incomplete: %s", p.donor, p.error or "stopped")
     if not complete:
         return None
@@ -199,8 +220,13 @@ class CatchUp:
         own_outer_step: Callable[[], int],
         trainers: Callable[[], dict[str, int]],
         deliver: Callable[[Path, Callable[[], int | None]], None],
+        model: Callable[[], ModelShape | None],
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self.host = host
+        # Our worker's model (None before its hello): a donor's snapshot must be exactly that.
+        self.model = model
+        self.on_refused = on_refused  # told of a donor whose snapshot was not our model (an offence)
         self.home = home
         self.cfg = cfg
         self.own_outer_step = own_outer_step
@@ -270,6 +296,9 @@ class CatchUp:
             await self._attempt(*plan)
 
     async def _attempt(self, target: int, donors: list[str]) -> None:
+        model = self.model()
+        if model is None:
+            return  # the worker has not said what it trains: nothing to catch up yet
         own = self.own_outer_step()
         log.info("outer step %d is %d from the swarm's %d and no partner was eligible for %d outer steps: "
                  "catching up from %d donors", own, abs(own - target), target, self.cfg.catch_up_after, len(donors))
@@ -277,7 +306,8 @@ class CatchUp:
         path = self.home / CATCH_UP_DIR / JOIN_FILE
         try:
             state = await fetch_swarm_snapshot(self.host, self.home / CATCH_UP_DIR / "partial", donors, path,
-                                               timeout_s=self.cfg.join_timeout_s, status=self.status)
+                                               model=model, timeout_s=self.cfg.join_timeout_s, status=self.status,
+                                               on_refused=self.on_refused)
         except (OSError, ValueError) as e:  # a full disk, or no donor's layout to combine
             log.warning("catch-up failed: %s", e)
             state = None

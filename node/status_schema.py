@@ -124,6 +124,7 @@ class ProgressStatus(TypedDict, total=False):
     outer_step: int
     step: int
     downloads: dict[str, DownloadStatus]
+    refused: list[str]  # donors whose snapshot was not our model: dropped before a byte was written
 
 
 class JoinStatus(ProgressStatus, total=False):

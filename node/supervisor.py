@@ -81,6 +81,17 @@ class TaskCheckError(Exception):
     """The configured task or device cannot be used; the message is one line for the operator."""
 
 
+@dataclass(frozen=True)
+class CheckedTask:
+    """What the start-up check said: the task's name and, when asked to `describe` it, its model as the
+    worker's hello will say it (else "" and 0)."""
+
+    name: str
+    model_hash: str = ""
+    layout_hash: str = ""
+    numel: int = 0
+
+
 async def check_task(
     cfg: TrainConfig,
     peer_id: str,
@@ -89,13 +100,15 @@ async def check_task(
     log_level: str = "warning",
     timeout: float = TASK_CHECK_TIMEOUT_S,
     task_options: Mapping[str, Any] | None = None,
-) -> str | None:
+    describe: bool = False,
+) -> CheckedTask | None:
     """Load `cfg.device` and `cfg.task` (given the `[task]` section's `task_options`) in a throwaway worker
-    process; return the task's name, or None when the check ran out of `timeout` (a slow factory is not an
+    process; return what it said, or None when the check ran out of `timeout` (a slow factory is not an
     error: the worker's own start-up timeout still applies). Raises TaskCheckError with the worker's
-    one-line reason otherwise."""
+    one-line reason otherwise. `describe`: build the model too and say it (a late join checks its donors
+    against it before it downloads a byte)."""
     request = json.dumps({"config": dataclasses.asdict(cfg), "peer_id": peer_id, "log_level": log_level,
-                          "task_options": dict(task_options or {})})
+                          "task_options": dict(task_options or {}), "describe": describe})
     result = None
     with trio.move_on_after(timeout):
         result = await trio.run_process(
@@ -109,7 +122,16 @@ async def check_task(
         log.warning("loading train.task %r took longer than %.0f s; starting the worker anyway", cfg.task, timeout)
         return None
     if result.returncode == 0:
-        return result.stdout.decode(errors="replace").strip() or None
+        out = result.stdout.decode(errors="replace").strip()
+        if not describe:
+            return CheckedTask(out) if out else None
+        try:
+            said = json.loads(out.splitlines()[-1])  # the task may print lines of its own before
+            return CheckedTask(str(said["name"]), str(said["model_hash"]), str(said["layout_hash"]),
+                               int(said["numel"]))
+        except (IndexError, ValueError, KeyError, TypeError):
+            log.warning("the task check did not describe the model: %r", out[-200:])
+            return None
     lines = [line for line in result.stderr.decode(errors="replace").splitlines() if line.strip()]
     for line in lines[:-1]:  # the task's own output, or a traceback at log level debug
         log.debug("task check: %s", line)

@@ -957,6 +957,11 @@ def check_task(request: dict[str, Any]) -> str:
     """Resolve the device and build the task of a `{"config": {...}, "peer_id": ...}` request, the way
     `Trainer` does; return the task's name. Raises TaskError (one line) for anything the operator must fix.
 
+    With `"describe": true` the model is built too, and the answer is a JSON object of the task's name and
+    its model (`model_hash`, `layout_hash`, `numel`, as the worker's hello says them): a daemon that will
+    download a late join's snapshot needs its own model's size first, since a donor's claim must not
+    decide what it writes to disk (protocols/snapshot.py, `ModelShape`).
+
     Why a separate process runs this and not the daemon: the task factory may put data on the GPU, and a
     CUDA context in the daemon would hold GPU memory for its whole life.
     """
@@ -972,11 +977,21 @@ def check_task(request: dict[str, Any]) -> str:
         from node.worker_group import check_group
 
         check_group(cfg, device)
-    return load_task(cfg.task, task_context(cfg, peer_id, device, options)).name
+    task = load_task(cfg.task, task_context(cfg, peer_id, device, options))
+    if not request.get("describe"):
+        return task.name
+    try:
+        model = task.build_model()
+    except Exception as e:  # the task's own code: its error is the operator's to fix
+        raise TaskError(f"train.task: building the model failed: {type(e).__name__}: {e}") from e
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
+    return json.dumps({"name": task.name, "model_hash": model_hash(task, options),
+                       "layout_hash": layout_hash(param_layout(model)), "numel": sum(p.numel() for p in params)})
 
 
 def check_main() -> int:
-    """`python -m node.worker --check`: read the request (JSON) on stdin; print the task's name and exit 0,
+    """`python -m node.worker --check`: read the request (JSON) on stdin; print the task's name (with
+    `"describe": true`, the JSON object `check_task` says) and exit 0,
     or print the reason on one line on stderr and exit 2 (with its traceback too at log level debug)."""
     try:
         request = json.loads(sys.stdin.read(MAX_FRAME))

@@ -14,7 +14,8 @@ a restarted node (which learns its own old records from its peers) continue *aft
 Guard against runaway clocks: a timestamp more than ``max_drift_s`` ahead of local physical time is
 refused by :meth:`HybridLogicalClock.observe` instead of being adopted. Otherwise one peer with a badly
 wrong clock (or a malicious one claiming the year 3000) would drag every clock in the swarm into the
-future for good.
+future for good. A timestamp inside that limit moves this clock at most ``max_lead_s``
+(:data:`MAX_LEAD_S`) ahead of local physical time (:meth:`HybridLogicalClock.follow`); see there why.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from typing import NamedTuple
 MAX_WALL_MS = 2**53 - 1
 #: Upper bound for the logical counter; when reached the clock borrows one millisecond instead.
 MAX_LOGICAL = 2**32 - 1
+#: How far ahead of local physical time another node's timestamp may move this clock, in seconds.
+#: Why a bound well below the drift limit: a record dated 599.9 s ahead (just inside the 600 s limit) was
+#: adopted whole, so the victim's own records then carried +599.9 s, and a node whose clock ran 1 s
+#: behind refused every one of them as skewed and saw a healthy node as gone after 61 s. One peer could
+#: so push everyone's timestamps towards the limit. Records are ordered per author, so nothing needs our
+#: clock to pass a far-ahead peer's; a few seconds still absorb ordinary skew between honest clocks.
+MAX_LEAD_S = 5.0
 
 
 class Timestamp(NamedTuple):
@@ -51,11 +59,15 @@ class HybridLogicalClock:
     The clock is not thread-safe; the daemon uses it from a single trio task.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time, *, max_drift_s: float = 600.0) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, *, max_drift_s: float = 600.0,
+                 max_lead_s: float = MAX_LEAD_S) -> None:
         if max_drift_s <= 0:
             raise ValueError(f"max_drift_s must be positive, got {max_drift_s}")
+        if max_lead_s < 0:
+            raise ValueError(f"max_lead_s must not be negative, got {max_lead_s}")
         self._clock = clock
         self._max_drift_ms = int(max_drift_s * 1000)
+        self._max_lead_ms = int(min(max_lead_s, max_drift_s) * 1000)
         self._last = Timestamp(0, 0)
 
     @property
@@ -85,7 +97,8 @@ class HybridLogicalClock:
         return ts.wall_ms > self.physical_ms() + self._max_drift_ms
 
     def observe(self, ts: Timestamp) -> None:
-        """Account for a timestamp received from elsewhere, so later :meth:`now` calls exceed it.
+        """Account for a timestamp received from elsewhere, so later :meth:`now` calls exceed it, as far
+        as :meth:`follow` allows.
 
         Raises :class:`ClockSkewError` (and leaves the clock untouched) when ``ts`` is further ahead of
         local physical time than ``max_drift_s``.
@@ -95,7 +108,15 @@ class HybridLogicalClock:
                 f"timestamp {ts} is {(ts.wall_ms - self.physical_ms()) / 1000:.1f} s ahead of the local clock "
                 f"(allowed drift {self._max_drift_ms / 1000:.0f} s)"
             )
-        self.adopt(ts)
+        self.follow(ts)
+
+    def follow(self, ts: Timestamp) -> bool:
+        """Account for another node's timestamp without the drift check, but never move this clock past
+        local physical time plus ``max_lead_s`` (:data:`MAX_LEAD_S` says why). Returns whether ``ts`` was
+        beyond that ceiling (the clock then stops at it: our next timestamps may sort before ``ts``)."""
+        ceiling = Timestamp(min(self.physical_ms() + self._max_lead_ms, MAX_WALL_MS), 0)
+        self.adopt(min(ts, ceiling))
+        return ts > ceiling
 
     def adopt(self, ts: Timestamp) -> None:
         """Like :meth:`observe` but without the drift check: for timestamps this node issued itself

@@ -6,8 +6,10 @@
                                                       numel, chunk size, sha256 of every chunk)
                                           <- chunks from_chunk.. (fp32, framed)
 
-Every chunk is checked against its hash before it is written, so a download can stop at any point and
-resume later from the first missing chunk (`snapshot_id` pins the version; a donor that has moved on
+The joiner checks the meta against its own model (`ModelShape`: layout hash and number of values) before
+it allocates or writes a byte: a donor that claims another model is refused (`DonorRefused`), so a
+download's file never grows past the joiner's own model. Every chunk is checked against its hash before
+it is written, so a download can stop at any point and resume later from the first missing chunk (`snapshot_id` pins the version; a donor that has moved on
 answers with its new meta and the joiner starts that donor over). Donors serve from their newest verified
 checkpoint and limit how many downloads they serve at once (`busy` beyond that).
 """
@@ -191,6 +193,34 @@ class SnapshotServer:
 # --- the joiner -----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The joiner's own model: the layout hash its worker computes and its number of trainable values.
+
+    Why the joiner needs it before the download: the donor's meta chooses the size of the file the joiner
+    writes. A donor that claimed numel = 2^34 made a joiner create a 64 GiB sparse file and write 2.41 GiB
+    of hashed zeros while it sat at step 0; nothing compared the claim with the joiner's model until
+    `combine`. Against this, the most a download writes is ``numel * 4`` bytes."""
+
+    layout_hash: str
+    numel: int
+
+    def mismatch(self, layout_hash: str, numel: int) -> str:
+        """Why a snapshot of ``(layout_hash, numel)`` cannot be ours ("" when it can)."""
+        if layout_hash != self.layout_hash:
+            return f"layout {layout_hash[:12]!r} is not ours ({self.layout_hash[:12]!r})"
+        if numel != self.numel:
+            return f"{numel} values, our model has {self.numel}"
+        return ""
+
+
+class DonorRefused(ProtocolError):
+    """The donor's meta does not describe our model: dropped before a byte was written (an offence)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(Reason.BAD_FIELD, detail)
+
+
 @dataclass
 class DonorProgress:
     """What has been downloaded from one donor, on disk so that a restart resumes it."""
@@ -201,13 +231,16 @@ class DonorProgress:
     error: str = ""
     done: bool = False
     bytes: int = 0
+    refused: bool = False  # its meta was not our model: nothing of it was kept (an offence)
 
 
 @dataclass
 class JoinDownload:
-    """Downloads from several donors at once into `directory` (`<donor>.bin` + `<donor>.json`)."""
+    """Downloads from several donors at once into `directory` (`<donor>.bin` + `<donor>.json`), each of at
+    most `model`'s size: a donor whose meta is not `model` is refused before its file is created."""
 
     directory: Path
+    model: ModelShape
     progress: dict[str, DonorProgress] = field(default_factory=dict)
 
     def _paths(self, donor: str) -> tuple[Path, Path]:
@@ -219,7 +252,10 @@ class JoinDownload:
         p = DonorProgress(donor)
         try:
             saved = json.loads(meta_path.read_text())
-            p.meta, p.have = saved["meta"], int(saved["have"])
+            meta, have = saved["meta"], int(saved["have"])
+            # A progress file of another model (an earlier version saved any donor's meta) is not resumed.
+            if not self.model.mismatch(str(meta["layout_hash"]), int(meta["numel"])):
+                p.meta, p.have = meta, have
         except (OSError, ValueError, KeyError, TypeError):
             pass
         return p
@@ -245,6 +281,12 @@ class JoinDownload:
                     await self._fetch_on(stream, p, data_path)
                 finally:
                     await close_quietly(stream)
+        except DonorRefused as e:
+            p.refused, p.meta, p.have = True, None, 0
+            p.error = f"refused: {e.detail}"[:200]
+            log.warning("snapshot donor %s refused: %s", donor, e.detail)
+            for path in self._paths(donor):  # whatever an earlier run kept of it
+                path.unlink(missing_ok=True)
         except (ProtocolError, trio.TooSlowError, OSError) as e:
             p.error = f"{type(e).__name__}: {e}"[:200]
         except Exception as e:  # libp2p raises many types for a peer that went away
@@ -261,15 +303,19 @@ class JoinDownload:
         if meta.verdict != "ok":
             p.error = f"{meta.verdict}: {meta.reason}"
             return
-        if not p.meta or meta.snapshot_id != p.meta["snapshot_id"]:
-            p.meta = {
-                "snapshot_id": meta.snapshot_id,
-                "step": meta.step,
-                "outer_step": meta.outer_step,
-                "layout_hash": meta.layout_hash,
-                "numel": meta.numel,
-                "chunk_hashes": [h.hex() for h in meta.chunk_hashes],
-            }
+        # Before a byte is allocated: the file's size is the donor's claim, so the claim must be our model.
+        if why := self.model.mismatch(meta.layout_hash, meta.numel):
+            raise DonorRefused(why)
+        fresh = {
+            "snapshot_id": meta.snapshot_id,
+            "step": meta.step,
+            "outer_step": meta.outer_step,
+            "layout_hash": meta.layout_hash,
+            "numel": meta.numel,
+            "chunk_hashes": [h.hex() for h in meta.chunk_hashes],
+        }
+        if p.meta != fresh:  # a new snapshot, or the same id with other hashes or counters: start over
+            p.meta = fresh
             p.have = 0
             with open_private(data_path, "wb") as f:
                 f.truncate(meta.numel * 4)

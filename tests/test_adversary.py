@@ -525,7 +525,7 @@ def test_checkpoints_and_downloaded_snapshots_are_private_whatever_the_umask(tmp
         assert tighten_private_folders(tmp_path / "home") == []  # what the daemon does at start
         store = CheckpointStore(tmp_path / "home" / "checkpoints" / "task-abc", keep=2)
         path = store.save({"phi": torch.zeros(3), "step": 5}, 5)
-        download = snap.JoinDownload(tmp_path / "home" / "join" / "partial")
+        download = snap.JoinDownload(tmp_path / "home" / "join" / "partial", snap.ModelShape("L", 1))
         trio.run(functools.partial(download.fetch, _no_stream, "donor", timeout_s=1.0))  # makes its folder, fails
         download._save(snap.DonorProgress("donor", meta={"snapshot_id": "x"}, have=0))
     finally:

@@ -34,6 +34,7 @@ from starling_testing.daemon import DaemonGroup
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                    eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+MODEL = snap.ModelShape("L", 10)  # our worker's model, where no real download checks it
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +43,7 @@ def one_thread() -> None:
 
 
 def catch_up(tmp_path: Path, own: int, others: dict[str, int], *, host: Any = None,
-             delivered: list | None = None, **cfg: Any) -> CatchUp:
+             delivered: list | None = None, model: snap.ModelShape = MODEL, **cfg: Any) -> CatchUp:
     return CatchUp(
         host,
         tmp_path,
@@ -50,6 +51,7 @@ def catch_up(tmp_path: Path, own: int, others: dict[str, int], *, host: Any = No
         own_outer_step=lambda: own,
         trainers=lambda: dict(others),
         deliver=lambda path, outer_step: (delivered if delivered is not None else []).append((path, outer_step)),
+        model=lambda: model,
     )
 
 
@@ -89,7 +91,7 @@ def fake_download(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Replace the network download with one that writes nothing and succeeds; records the donors."""
     calls: list[list[str]] = []
 
-    async def fetch(host, directory, donors, target, *, timeout_s, status):
+    async def fetch(host, directory, donors, target, *, model, timeout_s, status, on_refused=None):
         calls.append(list(donors))
         return {"step": 100, "outer_step": 20, "donors": list(donors)}
 
@@ -170,7 +172,7 @@ async def test_a_node_far_behind_downloads_the_swarms_weights_and_adopts_them_at
         hosts[1].set_stream_handler(snap.PROTOCOL_ID, snap.SnapshotServer(lambda: served).handle)
         # The donor has moved on since its checkpoint: the swarm is at outer step 30.
         cu = catch_up(tmp_path / "behind", behind.outer_step, {str(hosts[1].get_id()): 30}, host=hosts[0],
-                      delivered=delivered)
+                      delivered=delivered, model=snap.ModelShape(behind.layout_hash, behind.numel))
         nursery = await stack.enter_async_context(trio.open_nursery())
         await nursery.start(cu.run)
         with trio.fail_after(30):
@@ -226,12 +228,12 @@ async def test_a_late_join_whose_donors_cannot_be_combined_starts_a_fresh_model(
     """Before, combine's ValueError (donors that disagree on the model, a file of the wrong size) escaped
     late_join and took the daemon down with a traceback, at every start."""
 
-    async def fetch(host, directory, donors, target, *, timeout_s, status):
+    async def fetch(host, directory, donors, target, *, model, timeout_s, status, on_refused=None):
         raise ValueError("the donors disagree on the model (layout or size) and no majority decides")
 
     monkeypatch.setattr(latejoin, "fetch_swarm_snapshot", fetch)
     status: dict[str, Any] = {}
-    joined = await latejoin.late_join(None, tmp_path, lambda: ["a", "b"], max_donors=3, wait_s=1, timeout_s=5,
+    joined = await latejoin.late_join(None, tmp_path, lambda: ["a", "b"], model=MODEL, max_donors=3, wait_s=1, timeout_s=5,
                                       status=status)
     assert joined is False
     assert status["state"].startswith("download failed (the donors disagree") and "fresh model" in status["state"]

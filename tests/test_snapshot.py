@@ -20,6 +20,7 @@ from protocols.codec import tensor_bytes
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 NUMEL = int(snap.CHUNK_ELEMS * 3.5)
+OURS = snap.ModelShape("L", NUMEL)  # the joiner's own model
 
 
 def randn(n: int, seed: int) -> np.ndarray:
@@ -51,7 +52,7 @@ async def test_two_donors_at_once_give_their_verified_mean_and_low_median_counte
         joiner, d1, d2 = await hosts(stack, 3)
         for donor, s in ((d1, snaps[0]), (d2, snaps[1])):
             donor.set_stream_handler(snap.PROTOCOL_ID, snap.SnapshotServer(lambda s=s: s).handle)
-        dl = snap.JoinDownload(tmp_path / "dl")
+        dl = snap.JoinDownload(tmp_path / "dl", OURS)
         with trio.fail_after(30):
             async with trio.open_nursery() as n:
                 for donor in (d1, d2):
@@ -87,10 +88,10 @@ async def test_an_interrupted_download_resumes_from_the_first_missing_chunk(tmp_
     async with AsyncExitStack() as stack:
         joiner, donor = await hosts(stack, 2)
         donor.set_stream_handler(snap.PROTOCOL_ID, flaky)
-        first = await snap.JoinDownload(tmp_path / "dl").fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+        first = await snap.JoinDownload(tmp_path / "dl", OURS).fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
         assert not first.done and first.have == 2 and first.error
         donor.set_stream_handler(snap.PROTOCOL_ID, honest)
-        dl = snap.JoinDownload(tmp_path / "dl")  # a new process would start exactly like this
+        dl = snap.JoinDownload(tmp_path / "dl", OURS)  # a new process would start exactly like this
         second = await dl.fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
         assert second.done and second.bytes == (NUMEL - 2 * snap.CHUNK_ELEMS) * 4  # only the missing part moved
         state = snap.combine(dl.complete())
@@ -110,7 +111,7 @@ async def test_a_chunk_that_does_not_match_its_hash_stops_the_download(tmp_path:
     async with AsyncExitStack() as stack:
         joiner, donor = await hosts(stack, 2)
         donor.set_stream_handler(snap.PROTOCOL_ID, liar)
-        p = await snap.JoinDownload(tmp_path / "dl").fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+        p = await snap.JoinDownload(tmp_path / "dl", OURS).fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
     assert not p.done and p.have == 0 and "hash" in p.error
 
 
@@ -120,7 +121,7 @@ async def test_a_donor_serving_its_limit_answers_busy(tmp_path: Path) -> None:
     async with AsyncExitStack() as stack:
         joiner, donor = await hosts(stack, 2)
         donor.set_stream_handler(snap.PROTOCOL_ID, server.handle)
-        p = await snap.JoinDownload(tmp_path / "dl").fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+        p = await snap.JoinDownload(tmp_path / "dl", OURS).fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
     assert not p.done and p.error.startswith("busy") and server.refused_busy == 1
 
 

@@ -1,0 +1,109 @@
+"""Trainers that claim to average but never do: after a few missed rounds they stop counting as partners.
+
+Why: a member record is a claim. A record with the trainer role and the swarm's manifest, from a peer
+with no averaging handler (or one that is always busy, banned, or of another model), was counted by
+`anyone_else` / `_possible_partners`, so every outer step of a real trainer waited out the whole pairing
+window for it: a victim fell from 95 to 2.5 inner steps/s (issue #26 item 3).
+
+A round of an outer step *misses* a peer when we asked it (or the schedule gave it to us) and it neither
+paired nor asked us itself, and at least one answer was a failure (no handler, a broken stream) or a
+refusal, or, as the scheduled partner, it answered "busy" or never showed up. "Not ready" (it is between
+outer steps, a phase question the phase shift solves) is no miss, nor is "busy" from a peer we asked
+outside the schedule: honest peers are busy with their own scheduled partners, and in an odd-sized swarm
+the node with a bye hears "busy" from everyone. After `limit` missed rounds in a row
+the peer sits out for a back-off that doubles with each exclusion (`backoff_s` up to `max_backoff_s`);
+when it ends one try is allowed, and one more miss excludes it again. Pairing with us, or a request from
+it that we did not refuse, clears everything: it takes part. The table is bounded like the averager's.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+MISS_LIMIT = 3  # missed rounds in a row before a peer sits out
+MISS_BACKOFF_S = 30.0  # its first time out; doubled at each exclusion in a row
+MISS_BACKOFF_MAX_S = 600.0
+MAX_PEERS = 4096  # peers remembered; the oldest entries are forgotten first
+
+# Outcomes of one attempt (node/averager.py, `_try_partner`) that miss a round whoever we asked.
+_MISSED = frozenset({"failed", "refused"})
+
+
+@dataclass
+class _Entry:
+    misses: int = 0  # missed rounds in a row
+    exclusions: int = 0  # times it was made to sit out in a row
+    until: float = 0.0  # trio time until which it sits out
+
+
+class PartnerMisses:
+    """Per peer, missed averaging rounds in a row; `sits_out(peer)` once there were `limit` of them."""
+
+    def __init__(self, *, limit: int = MISS_LIMIT, backoff_s: float = MISS_BACKOFF_S,
+                 max_backoff_s: float = MISS_BACKOFF_MAX_S, max_peers: int = MAX_PEERS,
+                 clock: Callable[[], float] = trio.current_time) -> None:
+        self.limit = max(1, limit)
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_peers = max_peers
+        self._clock = clock
+        self._peers: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._round: dict[str, str] = {}  # peer -> "heard" | "missed" | "neutral", in the current round
+        self.excluded_total = 0  # exclusions so far (status)
+
+    # --- a round ---------------------------------------------------------------------------------------
+
+    def begin_round(self) -> None:
+        self._round = {}
+
+    def note(self, peer: str, outcome: str, *, scheduled: bool = False) -> None:
+        """What one attempt at `peer` gave: "paired", "not ready", "exchanging" (busy with another partner's transfer: no miss), "busy", "refused" or "failed";
+        `scheduled`: it was the partner the schedule gave us (which should be waiting for us)."""
+        if outcome == "paired":
+            self.heard(peer)
+        elif self._round.get(peer) != "heard":
+            if outcome in _MISSED or (scheduled and outcome == "busy"):
+                self._round[peer] = "missed"
+            else:
+                self._round.setdefault(peer, "neutral")
+
+    def heard(self, peer: str) -> None:
+        """`peer` paired with us, or asked us with a request we did not refuse: it takes part."""
+        self._round[peer] = "heard"
+        self._peers.pop(peer, None)
+
+    def end_round(self, scheduled: str | None) -> None:
+        """Close the round; `scheduled`: the partner the schedule gave us, a miss if it never showed
+        (nor answered anything: "not ready" from it stays no miss)."""
+        if scheduled is not None:
+            self._round.setdefault(scheduled, "missed")
+        for peer, what in self._round.items():
+            if what == "missed":
+                self._miss(peer)
+        self._round = {}
+
+    # --- the verdict -----------------------------------------------------------------------------------
+
+    def sits_out(self, peer: str) -> bool:
+        entry = self._peers.get(peer)
+        return entry is not None and entry.until > self._clock()
+
+    def sitting_out(self) -> list[str]:
+        now = self._clock()
+        return sorted(p for p, e in self._peers.items() if e.until > now)
+
+    def _miss(self, peer: str) -> None:
+        entry = self._peers.pop(peer, None) or _Entry()
+        self._peers[peer] = entry  # newest last: the oldest are forgotten first
+        while len(self._peers) > self.max_peers:
+            self._peers.popitem(last=False)
+        entry.misses += 1
+        if entry.misses >= self.limit:
+            entry.until = self._clock() + min(self.max_backoff_s, self.backoff_s * 2 ** entry.exclusions)
+            entry.exclusions += 1
+            entry.misses = self.limit - 1  # after the back-off, one more miss is enough
+            self.excluded_total += 1

@@ -1,0 +1,329 @@
+"""Hostile peers below the averaging layer (issue #26): donors, clocks and fake trainers.
+
+One test (or a few) per attack, each made from the project's own modules as a real attacker would run
+them: libp2p hosts from p2p/host.py, snapshot messages of protocols/snapshot.py, records signed with
+node/crdt.py. The figures are in docs/reliability.md (section "Hostile peers below the averaging layer").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import numpy as np
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from node import crdt, latejoin
+from node.ckptfile import read_phi
+from node.crdt import Manifest, MemberRecord, SwarmState, peer_id_of, sign_record
+from p2p.host import build_host
+from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
+from protocols import snapshot as snap
+from protocols.hlc import MAX_LEAD_S, Timestamp
+
+LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+MANIFEST = Manifest("stdlib-lm", "a" * 64, "b" * 64, 1)
+
+
+def randn(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Item 4: a hostile late-join donor fills the joiner's disk
+
+NUMEL = snap.CHUNK_ELEMS * 2 + 1000  # the joiner's own model: 3 chunks
+OURS = snap.ModelShape("L", NUMEL)
+HUGE = snap.MAX_CHUNKS * snap.CHUNK_ELEMS  # 2^34 values: a 64 GiB file, the most a meta may claim
+
+
+class DiskWatch:
+    """The largest size (apparent and allocated) any file under `directory` reached while it was looked at."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.largest = 0
+        self.allocated = 0
+
+    def look(self) -> None:
+        for path in self.directory.glob("*") if self.directory.is_dir() else ():
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            self.largest = max(self.largest, st.st_size)
+            self.allocated = max(self.allocated, st.st_blocks * 512)
+
+
+def hostile_donor(watch: DiskWatch, *, chunks: int = 8) -> Any:
+    """A donor that claims the largest model a meta may (our layout hash, 2^34 values) and sends chunks
+    of zeros that match their hashes, as the attack of issue #26 did; before it lets go it looks at what
+    the joiner has on disk."""
+    zeros = bytes(snap.FRAME)
+    digest = hashlib.sha256(zeros).digest()
+    meta = snap.SnapMeta(verdict="ok", snapshot_id="f" * 32, step=10_000, outer_step=10, layout_hash="L",
+                         numel=HUGE, chunk_hashes=[digest] * snap.MAX_CHUNKS)
+
+    async def handle(stream: Any) -> None:
+        control = LibP2PByteStream(stream)
+        try:
+            await recv_as(control, snap.SnapRequest)
+            await send_msg(control, meta, max_bytes=snap.MAX_META_BYTES)
+            channel = PlainFrameChannel(control, max_frame_size=snap.FRAME)
+            for _ in range(chunks):
+                await channel.send(zeros)
+        except Exception:
+            pass  # the joiner hung up on us
+        await trio.sleep(0.5)  # the joiner writes what it received
+        watch.look()
+        await stream.reset()
+
+    return handle
+
+
+async def serve(stack: AsyncExitStack, handlers: list[Any]) -> tuple[Any, list[str]]:
+    """A joiner host connected to one donor host per handler; returns the joiner and the donors' ids."""
+    joiner = build_host(create_new_key_pair())
+    await stack.enter_async_context(joiner.run(LOOPBACK))
+    ids = []
+    for handler in handlers:
+        donor = build_host(create_new_key_pair())
+        await stack.enter_async_context(donor.run(LOOPBACK))
+        donor.set_stream_handler(snap.PROTOCOL_ID, handler)
+        await joiner.connect(info_from_p2p_addr(donor.get_addrs()[0]))
+        ids.append(str(donor.get_id()))
+    return joiner, ids
+
+
+async def test_a_donor_claiming_a_larger_model_makes_the_joiner_write_nothing_beyond_its_own_size(
+    tmp_path: Path,
+) -> None:
+    """Before, the joiner sized its file from the donor's meta: numel = 2^34 made a 64 GiB sparse file,
+    and every hashed chunk of zeros was written into it. Now the meta is checked against the joiner's own
+    model before a byte is allocated; the hostile donor (and one of another layout) is refused, and the
+    joiner starts from the two honest donors."""
+    a, b = randn(NUMEL, 1), randn(NUMEL, 2)
+    watch = DiskWatch(tmp_path / latejoin.JOIN_DIR / "partial")
+    other_layout = snap.Snapshot.of(randn(NUMEL, 3), 100, 10, "X")
+    handlers = [snap.SnapshotServer(lambda: snap.Snapshot.of(a, 100, 10, "L")).handle,
+                snap.SnapshotServer(lambda: snap.Snapshot.of(b, 120, 12, "L")).handle,
+                hostile_donor(watch),
+                snap.SnapshotServer(lambda: other_layout).handle]
+    status: dict[str, Any] = {}
+    offences: list[str] = []
+    async with AsyncExitStack() as stack:
+        joiner, ids = await serve(stack, handlers)
+        with trio.fail_after(60):
+            joined = await latejoin.late_join(joiner, tmp_path, lambda: ids, model=OURS, max_donors=4, wait_s=1,
+                                              timeout_s=20, status=status, on_refused=offences.append)
+    assert watch.largest <= NUMEL * 4 and watch.allocated <= NUMEL * 4 + (1 << 20), vars(watch)
+    assert joined and status["state"] == "done"
+    assert sorted(status["donors"]) == sorted(ids[:2])
+    assert sorted(status["refused"]) == sorted(offences) == sorted(ids[2:])  # each refusal is an offence
+    state = read_phi(latejoin.join_snapshot_path(tmp_path))
+    assert np.array_equal(np.asarray(state.phi), (a + b) / 2) and state.layout_hash == "L"
+
+
+async def test_a_join_whose_only_donor_lies_about_the_model_starts_a_fresh_model_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    watch = DiskWatch(tmp_path / latejoin.JOIN_DIR / "partial")
+    status: dict[str, Any] = {}
+    async with AsyncExitStack() as stack:
+        joiner, ids = await serve(stack, [hostile_donor(watch)])
+        with trio.fail_after(60):
+            joined = await latejoin.late_join(joiner, tmp_path, lambda: ids, model=OURS, max_donors=3, wait_s=1,
+                                              timeout_s=20, status=status)
+    assert not joined and "fresh model" in status["state"] and status["refused"] == ids
+    assert watch.largest == 0 and not latejoin.join_snapshot_path(tmp_path).exists()
+    assert not any((tmp_path / latejoin.JOIN_DIR / "partial").glob("*.bin"))
+
+
+async def test_a_resumed_download_of_another_model_is_not_resumed(tmp_path: Path) -> None:
+    """A progress file an earlier version saved from a lying donor (numel 2^34) is dropped, not resumed:
+    its file would be sized from it again."""
+    directory = tmp_path / "dl"
+    directory.mkdir()
+    earlier = snap.JoinDownload(directory, snap.ModelShape("L", HUGE))
+    earlier._save(snap.DonorProgress("donor", meta={"snapshot_id": "f" * 32, "layout_hash": "L", "numel": HUGE,
+                                                    "step": 1, "outer_step": 1, "chunk_hashes": []}, have=3))
+    assert snap.JoinDownload(directory, OURS)._load("donor").meta is None
+
+
+def test_late_join_donors_are_the_members_whose_record_carries_our_manifest(tmp_path: Path) -> None:
+    """Donors were chosen without a manifest check: any member that claimed the trainer role and an outer
+    step was asked for a snapshot. Now only members whose signed record carries our run's manifest are."""
+    from node.config import load_config
+    from node.daemon import Daemon
+
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
+    founder = SwarmState(create_new_key_pair())
+    daemon.replicator.state.merge(founder.set_manifest(MANIFEST) or b"")
+    ours, foreign, unloaded = (SwarmState(create_new_key_pair()) for _ in range(3))
+    daemon.replicator.state.merge(ours.update_self(role="trainer", manifest_hash=MANIFEST.hash, outer_step=5))
+    daemon.replicator.state.merge(foreign.update_self(role="trainer", manifest_hash="f" * 64, outer_step=5))
+    daemon.replicator.state.merge(unloaded.update_self(role="trainer", outer_step=5))
+    assert daemon._join_donors() == [ours.peer_id]
+
+
+async def test_the_start_up_check_describes_the_model_exactly_as_the_worker_will(tmp_path: Path) -> None:
+    """The late join's donors are checked against what the start-up check says of our model: it must be
+    what the worker's hello will say, or every honest donor would be refused."""
+    import torch
+
+    from node.supervisor import check_task
+    from node.train_config import TrainConfig
+    from node.worker import Trainer
+
+    cfg = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
+                      eval_batches=1)
+    checked = await check_task(cfg, "peer", describe=True, timeout=120)
+    torch.set_num_threads(1)
+    trainer = Trainer(cfg, tmp_path, "peer")
+    assert checked is not None
+    assert (checked.name, checked.model_hash, checked.layout_hash, checked.numel) == (
+        trainer.task.name, trainer.model_hash, trainer.layout_hash, trainer.numel)
+    plain = await check_task(cfg, "peer", timeout=120)
+    assert plain is not None and plain.name == trainer.task.name and plain.numel == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Item 6: a record dated just inside the skew limit dragged the victim's clock with it
+
+T0 = 1_700_000_000.0
+
+
+def test_a_record_599_s_ahead_moves_the_victims_clock_no_more_than_the_bound() -> None:
+    """Before, a record dated 599.9 s ahead (inside the 600 s skew limit) was accepted and its HLC adopted:
+    the victim's own records then carried +599.9 s, and a node whose clock ran 1 s behind refused every
+    one of them as skewed (and saw a healthy node as gone after 61 s). Now the record is kept, but the
+    victim's clock moves at most MAX_LEAD_S past its own time."""
+    now = [T0]
+    victim = SwarmState(create_new_key_pair(), clock=lambda: now[0])
+    behind = SwarmState(create_new_key_pair(), clock=lambda: now[0] - 1.0)  # an honest clock 1 s slow
+    attacker = create_new_key_pair()
+    future = sign_record(MemberRecord(peer_id_of(attacker.public_key), Timestamp(int((T0 + 599.9) * 1000), 0)),
+                         attacker)
+    assert victim.merge(future) is True  # inside the skew limit: the record is kept
+    assert victim.member(peer_id_of(attacker.public_key)) is not None and victim.clock_capped == 1
+    own = victim.update_self(role="trainer")
+    assert own.record.hlc.wall_ms <= int((T0 + MAX_LEAD_S) * 1000)
+    assert behind.merge(own) is True and behind.rejected[crdt.CLOCK_SKEW] == 0
+    now[0] += 30  # the victim's next heartbeat, too
+    assert behind.merge(victim.update_self()) is True and behind.rejected[crdt.CLOCK_SKEW] == 0
+
+
+def test_a_remote_record_a_little_ahead_is_still_followed() -> None:
+    """Within the bound the clock is an HLC as before: our next timestamp sorts after what we saw."""
+    now = [T0]
+    victim = SwarmState(create_new_key_pair(), clock=lambda: now[0])
+    peer = create_new_key_pair()
+    ahead = Timestamp(int((T0 + MAX_LEAD_S / 2) * 1000), 7)
+    assert victim.merge(sign_record(MemberRecord(peer_id_of(peer.public_key), ahead), peer)) is True
+    assert victim.update_self().record.hlc > ahead and victim.clock_capped == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Item 3: a fake trainer (a member record, no averaging) stalls real ones; a ban did not end it
+
+
+async def test_a_fake_trainer_stops_costing_the_pairing_window_once_it_missed_its_bound() -> None:
+    """Before, a record claiming the trainer role and our manifest, from a host with no averaging handler,
+    counted as a possible partner for good, so every outer step waited out the whole window for it (95 ->
+    2.5 inner steps/s). Now it misses MISS_LIMIT rounds and sits out: the next outer step is solo at once."""
+    import torch
+
+    from node.averager import Averager
+    from node.exchange import ExchangeRequest
+    from node.partner_misses import MISS_LIMIT
+    from node.sync_config import SyncConfig
+
+    window = 1.0
+    n = 1000
+    async with AsyncExitStack() as stack:
+        honest, fake = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+        for h in (honest, fake):
+            await stack.enter_async_context(h.run(LOOPBACK))
+        await honest.connect(info_from_p2p_addr(fake.get_addrs()[0]))  # fake: a host that never averages
+        fake_id = str(fake.get_id())
+        averager: Averager | None = None
+
+        def possible() -> list[str]:  # as the daemon's _possible_partners filters its member records
+            return [p for p in [fake_id] if averager is None or not averager.sits_out(p)]
+
+        averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False), manifest_hash=lambda: "m",
+                            eligible_peers=possible, anyone_else=lambda: bool(possible()))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(averager.run)
+        took = []
+        for step in range(MISS_LIMIT + 2):
+            request = ExchangeRequest(step, torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n),
+                                      [("w", (n,))], "L", inner_steps=5, samples=20)
+            began = trio.current_time()
+            with trio.fail_after(30):
+                assert (await averager.exchange(request)).group_size == 1
+            took.append(trio.current_time() - began)
+        nursery.cancel_scope.cancel()
+    assert all(t >= window * 0.9 for t in took[:MISS_LIMIT]), took  # it is given the window MISS_LIMIT times
+    assert all(t < 0.1 for t in took[MISS_LIMIT:]), took  # then solo at once
+    assert averager.sits_out(fake_id) and averager.status()["unpaired_rounds"] == 2
+
+
+async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> None:
+    """Before, a partner banned for poisoned updates still counted as a possible partner, and the victim
+    stayed at the pairing window's pace."""
+    from node.config import load_config
+    from node.daemon import Daemon
+
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
+    assert daemon.averager is not None
+    founder = SwarmState(create_new_key_pair())
+    daemon.replicator.state.merge(founder.set_manifest(MANIFEST) or b"")
+    poisoner = SwarmState(create_new_key_pair())
+    daemon.replicator.state.merge(poisoner.update_self(role="trainer", manifest_hash=MANIFEST.hash, outer_step=5))
+    daemon.nat.path_of = lambda peer: "direct"  # type: ignore[method-assign]
+    assert [m.peer_id for m in daemon._possible_partners()] == [poisoner.peer_id]
+    for _ in range(cfg.sync.ban_after):
+        daemon.averager._offence(poisoner.peer_id, "delta_too_large")
+    assert daemon.averager.status()["banned"] == [poisoner.peer_id]
+    assert daemon._possible_partners() == [] and daemon._eligible_partners() == []
+
+
+def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_success_clears_it() -> None:
+    from node.partner_misses import PartnerMisses
+
+    now = [0.0]
+    misses = PartnerMisses(limit=3, backoff_s=30.0, clock=lambda: now[0])
+
+    def round_(outcome: str | None, scheduled: str | None = None) -> None:
+        misses.begin_round()
+        if outcome is not None:
+            misses.note("p", outcome)
+        misses.end_round(scheduled)
+
+    # "Not ready" (a phase question) is no miss, nor "busy" outside the schedule (busy with its own partner).
+    for outcome in ("failed", "busy", "not ready", "refused"):
+        assert not misses.sits_out("p")
+        round_(outcome)
+    assert not misses.sits_out("p")
+    misses.begin_round()
+    misses.note("p", "busy", scheduled=True)  # the partner the schedule gave us: it should be waiting for us
+    misses.end_round(None)
+    assert misses.sits_out("p")
+    now[0] = 31.0
+    assert not misses.sits_out("p")  # one try after the back-off ...
+    round_(None, scheduled="p")  # ... a scheduled partner that never showed up is a miss
+    assert misses.sits_out("p") and not misses.sits_out("q")
+    now[0] = 31.0 + 61.0  # the back-off doubled
+    assert not misses.sits_out("p")
+    round_("paired")
+    round_("failed")
+    round_("failed")
+    assert not misses.sits_out("p")  # a success cleared its count
