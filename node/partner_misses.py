@@ -61,8 +61,9 @@ class PartnerMisses:
         self._round = {}
 
     def note(self, peer: str, outcome: str, *, scheduled: bool = False) -> None:
-        """What one attempt at `peer` gave: "paired", "not ready", "exchanging" (busy with another partner's transfer: no miss), "busy", "refused" or "failed";
-        `scheduled`: it was the partner the schedule gave us (which should be waiting for us)."""
+        """What one attempt at `peer` gave: "paired", "not ready", "exchanging" (busy with another partner's
+        transfer: no miss), "busy", "refused" or "failed"; `scheduled`: it was the partner the schedule gave
+        us (which should be waiting for us)."""
         if outcome == "paired":
             self.heard(peer)
         elif self._round.get(peer) != "heard":
