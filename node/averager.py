@@ -88,6 +88,7 @@ from p2p.datapath import DataPathListener
 from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
 from protocols.avg import Declined, Rejected, Tensors
+from protocols.compress import get_compression
 
 log = logging.getLogger("starling.averager")
 
@@ -149,6 +150,7 @@ class _Pending:
     # whether its last outer step was averaged.
     phase_gaps: list[tuple[float, bool]] = field(default_factory=list)
     largest_seen: int = 0  # the largest outer step a ready partner showed us in this window
+    fragment: int = 0  # the phi fragment of the exchange (the initiator's choice, protocols/compress.py)
 
     @property
     def own_steps(self) -> int:
@@ -252,6 +254,7 @@ class Averager:
             "last_path": None,
             "bytes_sent": 0,
             "bytes_received": 0,
+            "last_bytes_per_param": None,  # payload bytes this node sent per parameter in its last exchange
             "last_error": None,
         }
         self._partners: set[str] = set()
@@ -291,6 +294,7 @@ class Averager:
         st = cast("SyncStatus", dict(self.stats))  # the counters; the rest is checked key by key
         st["distinct_partners"] = len(self._partners)
         st["wire_dtype"] = self.cfg.wire_dtype
+        st["compression"] = self.cfg.compression
         st["datapath_port"] = self.listener.port if self.listener is not None else None
         st["per_peer"] = {
             p: {"rounds": link.rounds, "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
@@ -390,9 +394,11 @@ class Averager:
         if self.cfg.group_size < 4:
             second = None
         arrays = _arrays(request)
+        preset = get_compression(self.cfg.compression)
         pending = _Pending(
             request,
             arrays,
+            fragment=preset.fragment_of(request.outer_step) if preset.lossy else 0,
             began=began,
             scheduled=first,
             scheduled_until=began + SCHEDULED_SHARE * self.cfg.pair_window_s,
@@ -434,7 +440,8 @@ class Averager:
         self._last_outer_step = max(request.outer_step, group_outer_step or 0)
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   f"averaged in a group of {size}" if size >= 2 else "solo", trio.current_time() - began)
-        return ExchangeOutcome(size, group_outer_step, partner_samples, shift_s)
+        phi_range = preset.fragment_range(arrays.phi.size, pending.fragment) if preset.lossy and size >= 2 else None
+        return ExchangeOutcome(size, group_outer_step, partner_samples, shift_s, self.cfg.compression, phi_range)
 
     async def _run_round(self, pending: _Pending) -> None:
         """Look for a partner and exchange with it, for one round; `pending.result` says how it went."""
@@ -707,6 +714,8 @@ class Averager:
             "int8_block": 4096,
             "datapath": self.listener is not None,
             "stage": pending.stage,
+            "compression": self.cfg.compression,
+            "fragment": pending.fragment,
             **self._contribution(pending),
         }
 
@@ -723,6 +732,8 @@ class Averager:
         }
 
     def _note_partner(self, pending: _Pending, message: avg.AvgRequest | avg.AvgAnswer) -> None:
+        if isinstance(message, avg.AvgRequest):
+            pending.fragment = message.fragment  # the initiator chooses phi's fragment
         pending.partner_outer_step = message.outer_step
         pending.partner_samples = message.samples
         pending.partner_inner_steps = message.inner_steps
@@ -736,6 +747,7 @@ class Averager:
         pending.initiating_to = partner
         began = trio.current_time()
         claimed_here = False
+        numel = pending.tensors.phi.size
         progress = avg.Progress()
         try:
             stream = None
@@ -798,7 +810,7 @@ class Averager:
         finally:
             pending.initiating_to = None
         self._learn_rate(partner, progress)
-        self._succeed(partner, result)
+        self._succeed(partner, result, numel)
         pending.result = 2
         pending.done.set()
         return "paired"
@@ -899,7 +911,7 @@ class Averager:
         finally:
             pending.transfer_finished.set()
         self._learn_rate(partner, progress)
-        self._succeed(partner, result)
+        self._succeed(partner, result, pending.tensors.phi.size)
         pending.result = 2
         pending.done.set()
         await close_quietly(stream)
@@ -954,6 +966,10 @@ class Averager:
             return ("refuse", f"outer steps too far apart: yours {req.outer_step}, ours {pending.request.outer_step}")
         if req.wire_dtype not in ("fp32", "bf16", "int8"):
             return ("refuse", f"unknown wire dtype {req.wire_dtype!r}")
+        if req.compression != self.cfg.compression:
+            # Error feedback and the fragment pull assume what the wire carried: a mix would be silently wrong.
+            return ("refuse", f"compression mismatch: yours {req.compression[:16]!r}, ours {self.cfg.compression!r} "
+                              "(sync.compression must be the same on every trainer)")
         if pending.claimed_by is not None:
             return ("busy", ALREADY_EXCHANGING)
         if pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled:
@@ -966,7 +982,7 @@ class Averager:
 
     # --- bookkeeping -------------------------------------------------------------------------------------
 
-    def _succeed(self, partner: str, result: avg.TransferResult) -> None:
+    def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0) -> None:
         link = self._link(partner)
         self._transfer_s = result.duration_s if self._transfer_s is None else (
             (1 - RATE_EWMA) * self._transfer_s + RATE_EWMA * result.duration_s)
@@ -994,6 +1010,7 @@ class Averager:
             last_path=result.path,
             bytes_sent=self.stats["bytes_sent"] + result.bytes_sent,
             bytes_received=self.stats["bytes_received"] + result.bytes_received,
+            last_bytes_per_param=round(result.bytes_sent / numel, 4) if numel else None,
         )
         if self.metrics is not None:
             self.metrics.observe_round(result.duration_s, total, partner, True)

@@ -63,12 +63,18 @@ class ExchangeOutcome:
     (node/outer.py); 0 where the sums are plain or already weighted (a group's second round), or unknown.
 
     `shift_s` moves the worker's next publish by this many seconds, towards the partners' phase.
+
+    `compression` is the `sync.compression` preset the wire used, and `phi_range` the [lo, hi) of phi it
+    carried (a fragment; None: all of it): the worker's error feedback and pull need both
+    (node/worker.py, `Trainer.apply_result`); `phi_out` outside the range holds nothing of this exchange.
     """
 
     group_size: int
     group_outer_step: int | None = None
     partner_samples: int = 0
     shift_s: float = 0.0
+    compression: str = "none"
+    phi_range: tuple[int, int] | None = None
 
     @classmethod
     def solo(cls, group_outer_step: int | None = None, shift_s: float = 0.0) -> ExchangeOutcome:

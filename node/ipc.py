@@ -78,6 +78,8 @@ class Result:
     partner_samples: int = 0  # a pair's other member's samples (0: unknown, plain mean)
     period_s: float = 0.0  # the swarm's pace: seconds between two publishes (0: every H inner steps)
     shift_s: float = 0.0  # move the next publish by this much, to meet the swarm's phase
+    compression: str = "none"  # the sync.compression preset the exchange's wire used (protocols/compress.py)
+    phi_range: list[int] | None = None  # [lo, hi): the phi fragment exchanged (None: all of it)
 
 
 @dataclass

@@ -198,6 +198,8 @@ def _sync_families(sync: SyncStatus, max_peer_labels: int) -> Iterator[Metric]:
     yield from _gauge("sync_distinct_partners", "Distinct peers averaged with so far", sync.get("distinct_partners"))
     yield from _gauge("sync_last_duration_seconds", "Duration of the latest round", sync.get("last_duration_s"))
     yield from _gauge("sync_last_bytes", "Bytes moved by the latest round", sync.get("last_bytes"))
+    yield from _gauge("sync_last_bytes_per_param", "Payload bytes sent per parameter in the latest round (phi + Delta)",
+                      sync.get("last_bytes_per_param"))
     yield from _counter("sync_sent_bytes", "Bytes sent in averaging rounds", sync.get("bytes_sent"))
     yield from _counter("sync_received_bytes", "Bytes received in averaging rounds", sync.get("bytes_received"))
     mixing = sync.get("mixing")
@@ -210,6 +212,12 @@ def _sync_families(sync: SyncStatus, max_peer_labels: int) -> Iterator[Metric]:
         )
         info.add_metric([wire_dtype], 1.0)
         yield info
+    compression = _label(sync.get("compression"))
+    if compression is not None:
+        preset = GaugeMetricFamily(f"{PREFIX}_sync_compression_info",
+                                   "Constant 1, labelled with the sync.compression preset", labels=["preset"])
+        preset.add_metric([compression], 1.0)
+        yield preset
     per_peer = sync.get("per_peer")
     if isinstance(per_peer, Mapping):
         sent = CounterMetricFamily(

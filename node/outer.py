@@ -47,6 +47,7 @@ def noloco_step(
     hyper: OuterHyper,
     n: int = 1,
     weighted: PairWeights | None = None,
+    phi_range: tuple[int, int] | None = None,
 ) -> None:
     """One NoLoCo outer step, in place on `phi` and `momentum`, given the sums of Delta and phi over a
     group of `n` (with n = 1, the means themselves).
@@ -57,16 +58,24 @@ def noloco_step(
     ``sum - 2*phi == 2*(sum/2 - phi)``.
 
     With `weighted` (a pair whose members trained different numbers of samples) both means are the pair's
-    sample-weighted ones instead (see `PairWeights`)."""
+    sample-weighted ones instead (see `PairWeights`).
+
+    `phi_range` = (lo, hi): the group exchanged phi on those coordinates only (a fragment,
+    protocols/compress.py): the pull applies there, and `sum_phi` outside it is not read."""
     _add_mean_delta(momentum.mul_(hyper.alpha), sum_delta, hyper.beta, n, weighted)
+    if phi_range is not None:
+        lo, hi = phi_range
+        phi_part, sum_phi, momentum_part = phi[lo:hi], sum_phi[lo:hi], momentum[lo:hi]
+    else:
+        phi_part, momentum_part = phi, momentum
     if hyper.gamma:
         # - gamma * (phi - mean(phi)); exactly zero when a pair's phis are equal. The weighted mean's
         # pull is gamma * w_partner / W * (S - 2*phi) (phi - mean_w = w_p * (2*phi - S) / W).
         if weighted is None or weighted.equal or n != 2:
-            momentum.add_(torch.sub(sum_phi, phi, alpha=n), alpha=hyper.gamma / n)
+            momentum_part.add_(torch.sub(sum_phi, phi_part, alpha=n), alpha=hyper.gamma / n)
         else:
             share = weighted.partner_samples / (weighted.own_samples + weighted.partner_samples)
-            momentum.add_(torch.sub(sum_phi, phi, alpha=2), alpha=hyper.gamma * share)
+            momentum_part.add_(torch.sub(sum_phi, phi_part, alpha=2), alpha=hyper.gamma * share)
     phi.add_(momentum)
 
 
@@ -152,10 +161,12 @@ class OuterOptimizer:
         sum_phi: torch.Tensor | None = None,
         sum_delta: torch.Tensor | None = None,
         samples: tuple[int, int] | None = None,
+        phi_range: tuple[int, int] | None = None,
     ) -> None:
         """Update `phi` in place. Solo when `group_size <= 1`; otherwise both of the group's sums (over its
         `group_size` members, this replica included) are required. `samples` = (ours, the partner's) makes a
-        pair's Delta term and phi pull sample-weighted (`PairWeights`); None or equal counts give the plain mean."""
+        pair's Delta term and phi pull sample-weighted (`PairWeights`); None or equal counts give the plain mean.
+        `phi_range`: the fragment whose phi was exchanged (`noloco_step`); None: all of it."""
         if phi.shape != self.momentum.shape or own_delta.shape != self.momentum.shape:
             raise ValueError("phi and Delta must be flat tensors of the optimizer's size")
         if group_size <= 1:
@@ -166,7 +177,7 @@ class OuterOptimizer:
             raise ValueError("a group step needs both sum_phi and sum_delta")
         weighted = None if samples is None or group_size != 2 else PairWeights(samples[0], samples[1], own_delta)
         if self.kind == "noloco":
-            noloco_step(phi, self.momentum, sum_delta, sum_phi, self.hyper, group_size, weighted)
+            noloco_step(phi, self.momentum, sum_delta, sum_phi, self.hyper, group_size, weighted, phi_range)
         else:
             diloco_step(phi, self.momentum, sum_delta, self.hyper, group_size, weighted)
 

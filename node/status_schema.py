@@ -154,12 +154,14 @@ class SyncStatus(TypedDict):
     last_partner: str | None
     last_duration_s: float | None
     last_bytes: int | None
+    last_bytes_per_param: float | None  # payload bytes sent per parameter in the latest exchange (phi + Delta)
     last_path: str | None
     bytes_sent: int
     bytes_received: int
     last_error: str | None
     distinct_partners: int  # since the daemon started (mixing.distinct_partners: the recent window)
     wire_dtype: str
+    compression: str  # sync.compression: the preset of what crosses the wire (protocols/compress.py)
     datapath_port: int | None
     per_peer: dict[str, PeerLinkStatus]
     mixing: MixingStatus

@@ -97,6 +97,9 @@ def render_status(st: NodeStatus) -> str:
             f"sync: {sy.get('rounds', 0)} rounds ({sy.get('solo_rounds', 0)} solo, {sy.get('failures', 0)} failed),"
             f" {sy.get('distinct_partners', 0)} partners since start, last {short(str(sy.get('last_partner') or '-'))}"
             f" in {_fmt(sy.get('last_duration_s'), '.2f')}s, wire {sy.get('wire_dtype', '?')}"
+            + (f", compression {sy['compression']}" if sy.get("compression") not in (None, "none") else "")
+            + (f", {sy['last_bytes_per_param']:.3g} B/param" if isinstance(sy.get("last_bytes_per_param"), float)
+               else "")
         )
         transfer = sy.get("transfer")
         if isinstance(transfer, dict):

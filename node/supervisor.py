@@ -549,6 +549,8 @@ class WorkerSupervisor:
             partner_samples=outcome.partner_samples if size == 2 else 0,
             period_s=self._record_period(self._period()),
             shift_s=outcome.shift_s,
+            compression=outcome.compression if size >= 2 else "none",
+            phi_range=list(outcome.phi_range) if size >= 2 and outcome.phi_range is not None else None,
         )
 
     def _record_period(self, period: float) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from node.config_base import opt
+from protocols.compress import PRESETS
 
 WIRE_DTYPES = ("fp32", "bf16", "int8")
 PACES = ("swarm", "steps")
@@ -13,6 +14,10 @@ PACES = ("swarm", "steps")
 @dataclass
 class SyncConfig:
     wire_dtype: str = opt("bf16", "tensor encoding on the wire: fp32 | bf16 | int8 (blockwise, fp32 accumulation)")
+    compression: str = opt("none", "what crosses the wire per outer step: none (phi and Delta in wire_dtype, 4 B/param "
+                           "in bf16) | medium (top 1/16 of Delta + a quarter of phi in int8, 0.44 B/param) | high "
+                           "(top 1/64 + a 32nd, 0.08 B/param); error feedback keeps what is not sent. Every trainer "
+                           "of a swarm must use the same")
     pace: str = opt("swarm", "swarm: an outer step every H inner steps of the swarm's fastest trainer (slower machines "
                     "take fewer) | steps: every H inner steps of this machine")
     max_step_gap: int = opt(4, "refuse partners whose outer step differs from ours by more than this")
@@ -46,6 +51,11 @@ class SyncConfig:
     def validate(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"sync.wire_dtype: one of {', '.join(WIRE_DTYPES)}")
+        if self.compression not in PRESETS:
+            raise ValueError(f"sync.compression: one of {', '.join(PRESETS)}, got {self.compression!r}")
+        if self.compression != "none" and self.group_size != 2:
+            raise ValueError(f"sync.compression = {self.compression} needs sync.group_size = 2: a group's second "
+                             "round re-encodes the pair's mean, which no node's error feedback could account for")
         if self.pace not in PACES:
             raise ValueError(f"sync.pace: one of {', '.join(PACES)}")
         if not 0 <= self.max_step_gap <= 1000:

@@ -106,6 +106,8 @@ from node.task import (
     task_context,
 )
 from node.train_config import TrainConfig
+from protocols.codec import round_trip
+from protocols.compress import Compression, get_compression
 
 if TYPE_CHECKING:
     from node.group_procs import Rendezvous
@@ -187,6 +189,9 @@ class Trainer:
         self.phi = torch.empty(masters, dtype=torch.float32)
         self.theta_published = torch.empty(masters, dtype=torch.float32)
         self._scratch_buf: torch.Tensor | None = None
+        # Error feedback (`sync.compression` other than none): what the wire has not yet carried of our own
+        # Deltas, added to the next one at publish. Model-sized fp32, allocated by the first lossy result.
+        self.residual: torch.Tensor | None = None
         if slow_weights:
             self.gather_theta(self.phi)
 
@@ -379,7 +384,7 @@ class Trainer:
         self.gather_theta(self.theta_published)
         if phi_out.data_ptr() != self.phi.data_ptr():  # equal when phi lives in the slot (share_phi)
             phi_out.copy_(self.phi)
-        torch.sub(self.theta_published, self.phi, out=delta_out)
+        self._own_delta(delta_out)
         inner_steps = self.step - self.last_publish_step
         self._publish_before_pending = self.last_publish_step
         self.last_publish_step = self.step
@@ -394,6 +399,52 @@ class Trainer:
             self.next_publish_at = now + self.period_s
         return Publish(outer_step=self.outer_step, step=self.step, inner_steps=inner_steps,
                        samples=self.published_samples)
+
+    def _own_delta(self, out: torch.Tensor) -> torch.Tensor:
+        """What this replica publishes as its Delta: ``theta_published - phi``, plus the error-feedback
+        residual where there is one (D = Delta + e). The same operations at publish and at the result, so
+        the result's recomputation has the bits that were published."""
+        torch.sub(self.theta_published, self.phi, out=out)
+        if self.residual is not None:
+            out.add_(self.residual)
+        return out
+
+    def _feed_back(self, own: torch.Tensor, group_size: int, compression: Compression) -> None:
+        """Update the residual after an outer step on D = `own` (rewritten in place to what was applied).
+
+        A lossy group step: the wire carried Q(D) (top-k), so ``e = D - Q(D)`` and ``own`` becomes Q(D), the
+        value in the group's sum (a pair's sample-weighted mean needs our own term as the sum has it). Why
+        here and not in the daemon: the worker holds D and e, and the codec is deterministic numpy, so the
+        same ``round_trip`` gives bit for bit what the daemon's transfer carried, with no model-sized buffer
+        in the daemon and no race with its sending thread, which reads the Delta slot while the sums form.
+        A solo step, or a group over an uncompressed wire: D was applied in full, so ``e = 0``."""
+        if group_size >= 2 and compression.lossy:
+            if self.residual is None:
+                self.residual = torch.zeros(self.numel, dtype=torch.float32)
+            self.residual.copy_(own)
+            round_trip(compression.delta_codec("bf16"), own, own)
+            self.residual.sub_(own)
+        elif self.residual is not None:
+            self.residual.zero_()
+
+    def _own_phi_on_wire(self, sum_phi: torch.Tensor, phi_range: tuple[int, int], compression: Compression) -> None:
+        """Rewrite the fragment's sum ``S = Q(phi_p) + Q(phi)`` (both phis as int8 carried them) as
+        ``S + 2 * (phi - Q(phi))``, so that the outer step's pull ``gamma/2 * (S - 2*phi)`` becomes
+        ``gamma/2 * (Q(phi_p) - Q(phi))``.
+
+        Why: unrewritten, the pull is ``gamma/2 * (Q(phi_p) - Q(phi)) + gamma * (Q(phi) - phi)``, whose second
+        term drags every replica towards the int8 grid by up to half a step of its block's absmax at every
+        outer step, whatever the spread. Rewritten, it is zero for equal replicas and equal and opposite on
+        the two partners (the pair's mean is kept). Only for lossy presets: ``none`` stays bit for bit as it
+        was."""
+        lo, hi = phi_range
+        if hi <= lo:
+            return
+        mine = self.phi[lo:hi]
+        wire = torch.empty(hi - lo, dtype=torch.float32)
+        round_trip(compression.phi_codec("bf16"), mine, wire)
+        torch.sub(mine, wire, out=wire)
+        sum_phi[lo:hi].add_(wire, alpha=2)
 
     def samples_per_s(self) -> float:
         """This machine's training speed: sequences per second over whole outer steps (`phase_step_s`),
@@ -426,6 +477,8 @@ class Trainer:
         group_outer_step: int | None = None,
         partner_samples: int = 0,
         scratch: torch.Tensor | None = None,
+        compression: str = "none",
+        phi_range: tuple[int, int] | None = None,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
         size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
@@ -440,19 +493,29 @@ class Trainer:
         (`group_outer_step`), as the partner's does: counters of paired nodes stay together. A solo step
         follows a `group_outer_step` too (the largest the daemon saw among ready trainers), so that a node
         that sat out keeps the counter that keys the pairing schedule. The inner
-        `step` (and so the learning rate) is this node's own and does not change."""
+        `step` (and so the learning rate) is this node's own and does not change.
+
+        `compression` (a `sync.compression` preset) says what the wire carried: with a lossy one the
+        error-feedback residual is updated (`_feed_back`), and `phi_range` = [lo, hi) is the fragment whose
+        phi was exchanged: the pull applies there only (`sum_phi` outside it is not read)."""
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
         if group_size >= 2:
             if sum_phi is None or sum_delta is None:
                 raise ValueError("a group result needs sum_phi and sum_delta")
-            if not (bool(torch.isfinite(sum_phi).all()) and bool(torch.isfinite(sum_delta).all())):
+            lo, hi = phi_range if phi_range is not None else (0, self.numel)
+            if not (bool(torch.isfinite(sum_phi[lo:hi]).all()) and bool(torch.isfinite(sum_delta).all())):
                 log.warning("outer step %d: group sums are not finite; taking a solo step", self.outer_step)
                 group_size = 1
-        own_delta = torch.sub(self.theta_published, self.phi, out=self._scratch if scratch is None else scratch)
+        preset = get_compression(compression)
+        own_delta = self._own_delta(self._scratch if scratch is None else scratch)
+        self._feed_back(own_delta, group_size, preset)
+        if group_size >= 2 and preset.lossy and sum_phi is not None:
+            phi_range = phi_range if phi_range is not None else (0, self.numel)
+            self._own_phi_on_wire(sum_phi, phi_range, preset)
         samples = (self.published_samples, partner_samples) if group_size == 2 and partner_samples > 0 else None
         self.outer.step(self.phi, own_delta, group_size=group_size, sum_phi=sum_phi, sum_delta=sum_delta,
-                        samples=samples)
+                        samples=samples, phi_range=phi_range if group_size >= 2 else None)
         self._rebase()
         published_at = self.pending
         self.pending = None
@@ -638,6 +701,8 @@ class Trainer:
         before = (self.step, self.outer_step)
         self._take_swarm_weights(state, int(state["outer_step"]) if outer_step is None else outer_step)
         self.outer.momentum.zero_()
+        if self.residual is not None:
+            self.residual.zero_()  # the residual of an abandoned trajectory
         # From here on the adoption has happened: a file that cannot be removed is worth a warning only.
         try:
             path.unlink(missing_ok=True)
@@ -822,8 +887,10 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
         _adopt(chan, trainer, msg)
         return
     # The Delta slot is lent for our own Delta: the exchange is over (see Trainer.apply_result).
+    phi_range = (int(msg.phi_range[0]), int(msg.phi_range[1])) if msg.phi_range else None
     used = trainer.apply_result(msg.group_size, _view(slots.phi_out), _view(slots.delta_out), msg.group_outer_step,
-                                partner_samples=msg.partner_samples, scratch=_view(slots.delta))
+                                partner_samples=msg.partner_samples, scratch=_view(slots.delta),
+                                compression=msg.compression, phi_range=phi_range)
     trainer.set_pace(msg.period_s, msg.shift_s)
     log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
     if trainer.outer_step % trainer.cfg.eval_every == 0:

@@ -1,4 +1,4 @@
-"""`/starling/avg/1.1.0`: one pairwise averaging exchange of `(phi, Delta)` between two trainers.
+"""`/starling/avg/1.2.0`: one pairwise averaging exchange of `(phi, Delta)` between two trainers.
 
 Control flow on the libp2p stream (Noise-authenticated, so both PeerIDs are proven):
 
@@ -26,6 +26,12 @@ values that mean carries (`members`) and their samples, so that two pairs become
 stage is part of the request, so that a second-round request never meets a first-round exchange. Version
 1.1.0 added `stage` and `members`: a 1.0.0 peer refuses them as unknown fields, so the protocol id
 changed and the two versions do not negotiate (the run manifest pins the version anyway).
+
+Version 1.2.0 added `compression` (a `sync.compression` preset, protocols/compress.py), `fragment` (the
+fragment of phi this exchange carries, chosen by the initiator from its outer step) and `phi_chunk_elems`
+(phi's chunking, which differs from Delta's once their encodings differ). The responder refuses another
+preset than its own (node/averager.py): partners whose error feedback and pull expect different wires must
+not mix silently. As for 1.1.0, the protocol id changed, since a 1.1.0 peer refuses the new fields.
 """
 
 from __future__ import annotations
@@ -70,17 +76,20 @@ from protocols.codec import (
     ChunkPlan,
     Flat,
     Fp32Codec,
+    TensorCodec,
     flat_fp32,
     get_codec,
     recv_tensor,
     recv_tensor_blocking,
+    round_trip,
     send_tensor,
     send_tensor_blocking,
 )
+from protocols.compress import get_compression
 
 log = logging.getLogger("starling.avg")
 
-PROTOCOL_ID = "/starling/avg/1.1.0"
+PROTOCOL_ID = "/starling/avg/1.2.0"
 MAX_MEMBERS = 2  # trainers whose mean one side of an exchange may carry (a pair's, in the second round)
 MAX_CONTROL_BYTES = 16 * 1024
 MAX_NUMEL = 1 << 34  # 16 G parameters: refuse anything a real model could not be
@@ -113,6 +122,10 @@ class AvgRequest:
     # The round of the outer step (node/pairing.py) and how many trainers' mean the tensors carry.
     stage: int = spec(ge=1, le=2, default=1)
     members: int = spec(ge=1, le=MAX_MEMBERS, default=1)
+    # What crosses the wire (protocols/compress.py): the preset, phi's fragment and phi's chunking (0: Delta's).
+    compression: str = spec(min_len=1, max_len=16, default="none")
+    fragment: int = spec(ge=0, le=1 << 16, default=0)
+    phi_chunk_elems: int = spec(ge=0, le=1 << 28, default=0)
 
 
 @dataclass(frozen=True)
@@ -222,6 +235,10 @@ class TransferResult:
 
 def make_plan(numel: int, wire_dtype: str, int8_block: int, chunk_elems: int | None = None) -> ChunkPlan:
     codec = get_codec(wire_dtype, int8_block=int8_block)
+    return _plan_for(numel, codec, chunk_elems)
+
+
+def _plan_for(numel: int, codec: TensorCodec, chunk_elems: int | None) -> ChunkPlan:
     if chunk_elems is None:
         return ChunkPlan.for_frame_size(numel, codec, MAX_FRAME)
     return ChunkPlan.from_header(numel, codec, chunk_elems, MAX_FRAME)
@@ -346,6 +363,58 @@ def _counted(channel: FrameChannel, progress: Progress) -> FrameChannel:
     return channel
 
 
+@dataclass(frozen=True)
+class Plans:
+    """How phi and Delta cross the wire in one exchange: each its own chunk plan (their encodings may
+    differ), and the range [lo, hi) of phi that is sent (a fragment; the whole model without compression)."""
+
+    phi: ChunkPlan
+    delta: ChunkPlan
+    phi_range: tuple[int, int]
+    compressed: bool = False  # a lossy `sync.compression` preset (not `none`)
+
+    @classmethod
+    def same(cls, plan: ChunkPlan) -> Plans:
+        """Both tensors whole under one plan: the exchange as it was before compression."""
+        return cls(plan, plan, (0, plan.numel))
+
+    @property
+    def total_bytes(self) -> int:
+        """Payload bytes one side sends (framing excluded)."""
+        return self.phi.total_bytes + self.delta.total_bytes
+
+    def sliced(self, t: Tensors) -> Tensors:
+        """``t`` with phi and its output cut to the fragment (views: the sums land in the caller's memory)."""
+        lo, hi = self.phi_range
+        if (lo, hi) == (0, t.phi.size):
+            return t
+        return Tensors(t.phi[lo:hi], t.delta, t.phi_out[lo:hi], t.delta_out)
+
+
+def make_plans(
+    numel: int,
+    wire_dtype: str,
+    int8_block: int,
+    compression: str = "none",
+    fragment: int = 0,
+    chunk_elems: int | None = None,
+    phi_chunk_elems: int | None = None,
+) -> Plans:
+    """Both plans of an exchange under a `sync.compression` preset. ``ValueError`` for an unknown preset or
+    wire dtype, or a fragment out of range; :class:`ProtocolError` (``BAD_FIELD``) for a peer's chunking
+    that does not fit a frame. `chunk_elems`/`phi_chunk_elems`: a peer's announced chunking (None: ours)."""
+    preset = get_compression(compression)
+    if not preset.lossy:
+        plan = make_plan(numel, wire_dtype, int8_block, chunk_elems)
+        if phi_chunk_elems not in (None, 0, plan.chunk_elems):
+            raise ValueError("phi and Delta must share one chunking without compression")
+        return Plans.same(plan)
+    lo, hi = preset.fragment_range(numel, fragment)
+    delta = _plan_for(numel, preset.delta_codec(wire_dtype), chunk_elems)
+    phi = _plan_for(hi - lo, preset.phi_codec(wire_dtype), phi_chunk_elems or None)
+    return Plans(phi, delta, (lo, hi), compressed=True)
+
+
 @dataclass
 class Received:
     """What the receive loop measured of the partner's values while it folded them into the sums."""
@@ -432,7 +501,7 @@ class _Fold:
         np.add(theirs, own, out=theirs)
 
 
-async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int, int, Received]:
+async def _swap(channel: FrameChannel, t: Tensors, plans: Plans) -> tuple[int, int, Received]:
     """Send our phi and Delta while receiving theirs into the outputs (both directions at once, or the
     socket buffers fill up and both sides wait forever), turning them into the sums as they land.
 
@@ -440,17 +509,18 @@ async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int
     encryption, the socket calls and the sums release the GIL); over a libp2p stream both directions run
     as tasks on the event loop."""
     seen = Received()
-    phi_fold = _Fold(t.phi, t.phi_out, plan, seen, is_delta=False)
-    delta_fold = _Fold(t.delta, t.delta_out, plan, seen, is_delta=True)
+    phi_plan, delta_plan = plans.phi, plans.delta
+    phi_fold = _Fold(t.phi, t.phi_out, phi_plan, seen, is_delta=False)
+    delta_fold = _Fold(t.delta, t.delta_out, delta_plan, seen, is_delta=True)
 
     if isinstance(channel, SecureChannel):
 
         def send_both(io: BlockingFrames) -> int:
-            return send_tensor_blocking(io.send, t.phi, plan) + send_tensor_blocking(io.send, t.delta, plan)
+            return send_tensor_blocking(io.send, t.phi, phi_plan) + send_tensor_blocking(io.send, t.delta, delta_plan)
 
         def recv_both(io: BlockingFrames) -> int:
-            return recv_tensor_blocking(io.recv_into, t.phi_out, plan, on_chunk=phi_fold) + recv_tensor_blocking(
-                io.recv_into, t.delta_out, plan, on_chunk=delta_fold
+            return recv_tensor_blocking(io.recv_into, t.phi_out, phi_plan, on_chunk=phi_fold) + recv_tensor_blocking(
+                io.recv_into, t.delta_out, delta_plan, on_chunk=delta_fold
             )
 
         sent, received = await channel.run_in_threads(send_both, recv_both)
@@ -460,13 +530,13 @@ async def _swap(channel: FrameChannel, t: Tensors, plan: ChunkPlan) -> tuple[int
 
     async def send_side() -> None:
         nonlocal sent
-        sent += await send_tensor(channel, t.phi, plan)
-        sent += await send_tensor(channel, t.delta, plan)
+        sent += await send_tensor(channel, t.phi, phi_plan)
+        sent += await send_tensor(channel, t.delta, delta_plan)
 
     async def recv_side() -> None:
         nonlocal received
-        received += await recv_tensor(channel, t.phi_out, plan, on_chunk=phi_fold)
-        received += await recv_tensor(channel, t.delta_out, plan, on_chunk=delta_fold)
+        received += await recv_tensor(channel, t.phi_out, phi_plan, on_chunk=phi_fold)
+        received += await recv_tensor(channel, t.delta_out, delta_plan, on_chunk=delta_fold)
 
     try:
         async with trio.open_nursery() as nursery:
@@ -485,18 +555,24 @@ Validator = Callable[[Received], Clip]
 """``judge(seen)``: what to keep of the partner's values (a :class:`Clip`), or raises :class:`Rejected`."""
 
 
-def apply_clip(t: Tensors, clip: Clip) -> None:
+def apply_clip(t: Tensors, clip: Clip, plans: Plans | None = None) -> None:
     """Rewrite the sums as if the partner had sent its values clipped: its Delta scaled by
     ``clip.delta_scale``, its phi moved towards ours by ``clip.phi_scale``.
 
     With S = own + theirs: own + s*theirs = own + s*(S - own), and own + (own + s*(theirs - own)) =
     2*own + s*(S - 2*own). (Over a lossy wire the sum holds our value as it crossed the wire, which
     differs from ours by the codec's rounding; the clipped sums carry that rounding times s.)
+    With `plans` of a compressed exchange (protocols/compress.py) `own` is our value as it crossed the wire
+    (recomputed with ``round_trip``): top-k's "rounding" is most of Delta, and the worker's error feedback
+    counts on our own term in the sum being exactly what the wire carried, clipped or not.
     Any float dtype, as long as the four share it; CPU torch tensors are rewritten in their own memory."""
+    wire = plans if plans is not None and plans.compressed else None
     if clip.delta_scale < 1.0:
-        _rescale(_inplace(t.delta_out), np.asarray(t.delta), clip.delta_scale, copies=1)
+        _rescale(_inplace(t.delta_out), np.asarray(t.delta), clip.delta_scale, copies=1,
+                 codec=wire.delta.codec if wire else None)
     if clip.phi_scale < 1.0:
-        _rescale(_inplace(t.phi_out), np.asarray(t.phi), clip.phi_scale, copies=2)
+        _rescale(_inplace(t.phi_out), np.asarray(t.phi), clip.phi_scale, copies=2,
+                 codec=wire.phi.codec if wire else None)
 
 
 def _inplace(x: object) -> np.ndarray:
@@ -507,15 +583,21 @@ def _inplace(x: object) -> np.ndarray:
     return arr
 
 
-def _rescale(total: np.ndarray, own: np.ndarray, scale: float, *, copies: int) -> None:
+def _rescale(total: np.ndarray, own: np.ndarray, scale: float, *, copies: int,
+             codec: TensorCodec | None = None) -> None:
     """``total = copies*own + scale*(total - copies*own)`` in place, a cache-sized slice at a time (no
     model-sized temporary). Step by step as torch's ``sub_(own, alpha=copies).mul_(scale).add_(own,
-    alpha=copies)`` was, so bit for bit the same (``copies*own`` is exact; ``scale`` rounds to the dtype)."""
-    work = np.empty(min(PASS_ELEMS, total.size), dtype=total.dtype) if copies != 1 else None
-    for lo in range(0, total.size, PASS_ELEMS):
-        hi = min(lo + PASS_ELEMS, total.size)
+    alpha=copies)`` was, so bit for bit the same (``copies*own`` is exact; ``scale`` rounds to the dtype).
+    With `codec`, ``own`` is first replaced by its round trip through it (slices of whole blocks)."""
+    step = PASS_ELEMS if codec is None else max(1, PASS_ELEMS // codec.align) * codec.align
+    work = np.empty(min(step, total.size), dtype=total.dtype) if (copies != 1 or codec is not None) else None
+    for lo in range(0, total.size, step):
+        hi = min(lo + step, total.size)
         part, mine = total[lo:hi], own[lo:hi]
-        if work is not None:
+        if codec is not None and work is not None:
+            round_trip(codec, mine, work[: hi - lo])
+            mine = work[: hi - lo]
+        if copies != 1 and work is not None:
             mine = np.multiply(mine, copies, out=work[: hi - lo])
         np.subtract(part, mine, out=part)
         np.multiply(part, scale, out=part)
@@ -523,20 +605,25 @@ def _rescale(total: np.ndarray, own: np.ndarray, scale: float, *, copies: int) -
 
 
 async def run_transfer(
-    channel: FrameChannel, t: Tensors, plan: ChunkPlan, path: str, validate: Validator | None = None
+    channel: FrameChannel, t: Tensors, plan: ChunkPlan | Plans, path: str, validate: Validator | None = None
 ) -> TransferResult:
     """Swap values and leave the group's sums in the outputs, clipped as ``validate`` says. Raises
     Rejected (non-finite values, or what ``validate`` refuses) or ProtocolError; the outputs are
-    meaningful only when it returns. Nothing clipped: the sums are the exact ones both sides hold."""
+    meaningful only when it returns. Nothing clipped: the sums are the exact ones both sides hold.
+
+    With a phi fragment (`Plans.phi_range`) only that range of ``phi_out`` is written; the bounds
+    (``validate``, node/robust.py) see the decoded values: the partner's Delta as top-k decoded it and the
+    distance of its phi from ours on the fragment, and a clip rescales exactly those."""
     began = trio.current_time()
-    t = t.as_arrays()
-    sent, received, seen = await _swap(channel, t, plan)
+    plans = plan if isinstance(plan, Plans) else Plans.same(plan)
+    t = plans.sliced(t.as_arrays())
+    sent, received, seen = await _swap(channel, t, plans)
     if not seen.finite:
         raise Rejected("non_finite", "partner sent NaN, infinite or overflowing values")
     clip = validate(seen) if validate is not None else Clip()
     if clip.clipped:
         # Two passes over model-sized tensors: off the event loop (only a partner outside the bounds pays).
-        await trio.to_thread.run_sync(apply_clip, t, clip)
+        await trio.to_thread.run_sync(apply_clip, t, clip, plans)
     return TransferResult(path, sent, received, trio.current_time() - began, seen.delta_norms, clip)
 
 
@@ -569,12 +656,14 @@ async def initiate(
     mine = KeyAgreement()
     tensors = tensors.as_arrays()
     numel = tensors.phi.size
-    plan = make_plan(numel, request_fields["wire_dtype"], request_fields["int8_block"])
+    plan = make_plans(numel, request_fields["wire_dtype"], request_fields["int8_block"],
+                      request_fields.get("compression", "none"), request_fields.get("fragment", 0))
     with contextlib.ExitStack() as cleanup:
         punch = None
         if offer_punch and request_fields.get("datapath", True) and remote_ip:
             punch = cleanup.enter_context(PunchSocket())
-        request = AvgRequest(numel=numel, chunk_elems=plan.chunk_elems, pubkey=mine.public_key,
+        request = AvgRequest(numel=numel, chunk_elems=plan.delta.chunk_elems, phi_chunk_elems=plan.phi.chunk_elems,
+                             pubkey=mine.public_key,
                              punch_port=punch.port if punch else 0, **request_fields)
         with trio.fail_after(handshake_timeout):
             await send_msg(control, request, max_bytes=MAX_CONTROL_BYTES)
@@ -679,7 +768,8 @@ async def respond(
     if request.numel != tensors.phi.size:
         raise ProtocolError(Reason.BAD_FIELD, f"numel {request.numel} != ours {tensors.phi.size}")
     try:
-        plan = make_plan(request.numel, request.wire_dtype, request.int8_block, request.chunk_elems)
+        plan = make_plans(request.numel, request.wire_dtype, request.int8_block, request.compression,
+                          request.fragment, request.chunk_elems, request.phi_chunk_elems)
     except ValueError as e:
         raise ProtocolError(Reason.BAD_FIELD, str(e)) from None
     mine = KeyAgreement()

@@ -1,6 +1,6 @@
 """Tensor wire codecs: how a flat fp32 tensor travels as bytes, chunk by chunk.
 
-Three wire dtypes, chosen per run:
+Four wire dtypes, chosen per run:
 
 * ``fp32`` -- the raw little-endian floats; bit-exact, 4 bytes/element.
 * ``bf16`` (default) -- bfloat16, round-to-nearest-even; 2 bytes/element, ~3 significant digits,
@@ -8,6 +8,10 @@ Three wire dtypes, chosen per run:
 * ``int8`` -- blockwise absmax quantization: each block of ``block`` elements is sent as one fp32
   scale (``absmax / 127``) plus one int8 code per element; ~1 byte/element. Decoding multiplies back
   in fp32 and can accumulate straight into an fp32 sum.
+* ``topk`` -- blockwise top-k sparsification (:class:`TopKCodec`): per block, the ``k`` entries of
+  largest magnitude as uint16 indices plus int8 codes with one fp32 scale; ``3k + 4`` bytes per block.
+  Lossy by design: it is meant for Delta with an error-feedback buffer in the worker (node/worker.py),
+  which adds what was not sent to the next outer step's Delta.
 
 Everything works on *slices* so that neither side ever holds more than one chunk of encoded bytes:
 the sender encodes ``flat[start:stop]`` into a reusable buffer and sends it as one frame; the receiver
@@ -49,6 +53,7 @@ __all__ = [
     "Flat",
     "Fp32Codec",
     "Int8BlockCodec",
+    "TopKCodec",
     "PASS_ELEMS",
     "TensorCodec",
     "WireDtype",
@@ -57,6 +62,7 @@ __all__ = [
     "TensorReceiver",
     "recv_tensor",
     "recv_tensor_blocking",
+    "round_trip",
     "send_tensor",
     "send_tensor_blocking",
     "tensor_frames",
@@ -82,6 +88,7 @@ class WireDtype(enum.StrEnum):
     FP32 = "fp32"
     BF16 = "bf16"
     INT8 = "int8"
+    TOPK = "topk"
 
 
 def flat_fp32(x: Any, what: str = "array", *, writable: bool = False) -> Flat:
@@ -328,8 +335,135 @@ class Int8BlockCodec(TensorCodec):
                 np.multiply(c, s, out=o)
 
 
-def get_codec(dtype: WireDtype | str, *, int8_block: int = DEFAULT_INT8_BLOCK) -> TensorCodec:
-    """The codec for a wire dtype name (``ValueError`` for unknown names, e.g. from config)."""
+class TopKCodec(TensorCodec):
+    """Blockwise top-k: per block of ``block`` elements, the ``keep`` entries of largest magnitude.
+
+    Chunk layout (``nb`` blocks, the last one possibly short, ``m`` entries kept in all): ``nb`` fp32 scales,
+    then ``m`` uint16 indices within their block (strictly increasing per block), then ``m`` int8 codes
+    (``code * scale`` is the value; the scale is the block's kept absmax / 127, as :class:`Int8BlockCodec`
+    computes it). A block of ``w`` elements keeps ``min(keep, w)`` entries, so the encoded size depends only
+    on the element count (the codec contract): a frame carries no count that a peer could inflate, and a
+    short or oversized frame is refused by its size before it is decoded. What is not kept decodes as 0.
+
+    Why these choices: SparseLoCo (arXiv 2508.15706) shows that the top 1-3% of a pseudo-gradient's entries,
+    with low-bit values and error feedback, train as well as the dense update. Indices within a block fit
+    16 bits (blocks of at most 65,536), and blocks aligned to chunk starts (``align``) make the encoding of a
+    whole tensor the concatenation of its chunks' encodings, so the worker can reproduce what the wire carried
+    without knowing the chunking (:func:`round_trip`).
+
+    Decoding is hostile-input safe: indices not strictly increasing or beyond their block, and scales that are
+    negative or non-finite, raise :class:`ProtocolError` (``MALFORMED``) before anything is written.
+    """
+
+    dtype = WireDtype.TOPK
+
+    def __init__(self, block: int = DEFAULT_INT8_BLOCK, keep: int = 256) -> None:
+        if not 16 <= block <= 1 << 16:
+            raise ValueError(f"top-k block size must be in 16..{1 << 16}, got {block}")
+        if not 1 <= keep <= block:
+            raise ValueError(f"top-k must keep 1..{block} entries per block, got {keep}")
+        self.block, self.keep, self.align = block, keep, block
+
+    def _layout(self, numel: int) -> tuple[int, int, int, int]:
+        """(full blocks, tail length, entries kept in the tail, entries kept in all)."""
+        full, tail = divmod(numel, self.block)
+        tail_keep = min(self.keep, tail)
+        return full, tail, tail_keep, full * self.keep + tail_keep
+
+    def encoded_size(self, numel: int) -> int:
+        full, tail, _, kept = self._layout(numel)
+        return 4 * (full + (tail > 0)) + 3 * kept
+
+    def _views(self, data: Buffer, numel: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        full, tail, _, kept = self._layout(numel)
+        nb = full + (tail > 0)
+        return (_frombuffer(data, np.float32, nb), _frombuffer(data, np.uint16, kept, offset=4 * nb),
+                _frombuffer(data, np.int8, kept, offset=4 * nb + 2 * kept))
+
+    def _rows(self, numel: int) -> Iterator[tuple[int, int, int, int, int]]:
+        """(rows, width, kept per row, first element, first kept entry) for the full blocks, in groups of about
+        :data:`PASS_ELEMS` elements, then the tail."""
+        full, tail, tail_keep, _ = self._layout(numel)
+        group = max(1, PASS_ELEMS // self.block)
+        for first in range(0, full, group):
+            rows = min(group, full - first)
+            yield rows, self.block, self.keep, first * self.block, first * self.keep
+        if tail:
+            yield 1, tail, tail_keep, full * self.block, full * self.keep
+
+    def _encode(self, src: Flat, dst: Buffer) -> None:
+        scales, indices, codes = self._views(dst, src.size)
+        block_no = 0
+        for rows, width, k, lo, klo in self._rows(src.size):
+            x = src[lo : lo + rows * width].reshape(rows, width)
+            idx = self._top(x, k)
+            indices[klo : klo + rows * k] = idx.reshape(-1)
+            Int8BlockCodec._quantize(np.take_along_axis(x, idx, axis=1), scales[block_no : block_no + rows],
+                                     codes[klo : klo + rows * k].reshape(rows, k))
+            block_no += rows
+
+    @staticmethod
+    def _top(x: np.ndarray, k: int) -> np.ndarray:
+        """Per row, the indices of the ``k`` largest magnitudes, increasing (ties: numpy's partition order).
+        Non-finite values are left to the quantizer, which refuses them."""
+        width = x.shape[1]
+        if k >= width:
+            return np.broadcast_to(np.arange(width, dtype=np.intp), x.shape).copy()
+        mag = np.abs(x)
+        idx = np.argpartition(mag, width - k, axis=1)[:, width - k :]
+        idx.sort(axis=1)
+        return idx
+
+    def _decode(self, data: Buffer, out: Flat, accumulate: bool) -> None:
+        scales, indices, codes = self._views(data, out.size)
+        if not np.isfinite(scales).all() or (scales < 0).any():
+            raise ProtocolError(Reason.MALFORMED, "top-k chunk with negative or non-finite scales")
+        pieces = list(self._rows(out.size))
+        for rows, width, k, _, klo in pieces:  # check everything before writing anything
+            idx = indices[klo : klo + rows * k].reshape(rows, k)
+            if k > 1 and not (np.diff(idx.astype(np.int32), axis=1) > 0).all():
+                raise ProtocolError(Reason.MALFORMED, "top-k indices not strictly increasing within a block")
+            if (idx[:, -1] >= width).any():
+                raise ProtocolError(Reason.MALFORMED, f"top-k index beyond its block of {width} elements")
+        block_no = 0
+        for rows, width, k, lo, klo in pieces:
+            o = out[lo : lo + rows * width].reshape(rows, width)
+            idx = indices[klo : klo + rows * k].reshape(rows, k).astype(np.intp)
+            values = np.multiply(codes[klo : klo + rows * k].reshape(rows, k), scales[block_no : block_no + rows, None],
+                                 dtype=np.float32)
+            if not accumulate:
+                o.fill(0.0)
+            # Indices are unique within a row (strictly increasing), so a fancy-indexed add is exact.
+            rows_idx = np.arange(rows)[:, None]
+            if accumulate:
+                o[rows_idx, idx] += values
+            else:
+                o[rows_idx, idx] = values
+            block_no += rows
+
+
+def round_trip(codec: TensorCodec, src: Any, out: Any) -> None:
+    """``out = decode(encode(src))``: what the wire carries of ``src`` (``out`` may be ``src``, in place).
+
+    Pieces of whole ``codec.align`` blocks, so for the blockwise codecs the result is bit for bit what a
+    transfer under any :class:`ChunkPlan` decodes (their chunks are whole blocks too): the worker uses it to
+    know what its own error-feedback residual is, and what its own phi looked like on the wire, without the
+    daemon's chunking. One piece of encoded bytes at a time, whatever the model size."""
+    flat = flat_fp32(src, "round_trip input")
+    dst = flat_fp32(out, "round_trip output", writable=True)
+    if dst.size != flat.size:
+        raise ValueError(f"round_trip output has {dst.size} elements, input {flat.size}")
+    step = max(1, PASS_ELEMS // codec.align) * codec.align
+    buf = bytearray(codec.encoded_size(min(step, flat.size)))
+    for lo in range(0, flat.size, step):
+        hi = min(lo + step, flat.size)
+        n = codec.encode_into(flat[lo:hi], buf)
+        codec.decode_into(memoryview(buf)[:n], dst[lo:hi])
+
+
+def get_codec(dtype: WireDtype | str, *, int8_block: int = DEFAULT_INT8_BLOCK, topk_keep: int = 256) -> TensorCodec:
+    """The codec for a wire dtype name (``ValueError`` for unknown names, e.g. from config). ``topk`` uses
+    ``int8_block`` as its block and keeps ``topk_keep`` entries of each."""
     if sys.byteorder != "little":  # the wire format is little-endian and we map bytes directly
         raise RuntimeError("Starling's tensor codecs require a little-endian host")
     try:
@@ -342,6 +476,8 @@ def get_codec(dtype: WireDtype | str, *, int8_block: int = DEFAULT_INT8_BLOCK) -
         return Fp32Codec()
     if wire is WireDtype.BF16:
         return Bf16Codec()
+    if wire is WireDtype.TOPK:
+        return TopKCodec(int8_block, topk_keep)
     return Int8BlockCodec(int8_block)
 
 

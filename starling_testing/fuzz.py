@@ -553,6 +553,12 @@ def _codec_header(dtype: int, accumulate: bool, numel: int) -> bytes:
 
 
 DTYPES = ("fp32", "bf16", "int8")
+#: The codecs' fuzz targets also cover top-k (Delta under sync.compression): 8 of every 64 entries kept.
+CODEC_DTYPES = (*DTYPES, "topk")
+
+
+def _fuzz_codec(index: int) -> Any:
+    return get_codec(CODEC_DTYPES[index % len(CODEC_DTYPES)], int8_block=64, topk_keep=8)
 
 
 class CodecDecodeInto(Target):
@@ -566,8 +572,8 @@ class CodecDecodeInto(Target):
     def seeds(cls) -> list[Seed]:
         x = np.random.default_rng(1).standard_normal(300, dtype=np.float32)
         return [
-            [("raw", _codec_header(i, acc, 300)), ("raw", get_codec(d, int8_block=64).encode(x))]
-            for i, d in enumerate(DTYPES)
+            [("raw", _codec_header(i, acc, 300)), ("raw", _fuzz_codec(i).encode(x))]
+            for i, _ in enumerate(CODEC_DTYPES)
             for acc in (False, True)
         ]
 
@@ -575,7 +581,7 @@ class CodecDecodeInto(Target):
         if len(data) < 4:
             return "short header (harness)"
         dtype, accumulate, numel = struct.unpack(">BBH", data[:4])
-        codec = get_codec(DTYPES[dtype % 3], int8_block=64)
+        codec = _fuzz_codec(dtype)
         codec.decode_into(data[4:], np.zeros(numel % 4097, np.float32), accumulate=bool(accumulate & 1))
         return "accepted"
 
@@ -591,8 +597,8 @@ class CodecRecvTensor(Target):
     def seeds(cls) -> list[Seed]:
         x = np.random.default_rng(2).standard_normal(300, dtype=np.float32)
         out = []
-        for i, d in enumerate(DTYPES):
-            codec = get_codec(d, int8_block=64)
+        for i, _ in enumerate(CODEC_DTYPES):
+            codec = _fuzz_codec(i)
             plan = ChunkPlan.from_header(300, codec, 128, max_frame_size=4096)
             chunks = [codec.encode(x[a:b]) for a, b in plan]
             out.append([("raw", struct.pack(">BHI", i, 300, 128)), *frames(chunks)])
@@ -602,7 +608,7 @@ class CodecRecvTensor(Target):
         if len(data) < 7:
             return "short header (harness)"
         dtype, numel, chunk_elems = struct.unpack(">BHI", data[:7])
-        codec = get_codec(DTYPES[dtype % 3], int8_block=64)
+        codec = _fuzz_codec(dtype)
         out = np.zeros(numel % 4097, np.float32)  # our own array: its size is never the peer's to choose
         plan = ChunkPlan.from_header(out.size, codec, chunk_elems, max_frame_size=4096)
         await recv_tensor(PlainFrameChannel(ScriptedStream(data[7:]), max_frame_size=4096), out, plan)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import AsyncExitStack
 
 import multiaddr
+import numpy as np
 import pytest
 import torch
 import trio
@@ -13,13 +14,15 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node.averager import Averager
+from node.averager import Averager, _Pending
 from node.exchange import ExchangeRequest
 from node.robust import Credited, UpdateBound
 from node.sync_config import SyncConfig
 from node.task import layout_hash
 from p2p.host import build_host
-from protocols.avg import Clip, Received
+from protocols.avg import AvgRequest, Clip, Received, Tensors, make_plans
+from protocols.codec import round_trip
+from protocols.compress import get_compression
 from starling_testing.averaging import exchange_both, group_sizes
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
@@ -491,3 +494,92 @@ async def test_a_trainer_far_behind_the_swarms_outer_step_follows_it_and_one_lia
     steps.update(a=10**9, b=14)  # one liar, everyone else where we are
     near = request(2, outer_step=13)
     assert (await av.exchange(near)).group_outer_step in (None, 13)
+
+
+# --- sync.compression (protocols/compress.py) ------------------------------------------------------------------
+
+
+def on_wire(x: torch.Tensor, codec: object) -> torch.Tensor:
+    out = torch.empty_like(x)
+    round_trip(codec, x, out)  # type: ignore[arg-type]
+    return out
+
+
+@pytest.mark.parametrize("preset", ["medium", "high"])
+async def test_compressed_exchange_gives_both_partners_bit_identical_sums_of_what_the_wire_carried(preset: str) -> None:
+    """Delta in top-k and phi on one fragment in int8: both sides hold the same bits, the Delta sum is the sum
+    of both round trips (what the worker's error feedback assumes), phi_out is written on the fragment only,
+    and the bytes sent are the preset's."""
+    cfg = SyncConfig(compression=preset, pair_window_s=10)
+    comp = get_compression(preset)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        reqs = [request(5, outer_step=6), request(6, outer_step=6)]
+        outcomes = await exchange_both(avs, reqs)
+        assert group_sizes(outcomes) == [2, 2]
+        lo, hi = comp.fragment_range(NUMEL, comp.fragment_of(6))
+        assert all(o.compression == preset and o.phi_range == (lo, hi) for o in outcomes)
+        assert torch.equal(reqs[0].delta_out, reqs[1].delta_out)
+        assert torch.equal(reqs[0].phi_out[lo:hi], reqs[1].phi_out[lo:hi])
+        dcodec, pcodec = comp.delta_codec("bf16"), comp.phi_codec("bf16")
+        assert torch.equal(reqs[0].delta_out, on_wire(reqs[1].delta, dcodec) + on_wire(reqs[0].delta, dcodec))
+        assert torch.equal(reqs[0].phi_out[lo:hi],
+                           on_wire(reqs[1].phi[lo:hi], pcodec) + on_wire(reqs[0].phi[lo:hi], pcodec))
+        outside = torch.cat([reqs[0].phi_out[:lo], reqs[0].phi_out[hi:]])
+        assert bool(outside.isnan().all())  # never written
+        st = avs[0].status()
+        plans = make_plans(NUMEL, "bf16", 4096, preset, comp.fragment_of(6))
+        assert st["bytes_sent"] == plans.total_bytes and st["compression"] == preset
+        assert st["last_bytes_per_param"] == round(plans.total_bytes / NUMEL, 4)
+        assert st["last_bytes_per_param"] <= (0.5 if preset == "medium" else 0.12)
+        nursery.cancel_scope.cancel()
+
+
+async def test_partners_with_different_compression_refuse_each_other() -> None:
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, SyncConfig(compression="medium", pair_window_s=1.5),
+                                  SyncConfig(pair_window_s=1.5))
+        assert group_sizes(await exchange_both(avs, [request(1), request(2)])) == [1, 1]
+        assert avs[0].status()["rounds"] == 0 and avs[1].status()["rounds"] == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:
+    av = Averager(LoneHost(), SyncConfig(compression="high"), manifest_hash=lambda: "m1")
+    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
+
+    def asking(compression: str) -> AvgRequest:
+        return AvgRequest(outer_step=3, manifest_hash="m1", layout_hash=LAYOUT_HASH, numel=NUMEL, wire_dtype="bf16",
+                          int8_block=4096, chunk_elems=4096, pubkey=bytes(32), compression=compression)
+
+    verdict = av._judge(asking("medium"), pending, "peer")
+    assert verdict is not None and verdict[0] == "refuse"
+    assert "compression mismatch" in verdict[1] and "sync.compression" in verdict[1]
+    assert av._judge(asking("high"), pending, "peer") is None
+
+
+async def test_the_bounds_clip_the_decoded_compressed_delta_and_keep_our_own_term_as_the_wire_carried_it() -> None:
+    """A 5x Delta through top-k is measured and clipped as decoded; our own term in the clipped sum is still
+    our round trip (the worker's error feedback relies on it)."""
+    cfg = SyncConfig(compression="medium", pair_window_s=5, clip_ratio=2)
+    comp = get_compression("medium")
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        honest, loud = request(40), request(41)
+        loud.delta.mul_(5)
+        assert group_sizes(await exchange_both(avs, [honest, loud])) == [2, 2]
+        codec = comp.delta_codec("bf16")
+        theirs = on_wire(loud.delta, codec)
+        scale = 2 * float(honest.delta.norm()) / float(theirs.norm())
+        assert scale < 1
+        assert torch.allclose(honest.delta_out, on_wire(honest.delta, codec) + scale * theirs, atol=1e-6)
+        assert avs[0].status()["clipped"]["delta"] == 1
+        nursery.cancel_scope.cancel()
+
+
+def test_lossy_compression_needs_pairs_and_a_known_preset() -> None:
+    with pytest.raises(ValueError, match="sync.compression"):
+        SyncConfig(compression="huge").validate()
+    with pytest.raises(ValueError, match="group_size = 2"):
+        SyncConfig(compression="medium", group_size=4).validate()
+    SyncConfig(compression="high").validate()

@@ -27,6 +27,7 @@ from protocols.codec import (
     Fp32Codec,
     Int8BlockCodec,
     TensorCodec,
+    TopKCodec,
     WireDtype,
     get_codec,
     recv_tensor,
@@ -36,7 +37,7 @@ from protocols.codec import (
 
 torch.set_num_threads(1)
 
-ALL_CODECS: list[TensorCodec] = [Fp32Codec(), Bf16Codec(), Int8BlockCodec(64), Int8BlockCodec()]
+ALL_CODECS: list[TensorCodec] = [Fp32Codec(), Bf16Codec(), Int8BlockCodec(64), Int8BlockCodec(), TopKCodec(64, 8)]
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -296,7 +297,7 @@ def test_codecs_are_safe_from_two_threads_at_once() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.sampled_from(["fp32", "bf16", "int8"]),
+    st.sampled_from(["fp32", "bf16", "int8", "topk"]),
     st.integers(min_value=0, max_value=300),
     st.binary(max_size=1500),
     st.booleans(),
@@ -304,7 +305,7 @@ def test_codecs_are_safe_from_two_threads_at_once() -> None:
 def test_decoders_on_garbage_raise_only_protocol_or_value_errors(
     dtype: str, numel: int, data: bytes, accumulate: bool
 ) -> None:
-    codec = get_codec(dtype, int8_block=64)
+    codec = get_codec(dtype, int8_block=64, topk_keep=8)
     out = np.zeros(numel, dtype=np.float32)
     try:
         codec.decode_into(data, out, accumulate=accumulate)
@@ -315,7 +316,7 @@ def test_decoders_on_garbage_raise_only_protocol_or_value_errors(
 @settings(max_examples=100, deadline=None)
 @given(st.integers(min_value=1, max_value=300), st.data())
 def test_decoders_on_right_sized_garbage_raise_only_protocol_errors(numel: int, data: st.DataObject) -> None:
-    codec = get_codec(data.draw(st.sampled_from(["fp32", "bf16", "int8"])), int8_block=64)
+    codec = get_codec(data.draw(st.sampled_from(["fp32", "bf16", "int8", "topk"])), int8_block=64, topk_keep=8)
     payload = data.draw(st.binary(min_size=codec.encoded_size(numel), max_size=codec.encoded_size(numel)))
     try:
         codec.decode_into(payload, np.zeros(numel, dtype=np.float32))

@@ -98,6 +98,7 @@ EXPORTED: dict[tuple[str, str], str] = {
     ("sync", "distinct_partners"): "sync_distinct_partners",
     ("sync", "last_duration_s"): "sync_last_duration_seconds",
     ("sync", "last_bytes"): "sync_last_bytes",
+    ("sync", "last_bytes_per_param"): "sync_last_bytes_per_param",
     ("sync", "bytes_sent"): "sync_sent_bytes",
     ("sync", "bytes_received"): "sync_received_bytes",
     ("mixing", "outer_steps"): "sync_recent_outer_steps",

@@ -1,0 +1,139 @@
+"""Compression benchmark: NoLoCo in memory with what each `sync.compression` preset puts on the wire.
+
+The in-process NoLoCo simulation of bench/convergence.py (the same model, schedule, shards and pairing:
+`node.worker.Trainer`s, random pairs each outer step), with the exchange done through the real codecs: each
+pair's sums are those the daemon leaves (both partners' values round-tripped through the wire encoding, phi on
+the preset's fragment only), and each trainer applies them with `apply_result(compression=..., phi_range=...)`,
+so the error feedback and the fragment pull are the worker's own.
+
+Reported per preset: bytes per parameter per outer step each way, the final validation loss (mean over
+replicas, and of their averaged weights), the replicas' spread (as bench/convergence.py), and the pull's
+error: |applied pull - exact pull| / |exact pull| averaged over every pair and outer step, where the exact
+pull is gamma/2 * (phi_partner - phi_own) on every coordinate in fp32, beside the spread it acts on.
+
+    .venv/bin/python bench/compression.py                 # N = 4, all presets, prints a markdown table
+    .venv/bin/python bench/compression.py --quick         # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.convergence import QUICK, BenchConfig, relative_spread, replica_ids
+from node.worker import Trainer
+from protocols.codec import round_trip
+from protocols.compress import PRESETS, get_compression
+
+
+@dataclass
+class CompressionResult:
+    preset: str
+    seed: int
+    bytes_per_param: float
+    val_mean: float
+    val_avg_model: float
+    spread: float
+    pull_error: float  # mean over pairs and outer steps of |pull - exact| / |exact|
+    seconds: float
+
+
+def wire(x: torch.Tensor, codec: object) -> torch.Tensor:
+    """What the wire carries of `x` under `codec`."""
+    out = torch.empty_like(x)
+    round_trip(codec, x, out)  # type: ignore[arg-type]
+    return out
+
+
+def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str = "bf16") -> CompressionResult:
+    started = time.monotonic()
+    preset = get_compression(name)
+    cfg = bc.train_config("noloco")
+    trainers = [Trainer(cfg, home / pid, pid) for pid in replica_ids(n)]
+    numel = trainers[0].numel
+    dcodec, pcodec = preset.delta_codec(wire_dtype), preset.phi_codec(wire_dtype)
+    phis = [torch.empty(numel) for _ in trainers]
+    deltas = [torch.empty(numel) for _ in trainers]
+    pairing = torch.Generator().manual_seed(bc.seed + 1)
+    errors: list[float] = []
+    for outer in range(bc.outer_steps):
+        for t in trainers:
+            while not t.publish_due():
+                t.inner_step()
+        for t, phi, delta in zip(trainers, phis, deltas, strict=True):
+            t.publish(phi, delta)
+        perm = torch.randperm(n, generator=pairing).tolist()
+        half = n // 2
+        for a, b in ((perm[j], perm[j + half]) for j in range(half)):
+            lo, hi = preset.fragment_range(numel, preset.fragment_of(outer)) if preset.lossy else (0, numel)
+            sum_phi = torch.zeros(numel)
+            sum_phi[lo:hi] = wire(phis[a][lo:hi], pcodec) + wire(phis[b][lo:hi], pcodec)
+            sum_delta = wire(deltas[a], dcodec) + wire(deltas[b], dcodec)
+            for me, other in ((a, b), (b, a)):
+                t = trainers[me]
+                exact = (phis[other] - phis[me]) * (bc.gamma / 2)
+                before = t.outer.momentum.clone()
+                t.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression=name,
+                               phi_range=(lo, hi) if preset.lossy else None)
+                # The pull is what the momentum got beyond alpha*m + beta*mean(Delta as the wire carried it).
+                pull = t.outer.momentum - (before * bc.alpha + sum_delta * (bc.beta / 2))
+                norm = float(exact.norm())
+                if norm > 0:
+                    errors.append(float((pull - exact).norm()) / norm)
+    vals = [t.evaluate() for t in trainers]
+    mean_phi = torch.stack([t.phi for t in trainers]).mean(0)
+    probe = trainers[0]
+    keep = probe.phi.clone()
+    probe.scatter_theta(mean_phi)
+    val_avg = probe.evaluate()
+    probe.scatter_theta(keep)
+    return CompressionResult(name, bc.seed, preset.bytes_per_param(numel, wire_dtype), sum(vals) / n, val_avg,
+                             relative_spread([t.phi for t in trainers]), float(np.mean(errors)) if errors else 0.0,
+                             time.monotonic() - started)
+
+
+def table(results: list[CompressionResult]) -> str:
+    lines = ["| preset | seed | B/param each way | val loss (mean) | val loss (avg model) | spread | pull error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.preset} | {r.seed} | {r.bytes_per_param:.3f} | {r.val_mean:.4f} | {r.val_avg_model:.4f}"
+                     f" | {r.spread:.2e} | {r.pull_error:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--outer-steps", type=int, default=None)
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (model init, shards and pairing)")
+    args = parser.parse_args(argv)
+    bc = QUICK if args.quick else BenchConfig()
+    if args.outer_steps is not None:
+        bc = dataclasses.replace(bc, outer_steps=args.outer_steps)
+    torch.set_num_threads(1)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for name in args.presets.split(","):
+                sbc = dataclasses.replace(bc, seed=seed)
+                r = run_preset(sbc, args.replicas, name, Path(tmp) / f"{name}-{seed}")
+                print(f"{name} seed {seed}: {r.val_mean:.4f} spread {r.spread:.2e} pull error {r.pull_error:.2f} "
+                      f"({r.seconds:.0f}s)", file=sys.stderr, flush=True)
+                results.append(r)
+    print(table(results))
+    return 0 if all(math.isfinite(r.val_mean) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""`sync.compression`: what of phi and Delta crosses the wire at each outer step, by named preset.
+
+A preset fixes three things, which both partners of an exchange must share (the request names the preset
+and the responder refuses another one, node/averager.py):
+
+* **Delta**: the wire dtype (``none``: ``sync.wire_dtype``, bf16 by default), or blockwise top-k
+  (:class:`protocols.codec.TopKCodec`: the ``delta_keep`` largest of every 4096 entries, int8 values).
+  What top-k drops is not lost: the worker keeps it in an error-feedback buffer and adds it to its next
+  Delta (node/worker.py, `Trainer.publish`).
+* **phi**, for the NoLoCo pull ``gamma * (phi_i - mean phi)``: with ``fragments`` = K > 1 only one
+  fragment of the flat model (a contiguous, block-aligned range, fragment ``outer_step mod K`` of the
+  initiator, named in the request) crosses the wire, in blockwise int8, and the pull applies on that
+  fragment only; the Delta average applies everywhere. Every coordinate is pulled once every K outer steps.
+* nothing else: the chunking, the side channel and the bounds (node/robust.py) are those of every exchange,
+  applied to the decoded values.
+
+numpy only: the daemon (which sends) and the worker (which reproduces what was sent, for its error feedback
+and its pull) both use these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocols.codec import DEFAULT_INT8_BLOCK, TensorCodec, get_codec
+
+__all__ = ["BLOCK", "Compression", "PRESETS", "get_compression"]
+
+BLOCK = DEFAULT_INT8_BLOCK  # elements per top-k and int8 block; fragment boundaries fall on multiples of it
+
+
+@dataclass(frozen=True)
+class Compression:
+    """One preset: Delta's top-k (0: the wire dtype, uncompressed), and how many fragments phi is cut into."""
+
+    name: str
+    delta_keep: int = 0  # top-k entries kept per BLOCK of Delta (0: no top-k, the wire dtype)
+    fragments: int = 1  # phi crosses the wire for one of this many fragments per outer step
+    phi_dtype: str = "int8"  # phi's encoding when compressed (fragments > 1 or delta_keep > 0)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether this preset replaces the wire dtype (and so needs error feedback and the exact pull)."""
+        return self.delta_keep > 0 or self.fragments > 1
+
+    def delta_codec(self, wire_dtype: str) -> TensorCodec:
+        if self.delta_keep:
+            return get_codec("topk", int8_block=BLOCK, topk_keep=self.delta_keep)
+        return get_codec(wire_dtype, int8_block=BLOCK)
+
+    def phi_codec(self, wire_dtype: str) -> TensorCodec:
+        return get_codec(self.phi_dtype if self.lossy else wire_dtype, int8_block=BLOCK)
+
+    def fragment_of(self, outer_step: int) -> int:
+        """The fragment an initiator at `outer_step` exchanges (rotates, so every coordinate gets its turn)."""
+        return outer_step % self.fragments
+
+    def fragment_range(self, numel: int, index: int) -> tuple[int, int]:
+        """Elements [lo, hi) of fragment `index`: K contiguous ranges of whole blocks (the last may be short,
+        or empty for a model of fewer blocks than fragments). ``ValueError`` for an index out of range."""
+        if not 0 <= index < self.fragments:
+            raise ValueError(f"fragment {index} out of range for {self.fragments} fragments")
+        blocks = -(-numel // BLOCK)
+        per = -(-blocks // self.fragments) * BLOCK
+        lo = min(numel, index * per)
+        return lo, min(numel, lo + per)
+
+    def bytes_per_param(self, numel: int, wire_dtype: str = "bf16") -> float:
+        """Payload bytes per parameter one side sends per outer step (phi and Delta; framing excluded),
+        for the fragment of average size."""
+        delta = self.delta_codec(wire_dtype).encoded_size(numel)
+        phi = sum(self.phi_codec(wire_dtype).encoded_size(hi - lo)
+                  for lo, hi in (self.fragment_range(numel, f) for f in range(self.fragments))) / self.fragments
+        return (delta + phi) / max(numel, 1)
+
+
+#: The presets: ``none`` is the exchange as it was (both tensors in ``sync.wire_dtype``, bf16 by default, 4 B/param);
+#: ``medium`` sends the top 1/16 of Delta and a quarter of phi (0.44 B/param); ``high`` the top 1/64 of Delta and
+#: a 32nd of phi (0.08 B/param). docs/benchmarks.md ("Compression") has the losses they reach.
+PRESETS: dict[str, Compression] = {
+    "none": Compression("none"),
+    "medium": Compression("medium", delta_keep=256, fragments=4),
+    "high": Compression("high", delta_keep=64, fragments=32),
+}
+
+
+def get_compression(name: str) -> Compression:
+    """The preset called `name`; ``ValueError`` naming the known ones otherwise (config, requests)."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown compression {name!r}; expected one of {', '.join(PRESETS)}") from None
