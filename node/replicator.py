@@ -104,6 +104,10 @@ GOSSIP_DEGREE, GOSSIP_DEGREE_LOW, GOSSIP_DEGREE_HIGH = 6, 4, 12
 
 MAX_OUTBOUND_SESSIONS = 4  # anti-entropy sessions this node initiates at once
 MAX_INBOUND_SESSIONS = 8  # sessions it serves at once; more are answered "busy"
+# Of those, one peer's: an honest peer runs one session with us at a time (two while a crossing pair of
+# sessions overlaps); a peer that kept all eight alive with empty record batches shut every other member
+# out of anti-entropy for as long as it liked (per-subnet shares, p2p/netgroup.py, exempt loopback).
+MAX_INBOUND_SESSIONS_PER_PEER = 2
 OUTBOX_SIZE = 64  # records waiting to be published; beyond it they are dropped (anti-entropy carries them)
 MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
 OPEN_TIMEOUT_S = 10.0  # opening a state stream (dial if needed, protocol negotiation)
@@ -209,6 +213,7 @@ class ReplicationStats:
     gossip_refused: int = 0  # forwarded by a peer that has not passed the handshake, or invalid
     gossip_dropped: int = 0  # own records not published because the outbox was full
     manifest_mismatches: int = 0  # refused sessions with incompatible peers (both directions)
+    busy_refusals: int = 0  # inbound sessions answered "busy": all slots, or the peer's share, taken
     saves: int = 0
     save_errors: int = 0
     last_save: float | None = None  # wall time
@@ -283,6 +288,7 @@ class StateReplicator:
         #: When this node last started a session with each connected peer (trio time).
         self._last_attempt: dict[ID, float] = {}
         self._inbound = 0
+        self._inbound_by_peer: dict[ID, int] = {}  # bounded: at most MAX_INBOUND_SESSIONS entries
         self._wake = trio.Event()
         self._synced_once = False
         self._save_failing = False
@@ -771,7 +777,8 @@ class StateReplicator:
     async def _handle_stream(self, stream: INetStream) -> None:
         """Stream handler of ``/starling/state/1.0.0`` (runs in libp2p's task, one per session)."""
         peer = stream.muxed_conn.peer_id
-        if self._inbound >= MAX_INBOUND_SESSIONS:
+        if self._inbound >= MAX_INBOUND_SESSIONS or self._inbound_by_peer.get(peer, 0) >= MAX_INBOUND_SESSIONS_PER_PEER:
+            self.stats.busy_refusals += 1
             byte_stream = LibP2PByteStream(stream)
             try:
                 await protocol.refuse_busy(byte_stream, self._local_info())
@@ -780,10 +787,14 @@ class StateReplicator:
             await _close(byte_stream, graceful=True)
             return
         self._inbound += 1
+        self._inbound_by_peer[peer] = self._inbound_by_peer.get(peer, 0) + 1
         try:
             await self._session(peer, stream, initiator=False)
         finally:
             self._inbound -= 1
+            left = self._inbound_by_peer.pop(peer) - 1
+            if left:
+                self._inbound_by_peer[peer] = left
 
     async def _session(self, peer: ID, stream: INetStream, *, initiator: bool) -> None:
         """One session on an open stream, either side; records the outcome, never raises for the peer's

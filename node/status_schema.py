@@ -214,6 +214,7 @@ class ReplicationStatus(TypedDict):
     gossip_refused: int
     gossip_dropped: int
     manifest_mismatches: int
+    busy_refusals: int  # inbound sessions answered "busy" (all slots, or the peer's share, taken)
     saves: int
     save_errors: int
     last_save: float | None  # wall time

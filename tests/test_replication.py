@@ -727,3 +727,53 @@ def test_a_corrupt_state_file_is_moved_aside_and_an_empty_state_used(tmp_path: P
     assert state.members() == [] and not path.exists()
     assert (tmp_path / "state.msgpack.corrupt").read_bytes() == b"\x00not a state file"
     assert "moved it to" in caplog.text
+
+
+class _Muxed:
+    def __init__(self, peer_id: ID) -> None:
+        self.peer_id = peer_id
+
+
+class HeldStateStream:
+    """An inbound state stream from `peer_id` whose session the test holds open (what a peer keeping
+    sessions alive with empty record batches does); records whether it was refused busy."""
+
+    def __init__(self, peer_id: ID) -> None:
+        self.muxed_conn = _Muxed(peer_id)
+        self.refused = False
+
+    async def write(self, data: bytes) -> None:
+        self.refused = True  # the only thing the handler writes itself is the busy refusal
+
+    async def close(self) -> None:
+        pass
+
+    async def reset(self) -> None:
+        pass
+
+
+async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers_are_still_served() -> None:
+    replicator = idle_replicator()
+    gate, held = trio.Event(), []
+
+    async def session(peer: ID, stream: Any, *, initiator: bool) -> None:
+        held.append(peer)
+        await gate.wait()
+
+    replicator._session = session  # type: ignore[method-assign]
+    hog = ID.from_pubkey(create_new_key_pair().public_key)
+    honest = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(3)]
+    async with trio.open_nursery() as nursery:
+        hog_streams = [HeldStateStream(hog) for _ in range(8)]
+        for s in hog_streams:
+            nursery.start_soon(replicator._handle_stream, s)
+        await trio.testing.wait_all_tasks_blocked()
+        assert held.count(hog) == 2 and sum(s.refused for s in hog_streams) == 6
+        others = [HeldStateStream(p) for p in honest]
+        for s in others:
+            nursery.start_soon(replicator._handle_stream, s)
+        await trio.testing.wait_all_tasks_blocked()
+        assert set(honest) <= set(held) and not any(s.refused for s in others)
+        assert replicator.stats.busy_refusals == 6
+        gate.set()
+    assert replicator._inbound == 0 and replicator._inbound_by_peer == {}
