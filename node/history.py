@@ -93,6 +93,29 @@ def _nan_to_none(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
+def series_of(snapshot: dict[str, tuple[array, ...]], max_total_points: int | None = None
+              ) -> dict[str, dict[str, list[Any]]]:
+    """:meth:`LossHistory.series` of a :meth:`LossHistory.snapshot` (pure: safe in a worker thread)."""
+    per_member = None
+    if max_total_points is not None and snapshot:
+        per_member = max(2, max_total_points // len(snapshot))
+    out: dict[str, dict[str, list[Any]]] = {}
+    for peer_id, columns in snapshot.items():
+        n = len(columns[0])
+        if per_member is None or n <= per_member:
+            keep: range | list[int] = range(n)
+        else:
+            stride = -(-(n - 1) // (per_member - 1))  # ceil: the kept points fit the share
+            keep = list(range(0, n - 1, stride)) + [n - 1]
+        named = dict(zip(_COLUMNS, columns, strict=True))
+        out[peer_id] = {
+            name: [_nan_to_none(named[name][i]) for i in keep] if name in ("loss", "val_loss")
+            else [named[name][i] for i in keep]
+            for name in ("t", "step", "outer_step", "loss", "val_loss")
+        }
+    return out
+
+
 class _Series:
     """One member's points, column-wise, strictly increasing in step.
 
@@ -282,20 +305,20 @@ class LossHistory:
 
     # ---- reading ---------------------------------------------------------------------------------
 
-    def series(self) -> dict[str, dict[str, list[Any]]]:
+    def series(self, max_total_points: int | None = None) -> dict[str, dict[str, list[Any]]]:
         """``{peer_id: {"t": [...], "step": [...], "outer_step": [...], "loss": [...], "val_loss": [...]}}``
-        sorted by peer id; a missing loss is ``None``. Plain lists: ready for JSON and for plotting."""
-        out: dict[str, dict[str, list[Any]]] = {}
-        for peer_id in sorted(self._members):
-            s = self._members[peer_id]
-            out[peer_id] = {
-                "t": s.t.tolist(),
-                "step": s.step.tolist(),
-                "outer_step": s.outer_step.tolist(),
-                "loss": [_nan_to_none(v) for v in s.loss],
-                "val_loss": [_nan_to_none(v) for v in s.val_loss],
-            }
-        return out
+        sorted by peer id; a missing loss is ``None``. Plain lists: ready for JSON and for plotting.
+
+        `max_total_points`: at most about that many points in all, each member's spread evenly over its
+        span (its first and newest kept). Why: at the history's own bounds (256 members x 2,000 points) the
+        full answer is ~34 MiB of JSON, over the control client's 16 MiB limit (`starling plot` failed)."""
+        return series_of(self.snapshot(), max_total_points)
+
+    def snapshot(self) -> dict[str, tuple[array, ...]]:
+        """Copies of every member's columns (``_COLUMNS`` order): cheap memory copies, taken on the caller's
+        thread, so that :func:`series_of` can build the lists on another while this history changes."""
+        return {peer_id: tuple(array(c.typecode, c) for c in (getattr(s, name) for name in _COLUMNS))
+                for peer_id, s in sorted(self._members.items())}
 
     @classmethod
     def from_series(

@@ -11,10 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node.history import (
+    DEFAULT_MAX_MEMBERS,
+    DEFAULT_MAX_POINTS,
     FORMAT_NAME,
     HISTORY_FILE,
     HistoryError,
     LossHistory,
+    _Series,
 )
 
 T0 = 1_700_000_000.0
@@ -327,3 +330,26 @@ def test_any_observation_sequence_keeps_the_bounds_and_round_trips(obs: list) ->
         assert all(v is None or math.isfinite(v) for v in s["loss"] + s["val_loss"])
         assert any(v is not None for v in s["loss"] + s["val_loss"]), pid
     assert LossHistory.from_bytes(h.to_bytes(), max_points=6, max_members=3).series() == h.series()
+
+
+def test_a_full_history_answers_the_control_socket_within_its_limit_and_plots() -> None:
+    """At the history's own bounds (256 members x 2,000 points) the whole series was ~34 MiB of JSON, over
+    the control client's 16 MiB: `starling plot` of a running daemon failed. The answer is spread thin."""
+    import json
+
+    from node.control import MAX_RESPONSE
+    from node.daemon import HISTORY_ANSWER_POINTS
+    from node.history import series_of
+
+    full = LossHistory()
+    for m in range(DEFAULT_MAX_MEMBERS):
+        series = full._members.setdefault(f"12D3KooW{m:040d}", _Series())
+        for k in range(DEFAULT_MAX_POINTS):
+            series.append(1.7e9 + 10.123456 * k, 50 * k + 7, k, 5.0 - k * 1.234567e-3, 4.9 - k * 1.234567e-3)
+    assert len(json.dumps({"ok": True, "history": full.series()})) > MAX_RESPONSE  # the failure this fixes
+    answer = series_of(full.snapshot(), HISTORY_ANSWER_POINTS)
+    assert len(json.dumps({"ok": True, "history": answer})) < MAX_RESPONSE // 2
+    for columns in answer.values():
+        assert columns["step"][0] == 7 and columns["step"][-1] == 50 * (DEFAULT_MAX_POINTS - 1) + 7
+        assert len(columns["step"]) <= HISTORY_ANSWER_POINTS // DEFAULT_MAX_MEMBERS
+    assert LossHistory.from_series(answer).members() == full.members()
