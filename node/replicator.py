@@ -214,6 +214,7 @@ class ReplicationStats:
     gossip_dropped: int = 0  # own records not published because the outbox was full
     manifest_mismatches: int = 0  # refused sessions with incompatible peers (both directions)
     busy_refusals: int = 0  # inbound sessions answered "busy": all slots, or the peer's share, taken
+    peer_share_refusals: int = 0  # of those, refused because the peer held its share (slots were left)
     saves: int = 0
     save_errors: int = 0
     last_save: float | None = None  # wall time
@@ -779,6 +780,7 @@ class StateReplicator:
         peer = stream.muxed_conn.peer_id
         if self._inbound >= MAX_INBOUND_SESSIONS or self._inbound_by_peer.get(peer, 0) >= MAX_INBOUND_SESSIONS_PER_PEER:
             self.stats.busy_refusals += 1
+            self.stats.peer_share_refusals += self._inbound < MAX_INBOUND_SESSIONS
             byte_stream = LibP2PByteStream(stream)
             try:
                 await protocol.refuse_busy(byte_stream, self._local_info())

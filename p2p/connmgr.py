@@ -84,6 +84,7 @@ class ConnManager:
     ip_of: Callable[[ID], str | None] | None = None
     candidates: dict[ID, Candidate] = field(default_factory=dict)
     subnet_pruned: int = 0  # connections closed because their group was over max_per_subnet
+    cap_pruned: int = 0  # connections closed because we were over the cap
     _dialing: set[ID] = field(default_factory=set)
     _wake: trio.Event = field(default_factory=trio.Event)
     _known_connected: set[ID] = field(default_factory=set)
@@ -140,6 +141,7 @@ class ConnManager:
             "backing_off": sum(1 for c in self.candidates.values() if c.next_attempt > now),
             "max_per_subnet": self.max_per_subnet,
             "subnet_pruned": self.subnet_pruned,
+            "cap_pruned": self.cap_pruned,
         }
 
     # --- the loop ----------------------------------------------------------------------------------------
@@ -200,6 +202,7 @@ class ConnManager:
         )[:excess]
         for peer_id in victims:
             log.debug("over the connection cap (%d): closing %s", self.cap, peer_id)
+            self.cap_pruned += 1
             nursery.start_soon(self._disconnect, peer_id)
 
     def _prune_crowded(self, connected: set[ID], nursery: trio.Nursery) -> set[str]:

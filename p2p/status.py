@@ -21,6 +21,7 @@ class ConnectionsStatus(TypedDict):
     backing_off: int
     max_per_subnet: int
     subnet_pruned: int
+    cap_pruned: int  # connections closed because the node had more than ``cap``
 
 
 class DiscoveryStatus(TypedDict):

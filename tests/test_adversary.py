@@ -379,6 +379,18 @@ async def test_connections_from_one_subnet_are_capped_and_loopback_is_exempt() -
     assert mgr.status()["subnet_pruned"] == 4
 
 
+async def test_connections_over_the_cap_are_closed_and_counted() -> None:
+    """`status`'s refusals count them (connections.cap_pruned): without a counter, a node at its cap closing
+    the newest connections every tick looked the same as a quiet one."""
+    peers = {ID(f"peer{i}".encode()): f"198.51.{i}.7" for i in range(10)}
+    host = FakeHost(peers=peers)
+    mgr = ConnManager(host, target=4, cap=6, ip_of=lambda p: host.peers.get(p))
+    async with trio.open_nursery() as nursery:
+        mgr._tick(nursery)
+    assert len(host.disconnected) == 4
+    assert mgr.status()["cap_pruned"] == 4 and mgr.status()["subnet_pruned"] == 0
+
+
 def test_connection_candidates_are_bounded_and_bootstrap_peers_always_fit() -> None:
     from libp2p.peer.peerinfo import PeerInfo
 
