@@ -29,6 +29,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from node import refusals
 from node.averager import Averager
 from node.config import Config
 from node.control import SOCKET_FILE, serve_control
@@ -81,6 +82,13 @@ log = logging.getLogger("starling.daemon")
 # Points in the control socket's `history` answer (each member's spread over its span): ~7 MB of JSON at
 # most, well inside the client's 16 MiB (node/control.py), and plenty for a plot.
 HISTORY_ANSWER_POINTS = 100_000
+
+#: The protocols under per-subnet stream limits, as `status`'s `refusals` names their refusals.
+SUBNET_REFUSAL_KINDS = {
+    str(STATE_PROTOCOL): "state_sessions_subnet_share",
+    str(SNAPSHOT_PROTOCOL): "snapshot_downloads_subnet_share",
+    str(DIALBACK_PROTOCOL): "dialbacks_subnet_share",
+}
 
 HISTORY_SAVE_S = 30.0
 MAX_SPEEDUP = 64.0  # the fastest trainer the pace believes in, relative to this machine
@@ -410,6 +418,9 @@ class Daemon:
     # --- status ------------------------------------------------------------------------------------------
 
     def status(self) -> NodeStatus:
+        connections, authorization = self.connmgr.status(), self.access.status()
+        stream_limits, muxer = self.stream_limits.status(), self.muxer_offences.status()
+        replica = self.replicator.status()
         st: NodeStatus = {
             "peer_id": str(self.peer_id),
             "swarm": self.cfg.node.swarm,
@@ -418,18 +429,25 @@ class Daemon:
             "home": str(self.home),
             "addrs": [str(a) for a in self.host.get_addrs()],
             "connected_peers": sorted(str(p) for p in self.connmgr.connected()),
-            "connections": self.connmgr.status(),
+            "connections": connections,
             # What this daemon was given, its command line included: `doctor` checks these, not the config's.
             "bootstrap": {"addrs": list(self.cfg.node.bootstrap), "files": list(self.cfg.node.bootstrap_files)},
             "discovery": self.discovery.status(),
             "role": "trainer" if self.train else "network-only",
-            "authorization": self.access.status(),
-            "stream_limits": self.stream_limits.status(),
-            "muxer": self.muxer_offences.status(),
+            "authorization": authorization,
+            "stream_limits": stream_limits,
+            "muxer": muxer,
+            # Every limit's refusals in one place, from the sections above (node/refusals.py).
+            "refusals": refusals.collect(
+                connections=connections, muxer=muxer, authorization=authorization, stream_limits=stream_limits,
+                replication=replica["swarm_totals"]["replication"],
+                averaging_rejections=self.averager.rejections if self.averager is not None else {},
+                snapshot_busy=self.snapshots.refused_busy, subnet_kinds=SUBNET_REFUSAL_KINDS,
+            ),
             "reachability": self.nat.reachability,
             "nat": self.nat.status(),
             "peers": self.nat.peers_status(),
-            **self.replicator.status(),  # members, swarm_totals
+            **replica,  # members, swarm_totals
         }
         if self.supervisor is not None:
             st["training"] = self.supervisor.status()

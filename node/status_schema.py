@@ -34,7 +34,7 @@ from p2p.status import (
 __all__ = [
     "AuthorizationStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
     "ExchangeCounts", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
-    "PeerPathStatus", "ProgressStatus", "ReplicaStatus", "ReplicationStatus", "StreamLimitsStatus", "TransferStatus",
+    "PeerPathStatus", "ProgressStatus", "RefusalsStatus", "ReplicaStatus", "ReplicationStatus", "StreamLimitsStatus", "TransferStatus",
     "SwarmTotals", "SyncStatus", "TrainingStatus",
 ]  # fmt: skip
 
@@ -215,6 +215,7 @@ class ReplicationStatus(TypedDict):
     gossip_dropped: int
     manifest_mismatches: int
     busy_refusals: int  # inbound sessions answered "busy" (all slots, or the peer's share, taken)
+    peer_share_refusals: int  # of those, refused for the peer's share while slots were left
     saves: int
     save_errors: int
     last_save: float | None  # wall time
@@ -279,6 +280,33 @@ class BootstrapStatus(TypedDict):
     files: list[str]
 
 
+# --- refusals: every limit's refusals in one place (node/refusals.py) ---------------------------------------
+
+
+class RefusalsStatus(TypedDict):
+    """``refusals``: what this node refused to peers, by kind and why (counts since start).
+
+    Sums of counters kept elsewhere in the status (and the snapshot server's), so that one place answers
+    "is anybody hitting my limits?". The averager's own refusal reasons (too_many_requests,
+    too_many_requests_from_ip, banned_ip) are in ``sync.rejections`` too; its other reasons are refused
+    updates, not requests."""
+
+    connections_over_cap: int  # connections.cap_pruned
+    connections_subnet_cap: int  # connections.subnet_pruned
+    connections_window_overrun: int  # muxer.window_overruns: closed for sending past a receive window
+    handshakes_refused: int  # authorization.refused_handshakes (swarm key, or not a Noise peer)
+    peers_not_allowed: int  # authorization.refused_peers (node.allow_peers)
+    state_sessions_busy: int  # all MAX_INBOUND_SESSIONS held (replication.busy_refusals less the next)
+    state_sessions_peer_share: int  # replication.peer_share_refusals
+    state_sessions_subnet_share: int  # stream_limits.refused of /starling/state
+    snapshot_downloads_busy: int  # the snapshot server's max_serving downloads under way
+    snapshot_downloads_subnet_share: int  # stream_limits.refused of the snapshot protocol
+    dialbacks_subnet_share: int  # stream_limits.refused of the dial-back protocol
+    averaging_requests_busy: int  # sync.rejections.too_many_requests
+    averaging_requests_per_ip: int  # sync.rejections.too_many_requests_from_ip
+    averaging_requests_banned_ip: int  # sync.rejections.banned_ip
+
+
 # --- the whole status --------------------------------------------------------------------------------------
 
 
@@ -299,6 +327,7 @@ class NodeStatus(TypedDict):
     authorization: AuthorizationStatus
     stream_limits: StreamLimitsStatus
     muxer: MuxerStatus  # peers that overran a stream's receive window (p2p/limits.py)
+    refusals: RefusalsStatus  # what every limit refused, summed by kind (node/refusals.py)
     reachability: str  # public | private | unknown
     nat: NatStatus
     peers: list[PeerPathStatus]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from node.mixing import pairing_graph
+from node.refusals import refused_line
 from node.status_schema import (
     MemberStatus,
     MixingStatus,
@@ -80,6 +81,9 @@ def render_status(st: NodeStatus) -> str:
             f" routing table {disc.get('routing_table', 0)}, {disc.get('lookups', 0)} lookups"
             + (f"  (last error: {disc['last_error']})" if disc.get("last_error") else "")
         )
+    refusals = st.get("refusals")
+    if isinstance(refusals, dict):  # an older daemon has none
+        out.append(refused_line(refusals))
     tr = st.get("training")
     if tr:
         out.append(

@@ -124,3 +124,21 @@ def test_a_running_transfer_shows_how_much_has_moved_and_how_fast() -> None:
                                                     "seconds": 95.2, "rate_mbps": 0.41})
     assert line(render_status(st), "  exchanging with") == (
         "  exchanging with 12D3Ko..aaaaaa: 12.4 MB in 95s at 0.41 Mbit/s each way")
+
+
+def test_refused_line_sums_every_limits_refusals_by_kind_largest_first() -> None:
+    st = captured()
+    st["refusals"] = {"connections_window_overrun": 1, "state_sessions_peer_share": 12,
+                      "averaging_requests_per_ip": 3, "snapshot_downloads_busy": 0}  # fmt: skip
+    assert line(render_status(st), "refused:") == (
+        "refused: 12 state sessions (peer share), 3 averaging requests (per-IP), 1 connection closed (window overrun)")
+
+
+def test_refused_line_before_anything_was_refused_and_from_an_older_or_newer_daemon() -> None:
+    st = captured()
+    st["refusals"] = {"connections_over_cap": 0, "dialbacks_subnet_share": 0}
+    assert line(render_status(st), "refused:") == "refused: nothing"
+    st["refusals"] = {"dialbacks_subnet_share": 2, "some_new_limit": 2}  # a key this version does not know
+    assert line(render_status(st), "refused:") == "refused: 2 dial-backs (subnet share), 2 some_new_limit"
+    del st["refusals"]
+    assert not any(x.startswith("refused:") for x in render_status(st).splitlines())
