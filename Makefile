@@ -77,7 +77,8 @@ bench-sync: install
 bench-swarm: install
 	$(PY) bench/swarm.py --fast-cap 50 --write-docs
 
-# Hostile averaging partners against a real victim (docs/reliability.md); about 1 min.
+# Hostile averaging partners against a real victim, then 1 GiB pushed past a stream's receive window into a
+# real daemon (docs/reliability.md); about 3 min.
 bench-adversary: install
 	$(PY) bench/adversary.py --write-docs
 
