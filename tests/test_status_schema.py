@@ -20,7 +20,7 @@ import pytest
 from node import doctor
 from node.metrics import Metrics
 from node.sdnotify import summarize_status
-from node.status_schema import MixingStatus, NodeStatus, SyncStatus, TrainingStatus
+from node.status_schema import MixingStatus, NodeStatus, RefusalsStatus, SyncStatus, TrainingStatus
 from node.status_view import render_status
 from starling_testing.daemon import TINY, DaemonGroup
 
@@ -139,6 +139,16 @@ def _averaged(s: dict[str, Any]) -> bool:
         and all(m.get("loss") is not None and m.get("partners") for m in s.get("members", []))
         and all(p.get("rtt_ms") is not None for p in s.get("peers", []))
     )
+
+
+def test_a_network_only_nodes_status_matches_the_schema_and_says_what_it_refused(group: DaemonGroup) -> None:
+    """The quick check of the same contract (one daemon, no training): every refusal kind is in `refusals`,
+    and the readable status has its line."""
+    relay = group.start("relay", "--no-train", "--listen", "/ip4/127.0.0.1/tcp/0")
+    st = relay.wait_status(lambda s: bool(s.get("addrs")), timeout=60)
+    assert schema_errors(st, NodeStatus) == []
+    assert set(st["refusals"]) == set(get_type_hints(RefusalsStatus))
+    assert "refused: nothing" in render_status(st).splitlines()
 
 
 @pytest.fixture
