@@ -84,6 +84,7 @@ from node.crdt import (
 )
 from node.status_schema import MemberStatus, ReplicaStatus, ReplicationStatus
 from p2p.fsutil import atomic_write_bytes
+from p2p.limits import stop_receiving
 from p2p.netgroup import group_of, peer_ip, stream_ip
 from p2p.wire import LibP2PByteStream, ProtocolError
 from protocols import state as protocol
@@ -894,7 +895,9 @@ def _remember(table: OrderedDict[str, Any], key: str, value: Any) -> None:
 
 
 async def _close(stream: LibP2PByteStream, *, graceful: bool) -> None:
-    """Close a session's stream (reset it after a failure); bounded, and done even when cancelled."""
+    """Close a session's stream (reset it after a failure); bounded, and done even when cancelled. Nothing
+    is read from it afterwards: what the peer still sends is dropped, not buffered."""
+    stop_receiving(stream.stream)
     with trio.CancelScope(shield=True), trio.move_on_after(1.0):
         try:
             if graceful:

@@ -30,7 +30,13 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 
-from p2p.limits import MuxerOffences, release_inbound_slots_on_close, use_registered_muxers, yamux_with_limits
+from p2p.limits import (
+    MuxerOffences,
+    drop_after_handlers,
+    release_inbound_slots_on_close,
+    use_registered_muxers,
+    yamux_with_limits,
+)
 
 log = logging.getLogger("starling.host")
 
@@ -194,6 +200,7 @@ def build_host(
     _disable_auto_connector(host)
     release_inbound_slots_on_close(host.get_network())  # else 64 connect/disconnect cycles lock us out
     use_registered_muxers(host.get_network().upgrader)  # else a plain Yamux, whatever muxer_opt says
+    drop_after_handlers(host)  # else a stream we answered buffers what the peer sends, window after window
     return host
 
 

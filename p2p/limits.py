@@ -151,6 +151,52 @@ class MuxerOffences:
                 "offenders": len(self.by_peer)}
 
 
+#: Set on a Yamux stream that nobody will read any more (its handler returned, or we closed it after our
+#: last read): what arrives for it is dropped, not buffered.
+_DONE_ATTR = "_starling_done"
+
+
+def stop_receiving(stream: Any) -> None:
+    """We read nothing more from ``stream`` (a libp2p stream or its Yamux stream): free what it buffered
+    and drop what still arrives, within its window (past it is still an overrun).
+
+    Why: a stream we answered and closed stays open for receiving until the peer closes it, and py-libp2p
+    auto-tunes each stream's window up to 16 MiB; a peer that filled the windows of 16 streams we had
+    refused, never exceeding one, held +258 MiB of our memory with no offence (one connection, and no bound
+    on how many refused streams it may open). Called when a stream handler returns (p2p/host.py) and by
+    ``p2p.wire.close_quietly``. A muxer other than :class:`BoundedYamux` ignores the mark."""
+    muxed = getattr(stream, "muxed_stream", stream)
+    try:
+        setattr(muxed, _DONE_ATTR, True)
+    except AttributeError:  # a test double or a stream type without attributes: nothing to mark
+        return
+    conn = getattr(muxed, "muxed_conn", None)
+    buffers = getattr(conn, "stream_buffers", None)
+    stream_id = getattr(muxed, "stream_id", None)
+    if isinstance(conn, BoundedYamux) and isinstance(buffers, dict) and stream_id is not None:
+        buffer = buffers.get(stream_id)
+        if buffer:
+            conn.offences.dropped_bytes += len(buffer)
+            buffer.clear()
+
+
+def drop_after_handlers(host: Any) -> None:
+    """Narrow patch: every stream handler registered on ``host`` from now on marks its stream
+    :func:`stop_receiving` when it returns (nobody reads an inbound stream after its handler)."""
+    set_handler = host.set_stream_handler
+
+    def set_stream_handler(protocol_id: Any, handler: Any) -> None:
+        async def handled(stream: Any) -> None:
+            try:
+                await handler(stream)
+            finally:
+                stop_receiving(stream)
+
+        set_handler(protocol_id, handled)
+
+    host.set_stream_handler = set_stream_handler
+
+
 class _WindowedBuffer(bytearray):
     """One stream's receive buffer: it takes only what the stream's receive window allows.
 
@@ -217,6 +263,9 @@ class BoundedYamux(Yamux):
             self.offences.dropped_bytes += size
             if self._incoming_scope is not None:
                 self._incoming_scope.cancel()  # handle_incoming stops at its next await; see below
+            return False
+        if getattr(stream, _DONE_ATTR, False):  # nobody reads it any more (stop_receiving)
+            self.offences.dropped_bytes += size
             return False
         return True
 

@@ -653,7 +653,12 @@ async def close_quietly(stream: Any, *, reset: bool = False, timeout: float = 1.
 
     Shielded and bounded: it runs in `finally` blocks of cancelled tasks, and a partner that is already
     gone must neither raise nor hold us. Use `reset=True` after a failure so the partner sees an abort.
+    Nothing is read from the stream afterwards, so what the partner still sends is dropped, not buffered
+    (`p2p.limits.stop_receiving`).
     """
+    from p2p.limits import stop_receiving  # lazily: it imports libp2p, which pure-wire users need not pay
+
+    stop_receiving(stream)
     with trio.move_on_after(timeout) as scope:
         scope.shield = True
         try:

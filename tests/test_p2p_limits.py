@@ -226,10 +226,11 @@ async def test_a_peer_that_overruns_a_receive_window_is_cut_off_and_nothing_past
         conn, sid = _muxed_conn(attacker, victim.get_id()), stream.muxed_stream.stream_id
         target = _muxed_conn(victim, attacker.get_id())
 
-        # Exactly the window the victim granted: honest, buffered in full.
+        # Exactly the window the victim granted: within flow control, so no offence; the handler is done,
+        # so the patched victim drops it (stop_receiving) where the library buffers it.
         assert await _write_data(conn, sid, DEFAULT_WINDOW_SIZE) == DEFAULT_WINDOW_SIZE
         await _processed_so_far(attacker, victim)
-        assert _buffered(target, sid) == DEFAULT_WINDOW_SIZE
+        assert _buffered(target, sid) == (0 if patched else DEFAULT_WINDOW_SIZE)
         assert offences.window_overruns == 0
 
         # Past it.
@@ -289,4 +290,39 @@ async def test_data_for_a_stream_we_reset_is_dropped_not_buffered(
             return
         assert _buffered(target, sid) == 0, "the victim kept data of a stream it had reset"
         assert not target.is_closed and offences.window_overruns == 0
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched-library"])
+async def test_data_within_the_window_of_streams_whose_handler_returned_is_dropped_not_buffered(
+    patched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that stays inside flow control breaks no rule, but nobody reads a stream whose handler has
+    returned: filling the windows of many refused streams held hundreds of MiB of the victim's memory
+    (16 streams, +258 MiB, no offence). Patched, such data is dropped (and counted) and the connection kept;
+    the library buffers all of it."""
+
+    async def refuse(stream: Any) -> None:
+        await stream.write(b"error: refused\n")
+        await stream.close()
+
+    async with trio.open_nursery() as nursery:
+        victim, attacker, offences = await _attacked_pair(nursery, monkeypatch, patched, refuse)
+        conn, target = None, None
+        sids = []
+        for _ in range(4):
+            stream = await attacker.new_stream(victim.get_id(), [PROTOCOL])
+            with trio.fail_after(CYCLE_DEADLINE_S):
+                assert await stream.read() == b"error: refused\n"
+            sids.append(stream.muxed_stream.stream_id)
+        conn, target = _muxed_conn(attacker, victim.get_id()), _muxed_conn(victim, attacker.get_id())
+        for sid in sids:
+            assert await _write_data(conn, sid, DEFAULT_WINDOW_SIZE) == DEFAULT_WINDOW_SIZE
+        await _processed_so_far(attacker, victim)
+        held = sum(_buffered(target, sid) for sid in sids)
+        if not patched:
+            assert held == 4 * DEFAULT_WINDOW_SIZE
+        else:
+            assert held == 0 and offences.dropped_bytes >= 4 * DEFAULT_WINDOW_SIZE
+            assert offences.window_overruns == 0 and not target.is_closed
         nursery.cancel_scope.cancel()
