@@ -323,6 +323,29 @@ def _busy_marks(st: dict[str, Any] | None) -> tuple[Any, ...]:
     return (s.get("state"), s.get("rounds"), s.get("solo_rounds"), s.get("failures"), _exchanges(st))
 
 
+class QuietMeter:
+    """The bytes each trainer sent on its link in the poll intervals in which it ran no exchange (idle at both
+    ends, nothing begun or ended in between: `_busy_marks`), start-up included: the swarm's own membership,
+    gossip and pairing traffic."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self._prev: tuple[dict[str, dict[str, Any] | None], dict[str, tuple[int, int]], float] | None = None
+
+    def observe(self, statuses: dict[str, dict[str, Any] | None], counters: dict[str, tuple[int, int]],
+                t: float) -> None:
+        if self._prev is not None:
+            before, c0, t0 = self._prev
+            for k, st in statuses.items():
+                was = before.get(k)
+                if (st is not None and was is not None and sync_of(st).get("state") == "idle"
+                        and _busy_marks(st) == _busy_marks(was)):
+                    self.bytes[k] = self.bytes.get(k, 0) + counters[k][0] - c0[k][0]
+                    self.seconds[k] = self.seconds.get(k, 0.0) + t - t0
+        self._prev = (statuses, counters, t)
+
+
 def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str, str], keys: list[Path],
                  rates: list[float] | None, initial_loss: float, seconds: float) -> StarlingRun:
     """Bootstrap + N trainers with `sets` on top of the plan's train options; measured for `seconds` from
@@ -360,9 +383,11 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
                 out[host.name] = st
             return out
 
+        quiet = QuietMeter()
         deadline = time.monotonic() + plan.startup_s
         while True:
             first = poll()
+            quiet.observe(first, wl.counters(), time.monotonic())
             if all(training(st).get("step", 0) > 0 and training(st).get("pid") for st in first.values()):
                 break
             if time.monotonic() > deadline:
@@ -374,24 +399,17 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
         pids = {k: int(training(st)["pid"]) for k, st in first.items()}
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         print(f"  {label}: all {N} trainers training; measuring {seconds:.0f} s", file=sys.stderr, flush=True)
-        last, prev_c, prev_t = dict(first), c0, t0
-        quiet = {k: [0, 0.0] for k in first}
+        last = dict(first)
         curve = [(0.0, _mean_val(first, initial_loss))]
         sent_curve = [(0.0, 0.0)]
         while (now := time.monotonic()) - t0 < seconds:
             time.sleep(min(POLL_S, max(0.0, seconds - (now - t0))))
             sts = poll()
             c, t = wl.counters(), time.monotonic()
-            for k, st in sts.items():
-                if st is None:
-                    continue
-                if _busy_marks(st) == _busy_marks(last[k]) and sync_of(st).get("state") == "idle":
-                    quiet[k][0] += c[k][0] - prev_c[k][0]
-                    quiet[k][1] += t - prev_t
-                last[k] = st
+            quiet.observe(sts, c, t)
+            last.update({k: st for k, st in sts.items() if st is not None})
             curve.append((t - t0, _mean_val(last, initial_loss)))
             sent_curve.append((t - t0, statistics.fmean(c[k][0] - c0[k][0] for k in c)))
-            prev_c, prev_t = c, t
         elapsed = time.monotonic() - t0
         c1 = wl.counters()
         cpu1 = {k: cpu_seconds(pid) if training(last[k]).get("pid") == pid else None for k, pid in pids.items()}
@@ -405,7 +423,8 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
             k, int(training(last[k]).get("step", 0)) - int(training(first[k]).get("step", 0)), elapsed,
             None if before is None or after is None else (after - before) / elapsed,
             a1 - a0, s1 - s0, f1 - f0, c1[k][0] - c0[k][0], c1[k][1] - c0[k][1],
-            int(sy1.get("bytes_sent") or 0) - int(sy0.get("bytes_sent") or 0), quiet[k][0], quiet[k][1],
+            int(sy1.get("bytes_sent") or 0) - int(sy0.get("bytes_sent") or 0), quiet.bytes.get(k, 0),
+            quiet.seconds.get(k, 0.0),
             training(last[k]).get("val_loss"), sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0)))
     exchanged = [int(sync_of(st).get("last_bytes") or 0) for st in last.values()]
     per_outer = statistics.fmean(b for b in exchanged if b) / 2 if any(exchanged) else None
@@ -586,8 +605,9 @@ def composed_rows(ddp: list[tuple[int, float]], diloco: list[tuple[int, float]],
 
 
 def starling_row(run: StarlingRun, unshaped: StarlingRun | None, label: str, reference: bool = False) -> Row:
-    rates = {n.name: n.rate for n in (unshaped.nodes if unshaped else [])}
-    shares = [n.rate / rates[n.name] for n in run.nodes if rates.get(n.name)]
+    # Every worker has the same cap, so the reference is the unshaped run's mean rate over its trainers.
+    ref = unshaped.mean("rate") if unshaped else 0.0
+    shares = [n.rate / ref for n in run.nodes] if ref else []
     share = (f"{statistics.fmean(shares):.1%} ({min(shares):.0%}-{max(shares):.0%})" if shares else "-")
     rounds = ", ".join(f"{n.averaged}/{n.solo + n.failed}" for n in run.nodes)
     cpu = ", ".join("?" if n.cpu_share is None else f"{n.cpu_share:.2f}" for n in run.nodes)
@@ -675,8 +695,8 @@ class Derivation:
             f"{REF_BYTES_PER_PARAM:g} bytes per parameter each way per outer step (phi and Delta in bf16): "
             f"{REF_WIRE_S:.0f} s on the wire per {REF_H} x {REF_STEP_S} = {REF_H * REF_STEP_S:.0f} s of compute, "
             f"a ratio of {REF_RATIO:.1f} (DDP, a ring all-reduce of bf16 gradients: {REF_DDP_RATIO:.0f}). Here: "
-            f"{self.params / 1e6:.2f}M parameters, an unshaped inner step of {self.step_s:.3f} s (mean over the "
-            f"{N} capped workers in the calibration run), {self.bytes_each_way / 1e6:.2f} MB each way per outer "
+            f"{self.params / 1e6:.2f}M parameters, an unshaped inner step of {self.step_s:.3f} s (the "
+            f"{N} capped workers' mean rate in the calibration run), {self.bytes_each_way / 1e6:.2f} MB each way per outer "
             f"step ({'measured: sync.last_bytes / 2' if self.measured_bytes else 'computed: 4 bytes/param'}), "
             f"H = {self.h}: the same ratio needs {self.bytes_each_way / 1e6:.2f} MB x 8 / ({REF_RATIO:.1f} x "
             f"{self.h} x {self.step_s:.3f} s) = {r:.3g} Mbit/s ({wire:.0f} s on the wire per "
@@ -722,11 +742,12 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
         wl = WanLab(lab)
         print("calibration: Starling on unshaped links", file=sys.stderr, flush=True)
         unshaped = run_starling(wl, root / "calib", plan, "unshaped", {}, keys, None, ddp.initial_val, plan.calib_s)
-        step_s = statistics.fmean(1 / n.rate for n in unshaped.nodes if n.rate)
+        step_s = 1 / unshaped.mean("rate")
         measured = unshaped.bytes_per_outer is not None
         derivation = Derivation(ddp.params, step_s, unshaped.bytes_per_outer if measured else 4.0 * ddp.params,
                                 measured, bc.inner_steps)
         print(derivation.text(), file=sys.stderr, flush=True)
+        notes.append(membership_note(unshaped))
         for rate_text in plan.rates:
             rate = round(derivation.rate_mbit, 3) if rate_text == "auto" else float(rate_text)
             for name in plan.scenarios:
@@ -807,7 +828,7 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
         "(Starling), bytes per all-reduce x all-reduces (the others). Target loss: the lowest loss every "
         "contender reaches (the highest of their best losses), so that each has a time to it; the loss at "
         "equal wall time is the other view. Share of the unshaped inner-step rate: Starling's trainers' "
-        "inner steps per second against the unshaped run's (per-trainer mean, range); DDP/DiLoCo: compute "
+        "inner steps per second against the unshaped run's mean over its trainers (mean, range); DDP/DiLoCo: compute "
         "over step time.",
     ]
     for sc in scenarios:
