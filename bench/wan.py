@@ -775,8 +775,11 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                 except ImportError as e:
                     notes.append(f"no plot: {e}")
                     png = None
-                sc_notes = [f"DDP and DiLoCo all-reduce timed over {col.steps} step(s); "
-                            f"{col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce"]
+                sc_notes = [f"DDP and DiLoCo: the all-reduce timed over {col.steps} step(s), "
+                            f"{col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce; an inner step of the "
+                            f"gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' unshaped "
+                            f"{derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
+                            "shares the machine with its daemon)"]
                 sc_notes += [membership_note(run) for run in runs]
                 scenarios.append(Scenario(name, rates, rows, target, wall, png, sc_notes))
                 print(scenario_table(rows, target, wall), file=sys.stderr, flush=True)
@@ -866,7 +869,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="bench: bench/convergence.py's model (0.47M params, the issue's trial); default: the "
                         "daemon's default model (slower)")
     parser.add_argument("--outer-steps", type=int, default=None, help="simulated outer steps (default 20)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the simulation")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the simulation (1: on a loaded machine a second one spins)")
     parser.add_argument("--out", type=Path, default=None, help="where PNGs go without --write-docs (default a temp dir)")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
     args = parser.parse_args(argv)
