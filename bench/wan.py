@@ -284,12 +284,10 @@ class NodeRun:
     solo: int
     failed: int
     link_sent: int  # bytes on its link, from the interface counters
-    link_received: int
     avg_sent: int  # averaging payload it sent (sync.bytes_sent)
     quiet_bytes: int  # link bytes sent while it ran no exchange, and for how long
     quiet_s: float
-    val_loss: float | None
-    last_exchange_s: float | None
+    last_exchange_s: float | None  # sync.last_duration_s at the end
     restarts: int
 
     @property
@@ -422,10 +420,10 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
         nodes.append(NodeRun(
             k, int(training(last[k]).get("step", 0)) - int(training(first[k]).get("step", 0)), elapsed,
             None if before is None or after is None else (after - before) / elapsed,
-            a1 - a0, s1 - s0, f1 - f0, c1[k][0] - c0[k][0], c1[k][1] - c0[k][1],
+            a1 - a0, s1 - s0, f1 - f0, c1[k][0] - c0[k][0],
             int(sy1.get("bytes_sent") or 0) - int(sy0.get("bytes_sent") or 0), quiet.bytes.get(k, 0),
             quiet.seconds.get(k, 0.0),
-            training(last[k]).get("val_loss"), sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0)))
+            sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0)))
     exchanged = [int(sync_of(st).get("last_bytes") or 0) for st in last.values()]
     per_outer = statistics.fmean(b for b in exchanged if b) / 2 if any(exchanged) else None
     run = StarlingRun(label, rates, elapsed, curve, sent_curve, nodes, per_outer)
@@ -613,7 +611,8 @@ def starling_row(run: StarlingRun, unshaped: StarlingRun | None, label: str, ref
     cpu = ", ".join("?" if n.cpu_share is None else f"{n.cpu_share:.2f}" for n in run.nodes)
     restarts = sum(n.restarts for n in run.nodes)
     steps = ", ".join(str(n.steps) for n in run.nodes)
-    note = f"inner steps {steps}" + (f"; worker restarts {restarts}" if restarts else "")
+    last = ", ".join("-" if n.last_exchange_s is None else f"{n.last_exchange_s:.1f}" for n in run.nodes)
+    note = f"inner steps {steps}; last exchange (s) {last}" + (f"; worker restarts {restarts}" if restarts else "")
     return Row(label, run.curve, run.sent_curve, share, rounds, cpu, note, reference)
 
 
