@@ -289,6 +289,7 @@ class NodeRun:
     quiet_s: float
     last_exchange_s: float | None  # sync.last_duration_s at the end
     restarts: int
+    catch_ups: int  # snapshots its worker adopted in the window (sync.catch_ups)
 
     @property
     def rate(self) -> float:
@@ -322,9 +323,9 @@ def _busy_marks(st: dict[str, Any] | None) -> tuple[Any, ...]:
 
 
 class QuietMeter:
-    """The bytes each trainer sent on its link in the poll intervals in which it ran no exchange (idle at both
-    ends, nothing begun or ended in between: `_busy_marks`), start-up included: the swarm's own membership,
-    gossip and pairing traffic."""
+    """The bytes each trainer sent on its link in the poll intervals of the measured window in which it ran no
+    exchange (idle at both ends, nothing begun or ended in between: `_busy_marks`): the swarm's own membership
+    and gossip traffic while it trains (plus whatever an exchange left in the socket buffers)."""
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
@@ -385,7 +386,6 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
         deadline = time.monotonic() + plan.startup_s
         while True:
             first = poll()
-            quiet.observe(first, wl.counters(), time.monotonic())
             if all(training(st).get("step", 0) > 0 and training(st).get("pid") for st in first.values()):
                 break
             if time.monotonic() > deadline:
@@ -398,6 +398,9 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         print(f"  {label}: all {N} trainers training; measuring {seconds:.0f} s", file=sys.stderr, flush=True)
         last = dict(first)
+        quiet.observe(first, c0, t0)
+        # Inner steps computed: the sum of the step counter's rises (a catch-up may move it back).
+        computed = dict.fromkeys(first, 0)
         curve = [(0.0, _mean_val(first, initial_loss))]
         sent_curve = [(0.0, 0.0)]
         while (now := time.monotonic()) - t0 < seconds:
@@ -405,6 +408,9 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
             sts = poll()
             c, t = wl.counters(), time.monotonic()
             quiet.observe(sts, c, t)
+            for k, st in sts.items():
+                if st is not None:
+                    computed[k] += max(0, int(training(st).get("step", 0)) - int(training(last[k]).get("step", 0)))
             last.update({k: st for k, st in sts.items() if st is not None})
             curve.append((t - t0, _mean_val(last, initial_loss)))
             sent_curve.append((t - t0, statistics.fmean(c[k][0] - c0[k][0] for k in c)))
@@ -418,12 +424,13 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
         sy0, sy1 = sync_of(first[k]), sync_of(last[k])
         before, after = cpu0[k], cpu1[k]
         nodes.append(NodeRun(
-            k, int(training(last[k]).get("step", 0)) - int(training(first[k]).get("step", 0)), elapsed,
+            k, computed[k], elapsed,
             None if before is None or after is None else (after - before) / elapsed,
             a1 - a0, s1 - s0, f1 - f0, c1[k][0] - c0[k][0],
             int(sy1.get("bytes_sent") or 0) - int(sy0.get("bytes_sent") or 0), quiet.bytes.get(k, 0),
             quiet.seconds.get(k, 0.0),
-            sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0)))
+            sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0),
+            int(sy1.get("catch_ups") or 0) - int(sy0.get("catch_ups") or 0)))
     exchanged = [int(sync_of(st).get("last_bytes") or 0) for st in last.values()]
     per_outer = statistics.fmean(b for b in exchanged if b) / 2 if any(exchanged) else None
     run = StarlingRun(label, rates, elapsed, curve, sent_curve, nodes, per_outer)
@@ -612,7 +619,9 @@ def starling_row(run: StarlingRun, unshaped: StarlingRun | None, label: str, ref
     restarts = sum(n.restarts for n in run.nodes)
     steps = ", ".join(str(n.steps) for n in run.nodes)
     last = ", ".join("-" if n.last_exchange_s is None else f"{n.last_exchange_s:.1f}" for n in run.nodes)
-    note = f"inner steps {steps}; last exchange (s) {last}" + (f"; worker restarts {restarts}" if restarts else "")
+    catch_ups = ", ".join(str(n.catch_ups) for n in run.nodes)
+    note = (f"inner steps {steps}; last exchange (s) {last}" + (f"; worker restarts {restarts}" if restarts else "")
+            + (f"; catch-ups {catch_ups}" if any(n.catch_ups for n in run.nodes) else ""))
     return Row(label, run.curve, run.sent_curve, share, rounds, cpu, note, reference)
 
 
@@ -739,6 +748,9 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
     scenarios = []
     with Lab(log_dir=root / "lab-logs", env={"PYTHONPATH": str(ROOT)}) as lab:
         wl = WanLab(lab)
+        print("membership: network-only daemons on the same hosts", file=sys.stderr, flush=True)
+        members = membership_only(wl, root / "members", plan, 15.0 if plan.quick else 30.0)
+        print(f"  {statistics.fmean(members.values()):.0f} B/s sent per host", file=sys.stderr, flush=True)
         print("calibration: Starling on unshaped links", file=sys.stderr, flush=True)
         unshaped = run_starling(wl, root / "calib", plan, "unshaped", {}, keys, None, ddp.initial_val, plan.calib_s)
         step_s = 1 / unshaped.mean("rate")
@@ -747,6 +759,12 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                                 measured, bc.inner_steps)
         print(derivation.text(), file=sys.stderr, flush=True)
         notes.append(membership_note(unshaped))
+        rate = statistics.fmean(members.values())
+        notes.append(f"The swarm's membership and gossip traffic alone ({N} network-only daemons and the bootstrap "
+                     f"node on the same hosts, no exchange): {rate:.0f} B/s sent per host ({rate * 8 / 1e6:.3f} Mbit/s; "
+                     f"{rate * 8 / 1e6 / derivation.rate_mbit:.0%} of the derived link rate). It does not shrink "
+                     "with the model: on the scaled links it takes a share that it would not take on real ones "
+                     f"({rate * 8 / 1e6 / REF_RATE_MBIT:.2%} of {REF_RATE_MBIT:g} Mbit/s).")
         for rate_text in plan.rates:
             rate = round(derivation.rate_mbit, 3) if rate_text == "auto" else float(rate_text)
             for name in plan.scenarios:
@@ -785,6 +803,29 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
     return derivation, unshaped, scenarios, notes
 
 
+def membership_only(wl: WanLab, root: Path, plan: Plan, seconds: float) -> dict[str, float]:
+    """Bytes per second each trainer host sends when its daemon is a network-only member (`--no-train`) of a
+    swarm of the bootstrap node and the N hosts: the membership and gossip traffic alone, no exchange at all
+    (timed after a settling period; unshaped links)."""
+    wl.shape(None)
+    swarm = f"wan-{uuid.uuid4().hex[:8]}"
+    daemons: list[LabDaemon] = []
+    with contextlib.ExitStack() as stop:
+        stop.callback(stop_daemons, daemons)
+        daemons.append(start_daemon(wl.boot, root / "boot", ["--swarm", swarm, "--no-train"], name="members-boot",
+                                    timeout=plan.startup_s))
+        join = ["--bootstrap", f"/ip4/{wl.boot.ip}/tcp/{PORT}/p2p/{daemons[0].peer_id}"]
+        daemons += [spawn_daemon(h, root / h.name, ["--swarm", swarm, "--no-train", *join], name=f"members-{h.name}")
+                    for h in wl.hosts]
+        for d in daemons[1:]:
+            d.wait(lambda s: bool(s.get("addrs")), plan.startup_s, "start-up")
+        time.sleep(min(15.0, seconds))  # connections, DHT bootstrap, the first state exchange
+        c0, t0 = wl.counters(), time.monotonic()
+        time.sleep(seconds)
+        c1, t1 = wl.counters(), time.monotonic()
+    return {k: (c1[k][0] - c0[k][0]) / (t1 - t0) for k in c1}
+
+
 def membership_note(run: StarlingRun) -> str:
     """How much of the link the swarm's own traffic took: bytes sent while a node ran no exchange, and the
     link bytes beyond the averaging payload (headers, ACKs, membership, gossip, pairing)."""
@@ -792,10 +833,11 @@ def membership_note(run: StarlingRun) -> str:
     quiet_rate = sum(n.quiet_bytes for n in run.nodes) / quiet_s if quiet_s else None
     sent = sum(n.link_sent for n in run.nodes)
     payload = sum(n.avg_sent for n in run.nodes)
-    rate_bytes = min(run.rates) * 1e6 / 8 if run.rates else None
-    quiet_text = ("no interval without an exchange" if quiet_rate is None else
+    shares = [n.quiet_bytes / n.quiet_s / (rate * 1e6 / 8)
+              for n, rate in zip(run.nodes, run.rates or [], strict=False) if n.quiet_s]
+    quiet_text = ("no poll interval without an exchange" if quiet_rate is None else
                   f"{quiet_rate:.0f} B/s per node while it ran no exchange ({quiet_s:.0f} node-seconds sampled"
-                  + (f"; {quiet_rate / rate_bytes:.1%} of the slowest link" if rate_bytes else "") + ")")
+                  + (f"; up to {max(shares):.0%} of a node's own link" if shares else "") + ")")
     other = f"{1 - payload / sent:.1%}" if sent else "-"
     return (f"{run.label}: the swarm's own traffic: {quiet_text}; link bytes sent beyond the averaging payload "
             f"(sync.bytes_sent): {other} of {sent / 1e6:.1f} MB")
