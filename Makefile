@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-adversary bench-memory chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-adversary bench-memory chaos fuzz swarm-up swarm-down clean
 
 install: $(STAMP)
 
@@ -76,6 +76,14 @@ bench-sync: install
 # which separate machines never do, and "adding hardware never hurts" would be measured with less hardware.
 bench-swarm: install
 	$(PY) bench/swarm.py --fast-cap 50 --write-docs
+
+# Time to a loss over slow links (section "Over slow links" of docs/benchmarks.md): 4 trainers in the network
+# lab behind tbf-shaped links, real daemons against DDP and DiLoCo (composed: the simulation's loss per step x
+# gloo all-reduces timed in the lab); both scenarios at the derived link rate, about 30 min on 2 cores. Needs
+# root, tc tbf and cgroup v1 cpu. The issue's acceptance rates: make bench-wan WAN_ARGS="--rate-mbit 0.4,2".
+WAN_ARGS ?=
+bench-wan: install
+	$(PY) bench/wan.py $(WAN_ARGS) --write-docs
 
 # Hostile averaging partners against a real victim, then 1 GiB pushed past a stream's receive window into a
 # real daemon (docs/reliability.md); about 3 min.

@@ -29,7 +29,7 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -108,6 +108,9 @@ class RunResult:
     bytes_per_step: float  # per replica, per inner step
     params: int
     seconds: float
+    # (inner steps per replica, validation loss) along the run, when asked for (`curve_every`): the loss
+    # against the step that bench/wan.py multiplies by a measured time per step.
+    curve: list[tuple[int, float]] = field(default_factory=list)
 
 
 def replica_ids(n: int, prefix: str = "replica") -> list[str]:
@@ -127,17 +130,22 @@ def allreduce_bytes(numel: int, n: int) -> float:
     return 2 * (n - 1) / n * numel * 4
 
 
-def run_ddp(bc: BenchConfig, n: int) -> RunResult:
-    """The data-parallel stand-in: one model, the N replicas' gradients averaged at every step."""
+def run_ddp(bc: BenchConfig, n: int, ids: list[str] | None = None, curve_every: int = 0) -> RunResult:
+    """The data-parallel stand-in: one model, the N replicas' gradients averaged at every step (`ids`: the
+    replicas' PeerIDs, as in `run_outer`; `curve_every`: record the validation loss every so many steps)."""
     started = time.monotonic()
     cfg = bc.train_config("noloco")
     device = torch.device("cpu")
-    tasks = [load_task(cfg.task, TaskContext(cfg, pid, device)) for pid in replica_ids(n)]
+    names = ids if ids is not None else replica_ids(n)
+    if len(names) != n:
+        raise ValueError(f"{len(names)} replica ids for {n} replicas")
+    tasks = [load_task(cfg.task, TaskContext(cfg, pid, device)) for pid in names]
     model = tasks[0].build_model()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = default_optimizer(model, cfg)  # the trainers' inner optimizer, for a like-for-like baseline
     streams = [t.train_stream() for t in tasks]
     initial = tasks[0].evaluate(model)
+    curve = [(0, initial)] if curve_every else []
     for step in range(bc.total_steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step)
@@ -148,16 +156,20 @@ def run_ddp(bc: BenchConfig, n: int) -> RunResult:
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
+        if curve_every and (step + 1) % curve_every == 0 and step + 1 < bc.total_steps:
+            curve.append((step + 1, tasks[0].evaluate(model)))
     val = tasks[0].evaluate(model)
+    curve += [(bc.total_steps, val)] if curve_every else []
     numel = sum(p.numel() for p in params)
     return RunResult("ddp", n, initial, val, val, 0.0, allreduce_bytes(numel, n), numel,
-                     time.monotonic() - started)
+                     time.monotonic() - started, curve)
 
 
 def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "replica",
-              ids: list[str] | None = None) -> RunResult:
+              ids: list[str] | None = None, curve: bool = False) -> RunResult:
     """DiLoCo or NoLoCo with N in-process `Trainer`s and an in-memory exchange (`prefix`: see replica_ids;
-    `ids`: the replicas' PeerIDs themselves, e.g. real daemons', whose data shards they then train on)."""
+    `ids`: the replicas' PeerIDs themselves, e.g. real daemons', whose data shards they then train on;
+    `curve`: record the replicas' mean validation loss after every outer step)."""
     started = time.monotonic()
     cfg = bc.train_config(method)
     names = ids if ids is not None else replica_ids(n, prefix)
@@ -169,7 +181,8 @@ def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "r
     phis = [torch.empty(numel) for _ in trainers]
     deltas = [torch.empty(numel) for _ in trainers]
     pairing = torch.Generator().manual_seed(bc.seed + 1)
-    for _ in range(bc.outer_steps):
+    points = [(0, initial)] if curve else []
+    for outer in range(bc.outer_steps):
         for t in trainers:
             while not t.publish_due():
                 t.inner_step()
@@ -188,6 +201,8 @@ def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "r
             sum_delta = torch.stack([deltas[i] for i in group]).sum(0)
             for i in group:
                 trainers[i].apply_result(len(group), sum_phi, sum_delta)
+        if curve and outer + 1 < bc.outer_steps:
+            points.append(((outer + 1) * bc.inner_steps, sum(t.evaluate() for t in trainers) / n))
     vals = [t.evaluate() for t in trainers]
     mean_phi = torch.stack([t.phi for t in trainers]).mean(0)
     probe = trainers[0]
@@ -197,8 +212,9 @@ def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "r
     probe.scatter_theta(keep)
     spread = relative_spread([t.phi for t in trainers])
     per_outer = allreduce_bytes(numel, n) if method == "diloco" else 2 * numel * 4
+    points += [(bc.total_steps, sum(vals) / n)] if curve else []
     return RunResult(method, n, initial, sum(vals) / n, val_avg, spread, per_outer / bc.inner_steps, numel,
-                     time.monotonic() - started)
+                     time.monotonic() - started, points)
 
 
 def run(bc: BenchConfig, replica_counts: list[int], methods: list[str]) -> list[RunResult]:

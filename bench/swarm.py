@@ -560,6 +560,14 @@ def make_identities(directory: Path, n: int) -> tuple[list[Path], list[str]]:
     return paths, [str(peer_id_of(create_identity(p))) for p in paths]
 
 
+def seed_home(home: Path, key: Path) -> None:
+    """A fresh daemon home holding the identity `key` (from `make_identities`): the daemon started on it has
+    that PeerID, so its data shard is the one the paired runs share."""
+    home.mkdir(parents=True, mode=0o700)
+    (home / IDENTITY_FILE).write_bytes(key.read_bytes())
+    (home / IDENTITY_FILE).chmod(0o600)
+
+
 def run_daemons_to_target(bc: BenchConfig, n: int, root: Path, label: str, *, connected: bool, slow: int,
                           sync: dict[str, Any], timeout_s: float, identities: list[Path] | None = None) -> ConvRow:
     """N daemons train until each has applied the outer step that covers inner step `bc.total_steps`
@@ -571,10 +579,7 @@ def run_daemons_to_target(bc: BenchConfig, n: int, root: Path, label: str, *, co
     train = convergence_fields(bc)
     roles = [(f"n{i}", "slow" if i >= n - slow else "trainer") for i in range(n)]
     for (name, _), key in zip(roles, identities or [], strict=False):
-        home = root / name
-        home.mkdir(parents=True, mode=0o700)
-        (home / IDENTITY_FILE).write_bytes(key.read_bytes())
-        (home / IDENTITY_FILE).chmod(0o600)
+        seed_home(root / name, key)
     started = time.monotonic()
     with Swarm(root, roles, set_args(train, sync), connected=connected) as swarm:
         done: dict[str, dict[str, Any] | None] = {}

@@ -1,0 +1,968 @@
+"""Time to a loss over slow links: real Starling daemons against DDP and DiLoCo, 4 trainers in the network lab.
+
+Every trainer runs in its own network-lab host (starling_testing/netlab.py: one network namespace each, a veth
+to the lab's "internet" bridge, no route anywhere else) behind its own link shaped with tc tbf in both
+directions (each end of its veth); a network-only bootstrap node sits on an unshaped link. Every worker runs
+in its own cgroup v1 cpu group at the same quota (`--cap`, % of one core), so every contender gets the same
+compute per node; each worker's actual CPU share is reported. The trainers' PeerIDs (so their data shards) are
+made once and shared by every run and by the simulation, as bench/swarm.py pairs them.
+
+Contenders, each on the same namespaces and links:
+
+- **Starling**: real `starling run` daemons with the shipped defaults (the model and its lr schedule set, nothing
+  about the link), run to the wall time `--seconds`; `--starling` adds variants (e.g. a `sync.compression` preset:
+  a variant whose option this build does not know is skipped with a note). The loss against wall time is the
+  mean over the 4 trainers of each one's latest validation loss (`training.val_loss`: the worker's evaluation
+  after each outer step, the same function and held-out batches as the simulation's).
+- **DDP** and **DiLoCo**, composed as docs/benchmarks.md says (a run to the target would take days at these
+  rates): loss against the inner step from bench/convergence.py's simulation (`run_ddp`, `run_outer(diloco)`,
+  the same shards, model and settings), times the seconds per step measured in the lab on the same shaped
+  links and cpu caps: 4 processes, one per namespace, train the same model and all-reduce its fp32 gradient
+  vector with torch.distributed's gloo (TCP rendezvous at the first trainer's address). DDP: a step is one
+  inner step plus that all-reduce; DiLoCo: an outer step is H inner steps plus the same all-reduce (of Delta,
+  a vector of the same size).
+- **hivemind**: only where bench/.venv-hivemind exists (bench/sync.py makes it); otherwise skipped with a note.
+
+First a calibration run: the same Starling daemons on unshaped links, which gives the unshaped inner-step rate
+(each contender's "share of wall time computed" is against it), and the bytes per outer step from which the
+link rate is derived (`--rate-mbit auto`): the rate at which communication over compute per outer step equals
+a 1B-parameter model's on 100 Mbit/s links with a modern GPU. The derivation is printed.
+
+Scenarios (`--scenarios`): `uniform` (4 links at the rate) and `one-slow` (one of the four 5x slower).
+
+    sudo .venv/bin/python bench/wan.py                       # both scenarios at the derived rate (~30 min)
+    sudo .venv/bin/python bench/wan.py --rate-mbit 0.4,2     # the issue's acceptance rates
+    sudo .venv/bin/python bench/wan.py --write-docs          # also writes "## Over slow links" + PNGs in docs/
+    sudo .venv/bin/python bench/wan.py --quick               # a smoke run (tiny model, 2 Mbit/s, ~4 min)
+
+Needs root, the network lab (ip netns), tc tbf and the cgroup v1 cpu controller; without one of them it says
+which and exits 2. Every namespace, daemon and cgroup is removed on the way out, also on Ctrl+C and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from convergence import QUICK as QUICK_BENCH  # bench/convergence.py, beside this script
+from convergence import BenchConfig, run_ddp, run_outer
+from swarm import (
+    CGROUP_CPU,
+    SLOW_PERIOD_US,
+    CpuCap,
+    cpu_seconds,
+    make_identities,
+    model_fields,
+    seed_home,
+    set_args,
+    sigterm_as_interrupt,
+    sync_of,
+    training,
+)
+
+from node.config import ConfigError, load_config
+from node.train_config import TrainConfig
+from starling_testing import netlab
+from starling_testing.daemon import PORT, PYTHON, DaemonError, LabDaemon, spawn_daemon, start_daemon
+from starling_testing.netlab import Lab, LabError, Proc
+from starling_testing.report import replace_section
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
+SECTION = "## Over slow links"
+HIVEMIND_VENV = ROOT / "bench" / ".venv-hivemind"
+N = 4
+SCENARIOS = ("uniform", "one-slow")
+SLOW_FACTOR = 5.0
+GLOO_PORT = 29500
+POLL_S = 1.0
+
+# The regime to reproduce (docs/benchmarks.md, "Over slow links"): a 1B-parameter model on one modern GPU
+# (0.4 s per inner step), H = 50, 100 Mbit/s links; Starling today sends phi and Delta in bf16, 4 bytes per
+# parameter each way per outer step.
+REF_PARAMS = 1e9
+REF_STEP_S = 0.4
+REF_RATE_MBIT = 100.0
+REF_H = 50
+REF_BYTES_PER_PARAM = 4.0
+REF_WIRE_S = REF_PARAMS * REF_BYTES_PER_PARAM * 8 / (REF_RATE_MBIT * 1e6)  # 320 s per outer step
+REF_RATIO = REF_WIRE_S / (REF_H * REF_STEP_S)  # 16: seconds on the wire per second of compute
+# DDP in the same regime: a ring all-reduce of bf16 gradients, 2(N-1)/N x 2 bytes/param per node per step.
+REF_DDP_RATIO = 2 * (N - 1) / N * REF_PARAMS * 2 * 8 / (REF_RATE_MBIT * 1e6) / REF_STEP_S
+
+
+class BenchError(Exception):
+    """A part of the benchmark could not run; the message says why (with a log tail)."""
+
+
+# --- the plan ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    quick: bool
+    bench: BenchConfig  # the model, H and lr schedule of every contender (and the simulated steps)
+    model: str  # "bench" (bench/convergence.py's) or "default" (the daemon's default model)
+    seconds: float  # each Starling run, timed from when all 4 trainers train
+    calib_s: float  # the unshaped calibration run
+    startup_s: float
+    cap_pct: float  # every worker's (and every gloo rank's) cpu quota, % of one core
+    rates: list[str]  # "auto" or Mbit/s
+    scenarios: list[str]
+    variants: list[tuple[str, dict[str, str]]]  # Starling variants: (label, {"section.option": value})
+    sync: dict[str, Any] = field(default_factory=dict)  # sync options of every Starling run (quick: faster joins)
+
+    @property
+    def quota_us(self) -> int:
+        return int(self.cap_pct / 100 * SLOW_PERIOD_US)
+
+    def train(self) -> dict[str, Any]:
+        """The daemons' train options: the model and its lr schedule, nothing else (the shipped defaults)."""
+        bc = self.bench
+        extra = {"inner_steps": bc.inner_steps, "total_steps": bc.total_steps}
+        if bc.inner_steps < TrainConfig().max_lag:
+            extra["max_lag"] = bc.inner_steps  # must be <= H (quick: H = 5)
+        return {"device": "cpu", **model_fields(bc), **extra}
+
+
+def bench_for(model: str, quick: bool, outer_steps: int | None) -> BenchConfig:
+    if quick:
+        bc = dataclasses.replace(QUICK_BENCH, outer_steps=24)
+    elif model == "default":  # the daemon's default model and lr schedule, at bench/convergence.py's H
+        d = TrainConfig()
+        names = ("d_model", "n_layers", "n_heads", "seq_len", "batch_size", "lr", "warmup", "data_bytes",
+                 "eval_batches")
+        bc = BenchConfig(**{name: getattr(d, name) for name in names})
+    else:
+        bc = BenchConfig()
+    return dataclasses.replace(bc, outer_steps=outer_steps) if outer_steps else bc
+
+
+def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
+    """`defaults` or `section.option=value[+section.option=value...]`, comma-separated."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        if item == "defaults":
+            out.append(("defaults", {}))
+            continue
+        sets = {}
+        for part in item.split("+"):
+            key, eq, value = part.partition("=")
+            if not eq or "." not in key:
+                raise ValueError(f"--starling: {part!r} is not section.option=value")
+            sets[key.strip()] = value.strip()
+        out.append((item, sets))
+    return out
+
+
+def default_variants() -> str:
+    """The shipped defaults, plus one variant per `sync.compression` preset once the option exists."""
+    from node import sync_config
+
+    presets = getattr(sync_config, "COMPRESSIONS", ())
+    return ",".join(["defaults", *(f"sync.compression={p}" for p in presets)])
+
+
+def unknown_option(sets: dict[str, str]) -> str | None:
+    """Why this build of the daemon would refuse the variant's options (None: it takes them)."""
+    try:
+        load_config(None, overrides=dict(sets), environ={})
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+# --- the lab -------------------------------------------------------------------------------------------------
+
+
+def lab_unavailable() -> str | None:
+    """Why this machine cannot run the bench (root, namespaces, tbf, cgroup v1 cpu), or None."""
+    reason = netlab.unavailable_reason()
+    if reason is not None:
+        return reason
+    if not (CGROUP_CPU / "cgroup.procs").exists():
+        return f"no cgroup v1 cpu controller at {CGROUP_CPU} (equal compute per node needs cpu.cfs_quota_us)"
+    for tool in ("tc", "nft"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found (Debian: apt-get install {'iproute2' if tool == 'tc' else 'nftables'})"
+    return None
+
+
+def tbf_unavailable() -> str | None:
+    """Build a throw-away lab host and shape it: None if the kernel has tbf."""
+    try:
+        with Lab(prefix="stlw-") as lab:
+            lab.limit(lab.public_host("probe1"), 1.0)
+    except LabError as e:
+        return f"tc tbf unavailable: {e}"
+    return None
+
+
+class WanLab:
+    """The lab of every run: a bootstrap host and N trainer hosts on one bridge; links reshaped per phase."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.boot = lab.public_host("boot")
+        self.hosts = [lab.public_host(f"t{i}") for i in range(N)]
+
+    def shape(self, rates: list[float] | None) -> None:
+        """Each trainer's link to its rate (Mbit/s, both ways), or unshaped (None)."""
+        for i, host in enumerate(self.hosts):
+            if rates is None:
+                self.lab.unlimit(host)
+            else:
+                self.lab.limit(host, rates[i])
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """{trainer: (bytes it sent, bytes it received)} on its link so far: the bridge-side veth end's rx/tx
+        (`ip -s link` in the internet namespace: one call reads every link)."""
+        inet = self.lab.internet()
+        out = subprocess.run(["ip", "-j", "-s", "-n", inet.netns, "link", "show"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
+        by_dev = {e["ifname"]: e["stats64"] for e in json.loads(out) if "stats64" in e}
+        return {h.name: (int(by_dev[f"p-{h.name}"]["rx"]["bytes"]), int(by_dev[f"p-{h.name}"]["tx"]["bytes"]))
+                for h in self.hosts}
+
+
+@contextlib.contextmanager
+def caps(names: list[str], quota_us: int) -> Iterator[dict[str, CpuCap]]:
+    """One cgroup v1 cpu group per name at `quota_us` per SLOW_PERIOD_US, all removed on the way out."""
+    made: dict[str, CpuCap] = {}
+    try:
+        for name in names:
+            made[name] = CpuCap(f"starling-wan-{os.getpid()}-{uuid.uuid4().hex[:6]}-{name}", quota_us)
+        yield made
+    finally:
+        for cap in made.values():
+            cap.remove()
+
+
+def sweep_stale_caps() -> None:
+    """Remove the cpu groups of earlier runs of this bench whose process is gone (a SIGKILLed run)."""
+    for path in CGROUP_CPU.glob("starling-wan-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            cap = CpuCap.__new__(CpuCap)  # a handle on the existing group (no mkdir)
+            cap.path = path
+            cap.remove()
+
+
+# --- Starling --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NodeRun:
+    """One trainer over the measured window of a Starling run."""
+
+    name: str
+    steps: int
+    seconds: float
+    cpu_share: float | None  # its worker's CPU time / the window, cores (None: the worker restarted)
+    averaged: int  # outer steps by outcome (training.exchanges)
+    solo: int
+    failed: int
+    link_sent: int  # bytes on its link, from the interface counters
+    avg_sent: int  # averaging payload it sent (sync.bytes_sent)
+    quiet_bytes: int  # link bytes sent while it ran no exchange, and for how long
+    quiet_s: float
+    last_exchange_s: float | None  # sync.last_duration_s at the end
+    restarts: int
+    catch_ups: int  # snapshots its worker adopted in the window (sync.catch_ups)
+
+    @property
+    def rate(self) -> float:
+        return self.steps / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class StarlingRun:
+    label: str
+    rates: list[float] | None  # the links' Mbit/s (None: unshaped)
+    seconds: float
+    curve: list[tuple[float, float]]  # (s since all trainers trained, mean of the trainers' latest val loss)
+    sent_curve: list[tuple[float, float]]  # (s, mean bytes sent per trainer on its link since the start)
+    nodes: list[NodeRun]
+    bytes_per_outer: float | None  # averaging bytes each way of its last exchange (sync.last_bytes / 2)
+
+    def mean(self, attr: str) -> float:
+        return statistics.fmean(getattr(n, attr) for n in self.nodes)
+
+
+def _exchanges(st: dict[str, Any] | None) -> tuple[int, int, int]:
+    ex = training(st).get("exchanges") or {}
+    return int(ex.get("group", 0)), int(ex.get("solo", 0)), int(ex.get("failed", 0))
+
+
+def _busy_marks(st: dict[str, Any] | None) -> tuple[Any, ...]:
+    """What changes whenever an exchange ends or begins: a node with the same marks at both ends of a poll
+    interval, and idle at both, ran no exchange in it."""
+    s = sync_of(st)
+    return (s.get("state"), s.get("rounds"), s.get("solo_rounds"), s.get("failures"), _exchanges(st))
+
+
+class QuietMeter:
+    """The bytes each trainer sent on its link in the poll intervals of the measured window in which it ran no
+    exchange (idle at both ends, nothing begun or ended in between: `_busy_marks`): the swarm's own membership
+    and gossip traffic while it trains (plus whatever an exchange left in the socket buffers)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self._prev: tuple[dict[str, dict[str, Any] | None], dict[str, tuple[int, int]], float] | None = None
+
+    def observe(self, statuses: dict[str, dict[str, Any] | None], counters: dict[str, tuple[int, int]],
+                t: float) -> None:
+        if self._prev is not None:
+            before, c0, t0 = self._prev
+            for k, st in statuses.items():
+                was = before.get(k)
+                if (st is not None and was is not None and sync_of(st).get("state") == "idle"
+                        and _busy_marks(st) == _busy_marks(was)):
+                    self.bytes[k] = self.bytes.get(k, 0) + counters[k][0] - c0[k][0]
+                    self.seconds[k] = self.seconds.get(k, 0.0) + t - t0
+        self._prev = (statuses, counters, t)
+
+
+def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str, str], keys: list[Path],
+                 rates: list[float] | None, initial_loss: float, seconds: float) -> StarlingRun:
+    """Bootstrap + N trainers with `sets` on top of the plan's train options; measured for `seconds` from
+    when every trainer has taken an inner step. Every daemon stops, every cgroup goes, whatever happens."""
+    wl.shape(rates)
+    swarm = f"wan-{uuid.uuid4().hex[:8]}"
+    extra = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    args = ["--swarm", swarm, *set_args(plan.train(), plan.sync), *extra]
+    print(f"  {label}: starting the bootstrap node and {N} trainers"
+          f" ({'unshaped' if rates is None else ', '.join(f'{r:g}' for r in rates) + ' Mbit/s'})",
+          file=sys.stderr, flush=True)
+    daemons: list[LabDaemon] = []
+    with caps([h.name for h in wl.hosts], plan.quota_us) as cgroups, contextlib.ExitStack() as stop:
+        stop.callback(stop_daemons, daemons)
+        boot = start_daemon(wl.boot, root / "boot", ["--swarm", swarm, "--no-train"], name=f"{label}-boot",
+                            timeout=plan.startup_s)
+        daemons.append(boot)
+        join = ["--bootstrap", f"/ip4/{wl.boot.ip}/tcp/{PORT}/p2p/{boot.peer_id}"]
+        trainers = []
+        for host, key in zip(wl.hosts, keys, strict=True):
+            home = root / host.name
+            seed_home(home, key)
+            trainers.append(spawn_daemon(host, home, [*join, *args], name=f"{label}-{host.name}"))
+        daemons += trainers
+
+        def poll() -> dict[str, dict[str, Any] | None]:
+            out = {}
+            for host, d in zip(wl.hosts, trainers, strict=True):
+                if d.exited():
+                    raise BenchError(f"{d.name} exited ({d.returncode()})\n{d.tail()}")
+                st = d.status(timeout=5.0)
+                pid = training(st).get("pid")
+                if pid:
+                    cgroups[host.name].add(int(pid))  # a restarted worker is a new pid
+                out[host.name] = st
+            return out
+
+        quiet = QuietMeter()
+        deadline = time.monotonic() + plan.startup_s
+        while True:
+            first = poll()
+            if all(training(st).get("step", 0) > 0 and training(st).get("pid") for st in first.values()):
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"{label}: not every trainer trained within {plan.startup_s:.0f} s: "
+                                 + ", ".join(f"{k} step {training(v).get('step')}" for k, v in first.items()))
+            time.sleep(POLL_S)
+        t0 = time.monotonic()
+        c0 = wl.counters()
+        pids = {k: int(training(st)["pid"]) for k, st in first.items()}
+        cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+        print(f"  {label}: all {N} trainers training; measuring {seconds:.0f} s", file=sys.stderr, flush=True)
+        last = dict(first)
+        quiet.observe(first, c0, t0)
+        # Inner steps computed: the sum of the step counter's rises (a catch-up may move it back).
+        computed = dict.fromkeys(first, 0)
+        curve = [(0.0, _mean_val(first, initial_loss))]
+        sent_curve = [(0.0, 0.0)]
+        while (now := time.monotonic()) - t0 < seconds:
+            time.sleep(min(POLL_S, max(0.0, seconds - (now - t0))))
+            sts = poll()
+            c, t = wl.counters(), time.monotonic()
+            quiet.observe(sts, c, t)
+            for k, st in sts.items():
+                if st is not None:
+                    computed[k] += max(0, int(training(st).get("step", 0)) - int(training(last[k]).get("step", 0)))
+            last.update({k: st for k, st in sts.items() if st is not None})
+            curve.append((t - t0, _mean_val(last, initial_loss)))
+            sent_curve.append((t - t0, statistics.fmean(c[k][0] - c0[k][0] for k in c)))
+        elapsed = time.monotonic() - t0
+        c1 = wl.counters()
+        cpu1 = {k: cpu_seconds(pid) if training(last[k]).get("pid") == pid else None for k, pid in pids.items()}
+    nodes = []
+    for k in first:
+        a0, s0, f0 = _exchanges(first[k])
+        a1, s1, f1 = _exchanges(last[k])
+        sy0, sy1 = sync_of(first[k]), sync_of(last[k])
+        before, after = cpu0[k], cpu1[k]
+        nodes.append(NodeRun(
+            k, computed[k], elapsed,
+            None if before is None or after is None else (after - before) / elapsed,
+            a1 - a0, s1 - s0, f1 - f0, c1[k][0] - c0[k][0],
+            int(sy1.get("bytes_sent") or 0) - int(sy0.get("bytes_sent") or 0), quiet.bytes.get(k, 0),
+            quiet.seconds.get(k, 0.0),
+            sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0),
+            int(sy1.get("catch_ups") or 0) - int(sy0.get("catch_ups") or 0)))
+    exchanged = [int(sync_of(st).get("last_bytes") or 0) for st in last.values()]
+    per_outer = statistics.fmean(b for b in exchanged if b) / 2 if any(exchanged) else None
+    run = StarlingRun(label, rates, elapsed, curve, sent_curve, nodes, per_outer)
+    print(f"  {label}: {elapsed:.0f} s, val {curve[-1][1]:.4f}, inner steps/s per trainer "
+          + ", ".join(f"{n.rate:.2f}" for n in nodes) + ", averaged/solo/failed "
+          + ", ".join(f"{n.averaged}/{n.solo}/{n.failed}" for n in nodes), file=sys.stderr, flush=True)
+    return run
+
+
+def stop_daemons(daemons: list[LabDaemon], grace: float = 30.0) -> None:
+    """SIGTERM every daemon at once (each worker writes its checkpoint), then wait; SIGKILL the late ones."""
+    for d in daemons:
+        if d.running():
+            d.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for d in daemons:
+        d.proc.stop(grace=max(0.1, deadline - time.monotonic()))
+
+
+def _mean_val(statuses: dict[str, dict[str, Any] | None], initial: float) -> float:
+    """The mean over trainers of each one's latest validation loss (the initial loss before its first)."""
+    vals = [training(st).get("val_loss") for st in statuses.values()]
+    return statistics.fmean(initial if v is None else float(v) for v in vals)
+
+
+# --- DDP and DiLoCo: the all-reduce measured in the lab ---------------------------------------------------------
+
+
+@dataclass
+class Collective:
+    """Seconds per DDP step and per DiLoCo outer step on the scenario's links, from gloo in the lab."""
+
+    compute_s: float  # one inner step of one rank (median over ranks and steps)
+    allreduce_s: float  # one all-reduce of the fp32 parameter-sized vector (median over steps, slowest rank)
+    allreduce_bytes: float  # bytes each rank sent per all-reduce (link counters, mean over ranks)
+    steps: int
+    cpu_share: list[float]  # each rank's CPU time / its wall time
+
+    def ddp_step_s(self) -> float:
+        return self.compute_s + self.allreduce_s
+
+    def diloco_outer_s(self, h: int) -> float:
+        return h * self.compute_s + self.allreduce_s
+
+
+def collective_rank(spec: dict[str, Any]) -> None:
+    """One gloo rank (run inside a lab namespace by `time_collective`): `steps` DDP steps of the plan's model,
+    each one inner step on this rank's shard and an all-reduce of the flat fp32 gradient; prints RESULT json."""
+    import torch.distributed as dist
+
+    from node.task import TaskContext, load_task
+    from node.worker import default_optimizer
+
+    torch.set_num_threads(1)
+    rank, n = spec["rank"], spec["world"]
+    dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}:{GLOO_PORT}", rank=rank, world_size=n,
+                            timeout=timedelta(seconds=spec["timeout_s"]))
+    cfg = TrainConfig(**spec["train"])
+    task = load_task(cfg.task, TaskContext(cfg, spec["peer_id"], torch.device("cpu")))
+    model = task.build_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = default_optimizer(model, cfg)
+    stream = task.train_stream()
+    dist.all_reduce(torch.zeros(1))  # connects every pair before the clock starts
+    dist.barrier()
+    compute, comm = [], []
+    wall0, cpu0 = time.monotonic(), time.process_time()
+    for _ in range(spec["steps"]):
+        t0 = time.monotonic()
+        optimizer.zero_grad(set_to_none=True)
+        task.loss(model, stream.next_batch()).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        t1 = time.monotonic()
+        dist.all_reduce(flat)
+        t2 = time.monotonic()
+        flat /= n
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        compute.append(t1 - t0 + time.monotonic() - t2)
+        comm.append(t2 - t1)
+    cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    print("RESULT " + json.dumps({"compute": compute, "comm": comm, "cpu": cpu, "numel": flat.numel()}), flush=True)
+    dist.destroy_process_group()
+
+
+def time_collective(wl: WanLab, plan: Plan, peer_ids: list[str], rates: list[float], steps: int,
+                    numel: int) -> Collective:
+    wl.shape(rates)
+    # gloo's ring moves about 2(N-1)/N of the vector per rank; the slowest link sets the pace.
+    estimate = steps * 2 * (N - 1) / N * numel * 4 * 8 / (min(rates) * 1e6)
+    timeout = 120 + 2 * estimate
+    print(f"  gloo all-reduce of {numel * 4 / 1e6:.2f} MB on {', '.join(f'{r:g}' for r in rates)} Mbit/s: "
+          f"{steps} DDP step(s), about {estimate:.0f} s", file=sys.stderr, flush=True)
+    procs: list[Proc] = []
+    with caps([h.name for h in wl.hosts], plan.quota_us) as cgroups:
+        try:
+            c0 = wl.counters()
+            for rank, (host, pid) in enumerate(zip(wl.hosts, peer_ids, strict=True)):
+                spec = {"rank": rank, "world": N, "master": wl.hosts[0].ip, "train": plan.train(),
+                        "peer_id": pid, "steps": steps, "timeout_s": timeout}
+                p = host.spawn([PYTHON, str(Path(__file__).resolve()), "--collective-rank", json.dumps(spec)],
+                               log=f"gloo-{uuid.uuid4().hex[:6]}-{host.name}.log", env={"GLOO_SOCKET_IFNAME": "eth0"},
+                               cwd=ROOT)
+                cgroups[host.name].add(p.pid)  # `ip netns exec` execs python: the same pid
+                procs.append(p)
+            results = [json.loads(p.wait_for(r"^RESULT (.*)$", timeout=timeout).group(1)) for p in procs]
+            c1 = wl.counters()
+        finally:
+            for p in procs:
+                p.stop()
+    comm = [max(r["comm"][i] for r in results) for i in range(steps)]
+    compute = [x for r in results for x in r["compute"]]
+    sent = statistics.fmean(c1[h.name][0] - c0[h.name][0] for h in wl.hosts) / steps
+    out = Collective(statistics.median(compute), statistics.median(comm), sent, steps, [r["cpu"] for r in results])
+    print(f"  gloo: inner step {out.compute_s:.3f} s, all-reduce {out.allreduce_s:.1f} s, "
+          f"{out.allreduce_bytes / 1e6:.2f} MB sent per rank", file=sys.stderr, flush=True)
+    return out
+
+
+# --- composing and reporting ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One contender of one scenario and rate: its loss and bytes against wall time, and what it did."""
+
+    label: str
+    curve: list[tuple[float, float]]  # (wall s, val loss)
+    sent: list[tuple[float, float]]  # (wall s, bytes sent per node so far)
+    compute_share: str
+    rounds: str  # averaged / solo per trainer
+    cpu: str  # each worker's actual CPU share (cores)
+    note: str = ""
+    reference: bool = False  # shown, not a contender (the unshaped run)
+
+
+def interp(points: list[tuple[float, float]], x: float) -> float:
+    """Linear interpolation of y at x (clamped to the ends)."""
+    xs = [p[0] for p in points]
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return points[0][1]
+    if i >= len(points):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first wall time at which the loss reaches `target` (linear between points), None if never."""
+    for i, (t, loss) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return t
+            t0, l0 = curve[i - 1]
+            return t0 + (t - t0) * (l0 - target) / (l0 - loss) if l0 != loss else t
+    return None
+
+
+def composed_rows(ddp: list[tuple[int, float]], diloco: list[tuple[int, float]], col: Collective,
+                  h: int) -> list[Row]:
+    step_s, outer_s = col.ddp_step_s(), col.diloco_outer_s(h)
+    cpu = ", ".join(f"{c:.2f}" for c in col.cpu_share)
+    return [
+        Row("DDP (gloo, composed)", [(s * step_s, v) for s, v in ddp], [(s * step_s, s * col.allreduce_bytes) for s, v in ddp],
+            f"{col.compute_s / step_s:.1%}", "every step all-reduced", cpu,
+            f"{step_s:.1f} s per step ({col.compute_s:.3f} compute + {col.allreduce_s:.1f} all-reduce)"),
+        Row("DiLoCo (gloo, composed)", [(s / h * outer_s, v) for s, v in diloco],
+            [(s / h * outer_s, s / h * col.allreduce_bytes) for s, v in diloco],
+            f"{h * col.compute_s / outer_s:.1%}", "every outer step all-reduced", cpu,
+            f"{outer_s:.1f} s per outer step ({h} x {col.compute_s:.3f} + {col.allreduce_s:.1f})"),
+    ]
+
+
+def starling_row(run: StarlingRun, unshaped: StarlingRun | None, label: str, reference: bool = False) -> Row:
+    # Every worker has the same cap, so the reference is the unshaped run's mean rate over its trainers.
+    ref = unshaped.mean("rate") if unshaped else 0.0
+    shares = [n.rate / ref for n in run.nodes] if ref else []
+    share = (f"{statistics.fmean(shares):.1%} ({min(shares):.0%}-{max(shares):.0%})" if shares else "-")
+    rounds = ", ".join(f"{n.averaged}/{n.solo + n.failed}" for n in run.nodes)
+    cpu = ", ".join("?" if n.cpu_share is None else f"{n.cpu_share:.2f}" for n in run.nodes)
+    restarts = sum(n.restarts for n in run.nodes)
+    steps = ", ".join(str(n.steps) for n in run.nodes)
+    last = ", ".join("-" if n.last_exchange_s is None else f"{n.last_exchange_s:.1f}" for n in run.nodes)
+    catch_ups = ", ".join(str(n.catch_ups) for n in run.nodes)
+    note = (f"inner steps {steps}; last exchange (s) {last}" + (f"; worker restarts {restarts}" if restarts else "")
+            + (f"; catch-ups {catch_ups}" if any(n.catch_ups for n in run.nodes) else ""))
+    return Row(label, run.curve, run.sent_curve, share, rounds, cpu, note, reference)
+
+
+def choose_target(rows: list[Row]) -> float:
+    """The lowest loss that every contender reaches: the highest of their best losses."""
+    return max(min(v for _, v in r.curve) for r in rows if not r.reference)
+
+
+def _mb(b: float | None) -> str:
+    return "-" if b is None else f"{b / 1e6:.1f} MB"
+
+
+def _s(t: float | None) -> str:
+    if t is None:
+        return "not reached"
+    return f"{t:.0f} s" if t < 3600 else f"{t / 3600:.1f} h"
+
+
+def scenario_table(rows: list[Row], target: float, wall: float) -> str:
+    lines = [f"| contender | time to val loss {target:.3f} | val loss at {wall:.0f} s | bytes sent per node to "
+             f"the target | bytes sent per node in {wall:.0f} s | share of the unshaped inner-step rate | "
+             "averaged / solo outer steps per trainer | worker CPU (cores) | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = time_to(r.curve, target)
+        ends = r.curve[-1][0]
+        at = interp(r.curve, wall)
+        at_text = f"{at:.3f}" + (f" (curve ends at {_s(ends)})" if ends < wall * 0.98 else "")
+        lines.append(f"| {r.label} | {_s(t)} | {at_text} | {_mb(None if t is None else interp(r.sent, t))} | "
+                     f"{_mb(interp(r.sent, wall))} | {r.compute_share} | {r.rounds} | {r.cpu} | {r.note} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], target: float, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.4), dpi=110)
+    for r in rows:
+        pts = [(t, v) for t, v in r.curve if t > 0]
+        style = ":" if r.reference else "--" if "DDP" in r.label else "-." if "DiLoCo" in r.label else "-"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=r.label)
+    ax.axhline(target, color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("wall time (s, log scale)")
+    ax.set_ylabel("validation loss (nats per byte)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --- the run -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Derivation:
+    params: int
+    step_s: float
+    bytes_each_way: float
+    measured_bytes: bool
+    h: int
+
+    @property
+    def rate_mbit(self) -> float:
+        return self.bytes_each_way * 8 / (REF_RATIO * self.h * self.step_s) / 1e6
+
+    def text(self) -> str:
+        r = self.rate_mbit
+        wire = self.bytes_each_way * 8 / (r * 1e6)
+        ddp = 2 * (N - 1) / N * self.params * 4 * 8 / (r * 1e6)
+        return (
+            f"Link rate: the reference is a {REF_PARAMS / 1e9:.0f}B-parameter model on one modern GPU "
+            f"({REF_STEP_S} s per inner step), H = {REF_H}, {REF_RATE_MBIT:g} Mbit/s links; Starling sends "
+            f"{REF_BYTES_PER_PARAM:g} bytes per parameter each way per outer step (phi and Delta in bf16): "
+            f"{REF_WIRE_S:.0f} s on the wire per {REF_H} x {REF_STEP_S} = {REF_H * REF_STEP_S:.0f} s of compute, "
+            f"a ratio of {REF_RATIO:.1f} (DDP, a ring all-reduce of bf16 gradients: {REF_DDP_RATIO:.0f}). Here: "
+            f"{self.params / 1e6:.2f}M parameters, an unshaped inner step of {self.step_s:.3f} s (the "
+            f"{N} capped workers' mean rate in the calibration run), {self.bytes_each_way / 1e6:.2f} MB each way per outer "
+            f"step ({'measured: sync.last_bytes / 2' if self.measured_bytes else 'computed: 4 bytes/param'}), "
+            f"H = {self.h}: the same ratio needs {self.bytes_each_way / 1e6:.2f} MB x 8 / ({REF_RATIO:.1f} x "
+            f"{self.h} x {self.step_s:.3f} s) = {r:.3g} Mbit/s ({wire:.0f} s on the wire per "
+            f"{self.h * self.step_s:.1f} s of compute; DDP's fp32 all-reduce, {ddp:.0f} s per {self.step_s:.3f} s "
+            f"step: a ratio of {ddp / self.step_s:.0f})."
+        )
+
+
+@dataclass
+class Scenario:
+    name: str
+    rates: list[float]
+    rows: list[Row]
+    target: float
+    wall: float
+    png: Path | None
+    notes: list[str]
+
+
+def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, StarlingRun, list[Scenario], list[str]]:
+    notes: list[str] = []
+    keys, peer_ids = make_identities(root / "keys", N)
+    bc = plan.bench
+    print(f"simulation: DDP and DiLoCo, {N} replicas on the trainers' shards, {bc.total_steps} inner steps...",
+          file=sys.stderr, flush=True)
+    ddp = run_ddp(bc, N, ids=peer_ids, curve_every=max(1, bc.inner_steps // 5))
+    diloco = run_outer(bc, N, "diloco", root / "sim-diloco", ids=peer_ids, curve=True)
+    print(f"  DDP val {ddp.val_mean:.4f}, DiLoCo val {diloco.val_mean:.4f} ({ddp.params / 1e6:.2f}M parameters)",
+          file=sys.stderr, flush=True)
+    variants = []
+    for label, sets in plan.variants:
+        why = unknown_option(sets)
+        if why is None:
+            variants.append((label, sets))
+        else:
+            notes.append(f"Starling variant `{label}` skipped: this build refuses it ({why})")
+    if not HIVEMIND_VENV.exists():
+        notes.append(f"hivemind skipped: no {HIVEMIND_VENV.relative_to(ROOT)} (bench/sync.py --parts 3 creates it)")
+    else:
+        notes.append("hivemind skipped: its collaborative optimizer is not wired into this bench yet")
+    scenarios = []
+    with Lab(log_dir=root / "lab-logs", env={"PYTHONPATH": str(ROOT)}) as lab:
+        wl = WanLab(lab)
+        print("membership: network-only daemons on the same hosts", file=sys.stderr, flush=True)
+        members = membership_only(wl, root / "members", plan, 15.0 if plan.quick else 30.0)
+        print(f"  {statistics.fmean(members.values()):.0f} B/s sent per host", file=sys.stderr, flush=True)
+        print("calibration: Starling on unshaped links", file=sys.stderr, flush=True)
+        unshaped = run_starling(wl, root / "calib", plan, "unshaped", {}, keys, None, ddp.initial_val, plan.calib_s)
+        step_s = 1 / unshaped.mean("rate")
+        measured = unshaped.bytes_per_outer is not None
+        derivation = Derivation(ddp.params, step_s, unshaped.bytes_per_outer if measured else 4.0 * ddp.params,
+                                measured, bc.inner_steps)
+        print(derivation.text(), file=sys.stderr, flush=True)
+        notes.append(membership_note(unshaped))
+        rate = statistics.fmean(members.values())
+        notes.append(f"The swarm's membership and gossip traffic alone ({N} network-only daemons and the bootstrap "
+                     f"node on the same hosts, no exchange): {rate:.0f} B/s sent per host ({rate * 8 / 1e6:.3f} Mbit/s; "
+                     f"{rate * 8 / 1e6 / derivation.rate_mbit:.0%} of the derived link rate). It does not shrink "
+                     "with the model: on the scaled links it takes a share that it would not take on real ones "
+                     f"({rate * 8 / 1e6 / REF_RATE_MBIT:.2%} of {REF_RATE_MBIT:g} Mbit/s).")
+        for rate_text in plan.rates:
+            rate = round(derivation.rate_mbit, 3) if rate_text == "auto" else float(rate_text)
+            for name in plan.scenarios:
+                rates = [rate] * N if name == "uniform" else [rate] * (N - 1) + [rate / SLOW_FACTOR]
+                tag = f"{name}-{rate:g}mbit"
+                print(f"{tag}:", file=sys.stderr, flush=True)
+                rows = [starling_row(unshaped, None, "Starling defaults, unshaped links (reference)", True)]
+                runs = []
+                for label, sets in variants:
+                    run = run_starling(wl, root / f"{tag}-{len(runs)}", plan, f"{tag}-{label}", sets, keys, rates,
+                                       ddp.initial_val, plan.seconds)
+                    runs.append(run)
+                    rows.append(starling_row(run, unshaped, f"Starling {label}"))
+                estimate = 2 * (N - 1) / N * ddp.params * 4 * 8 / (min(rates) * 1e6)
+                steps = 1 if plan.quick or estimate > 150 else 2
+                col = time_collective(wl, plan, peer_ids, rates, steps, ddp.params)
+                rows += composed_rows(ddp.curve, diloco.curve, col, bc.inner_steps)
+                target = choose_target(rows)
+                wall = runs[0].seconds if runs else plan.seconds
+                png = out_dir / f"wan-{tag}.png"
+                title = (f"{N} trainers, links {', '.join(f'{r:g}' for r in rates)} Mbit/s ({name}); "
+                         f"{ddp.params / 1e6:.2f}M params, H = {bc.inner_steps}")
+                try:
+                    plot(rows, target, title, png)
+                except ImportError as e:
+                    notes.append(f"no plot: {e}")
+                    png = None
+                sc_notes = [f"DDP and DiLoCo: the all-reduce timed over {col.steps} step(s), "
+                            f"{col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce; an inner step of the "
+                            f"gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' unshaped "
+                            f"{derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
+                            "shares the machine with its daemon)"]
+                sc_notes += [membership_note(run) for run in runs]
+                scenarios.append(Scenario(name, rates, rows, target, wall, png, sc_notes))
+                print(scenario_table(rows, target, wall), file=sys.stderr, flush=True)
+    return derivation, unshaped, scenarios, notes
+
+
+def membership_only(wl: WanLab, root: Path, plan: Plan, seconds: float) -> dict[str, float]:
+    """Bytes per second each trainer host sends when its daemon is a network-only member (`--no-train`) of a
+    swarm of the bootstrap node and the N hosts: the membership and gossip traffic alone, no exchange at all
+    (timed after a settling period; unshaped links)."""
+    wl.shape(None)
+    swarm = f"wan-{uuid.uuid4().hex[:8]}"
+    daemons: list[LabDaemon] = []
+    with contextlib.ExitStack() as stop:
+        stop.callback(stop_daemons, daemons)
+        daemons.append(start_daemon(wl.boot, root / "boot", ["--swarm", swarm, "--no-train"], name="members-boot",
+                                    timeout=plan.startup_s))
+        join = ["--bootstrap", f"/ip4/{wl.boot.ip}/tcp/{PORT}/p2p/{daemons[0].peer_id}"]
+        daemons += [spawn_daemon(h, root / h.name, ["--swarm", swarm, "--no-train", *join], name=f"members-{h.name}")
+                    for h in wl.hosts]
+        for d in daemons[1:]:
+            d.wait(lambda s: bool(s.get("addrs")), plan.startup_s, "start-up")
+        time.sleep(min(15.0, seconds))  # connections, DHT bootstrap, the first state exchange
+        c0, t0 = wl.counters(), time.monotonic()
+        time.sleep(seconds)
+        c1, t1 = wl.counters(), time.monotonic()
+    return {k: (c1[k][0] - c0[k][0]) / (t1 - t0) for k in c1}
+
+
+def membership_note(run: StarlingRun) -> str:
+    """How much of the link the swarm's own traffic took: bytes sent while a node ran no exchange, and the
+    link bytes beyond the averaging payload (headers, ACKs, membership, gossip, pairing)."""
+    quiet_s = sum(n.quiet_s for n in run.nodes)
+    quiet_rate = sum(n.quiet_bytes for n in run.nodes) / quiet_s if quiet_s else None
+    sent = sum(n.link_sent for n in run.nodes)
+    payload = sum(n.avg_sent for n in run.nodes)
+    shares = [n.quiet_bytes / n.quiet_s / (rate * 1e6 / 8)
+              for n, rate in zip(run.nodes, run.rates or [], strict=False) if n.quiet_s]
+    quiet_text = ("no poll interval without an exchange" if quiet_rate is None else
+                  f"{quiet_rate:.0f} B/s per node while it ran no exchange ({quiet_s:.0f} node-seconds sampled"
+                  + (f"; up to {max(shares):.0%} of a node's own link" if shares else "") + ")")
+    other = f"{1 - payload / sent:.1%}" if sent else "-"
+    return (f"{run.label}: the swarm's own traffic: {quiet_text}; link bytes sent beyond the averaging payload "
+            f"(sync.bytes_sent): {other} of {sent / 1e6:.1f} MB")
+
+
+def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes: list[str], command: str,
+           wall: float, png_prefix: str) -> str:
+    bc = plan.bench
+    cfg = ", ".join(f"{k}={v}" for k, v in plan.train().items())
+    parts = [
+        f"{SECTION}\n",
+        f"Command: `{command}` ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {wall / 60:.1f} min wall, on a "
+        f"{os.cpu_count()}-core {platform.machine()} machine shared with other jobs, {platform.system()} "
+        f"{platform.release()}; torch {torch.__version__}).",
+        f"{N} trainers, each in its own network-lab namespace behind its own link shaped with tc tbf both ways "
+        f"(each end of its veth), a network-only bootstrap node on an unshaped link; no added latency (netem is "
+        f"not available here; the all-reduce's 2(N-1) sequential steps would suffer more from latency than a "
+        f"pairwise exchange, so leaving it out favours the baselines). Task stdlib-lm with "
+        f"{'the daemon default model' if plan.model == 'default' else 'bench/convergence.py model'} "
+        f"({'quick: a tiny one; ' if plan.quick else ''}train options {cfg}; everything else the shipped "
+        f"defaults, nothing about the link). Every worker and every gloo rank runs in its own cgroup v1 cpu "
+        f"group at {plan.cap_pct:g}% of one core; the CPU column says what each got. Data shards: the same "
+        "4 PeerIDs in every run and in the simulation.",
+        derivation.text(),
+        f"How each contender is timed. Starling: real daemons, {plan.seconds:.0f} s from when all 4 trainers train; its "
+        "loss is the mean over the trainers of each one's latest validation loss (the worker's evaluation after "
+        "each outer step). DDP and DiLoCo are composed: their loss against the inner step comes from "
+        f"bench/convergence.py's simulation (same shards, model, schedule, H; {bc.total_steps} inner steps), their "
+        "seconds per step from 4 gloo ranks in the same namespaces, links and caps, each training the model "
+        "and all-reducing its fp32 gradient vector (DDP: one inner step + one all-reduce per step; DiLoCo: H "
+        "inner steps + one all-reduce of the same size per outer step). Bytes: each host's link counters "
+        "(Starling), bytes per all-reduce x all-reduces (the others). Target loss: the lowest loss every "
+        "contender reaches (the highest of their best losses), so that each has a time to it; the loss at "
+        "equal wall time is the other view. Share of the unshaped inner-step rate: Starling's trainers' "
+        "inner steps per second against the unshaped run's mean over its trainers (mean, range); DDP/DiLoCo: compute "
+        "over step time.",
+    ]
+    for sc in scenarios:
+        head = (f"### {sc.name}: links {', '.join(f'{r:g}' for r in sc.rates)} Mbit/s"
+                + (f" (one link {SLOW_FACTOR:g}x slower)" if sc.name == "one-slow" else ""))
+        body = [head, "", scenario_table(sc.rows, sc.target, sc.wall), ""]
+        body += [f"- {n}" for n in sc.notes]
+        if sc.png is not None:
+            body += ["", f"![loss against wall time, {sc.name}]({png_prefix}{sc.png.name})"]
+        parts.append("\n".join(body))
+    if notes:
+        parts.append("Notes:\n\n" + "\n".join(f"- {n}" for n in notes))
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--collective-rank"]:
+        collective_rank(json.loads(argv[1]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (tiny model, uniform 2 Mbit/s, short); "
+                        "never writes docs")
+    parser.add_argument("--rate-mbit", default=None, help="comma-separated link rates: Mbit/s or 'auto' (derived; "
+                        "default auto; quick 2)")
+    parser.add_argument("--scenarios", default=None, help=f"comma-separated: {', '.join(SCENARIOS)} (default both; "
+                        "quick uniform)")
+    parser.add_argument("--starling", default=None, help="Starling variants, comma-separated: 'defaults' or "
+                        "'section.option=value[+...]' (default: defaults, plus each sync.compression preset once "
+                        "the option exists)")
+    parser.add_argument("--seconds", type=float, default=None, help="each Starling run (default 240; quick 40)")
+    parser.add_argument("--calib-seconds", type=float, default=None, help="the unshaped run (default 90; quick 20)")
+    parser.add_argument("--cap", type=float, default=35.0, help="every worker's cpu quota, %% of one core (35)")
+    parser.add_argument("--model", choices=("bench", "default"), default="bench",
+                        help="bench: bench/convergence.py's model (0.47M params, the issue's trial); default: the "
+                        "daemon's default model (slower)")
+    parser.add_argument("--outer-steps", type=int, default=None, help="simulated outer steps (default 20)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the simulation (1: on a loaded machine a second one spins)")
+    parser.add_argument("--out", type=Path, default=None, help="where PNGs go without --write-docs (default a temp dir)")
+    parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
+    args = parser.parse_args(argv)
+    try:
+        scenarios = [s.strip() for s in (args.scenarios or ("uniform" if args.quick else ",".join(SCENARIOS))).split(",")]
+        if not scenarios or any(s not in SCENARIOS for s in scenarios):
+            raise ValueError(f"--scenarios: choose from {', '.join(SCENARIOS)}")
+        rates = [r.strip() for r in (args.rate_mbit or ("2" if args.quick else "auto")).split(",") if r.strip()]
+        if not rates or any(r != "auto" and not 0.01 <= float(r) <= 10000 for r in rates):
+            raise ValueError("--rate-mbit: 'auto' or numbers between 0.01 and 10000")
+        variants = parse_variants(args.starling or default_variants())
+        if not variants:
+            raise ValueError("--starling: no variant")
+    except ValueError as e:
+        parser.error(str(e))
+    if not 1 <= args.cap <= 100:
+        parser.error("--cap: between 1 and 100 (% of one core)")
+    plan = Plan(args.quick, bench_for(args.model, args.quick, args.outer_steps), args.model,
+                args.seconds or (40.0 if args.quick else 240.0), args.calib_seconds or (20.0 if args.quick else 90.0),
+                240.0 if args.quick else 300.0, args.cap, rates, scenarios, variants,
+                {"join_wait_s": 2} if args.quick else {})
+    reason = lab_unavailable() or tbf_unavailable()
+    if reason is not None:
+        print(f"bench/wan.py skipped: {reason}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    sweep_stale_caps()
+    started = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="starling-wan-"))
+    writing = args.write_docs and not args.quick
+    out_dir = DOCS.parent if writing else (args.out or Path(tempfile.mkdtemp(prefix="starling-wan-plots-")))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with sigterm_as_interrupt():
+            derivation, _, results, notes = run_scenarios(plan, root, out_dir)
+    except (BenchError, DaemonError, LabError) as e:
+        print(f"error: {e}\n(logs kept in {root})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: every namespace, daemon and cgroup was removed (logs in {root})", file=sys.stderr)
+        return 130
+    command = ("python bench/wan.py " + " ".join(argv)).strip()
+    text = render(plan, derivation, results, notes, command, time.monotonic() - started, "" if writing else str(out_dir) + "/")
+    print(text)
+    if writing:
+        replace_section(DOCS, SECTION, text)
+        print(f"written to {DOCS}", file=sys.stderr)
+    print(f"plots: {', '.join(str(s.png) for s in results if s.png)}", file=sys.stderr)
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`bench/wan.py --quick` runs end to end in the network lab: real daemons behind shaped links, the gloo
+all-reduce timed between the namespaces, the composed DDP and DiLoCo rows, the plot.
+
+No speed or loss figure is asserted (they are benchmark figures, docs/benchmarks.md "Over slow links"): this
+proves the benchmark works, so that they can be reproduced: the derivation is printed, every contender has a
+row whose cells parse, the plot exists, and nothing is left behind (no namespace, no cgroup).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from starling_testing import netlab
+
+ROOT = Path(__file__).resolve().parent.parent
+WAN = ROOT / "bench" / "wan.py"
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+CONTENDERS = ["Starling defaults, unshaped links (reference)", "Starling defaults", "DDP (gloo, composed)",
+              "DiLoCo (gloo, composed)"]
+
+
+def _row(stdout: str, label: str) -> list[str]:
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in stdout.splitlines()
+            if ln.startswith(f"| {label} |")]
+    assert len(rows) == 1, f"expected one row for {label!r}:\n{stdout}"
+    return rows[0]
+
+
+@pytest.mark.slow
+@pytest.mark.lab
+@pytest.mark.long  # a benchmark smoke run: `make test-long`
+@pytest.mark.timeout(900)
+def test_quick_wan_benchmark_prints_a_row_per_contender_and_cleans_up(tmp_path: Path) -> None:
+    reason = netlab.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"network lab unavailable: {reason}")
+    proc = subprocess.Popen([sys.executable, str(WAN), "--quick", "--out", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=860)
+    finally:
+        proc.kill()
+    if proc.returncode == 2 and "bench/wan.py skipped:" in err:
+        pytest.skip(err.strip().splitlines()[-1])
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err[-4000:]}"
+    assert "## Over slow links" in out
+    assert re.search(r"the same ratio needs .* = [0-9.e-]+ Mbit/s", out), out
+    header = next(ln for ln in out.splitlines() if ln.startswith("| contender |"))
+    target = float(re.search(r"time to val loss ([0-9.]+)", header).group(1))
+    assert math.isfinite(target)
+    for label in CONTENDERS:
+        cells = _row(out, label)
+        assert re.fullmatch(r"[0-9.]+ (s|h)|not reached", cells[1]), cells
+        assert math.isfinite(float(cells[2].split()[0])), cells
+        assert re.fullmatch(r"[0-9.]+ MB|-", cells[4]), cells
+    rounds = _row(out, "Starling defaults")[6].split(", ")
+    assert len(rounds) == 4 and all(re.fullmatch(r"\d+/\d+", r) for r in rounds), rounds
+    assert list(tmp_path.glob("wan-uniform-*.png")), "no plot written"
+    # Nothing left behind: the bench's namespaces carry its pid, its cgroups too.
+    assert not [ns for ns in netlab.list_namespaces() if ns.startswith(f"stl-{proc.pid}-")]
+    if CGROUP_CPU.is_dir():
+        assert not list(CGROUP_CPU.glob(f"starling-wan-{proc.pid}-*")), "a cgroup was left behind"
+
+
+def test_bad_options_are_refused_with_a_message_not_a_traceback() -> None:
+    for args, message in ((["--scenarios", "nope"], "--scenarios"), (["--rate-mbit", "0"], "--rate-mbit"),
+                          (["--starling", "sync.nope"], "--starling")):
+        r = subprocess.run([sys.executable, str(WAN), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 2, (args, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
