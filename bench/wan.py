@@ -95,6 +95,8 @@ SCENARIOS = ("uniform", "one-slow")
 SLOW_FACTOR = 5.0
 GLOO_PORT = 29500
 POLL_S = 1.0
+DDP_ROW = "DDP (gloo, composed)"
+DILOCO_ROW = "DiLoCo (gloo, composed)"
 
 # The regime to reproduce (docs/benchmarks.md, "Over slow links"): a 1B-parameter model on one modern GPU
 # (0.4 s per inner step), H = 50, 100 Mbit/s links; Starling today sends phi and Delta in bf16, 4 bytes per
@@ -203,9 +205,8 @@ def lab_unavailable() -> str | None:
         return reason
     if not (CGROUP_CPU / "cgroup.procs").exists():
         return f"no cgroup v1 cpu controller at {CGROUP_CPU} (equal compute per node needs cpu.cfs_quota_us)"
-    for tool in ("tc", "nft"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` not found (Debian: apt-get install {'iproute2' if tool == 'tc' else 'nftables'})"
+    if shutil.which("tc") is None:
+        return "`tc` not found (Debian: apt-get install iproute2)"
     return None
 
 
@@ -569,6 +570,8 @@ class Row:
     cpu: str  # each worker's actual CPU share (cores)
     note: str = ""
     reference: bool = False  # shown, not a contender (the unshaped run)
+    averaged_shares: list[float] = field(default_factory=list)  # Starling: per trainer, averaged / outer steps
+    rate_shares: list[float] = field(default_factory=list)  # Starling: per trainer, of the unshaped rate
 
 
 def interp(points: list[tuple[float, float]], x: float) -> float:
@@ -599,10 +602,10 @@ def composed_rows(ddp: list[tuple[int, float]], diloco: list[tuple[int, float]],
     step_s, outer_s = col.ddp_step_s(), col.diloco_outer_s(h)
     cpu = ", ".join(f"{c:.2f}" for c in col.cpu_share)
     return [
-        Row("DDP (gloo, composed)", [(s * step_s, v) for s, v in ddp], [(s * step_s, s * col.allreduce_bytes) for s, v in ddp],
+        Row(DDP_ROW, [(s * step_s, v) for s, v in ddp], [(s * step_s, s * col.allreduce_bytes) for s, v in ddp],
             f"{col.compute_s / step_s:.1%}", "every step all-reduced", cpu,
             f"{step_s:.1f} s per step ({col.compute_s:.3f} compute + {col.allreduce_s:.1f} all-reduce)"),
-        Row("DiLoCo (gloo, composed)", [(s / h * outer_s, v) for s, v in diloco],
+        Row(DILOCO_ROW, [(s / h * outer_s, v) for s, v in diloco],
             [(s / h * outer_s, s / h * col.allreduce_bytes) for s, v in diloco],
             f"{h * col.compute_s / outer_s:.1%}", "every outer step all-reduced", cpu,
             f"{outer_s:.1f} s per outer step ({h} x {col.compute_s:.3f} + {col.allreduce_s:.1f})"),
@@ -622,7 +625,38 @@ def starling_row(run: StarlingRun, unshaped: StarlingRun | None, label: str, ref
     catch_ups = ", ".join(str(n.catch_ups) for n in run.nodes)
     note = (f"inner steps {steps}; last exchange (s) {last}" + (f"; worker restarts {restarts}" if restarts else "")
             + (f"; catch-ups {catch_ups}" if any(n.catch_ups for n in run.nodes) else ""))
-    return Row(label, run.curve, run.sent_curve, share, rounds, cpu, note, reference)
+    averaged = [n.averaged / max(1, n.averaged + n.solo + n.failed) for n in run.nodes]
+    return Row(label, run.curve, run.sent_curve, share, rounds, cpu, note, reference, averaged, shares)
+
+
+def verdicts(sc_name: str, rows: list[Row], target: float) -> list[str]:
+    """Issue #23's acceptance lines for the shipped defaults (met / NOT met, with the figures)."""
+    by = {r.label: r for r in rows}
+    star, ddp, dil = by.get("Starling defaults"), by.get(DDP_ROW), by.get(DILOCO_ROW)
+    if star is None or ddp is None or dil is None:
+        return []
+    t_star, t_ddp, t_dil = (time_to(r.curve, target) for r in (star, ddp, dil))
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    def ratio(other: float | None) -> float | None:
+        return None if t_star is None or other is None or t_star <= 0 else other / t_star
+
+    out = [f"- {sc_name}: every trainer averages in >= 80% of its outer steps: {met(min(star.averaged_shares) >= 0.8)} "
+           f"({', '.join(f'{x:.0%}' for x in star.averaged_shares)})"]
+    if star.rate_shares:
+        out.append(f"- {sc_name}: every trainer makes >= 90% of its unshaped inner-step rate: "
+                   f"{met(min(star.rate_shares) >= 0.9)} ({', '.join(f'{x:.0%}' for x in star.rate_shares)})")
+    r_ddp, r_dil = ratio(t_ddp), ratio(t_dil)
+    text = "n/a (not reached)" if r_ddp is None else f"{r_ddp:.1f}x"
+    out.append(f"- {sc_name}: Starling reaches {target:.3f} >= 5x sooner than DDP: "
+               f"{met(r_ddp is not None and r_ddp >= 5)} ({_s(t_star)} vs {_s(t_ddp)}: {text})")
+    need = 2.0 if sc_name == "one-slow" else 1.0
+    text = "n/a (not reached)" if r_dil is None else f"{r_dil:.2f}x"
+    out.append(f"- {sc_name}: Starling reaches it {'>= 2x sooner than' if need > 1 else 'no later than'} DiLoCo: "
+               f"{met(r_dil is not None and r_dil >= need)} ({_s(t_star)} vs {_s(t_dil)}: {text})")
+    return out
 
 
 def choose_target(rows: list[Row]) -> float:
@@ -848,7 +882,7 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
     bc = plan.bench
     cfg = ", ".join(f"{k}={v}" for k, v in plan.train().items())
     parts = [
-        f"{SECTION}\n",
+        SECTION,
         f"Command: `{command}` ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {wall / 60:.1f} min wall, on a "
         f"{os.cpu_count()}-core {platform.machine()} machine shared with other jobs, {platform.system()} "
         f"{platform.release()}; torch {torch.__version__}).",
@@ -871,7 +905,8 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
         "inner steps + one all-reduce of the same size per outer step). Bytes: each host's link counters "
         "(Starling), bytes per all-reduce x all-reduces (the others). Target loss: the lowest loss every "
         "contender reaches (the highest of their best losses), so that each has a time to it; the loss at "
-        "equal wall time is the other view. Share of the unshaped inner-step rate: Starling's trainers' "
+        "equal wall time is the other view (both interpolated linearly between evaluations: DDP's every "
+        f"{max(1, bc.inner_steps // 5)} steps, DiLoCo's and Starling's after each outer step). Share of the unshaped inner-step rate: Starling's trainers' "
         "inner steps per second against the unshaped run's mean over its trainers (mean, range); DDP/DiLoCo: compute "
         "over step time.",
     ]
@@ -880,6 +915,7 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
                 + (f" (one link {SLOW_FACTOR:g}x slower)" if sc.name == "one-slow" else ""))
         body = [head, "", scenario_table(sc.rows, sc.target, sc.wall), ""]
         body += [f"- {n}" for n in sc.notes]
+        body += ["", "Targets (issue #23), shipped defaults:", "", *verdicts(sc.name, sc.rows, sc.target)]
         if sc.png is not None:
             body += ["", f"![loss against wall time, {sc.name}]({png_prefix}{sc.png.name})"]
         parts.append("\n".join(body))
