@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.convergence import QUICK, BenchConfig, relative_spread, replica_ids
+from bench.convergence import QUICK, BenchConfig, averaged_model_loss, relative_spread, replica_ids
 from node.worker import Trainer
 from protocols.codec import round_trip
 from protocols.compress import PRESETS, get_compression
@@ -90,12 +90,7 @@ def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str =
                 if norm > 0:
                     errors.append(float((pull - exact).norm()) / norm)
     vals = [t.evaluate() for t in trainers]
-    mean_phi = torch.stack([t.phi for t in trainers]).mean(0)
-    probe = trainers[0]
-    keep = probe.phi.clone()
-    probe.scatter_theta(mean_phi)
-    val_avg = probe.evaluate()
-    probe.scatter_theta(keep)
+    val_avg = averaged_model_loss(trainers)
     return CompressionResult(name, bc.seed, preset.bytes_per_param(numel, wire_dtype), sum(vals) / n, val_avg,
                              relative_spread([t.phi for t in trainers]), float(np.mean(errors)) if errors else 0.0,
                              time.monotonic() - started)

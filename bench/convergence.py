@@ -165,6 +165,18 @@ def run_ddp(bc: BenchConfig, n: int, ids: list[str] | None = None, curve_every: 
                      time.monotonic() - started, curve)
 
 
+def averaged_model_loss(trainers: list[Trainer]) -> float:
+    """The validation loss of the replicas' mean slow weights (evaluated in the first trainer's model,
+    whose own weights are put back afterwards)."""
+    mean_phi = torch.stack([t.phi for t in trainers]).mean(0)
+    probe = trainers[0]
+    keep = probe.phi.clone()
+    probe.scatter_theta(mean_phi)
+    val_avg = probe.evaluate()
+    probe.scatter_theta(keep)
+    return val_avg
+
+
 def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "replica",
               ids: list[str] | None = None, curve: bool = False) -> RunResult:
     """DiLoCo or NoLoCo with N in-process `Trainer`s and an in-memory exchange (`prefix`: see replica_ids;
@@ -204,12 +216,7 @@ def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "r
         if curve and outer + 1 < bc.outer_steps:
             points.append(((outer + 1) * bc.inner_steps, sum(t.evaluate() for t in trainers) / n))
     vals = [t.evaluate() for t in trainers]
-    mean_phi = torch.stack([t.phi for t in trainers]).mean(0)
-    probe = trainers[0]
-    keep = probe.phi.clone()
-    probe.scatter_theta(mean_phi)
-    val_avg = probe.evaluate()
-    probe.scatter_theta(keep)
+    val_avg = averaged_model_loss(trainers)
     spread = relative_spread([t.phi for t in trainers])
     per_outer = allreduce_bytes(numel, n) if method == "diloco" else 2 * numel * 4
     points += [(bc.total_steps, sum(vals) / n)] if curve else []

@@ -19,18 +19,17 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averager import Averager, _Pending
 from node.exchange import ExchangeRequest
-from node.ipc import Publish, Result, Stop
-from node.shm import ExchangeSlots
 from node.sync_config import SyncConfig
 from node.task import layout_hash
 from node.train_config import TrainConfig
-from node.worker import Trainer, _StopFlag, _train
+from node.worker import Trainer
 from p2p.datapath import KeyAgreement
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
 from protocols import avg
 from protocols.avg import Progress, TransferLimits
 from tests.test_averaging import LISTEN
+from tests.test_worker import run_scripted
 
 # -- the limits ---------------------------------------------------------------------------------------
 
@@ -213,32 +212,8 @@ def test_by_default_the_worker_trains_on_through_several_outer_steps_worth_of_a_
     never blocks (it would with a max_lag), and the next publish waits for the result (one in flight)."""
     trainer = Trainer(TINY, tmp_path, "peer-a")
     assert trainer.cfg.max_lag == 0 and trainer.cfg.overlap
-    lags: list[int] = []
     h = TINY.inner_steps
-
-    class SlowDaemon:
-        pending: Publish | None = None
-
-        def send(self, msg) -> None:
-            if isinstance(msg, Publish):
-                assert self.pending is None, "a second publish while one is in flight"
-                self.pending = msg
-
-        def receive(self, timeout: float):
-            assert timeout == 0, "the worker blocked for its result"
-            if trainer.outer_step >= 3:
-                return Stop()
-            if self.pending is not None and trainer.lag() >= 3 * h:
-                lags.append(trainer.lag())
-                msg, self.pending = self.pending, None
-                return Result(outer_step=msg.outer_step, group_size=1)
-            return None
-
-    slots = ExchangeSlots.create(trainer.numel)
-    try:
-        _train(SlowDaemon(), trainer, slots, _StopFlag())  # type: ignore[arg-type]
-    finally:
-        slots.close()
+    lags = run_scripted(trainer, 3, answer_at_lag=3 * h)
     assert lags == [3 * h, 3 * h, 3 * h]
     assert trainer.blocked_s == 0.0
 

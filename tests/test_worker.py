@@ -212,9 +212,10 @@ def test_a_group_step_continues_from_the_groups_largest_outer_step_and_keeps_the
     assert tr.outer_step == 12
 
 
-def run_scripted(trainer: Trainer, outer_steps: int) -> list[int]:
+def run_scripted(trainer: Trainer, outer_steps: int, answer_at_lag: int | None = None) -> list[int]:
     """Drive the real worker loop with a stand-in daemon that answers a publish only once the worker
-    blocks for it; returns the lag (inner steps since the publish) at each answer."""
+    blocks for it (or, with `answer_at_lag`, once it has trained that many inner steps past the publish, and
+    then fails if the worker ever blocks); returns the lag (inner steps since the publish) at each answer."""
     lags: list[int] = []
 
     class Daemon:
@@ -222,12 +223,16 @@ def run_scripted(trainer: Trainer, outer_steps: int) -> list[int]:
 
         def send(self, msg) -> None:
             if isinstance(msg, Publish):
+                assert self.pending is None, "a second publish while one is in flight"
                 self.pending = msg
 
         def receive(self, timeout: float):
+            if answer_at_lag is not None:
+                assert timeout == 0, "the worker blocked for its result"
             if trainer.outer_step >= outer_steps:
                 return Stop()
-            if self.pending is not None and timeout > 0:  # the worker is waiting for its result
+            due = timeout > 0 if answer_at_lag is None else trainer.lag() >= answer_at_lag
+            if self.pending is not None and due:  # the worker waits for its result, or it is its time
                 lags.append(trainer.lag())
                 msg, self.pending = self.pending, None
                 return Result(outer_step=msg.outer_step, group_size=1)
