@@ -180,12 +180,22 @@ def stop_receiving(stream: Any) -> None:
             buffer.clear()
 
 
+#: Protocols whose handlers own their stream only until they return: Starling's own. py-libp2p's (circuit
+#: relay, DCUtR, ...) may hand the stream on to a connection that reads it after the handler returned.
+OWN_PROTOCOL_PREFIX = "/starling/"
+
+
 def drop_after_handlers(host: Any) -> None:
-    """Narrow patch: every stream handler registered on ``host`` from now on marks its stream
-    :func:`stop_receiving` when it returns (nobody reads an inbound stream after its handler)."""
+    """Narrow patch: every handler of a Starling protocol (:data:`OWN_PROTOCOL_PREFIX`) registered on
+    ``host`` from now on marks its stream :func:`stop_receiving` when it returns (nobody reads such a stream
+    after its handler). Other protocols' handlers are left as they are."""
     set_handler = host.set_stream_handler
 
     def set_stream_handler(protocol_id: Any, handler: Any) -> None:
+        if not str(protocol_id).startswith(OWN_PROTOCOL_PREFIX):
+            set_handler(protocol_id, handler)
+            return
+
         async def handled(stream: Any) -> None:
             try:
                 await handler(stream)

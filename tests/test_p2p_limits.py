@@ -126,7 +126,7 @@ async def test_inbound_slots_come_back_when_connections_close(
 
 # --- Yamux receive windows ------------------------------------------------------------------------------
 
-PROTOCOL = TProtocol("/starling-test/refuse/1.0.0")
+PROTOCOL = TProtocol("/starling/test-refuse/1.0.0")
 PROBE = TProtocol("/starling-test/probe/1.0.0")
 FRAME = MAX_MESSAGE_SIZE - HEADER_SIZE  # the largest DATA payload py-libp2p's writer sends (one Noise message)
 #: What the attacker pushes past the window: 32 times it (the issue measured 3 GB; the growth is the same).
