@@ -26,6 +26,7 @@ The daemon process (trio, libp2p, numpy; it loads no torch):
     status_schema.py  NodeStatus, TrainingStatus, SyncStatus, ...: the schema of `starling status --json`
     metrics.py        Metrics, serve_metrics: Prometheus metrics from that status
     status_view.py    render_status: the readable `starling status`
+    refusals.py       collect: what every limit refused to peers, summed by kind (`status`: refusals)
     mixing.py         PairingGraph, pairing_graph: the swarm's pairing graph (islands)
     doctor.py         run_checks, Finding: `starling doctor`
     sdnotify.py       Notifier, summarize_status: systemd's notify protocol and watchdog
