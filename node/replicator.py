@@ -84,6 +84,7 @@ from node.crdt import (
 )
 from node.status_schema import MemberStatus, ReplicaStatus, ReplicationStatus
 from p2p.fsutil import atomic_write_bytes
+from p2p.gossip import send_peer_record_once
 from p2p.limits import stop_receiving
 from p2p.netgroup import group_of, peer_ip, stream_ip
 from p2p.wire import LibP2PByteStream, ProtocolError
@@ -457,6 +458,8 @@ class StateReplicator:
         mesh unbuilt for minutes) and no silent per-peer rate limit (the default drops a busy peer's
         records without a word).
 
+        And the signed peer record sent once per stream, not with every message (p2p/gossip.py).
+
         And sequence numbers that a restart cannot reuse. A gossip message's ID is (author, seqno), and
         py-libp2p starts the seqno at the current time in whole seconds, adding one per message. A node
         that published more than one message a second (heartbeats under a second, or under 2 s when
@@ -475,6 +478,7 @@ class StateReplicator:
             spam_protection_enabled=False,
         )
         pubsub = Pubsub(self.host, router)
+        send_peer_record_once(pubsub)
         pubsub.counter = max(pubsub.counter, time.time_ns())
         return pubsub, router
 

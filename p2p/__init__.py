@@ -11,6 +11,7 @@ What a node needs to reach peers and move bytes, with no knowledge of training:
     netgroup.py        SubnetStreamLimits, group_of: per-subnet limits (Sybil bounds)
     limits.py          BoundedYamux, MuxerOffences, release_inbound_slots_on_close: limits py-libp2p declares
                        but does not keep (Yamux windows, inbound connection slots)
+    gossip.py          send_peer_record_once: gossipsub without py-libp2p's peer record on every message
     bootstrap_file.py  watch_bootstrap_files, write_addr_file: bootstrap addresses shared through files
     wire.py            FrameChannel, send_msg, recv_msg, ProtocolError: framing shared by every protocol
     datapath.py        DataPathListener, connect_datapath: the encrypted TCP side channel for bulk tensors
