@@ -46,7 +46,8 @@ class NodeConfig:
     target_peers: int = opt(8, "connections the node keeps open to swarm members")
     max_peers: int = opt(32, "hard cap on connections to swarm members")
     dial_timeout: float = opt(10.0, "seconds one dial may take")
-    discovery_interval: float = opt(10.0, "seconds between DHT lookups for swarm members once settled")
+    discovery_interval: float = opt(10.0, "seconds between DHT lookups for swarm members once settled "
+                                          "(doubling, up to 8x, while none finds a new member)")
     heartbeat_s: float = opt(2.0, "seconds between this node's signed heartbeats to the swarm state")
     suspect_after: float = opt(15.0, "a member silent this long is shown as suspect")
     gone_after: float = opt(60.0, "a member silent this long is shown as gone (its history is kept)")
