@@ -665,3 +665,19 @@ def test_lossy_compression_needs_pairs_and_a_known_preset() -> None:
     with pytest.raises(ValueError, match="group_size = 2"):
         SyncConfig(compression="medium", group_size=4).validate()
     SyncConfig(compression="high").validate()
+
+
+def test_auto_guesses_a_new_partners_link_from_our_typical_rate_and_keeps_second_rounds_uncompressed() -> None:
+    """A partner never measured gets our typical rate (over all partners) until its own is known; without
+    either it is `none`. A group's second round is always `none`, whatever the link."""
+    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1", outer_period=lambda: 0.5)
+    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
+    assert av._compression_for("new", pending) == "none"
+    av._rate_bps = 1e6  # 1 MB/s each way: bf16 takes 1.2 s, medium 0.13 s, against 0.5 s
+    assert av._compression_for("new", pending) == "medium"
+    av._link("known").rate_bps = 1e9
+    assert av._compression_for("known", pending) == "none"
+    second = _Pending(request(1), pending.tensors, stage=2)
+    assert av._compression_for("new", second) == "none"
+    fixed = Averager(LoneHost(), SyncConfig(compression="high"), manifest_hash=lambda: "m1")
+    assert fixed._compression_for("new", pending) == "high"
