@@ -7,10 +7,14 @@ and 0.08 MB under `high`; rates are bytes/s each way, as node/averager.py `_lear
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from node.compression_choice import RELAX_SHARE, choose_compression, transfer_s
+from node.daemon import Daemon
 from node.sync_config import SyncConfig
+from node.train_config import TrainConfig
 from protocols.compress import PRESETS
 
 NUMEL = 1_000_000
@@ -73,3 +77,19 @@ def test_auto_is_the_default_and_is_valid_with_any_group_size() -> None:
         SyncConfig(compression="medium", group_size=4).validate()
     with pytest.raises(ValueError, match="auto"):
         SyncConfig(compression="automatic").validate()
+
+
+def test_the_daemon_gives_auto_the_pace_or_else_h_inner_steps_at_its_own_speed() -> None:
+    """The period `auto` weighs a transfer against: the swarm's pace where there is one; with `sync.pace =
+    steps` (no pace) H inner steps at this machine's measured samples/s; 0 (unknown) before any speed."""
+    train = TrainConfig(inner_steps=50, batch_size=8)
+
+    def period(pace: float, samples_per_s: float | None) -> float:
+        node = SimpleNamespace(_pace=lambda: pace, _training=lambda: {"samples_per_s": samples_per_s},
+                               cfg=SimpleNamespace(train=train))
+        return Daemon._outer_period_s(node)  # type: ignore[arg-type]
+
+    assert period(4.6, 80.0) == 4.6
+    assert period(0.0, 80.0) == pytest.approx(50 * 8 / 80.0)
+    assert period(0.0, None) == 0.0
+    assert period(0.0, float("nan")) == 0.0
