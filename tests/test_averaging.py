@@ -681,3 +681,6 @@ def test_auto_guesses_a_new_partners_link_from_our_typical_rate_and_keeps_second
     assert av._compression_for("new", second) == "none"
     fixed = Averager(LoneHost(), SyncConfig(compression="high"), manifest_hash=lambda: "m1")
     assert fixed._compression_for("new", pending) == "high"
+    fours = Averager(LoneHost(), SyncConfig(group_size=4), manifest_hash=lambda: "m1", outer_period=lambda: 0.5)
+    fours._rate_bps = 1e3  # hopeless for bf16, yet groups of four never get a lossy preset from auto
+    assert fours._compression_for("new", pending) == "none"
