@@ -8,9 +8,14 @@ per outer step, each outer step stretched over ~1,000 inner steps instead of ~10
 ratio of wire time to compute time, and the daemon measures both: each partner's rate while bytes flow
 (node/averager.py, `_learn_rate`) and the outer step's compute period (the pace).
 
-The rule (`choose_compression`): the least compressed preset whose predicted transfer fits in the period.
-A preset less compressed than the one used last with that partner must fit in half the period
-(`RELAX_SHARE`), so that a rate measured around the threshold does not flip the preset at every step.
+The rule (`choose_compression`): the least compressed preset whose predicted transfer fits in `STRETCH` (2)
+periods. Why 2 and not 1: the worker never waits for a transfer (it overlaps the next outer step), so a
+transfer a little longer than the period only makes that outer step a little staler, while one more level
+of compression costs loss at every step. Measured at 0.4 Mbit/s (docs/benchmarks.md, "Over slow links"):
+`medium`, whose exchanges took 1.2-1.5 periods, reached 2.260 where `high` (well within one period) reached
+2.346 and bf16 `none` (16 periods) 2.644. A preset less compressed than the one used last with that partner
+must fit in half that budget (`RELAX_SHARE`), so that a rate measured around the threshold does not flip the
+preset at every step.
 Without a measured rate, or without a known period, it is `none`: a bf16 transfer is what measures a link
 best (small compressed transfers underestimate it where latency dominates), and an unknown period gives
 nothing to compare against. Groups of four always use `none` (sync_config.py: a lossy preset needs pairs).
@@ -22,11 +27,13 @@ from __future__ import annotations
 
 from protocols.compress import PRESETS
 
-__all__ = ["AUTO", "ORDER", "RELAX_SHARE", "choose_compression", "transfer_s"]
+__all__ = ["AUTO", "ORDER", "RELAX_SHARE", "STRETCH", "choose_compression", "transfer_s"]
 
 AUTO = "auto"  # the `sync.compression` value that lets the initiator choose per exchange
 ORDER = ("none", "medium", "high")  # least compressed first: the order the rule tries them in
-# A preset less compressed than the last one must fit in this share of the period (hysteresis).
+# A preset fits when its transfer takes at most this many periods (overlapped with the next outer step).
+STRETCH = 2.0
+# A preset less compressed than the last one must fit in this share of that budget (hysteresis).
 RELAX_SHARE = 0.5
 
 
@@ -57,7 +64,7 @@ def choose_compression(
         return "none"
     last = ORDER.index(previous) if previous in ORDER else 0
     for rank, preset in enumerate(ORDER):
-        budget = period_s * (RELAX_SHARE if rank < last else 1.0)
+        budget = STRETCH * period_s * (RELAX_SHARE if rank < last else 1.0)
         if transfer_s(preset, numel, rate_bps, wire_dtype) <= budget:
             return preset
     return ORDER[-1]
