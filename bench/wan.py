@@ -179,11 +179,13 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def default_variants() -> str:
-    """The shipped defaults, plus one variant per `sync.compression` preset once the option exists."""
+    """The shipped defaults, plus one variant per other `sync.compression` value once the option exists (the
+    default, `auto` now, is the `defaults` row itself)."""
     from node import sync_config
 
     presets = getattr(sync_config, "COMPRESSIONS", ())
-    return ",".join(["defaults", *(f"sync.compression={p}" for p in presets)])
+    default = sync_config.SyncConfig().compression
+    return ",".join(["defaults", *(f"sync.compression={p}" for p in presets if p != default)])
 
 
 def unknown_option(sets: dict[str, str]) -> str | None:

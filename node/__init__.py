@@ -14,6 +14,7 @@ The daemon process (trio, libp2p, numpy; it loads no torch):
     pairing.py        schedule, scheduled_partners: who averages with whom at each outer step
     partner_misses.py PartnerMisses: trainers that miss round after round stop counting as partners
     robust.py         UpdateBound: how far one partner's values may move us
+    compression_choice.py  choose_compression: `sync.compression = auto`'s preset for each exchange
     latejoin.py       CatchUp, late_join: a trainer takes the swarm's weights instead of its own
     ckptfile.py       read_phi, write_phi, CheckpointError: the checkpoint file format, phi without torch
     supervisor.py     WorkerSupervisor: spawns, watches and restarts the torch worker

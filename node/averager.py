@@ -50,6 +50,12 @@ own Delta norm per inner step (scaled by the steps the exchange covers, a partne
 samples credited up to the swarm's H); only values that are no model of ours (non-finite, or longer than
 `sync.max_delta_ratio` x our own phi's norm) are refused.
 
+Compression: the initiator names the exchange's `sync.compression` preset in its request (and the phi
+fragment), and both sides' wires, outcomes and workers follow it. With a fixed preset a responder refuses any
+other; with `auto` (the default) the initiator picks one per exchange from the partner's measured rate and the
+outer step's compute period (`outer_period`, else the pace; node/compression_choice.py), and an `auto`
+responder takes whatever known preset the request names, since both ends measured the same link.
+
 Two rules keep heterogeneous machines from drifting apart for good:
 
 - When the daemon knows of no other trainer that could pair at all (alive, of our run, with a usable
@@ -78,6 +84,7 @@ import numpy as np
 import trio
 from libp2p.peer.id import ID
 
+from node.compression_choice import AUTO, choose_compression
 from node.exchange import ExchangeOutcome, ExchangeRequest
 from node.pairing import scheduled_partners
 from node.partner_misses import PartnerMisses
@@ -88,7 +95,7 @@ from p2p.datapath import DataPathListener
 from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
 from protocols.avg import Declined, Rejected, Tensors
-from protocols.compress import get_compression
+from protocols.compress import PRESETS, get_compression
 
 log = logging.getLogger("starling.averager")
 
@@ -150,7 +157,10 @@ class _Pending:
     # whether its last outer step was averaged.
     phase_gaps: list[tuple[float, bool]] = field(default_factory=list)
     largest_seen: int = 0  # the largest outer step a ready partner showed us in this window
-    fragment: int = 0  # the phi fragment of the exchange (the initiator's choice, protocols/compress.py)
+    # The exchange's `sync.compression` preset and phi fragment: the initiator's choice (protocols/compress.py,
+    # node/compression_choice.py), set when the round is paired.
+    compression: str = "none"
+    fragment: int = 0
 
     @property
     def own_steps(self) -> int:
@@ -179,6 +189,7 @@ class _Link:
     last_path: str = ""  # what carried the bulk last time: datapath (side channel) or stream (libp2p)
     clipped: int = 0  # exchanges whose values we clipped (node/robust.py)
     ip: str | None = None  # the address its latest request or answer came from
+    compression: str | None = None  # the preset of our latest exchange with it (`sync.compression = auto`)
 
 
 def _per_ip_key(ip: str | None) -> str | None:
@@ -211,6 +222,7 @@ class Averager:
         max_inner_steps: int | None = None,
         swarm_steps: Callable[[], dict[str, int]] | None = None,
         speeds: Callable[[], dict[str, float]] | None = None,
+        outer_period: Callable[[], float] | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -237,6 +249,9 @@ class Averager:
         # Samples/s of the trainers (ours included) as their records show: the schedule pairs like speeds
         # in some outer steps (node/pairing.py).
         self.speeds = speeds
+        # Compute seconds of one of our outer steps (H inner steps; 0: unknown), against which
+        # `sync.compression = auto` weighs a transfer's predicted time. None: the pace stands for it.
+        self.outer_period = outer_period
         self._last_publish_at: float | None = None  # trio clock: our latest publish
         self.listener = DataPathListener(listen_host, cfg.datapath_port, max_frame_size=avg.MAX_FRAME) if cfg.datapath else None
         self.me = str(host.get_id())
@@ -255,6 +270,7 @@ class Averager:
             "bytes_sent": 0,
             "bytes_received": 0,
             "last_bytes_per_param": None,  # payload bytes this node sent per parameter in its last exchange
+            "last_compression": None,  # the sync.compression preset its wire used (auto chooses per exchange)
             "last_error": None,
         }
         self._partners: set[str] = set()
@@ -277,6 +293,8 @@ class Averager:
                         "as it moves (sync.stall_timeout_s, sync.max_transfer_s); remove them from the config")
         self._round_begun = trio.Event()  # set (and replaced) whenever a round of an outer step begins
         self._transfer_s: float | None = None  # our exchanges' typical duration (EWMA), for `_busy_wait_s`
+        # Our typical rate each way over all partners (EWMA): `auto`'s guess for a partner not measured yet.
+        self._rate_bps: float | None = None
         # Trainers that claim to average but miss round after round sit out (node/partner_misses.py).
         self.misses = PartnerMisses()
 
@@ -394,11 +412,9 @@ class Averager:
         if self.cfg.group_size < 4:
             second = None
         arrays = _arrays(request)
-        preset = get_compression(self.cfg.compression)
         pending = _Pending(
             request,
             arrays,
-            fragment=preset.fragment_of(request.outer_step) if preset.lossy else 0,
             began=began,
             scheduled=first,
             scheduled_until=began + SCHEDULED_SHARE * self.cfg.pair_window_s,
@@ -440,8 +456,10 @@ class Averager:
         self._last_outer_step = max(request.outer_step, group_outer_step or 0)
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   f"averaged in a group of {size}" if size >= 2 else "solo", trio.current_time() - began)
-        phi_range = preset.fragment_range(arrays.phi.size, pending.fragment) if preset.lossy and size >= 2 else None
-        return ExchangeOutcome(size, group_outer_step, partner_samples, shift_s, self.cfg.compression, phi_range)
+        # The first round's preset (a second round, in groups of four, is always `none`).
+        preset = get_compression(pending.compression if size >= 2 else "none")
+        phi_range = preset.fragment_range(arrays.phi.size, pending.fragment) if preset.lossy else None
+        return ExchangeOutcome(size, group_outer_step, partner_samples, shift_s, preset.name, phi_range)
 
     async def _run_round(self, pending: _Pending) -> None:
         """Look for a partner and exchange with it, for one round; `pending.result` says how it went."""
@@ -704,8 +722,46 @@ class Averager:
         link = self._link(partner)
         each_way = rate / 2
         link.rate_bps = each_way if link.rate_bps is None else (1 - RATE_EWMA) * link.rate_bps + RATE_EWMA * each_way
+        self._rate_bps = each_way if self._rate_bps is None else (1 - RATE_EWMA) * self._rate_bps + RATE_EWMA * each_way
 
-    def _request_fields(self, pending: _Pending) -> dict[str, Any]:
+    def _outer_period_s(self) -> float:
+        """Compute seconds of one of our outer steps as far as we know them (0: unknown): `outer_period`, or
+        the swarm's pace where none was given."""
+        source = self.outer_period if self.outer_period is not None else self.pace
+        try:
+            period = float(source()) if source is not None else 0.0
+        except Exception:  # a period that cannot be computed is unknown, as before any speed was measured
+            log.exception("the outer step's period could not be computed")
+            return 0.0
+        return period if period > 0 and period != float("inf") else 0.0
+
+    def _compression_for(self, partner: str, pending: _Pending) -> str:
+        """The preset we ask `partner` to exchange this round with: `sync.compression`, or with `auto` the
+        least compressed one whose transfer the measured rate fits in an outer step
+        (node/compression_choice.py). A second round (groups of four) is always `none`."""
+        if self.cfg.compression != AUTO:
+            return self.cfg.compression
+        if pending.stage != 1:
+            return "none"
+        link = self._link(partner)
+        return choose_compression(
+            rate_bps=link.rate_bps if link.rate_bps is not None else self._rate_bps,
+            period_s=self._outer_period_s(),
+            numel=pending.tensors.phi.size,
+            previous=link.compression,
+            group_size=self.cfg.group_size,
+            wire_dtype=self.cfg.wire_dtype,
+        )
+
+    def _accepts_compression(self, name: str) -> bool:
+        """Whether we take a request for preset `name`: our own fixed `sync.compression` only; with `auto`
+        any known preset the initiator chose (it measured the same link: the pair's bottleneck), lossy ones
+        only where our groups are pairs (`SyncConfig.validate` says why)."""
+        if self.cfg.compression != AUTO:
+            return name == self.cfg.compression
+        return name in PRESETS and (self.cfg.group_size == 2 or not PRESETS[name].lossy)
+
+    def _request_fields(self, pending: _Pending, compression: str, fragment: int) -> dict[str, Any]:
         return {
             "outer_step": pending.request.outer_step,
             "manifest_hash": self.manifest_hash() or "none",
@@ -714,8 +770,8 @@ class Averager:
             "int8_block": 4096,
             "datapath": self.listener is not None,
             "stage": pending.stage,
-            "compression": self.cfg.compression,
-            "fragment": pending.fragment,
+            "compression": compression,
+            "fragment": fragment,
             **self._contribution(pending),
         }
 
@@ -733,7 +789,9 @@ class Averager:
 
     def _note_partner(self, pending: _Pending, message: avg.AvgRequest | avg.AvgAnswer) -> None:
         if isinstance(message, avg.AvgRequest):
-            pending.fragment = message.fragment  # the initiator chooses phi's fragment
+            # The initiator chooses the preset and phi's fragment (`_judge` accepted the preset).
+            pending.compression = message.compression
+            pending.fragment = message.fragment
         pending.partner_outer_step = message.outer_step
         pending.partner_samples = message.samples
         pending.partner_inner_steps = message.inner_steps
@@ -749,6 +807,9 @@ class Averager:
         claimed_here = False
         numel = pending.tensors.phi.size
         progress = avg.Progress()
+        compression = self._compression_for(partner, pending)
+        preset = get_compression(compression)
+        fragment = preset.fragment_of(pending.request.outer_step) if preset.lossy else 0
         try:
             stream = None
             with trio.fail_after(self.cfg.handshake_timeout_s):
@@ -761,6 +822,7 @@ class Averager:
                     return False  # a crossing request claimed this step meanwhile
                 pending.mark_paired(partner, trio.current_time())
                 self._note_partner(pending, answer)
+                pending.compression, pending.fragment = compression, fragment
                 pending.progress = progress
                 claimed_here = True
                 return True
@@ -768,7 +830,7 @@ class Averager:
             try:
                 result = await avg.initiate(
                     stream,
-                    self._request_fields(pending),
+                    self._request_fields(pending, compression, fragment),
                     pending.tensors,
                     local_peer_id=self.host.get_id().to_bytes(),
                     remote_peer_id=ID.from_base58(partner).to_bytes(),
@@ -810,7 +872,7 @@ class Averager:
         finally:
             pending.initiating_to = None
         self._learn_rate(partner, progress)
-        self._succeed(partner, result, numel)
+        self._succeed(partner, result, numel, pending.compression)
         pending.result = 2
         pending.done.set()
         return "paired"
@@ -911,7 +973,7 @@ class Averager:
         finally:
             pending.transfer_finished.set()
         self._learn_rate(partner, progress)
-        self._succeed(partner, result, pending.tensors.phi.size)
+        self._succeed(partner, result, pending.tensors.phi.size, pending.compression)
         pending.result = 2
         pending.done.set()
         await close_quietly(stream)
@@ -966,10 +1028,11 @@ class Averager:
             return ("refuse", f"outer steps too far apart: yours {req.outer_step}, ours {pending.request.outer_step}")
         if req.wire_dtype not in ("fp32", "bf16", "int8"):
             return ("refuse", f"unknown wire dtype {req.wire_dtype!r}")
-        if req.compression != self.cfg.compression:
+        if not self._accepts_compression(req.compression):
             # Error feedback and the fragment pull assume what the wire carried: a mix would be silently wrong.
-            return ("refuse", f"compression mismatch: yours {req.compression[:16]!r}, ours {self.cfg.compression!r} "
-                              "(sync.compression must be the same on every trainer)")
+            groups = f" with sync.group_size = {self.cfg.group_size}" if self.cfg.compression == AUTO else ""
+            return ("refuse", f"compression mismatch: yours {req.compression[:16]!r}, ours {self.cfg.compression!r}"
+                              f"{groups}: set the same sync.compression on every trainer")
         if pending.claimed_by is not None:
             return ("busy", ALREADY_EXCHANGING)
         if pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled:
@@ -982,8 +1045,9 @@ class Averager:
 
     # --- bookkeeping -------------------------------------------------------------------------------------
 
-    def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0) -> None:
+    def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0, compression: str = "none") -> None:
         link = self._link(partner)
+        link.compression = compression
         self._transfer_s = result.duration_s if self._transfer_s is None else (
             (1 - RATE_EWMA) * self._transfer_s + RATE_EWMA * result.duration_s)
         link.rounds += 1
@@ -1011,6 +1075,7 @@ class Averager:
             bytes_sent=self.stats["bytes_sent"] + result.bytes_sent,
             bytes_received=self.stats["bytes_received"] + result.bytes_received,
             last_bytes_per_param=round(result.bytes_sent / numel, 4) if numel else None,
+            last_compression=compression,
         )
         if self.metrics is not None:
             self.metrics.observe_round(result.duration_s, total, partner, True)

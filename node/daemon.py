@@ -247,6 +247,7 @@ class Daemon:
                 max_inner_steps=cfg.train.inner_steps,
                 swarm_steps=self._trainer_steps,
                 speeds=self._trainer_speeds,
+                outer_period=self._outer_period_s,
             )
             self.muxer_offences.on_offence = self.averager.note_offence
         self.ready = trio.Event()
@@ -381,6 +382,18 @@ class Daemon:
         if fastest <= 0:
             return 0.0
         return self.cfg.train.inner_steps * self.cfg.train.batch_size * self.cfg.train.local_ranks / fastest
+
+    def _outer_period_s(self) -> float:
+        """Compute seconds of one of our outer steps, for `sync.compression = auto` (node/compression_choice.py):
+        the pace where there is one, else H inner steps at this machine's measured speed (`sync.pace =
+        steps`); 0 before any speed is known."""
+        pace = self._pace()
+        if pace > 0:
+            return pace
+        own = float(self._training().get("samples_per_s") or 0.0)
+        if not own > 0 or not math.isfinite(own):
+            return 0.0
+        return self.cfg.train.inner_steps * self.cfg.train.batch_size * self.cfg.train.local_ranks / own
 
     def _trainer_speeds(self) -> dict[str, float]:
         """Samples/s of the trainers we could pair with, and ours (for the pairing schedule's speed tiers)."""

@@ -218,6 +218,13 @@ def _sync_families(sync: SyncStatus, max_peer_labels: int) -> Iterator[Metric]:
                                    "Constant 1, labelled with the sync.compression preset", labels=["preset"])
         preset.add_metric([compression], 1.0)
         yield preset
+    last = _label(sync.get("last_compression"))
+    if last is not None:
+        used = GaugeMetricFamily(f"{PREFIX}_sync_last_compression_info", "Constant 1, labelled with the preset the "
+                                 "latest round's wire used (sync.compression = auto chooses per round)",
+                                 labels=["preset"])
+        used.add_metric([last], 1.0)
+        yield used
     per_peer = sync.get("per_peer")
     if isinstance(per_peer, Mapping):
         sent = CounterMetricFamily(

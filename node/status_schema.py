@@ -161,7 +161,8 @@ class SyncStatus(TypedDict):
     last_error: str | None
     distinct_partners: int  # since the daemon started (mixing.distinct_partners: the recent window)
     wire_dtype: str
-    compression: str  # sync.compression: the preset of what crosses the wire (protocols/compress.py)
+    compression: str  # sync.compression as configured: auto, or the fixed preset (protocols/compress.py)
+    last_compression: str | None  # the preset the latest exchange's wire used (auto chooses per exchange)
     datapath_port: int | None
     per_peer: dict[str, PeerLinkStatus]
     mixing: MixingStatus

@@ -101,7 +101,7 @@ def render_status(st: NodeStatus) -> str:
             f"sync: {sy.get('rounds', 0)} rounds ({sy.get('solo_rounds', 0)} solo, {sy.get('failures', 0)} failed),"
             f" {sy.get('distinct_partners', 0)} partners since start, last {short(str(sy.get('last_partner') or '-'))}"
             f" in {_fmt(sy.get('last_duration_s'), '.2f')}s, wire {sy.get('wire_dtype', '?')}"
-            + (f", compression {sy['compression']}" if sy.get("compression") not in (None, "none") else "")
+            + _compression_part(sy)
             + (f", {sy['last_bytes_per_param']:.3g} B/param" if isinstance(sy.get("last_bytes_per_param"), float)
                else "")
         )
@@ -148,6 +148,15 @@ def _training_error_line(tr: TrainingStatus) -> str:
     if state == "failed":
         return f"training failed: {tr['error']} (the worker is not restarted; fix it and restart the daemon)"
     return f"last worker error: {tr['error']}"
+
+
+def _compression_part(sy: SyncStatus) -> str:
+    """`, compression X` for a setting other than `none`; with `auto`, also the preset its latest exchange
+    used (chosen per exchange from the link's measured rate, node/compression_choice.py)."""
+    configured, last = sy.get("compression"), sy.get("last_compression")
+    if configured == "auto":
+        return ", compression auto" + (f" (last {last})" if isinstance(last, str) else "")
+    return f", compression {configured}" if configured not in (None, "none") else ""
 
 
 def _bounds_line(sy: SyncStatus) -> str | None:

@@ -8,16 +8,20 @@ from node.config_base import opt
 from protocols.compress import PRESETS
 
 WIRE_DTYPES = ("fp32", "bf16", "int8")
+# `auto` (node/compression_choice.py): each exchange's initiator picks one of the presets from what it measured.
+COMPRESSIONS = ("auto", *PRESETS)
 PACES = ("swarm", "steps")
 
 
 @dataclass
 class SyncConfig:
     wire_dtype: str = opt("bf16", "tensor encoding on the wire: fp32 | bf16 | int8 (blockwise, fp32 accumulation)")
-    compression: str = opt("none", "what crosses the wire per outer step: none (phi and Delta in wire_dtype, 4 B/param "
-                           "in bf16) | medium (top 1/16 of Delta + a quarter of phi in int8, 0.44 B/param) | high "
-                           "(top 1/64 + a 32nd, 0.08 B/param); error feedback keeps what is not sent. Every trainer "
-                           "of a swarm must use the same")
+    compression: str = opt("auto", "what crosses the wire per outer step: auto (the initiator of each exchange picks "
+                           "the least compressed preset whose transfer, at the partner's measured rate, fits in an "
+                           "outer step's compute; none before a rate is measured or with group_size 4) | none (phi "
+                           "and Delta in wire_dtype, 4 B/param in bf16) | medium (top 1/16 of Delta + a quarter of "
+                           "phi in int8, 0.44 B/param) | high (top 1/64 + a 32nd, 0.08 B/param); error feedback keeps "
+                           "what is not sent. Every trainer of a swarm must use the same")
     pace: str = opt("swarm", "swarm: an outer step every H inner steps of the swarm's fastest trainer (slower machines "
                     "take fewer) | steps: every H inner steps of this machine")
     max_step_gap: int = opt(4, "refuse partners whose outer step differs from ours by more than this")
@@ -51,9 +55,9 @@ class SyncConfig:
     def validate(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"sync.wire_dtype: one of {', '.join(WIRE_DTYPES)}")
-        if self.compression not in PRESETS:
-            raise ValueError(f"sync.compression: one of {', '.join(PRESETS)}, got {self.compression!r}")
-        if self.compression != "none" and self.group_size != 2:
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"sync.compression: one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.compression not in ("none", "auto") and self.group_size != 2:
             raise ValueError(f"sync.compression = {self.compression} needs sync.group_size = 2: a group's second "
                              "round re-encodes the pair's mean, which no node's error feedback could account for")
         if self.pace not in PACES:

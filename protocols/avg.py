@@ -29,9 +29,11 @@ changed and the two versions do not negotiate (the run manifest pins the version
 
 Version 1.2.0 added `compression` (a `sync.compression` preset, protocols/compress.py), `fragment` (the
 fragment of phi this exchange carries, chosen by the initiator from its outer step) and `phi_chunk_elems`
-(phi's chunking, which differs from Delta's once their encodings differ). The responder refuses another
-preset than its own (node/averager.py): partners whose error feedback and pull expect different wires must
-not mix silently. As for 1.1.0, the protocol id changed, since a 1.1.0 peer refuses the new fields.
+(phi's chunking, which differs from Delta's once their encodings differ). A responder with a fixed preset
+refuses another one (node/averager.py): partners whose error feedback and pull expect different wires must
+not mix silently; one with `sync.compression = auto` takes the preset the request names (the wire is the
+same: the request always named its preset, so `auto` needed no new field and no new version). As for
+1.1.0, the protocol id changed, since a 1.1.0 peer refuses the new fields.
 """
 
 from __future__ import annotations

@@ -538,7 +538,7 @@ async def test_compressed_exchange_gives_both_partners_bit_identical_sums_of_wha
 async def test_partners_with_different_compression_refuse_each_other() -> None:
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, SyncConfig(compression="medium", pair_window_s=1.5),
-                                  SyncConfig(pair_window_s=1.5))
+                                  SyncConfig(compression="none", pair_window_s=1.5))
         assert group_sizes(await exchange_both(avs, [request(1), request(2)])) == [1, 1]
         assert avs[0].status()["rounds"] == 0 and avs[1].status()["rounds"] == 0
         nursery.cancel_scope.cancel()
@@ -554,8 +554,90 @@ async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason()
 
     verdict = av._judge(asking("medium"), pending, "peer")
     assert verdict is not None and verdict[0] == "refuse"
-    assert "compression mismatch" in verdict[1] and "sync.compression" in verdict[1]
+    assert "compression mismatch" in verdict[1] and "set the same sync.compression on every trainer" in verdict[1]
     assert av._judge(asking("high"), pending, "peer") is None
+
+
+def asking_with(compression: str) -> AvgRequest:
+    return AvgRequest(outer_step=3, manifest_hash="m1", layout_hash=LAYOUT_HASH, numel=NUMEL, wire_dtype="bf16",
+                      int8_block=4096, chunk_elems=4096, pubkey=bytes(32), compression=compression)
+
+
+def judged(cfg: SyncConfig, compression: str) -> tuple[str, str] | None:
+    av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1")
+    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
+    return av._judge(asking_with(compression), pending, "peer")
+
+
+async def test_a_responder_on_auto_takes_the_preset_the_initiator_chose_and_one_on_none_refuses_it() -> None:
+    """With `auto` the initiator picks the preset from the link it measured, the pair's bottleneck, so an
+    `auto` responder follows it; a fixed setting still refuses another preset, telling the operator what to do."""
+    for preset in ("none", "medium", "high"):
+        assert judged(SyncConfig(compression="auto"), preset) is None
+    verdict = judged(SyncConfig(compression="none"), "medium")
+    assert verdict is not None and verdict[0] == "refuse"
+    assert verdict[1] == ("compression mismatch: yours 'medium', ours 'none': set the same sync.compression "
+                          "on every trainer")
+    for unknown in ("auto", "huge"):  # a request names the preset its wire uses, never `auto`
+        refused = judged(SyncConfig(compression="auto"), unknown)
+        assert refused is not None and refused[0] == "refuse" and "compression mismatch" in refused[1]
+
+
+async def test_a_responder_on_auto_in_groups_of_four_takes_none_only() -> None:
+    """A lossy preset needs pairs (`SyncConfig.validate`): `auto` with groups of four never takes one."""
+    cfg = SyncConfig(compression="auto", group_size=4)
+    assert judged(cfg, "none") is None
+    verdict = judged(cfg, "medium")
+    assert verdict is not None and verdict[0] == "refuse" and "sync.group_size = 4" in verdict[1]
+
+
+async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured_link_calls_for() -> None:
+    """End to end over loopback, both nodes on `auto`: the first exchange (no rate measured) is `none`; once
+    the link is known to be slow against the outer step (a bf16 transfer longer than the compute period, a
+    `medium` one shorter), the next exchange is `medium` on both sides (bit-identical sums, the fragment's phi
+    only); with a long period again the pair returns to `none`. Loopback is far too fast to be slow (a
+    transfer of this model often flows for under the 10 ms a rate needs), so the slow link is its measured
+    rate set to 1 MB/s each way, as `_learn_rate` would leave it: bf16 then takes 1.2 s, `medium` 0.13 s."""
+    from node.compression_choice import transfer_s
+
+    cfg = SyncConfig(pair_window_s=10)
+    assert cfg.compression == "auto"
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        others = [avs[1].me, avs[0].me]
+        period = 0.5
+        assert transfer_s("medium", NUMEL, 1e6) < period < transfer_s("none", NUMEL, 1e6)
+
+        reqs = [request(1, outer_step=4), request(2, outer_step=4)]
+        outcomes = await exchange_both(avs, reqs)
+        assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]
+        assert all(o.phi_range is None for o in outcomes)
+        for av in avs:
+            st = av.status()
+            assert st["compression"] == "auto" and st["last_compression"] == "none"
+            assert st["last_bytes_per_param"] == pytest.approx(4.0, abs=0.01)
+
+        for av, other in zip(avs, others, strict=True):
+            av._links[other].rate_bps = 1e6
+            av.outer_period = lambda: period
+        comp = get_compression("medium")
+        reqs = [request(3, outer_step=5), request(4, outer_step=5)]
+        outcomes = await exchange_both(avs, reqs)
+        assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["medium", "medium"]
+        lo, hi = comp.fragment_range(NUMEL, comp.fragment_of(5))
+        assert all(o.phi_range == (lo, hi) for o in outcomes)
+        assert torch.equal(reqs[0].delta_out, reqs[1].delta_out)
+        assert torch.equal(reqs[0].phi_out[lo:hi], reqs[1].phi_out[lo:hi])
+        for av in avs:
+            st = av.status()
+            assert st["compression"] == "auto" and st["last_compression"] == "medium"
+            assert st["last_bytes_per_param"] <= 0.5
+
+        for av in avs:
+            av.outer_period = lambda: 1e9
+        outcomes = await exchange_both(avs, [request(5, outer_step=6), request(6, outer_step=6)])
+        assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]
+        nursery.cancel_scope.cancel()
 
 
 async def test_the_bounds_clip_the_decoded_compressed_delta_and_keep_our_own_term_as_the_wire_carried_it() -> None:
@@ -583,3 +665,22 @@ def test_lossy_compression_needs_pairs_and_a_known_preset() -> None:
     with pytest.raises(ValueError, match="group_size = 2"):
         SyncConfig(compression="medium", group_size=4).validate()
     SyncConfig(compression="high").validate()
+
+
+def test_auto_guesses_a_new_partners_link_from_our_typical_rate_and_keeps_second_rounds_uncompressed() -> None:
+    """A partner never measured gets our typical rate (over all partners) until its own is known; without
+    either it is `none`. A group's second round is always `none`, whatever the link."""
+    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1", outer_period=lambda: 0.5)
+    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
+    assert av._compression_for("new", pending) == "none"
+    av._rate_bps = 1e6  # 1 MB/s each way: bf16 takes 1.2 s, medium 0.13 s, against 0.5 s
+    assert av._compression_for("new", pending) == "medium"
+    av._link("known").rate_bps = 1e9
+    assert av._compression_for("known", pending) == "none"
+    second = _Pending(request(1), pending.tensors, stage=2)
+    assert av._compression_for("new", second) == "none"
+    fixed = Averager(LoneHost(), SyncConfig(compression="high"), manifest_hash=lambda: "m1")
+    assert fixed._compression_for("new", pending) == "high"
+    fours = Averager(LoneHost(), SyncConfig(group_size=4), manifest_hash=lambda: "m1", outer_period=lambda: 0.5)
+    fours._rate_bps = 1e3  # hopeless for bf16, yet groups of four never get a lossy preset from auto
+    assert fours._compression_for("new", pending) == "none"

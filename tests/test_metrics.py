@@ -363,3 +363,17 @@ def test_refused_and_clipped_partner_updates_are_counted_by_reason() -> None:
     assert value(s, "starling_sync_refused_updates_total", reason="non_finite") == 1
     assert value(s, "starling_sync_clipped_updates_total", reason="delta") == 5
     assert value(s, "starling_sync_clipped_updates_total", reason="phi") == 2
+
+
+def test_the_configured_compression_the_last_rounds_preset_and_its_bytes_per_param_are_exported() -> None:
+    """With `sync.compression = auto` the setting alone does not say what crossed the wire: the preset of the
+    latest round is its own info metric, beside that round's bytes per parameter."""
+    metrics = Metrics()
+    metrics.update_from_status({**SAMPLE_STATUS, "sync": {**SAMPLE_STATUS["sync"], "compression": "auto",
+                                                          "last_compression": "medium", "last_bytes_per_param": 0.4392}})
+    s = rendered(metrics)
+    assert value(s, "starling_sync_compression_info", preset="auto") == 1
+    assert value(s, "starling_sync_last_compression_info", preset="medium") == 1
+    assert value(s, "starling_sync_last_bytes_per_param") == pytest.approx(0.4392)
+    metrics.update_from_status({**SAMPLE_STATUS, "sync": {**SAMPLE_STATUS["sync"], "last_compression": None}})
+    assert not any(name == "starling_sync_last_compression_info" for name, _ in rendered(metrics))

@@ -142,3 +142,17 @@ def test_refused_line_before_anything_was_refused_and_from_an_older_or_newer_dae
     assert line(render_status(st), "refused:") == "refused: 2 dial-backs (subnet share), 2 some_new_limit"
     del st["refusals"]
     assert not any(x.startswith("refused:") for x in render_status(st).splitlines())
+
+
+def test_sync_line_shows_auto_with_the_last_exchanges_preset_and_its_bytes_per_parameter() -> None:
+    """`sync.compression = auto` picks a preset per exchange: the line says the setting and what the last
+    exchange used, with its bytes per parameter; a fixed preset shows as before, and `none` not at all."""
+    st = captured()
+    st["sync"].update(compression="auto", last_compression="medium", last_bytes_per_param=0.4392)
+    assert ", compression auto (last medium), 0.439 B/param" in line(render_status(st), "sync:")
+    st["sync"].update(last_compression=None, last_bytes_per_param=None)  # before the first exchange
+    assert line(render_status(st), "sync:").endswith(", compression auto")
+    st["sync"].update(compression="high", last_compression="high")
+    assert ", compression high" in line(render_status(st), "sync:") and "(last" not in line(render_status(st), "sync:")
+    st["sync"].update(compression="none", last_compression="none", last_bytes_per_param=4.0)
+    assert "compression" not in line(render_status(st), "sync:")
