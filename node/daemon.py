@@ -443,6 +443,7 @@ class Daemon:
                 replication=replica["swarm_totals"]["replication"],
                 averaging_rejections=self.averager.rejections if self.averager is not None else {},
                 snapshot_busy=self.snapshots.refused_busy, subnet_kinds=SUBNET_REFUSAL_KINDS,
+                clock_capped=replica["swarm_totals"]["clock_capped"],
             ),
             "reachability": self.nat.reachability,
             "nat": self.nat.status(),

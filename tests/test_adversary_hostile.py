@@ -296,6 +296,42 @@ async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> Non
     assert daemon._possible_partners() == [] and daemon._eligible_partners() == []
 
 
+async def test_the_daemons_status_view_and_metrics_show_a_capped_clock_and_a_fake_trainer_sitting_out(
+    tmp_path: Path,
+) -> None:
+    """Both defences leave a trace an operator can see: the record whose clock was not followed is counted in
+    `swarm_totals.clock_capped` and `refusals.clocks_capped` (the `refused:` line), the fake trainer that
+    missed its rounds is in `sync.sitting_out` (the `sitting out:` line), and both reach the metrics."""
+    import time
+
+    from node.config import load_config
+    from node.daemon import Daemon
+    from node.partner_misses import MISS_BACKOFF_S, MISS_LIMIT
+    from node.status_view import render_status, short
+
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
+    assert daemon.averager is not None
+    attacker = create_new_key_pair()
+    ahead = Timestamp(int((time.time() + 599.9) * 1000), 0)
+    assert daemon.replicator.state.merge(sign_record(MemberRecord(peer_id_of(attacker.public_key), ahead), attacker))
+    fake = peer_id_of(create_new_key_pair().public_key)
+    for _ in range(MISS_LIMIT):
+        daemon.averager.misses.begin_round()
+        daemon.averager.misses.note(fake, "failed")
+        daemon.averager.misses.end_round(None)
+
+    st = daemon.status()
+    assert st["swarm_totals"]["clock_capped"] == st["refusals"]["clocks_capped"] == 1
+    sitting_out = st["sync"]["sitting_out"]
+    assert sitting_out["count"] == sitting_out["exclusions"] == 1
+    assert list(sitting_out["peers"]) == [fake] and 0 < sitting_out["peers"][fake] <= MISS_BACKOFF_S
+    lines = render_status(st).splitlines()
+    assert "refused: 1 record's clock not followed (over 5 s ahead)" in lines
+    assert any(x.startswith(f"sitting out: 1 partner after missed averaging rounds (seconds left): {short(fake)} ")
+               for x in lines), lines
+
+
 def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_success_clears_it() -> None:
     from node.partner_misses import PartnerMisses
 
@@ -327,3 +363,31 @@ def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_succ
     round_("failed")
     round_("failed")
     assert not misses.sits_out("p")  # a success cleared its count
+
+
+def test_status_counts_the_peers_sitting_out_and_names_the_longest_back_offs_first() -> None:
+    """`sync.sitting_out` (node/partner_misses.py): how many sit out now, each named one's seconds left, the
+    exclusions so far; a Sybil crowd of fakes is counted whole but only `shown` of them are named."""
+    from node.partner_misses import PartnerMisses
+    from node.status_schema import SittingOutStatus
+    from tests.test_status_schema import schema_errors
+
+    now = [0.0]
+    misses = PartnerMisses(limit=1, backoff_s=30.0, clock=lambda: now[0])
+    assert misses.status() == {"count": 0, "exclusions": 0, "peers": {}}
+    for peer in ("a", "b", "c"):
+        misses.begin_round()
+        misses.note(peer, "failed")
+        misses.end_round(None)
+        now[0] += 5.0  # a sits out until 30, b until 35, c until 40
+    misses.begin_round()
+    misses.note("c", "paired")  # c took part after all: cleared
+    misses.end_round(None)
+    st = misses.status()
+    assert schema_errors(st, SittingOutStatus) == []
+    assert st == {"count": 2, "exclusions": 3, "peers": {"b": 20.0, "a": 15.0}}
+    assert misses.status(shown=1) == {"count": 2, "exclusions": 3, "peers": {"b": 20.0}}
+    now[0] = 32.0
+    assert misses.status() == {"count": 1, "exclusions": 3, "peers": {"b": 3.0}}
+    now[0] = 36.0
+    assert misses.status() == {"count": 0, "exclusions": 3, "peers": {}}
