@@ -306,8 +306,10 @@ async def test_the_daemons_status_view_and_metrics_show_a_capped_clock_and_a_fak
 
     from node.config import load_config
     from node.daemon import Daemon
+    from node.metrics import Metrics
     from node.partner_misses import MISS_BACKOFF_S, MISS_LIMIT
     from node.status_view import render_status, short
+    from tests.test_metrics import samples_of, value
 
     cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
     daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
@@ -330,6 +332,12 @@ async def test_the_daemons_status_view_and_metrics_show_a_capped_clock_and_a_fak
     assert "refused: 1 record's clock not followed (over 5 s ahead)" in lines
     assert any(x.startswith(f"sitting out: 1 partner after missed averaging rounds (seconds left): {short(fake)} ")
                for x in lines), lines
+    metrics = Metrics()
+    metrics.update_from_status(st)
+    s = samples_of(metrics.render()[0].decode())
+    assert value(s, "starling_refusals_total", kind="clocks_capped") == 1
+    assert value(s, "starling_swarm_clock_capped_total") == 1
+    assert value(s, "starling_sync_partners_sitting_out") == 1
 
 
 def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_success_clears_it() -> None:
