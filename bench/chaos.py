@@ -85,7 +85,8 @@ TRAIN = {
 # (docs/reliability.md, "Chaos run: what did not hold").
 CLOSE_GRACE_S = 1.5  # the initiator's shielded stream close (1 s) and its short sleeps between tries
 
-EXCHANGE_LINE = re.compile(r"outer step (\d+): (averaged|solo) after ([0-9.]+)s")
+# node/averager.py: "outer step K: averaged in a group of N after X s" | "outer step K: solo after X s"
+EXCHANGE_LINE = re.compile(r"outer step (\d+): (averaged|solo)(?: in a group of \d+)? after ([0-9.]+)s")
 HARD_CAP_LINE = re.compile(r"outer exchange \d+ timed out after")  # node/supervisor.py: exchange_timeout hit
 FAILED_LINE = "exchange with "  # node/averager.py: "exchange with X failed: ..."
 
@@ -660,7 +661,7 @@ class ChaosRun:
         steps = ", ".join(f"{k.node}@{k.resumed_step}" for k in self.kills)
         checks = [
             Check("(a) exchanges within their deadline",
-                  ex["count"] > 0 and ex["longest_s"] <= ex["bound_s"] and ex["hard_caps"] == 0,
+                  ex["averaged"] > 0 and ex["longest_s"] <= ex["bound_s"] and ex["hard_caps"] == 0,
                   f"{ex['count']} exchanges ({ex['averaged']} averaged, {ex['solo']} solo, {ex['failures']} failed "
                   f"transfers); longest {ex['longest_s']:.2f} s ({ex['longest_node']}), median {ex['median_s']:.2f} s, "
                   f"bound {ex['bound_s']:.1f} s; hard-cap time-outs: {ex['hard_caps']}"),
