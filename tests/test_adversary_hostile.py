@@ -172,6 +172,36 @@ def test_late_join_donors_are_the_members_whose_record_carries_our_manifest(tmp_
     assert daemon._join_donors() == [ours.peer_id]
 
 
+def test_late_join_donors_are_dialable_from_the_addresses_their_records_carry(tmp_path: Path) -> None:
+    """A joiner picks its donors a second after it met the bootstrap node, before the connection manager has
+    dialled any of them: every download failed with "no known addresses" and a fresh identity joining a
+    churned swarm started a fresh model (bench/chaos.py check (f)). The donors' own signed records carry
+    their addresses: the join's choice puts them where a download's dial finds them."""
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerstore import PeerStoreError
+
+    from node.config import load_config
+    from node.daemon import Daemon
+
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
+    daemon.replicator.state.merge(SwarmState(create_new_key_pair()).set_manifest(MANIFEST) or b"")
+    donor = SwarmState(create_new_key_pair())
+    addr = "/ip4/127.0.0.1/tcp/4242"
+    daemon.replicator.state.merge(donor.update_self(role="trainer", manifest_hash=MANIFEST.hash, outer_step=5,
+                                                    addrs=[addr, "not an address"]))
+
+    def known() -> list[str]:  # what a dial of the donor would try
+        try:
+            return [str(a) for a in daemon.host.get_peerstore().addrs(ID.from_base58(donor.peer_id))]
+        except PeerStoreError:  # py-libp2p's "no such peer"
+            return []
+
+    assert known() == []
+    assert daemon._join_donors() == [donor.peer_id]
+    assert known() == [addr]
+
+
 async def test_the_start_up_check_describes_the_model_exactly_as_the_worker_will(tmp_path: Path) -> None:
     """The late join's donors are checked against what the start-up check says of our model: it must be
     what the worker's hello will say, or every honest donor would be refused."""
