@@ -103,9 +103,11 @@ bench-hivemind: install
 bench-nat: install
 	$(PY) bench/nat.py --write-docs
 
-# Long runs, outside `make test`.
+# Long runs, outside `make test`. The chaos run ends by starting a trainer with a fresh identity that must join
+# the churned swarm (check (f)). Issue #26's acceptance run: make chaos CHAOS_ARGS="--daemons 8 --minutes 30".
+CHAOS_ARGS ?=
 chaos: install
-	$(PY) bench/chaos.py --write-docs
+	$(PY) bench/chaos.py $(CHAOS_ARGS) --write-docs
 
 fuzz: install
 	$(PY) bench/fuzz.py --n 100000

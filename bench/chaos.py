@@ -25,8 +25,13 @@ What it checks (exit code 1 if any check fails):
     the first WINDOW seconds (WINDOW = 30 s, or a third of the run if that is shorter).
 (e) members: once the kills stop, every node's member table shows the same set of alive members (all of
     them) within 15 s.
+(f) newcomer: the churned swarm still accepts new members. After the checks above have had their time, a
+    trainer with a fresh identity (a new, empty HOME) starts with the same bootstrap file and must, within
+    120 s, connect, be listed alive by every other node, and average with one of the trainers at least once
+    (its `sync.rounds`). The script prints a one-line verdict on it ("newcomer: PASS ...").
 
     .venv/bin/python bench/chaos.py                  # 6 trainers, a kill every 20 s for 180 s
+    .venv/bin/python bench/chaos.py --daemons 8 --minutes 30   # issue #26's acceptance run
     .venv/bin/python bench/chaos.py --quick          # 3 trainers, a kill every 10 s for 40 s
     .venv/bin/python bench/chaos.py --write-docs     # also record the figures in docs/reliability.md
     .venv/bin/python bench/chaos.py --target daemon  # kill only the daemon; its worker checkpoints and exits
@@ -80,7 +85,8 @@ TRAIN = {
 # (docs/reliability.md, "Chaos run: what did not hold").
 CLOSE_GRACE_S = 1.5  # the initiator's shielded stream close (1 s) and its short sleeps between tries
 
-EXCHANGE_LINE = re.compile(r"outer step (\d+): (averaged|solo) after ([0-9.]+)s")
+# node/averager.py: "outer step K: averaged in a group of N after X s" | "outer step K: solo after X s"
+EXCHANGE_LINE = re.compile(r"outer step (\d+): (averaged|solo)(?: in a group of \d+)? after ([0-9.]+)s")
 HARD_CAP_LINE = re.compile(r"outer exchange \d+ timed out after")  # node/supervisor.py: exchange_timeout hit
 FAILED_LINE = "exchange with "  # node/averager.py: "exchange with X failed: ..."
 
@@ -97,6 +103,7 @@ class ChaosPlan:
     converge_within_s: float = 15.0
     poll_s: float = 1.0
     startup_timeout_s: float = 240.0
+    newcomer_within_s: float = 120.0  # (f): connected, listed alive by all and averaged by then
     extra: tuple[str, ...] = ()  # more SECTION.OPTION=VALUE settings for every daemon (--set)
 
     @property
@@ -147,6 +154,32 @@ class Kill:
 
 
 @dataclass
+class Admission:
+    """(f): the fresh identity started once the churn is over, and how far it got (seconds since its start)."""
+
+    within_s: float
+    peer_id: str | None = None
+    connected_s: float | None = None  # its first connection
+    member_s: float | None = None  # every other node listed it alive
+    averaged_s: float | None = None  # its first averaging round with a partner
+    partner: str | None = None  # the node it averaged with first (by name)
+    join: str | None = None  # its late join's state at the end
+    exited: bool = False  # its daemon exited meanwhile
+
+    @property
+    def joined(self) -> bool:
+        return None not in (self.connected_s, self.member_s, self.averaged_s) and not self.exited
+
+    def figures(self) -> str:
+        who = self.peer_id[-8:] if self.peer_id else "?"
+        partner = f" (with {self.partner})" if self.partner else ""
+        return (f"fresh identity ..{who}: connected after {fmt_s(self.connected_s)}, alive in every node's table "
+                f"after {fmt_s(self.member_s)}, averaged{partner} after {fmt_s(self.averaged_s)} "
+                f"(limit {self.within_s:g} s); late join {self.join or '-'}"
+                + ("; its daemon EXITED" if self.exited else ""))
+
+
+@dataclass
 class Check:
     name: str
     passed: bool
@@ -167,6 +200,7 @@ class Outcome:
     converge_s: float | None
     phases: dict[str, float]  # seconds spent in each phase of the run, in order
     cpu: dict[str, float]  # CPU use at the end of the chaos (see ChaosRun.cpu_use)
+    admission: Admission  # (f)
 
     @property
     def passed(self) -> bool:
@@ -306,6 +340,8 @@ class ChaosRun:
                 boot_args += ["--set", setting]
         self.boot = Node("boot", root / "boot", boot_args)
         self.trainers = [Node(f"n{i}", root / f"n{i}", args) for i in range(plan.nodes)]
+        # (f): a trainer with a fresh identity, started once the churn is over; never killed.
+        self.newcomer = Node("new", root / "new", args)
         self.losses: list[tuple[float, float]] = []  # (seconds since the chaos began, swarm mean loss)
         self.kills: list[Kill] = []
         self.skipped_kills = 0
@@ -317,7 +353,14 @@ class ChaosRun:
 
     @property
     def nodes(self) -> list[Node]:
-        return [self.boot, *self.trainers]
+        """Every node started so far (the newcomer once it was)."""
+        return [self.boot, *self.all_trainers]
+
+    @property
+    def all_trainers(self) -> list[Node]:
+        """The churned trainers and, once started, the newcomer: their exchanges and checkpoints are
+        judged alike."""
+        return [*self.trainers, *([self.newcomer] if self.newcomer.proc is not None else [])]
 
     def run(self) -> Outcome:
         phases: dict[str, float] = {}
@@ -338,6 +381,8 @@ class ChaosRun:
             phase("convergence")
             self.wait_for_restarts()
             phase("last restarts")
+            admission = self.admit_newcomer()
+            phase("newcomer")
             exits = self.stop_all()
             phase("graceful stop")
         finally:
@@ -345,7 +390,7 @@ class ChaosRun:
                 n.force_stop()
         checkpoints = self.verify_checkpoints(exits)
         phase("verification")
-        return self.judge(checkpoints, converge_s, phases)
+        return self.judge(checkpoints, converge_s, phases, admission)
 
     def start_swarm(self) -> None:
         """Start the bootstrap node and the trainers together (the trainers read the bootstrap's address
@@ -480,6 +525,47 @@ class ChaosRun:
             self.follow_restarts(time.monotonic() - self.t0, statuses)
             time.sleep(0.5)
 
+    def admit_newcomer(self) -> Admission:
+        """(f) Start a trainer with a fresh identity and follow it until it has connected, every other node
+        lists it alive and it averaged once, or `newcomer_within_s` passed; print the verdict in one line."""
+        node, adm = self.newcomer, Admission(within_s=self.plan.newcomer_within_s)
+        others = [self.boot, *self.trainers]
+        names = {n.peer_id: n.name for n in others if n.peer_id}
+        node.start()
+        began = time.monotonic()
+        print(f"newcomer: a trainer with a fresh identity starts in {node.home}", flush=True)
+        st: dict[str, Any] | None = None
+        while not adm.joined and (since := time.monotonic() - began) < adm.within_s:
+            st = node.status()
+            adm.peer_id = node.peer_id
+            if node.proc is not None and node.proc.proc is not None and node.proc.proc.poll() is not None:
+                adm.exited = True
+                break
+            if st is not None:
+                self.follow_newcomer(adm, since, st, [o.status() for o in others], names)
+            time.sleep(self.plan.poll_s)
+        adm.join = ((st or {}).get("join") or {}).get("state")
+        verdict = "PASS" if adm.joined else "FAIL"
+        print(f"newcomer: {verdict} {'a fresh identity joined' if adm.joined else 'no fresh identity joined'} "
+              f"the swarm after {len(self.kills)} kills: {adm.figures()}", flush=True)
+        return adm
+
+    @staticmethod
+    def follow_newcomer(adm: Admission, since: float, st: dict[str, Any], others: list[dict[str, Any] | None],
+                        names: dict[str, str]) -> None:
+        """Note each first: a connection, every other node listing it alive, an averaging round."""
+        if adm.connected_s is None and st.get("connected_peers"):
+            adm.connected_s = since
+        if adm.member_s is None and adm.peer_id is not None and all(
+            o is not None and adm.peer_id in alive_set(o) for o in others
+        ):
+            adm.member_s = since
+        sync = st.get("sync") or {}
+        if adm.averaged_s is None and int(sync.get("rounds") or 0) >= 1:
+            adm.averaged_s = since
+            partner = sync.get("last_partner")
+            adm.partner = names.get(partner, str(partner)[-8:]) if partner else None
+
     def member_views(self, statuses: dict[str, dict[str, Any] | None]) -> str:
         """"n0: n1=alive n2=suspect ...; n1: down; ..." - each node's view of every other (by node name)."""
         names = {n.peer_id: n.name for n in self.nodes if n.peer_id}
@@ -516,7 +602,7 @@ class ChaosRun:
     def verify_checkpoints(self, exits: dict[str, int | None]) -> dict[str, Any]:
         """Verify every checkpoint file with the checkpoint module's own reader."""
         good, corrupt = 0, []
-        for n in self.trainers:
+        for n in self.all_trainers:
             for path in sorted(n.home.glob("checkpoints/*/ckpt-*.pt")):
                 try:
                     read_checkpoint(path)
@@ -542,7 +628,7 @@ class ChaosRun:
     def exchanges(self) -> dict[str, Any]:
         durations: list[tuple[float, str]] = []
         averaged = solo = hard_caps = failures = 0
-        for n in self.trainers:
+        for n in self.all_trainers:
             text = n.log()
             for m in EXCHANGE_LINE.finditer(text):
                 durations.append((float(m.group(3)), n.name))
@@ -565,7 +651,8 @@ class ChaosRun:
         return {"first": statistics.fmean(first) if first else nan, "last": statistics.fmean(last) if last else nan,
                 "window_s": w}
 
-    def judge(self, ck: dict[str, Any], converge_s: float | None, phases: dict[str, float]) -> Outcome:
+    def judge(self, ck: dict[str, Any], converge_s: float | None, phases: dict[str, float],
+              admission: Admission) -> Outcome:
         plan = self.plan
         ex = self.exchanges()
         loss = self.loss_windows()
@@ -574,7 +661,7 @@ class ChaosRun:
         steps = ", ".join(f"{k.node}@{k.resumed_step}" for k in self.kills)
         checks = [
             Check("(a) exchanges within their deadline",
-                  ex["count"] > 0 and ex["longest_s"] <= ex["bound_s"] and ex["hard_caps"] == 0,
+                  ex["averaged"] > 0 and ex["longest_s"] <= ex["bound_s"] and ex["hard_caps"] == 0,
                   f"{ex['count']} exchanges ({ex['averaged']} averaged, {ex['solo']} solo, {ex['failures']} failed "
                   f"transfers); longest {ex['longest_s']:.2f} s ({ex['longest_node']}), median {ex['median_s']:.2f} s, "
                   f"bound {ex['bound_s']:.1f} s; hard-cap time-outs: {ex['hard_caps']}"),
@@ -599,8 +686,10 @@ class ChaosRun:
                   + f" (limit {plan.converge_within_s:g} s)"
                   + ("" if converge_s is not None and converge_s <= plan.converge_within_s
                      else f"; last views: {self.views}")),
+            Check("(f) a fresh identity joins the churned swarm", admission.joined, admission.figures()),
         ]
-        return Outcome(plan, checks, self.kills, self.skipped_kills, ex, loss, ck, converge_s, phases, self.cpu)
+        return Outcome(plan, checks, self.kills, self.skipped_kills, ex, loss, ck, converge_s, phases, self.cpu,
+                       admission)
 
 
 def remove_leaked_shm(kills: list[Kill]) -> int:
@@ -670,7 +759,10 @@ def write_docs(out: Outcome, command: str) -> None:
         "`training.resumed_step` against the newest checkpoint file on disk right after the kill; (c) "
         "`node.checkpoint.read_checkpoint` (header, length, SHA-256, weights-only load) on every file after a "
         "SIGTERM of every daemon; (d) the mean over trainers of `training.loss`, polled every second; (e) the "
-        "set of `alive` members in every node's status.",
+        "set of `alive` members in every node's status; (f) after (e), a trainer with a fresh identity (a new "
+        "HOME) starts with the same bootstrap file and must connect, be listed `alive` by every other node "
+        f"and average once (its `sync.rounds`) within {plan.newcomer_within_s:g} s; its exchanges and "
+        "checkpoints count in (a) and (c).",
         "",
         "| check | result | figures |", "|---|---|---|",
     ]
@@ -732,8 +824,10 @@ def command_line(argv: list[str]) -> str:
 def parse_args(argv: list[str] | None) -> tuple[ChaosPlan, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="3 trainers, a kill every 10 s for 40 s")
-    p.add_argument("--nodes", type=int, help="trainers (default 6)")
-    p.add_argument("--seconds", type=float, help="length of the chaos in seconds (default 180)")
+    p.add_argument("--nodes", "--daemons", dest="nodes", type=int, help="trainers (default 6)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--seconds", type=float, help="length of the chaos in seconds (default 180)")
+    length.add_argument("--minutes", type=float, help="length of the chaos in minutes (e.g. 30)")
     p.add_argument("--interval", type=float, help="seconds between two kills (default 20)")
     p.add_argument("--target", choices=["node", "daemon"], default="node",
                    help="kill the whole node (daemon + worker, default) or only the daemon")
@@ -744,7 +838,8 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosPlan, argparse.Namespace]:
     p.add_argument("--write-docs", action="store_true", help=f"record the figures in {DOCS.relative_to(ROOT)}")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else ChaosPlan()
-    changes = {k: v for k, v in (("nodes", args.nodes), ("seconds", args.seconds), ("interval", args.interval))
+    seconds = args.minutes * 60 if args.minutes is not None else args.seconds
+    changes = {k: v for k, v in (("nodes", args.nodes), ("seconds", seconds), ("interval", args.interval))
                if v is not None}
     plan = dataclasses.replace(plan, target=args.target, seed=args.seed, extra=tuple(args.set), **changes)
     if any("=" not in setting or "." not in setting.split("=", 1)[0] for setting in args.set):

@@ -334,6 +334,7 @@ class Averager:
         st["clipped"] = dict(self.clipped)
         now = trio.current_time()
         st["banned"] = sorted(p for p, link in self._links.items() if link.banned_until > now)
+        st["sitting_out"] = self.misses.status()
         return st
 
     def mixing(self) -> MixingStatus:

@@ -19,6 +19,7 @@ import logging
 import math
 import socket
 import time
+from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,7 +92,19 @@ SUBNET_REFUSAL_KINDS = {
 }
 
 HISTORY_SAVE_S = 30.0
+DONOR_ADDR_TTL_S = 600  # how long a late-join donor's addresses (from its record) stay in the peerstore
 MAX_SPEEDUP = 64.0  # the fastest trainer the pace believes in, relative to this machine
+
+
+def _record_addrs(texts: Iterable[str]) -> list[multiaddr.Multiaddr]:
+    """The addresses a member record carries that parse (a record is a peer's claim: skip the rest)."""
+    addrs = []
+    for text in texts:
+        try:
+            addrs.append(multiaddr.Multiaddr(text))
+        except Exception:
+            continue
+    return addrs
 
 
 def starling_version() -> str:
@@ -418,12 +431,7 @@ class Daemon:
         connection manager so that NATed members are reachable through their relays."""
         while True:
             for m in self.replicator.alive_members():
-                addrs = []
-                for text in m.record.addrs:
-                    try:
-                        addrs.append(multiaddr.Multiaddr(text))
-                    except Exception:
-                        continue
+                addrs = _record_addrs(m.record.addrs)
                 if addrs:
                     self.connmgr.add_candidate(PeerInfo(ID.from_base58(m.record.peer_id), addrs), source="state")
             await trio.sleep(5.0)
@@ -456,6 +464,7 @@ class Daemon:
                 replication=replica["swarm_totals"]["replication"],
                 averaging_rejections=self.averager.rejections if self.averager is not None else {},
                 snapshot_busy=self.snapshots.refused_busy, subnet_kinds=SUBNET_REFUSAL_KINDS,
+                clock_capped=replica["swarm_totals"]["clock_capped"],
             ),
             "reachability": self.nat.reachability,
             "nat": self.nat.status(),
@@ -591,13 +600,23 @@ class Daemon:
             wanted = swarm.hash if swarm is not None else None
         if wanted is None:
             return []
-        return [
-            m.record.peer_id
+        donors = [
+            m.record
             for m in self.replicator.state.members()
             if m.state == "alive" and m.record.role == "trainer" and m.record.outer_step > 0
             and m.record.manifest_hash == wanted
             and m.record.peer_id != str(self.peer_id)
         ]
+        # A joiner learns its donors from their records a second after it met the bootstrap node, before the
+        # connection manager has dialled any of them (`_learn_member_addrs`, every 5 s): without their
+        # addresses every download failed at once ("no known addresses") and the joiner started a fresh
+        # model (bench/chaos.py, check (f)). Their signed records carry them.
+        peerstore = self.host.get_peerstore()
+        for record in donors:
+            addrs = _record_addrs(record.addrs)
+            if addrs:
+                peerstore.add_addrs(ID.from_base58(record.peer_id), addrs, DONOR_ADDR_TTL_S)
+        return [record.peer_id for record in donors]
 
     async def _keep_history(self) -> None:
         """Record every member's progress for `starling plot`; saved every 30 s and on stop."""

@@ -3,7 +3,7 @@
 Two sources feed the registry:
 
 - **The status snapshot.** The daemon already keeps everything ``starling status`` shows (training
-  progress, sync counters, per-peer bytes, connection paths, membership). :meth:`Metrics.update_from_status`
+  progress, sync counters, per-peer bytes, connection paths, membership, what it refused to peers). :meth:`Metrics.update_from_status`
   turns that dict into metric families at once; a scrape returns the latest snapshot. Counters the daemon
   keeps (rounds, bytes) are exported as Prometheus counters, so ``rate()`` works; a daemon restart resets
   them, which Prometheus handles. Peers and states that vanish from the status vanish from the metrics,
@@ -38,11 +38,15 @@ from node.mixing import pairing_graph
 from node.status_schema import (
     MemberStatus,
     MixingStatus,
+    MuxerStatus,
     NodeStatus,
     PeerPathStatus,
+    SittingOutStatus,
+    SwarmTotals,
     SyncStatus,
     TrainingStatus,
 )
+from protocols.hlc import MAX_LEAD_S
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,7 @@ def _status_families(status: NodeStatus, max_peer_labels: int) -> list[Metric]:
     if isinstance(members, list):
         families.extend(_member_families(members))
         families.extend(_pairing_families(members))
+    families.extend(_refusal_families(status))
     reachability = _reachability_label(status.get("reachability"))
     if reachability is not None:
         family = GaugeMetricFamily(
@@ -176,15 +181,55 @@ def _training_families(training: TrainingStatus) -> Iterator[Metric]:
         yield info
 
 
-def _reason_counter(name: str, doc: str, counts: Any) -> Iterator[Metric]:
-    """A counter labelled by reason, from a {reason: count} status dict (absent or malformed: nothing)."""
+def _reason_counter(name: str, doc: str, counts: Any, label: str = "reason") -> Iterator[Metric]:
+    """A counter labelled by reason (or `label`), from a {reason: count} status dict (absent or malformed:
+    nothing)."""
     if not isinstance(counts, Mapping):
         return
-    family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["reason"])
+    family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=[label])
     for reason, count in sorted(counts.items()):
         if isinstance(count, int) and not isinstance(count, bool):
             family.add_metric([_label(reason) or "unknown"], float(count))
     yield family
+
+
+def _refusal_families(status: NodeStatus) -> Iterator[Metric]:
+    """What this node refused to peers (node/refusals.py), the muxer's offences and the remote clocks it did
+    not follow: an alert on a rising ``rate()`` of these is how an operator learns that someone is hitting
+    the limits, without reading every node's status."""
+    yield from _reason_counter(
+        "refusals", "Requests, connections and records refused to peers, by kind and why (node/refusals.py)",
+        status.get("refusals"), label="kind",
+    )
+    muxer = status.get("muxer")
+    if isinstance(muxer, Mapping):
+        yield from _muxer_families(muxer)
+    totals = status.get("swarm_totals")
+    if isinstance(totals, Mapping):
+        yield from _swarm_totals_families(totals)
+
+
+def _muxer_families(muxer: MuxerStatus) -> Iterator[Metric]:
+    yield from _counter("muxer_window_overruns", "Connections closed because the peer sent past a stream's receive "
+                        "window", muxer.get("window_overruns"))
+    yield from _counter("muxer_dropped_bytes", "Bytes not buffered: past a receive window, or for streams no longer "
+                        "read", muxer.get("dropped_bytes"))
+    yield from _gauge("muxer_offenders", "Distinct peers that overran a receive window (the most recent 1024)",
+                      muxer.get("offenders"))
+
+
+def _swarm_totals_families(totals: SwarmTotals) -> Iterator[Metric]:
+    yield from _counter("swarm_clock_capped", f"Others' records dated over {MAX_LEAD_S:g} s ahead of our clock: kept, "
+                        "but our clock not moved past the bound (protocols/hlc.py)", totals.get("clock_capped"))
+
+
+def _sitting_out_families(sitting_out: SittingOutStatus) -> Iterator[Metric]:
+    """Trainers not waited for as partners after missed rounds (node/partner_misses.py): a count that stays
+    up means fake or broken trainers in the member table."""
+    yield from _gauge("sync_partners_sitting_out", "Trainers sitting out a back-off after missed averaging rounds",
+                      sitting_out.get("count"))
+    yield from _counter("sync_partner_exclusions", "Times a trainer was made to sit out after missed averaging rounds",
+                        sitting_out.get("exclusions"))
 
 
 def _sync_families(sync: SyncStatus, max_peer_labels: int) -> Iterator[Metric]:
@@ -205,6 +250,9 @@ def _sync_families(sync: SyncStatus, max_peer_labels: int) -> Iterator[Metric]:
     mixing = sync.get("mixing")
     if isinstance(mixing, Mapping):
         yield from _mixing_families(mixing)
+    sitting_out = sync.get("sitting_out")
+    if isinstance(sitting_out, Mapping):
+        yield from _sitting_out_families(sitting_out)
     wire_dtype = _label(sync.get("wire_dtype"))
     if wire_dtype is not None:
         info = GaugeMetricFamily(

@@ -24,10 +24,13 @@ from dataclasses import dataclass
 
 import trio
 
+from node.status_schema import SittingOutStatus
+
 MISS_LIMIT = 3  # missed rounds in a row before a peer sits out
 MISS_BACKOFF_S = 30.0  # its first time out; doubled at each exclusion in a row
 MISS_BACKOFF_MAX_S = 600.0
 MAX_PEERS = 4096  # peers remembered; the oldest entries are forgotten first
+MAX_SHOWN = 16  # peers named in status (all are counted): a Sybil crowd must not bloat every status answer
 
 # Outcomes of one attempt (node/averager.py, `_try_partner`) that miss a round whoever we asked.
 _MISSED = frozenset({"failed", "refused"})
@@ -96,6 +99,17 @@ class PartnerMisses:
     def sitting_out(self) -> list[str]:
         now = self._clock()
         return sorted(p for p, e in self._peers.items() if e.until > now)
+
+    def status(self, shown: int = MAX_SHOWN) -> SittingOutStatus:
+        """``sync.sitting_out``: how many peers sit out now and for how long (the `shown` with the most
+        time left, the repeat offenders), so an operator sees whom the averager stopped waiting for."""
+        now = self._clock()
+        left = sorted(((e.until - now, p) for p, e in self._peers.items() if e.until > now), key=lambda x: (-x[0], x[1]))
+        return {
+            "count": len(left),
+            "exclusions": self.excluded_total,
+            "peers": {peer: round(seconds, 1) for seconds, peer in left[:max(0, shown)]},
+        }
 
     def _miss(self, peer: str) -> None:
         entry = self._peers.pop(peer, None) or _Entry()

@@ -23,6 +23,7 @@ from node.status_schema import (
     ReplicationStatus,
     StreamLimitsStatus,
 )
+from protocols.hlc import MAX_LEAD_S
 
 #: key -> (what was refused, plural, why), in the order the keys are declared in RefusalsStatus.
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -40,6 +41,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "averaging_requests_busy": ("averaging request", "averaging requests", "all busy"),
     "averaging_requests_per_ip": ("averaging request", "averaging requests", "per-IP"),
     "averaging_requests_banned_ip": ("averaging request", "averaging requests", "banned IP"),
+    "clocks_capped": ("record's clock not followed", "records' clocks not followed", f"over {MAX_LEAD_S:g} s ahead"),
 }
 
 def _int(value: Any) -> int:
@@ -56,9 +58,11 @@ def collect(
     averaging_rejections: Mapping[str, int],
     snapshot_busy: int,
     subnet_kinds: Mapping[str, str],
+    clock_capped: int,
 ) -> RefusalsStatus:
     """The refusals from the sections node/daemon.py puts in its status (and the snapshot server's count,
-    which no section carries; ``averaging_rejections`` is ``sync.rejections``, empty without an averager).
+    which no section carries; ``averaging_rejections`` is ``sync.rejections``, empty without an averager;
+    ``clock_capped`` is ``swarm_totals.clock_capped``).
 
     ``subnet_kinds`` maps a protocol id of the per-subnet stream limits to its key here (the daemon knows
     the ids; this module stays free of the protocol modules)."""
@@ -85,6 +89,7 @@ def collect(
         "averaging_requests_busy": _int(rejections.get("too_many_requests")),
         "averaging_requests_per_ip": _int(rejections.get("too_many_requests_from_ip")),
         "averaging_requests_banned_ip": _int(rejections.get("banned_ip")),
+        "clocks_capped": _int(clock_capped),
     }
 
 

@@ -364,6 +364,7 @@ class StateReplicator:
                 # Peers held per network group, the largest few: what the Sybil limits see.
                 "member_groups": dict(list(self.state.groups().items())[:5]),
                 "crowd_evictions": self.state.crowd_evictions,
+                "clock_capped": self.state.clock_capped,
                 "incompatible_peers": sorted(self._incompatible),
                 "replication": self.stats.as_dict(),
             },

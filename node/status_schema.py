@@ -34,7 +34,8 @@ from p2p.status import (
 __all__ = [
     "AuthorizationStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
     "ExchangeCounts", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
-    "PeerPathStatus", "ProgressStatus", "RefusalsStatus", "ReplicaStatus", "ReplicationStatus", "StreamLimitsStatus", "TransferStatus",
+    "PeerPathStatus", "ProgressStatus", "RefusalsStatus", "ReplicaStatus", "ReplicationStatus", "SittingOutStatus",
+    "StreamLimitsStatus", "TransferStatus",
     "SwarmTotals", "SyncStatus", "TrainingStatus",
 ]  # fmt: skip
 
@@ -143,6 +144,15 @@ class TransferStatus(TypedDict):
     rate_mbps: float | None  # each way while bytes flowed (None: too early to say)
 
 
+class SittingOutStatus(TypedDict):
+    """``sync.sitting_out``: trainers that missed averaging rounds in a row and are not waited for as partners
+    until their back-off ends (node/partner_misses.py)."""
+
+    count: int  # peers sitting out now
+    exclusions: int  # times a peer was made to sit out, since start
+    peers: dict[str, float]  # peer id -> seconds left, the most first; at most 16 named (count has them all)
+
+
 class SyncStatus(TypedDict):
     """``sync``: averaging rounds with partners (trainers only)."""
 
@@ -171,6 +181,7 @@ class SyncStatus(TypedDict):
     rejections: dict[str, int]  # partner updates refused, by reason (node/robust.py)
     clipped: dict[str, int]  # partner updates clipped, by part: delta | phi
     banned: list[str]
+    sitting_out: SittingOutStatus  # partners that missed rounds in a row, sitting out a back-off
     catch_ups: NotRequired[int]  # snapshots the worker adopted
     catch_up: NotRequired[ProgressStatus]
 
@@ -235,6 +246,7 @@ class SwarmTotals(TypedDict):
     manifest_error: str | None
     member_groups: dict[str, int]  # peers held per network group, the largest few
     crowd_evictions: int
+    clock_capped: int  # others' records dated over MAX_LEAD_S ahead: kept, our clock not moved past the bound
     incompatible_peers: list[str]
     replication: ReplicationStatus
 
@@ -306,6 +318,7 @@ class RefusalsStatus(TypedDict):
     averaging_requests_busy: int  # sync.rejections.too_many_requests
     averaging_requests_per_ip: int  # sync.rejections.too_many_requests_from_ip
     averaging_requests_banned_ip: int  # sync.rejections.banned_ip
+    clocks_capped: int  # swarm_totals.clock_capped: a record's clock over MAX_LEAD_S ahead was not followed
 
 
 # --- the whole status --------------------------------------------------------------------------------------

@@ -118,6 +118,9 @@ def render_status(st: NodeStatus) -> str:
         bounds = _bounds_line(sy)
         if bounds:
             out.append(bounds)
+        sitting_out = _sitting_out_line(sy)
+        if sitting_out:
+            out.append(sitting_out)
     if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
         out.append(_pace_line(tr))
     members = st.get("members")
@@ -174,6 +177,30 @@ def _bounds_line(sy: SyncStatus) -> str | None:
     return (f"bounds: clipped {clipped.get('delta', 0)} Delta / {clipped.get('phi', 0)} phi,"
             f" refused {sum(refused.values())}{f' ({reasons})' if reasons else ''},"
             f" banned {', '.join(short(str(p)) for p in banned) or 'none'}")
+
+
+def _sitting_out_line(sy: SyncStatus) -> str | None:
+    """Trainers the averager stopped waiting for after missed rounds (node/partner_misses.py), with the
+    seconds left of each one's back-off; shown only while one sits out. Without it an operator sees a member
+    table full of alive trainers and a node that pairs with few of them, and cannot tell why."""
+    section = sy.get("sitting_out")
+    if not isinstance(section, dict):
+        return None
+    count = _count(section.get("count"))
+    if count <= 0:
+        return None
+    peers = section.get("peers")
+    peers = peers if isinstance(peers, dict) else {}
+    ranked = sorted(peers.items(), key=lambda kv: (-_seconds(kv[1]), str(kv[0])))
+    named = [f"{short(str(p))} {_seconds(left):.0f}s" for p, left in ranked[:MAX_PARTNERS_SHOWN]]
+    if count > len(named):
+        named.append(f"{count - len(named)} more")
+    return (f"sitting out: {count} partner{'s' * (count != 1)} after missed averaging rounds"
+            f" (seconds left): {', '.join(named)}")
+
+
+def _seconds(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
 def _mixing_line(mixing: MixingStatus) -> str:

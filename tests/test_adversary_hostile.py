@@ -172,6 +172,36 @@ def test_late_join_donors_are_the_members_whose_record_carries_our_manifest(tmp_
     assert daemon._join_donors() == [ours.peer_id]
 
 
+def test_late_join_donors_are_dialable_from_the_addresses_their_records_carry(tmp_path: Path) -> None:
+    """A joiner picks its donors a second after it met the bootstrap node, before the connection manager has
+    dialled any of them: every download failed with "no known addresses" and a fresh identity joining a
+    churned swarm started a fresh model (bench/chaos.py check (f)). The donors' own signed records carry
+    their addresses: the join's choice puts them where a download's dial finds them."""
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerstore import PeerStoreError
+
+    from node.config import load_config
+    from node.daemon import Daemon
+
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
+    daemon.replicator.state.merge(SwarmState(create_new_key_pair()).set_manifest(MANIFEST) or b"")
+    donor = SwarmState(create_new_key_pair())
+    addr = "/ip4/127.0.0.1/tcp/4242"
+    daemon.replicator.state.merge(donor.update_self(role="trainer", manifest_hash=MANIFEST.hash, outer_step=5,
+                                                    addrs=[addr, "not an address"]))
+
+    def known() -> list[str]:  # what a dial of the donor would try
+        try:
+            return [str(a) for a in daemon.host.get_peerstore().addrs(ID.from_base58(donor.peer_id))]
+        except PeerStoreError:  # py-libp2p's "no such peer"
+            return []
+
+    assert known() == []
+    assert daemon._join_donors() == [donor.peer_id]
+    assert known() == [addr]
+
+
 async def test_the_start_up_check_describes_the_model_exactly_as_the_worker_will(tmp_path: Path) -> None:
     """The late join's donors are checked against what the start-up check says of our model: it must be
     what the worker's hello will say, or every honest donor would be refused."""
@@ -296,6 +326,50 @@ async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> Non
     assert daemon._possible_partners() == [] and daemon._eligible_partners() == []
 
 
+async def test_the_daemons_status_view_and_metrics_show_a_capped_clock_and_a_fake_trainer_sitting_out(
+    tmp_path: Path,
+) -> None:
+    """Both defences leave a trace an operator can see: the record whose clock was not followed is counted in
+    `swarm_totals.clock_capped` and `refusals.clocks_capped` (the `refused:` line), the fake trainer that
+    missed its rounds is in `sync.sitting_out` (the `sitting out:` line), and both reach the metrics."""
+    import time
+
+    from node.config import load_config
+    from node.daemon import Daemon
+    from node.metrics import Metrics
+    from node.partner_misses import MISS_BACKOFF_S, MISS_LIMIT
+    from node.status_view import render_status, short
+    from tests.test_metrics import samples_of, value
+
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
+    assert daemon.averager is not None
+    attacker = create_new_key_pair()
+    ahead = Timestamp(int((time.time() + 599.9) * 1000), 0)
+    assert daemon.replicator.state.merge(sign_record(MemberRecord(peer_id_of(attacker.public_key), ahead), attacker))
+    fake = peer_id_of(create_new_key_pair().public_key)
+    for _ in range(MISS_LIMIT):
+        daemon.averager.misses.begin_round()
+        daemon.averager.misses.note(fake, "failed")
+        daemon.averager.misses.end_round(None)
+
+    st = daemon.status()
+    assert st["swarm_totals"]["clock_capped"] == st["refusals"]["clocks_capped"] == 1
+    sitting_out = st["sync"]["sitting_out"]
+    assert sitting_out["count"] == sitting_out["exclusions"] == 1
+    assert list(sitting_out["peers"]) == [fake] and 0 < sitting_out["peers"][fake] <= MISS_BACKOFF_S
+    lines = render_status(st).splitlines()
+    assert "refused: 1 record's clock not followed (over 5 s ahead)" in lines
+    assert any(x.startswith(f"sitting out: 1 partner after missed averaging rounds (seconds left): {short(fake)} ")
+               for x in lines), lines
+    metrics = Metrics()
+    metrics.update_from_status(st)
+    s = samples_of(metrics.render()[0].decode())
+    assert value(s, "starling_refusals_total", kind="clocks_capped") == 1
+    assert value(s, "starling_swarm_clock_capped_total") == 1
+    assert value(s, "starling_sync_partners_sitting_out") == 1
+
+
 def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_success_clears_it() -> None:
     from node.partner_misses import PartnerMisses
 
@@ -327,3 +401,31 @@ def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_succ
     round_("failed")
     round_("failed")
     assert not misses.sits_out("p")  # a success cleared its count
+
+
+def test_status_counts_the_peers_sitting_out_and_names_the_longest_back_offs_first() -> None:
+    """`sync.sitting_out` (node/partner_misses.py): how many sit out now, each named one's seconds left, the
+    exclusions so far; a Sybil crowd of fakes is counted whole but only `shown` of them are named."""
+    from node.partner_misses import PartnerMisses
+    from node.status_schema import SittingOutStatus
+    from tests.test_status_schema import schema_errors
+
+    now = [0.0]
+    misses = PartnerMisses(limit=1, backoff_s=30.0, clock=lambda: now[0])
+    assert misses.status() == {"count": 0, "exclusions": 0, "peers": {}}
+    for peer in ("a", "b", "c"):
+        misses.begin_round()
+        misses.note(peer, "failed")
+        misses.end_round(None)
+        now[0] += 5.0  # a sits out until 30, b until 35, c until 40
+    misses.begin_round()
+    misses.note("c", "paired")  # c took part after all: cleared
+    misses.end_round(None)
+    st = misses.status()
+    assert schema_errors(st, SittingOutStatus) == []
+    assert st == {"count": 2, "exclusions": 3, "peers": {"b": 20.0, "a": 15.0}}
+    assert misses.status(shown=1) == {"count": 2, "exclusions": 3, "peers": {"b": 20.0}}
+    now[0] = 32.0
+    assert misses.status() == {"count": 1, "exclusions": 3, "peers": {"b": 3.0}}
+    now[0] = 36.0
+    assert misses.status() == {"count": 0, "exclusions": 3, "peers": {}}

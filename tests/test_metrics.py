@@ -377,3 +377,45 @@ def test_the_configured_compression_the_last_rounds_preset_and_its_bytes_per_par
     assert value(s, "starling_sync_last_bytes_per_param") == pytest.approx(0.4392)
     metrics.update_from_status({**SAMPLE_STATUS, "sync": {**SAMPLE_STATUS["sync"], "last_compression": None}})
     assert not any(name == "starling_sync_last_compression_info" for name, _ in rendered(metrics))
+
+
+async def test_a_scrape_shows_every_refusal_kind_muxer_offences_capped_clocks_and_partners_sitting_out() -> None:
+    """What a node refused to peers reaches Prometheus: `refusals` as one counter family labelled by kind
+    (zeros included, so an alert's rate() starts from a series), the muxer's offences, the records whose
+    clock was not followed, and the trainers sitting out after missed rounds."""
+    from node.refusals import KINDS
+
+    status = json.loads(json.dumps(SAMPLE_STATUS))
+    status["refusals"] = {kind: 0 for kind in KINDS} | {"state_sessions_peer_share": 12, "clocks_capped": 2}
+    status["muxer"] = {"window_overruns": 4, "dropped_bytes": 9_000_000, "offenders": 1}
+    status["swarm_totals"] = {"clock_capped": 2, "crowd_evictions": 0}
+    status["sync"]["sitting_out"] = {"count": 3, "exclusions": 5, "peers": {"12D3KooWFake": 12.5}}
+    metrics = Metrics()
+    metrics.update_from_status(status)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_metrics, metrics, "127.0.0.1", 0)
+        code, _, body = await http_get(port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        nursery.cancel_scope.cancel()
+
+    assert code == 200
+    s = samples_of(body.decode())
+    refused = {dict(labels)["kind"]: v for (name, labels), v in s.items() if name == "starling_refusals_total"}
+    assert refused == {kind: float(n) for kind, n in status["refusals"].items()}
+    assert value(s, "starling_muxer_window_overruns_total") == 4
+    assert value(s, "starling_muxer_dropped_bytes_total") == 9_000_000
+    assert value(s, "starling_muxer_offenders") == 1
+    assert value(s, "starling_swarm_clock_capped_total") == 2
+    assert value(s, "starling_sync_partners_sitting_out") == 3
+    assert value(s, "starling_sync_partner_exclusions_total") == 5
+
+
+def test_refusal_sections_that_are_absent_or_mistyped_export_nothing_of_theirs() -> None:
+    metrics = Metrics()
+    metrics.update_from_status({**SAMPLE_STATUS, "refusals": {"clocks_capped": "two", "handshakes_refused": 1},
+                                "muxer": None, "swarm_totals": {"clock_capped": -1}})
+    s = rendered(metrics)
+    names = {name for name, _ in s}
+    assert value(s, "starling_refusals_total", kind="handshakes_refused") == 1
+    assert ("starling_refusals_total", frozenset({("kind", "clocks_capped")})) not in s
+    assert not names & {"starling_muxer_window_overruns_total", "starling_swarm_clock_capped_total",
+                        "starling_sync_partners_sitting_out"}

@@ -29,6 +29,7 @@ def test_collect_reads_each_limits_own_counter() -> None:
                               "phi_distance": 50},  # a refused update, not a refused request
         snapshot_busy=8,
         subnet_kinds=SUBNET_KINDS,
+        clock_capped=9,
     )  # fmt: skip
     assert schema_errors(refusals, RefusalsStatus) == []
     assert refusals == {
@@ -37,4 +38,5 @@ def test_collect_reads_each_limits_own_counter() -> None:
         "state_sessions_busy": 3, "state_sessions_peer_share": 12, "state_sessions_subnet_share": 7,
         "snapshot_downloads_busy": 8, "snapshot_downloads_subnet_share": 0, "dialbacks_subnet_share": 1,
         "averaging_requests_busy": 1, "averaging_requests_per_ip": 3, "averaging_requests_banned_ip": 2,
+        "clocks_capped": 9,
     }  # fmt: skip

@@ -20,7 +20,16 @@ import pytest
 from node import doctor
 from node.metrics import Metrics
 from node.sdnotify import summarize_status
-from node.status_schema import MixingStatus, NodeStatus, RefusalsStatus, SyncStatus, TrainingStatus
+from node.status_schema import (
+    MixingStatus,
+    MuxerStatus,
+    NodeStatus,
+    RefusalsStatus,
+    SittingOutStatus,
+    SwarmTotals,
+    SyncStatus,
+    TrainingStatus,
+)
 from node.status_view import render_status
 from starling_testing.daemon import TINY, DaemonGroup
 
@@ -104,14 +113,23 @@ EXPORTED: dict[tuple[str, str], str] = {
     ("mixing", "outer_steps"): "sync_recent_outer_steps",
     ("mixing", "solo_share"): "sync_recent_solo_share",
     ("mixing", "distinct_partners"): "sync_recent_distinct_partners",
+    ("sitting_out", "count"): "sync_partners_sitting_out",
+    ("sitting_out", "exclusions"): "sync_partner_exclusions",
+    ("muxer", "window_overruns"): "muxer_window_overruns",
+    ("muxer", "dropped_bytes"): "muxer_dropped_bytes",
+    ("muxer", "offenders"): "muxer_offenders",
+    ("swarm_totals", "clock_capped"): "swarm_clock_capped",
 }
+# `refusals` is one family labelled by kind (starling_refusals_total), checked key by key below.
 # Numeric fields left out of the metrics on purpose: identifiers, or what a dashboard gets elsewhere.
 NOT_EXPORTED = {
     ("training", "pid"), ("training", "resumed_step"), ("training", "checkpoint_step"), ("training", "lr"),
     ("training", "last_group_size"), ("sync", "unpaired_rounds"), ("sync", "declined"), ("sync", "datapath_port"),
     ("sync", "catch_ups"), ("mixing", "window"), ("mixing", "averaged"), ("mixing", "solo"), ("mixing", "scheduled"),
+    ("swarm_totals", "samples"), ("swarm_totals", "tokens"), ("swarm_totals", "crowd_evictions"),
 }  # fmt: skip
-SECTIONS = {"": NodeStatus, "training": TrainingStatus, "sync": SyncStatus, "mixing": MixingStatus}
+SECTIONS = {"": NodeStatus, "training": TrainingStatus, "sync": SyncStatus, "mixing": MixingStatus,
+            "sitting_out": SittingOutStatus, "muxer": MuxerStatus, "swarm_totals": SwarmTotals}
 
 
 def _numeric(tp: Any) -> bool:
@@ -149,6 +167,24 @@ def test_a_network_only_nodes_status_matches_the_schema_and_says_what_it_refused
     assert schema_errors(st, NodeStatus) == []
     assert set(st["refusals"]) == set(get_type_hints(RefusalsStatus))
     assert "refused: nothing" in render_status(st).splitlines()
+    families = _families(st)
+    assert _refusal_samples(families) == st["refusals"]
+    for name in ("muxer_window_overruns", "muxer_dropped_bytes", "muxer_offenders", "swarm_clock_capped"):
+        assert families[name].samples[0].value == 0, name
+
+
+def _families(st: NodeStatus) -> dict[str, Any]:
+    """The metric families Metrics exports for `st`, by name without the `starling_` prefix."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = Metrics()
+    metrics.update_from_status(st)
+    body, _ = metrics.render()
+    return {f.name.removeprefix("starling_"): f for f in text_string_to_metric_families(body.decode())}
+
+
+def _refusal_samples(families: dict[str, Any]) -> dict[str, int]:
+    return {s.labels["kind"]: int(s.value) for s in families["refusals"].samples if s.name.endswith("_total")}
 
 
 @pytest.fixture
@@ -166,14 +202,10 @@ def test_a_training_nodes_status_matches_the_schema_and_feeds_every_reader(train
     assert {"training", "sync", "join"} <= st.keys()
 
     # metrics: a family for every exported field, with the status's value
-    from prometheus_client.parser import text_string_to_metric_families
-
-    metrics = Metrics()
-    metrics.update_from_status(st)
-    body, _ = metrics.render()
-    families = {f.name.removeprefix("starling_"): f for f in text_string_to_metric_families(body.decode())}
+    families = _families(st)
     sections: dict[str, Any] = {"": st, "training": st["training"], "sync": st["sync"],
-                                "mixing": st["sync"]["mixing"]}
+                                "mixing": st["sync"]["mixing"], "sitting_out": st["sync"]["sitting_out"],
+                                "muxer": st["muxer"], "swarm_totals": st["swarm_totals"]}
     for (section, key), name in EXPORTED.items():
         value = sections[section][key]
         if value is None:
@@ -196,6 +228,7 @@ def test_a_training_nodes_status_matches_the_schema_and_feeds_every_reader(train
     assert {s.labels["peer_id"] for s in families["peer_rtt_seconds"].samples} == {p["peer_id"] for p in st["peers"]}
     assert families["swarm_pairing_islands"].samples[0].value == 1
     assert families["swarm_unpaired_trainers"].samples[0].value == 0
+    assert _refusal_samples(families) == st["refusals"]
 
     # doctor: every status check has a verdict (none skipped for want of a key), none is an error
     checks = [doctor.check_reachability, doctor.check_clock_skew, doctor.check_versions, doctor.check_manifest,

@@ -156,3 +156,28 @@ def test_sync_line_shows_auto_with_the_last_exchanges_preset_and_its_bytes_per_p
     assert ", compression high" in line(render_status(st), "sync:") and "(last" not in line(render_status(st), "sync:")
     st["sync"].update(compression="none", last_compression="none", last_bytes_per_param=4.0)
     assert "compression" not in line(render_status(st), "sync:")
+
+
+def test_refused_line_counts_records_whose_clock_was_too_far_ahead_to_follow() -> None:
+    st = captured()
+    st["refusals"] = {"clocks_capped": 2, "averaging_requests_busy": 1}
+    assert line(render_status(st), "refused:") == (
+        "refused: 2 records' clocks not followed (over 5 s ahead), 1 averaging request (all busy)")
+    st["refusals"] = {"clocks_capped": 1}
+    assert line(render_status(st), "refused:") == "refused: 1 record's clock not followed (over 5 s ahead)"
+
+
+def test_sitting_out_line_names_the_partners_with_the_most_time_left_first_and_counts_the_rest() -> None:
+    st = captured()
+    assert not any(x.startswith("sitting out:") for x in render_status(st).splitlines())  # an older daemon
+    st["sync"]["sitting_out"] = {"count": 0, "exclusions": 3, "peers": {}}
+    assert not any(x.startswith("sitting out:") for x in render_status(st).splitlines())  # none now
+    peers = {f"12D3KooWFake{i}xxxxxxxxxxxxxx{i}": float(10 * i) + 0.4 for i in range(1, 6)}
+    st["sync"]["sitting_out"] = {"count": 7, "exclusions": 9, "peers": peers}  # 2 more than named
+    assert line(render_status(st), "sitting out:") == (
+        "sitting out: 7 partners after missed averaging rounds (seconds left): "
+        + ", ".join(f"{short(f'12D3KooWFake{i}xxxxxxxxxxxxxx{i}')} {10 * i}s" for i in (5, 4, 3, 2))
+        + ", 3 more")
+    st["sync"]["sitting_out"] = {"count": 1, "exclusions": 1, "peers": {"12D3KooWFake1xxxxxxxxxxxxxx1": 29.6}}
+    assert line(render_status(st), "sitting out:") == (
+        "sitting out: 1 partner after missed averaging rounds (seconds left): 12D3Ko..xxxxx1 30s")
