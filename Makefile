@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-adversary bench-memory chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory chaos fuzz swarm-up swarm-down clean
 
 install: $(STAMP)
 
@@ -84,6 +84,11 @@ bench-swarm: install
 WAN_ARGS ?=
 bench-wan: install
 	$(PY) bench/wan.py $(WAN_ARGS) --write-docs
+
+# The swarm's own traffic: what 5 network-only daemons on loopback send per second, by protocol (section
+# "The swarm's own traffic"); about 2 min.
+bench-membership: install
+	$(PY) bench/membership.py --write-docs
 
 # Hostile averaging partners against a real victim, then 1 GiB pushed past a stream's receive window into a
 # real daemon (docs/reliability.md); about 3 min.
