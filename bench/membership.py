@@ -8,8 +8,9 @@ and how many of them are window updates, and bytes on the TCP connections (after
 counters are bench/traffic_probe/sitecustomize.py, loaded into each daemon through its PYTHONPATH.
 
 Why it matters: on a slow link this traffic competes with every exchange, and it does not shrink with the
-model (docs/benchmarks.md, "Over slow links"). Run it against other code with PYTHONPATH (the daemons run
-``python -m node.cli`` from the first tree on the path): ``PYTHONPATH=/path/to/old/tree python bench/membership.py``.
+model (docs/benchmarks.md, "Over slow links"). Run it against other code from that tree's directory (the
+daemons run ``python -m node.cli``, which looks in the working directory first):
+``cd /path/to/old/tree && PYTHONPATH=$PWD python /path/to/bench/membership.py``.
 
 Usage: python bench/membership.py [--nodes 5] [--settle 20] [--seconds 60] [--set SECTION.OPTION=VALUE ...]
                                   [--write-docs]
@@ -98,8 +99,8 @@ def render(rates: dict[str, float], n: int, command: str) -> str:
     for key in protocols:
         protocol = key.removeprefix("bytes ")
         lines.append(f"| `{protocol}` | {rates[key]:,.0f} B in {rates.get('writes ' + protocol, 0.0):.1f} writes |")
-    lines.append(f"| alive members each daemon knew at the end (least) | {rates['alive members known (min)']:.0f} "
-                 f"of {n - 1} |")
+    lines.append(f"| members alive in each daemon's table at the end (least; itself included) | "
+                 f"{rates['alive members known (min)']:.0f} of {n} |")
     return "\n".join(lines) + "\n"
 
 
