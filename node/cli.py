@@ -54,12 +54,26 @@ def _version() -> str:
         return "0+unknown"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command's parser: options are never abbreviated (see build_parser)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+EXPORT_FORMATS = ("safetensors", "torch", "hf")  # node/export.py's FORMATS, known here without importing torch
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser; each command's namespace carries its own parser as `_parser`, so that an option the
     command does not know is reported with that command's usage (see `main`)."""
-    p = argparse.ArgumentParser(prog="starling", description="Decentralized peer-to-peer training daemon.")
+    # allow_abbrev=False everywhere: argparse would otherwise read `run --hom /srv/x` as `--home /srv/x`, or
+    # a typo that happens to be a prefix of some option as that option.
+    p = argparse.ArgumentParser(prog="starling", description="Decentralized peer-to-peer training daemon.",
+                                allow_abbrev=False)
     p.add_argument("--version", action="version", version=f"starling {_version()}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def home_arg(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--home", help="node directory (default: $STARLING_HOME, else ~/.starling)")
@@ -112,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     home_arg(sp)
     sp.add_argument("--out", required=True, metavar="DIR", help="directory to write into (created if missing)")
     sp.add_argument("--format", default="safetensors", metavar="FORMAT",
-                    help="safetensors (default: DIR/model.safetensors) | torch (DIR/model.pt) | hf (save_pretrained)")
+                    help="safetensors (default: DIR/model.safetensors) | torch (DIR/model.pt) | hf (save_pretrained); "
+                         "every file written is private (mode 0600)")
     sp.add_argument("--evaluate", action="store_true", help="also measure the exported weights' validation loss")
     sp.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
                     help="a config option, as given to `run` (the task and its [task] options fix the model)")
@@ -427,6 +442,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """`starling export`: one line on stdout saying what was written; every failure one line, exit 2."""
     from node.config import ConfigError, load_config, resolve_home
 
+    if args.format not in EXPORT_FORMATS:  # before anything slow is loaded (the task, torch)
+        return _die(f"--format: one of {', '.join(EXPORT_FORMATS)}; got {args.format!r}")
     home = resolve_home(args.home)
     if not home.is_dir():
         return _die(f"{home}: no such node home (pass --home or set STARLING_HOME)")
@@ -434,11 +451,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         cfg = load_config(home, overrides=_parse_set(args.set))
     except (ConfigError, ValueError) as e:
         return _die(str(e))
-    from node.export import FORMATS, ExportError, export_weights  # imports torch: only now
+    from node.export import ExportError, export_weights  # imports torch: only now
     from node.task import TaskError
 
-    if args.format not in FORMATS:
-        return _die(f"--format: one of {', '.join(FORMATS)}; got {args.format!r}")
     try:
         result = export_weights(home, Path(args.out).expanduser(), args.format, cfg, evaluate=args.evaluate)
     except (ExportError, TaskError) as e:
@@ -470,13 +485,44 @@ def _watch_status(home: Path, interval: float) -> int:
         return EXIT_OK
 
 
+def _abbreviation_hint(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """' (options are not abbreviated: did you mean --home?)' when an unknown option begins a known one."""
+    for token in unknown:
+        name = token.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        options = sorted(o for o in parser._option_string_actions if o.startswith(name) and o != name)
+        if options:
+            return f" (options are not abbreviated: did you mean {' or '.join(options)}?)"
+    return ""
+
+
+def home_problem(home: Path) -> str | None:
+    """Why `home` can never be a node directory (a regular file, or under one), else None."""
+    if home.exists() and not home.is_dir():
+        return f"{home} is not a directory (--home or STARLING_HOME must name the node's directory)"
+    for parent in home.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{home}: {parent} is not a directory (--home or STARLING_HOME must name the node's directory)"
+            break
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse would blame the top-level parser and print its usage, not the command's
         tokens = list(sys.argv[1:] if argv is None else argv)
         before_command = tokens.index(unknown[0]) < tokens.index(args.command) if unknown[0] in tokens else False
-        (parser if before_command else args._parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        blamed = parser if before_command else args._parser
+        blamed.error(f"unrecognized arguments: {' '.join(unknown)}{_abbreviation_hint(blamed, unknown)}")
+    if hasattr(args, "home"):
+        from node.config import resolve_home
+
+        problem = home_problem(resolve_home(args.home))
+        if problem:
+            return _die(problem)
     handlers = {
         "init": cmd_init,
         "run": cmd_run,

@@ -961,7 +961,9 @@ def _final_checkpoint(chan: WorkerChannel | None, trainer: Trainer) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m node.worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m node.worker", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--fd", type=int, help="this end of the daemon's control socketpair")
     mode.add_argument("--check", action="store_true",

@@ -1,0 +1,113 @@
+"""When a node cannot join or train, say why (issue #27): each row of the issue's table, driven through the
+real `starling` command where the row is about the command.
+
+Every failure is one line that names the cause and the fix, never a traceback; `status` and `doctor` say
+what is wrong between nodes."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.cli import build_parser
+from node.cli import main as cli_main
+from starling_testing.daemon import ROOT, starling
+
+#: A daemon that must never get far: loopback, no worker. Today's code would start it; a test then fails
+#: on its timeout instead of leaving a trainer on 0.0.0.0:4001.
+HARMLESS = ["--listen", "/ip4/127.0.0.1/tcp/0", "--no-train"]
+REAL_PEER = "12D3KooWPoxc3GetHDNMfRYL4h9TgTs2Dkrxk53DHHVDEVfqWV33"
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+# --- abbreviated options ------------------------------------------------------------------------------------
+
+
+def test_an_abbreviated_option_is_refused_and_the_full_one_suggested(tmp_path: Path) -> None:
+    """`run --hom /srv/x` was read as `--home /srv/x` and started a trainer."""
+    home = tmp_path / "x"
+    r = starling("run", "--hom", str(home), *HARMLESS, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert "unrecognized arguments: --hom" in r.stderr and "did you mean --home?" in r.stderr
+    assert not home.exists()
+
+
+def test_no_parser_of_the_command_accepts_abbreviations(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert not parser.allow_abbrev
+    assert all(not p.allow_abbrev for p in sub.choices.values()), [n for n, p in sub.choices.items() if p.allow_abbrev]
+    with pytest.raises(SystemExit) as e:
+        cli_main(["status", "--js"])  # was `--json`
+    assert e.value.code == 2 and "did you mean --json?" in capsys.readouterr().err
+
+
+# --- --home naming a file -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["run", "status", "init", "plot", "export"])
+def test_a_home_that_is_a_regular_file_is_one_line_saying_so(tmp_path: Path, command: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("not a node directory")
+    extra = {"run": HARMLESS, "export": ["--out", str(tmp_path / "out")]}.get(command, [])
+    r = starling(command, "--home", str(afile), *extra, timeout=30)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert f"{afile} is not a directory" in _one_error_line(r.stderr)
+    r = starling(command, "--home", str(afile / "sub"), *extra, timeout=30)  # a file on the way there
+    assert r.returncode == 2 and f"{afile} is not a directory" in _one_error_line(r.stderr)
+
+
+# --- a bootstrap PeerID that cannot be one ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["run", "doctor"])
+def test_a_bootstrap_address_with_a_mistyped_peer_id_is_refused_at_start(tmp_path: Path, command: str) -> None:
+    """`/p2p/12D3KooWtypo` decodes as base58 (py-libp2p takes it), but it is no PeerID: it was dialled forever."""
+    addr = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWtypo"
+    r = starling(command, "--home", str(tmp_path / "h"), *(HARMLESS if command == "run" else []),
+                 "--bootstrap", addr, timeout=30)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    line = _one_error_line(r.stderr)
+    assert "'12D3KooWtypo' is not a PeerID" in line and ("--bootstrap" in line or "node.bootstrap" in line)
+
+
+def test_a_real_peer_id_and_the_other_peer_id_forms_are_still_accepted() -> None:
+    from libp2p.crypto.secp256k1 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    from p2p.addrs import is_peer_id, parse_bootstrap  # was node.config's, for node.founder only
+
+    secp = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
+    for peer in (REAL_PEER, secp, "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"):
+        assert is_peer_id(peer), peer
+        assert str(parse_bootstrap(f"/ip4/1.2.3.4/tcp/1/p2p/{peer}").peer_id) == peer
+    for typo in ("12D3KooWtypo", REAL_PEER[:-1], REAL_PEER + "x", "12D3KooW"):
+        assert not is_peer_id(typo), typo
+
+
+# --- export: the format before anything slow ----------------------------------------------------------------
+
+
+def test_export_refuses_an_unknown_format_before_loading_torch_or_the_task(tmp_path: Path) -> None:
+    """It was refused only after ~10 s of loading."""
+    from node.cli import EXPORT_FORMATS
+    from node.export import FORMATS
+
+    assert EXPORT_FORMATS == FORMATS
+    probe = ("import sys; from node.cli import main; rc = main(sys.argv[1:]); "
+             "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded'); sys.exit(rc)")
+    (tmp_path / "home").mkdir()
+    r = subprocess.run([sys.executable, "-c", probe, "export", "--home", str(tmp_path / "home"), "--out",
+                        str(tmp_path / "out"), "--format", "bogus"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode == 2 and "--format: one of safetensors, torch, hf; got 'bogus'" in r.stderr
+    assert r.stdout.strip() == "torch not loaded"
