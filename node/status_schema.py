@@ -25,6 +25,7 @@ from typing import NotRequired, TypedDict
 
 from p2p.status import (
     AuthorizationStatus,
+    BootstrapPeerStatus,
     ConnectionsStatus,
     DiscoveryStatus,
     MuxerStatus,
@@ -32,7 +33,7 @@ from p2p.status import (
 )
 
 __all__ = [
-    "AuthorizationStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
+    "AuthorizationStatus", "BootstrapPeerStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
     "ExchangeCounts", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
     "PeerPathStatus", "ProgressStatus", "RefusalsStatus", "ReplicaStatus", "ReplicationStatus", "SittingOutStatus",
     "StreamLimitsStatus", "TransferStatus",
@@ -291,6 +292,7 @@ class BootstrapStatus(TypedDict):
 
     addrs: list[str]
     files: list[str]
+    peers: list[BootstrapPeerStatus]  # every bootstrap peer (files' too): connected, or why not
 
 
 # --- refusals: every limit's refusals in one place (node/refusals.py) ---------------------------------------

@@ -48,6 +48,23 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
+def _bootstrap_lines(st: NodeStatus) -> list[str]:
+    """One line per bootstrap peer this node cannot reach, with the cause of its last failed dial."""
+    boot = st.get("bootstrap")
+    peers = boot.get("peers") if isinstance(boot, dict) else None
+    if not isinstance(peers, list):
+        return []  # an older daemon
+    lines = []
+    for p in peers:
+        if not isinstance(p, dict) or p.get("connected") or not p.get("last_error"):
+            continue
+        addrs = ", ".join(str(a) for a in p.get("addrs") or []) or "?"
+        failures = p.get("failures") or 0
+        lines.append(f"bootstrap {short(str(p.get('peer_id', '?')))} at {addrs}: not connected "
+                     f"({failures} failed dial{'s' * (failures != 1)}): {p['last_error']}")
+    return lines
+
+
 def render_status(st: NodeStatus) -> str:
     out: list[str] = []
     out.append(f"starling {st.get('version', '?')}  peer {st.get('peer_id', '?')}")
@@ -71,6 +88,7 @@ def render_status(st: NodeStatus) -> str:
             d: PeerPathStatus | dict[str, Any] = detail.get(p) or {}
             rows.append([short(p), str(d.get("path", "-")), _fmt(d.get("rtt_ms"), ".1f")])
         out.extend(_table(rows))
+    out.extend(_bootstrap_lines(st))
     nat = st.get("nat") or {}
     if nat.get("reason"):
         out.append(f"nat: {nat['reason']}")

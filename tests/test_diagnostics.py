@@ -111,3 +111,87 @@ def test_export_refuses_an_unknown_format_before_loading_torch_or_the_task(tmp_p
                        timeout=60)
     assert r.returncode == 2 and "--format: one of safetensors, torch, hf; got 'bogus'" in r.stderr
     assert r.stdout.strip() == "torch not loaded"
+
+
+# --- the dialling side names the cause: a wrong PeerID, a swarm key mismatch, an allowlist --------------------
+
+OTHER_KEY, KEY = "11" * 32, "22" * 32
+NOT_LISTED = ["12D3KooWPoxc3GetHDNMfRYL4h9TgTs2Dkrxk53DHHVDEVfqWV33"]
+
+
+async def _bootstrap_once(dialler_key: str | None, listener_key: str | None, *, wrong_peer: bool = False,
+                          allow: list[str] | None = None) -> tuple[str, str, str]:
+    """Dial a listening host as a bootstrap peer through the connection manager until one dial failed:
+    (the bootstrap peer's last_error in status, the PeerID that listens, the one dialled)."""
+    import multiaddr
+    import trio
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import PeerInfo
+
+    from p2p.auth import AccessControl
+    from p2p.connmgr import ConnManager
+    from p2p.host import build_host
+
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    dialler = build_host(create_new_key_pair(), psk=dialler_key, dial_timeout=2)
+    listener = build_host(create_new_key_pair(), psk=listener_key, dial_timeout=2)
+    access = AccessControl(keyed=dialler_key is not None)
+    access.install(dialler)
+    AccessControl(keyed=listener_key is not None, allow=allow or ()).install(listener)
+    cm = ConnManager(dialler, dial_timeout=2, explain=lambda p: access.explain_dial(str(p)))
+    async with dialler.run(listen_addrs=listen), listener.run(listen_addrs=listen):
+        addr = listener.get_addrs()[0].decapsulate(multiaddr.Multiaddr(f"/p2p/{listener.get_id()}"))
+        target = ID.from_pubkey(create_new_key_pair().public_key) if wrong_peer else listener.get_id()
+        cm.add_candidate(PeerInfo(target, [addr]), source="bootstrap", permanent=True)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cm.run)
+            with trio.fail_after(60):
+                while cm.candidates[target].failures < 1:
+                    await trio.sleep(0.05)
+            [peer] = cm.bootstrap_status()
+            nursery.cancel_scope.cancel()
+    assert peer["peer_id"] == str(target) and not peer["connected"] and peer["failures"] >= 1
+    return peer["last_error"], str(listener.get_id()), str(target)
+
+
+def test_a_bootstrap_address_where_another_node_answers_names_both_peer_ids(caplog: pytest.LogCaptureFixture) -> None:
+    """It was `SwarmDialAllFailedError: unable to connect to 12D3KooW...`, then `(negative cache)`."""
+    import trio
+
+    error, listening, dialled = trio.run(lambda: _bootstrap_once(None, None, wrong_peer=True))
+    assert "the peer at 127.0.0.1:" in error and f"is {listening}, not {dialled}" in error, error
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "starling.connmgr"]
+    assert any(f"is {listening}, not {dialled}" in m for m in warned), warned
+
+
+@pytest.mark.parametrize(("dialler", "listener"), [(KEY, None), (None, KEY), (KEY, OTHER_KEY)],
+                         ids=["keyed-to-open", "open-to-keyed", "another-key"])
+def test_a_swarm_key_mismatch_is_named_by_the_dialling_side(dialler: str | None, listener: str | None) -> None:
+    """It was only `cannot reach bootstrap peer ... timed out after 10s`; the key was named by the other side."""
+    import trio
+
+    from p2p.auth import KEY_MISMATCH_FIX
+
+    error, _, _ = trio.run(lambda: _bootstrap_once(dialler, listener))
+    assert error.startswith("peer at 127.0.0.1:") and "the handshake" in error and KEY_MISMATCH_FIX in error, error
+
+
+def test_a_peer_whose_allowlist_leaves_us_out_is_named_as_such() -> None:
+    import trio
+
+    error, _, _ = trio.run(lambda: _bootstrap_once(KEY, KEY, allow=NOT_LISTED))
+    assert "closed the connection right after the handshake" in error and "node.allow_peers" in error, error
+
+
+def test_status_shows_why_each_unconnected_bootstrap_peer_is_not_connected() -> None:
+    from node.status_view import render_status
+
+    why = f"the peer at 127.0.0.1:4001 is {REAL_PEER}, not 12D3KooWOther: correct the PeerID after /p2p/"
+    peers = [{"peer_id": "12D3KooWOtherPeerIdentity", "addrs": ["/ip4/127.0.0.1/tcp/4001"], "connected": False,
+              "failures": 3, "last_error": why},
+             {"peer_id": REAL_PEER, "addrs": ["/ip4/127.0.0.1/tcp/4002"], "connected": True, "failures": 0,
+              "last_error": ""}]
+    text = render_status({"connected_peers": [REAL_PEER], "bootstrap": {"addrs": [], "files": [], "peers": peers}})  # type: ignore[typeddict-item]
+    [line] = [line for line in text.splitlines() if line.startswith("bootstrap ")]
+    assert "at /ip4/127.0.0.1/tcp/4001: not connected (3 failed dials): " + why in line
