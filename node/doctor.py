@@ -997,8 +997,14 @@ def check_manifest(status: NodeStatus) -> list[Finding]:
             named.setdefault(str(m.get("peer_id")), str(m.get("manifest_hash") or "?"))
     for peer in incompatible - set(named):
         named[str(peer)] = "?"
+    # What differs, as the state protocol's refusal said (a newer daemon reports it): the swarm or the manifest.
+    differs = {str(d.get("peer_id")): d for d in totals.get("incompatible") or [] if isinstance(d, dict)}
     if named:
-        listed = [f"{short(p)} (manifest {h[:12]})" for p, h in sorted(named.items())]
+        listed = [
+            f"{short(p)} (swarm {differs[p].get('theirs')!r})" if differs.get(p, {}).get("field") == "swarm"
+            else f"{short(p)} (manifest {str(differs[p].get('theirs')) if p in differs else h:.12})"
+            for p, h in sorted(named.items())
+        ]
         findings.append(
             Finding(
                 "manifest",

@@ -366,6 +366,12 @@ class StateReplicator:
                 "crowd_evictions": self.state.crowd_evictions,
                 "clock_capped": self.state.clock_capped,
                 "incompatible_peers": sorted(self._incompatible),
+                "incompatible": [
+                    {"peer_id": peer, "field": "swarm" if exc.code == protocol.SWARM_MISMATCH else "manifest",
+                     "theirs": exc.remote, "ours": exc.local, "version": exc.peer_version}
+                    for peer, exc in sorted(self._incompatible.items())
+                ],
+                "our_manifest": _manifest_fields(self.local_manifest() or swarm_manifest),
                 "replication": self.stats.as_dict(),
             },
         }
@@ -889,6 +895,13 @@ class StateReplicator:
             self._save_failing = False
             self.stats.saves += 1
             self.stats.last_save = self._clock()
+
+
+def _manifest_fields(manifest: Manifest | None) -> dict[str, str | int] | None:
+    if manifest is None:
+        return None
+    return {"task": manifest.task, "model_hash": manifest.model_hash, "optimizer_hash": manifest.optimizer_hash,
+            "protocol_version": manifest.protocol_version}
 
 
 def _remember(table: OrderedDict[str, Any], key: str, value: Any) -> None:

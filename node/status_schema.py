@@ -34,7 +34,7 @@ from p2p.status import (
 
 __all__ = [
     "AuthorizationStatus", "BootstrapPeerStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
-    "ExchangeCounts", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
+    "ExchangeCounts", "IncompatiblePeerStatus", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
     "PeerPathStatus", "ProgressStatus", "RefusalsStatus", "ReplicaStatus", "ReplicationStatus", "SittingOutStatus",
     "StreamLimitsStatus", "TransferStatus",
     "SwarmTotals", "SyncStatus", "TrainingStatus",
@@ -234,6 +234,20 @@ class ReplicationStatus(TypedDict):
     last_save: float | None  # wall time
 
 
+class IncompatiblePeerStatus(TypedDict):
+    """``swarm_totals.incompatible[i]``: a peer refused as incompatible, and what differs.
+
+    ``field`` is ``swarm`` (the swarm names differ) or ``manifest`` (the run manifests differ: task, model
+    config, optimizer config or protocol version; the state protocol's hello carries only the manifest's hash,
+    so which of them is not known here: ``our_manifest`` lists this node's)."""
+
+    peer_id: str
+    field: str  # swarm | manifest
+    theirs: str  # its swarm name, or its manifest hash
+    ours: str
+    version: str  # the Starling version it runs ("" if it did not say)
+
+
 class SwarmTotals(TypedDict):
     """``swarm_totals``: the swarm as this node's replica sees it."""
 
@@ -249,6 +263,8 @@ class SwarmTotals(TypedDict):
     crowd_evictions: int
     clock_capped: int  # others' records dated over MAX_LEAD_S ahead: kept, our clock not moved past the bound
     incompatible_peers: list[str]
+    incompatible: list[IncompatiblePeerStatus]  # the same peers, with what differs
+    our_manifest: dict[str, str | int] | None  # task, model_hash, optimizer_hash, protocol_version
     replication: ReplicationStatus
 
 

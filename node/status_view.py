@@ -141,6 +141,7 @@ def render_status(st: NodeStatus) -> str:
             out.append(sitting_out)
     if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
         out.append(_pace_line(tr))
+    out.extend(_incompatible_lines(st))
     members = st.get("members")
     if members:
         # `step` is the member's inner step (the lr schedule and the loss curve follow it), `outer` its outer
@@ -149,7 +150,8 @@ def render_status(st: NodeStatus) -> str:
         for m in members:
             rows.append([
                 short(str(m.get("peer_id", "?"))),
-                str(m.get("state", "?")),
+                # Its records stopped once it was refused: "suspect 31s ago" would hide why.
+                "incompatible" if m.get("incompatible") else str(m.get("state", "?")),
                 _fmt(m.get("step")),
                 _fmt(m.get("outer_step")),
                 _fmt(m.get("loss"), ".4f"),
@@ -161,6 +163,31 @@ def render_status(st: NodeStatus) -> str:
         out.extend(_table(rows))
         out.append(_pairing_line(members))
     return "\n".join(out)
+
+
+def _incompatible_lines(st: NodeStatus) -> list[str]:
+    """This node's own disagreement with the swarm's manifest, and each peer refused as incompatible with
+    what differs (swarm name, or run manifest)."""
+    totals = st.get("swarm_totals")
+    if not isinstance(totals, dict):
+        return []
+    lines = []
+    if totals.get("manifest_error"):
+        lines.append(f"manifest: {totals['manifest_error']}")
+    ours = totals.get("our_manifest")
+    task = f"ours: task {ours.get('task')!r}, " if isinstance(ours, dict) else "ours: "
+    for p in totals.get("incompatible") or []:
+        if not isinstance(p, dict):
+            continue
+        runs = f" (it runs starling {p['version']})" if p.get("version") else ""
+        if p.get("field") == "swarm":
+            what = f"swarm {p.get('theirs')!r}, ours {p.get('ours')!r}"
+        else:
+            what = (f"run manifest {str(p.get('theirs'))[:12] or 'none'}, {task}manifest "
+                    f"{str(p.get('ours'))[:12] or 'none'}: another task, model config, optimizer config or protocol "
+                    "version")
+        lines.append(f"incompatible {short(str(p.get('peer_id', '?')))}{runs}: {what}; never synced or averaged with")
+    return lines
 
 
 def _training_error_line(tr: TrainingStatus) -> str:

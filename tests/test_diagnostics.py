@@ -195,3 +195,24 @@ def test_status_shows_why_each_unconnected_bootstrap_peer_is_not_connected() -> 
     text = render_status({"connected_peers": [REAL_PEER], "bootstrap": {"addrs": [], "files": [], "peers": peers}})  # type: ignore[typeddict-item]
     [line] = [line for line in text.splitlines() if line.startswith("bootstrap ")]
     assert "at /ip4/127.0.0.1/tcp/4001: not connected (3 failed dials): " + why in line
+
+
+# --- an incompatible peer ------------------------------------------------------------------------------------
+
+
+def test_status_shows_an_incompatible_peer_as_incompatible_with_what_differs() -> None:
+    """It showed the connected, alive peer as `suspect ... 31s ago` and never said why."""
+    from node.status_view import render_status
+
+    odd, other_swarm = "12D3KooWOddTaskPeerAAAAAAAAAAAA", "12D3KooWOtherSwarmPeerBBBBBBBBBBB"
+    members = [{"peer_id": REAL_PEER, "self": True, "state": "alive"},
+               {"peer_id": odd, "self": False, "state": "suspect", "last_seen_s": 31.0, "incompatible": True}]
+    totals = {"manifest_error": None, "our_manifest": {"task": "stdlib-lm"}, "incompatible": [
+        {"peer_id": odd, "field": "manifest", "theirs": "b" * 64, "ours": "a" * 64, "version": "0.2.0"},
+        {"peer_id": other_swarm, "field": "swarm", "theirs": "beta", "ours": "alpha", "version": ""}]}
+    text = render_status({"members": members, "swarm_totals": totals})  # type: ignore[typeddict-item]
+    [row] = [line for line in text.splitlines() if line.strip().startswith(odd[:6]) and "ago" in line]
+    assert "incompatible" in row and "suspect" not in row
+    assert (f"incompatible {odd[:6]}..{odd[-6:]} (it runs starling 0.2.0): run manifest bbbbbbbbbbbb, ours: task "
+            "'stdlib-lm', manifest aaaaaaaaaaaa: another task, model config, optimizer config or protocol version") in text
+    assert f"incompatible {other_swarm[:6]}..{other_swarm[-6:]}: swarm 'beta', ours 'alpha'" in text
