@@ -998,13 +998,18 @@ def check_manifest(status: NodeStatus) -> list[Finding]:
     for peer in incompatible - set(named):
         named[str(peer)] = "?"
     # What differs, as the state protocol's refusal said (a newer daemon reports it): the swarm or the manifest.
-    differs = {str(d.get("peer_id")): d for d in totals.get("incompatible") or [] if isinstance(d, dict)}
+    differs: dict[str, Mapping[str, Any]] = {
+        str(d.get("peer_id")): d for d in totals.get("incompatible") or [] if isinstance(d, dict)
+    }
+
+    def what(peer: str, manifest: str) -> str:
+        said = differs.get(peer) or {}
+        if said.get("field") == "swarm":
+            return f"{short(peer)} (swarm {said.get('theirs')!r})"
+        return f"{short(peer)} (manifest {str(said.get('theirs') or manifest)[:12]})"
+
     if named:
-        listed = [
-            f"{short(p)} (swarm {differs[p].get('theirs')!r})" if differs.get(p, {}).get("field") == "swarm"
-            else f"{short(p)} (manifest {str(differs[p].get('theirs')) if p in differs else h:.12})"
-            for p, h in sorted(named.items())
-        ]
+        listed = [what(p, h) for p, h in sorted(named.items())]
         findings.append(
             Finding(
                 "manifest",
