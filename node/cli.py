@@ -3,8 +3,9 @@
 Exit codes are part of the contract operators' scripts rely on: 0 success, 1 "no daemon" for status,
 2 bad input or a start-up problem the operator must fix (bad option, port in use, corrupt identity,
 second daemon on the same home, a read-only home, a task or device the worker cannot load), 3 for status
-when the daemon runs but its training has failed for good (so health checks see it). User errors are one
-line on stderr, never a traceback.
+when the daemon runs but its training has failed for good (so health checks see it); `run` exits 1 when it
+stopped but could not write its final checkpoint (a full disk: the work since the previous one is lost).
+User errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_NO_DAEMON, EXIT_USAGE, EXIT_TRAINING_FAILED = 0, 1, 2, 3
+EXIT_CHECKPOINT_LOST = 1  # `run` stopped but its final checkpoint could not be written (a full disk)
 SHUTDOWN_GRACE_S = 9.0
 
 log = logging.getLogger("starling.cli")
@@ -271,7 +273,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from node.config import ConfigError, load_config, resolve_home, unknown_environment
     from node.lock import HomeLock, LockError
     from node.logs import setup_logging
-    from p2p.fsutil import unwritable_reason
+    from p2p.fsutil import free_space_problem, unwritable_reason
     from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
 
     home = resolve_home(args.home)
@@ -292,6 +294,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(cfg.node.log_level)
     for warning in unknown_environment():
         log.warning("%s", warning)
+    low = free_space_problem(home) if not args.no_train else None
+    if low:
+        log.warning("%s: checkpoints may fail (the daemon keeps training, and says so in `starling status`); "
+                    "free space there or move HOME", low)
     lock = HomeLock(home)
     try:
         lock.acquire()
@@ -326,6 +332,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             if startup is None:
                 raise
             return _die(str(startup))
+        lost = getattr(daemon.supervisor, "final_checkpoint_error", None)
+        if lost:
+            # The work since the last checkpoint is lost: say so, and exit non-zero so that a supervisor sees it.
+            log.warning("stopped, but %s; a restart resumes from the previous checkpoint: free space on the file "
+                        "system of %s", lost, home)
+            return EXIT_CHECKPOINT_LOST
         log.info("stopped")
         return EXIT_OK
     finally:

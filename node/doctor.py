@@ -177,6 +177,19 @@ def check_identity(home: Path, status: NodeStatus | None = None) -> tuple[list[F
     return findings, peer_id
 
 
+def check_disk(home: Path) -> list[Finding]:
+    """HOME's file system has room for the next checkpoints (a full one fails every checkpoint, and a restart
+    then resumes from far back)."""
+    from p2p.fsutil import free_space_problem
+
+    if not home.is_dir():
+        return []
+    problem = free_space_problem(home)
+    if problem is None:
+        return []
+    return [Finding("disk", ERROR, problem, f"free space there (`df -h {home}`), or move HOME to a larger file system")]
+
+
 def check_home(home: Path) -> list[Finding]:
     """HOME is writable by this user: the daemon creates its lock, control socket, state, history and
     checkpoints there, and refuses to start otherwise. Asked with access(2), nothing is written. A missing
@@ -1053,6 +1066,15 @@ def check_training(status: NodeStatus) -> list[Finding]:
     state, error = tr.get("state", "?"), tr.get("error")
     restarts = int(_num(tr.get("restarts")) or 0)
     log_fix = "read the daemon's log (`journalctl -u starling`) for the worker's traceback"
+    disk: list[Finding] = []
+    if tr.get("checkpoint_error"):
+        disk.append(Finding(
+            "training",
+            ERROR,
+            f"checkpoints fail ({tr.get('checkpoint_failures') or 1} in a row), latest {tr['checkpoint_error']}; "
+            f"training goes on, but a restart resumes from step {tr.get('checkpoint_step') or 'of the last one written'}",
+            "free space on the file system of HOME (`df -h HOME`; old exports, logs), or move HOME to a larger one",
+        ))
     if state == "failed":
         return [
             Finding(
@@ -1062,6 +1084,8 @@ def check_training(status: NodeStatus) -> list[Finding]:
                 f"fix the cause above ({log_fix}), then restart the daemon",
             )
         ]
+    if disk:
+        return disk
     if restarts >= MANY_RESTARTS:
         return [
             Finding(
@@ -1218,7 +1242,7 @@ def run_checks(
     status = probe.status
     identity, own_peer_id = check_identity(home, status)
     config, cfg = check_config(home, environ, overrides)
-    findings = [probe.finding, *identity, *check_home(home), *config]
+    findings = [probe.finding, *identity, *check_home(home), *check_disk(home), *config]
     if cfg is not None:
         findings += check_swarm_key(home, cfg)
     findings += check_ports(cfg, status)

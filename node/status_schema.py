@@ -70,6 +70,8 @@ class TrainingStatus(TypedDict):
     resumed_step: int | None
     checkpoint_step: int | None
     checkpoint_rejected: list[str]  # "path: reason" for each corrupt checkpoint set aside
+    checkpoint_error: str | None  # while checkpoints fail (a full disk): "at step N: [Errno 28] ..."
+    checkpoint_failures: int  # failed checkpoints in a row, since the last one written
     exchanges: ExchangeCounts
     last_group_size: int | None
     last_inner_steps: int | None  # inner steps in the latest outer step (fewer on slower machines)

@@ -113,6 +113,12 @@ def render_status(st: NodeStatus) -> str:
         )
         if tr.get("error"):
             out.append(_training_error_line(tr))
+        if tr.get("checkpoint_error"):
+            n = tr.get("checkpoint_failures") or 1
+            kept = tr.get("checkpoint_step")
+            out.append(f"checkpoints failing: {n} in a row, latest {tr['checkpoint_error']}; the last one written is "
+                       f"{'at step ' + str(kept) if kept is not None else 'from before this start'}: free space "
+                       "on the file system of HOME")
     sy = st.get("sync")
     if sy:
         out.append(

@@ -216,3 +216,45 @@ def test_status_shows_an_incompatible_peer_as_incompatible_with_what_differs() -
     assert (f"incompatible {odd[:6]}..{odd[-6:]} (it runs starling 0.2.0): run manifest bbbbbbbbbbbb, ours: task "
             "'stdlib-lm', manifest aaaaaaaaaaaa: another task, model config, optimizer config or protocol version") in text
     assert f"incompatible {other_swarm[:6]}..{other_swarm[-6:]}: swarm 'beta', ours 'alpha'" in text
+
+
+# --- a full disk ---------------------------------------------------------------------------------------------
+
+
+def test_failing_checkpoints_are_logged_once_a_minute_with_a_count(caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk gave `checkpoint ... failed: [Errno 28] No space left on device` 124 times in 40 s."""
+    import errno
+    import logging
+
+    from node.worker import CheckpointErrorLog
+
+    now = [1000.0]
+    errors = CheckpointErrorLog(every=60.0, clock=lambda: now[0])
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    caplog.set_level(logging.INFO, logger="starling.worker")
+    for i in range(124):  # 124 failures in 40 s of a fake clock
+        now[0] = 1000.0 + i * 40 / 124
+        errors.failed(10 + i, enospc)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(lines) == 1 and "checkpoint at step 10 failed: [Errno 28] No space left on device" in lines[0]
+    assert "free space on the file system of HOME" in lines[0]
+    now[0] = 1061.0
+    errors.failed(200, enospc)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(lines) == 2 and "step 200" in lines[1] and "(123 more failures since the last such line)" in lines[1]
+    errors.written(210)
+    assert "checkpoint written again at step 210, after 125 failed ones" in caplog.text
+
+
+def test_status_and_doctor_show_failing_checkpoints() -> None:
+    from node.doctor import ERROR, check_training
+    from node.status_view import render_status
+
+    training = {"state": "training", "step": 500, "outer_step": 100, "checkpoint_step": 40,
+                "checkpoint_error": "at step 500: [Errno 28] No space left on device", "checkpoint_failures": 30}
+    text = render_status({"training": training})  # type: ignore[typeddict-item]
+    assert ("checkpoints failing: 30 in a row, latest at step 500: [Errno 28] No space left on device; the last one "
+            "written is at step 40: free space on the file system of HOME") in text
+    [finding] = check_training({"training": training})  # type: ignore[typeddict-item]
+    assert finding.level == ERROR and "No space left on device" in finding.message and "step 40" in finding.message
+
