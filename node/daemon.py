@@ -184,7 +184,7 @@ class Daemon:
             cap=node.max_peers,
             dial_timeout=node.dial_timeout,
             max_per_subnet=node.max_conns_per_subnet,
-            explain=lambda peer: self.access.explain_dial(str(peer)),
+            explain=lambda peer, since: self.access.explain_dial(str(peer), since),
         )
         self.discovery = SwarmDiscovery(self.host, self.connmgr, node.swarm, interval=node.discovery_interval)
         for text in node.bootstrap:

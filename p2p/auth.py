@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -159,6 +160,7 @@ class DialFailure:
     addr: str  # host:port dialled
     kind: str  # wrong_peer | refused | stalled | closed
     actual: str = ""  # wrong_peer: the PeerID that answered there
+    at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 def _answering_peer(exc: BaseException | None, depth: int = 0) -> str | None:
@@ -202,11 +204,11 @@ class AccessControl:
             self.dial_failures.clear()
         self.dial_failures[str(peer_id)] = failure
 
-    def explain_dial(self, peer_id: str) -> str | None:
-        """One line on why dialling `peer_id` fails, from its last outbound handshake; None when none failed
-        (unreachable, or it worked since)."""
+    def explain_dial(self, peer_id: str, since: float = 0.0) -> str | None:
+        """One line on why dialling `peer_id` fails, from its last outbound handshake if that failed at or
+        after `since` (time.monotonic); None when none did (unreachable, or it worked since)."""
         f = self.dial_failures.get(peer_id)
-        if f is None:
+        if f is None or f.at < since:
             return None
         if f.kind == "wrong_peer":
             return (f"the peer at {f.addr} is {f.actual}, not {peer_id}: correct the PeerID after /p2p/ in the "

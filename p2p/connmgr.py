@@ -83,9 +83,10 @@ class ConnManager:
     max_per_subnet: int = 16
     #: The observed IP of a connected peer (default: read from the host's connection).
     ip_of: Callable[[ID], str | None] | None = None
-    #: Why dialling a peer failed, when its handshake said more than py-libp2p's dial error (a wrong PeerID
-    #: at that address, a likely swarm key mismatch: p2p/auth.py's `AccessControl.explain_dial`).
-    explain: Callable[[ID], str | None] | None = None
+    #: Why dialling a peer failed, when its handshake (at or after the given time.monotonic) said more than
+    #: py-libp2p's dial error (a wrong PeerID at that address, a likely swarm key mismatch: p2p/auth.py's
+    #: `AccessControl.explain_dial`).
+    explain: Callable[[ID, float], str | None] | None = None
     candidates: dict[ID, Candidate] = field(default_factory=dict)
     subnet_pruned: int = 0  # connections closed because their group was over max_per_subnet
     cap_pruned: int = 0  # connections closed because we were over the cap
@@ -259,6 +260,7 @@ class ConnManager:
         try:
             ok = False
             error = f"timed out after {self.dial_timeout:.0f}s"
+            started = time.monotonic()
             with trio.move_on_after(self.dial_timeout):
                 try:
                     await (self.dial or self.host.connect)(PeerInfo(cand.peer_id, list(cand.addrs)))
@@ -271,7 +273,10 @@ class ConnManager:
             else:
                 # The handshake's verdict, where there was one: py-libp2p's own error (a timeout, "all addresses
                 # failed", its negative cache) does not say that the wrong node or the wrong key answered.
-                cause = self.explain(cand.peer_id) if self.explain is not None else None
+                # A handshake of this attempt; or of an earlier one when py-libp2p's negative cache refused to
+                # dial at all (else a stale cause would outlive a fix: a peer now down is not "the wrong key").
+                since = 0.0 if "negative cache" in error else started
+                cause = self.explain(cand.peer_id, since) if self.explain is not None else None
                 cand.last_error = cause or error
                 cand.failures += 1
                 delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (cand.failures - 1)) * random.uniform(0.8, 1.2)

@@ -139,7 +139,7 @@ async def _bootstrap_once(dialler_key: str | None, listener_key: str | None, *, 
     access = AccessControl(keyed=dialler_key is not None)
     access.install(dialler)
     AccessControl(keyed=listener_key is not None, allow=allow or ()).install(listener)
-    cm = ConnManager(dialler, dial_timeout=2, explain=lambda p: access.explain_dial(str(p)))
+    cm = ConnManager(dialler, dial_timeout=2, explain=lambda p, since: access.explain_dial(str(p), since))
     async with dialler.run(listen_addrs=listen), listener.run(listen_addrs=listen):
         addr = listener.get_addrs()[0].decapsulate(multiaddr.Multiaddr(f"/p2p/{listener.get_id()}"))
         target = ID.from_pubkey(create_new_key_pair().public_key) if wrong_peer else listener.get_id()
@@ -258,3 +258,14 @@ def test_status_and_doctor_show_failing_checkpoints() -> None:
     [finding] = check_training({"training": training})  # type: ignore[typeddict-item]
     assert finding.level == ERROR and "No space left on device" in finding.message and "step 40" in finding.message
 
+
+
+def test_a_handshake_cause_older_than_the_failed_dial_is_not_reported() -> None:
+    """A peer that was refusing the handshake and is now down is unreachable, not "the wrong key"."""
+    from p2p.auth import AccessControl, DialFailure
+
+    access = AccessControl(keyed=True)
+    access.dial_failures[REAL_PEER] = DialFailure("127.0.0.1:4001", "stalled", at=100.0)
+    assert "swarm key" in (access.explain_dial(REAL_PEER, since=99.0) or "")
+    assert access.explain_dial(REAL_PEER, since=101.0) is None
+    assert access.explain_dial(REAL_PEER) is not None  # any age: what a negative-cache refusal falls back on
