@@ -2,12 +2,14 @@
 
 The doctor runs a fixed list of checks, each producing `Finding`s (check, level, message, fix):
 
-* local checks, which need no daemon: identity file, whether HOME is writable, config (file and
-  STARLING_* environment), swarm key, whether the listen ports can be bound, whether the bootstrap peers
+* local checks, which need no daemon: identity file, whether HOME is writable and has room for
+  checkpoints, config (file and STARLING_* environment), swarm key, whether the listen ports can be
+  bound, whether the bootstrap peers
   answer on TCP and then complete a libp2p handshake with this node's identity and swarm key (an open
   port proves nothing about the PeerID or the key: a wrong one is named, as the daemon names it);
 * status checks, which read the running daemon's `status` (the same dict `starling status --json`
-  prints): own reachability, clock skew against peers, versions, run manifest, training. They are pure
+  prints): own reachability, clock skew against peers, versions, run manifest, training (failing
+  checkpoints included), and connections (none although bootstrap peers are configured). They are pure
   functions of that dict so that each verdict can be tested on a synthetic status. Without a daemon they
   are reported as skipped, not as errors: "no daemon" is a state, not a fault.
 
@@ -15,7 +17,8 @@ Levels: ok, skip, warn, error. The exit code is 1 when any finding is an error, 
 returns 2 for a HOME that cannot be a node directory at all (bad usage).
 
 The doctor only reads: it never rewrites the identity file, the config or the state, so running it on a
-live node is always safe.
+live node is always safe. (Its handshake with a bootstrap peer not connected to the daemon is made with
+the node's own identity, as the daemon's would be, and closed at once.)
 """
 
 from __future__ import annotations
