@@ -315,7 +315,7 @@ def _pairing_line(members: list[MemberStatus]) -> str:
     graph = pairing_graph(members)
     unpaired = f", {len(graph.unpaired)} unpaired" if graph.unpaired else ""
     if not graph.islands:
-        return f"pairing graph: no pairs yet{unpaired}"
+        return f"pairing graph: no pairs in the alive trainers' recent outer steps{unpaired}"
     if not graph.split:
         return f"pairing graph: one island of {graph.paired} trainers{unpaired}"
     groups = "  ".join("{" + ", ".join(short(p) for p in island) + "}" for island in graph.islands)

@@ -610,7 +610,7 @@ def test_one_connected_swarm_is_ok_with_its_size() -> None:
 def test_a_fresh_swarm_where_nobody_paired_yet_is_ok_not_split() -> None:
     a, b = other_peer_id(), other_peer_id()
     [finding] = check_pairing(trainers_status({ME: [], a: [], b: []}, **mixing(3, 3)))
-    assert finding.level == OK and finding.message == "pairing graph: no pairs yet among 3 alive trainers"
+    assert finding.level == OK and finding.message == "pairing graph: no pairs in the recent outer steps of the 3 alive trainers"
 
 
 def test_unpaired_trainers_beside_one_island_are_named_in_the_ok_line() -> None:
