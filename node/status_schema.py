@@ -241,13 +241,15 @@ class IncompatiblePeerStatus(TypedDict):
 
     ``field`` is ``swarm`` (the swarm names differ) or ``manifest`` (the run manifests differ: task, model
     config, optimizer config or protocol version; the state protocol's hello carries only the manifest's hash,
-    so which of them is not known here: ``our_manifest`` lists this node's)."""
+    so which of them is named in ``differs`` only when the peer runs the swarm's manifest, which this node
+    holds: ``our_manifest`` lists this node's)."""
 
     peer_id: str
     field: str  # swarm | manifest
     theirs: str  # its swarm name, or its manifest hash
     ours: str
     version: str  # the Starling version it runs ("" if it did not say)
+    differs: list[str]  # manifest fields that differ, where both manifests are known here (else [])
 
 
 class SwarmTotals(TypedDict):
@@ -367,6 +369,7 @@ class NodeStatus(TypedDict):
     peers: list[PeerPathStatus]
     members: list[MemberStatus]
     swarm_totals: SwarmTotals
+    running: NotRequired[bool]  # added by `starling status --json` (true), as its no-daemon answer has false
     training: NotRequired[TrainingStatus]  # trainers only, as the three below
     sync: NotRequired[SyncStatus]
     join: NotRequired[JoinStatus]

@@ -189,9 +189,11 @@ def _incompatible_lines(st: NodeStatus) -> list[str]:
         if p.get("field") == "swarm":
             what = f"swarm {p.get('theirs')!r}, ours {p.get('ours')!r}"
         else:
+            differs = p.get("differs")
+            how = (f"they differ in {', '.join(str(f) for f in differs)}" if isinstance(differs, list) and differs
+                   else "another task, model config, optimizer config or protocol version")
             what = (f"run manifest {str(p.get('theirs'))[:12] or 'none'}, {task}manifest "
-                    f"{str(p.get('ours'))[:12] or 'none'}: another task, model config, optimizer config or protocol "
-                    "version")
+                    f"{str(p.get('ours'))[:12] or 'none'}: {how}")
         lines.append(f"incompatible {short(str(p.get('peer_id', '?')))}{runs}: {what}; never synced or averaged with")
     return lines
 

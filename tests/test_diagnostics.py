@@ -208,14 +208,18 @@ def test_status_shows_an_incompatible_peer_as_incompatible_with_what_differs() -
     members = [{"peer_id": REAL_PEER, "self": True, "state": "alive"},
                {"peer_id": odd, "self": False, "state": "suspect", "last_seen_s": 31.0, "incompatible": True}]
     totals = {"manifest_error": None, "our_manifest": {"task": "stdlib-lm"}, "incompatible": [
-        {"peer_id": odd, "field": "manifest", "theirs": "b" * 64, "ours": "a" * 64, "version": "0.2.0"},
+        {"peer_id": odd, "field": "manifest", "theirs": "b" * 64, "ours": "a" * 64, "version": "0.2.0",
+         "differs": []},
+        {"peer_id": REAL_PEER[::-1], "field": "manifest", "theirs": "c" * 64, "ours": "a" * 64, "version": "",
+         "differs": ["model_hash"]},
         {"peer_id": other_swarm, "field": "swarm", "theirs": "beta", "ours": "alpha", "version": ""}]}
     text = render_status({"members": members, "swarm_totals": totals})  # type: ignore[typeddict-item]
-    [row] = [line for line in text.splitlines() if line.strip().startswith(odd[:6]) and "ago" in line]
+    [row] = [line for line in text.splitlines() if line.strip().startswith(f"{odd[:6]}..{odd[-6:]}")]
     assert "incompatible" in row and "suspect" not in row
     assert (f"incompatible {odd[:6]}..{odd[-6:]} (it runs starling 0.2.0): run manifest bbbbbbbbbbbb, ours: task "
             "'stdlib-lm', manifest aaaaaaaaaaaa: another task, model config, optimizer config or protocol version") in text
     assert f"incompatible {other_swarm[:6]}..{other_swarm[-6:]}: swarm 'beta', ours 'alpha'" in text
+    assert "run manifest cccccccccccc, ours: task 'stdlib-lm', manifest aaaaaaaaaaaa: they differ in model_hash" in text
 
 
 # --- a full disk ---------------------------------------------------------------------------------------------
