@@ -416,7 +416,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return _die(f"daemon error: {answer.get('error')}", EXIT_NO_DAEMON)
     status = answer["status"]
     if args.json:
-        print(json.dumps(status, indent=None, sort_keys=True))
+        # `running` as in the no-daemon answer ({"running": false, "error": ...}), so scripts test one key.
+        print(json.dumps({**status, "running": True}, indent=None, sort_keys=True))
     else:
         print(render_status(status))
     # The daemon answers, but a trainer that cannot train is not healthy: Docker's HEALTHCHECK and other
