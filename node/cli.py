@@ -3,8 +3,9 @@
 Exit codes are part of the contract operators' scripts rely on: 0 success, 1 "no daemon" for status,
 2 bad input or a start-up problem the operator must fix (bad option, port in use, corrupt identity,
 second daemon on the same home, a read-only home, a task or device the worker cannot load), 3 for status
-when the daemon runs but its training has failed for good (so health checks see it). User errors are one
-line on stderr, never a traceback.
+when the daemon runs but its training has failed for good (so health checks see it); `run` exits 1 when it
+stopped but could not write its final checkpoint (a full disk: the work since the previous one is lost).
+User errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_NO_DAEMON, EXIT_USAGE, EXIT_TRAINING_FAILED = 0, 1, 2, 3
+EXIT_CHECKPOINT_LOST = 1  # `run` stopped but its final checkpoint could not be written (a full disk)
 SHUTDOWN_GRACE_S = 9.0
 
 log = logging.getLogger("starling.cli")
@@ -54,12 +56,26 @@ def _version() -> str:
         return "0+unknown"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command's parser: options are never abbreviated (see build_parser)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+EXPORT_FORMATS = ("safetensors", "torch", "hf")  # node/export.py's FORMATS, known here without importing torch
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser; each command's namespace carries its own parser as `_parser`, so that an option the
     command does not know is reported with that command's usage (see `main`)."""
-    p = argparse.ArgumentParser(prog="starling", description="Decentralized peer-to-peer training daemon.")
+    # allow_abbrev=False everywhere: argparse would otherwise read `run --hom /srv/x` as `--home /srv/x`, or
+    # a typo that happens to be a prefix of some option as that option.
+    p = argparse.ArgumentParser(prog="starling", description="Decentralized peer-to-peer training daemon.",
+                                allow_abbrev=False)
     p.add_argument("--version", action="version", version=f"starling {_version()}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def home_arg(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--home", help="node directory (default: $STARLING_HOME, else ~/.starling)")
@@ -112,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     home_arg(sp)
     sp.add_argument("--out", required=True, metavar="DIR", help="directory to write into (created if missing)")
     sp.add_argument("--format", default="safetensors", metavar="FORMAT",
-                    help="safetensors (default: DIR/model.safetensors) | torch (DIR/model.pt) | hf (save_pretrained)")
+                    help="safetensors (default: DIR/model.safetensors) | torch (DIR/model.pt) | hf (save_pretrained); "
+                         "every file written is private (mode 0600)")
     sp.add_argument("--evaluate", action="store_true", help="also measure the exported weights' validation loss")
     sp.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
                     help="a config option, as given to `run` (the task and its [task] options fix the model)")
@@ -256,7 +273,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from node.config import ConfigError, load_config, resolve_home, unknown_environment
     from node.lock import HomeLock, LockError
     from node.logs import setup_logging
-    from p2p.fsutil import unwritable_reason
+    from p2p.fsutil import free_space_problem, unwritable_reason
     from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
 
     home = resolve_home(args.home)
@@ -277,6 +294,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(cfg.node.log_level)
     for warning in unknown_environment():
         log.warning("%s", warning)
+    low = free_space_problem(home) if not args.no_train else None
+    if low:
+        log.warning("%s: checkpoints may fail (the daemon keeps training, and says so in `starling status`); "
+                    "free space there or move HOME", low)
     lock = HomeLock(home)
     try:
         lock.acquire()
@@ -311,6 +332,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             if startup is None:
                 raise
             return _die(str(startup))
+        lost = getattr(daemon.supervisor, "final_checkpoint_error", None)
+        if lost:
+            # The work since the last checkpoint is lost: say so, and exit non-zero so that a supervisor sees it.
+            log.warning("stopped, but %s; a restart resumes from the previous checkpoint: free space on the file "
+                        "system of %s", lost, home)
+            return EXIT_CHECKPOINT_LOST
         log.info("stopped")
         return EXIT_OK
     finally:
@@ -389,7 +416,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return _die(f"daemon error: {answer.get('error')}", EXIT_NO_DAEMON)
     status = answer["status"]
     if args.json:
-        print(json.dumps(status, indent=None, sort_keys=True))
+        # `running` as in the no-daemon answer ({"running": false, "error": ...}), so scripts test one key.
+        print(json.dumps({**status, "running": True}, indent=None, sort_keys=True))
     else:
         print(render_status(status))
     # The daemon answers, but a trainer that cannot train is not healthy: Docker's HEALTHCHECK and other
@@ -427,6 +455,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """`starling export`: one line on stdout saying what was written; every failure one line, exit 2."""
     from node.config import ConfigError, load_config, resolve_home
 
+    if args.format not in EXPORT_FORMATS:  # before anything slow is loaded (the task, torch)
+        return _die(f"--format: one of {', '.join(EXPORT_FORMATS)}; got {args.format!r}")
     home = resolve_home(args.home)
     if not home.is_dir():
         return _die(f"{home}: no such node home (pass --home or set STARLING_HOME)")
@@ -434,11 +464,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         cfg = load_config(home, overrides=_parse_set(args.set))
     except (ConfigError, ValueError) as e:
         return _die(str(e))
-    from node.export import FORMATS, ExportError, export_weights  # imports torch: only now
+    from node.export import ExportError, export_weights  # imports torch: only now
     from node.task import TaskError
 
-    if args.format not in FORMATS:
-        return _die(f"--format: one of {', '.join(FORMATS)}; got {args.format!r}")
     try:
         result = export_weights(home, Path(args.out).expanduser(), args.format, cfg, evaluate=args.evaluate)
     except (ExportError, TaskError) as e:
@@ -470,13 +498,44 @@ def _watch_status(home: Path, interval: float) -> int:
         return EXIT_OK
 
 
+def _abbreviation_hint(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """' (options are not abbreviated: did you mean --home?)' when an unknown option begins a known one."""
+    for token in unknown:
+        name = token.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        options = sorted(o for o in parser._option_string_actions if o.startswith(name) and o != name)
+        if options:
+            return f" (options are not abbreviated: did you mean {' or '.join(options)}?)"
+    return ""
+
+
+def home_problem(home: Path) -> str | None:
+    """Why `home` can never be a node directory (a regular file, or under one), else None."""
+    if home.exists() and not home.is_dir():
+        return f"{home} is not a directory (--home or STARLING_HOME must name the node's directory)"
+    for parent in home.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{home}: {parent} is not a directory (--home or STARLING_HOME must name the node's directory)"
+            break
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse would blame the top-level parser and print its usage, not the command's
         tokens = list(sys.argv[1:] if argv is None else argv)
         before_command = tokens.index(unknown[0]) < tokens.index(args.command) if unknown[0] in tokens else False
-        (parser if before_command else args._parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        blamed = parser if before_command else args._parser
+        blamed.error(f"unrecognized arguments: {' '.join(unknown)}{_abbreviation_hint(blamed, unknown)}")
+    if hasattr(args, "home"):
+        from node.config import resolve_home
+
+        problem = home_problem(resolve_home(args.home))
+        if problem:
+            return _die(problem)
     handlers = {
         "init": cmd_init,
         "run": cmd_run,

@@ -64,7 +64,7 @@ class NodeConfig:
             raise ValueError("node.swarm: 1-64 characters of letters, digits, '-', '_' or '.'")
         if not self.listen:
             raise ValueError("node.listen: at least one listen address is needed")
-        from p2p.addrs import AddrError, parse_bootstrap, parse_listen
+        from p2p.addrs import AddrError, is_peer_id, parse_bootstrap, parse_listen
 
         for a in self.listen:
             try:
@@ -82,12 +82,8 @@ class NodeConfig:
             except AddrError as e:
                 raise ValueError(f"node.bootstrap: {e}") from None
         for peer in self.allow_peers:
-            from libp2p.peer.id import ID
-
-            try:
-                ID.from_base58(peer)
-            except Exception:
-                raise ValueError(f"node.allow_peers: {peer!r} is not a PeerID") from None
+            if not is_peer_id(peer):
+                raise ValueError(f"node.allow_peers: {peer[:80]!r} is not a PeerID")
         if not 1 <= self.target_peers <= 32:
             raise ValueError("node.target_peers: must be between 1 and 32")
         if not self.target_peers <= self.max_peers <= 32:
@@ -100,7 +96,7 @@ class NodeConfig:
             raise ValueError("node.heartbeat_s: must be between 0.2 and 600 seconds")
         if not self.heartbeat_s < self.suspect_after < self.gone_after:
             raise ValueError("node.suspect_after / node.gone_after: need heartbeat_s < suspect_after < gone_after")
-        if self.founder and not _is_peer_id(self.founder):
+        if self.founder and not is_peer_id(self.founder):
             raise ValueError(
                 f"node.founder: {self.founder[:80]!r} is not a PeerID (the 12D3KooW... line `starling init` "
                 "prints on the founder)"
@@ -115,23 +111,6 @@ class NodeConfig:
             raise ValueError("node.log_level: one of debug, info, warning, error")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("node.metrics_port: must be a port number (0 = off)")
-
-
-def _is_peer_id(text: str) -> bool:
-    """Whether `text` is a base58 libp2p PeerID: a multihash, identity (an inlined ed25519 key, 12D3KooW...)
-    or sha2-256 (Qm...). Stricter than py-libp2p's ID.from_base58, which takes any base58 text, because a
-    mistyped founder would leave the swarm without a manifest."""
-    import base58
-
-    try:
-        raw = base58.b58decode(text)
-    except ValueError:
-        return False
-    if base58.b58encode(raw).decode() != text or len(raw) < 3:
-        return False
-    identity = raw[0] == 0x00 and raw[1] == len(raw) - 2 and len(raw) <= 44
-    sha256 = raw[0] == 0x12 and raw[1] == 0x20 and len(raw) == 34
-    return identity or sha256
 
 
 TASK_OPTION_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")

@@ -184,6 +184,7 @@ class Daemon:
             cap=node.max_peers,
             dial_timeout=node.dial_timeout,
             max_per_subnet=node.max_conns_per_subnet,
+            explain=lambda peer, since: self.access.explain_dial(str(peer), since),
         )
         self.discovery = SwarmDiscovery(self.host, self.connmgr, node.swarm, interval=node.discovery_interval)
         for text in node.bootstrap:
@@ -452,7 +453,8 @@ class Daemon:
             "connected_peers": sorted(str(p) for p in self.connmgr.connected()),
             "connections": connections,
             # What this daemon was given, its command line included: `doctor` checks these, not the config's.
-            "bootstrap": {"addrs": list(self.cfg.node.bootstrap), "files": list(self.cfg.node.bootstrap_files)},
+            "bootstrap": {"addrs": list(self.cfg.node.bootstrap), "files": list(self.cfg.node.bootstrap_files),
+                          "peers": self.connmgr.bootstrap_status()},
             "discovery": self.discovery.status(),
             "role": "trainer" if self.train else "network-only",
             "authorization": authorization,

@@ -2,11 +2,14 @@
 
 The doctor runs a fixed list of checks, each producing `Finding`s (check, level, message, fix):
 
-* local checks, which need no daemon: identity file, whether HOME is writable, config (file and
-  STARLING_* environment), swarm key, whether the listen ports can be bound, whether the bootstrap peers
-  answer on TCP;
+* local checks, which need no daemon: identity file, whether HOME is writable and has room for
+  checkpoints, config (file and STARLING_* environment), swarm key, whether the listen ports can be
+  bound, whether the bootstrap peers
+  answer on TCP and then complete a libp2p handshake with this node's identity and swarm key (an open
+  port proves nothing about the PeerID or the key: a wrong one is named, as the daemon names it);
 * status checks, which read the running daemon's `status` (the same dict `starling status --json`
-  prints): own reachability, clock skew against peers, versions, run manifest, training. They are pure
+  prints): own reachability, clock skew against peers, versions, run manifest, training (failing
+  checkpoints included), and connections (none although bootstrap peers are configured). They are pure
   functions of that dict so that each verdict can be tested on a synthetic status. Without a daemon they
   are reported as skipped, not as errors: "no daemon" is a state, not a fault.
 
@@ -14,11 +17,13 @@ Levels: ok, skip, warn, error. The exit code is 1 when any finding is an error, 
 returns 2 for a HOME that cannot be a node directory at all (bad usage).
 
 The doctor only reads: it never rewrites the identity file, the config or the state, so running it on a
-live node is always safe.
+live node is always safe. (Its handshake with a bootstrap peer not connected to the daemon is made with
+the node's own identity, as the daemon's would be, and closed at once.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import errno
@@ -50,6 +55,7 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 NO_DAEMON = "skipped: no daemon running (start it with starling run)"
 CONNECT_TIMEOUT_S = 3.0  # per bootstrap address, DNS included
+HANDSHAKE_TIMEOUT_S = 5.0  # per bootstrap peer whose TCP port answered: Noise (and the swarm key) on top
 STATUS_TIMEOUT_S = 5.0  # a daemon that does not answer within this is reported as wedged
 SKEW_WARN_S = 2.0
 SKEW_ERROR_S = 60.0
@@ -172,6 +178,19 @@ def check_identity(home: Path, status: NodeStatus | None = None) -> tuple[list[F
     else:
         findings.append(Finding("identity", OK, f"PeerID {peer_id} ({path}, mode {mode:04o})"))
     return findings, peer_id
+
+
+def check_disk(home: Path) -> list[Finding]:
+    """HOME's file system has room for the next checkpoints (a full one fails every checkpoint, and a restart
+    then resumes from far back)."""
+    from p2p.fsutil import free_space_problem
+
+    if not home.is_dir():
+        return []
+    problem = free_space_problem(home)
+    if problem is None:
+        return []
+    return [Finding("disk", ERROR, problem, f"free space there (`df -h {home}`), or move HOME to a larger file system")]
 
 
 def check_home(home: Path) -> list[Finding]:
@@ -594,6 +613,62 @@ async def _probe_all(targets: list[tuple[str, int, int]], timeout: float) -> lis
     return results
 
 
+async def _handshake_all(
+    targets: list[tuple[str, str]], key_pair: Any, psk: str | None, timeout: float
+) -> list[tuple[str | None, str]]:
+    """Dial every (multiaddr, PeerID) as the daemon would (this identity, this swarm key), each within
+    `timeout`: [(None when the libp2p handshake completed, else why not; the kind of failure)], kind one of
+    wrong_peer, key, closed, timeout, other. Connections made are closed again."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from p2p.addrs import parse_bootstrap
+    from p2p.auth import AccessControl
+    from p2p.host import build_host
+
+    host = build_host(key_pair or create_new_key_pair(), psk=psk, dial_timeout=timeout)
+    access = AccessControl(keyed=psk is not None)
+    access.install(host)
+    results: list[tuple[str | None, str]] = [(None, "")] * len(targets)
+
+    async def one(i: int, text: str) -> None:
+        info = parse_bootstrap(text)
+        error = f"TCP port open, but no libp2p handshake within {timeout:g} s (is a Starling node listening there?)"
+        with trio.move_on_after(timeout):
+            try:
+                await host.connect(info)
+                results[i] = (None, "")
+                with contextlib.suppress(Exception):
+                    await host.disconnect(info.peer_id)
+                return
+            except Exception as e:  # py-libp2p raises many types; the handshake's verdict is below
+                error = f"{type(e).__name__}: {e}"[:200]
+        failure = access.dial_failures.get(str(info.peer_id))
+        if failure is not None:  # the handshake's own verdict (p2p/auth.py)
+            kind = {"wrong_peer": "wrong_peer", "closed": "closed"}.get(failure.kind, "key")
+        else:
+            kind = "timeout" if error.startswith("TCP port open") else "other"
+        results[i] = (access.explain_dial(str(info.peer_id)) or error, kind)
+
+    async with host.run(listen_addrs=[]), trio.open_nursery() as nursery:
+        for i, (text, _) in enumerate(targets):
+            nursery.start_soon(one, i, text)
+    return results
+
+
+def _handshake_fix(kind: str, psk: str | None) -> str:
+    if kind == "wrong_peer":
+        return ("another node answers at that address: put its PeerID after /p2p/ (the one named above, if that is the "
+                "node meant; `starling status` on the bootstrap node prints its own)")
+    if kind == "key":
+        have = "this node has a swarm key" if psk else "this node has no swarm key"
+        return (f"{have}: give every node of the swarm the same HOME/swarm.key (`starling init --swarm-key FILE`, or "
+                "node.swarm_key_file), or none on any, and restart the daemons")
+    if kind == "closed":
+        return "add this node's PeerID to node.allow_peers on the bootstrap node (or empty its list)"
+    return ("check that a Starling node of this version listens at that address (`starling status` there prints its "
+            "addresses)")
+
+
 def effective_bootstrap(cfg: Config, status: NodeStatus | None, *, given: bool) -> tuple[Config, str]:
     """The bootstrap sources to check and a label for them.
 
@@ -626,12 +701,17 @@ def check_bootstrap(
     *,
     timeout: float = CONNECT_TIMEOUT_S,
     label: str = "node.bootstrap",
+    key_pair: Any = None,
+    psk: str | None = None,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
 ) -> list[Finding]:
-    """Each bootstrap address answers on TCP (or is already connected); a node with none is told so.
+    """Each bootstrap peer is connected, or answers on TCP and completes a libp2p handshake; a node with
+    none is told so, and a running daemon connected to nobody although it has bootstrap peers is an error.
 
-    A TCP answer proves the host and port are reachable, not that the right node listens there; a daemon
-    that is connected to the bootstrap peer is the stronger proof and is reported as such. `label` names
-    where `cfg.node.bootstrap` came from (see `effective_bootstrap`).
+    A TCP answer proves the host and port are reachable, not that the right node listens there: the
+    handshake is made as the daemon makes it, with `key_pair` (this node's identity; a throwaway one if
+    None) and `psk` (its swarm key), so a wrong PeerID, a swarm key mismatch or an allowlist that leaves
+    this node out is named. `label` names where `cfg.node.bootstrap` came from (see `effective_bootstrap`).
     """
     from p2p.addrs import parse_bootstrap
 
@@ -682,30 +762,63 @@ def check_bootstrap(
         else:
             to_probe.append((text, source, hp))
     results = trio.run(_probe_all, [(h, p, _family(proto)) for _, _, (proto, h, p) in to_probe], timeout)
-    failed: list[tuple[str, str, str]] = []
+    failed: list[tuple[str, str, str, str]] = []  # (address, source, why, fix)
+    tcp_fix = ("check the address, the firewall on both sides, and that the bootstrap node runs "
+               "(`starling status` there prints its addresses)")
+    open_ports: list[tuple[str, str]] = []
     for (text, source, _), why in zip(to_probe, results, strict=True):
         if why is None:
-            reached += 1
-            verdicts.append(Finding("bootstrap", OK, f"{text}: TCP port open"))
+            open_ports.append((text, source))
         else:
-            failed.append((text, source, why))
+            failed.append((text, source, why, tcp_fix))
+    if open_ports:
+        shaken = trio.run(_handshake_all, open_ports, key_pair, psk, handshake_timeout)
+        for (text, source), (why, kind) in zip(open_ports, shaken, strict=True):
+            if why is None:
+                reached += 1
+                verdicts.append(Finding("bootstrap", OK, f"{text}: libp2p handshake completed (its PeerID and the "
+                                                         "swarm key match)"))
+            else:
+                failed.append((text, source, why, _handshake_fix(kind, psk)))
     # An unreachable bootstrap peer is fatal only when it leaves the node with no way into the swarm.
     stranded = not reached and not connected
-    for text, source, why in failed:
-        verdicts.append(
-            Finding(
-                "bootstrap",
-                ERROR if stranded else WARN,
-                f"{text} (from {source}): {why}",
-                "check the address, the firewall on both sides, and that the bootstrap node runs "
-                "(`starling status` there prints its addresses)",
-            )
-        )
+    for text, source, why, fix in failed:
+        verdicts.append(Finding("bootstrap", ERROR if stranded else WARN, f"{text} (from {source}): {why}", fix))
     if len(addrs) > len(checked):
         verdicts.append(
             Finding("bootstrap", SKIP, f"{len(addrs) - len(checked)} more bootstrap addresses not checked")
         )
-    return findings + verdicts
+    return findings + verdicts + _isolated_daemon(status, addrs, own_peer_id)
+
+
+def _isolated_daemon(status: NodeStatus | None, addrs: list[tuple[str, str]], own_peer_id: str | None) -> list[Finding]:
+    """An error when the running daemon has bootstrap peers (other than itself) and is connected to nobody,
+    with what its own last dial of each said (`status`: bootstrap.peers)."""
+    from p2p.addrs import parse_bootstrap
+
+    if status is None or status.get("connected_peers"):
+        return []
+    others = [text for text, _ in addrs if parse_bootstrap(text).peer_id.to_base58() != own_peer_id]
+    if not others:
+        return []
+    boot = status.get("bootstrap")
+    peers = boot.get("peers") if isinstance(boot, dict) else None
+    causes = [f"{short(str(p.get('peer_id', '?')))}: {p['last_error']}" for p in peers or []
+              if isinstance(p, dict) and p.get("last_error")]
+    up = _num(status.get("uptime_s"))
+    if not causes and up is not None and up < 15:
+        return [Finding("connections", WARN, f"the daemon (up {up:.0f} s) is not connected to any peer yet",
+                        "run `starling doctor` again in a few seconds")]
+    said = f"; its last dials: {'; '.join(causes[:MAX_LISTED])}" if causes else ""
+    return [
+        Finding(
+            "connections",
+            ERROR,
+            f"the daemon is connected to no peer although it has {len(others)} bootstrap peer"
+            f"{'s' * (len(others) != 1)}{said}",
+            "fix the bootstrap findings above; `starling status` shows each bootstrap peer's last dial error",
+        )
+    ]
 
 
 # ==========================================================================================================
@@ -900,8 +1013,19 @@ def check_manifest(status: NodeStatus) -> list[Finding]:
             named.setdefault(str(m.get("peer_id")), str(m.get("manifest_hash") or "?"))
     for peer in incompatible - set(named):
         named[str(peer)] = "?"
+    # What differs, as the state protocol's refusal said (a newer daemon reports it): the swarm or the manifest.
+    differs: dict[str, Mapping[str, Any]] = {
+        str(d.get("peer_id")): d for d in totals.get("incompatible") or [] if isinstance(d, dict)
+    }
+
+    def what(peer: str, manifest: str) -> str:
+        said = differs.get(peer) or {}
+        if said.get("field") == "swarm":
+            return f"{short(peer)} (swarm {said.get('theirs')!r})"
+        return f"{short(peer)} (manifest {str(said.get('theirs') or manifest)[:12]})"
+
     if named:
-        listed = [f"{short(p)} (manifest {h[:12]})" for p, h in sorted(named.items())]
+        listed = [what(p, h) for p, h in sorted(named.items())]
         findings.append(
             Finding(
                 "manifest",
@@ -945,6 +1069,15 @@ def check_training(status: NodeStatus) -> list[Finding]:
     state, error = tr.get("state", "?"), tr.get("error")
     restarts = int(_num(tr.get("restarts")) or 0)
     log_fix = "read the daemon's log (`journalctl -u starling`) for the worker's traceback"
+    disk: list[Finding] = []
+    if tr.get("checkpoint_error"):
+        disk.append(Finding(
+            "training",
+            ERROR,
+            f"checkpoints fail ({tr.get('checkpoint_failures') or 1} in a row), latest {tr['checkpoint_error']}; "
+            f"training goes on, but a restart resumes from step {tr.get('checkpoint_step') or 'of the last one written'}",
+            "free space on the file system of HOME (`df -h HOME`; old exports, logs), or move HOME to a larger one",
+        ))
     if state == "failed":
         return [
             Finding(
@@ -954,6 +1087,8 @@ def check_training(status: NodeStatus) -> list[Finding]:
                 f"fix the cause above ({log_fix}), then restart the daemon",
             )
         ]
+    if disk:
+        return disk
     if restarts >= MANY_RESTARTS:
         return [
             Finding(
@@ -1057,7 +1192,7 @@ def _pairing_ok_text(graph: PairingGraph) -> str:
         alive = len(graph.unpaired)
         if not alive:
             return "pairing graph: no alive trainers"
-        return f"pairing graph: no pairs yet among {alive} alive trainer{'s' * (alive != 1)}"
+        return f"pairing graph: no pairs in the recent outer steps of the {alive} alive trainer{'s' * (alive != 1)}"
     return f"pairing graph: one island of {graph.paired} trainers" + (unpaired if graph.unpaired else "")
 
 
@@ -1075,6 +1210,27 @@ def _installed_version() -> str | None:
         return None
 
 
+def _dialling_identity(home: Path, cfg: Config | None) -> tuple[Any, str | None]:
+    """This node's key pair and swarm key, as the daemon would dial with them; (None, None) for what cannot be
+    read (a throwaway identity is used then; the identity and swarm-key checks report why)."""
+    from libp2p.identity_utils import load_identity
+
+    from p2p.auth import SWARM_KEY_FILE, SwarmKeyError, read_swarm_key
+    from p2p.identity import IDENTITY_FILE
+
+    try:
+        key_pair = load_identity(home / IDENTITY_FILE) if (home / IDENTITY_FILE).is_file() else None
+    except (ValueError, OSError):
+        key_pair = None
+    configured = str(getattr(cfg.node, "swarm_key_file", "") or "") if cfg is not None else ""
+    path = Path(configured) if configured else home / SWARM_KEY_FILE
+    try:
+        psk = read_swarm_key(path) if configured or path.exists() else None
+    except SwarmKeyError:
+        psk = None
+    return key_pair, psk
+
+
 def run_checks(
     home: Path,
     *,
@@ -1089,14 +1245,16 @@ def run_checks(
     status = probe.status
     identity, own_peer_id = check_identity(home, status)
     config, cfg = check_config(home, environ, overrides)
-    findings = [probe.finding, *identity, *check_home(home), *config]
+    findings = [probe.finding, *identity, *check_home(home), *check_disk(home), *config]
     if cfg is not None:
         findings += check_swarm_key(home, cfg)
     findings += check_ports(cfg, status)
     given = "node.bootstrap" in overrides or "node.bootstrap_files" in overrides
     cfg_boot, label = effective_bootstrap(cfg, status, given=given) if cfg is not None else (None, "node.bootstrap")
+    key_pair, psk = _dialling_identity(home, cfg)
     findings += check_bootstrap(
-        cfg_boot, status, own_peer_id or (status.get("peer_id") if status is not None else None), timeout=connect_timeout, label=label
+        cfg_boot, status, own_peer_id or (status.get("peer_id") if status is not None else None),
+        timeout=connect_timeout, label=label, key_pair=key_pair, psk=psk,
     )
     heartbeat_s = cfg.node.heartbeat_s if cfg is not None else 2.0
     status_checks: list[tuple[str, Callable[[NodeStatus], list[Finding]]]] = [

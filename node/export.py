@@ -11,7 +11,9 @@ So the export is `phi` in the model's own parameter names:
 - `hf`: the task's `save_pretrained` (the Hugging Face task: model and tokenizer), for `from_pretrained`.
 
 Beside it, `DIR/starling-export.json` says where the weights came from (checkpoint, steps, task, model
-hash, the validation loss the node recorded).
+hash, the validation loss the node recorded, and with `--evaluate` the loss measured on the exported
+weights, `eval_loss`). Every file written is private (mode 0600, as the checkpoints are): a run's weights
+are shared on purpose, with `chmod`.
 
 How: the task is built as the worker builds it (from HOME's config, on the CPU), its model gets the
 checkpoint's state and then `phi` in its trainable parameters; buffers come from the checkpoint's model.
@@ -40,6 +42,8 @@ from p2p.fsutil import unwritable_reason
 FORMATS = ("safetensors", "torch", "hf")
 WEIGHT_FILES = {"safetensors": "model.safetensors", "torch": "model.pt"}
 INFO_FILE = "starling-export.json"
+#: Every exported file's mode: private, as the checkpoints it comes from (share it with `chmod` on purpose).
+EXPORT_FILE_MODE = 0o600
 
 
 class ExportError(Exception):
@@ -107,15 +111,17 @@ def export_weights(home: Path, out: Path, fmt: str, cfg: Config, *, evaluate: bo
     info = {"task": task.name, "train.task": train.task, "model_hash": mhash, "checkpoint": str(path),
             "step": result.step, "outer_step": result.outer_step, "val_loss": result.val_loss,
             "weights": "phi (slow weights)", "format": fmt, "task_options": options}
+    if evaluate:  # before anything is written, so that starling-export.json records it
+        result.eval_loss = info["eval_loss"] = float(task.evaluate(model))
     try:
         result.files = _write(task, model, out, fmt, info)
         info_path = out / INFO_FILE
         info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         result.files.append(info_path)
+        for path in result.files:  # one mode for all, whatever the writer's (save_pretrained's) umask
+            os.chmod(path, EXPORT_FILE_MODE)
     except OSError as e:
         raise ExportError(f"--out {out}: writing failed: {e.strerror or e}") from None
-    if evaluate:
-        result.eval_loss = task.evaluate(model)
     return result
 
 

@@ -113,6 +113,16 @@ class CheckpointSaved:
 
 
 @dataclass
+class CheckpointFailed:
+    """A checkpoint could not be written (a full or failing disk); the previous one is kept."""
+
+    step: int
+    outer_step: int
+    error: str  # one line: the OSError
+    final: bool = False  # the one written on stop: a restart resumes from an older checkpoint
+
+
+@dataclass
 class Stop:
     pass
 
@@ -136,12 +146,12 @@ class Crashed:
 
 
 Message = (
-    Init | Hello | Attach | Publish | Result | Adopted | Metrics | CheckpointSaved | Stop | Stopped | Fatal
-    | Crashed
+    Init | Hello | Attach | Publish | Result | Adopted | Metrics | CheckpointSaved | CheckpointFailed | Stop
+    | Stopped | Fatal | Crashed
 )
 _TYPES: dict[str, type] = {
     "init": Init, "hello": Hello, "attach": Attach, "publish": Publish, "result": Result, "adopted": Adopted,
-    "metrics": Metrics, "checkpoint": CheckpointSaved, "stop": Stop, "stopped": Stopped, "fatal": Fatal,
+    "metrics": Metrics, "checkpoint": CheckpointSaved, "checkpoint_failed": CheckpointFailed, "stop": Stop, "stopped": Stopped, "fatal": Fatal,
     "crashed": Crashed,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}

@@ -61,7 +61,7 @@ def render(names: list[str], statuses: Sequence[NodeStatus | None], started: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m node.localswarm", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m node.localswarm", description=__doc__, allow_abbrev=False)
     p.add_argument("--peers", type=int, default=3, help="peers besides the bootstrap node")
     p.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = until Ctrl+C)")
     p.add_argument("--root", default="run", help="directory for the nodes' homes")

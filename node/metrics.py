@@ -172,6 +172,11 @@ def _training_families(training: TrainingStatus) -> Iterator[Metric]:
         training.get("last_inner_steps"),
     )
     yield from _counter("worker_restarts", "Times the supervisor restarted the torch worker", training.get("restarts"))
+    yield from _gauge(
+        "training_checkpoint_failures",
+        "Checkpoints that failed in a row since the last one written (a full or failing disk); 0 when they work",
+        training.get("checkpoint_failures"),
+    )
     device, task = _label(training.get("device")), _label(training.get("task"))
     if device or task:
         info = GaugeMetricFamily(

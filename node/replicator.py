@@ -366,9 +366,25 @@ class StateReplicator:
                 "crowd_evictions": self.state.crowd_evictions,
                 "clock_capped": self.state.clock_capped,
                 "incompatible_peers": sorted(self._incompatible),
+                "incompatible": [
+                    {"peer_id": peer, "field": "swarm" if exc.code == protocol.SWARM_MISMATCH else "manifest",
+                     "theirs": exc.remote, "ours": exc.local, "version": exc.peer_version,
+                     "differs": self._manifest_differences(exc)}
+                    for peer, exc in sorted(self._incompatible.items())
+                ],
+                "our_manifest": _manifest_fields(self.local_manifest() or swarm_manifest),
                 "replication": self.stats.as_dict(),
             },
         }
+
+    def _manifest_differences(self, exc: SyncRefused) -> list[str]:
+        """Which manifest fields differ between this node and a refused peer, where both manifests are known
+        here: the peer runs the swarm's manifest (held in the replica) and this node its own. [] otherwise (the
+        state protocol's hello carries only the peer's manifest hash)."""
+        swarm, local = self.state.manifest, self.local_manifest()
+        if exc.code != protocol.MANIFEST_MISMATCH or swarm is None or local is None or exc.remote != swarm.hash:
+            return []
+        return list(swarm.differences(local))
 
     def _member_status(self, view: MemberView, now: float) -> MemberStatus:
         r = view.record
@@ -889,6 +905,13 @@ class StateReplicator:
             self._save_failing = False
             self.stats.saves += 1
             self.stats.last_save = self._clock()
+
+
+def _manifest_fields(manifest: Manifest | None) -> dict[str, str | int] | None:
+    if manifest is None:
+        return None
+    return {"task": manifest.task, "model_hash": manifest.model_hash, "optimizer_hash": manifest.optimizer_hash,
+            "protocol_version": manifest.protocol_version}
 
 
 def _remember(table: OrderedDict[str, Any], key: str, value: Any) -> None:

@@ -25,6 +25,7 @@ from typing import NotRequired, TypedDict
 
 from p2p.status import (
     AuthorizationStatus,
+    BootstrapPeerStatus,
     ConnectionsStatus,
     DiscoveryStatus,
     MuxerStatus,
@@ -32,8 +33,8 @@ from p2p.status import (
 )
 
 __all__ = [
-    "AuthorizationStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
-    "ExchangeCounts", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
+    "AuthorizationStatus", "BootstrapPeerStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
+    "ExchangeCounts", "IncompatiblePeerStatus", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
     "PeerPathStatus", "ProgressStatus", "RefusalsStatus", "ReplicaStatus", "ReplicationStatus", "SittingOutStatus",
     "StreamLimitsStatus", "TransferStatus",
     "SwarmTotals", "SyncStatus", "TrainingStatus",
@@ -69,6 +70,8 @@ class TrainingStatus(TypedDict):
     resumed_step: int | None
     checkpoint_step: int | None
     checkpoint_rejected: list[str]  # "path: reason" for each corrupt checkpoint set aside
+    checkpoint_error: str | None  # while checkpoints fail (a full disk): "at step N: [Errno 28] ..."
+    checkpoint_failures: int  # failed checkpoints in a row, since the last one written
     exchanges: ExchangeCounts
     last_group_size: int | None
     last_inner_steps: int | None  # inner steps in the latest outer step (fewer on slower machines)
@@ -233,6 +236,22 @@ class ReplicationStatus(TypedDict):
     last_save: float | None  # wall time
 
 
+class IncompatiblePeerStatus(TypedDict):
+    """``swarm_totals.incompatible[i]``: a peer refused as incompatible, and what differs.
+
+    ``field`` is ``swarm`` (the swarm names differ) or ``manifest`` (the run manifests differ: task, model
+    config, optimizer config or protocol version; the state protocol's hello carries only the manifest's hash,
+    so which of them is named in ``differs`` only when the peer runs the swarm's manifest, which this node
+    holds: ``our_manifest`` lists this node's)."""
+
+    peer_id: str
+    field: str  # swarm | manifest
+    theirs: str  # its swarm name, or its manifest hash
+    ours: str
+    version: str  # the Starling version it runs ("" if it did not say)
+    differs: list[str]  # manifest fields that differ, where both manifests are known here (else [])
+
+
 class SwarmTotals(TypedDict):
     """``swarm_totals``: the swarm as this node's replica sees it."""
 
@@ -248,6 +267,8 @@ class SwarmTotals(TypedDict):
     crowd_evictions: int
     clock_capped: int  # others' records dated over MAX_LEAD_S ahead: kept, our clock not moved past the bound
     incompatible_peers: list[str]
+    incompatible: list[IncompatiblePeerStatus]  # the same peers, with what differs
+    our_manifest: dict[str, str | int] | None  # task, model_hash, optimizer_hash, protocol_version
     replication: ReplicationStatus
 
 
@@ -291,6 +312,7 @@ class BootstrapStatus(TypedDict):
 
     addrs: list[str]
     files: list[str]
+    peers: list[BootstrapPeerStatus]  # every bootstrap peer (files' too): connected, or why not
 
 
 # --- refusals: every limit's refusals in one place (node/refusals.py) ---------------------------------------
@@ -347,6 +369,7 @@ class NodeStatus(TypedDict):
     peers: list[PeerPathStatus]
     members: list[MemberStatus]
     swarm_totals: SwarmTotals
+    running: NotRequired[bool]  # added by `starling status --json` (true), as its no-daemon answer has false
     training: NotRequired[TrainingStatus]  # trainers only, as the three below
     sync: NotRequired[SyncStatus]
     join: NotRequired[JoinStatus]

@@ -48,6 +48,23 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
+def _bootstrap_lines(st: NodeStatus) -> list[str]:
+    """One line per bootstrap peer this node cannot reach, with the cause of its last failed dial."""
+    boot = st.get("bootstrap")
+    peers = boot.get("peers") if isinstance(boot, dict) else None
+    if not isinstance(peers, list):
+        return []  # an older daemon
+    lines = []
+    for p in peers:
+        if not isinstance(p, dict) or p.get("connected") or not p.get("last_error"):
+            continue
+        addrs = ", ".join(str(a) for a in p.get("addrs") or []) or "?"
+        failures = p.get("failures") or 0
+        lines.append(f"bootstrap {short(str(p.get('peer_id', '?')))} at {addrs}: not connected "
+                     f"({failures} failed dial{'s' * (failures != 1)}): {p['last_error']}")
+    return lines
+
+
 def render_status(st: NodeStatus) -> str:
     out: list[str] = []
     out.append(f"starling {st.get('version', '?')}  peer {st.get('peer_id', '?')}")
@@ -71,6 +88,7 @@ def render_status(st: NodeStatus) -> str:
             d: PeerPathStatus | dict[str, Any] = detail.get(p) or {}
             rows.append([short(p), str(d.get("path", "-")), _fmt(d.get("rtt_ms"), ".1f")])
         out.extend(_table(rows))
+    out.extend(_bootstrap_lines(st))
     nat = st.get("nat") or {}
     if nat.get("reason"):
         out.append(f"nat: {nat['reason']}")
@@ -95,6 +113,12 @@ def render_status(st: NodeStatus) -> str:
         )
         if tr.get("error"):
             out.append(_training_error_line(tr))
+        if tr.get("checkpoint_error"):
+            n = tr.get("checkpoint_failures") or 1
+            kept = tr.get("checkpoint_step")
+            out.append(f"checkpoints failing: {n} in a row, latest {tr['checkpoint_error']}; the last one written is "
+                       f"{'at step ' + str(kept) if kept is not None else 'from before this start'}: free space "
+                       "on the file system of HOME")
     sy = st.get("sync")
     if sy:
         out.append(
@@ -123,6 +147,7 @@ def render_status(st: NodeStatus) -> str:
             out.append(sitting_out)
     if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
         out.append(_pace_line(tr))
+    out.extend(_incompatible_lines(st))
     members = st.get("members")
     if members:
         # `step` is the member's inner step (the lr schedule and the loss curve follow it), `outer` its outer
@@ -131,7 +156,8 @@ def render_status(st: NodeStatus) -> str:
         for m in members:
             rows.append([
                 short(str(m.get("peer_id", "?"))),
-                str(m.get("state", "?")),
+                # Its records stopped once it was refused: "suspect 31s ago" would hide why.
+                "incompatible" if m.get("incompatible") else str(m.get("state", "?")),
                 _fmt(m.get("step")),
                 _fmt(m.get("outer_step")),
                 _fmt(m.get("loss"), ".4f"),
@@ -143,6 +169,33 @@ def render_status(st: NodeStatus) -> str:
         out.extend(_table(rows))
         out.append(_pairing_line(members))
     return "\n".join(out)
+
+
+def _incompatible_lines(st: NodeStatus) -> list[str]:
+    """This node's own disagreement with the swarm's manifest, and each peer refused as incompatible with
+    what differs (swarm name, or run manifest)."""
+    totals = st.get("swarm_totals")
+    if not isinstance(totals, dict):
+        return []
+    lines = []
+    if totals.get("manifest_error"):
+        lines.append(f"manifest: {totals['manifest_error']}")
+    ours = totals.get("our_manifest")
+    task = f"ours: task {ours.get('task')!r}, " if isinstance(ours, dict) else "ours: "
+    for p in totals.get("incompatible") or []:
+        if not isinstance(p, dict):
+            continue
+        runs = f" (it runs starling {p['version']})" if p.get("version") else ""
+        if p.get("field") == "swarm":
+            what = f"swarm {p.get('theirs')!r}, ours {p.get('ours')!r}"
+        else:
+            differs = p.get("differs")
+            how = (f"they differ in {', '.join(str(f) for f in differs)}" if isinstance(differs, list) and differs
+                   else "another task, model config, optimizer config or protocol version")
+            what = (f"run manifest {str(p.get('theirs'))[:12] or 'none'}, {task}manifest "
+                    f"{str(p.get('ours'))[:12] or 'none'}: {how}")
+        lines.append(f"incompatible {short(str(p.get('peer_id', '?')))}{runs}: {what}; never synced or averaged with")
+    return lines
 
 
 def _training_error_line(tr: TrainingStatus) -> str:
@@ -264,7 +317,7 @@ def _pairing_line(members: list[MemberStatus]) -> str:
     graph = pairing_graph(members)
     unpaired = f", {len(graph.unpaired)} unpaired" if graph.unpaired else ""
     if not graph.islands:
-        return f"pairing graph: no pairs yet{unpaired}"
+        return f"pairing graph: no pairs in the alive trainers' recent outer steps{unpaired}"
     if not graph.split:
         return f"pairing graph: one island of {graph.paired} trainers{unpaired}"
     groups = "  ".join("{" + ", ".join(short(p) for p in island) + "}" for island in graph.islands)

@@ -49,6 +49,7 @@ from node.group_procs import FollowerProcs
 from node.ipc import (
     Adopted,
     Attach,
+    CheckpointFailed,
     CheckpointSaved,
     Crashed,
     Fatal,
@@ -229,6 +230,7 @@ class WorkerSupervisor:
         # Every progress report, as it comes (the daemon's loss history records its own trainer from it).
         self._on_metrics = on_metrics
         self._crash: str | None = None  # what the current worker said before it died (a Crashed message)
+        self.final_checkpoint_error: str | None = None  # the worker's checkpoint on stop could not be written
         self._group_exit: str | None = None  # why a worker group's rank 1.. ended the current lifetime
         # Seconds between two publishes that the swarm sets (0: every H inner steps), asked at each result.
         self._pace = pace
@@ -251,6 +253,8 @@ class WorkerSupervisor:
             "resumed_step": None,
             "checkpoint_step": None,
             "checkpoint_rejected": [],
+            "checkpoint_error": None,  # while checkpoints fail (a full disk): the latest failure
+            "checkpoint_failures": 0,  # in a row, since the last checkpoint written
             "exchanges": {"group": 0, "solo": 0, "failed": 0},
             "last_group_size": None,
             "last_inner_steps": None,  # inner steps in the latest outer step (fewer on slower machines)
@@ -492,7 +496,13 @@ class WorkerSupervisor:
         elif isinstance(msg, Crashed):
             self._crash = msg.error  # it exits next; `_exited` puts this in the reason
         elif isinstance(msg, CheckpointSaved):
-            self._status.update({"checkpoint_step": msg.step, "step": msg.step, "outer_step": msg.outer_step})
+            self._status.update({"checkpoint_step": msg.step, "step": msg.step, "outer_step": msg.outer_step,
+                                 "checkpoint_error": None, "checkpoint_failures": 0})
+        elif isinstance(msg, CheckpointFailed):
+            self._status["checkpoint_error"] = f"at step {msg.step}: {msg.error}"
+            self._status["checkpoint_failures"] += 1
+            if msg.final:
+                self.final_checkpoint_error = f"the final checkpoint (step {msg.step}) failed: {msg.error}"
         elif isinstance(msg, Adopted):
             self._adoption = None
             if not msg.error:

@@ -77,6 +77,7 @@ from node.ipc import (
     MAX_FRAME,
     Adopted,
     Attach,
+    CheckpointFailed,
     CheckpointSaved,
     Crashed,
     DaemonGone,
@@ -915,16 +916,57 @@ def _adopt(chan: WorkerChannel, trainer: Trainer, msg: Result) -> None:
     _checkpoint(chan, trainer)
 
 
+CHECKPOINT_ERROR_LOG_S = 60.0  # at most one line per this many seconds about failing checkpoints
+
+
+class CheckpointErrorLog:
+    """Rate-limits the log of failing checkpoints: the first failure at once, then at most one line per
+    `every` seconds, counting the failures it stands for. A full disk fails every checkpoint (one per outer
+    step: 124 lines in 40 s with a tiny model), and the lines would bury everything else."""
+
+    def __init__(self, every: float = CHECKPOINT_ERROR_LOG_S, clock: Any = time.monotonic) -> None:
+        self.every = every
+        self.clock = clock
+        self.unlogged = 0  # failures since the last line
+        self.failures = 0  # in a row, since the last checkpoint that was written
+        self._last: float | None = None
+
+    def failed(self, step: int, error: OSError) -> None:
+        self.failures += 1
+        now = self.clock()
+        if self._last is not None and now - self._last < self.every:
+            self.unlogged += 1
+            return
+        more = f" ({self.unlogged} more failures since the last such line)" if self.unlogged else ""
+        log.error("checkpoint at step %d failed: %s%s; the previous checkpoint is kept, training goes on: free "
+                  "space on the file system of HOME (`starling status` shows the error while it lasts)",
+                  step, error, more)
+        self._last, self.unlogged = now, 0
+
+    def written(self, step: int) -> None:
+        if self.failures:
+            log.info("checkpoint written again at step %d, after %d failed ones", step, self.failures)
+        self.failures, self.unlogged, self._last = 0, 0, None
+
+
+_checkpoint_errors = CheckpointErrorLog()
+
+
 def _checkpoint(chan: WorkerChannel, trainer: Trainer) -> None:
     try:
         path = trainer.save_checkpoint()
     except OSError as e:
         # A full or failing disk: the previous checkpoint is intact (atomic write). Crashing would
         # only restart from it, lose the progress since, and fail again: keep training instead.
-        log.error("checkpoint at step %d failed: %s; the previous checkpoint is kept, training goes on",
-                  trainer.step, e)
+        _checkpoint_errors.failed(trainer.step, e)
+        chan.send(CheckpointFailed(step=trainer.step, outer_step=trainer.outer_step, error=_one_line(e)))
         return
+    _checkpoint_errors.written(trainer.step)
     chan.send(CheckpointSaved(step=trainer.step, outer_step=trainer.outer_step, path=str(path)))
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
 
 
 def _send_metrics(chan: WorkerChannel, trainer: Trainer, meter: _Meter) -> None:
@@ -945,23 +987,29 @@ def _send_metrics(chan: WorkerChannel, trainer: Trainer, meter: _Meter) -> None:
 
 
 def _final_checkpoint(chan: WorkerChannel | None, trainer: Trainer) -> None:
+    error = ""
     try:
         path: Path | None = trainer.save_checkpoint()
         log.info("checkpoint %s written at step %d (outer step %d)", path, trainer.step, trainer.outer_step)
     except OSError as e:
-        path = None
-        log.error("final checkpoint at step %d failed: %s; the previous checkpoint is kept", trainer.step, e)
+        path, error = None, _one_line(e)
+        log.error("final checkpoint at step %d failed: %s; the previous checkpoint is kept (a restart resumes "
+                  "from it): free space on the file system of HOME", trainer.step, e)
     if chan is not None:
         try:
             if path is not None:
                 chan.send(CheckpointSaved(step=trainer.step, outer_step=trainer.outer_step, path=str(path)))
+            else:
+                chan.send(CheckpointFailed(step=trainer.step, outer_step=trainer.outer_step, error=error, final=True))
             chan.send(Stopped(step=trainer.step, outer_step=trainer.outer_step))
         except DaemonGone:
             pass
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m node.worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m node.worker", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--fd", type=int, help="this end of the daemon's control socketpair")
     mode.add_argument("--check", action="store_true",

@@ -44,11 +44,31 @@ def parse_bootstrap(text: str) -> PeerInfo:
         peer_text = None
     if not peer_text:
         raise AddrError(f"{text!r}: a bootstrap address must end in /p2p/<peer id>")
-    try:
-        peer_id = ID.from_base58(peer_text)
-    except Exception:
-        raise AddrError(f"{text!r}: {peer_text!r} is not a valid peer id") from None
+    if not is_peer_id(peer_text):
+        raise AddrError(f"{text!r}: {peer_text[:80]!r} is not a PeerID (the 12D3KooW... that `starling init` or "
+                        "`starling status` prints on that node)")
+    peer_id = ID.from_base58(peer_text)
     transport = addr.decapsulate(multiaddr.Multiaddr(f"/p2p/{peer_text}"))
     if not str(transport):
         raise AddrError(f"{text!r}: no address before /p2p/")
     return PeerInfo(peer_id, [transport])
+
+
+def is_peer_id(text: str) -> bool:
+    """Whether `text` is a base58 libp2p PeerID: a multihash, identity (an inlined ed25519 key, 12D3KooW...)
+    or sha2-256 (Qm...). Stricter than py-libp2p's ID.from_base58, which takes any base58 text: a mistyped
+    bootstrap PeerID would otherwise be dialled (and refused) forever, a mistyped founder would leave the
+    swarm without a manifest."""
+    import base58
+
+    try:
+        raw = base58.b58decode(text)
+    except ValueError:
+        return False
+    if base58.b58encode(raw).decode() != text or len(raw) < 3:
+        return False
+    # identity: the public key itself, as libp2p's protobuf (field 1 the key type 0-3, field 2 the key bytes).
+    identity = (raw[0] == 0x00 and raw[1] == len(raw) - 2 and 8 <= len(raw) <= 44 and raw[2] == 0x08
+                and raw[3] <= 3 and raw[4] == 0x12 and raw[5] == len(raw) - 6)
+    sha256 = raw[0] == 0x12 and raw[1] == 0x20 and len(raw) == 34
+    return identity or sha256

@@ -9,6 +9,14 @@ Noise still authenticates and encrypts everything inside.
 The allowlist narrows a keyed swarm to named PeerIDs: streams from other peers are refused and their
 connections closed. Refusals of both kinds are logged (rate-limited) and counted for `status`.
 
+On the dialling side the same mistakes used to show only as a dial timeout or py-libp2p's
+`SwarmDialAllFailedError` (the cause was logged by the other node, if at all). `AccessControl` also watches
+this node's outbound handshakes and keeps, per peer, why the last one failed once a TCP connection was
+open (`explain_dial`, which the connection manager puts in its warning and in `status`): another PeerID
+answered at that address (Noise proves which), the peer refused or never completed the handshake (with
+a private-network key, a different swarm key or none is the likely cause: the other side reads noise),
+or it closed the connection right after the handshake (its `node.allow_peers` does not list us).
+
 The key file uses the format IPFS/go-libp2p operators know (libp2p's pnet spec), written as:
     /key/swarm/psk/1.0.0/
     /base16/
@@ -22,11 +30,13 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -139,16 +149,75 @@ def _decode_bin(body: bytes, where: str) -> bytes:
 _CODECS = {b"/base16/": _decode_base16, b"/base64/": _decode_base64, b"/bin/": _decode_bin}
 
 
+KEY_MISMATCH_FIX = "a different swarm key (or none) is the likely cause; check HOME/swarm.key on both nodes"
+MAX_DIAL_FAILURES = 1024  # peers whose last failed outbound handshake is remembered
+
+
+@dataclass(frozen=True)
+class DialFailure:
+    """Why this node's last outbound handshake with a peer failed, after its TCP connection opened."""
+
+    addr: str  # host:port dialled
+    kind: str  # wrong_peer | refused | stalled | closed
+    actual: str = ""  # wrong_peer: the PeerID that answered there
+    at: float = dataclasses.field(default_factory=time.monotonic)
+
+
+def _answering_peer(exc: BaseException | None, depth: int = 0) -> str | None:
+    """The PeerID py-libp2p names in a Noise "peer id does not correspond" or an upgrader "Peer ID
+    mismatch" error anywhere in `exc`'s chain, else None."""
+    import re
+
+    if exc is None or depth > 12:
+        return None
+    m = re.search(r"remote_peer_id_from_pubkey=(\w+)|Peer ID mismatch: expected \w+, got (\w+)", str(exc))
+    if m:
+        return m.group(1) or m.group(2)
+    return _answering_peer(exc.__cause__ or exc.__context__, depth + 1)
+
+
+def _addr_text(raw_conn: Any) -> str:
+    try:
+        addr = raw_conn.get_remote_address()
+    except Exception:  # a relayed or closed connection may have none
+        addr = None
+    return f"{addr[0]}:{addr[1]}" if addr else "an unknown address"
+
+
 class AccessControl:
     """Counts and logs refused peers; enforces the allowlist on streams and connections; contains
-    exceptions of stream handlers (ours and py-libp2p's) to their stream."""
+    exceptions of stream handlers (ours and py-libp2p's) to their stream; remembers why this node's own
+    handshakes failed (`explain_dial`)."""
 
     def __init__(self, *, keyed: bool, allow: Iterable[str] = ()) -> None:
         self.keyed = keyed
         self.allow = set(allow)
         self.refused_handshakes = 0
         self.refused_peers = 0
+        self.dial_failures: dict[str, DialFailure] = {}  # peer id -> the last failed outbound handshake
+        self._dialled: dict[str, str] = {}  # peer id -> host:port of its last secured outbound connection
+        self.own_peer_id = ""
         self._last_log: dict[str, float] = {}
+
+    def _note_dial_failure(self, peer_id: Any, failure: DialFailure) -> None:
+        if len(self.dial_failures) >= MAX_DIAL_FAILURES:
+            self.dial_failures.clear()
+        self.dial_failures[str(peer_id)] = failure
+
+    def explain_dial(self, peer_id: str, since: float = 0.0) -> str | None:
+        """One line on why dialling `peer_id` fails, from its last outbound handshake if that failed at or
+        after `since` (time.monotonic); None when none did (unreachable, or it worked since)."""
+        f = self.dial_failures.get(peer_id)
+        if f is None or f.at < since:
+            return None
+        if f.kind == "wrong_peer":
+            return (f"the peer at {f.addr} is {f.actual}, not {peer_id}: correct the PeerID after /p2p/ in the "
+                    "address (`starling status` on that node prints its own)")
+        if f.kind == "closed":
+            return (f"peer at {f.addr} closed the connection right after the handshake: its node.allow_peers "
+                    f"probably does not list this node ({self.own_peer_id or 'this PeerID'})")
+        verb = "did not complete" if f.kind == "stalled" else "refused"
+        return f"peer at {f.addr} {verb} the handshake: {KEY_MISMATCH_FIX}"
 
     def allowed(self, peer_id: str) -> bool:
         return not self.allow or peer_id in self.allow
@@ -168,11 +237,17 @@ class AccessControl:
         upgrade_security = upgrader.upgrade_security
         control = self
 
+        control.own_peer_id = str(host.get_id())
+
         async def counted_upgrade(raw_conn: Any, is_initiator: bool, peer_id: Any = None) -> Any:
             try:
                 secured = await upgrade_security(raw_conn, is_initiator, peer_id)
-            except Exception:
-                if not is_initiator:
+            except BaseException as e:  # trio.Cancelled too: the dial's deadline fired mid-handshake
+                if is_initiator and peer_id is not None:
+                    actual = _answering_peer(e)
+                    kind = "wrong_peer" if actual else ("refused" if isinstance(e, Exception) else "stalled")
+                    control._note_dial_failure(peer_id, DialFailure(_addr_text(raw_conn), kind, actual or ""))
+                if not is_initiator and isinstance(e, Exception):
                     control.refused_handshakes += 1
                     addr = raw_conn.get_remote_address() if hasattr(raw_conn, "get_remote_address") else None
                     who = f"{addr[0]}:{addr[1]}" if addr else "an unknown address"
@@ -191,9 +266,29 @@ class AccessControl:
                 with contextlib.suppress(Exception):
                     await secured.close()
                 raise SecurityUpgradeFailure(f"{remote} is not in node.allow_peers")
+            if is_initiator and peer_id is not None:
+                control.dial_failures.pop(str(peer_id), None)
+                if len(control._dialled) >= MAX_DIAL_FAILURES:
+                    control._dialled.clear()
+                control._dialled[str(peer_id)] = _addr_text(raw_conn)
             return secured
 
         upgrader.upgrade_security = counted_upgrade
+
+        upgrade_connection = upgrader.upgrade_connection
+
+        async def watched_upgrade_connection(secured: Any, peer_id: Any) -> Any:
+            try:
+                return await upgrade_connection(secured, peer_id)
+            except Exception:
+                # Noise is done (our side finished last), then the muxer negotiation found the connection
+                # closed: what a peer does whose allowlist leaves us out.
+                if getattr(secured, "is_initiator", False):
+                    addr = control._dialled.get(str(peer_id), "an unknown address")
+                    control._note_dial_failure(peer_id, DialFailure(addr, "closed"))
+                raise
+
+        upgrader.upgrade_connection = watched_upgrade_connection
 
         set_handler = host.set_stream_handler
 

@@ -28,7 +28,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from p2p.netgroup import group_of, is_loopback_group, peer_ip
-from p2p.status import ConnectionsStatus
+from p2p.status import BootstrapPeerStatus, ConnectionsStatus
 
 log = logging.getLogger("starling.connmgr")
 
@@ -65,6 +65,7 @@ class Candidate:
     next_attempt: float = 0.0
     last_error: str = ""
     connected_since: float | None = None
+    warned: str = ""  # the cause last logged at WARNING: the same cause again is logged at INFO
 
 
 @dataclass
@@ -82,6 +83,10 @@ class ConnManager:
     max_per_subnet: int = 16
     #: The observed IP of a connected peer (default: read from the host's connection).
     ip_of: Callable[[ID], str | None] | None = None
+    #: Why dialling a peer failed, when its handshake (at or after the given time.monotonic) said more than
+    #: py-libp2p's dial error (a wrong PeerID at that address, a likely swarm key mismatch: p2p/auth.py's
+    #: `AccessControl.explain_dial`).
+    explain: Callable[[ID, float], str | None] | None = None
     candidates: dict[ID, Candidate] = field(default_factory=dict)
     subnet_pruned: int = 0  # connections closed because their group was over max_per_subnet
     cap_pruned: int = 0  # connections closed because we were over the cap
@@ -143,6 +148,21 @@ class ConnManager:
             "subnet_pruned": self.subnet_pruned,
             "cap_pruned": self.cap_pruned,
         }
+
+    def bootstrap_status(self) -> list[BootstrapPeerStatus]:
+        """The bootstrap peers (and those of bootstrap files), connected or not, with why the last dial failed."""
+        connected = set(self.connected())
+        return [
+            {
+                "peer_id": str(c.peer_id),
+                "addrs": [str(a) for a in c.addrs],
+                "connected": c.peer_id in connected,
+                "failures": c.failures,
+                "last_error": "" if c.peer_id in connected else c.last_error,
+            }
+            for c in self.candidates.values()
+            if c.permanent
+        ]
 
     # --- the loop ----------------------------------------------------------------------------------------
 
@@ -239,22 +259,32 @@ class ConnManager:
     async def _dial(self, cand: Candidate) -> None:
         try:
             ok = False
+            error = f"timed out after {self.dial_timeout:.0f}s"
+            started = time.monotonic()
             with trio.move_on_after(self.dial_timeout):
                 try:
                     await (self.dial or self.host.connect)(PeerInfo(cand.peer_id, list(cand.addrs)))
                     ok = True
                 except Exception as e:  # libp2p raises many types for an unreachable peer
-                    cand.last_error = f"{type(e).__name__}: {e}"[:200]
-            if not ok and not cand.last_error:
-                cand.last_error = f"timed out after {self.dial_timeout:.0f}s"
+                    error = f"{type(e).__name__}: {e}"[:200]
             if ok:
-                cand.failures, cand.next_attempt, cand.last_error = 0, 0.0, ""
+                cand.failures, cand.next_attempt, cand.last_error, cand.warned = 0, 0.0, "", ""
                 log.debug("connected to %s (%s)", cand.peer_id, cand.source)
             else:
+                # The handshake's verdict, where there was one: py-libp2p's own error (a timeout, "all addresses
+                # failed", its negative cache) does not say that the wrong node or the wrong key answered.
+                # A handshake of this attempt; or of an earlier one when py-libp2p's negative cache refused to
+                # dial at all (else a stale cause would outlive a fix: a peer now down is not "the wrong key").
+                since = 0.0 if "negative cache" in error else started
+                cause = self.explain(cand.peer_id, since) if self.explain is not None else None
+                cand.last_error = cause or error
                 cand.failures += 1
                 delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (cand.failures - 1)) * random.uniform(0.8, 1.2)
                 cand.next_attempt = self.clock() + delay
                 level = logging.WARNING if cand.permanent else logging.DEBUG
+                if cause and cand.permanent:  # once at WARNING per cause, then INFO while it lasts
+                    level = logging.INFO if cause == cand.warned else logging.WARNING
+                    cand.warned = cause
                 log.log(
                     level,
                     "cannot reach %s peer %s at %s: %s; retrying in %.0fs",

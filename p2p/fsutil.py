@@ -11,6 +11,7 @@ It lives in the bottom layer (``p2p/``) because both the protocols (snapshot dow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -60,6 +61,36 @@ def unwritable_reason(directory: Path) -> str | None:
     if read_only:
         return "it is on a read-only file system"
     return f"it is not writable by this user (uid {os.geteuid()})"
+
+
+#: Free space a node's HOME should keep at least: checkpoints (two at a time while one is replaced),
+#: the swarm state and the loss history. More when its checkpoints are larger (`free_space_problem`).
+MIN_FREE_BYTES = 64 << 20
+
+
+def free_space_problem(home: Path, *, checkpoints: str = "checkpoints") -> str | None:
+    """Why HOME's file system is too full to keep writing checkpoints (None: it is not, or it cannot be
+    told): less free than twice its largest checkpoint (a new one is written before the oldest is removed),
+    or than MIN_FREE_BYTES."""
+    home = Path(home)
+    try:
+        st = os.statvfs(home)
+    except OSError:
+        return None
+    largest = 0
+    try:
+        for path in (home / checkpoints).rglob("*"):
+            with contextlib.suppress(OSError):
+                if path.is_file():
+                    largest = max(largest, path.stat().st_size)
+    except OSError:
+        pass
+    need = max(MIN_FREE_BYTES, 2 * largest)
+    free = st.f_bavail * st.f_frsize
+    if free >= need:
+        return None
+    return (f"only {free / 1e6:.1f} MB free on the file system of {home} (of {st.f_blocks * st.f_frsize / 1e6:.1f} MB); "
+            f"checkpoints need about {need / 1e6:.0f} MB")
 
 
 PRIVATE_DIR_MODE = 0o700

@@ -7,7 +7,7 @@ This module imports nothing else, so that the status schema stays cheap to impor
 
 from typing import TypedDict
 
-__all__ = ["AuthorizationStatus", "ConnectionsStatus", "DiscoveryStatus", "MuxerStatus", "StreamLimitsStatus"]
+__all__ = ["AuthorizationStatus", "BootstrapPeerStatus", "ConnectionsStatus", "DiscoveryStatus", "MuxerStatus", "StreamLimitsStatus"]
 
 
 class ConnectionsStatus(TypedDict):
@@ -22,6 +22,16 @@ class ConnectionsStatus(TypedDict):
     max_per_subnet: int
     subnet_pruned: int
     cap_pruned: int  # connections closed because the node had more than ``cap``
+
+
+class BootstrapPeerStatus(TypedDict):
+    """``bootstrap.peers[i]`` (p2p/connmgr.py): one bootstrap peer, and why dialling it fails."""
+
+    peer_id: str
+    addrs: list[str]
+    connected: bool
+    failures: int  # failed dials in a row
+    last_error: str  # why the last dial failed ("" while connected or not yet tried): the cause, when known
 
 
 class DiscoveryStatus(TypedDict):

@@ -6,10 +6,13 @@ status-based checks are pure functions, fed synthetic status dicts shaped like t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import socket
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -194,8 +197,38 @@ def test_unreachable_only_bootstrap_is_an_error_with_a_fix(tmp_path: Path) -> No
     assert "firewall" in boot.fix
 
 
+@contextlib.contextmanager
+def libp2p_peer(psk: str | None = None) -> Iterator[str]:
+    """A libp2p host (Noise, yamux, as a daemon builds it) listening on 127.0.0.1 in a thread of its own:
+    its multiaddr, ending in /p2p/<PeerID>."""
+    import multiaddr
+    import trio
+
+    from p2p.auth import AccessControl
+    from p2p.host import build_host
+
+    ready: queue.Queue[str] = queue.Queue()
+    stop = threading.Event()
+
+    async def serve() -> None:
+        host = build_host(create_new_key_pair(), psk=psk)
+        AccessControl(keyed=psk is not None).install(host)
+        async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            ready.put(str(host.get_addrs()[0]))
+            while not stop.is_set():
+                await trio.sleep(0.05)
+
+    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
+    thread.start()
+    try:
+        yield ready.get(timeout=30)
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 def test_bootstrap_that_drops_packets_times_out_and_the_reachable_one_makes_it_a_warning(
-    tmp_path: Path, listener: socket.socket
+    tmp_path: Path
 ) -> None:
     # A listener whose accept queue is full drops new SYNs: a stand-in for a firewall.
     blackhole = socket.socket()
@@ -208,16 +241,53 @@ def test_bootstrap_that_drops_packets_times_out_and_the_reachable_one_makes_it_a
         c.connect_ex(blackhole.getsockname())
         fillers.append(c)
     silent = f"/ip4/127.0.0.1/tcp/{blackhole.getsockname()[1]}/p2p/{other_peer_id()}"
-    alive = f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}/p2p/{other_peer_id()}"
-    cfg = load_config(None, overrides={"node.bootstrap": [silent, alive]}, environ={})
     try:
-        findings = check_bootstrap(cfg, None, None, timeout=0.5)
+        with libp2p_peer() as alive:
+            cfg = load_config(None, overrides={"node.bootstrap": [silent, alive]}, environ={})
+            findings = check_bootstrap(cfg, None, None, timeout=0.5)
     finally:
         for c in [*fillers, blackhole]:
             c.close()
     by_addr = {f.message.split(" ")[0].rstrip(":"): f for f in findings}
-    assert by_addr[alive].level == OK and "TCP port open" in by_addr[alive].message
+    assert by_addr[alive].level == OK and "libp2p handshake completed" in by_addr[alive].message
     assert by_addr[silent].level == WARN and "no answer within 0.5 s" in by_addr[silent].message
+
+
+def test_an_open_port_is_not_a_bootstrap_peer_the_handshake_decides(listener: socket.socket) -> None:
+    """Issue #27: `ok bootstrap ...: TCP port open` (exit 0) for a port where no Starling node of this swarm
+    listens, or another node than the address names, or one with another swarm key."""
+    mute = f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}/p2p/{other_peer_id()}"
+    cfg = load_config(None, overrides={"node.bootstrap": [mute]}, environ={})
+    [boot] = check_bootstrap(cfg, None, None, handshake_timeout=1.0)
+    assert boot.level == ERROR and "the handshake" in boot.message, boot
+    with libp2p_peer() as real:
+        wrong = real.rsplit("/p2p/", 1)[0] + f"/p2p/{(claimed := other_peer_id())}"
+        cfg = load_config(None, overrides={"node.bootstrap": [wrong]}, environ={})
+        [boot] = check_bootstrap(cfg, None, None)
+        assert boot.level == ERROR and f"is {real.rsplit('/', 1)[1]}, not {claimed}" in boot.message, boot
+        assert "/p2p/" in boot.fix
+        cfg = load_config(None, overrides={"node.bootstrap": [real]}, environ={})
+        [boot] = check_bootstrap(cfg, None, None, psk="33" * 32, handshake_timeout=2.0)  # a key; it has none
+        assert boot.level == ERROR and "swarm key" in boot.message and "swarm.key" in boot.fix, boot
+    with libp2p_peer(psk="44" * 32) as keyed:
+        cfg = load_config(None, overrides={"node.bootstrap": [keyed]}, environ={})
+        [boot] = check_bootstrap(cfg, None, None, handshake_timeout=2.0)  # no key; it has one
+        assert boot.level == ERROR and "swarm key" in boot.message and "no swarm key" in boot.fix, boot
+        [boot] = check_bootstrap(cfg, None, None, psk="44" * 32)
+        assert boot.level == OK, boot
+
+
+def test_a_daemon_connected_to_nobody_although_it_has_bootstrap_peers_is_an_error() -> None:
+    addr = f"/ip4/127.0.0.1/tcp/1/p2p/{other_peer_id()}"
+    why = "peer at 127.0.0.1:1 refused the handshake: a different swarm key (or none) is the likely cause"
+    status: dict[str, Any] = {"connected_peers": [], "uptime_s": 120.0, "bootstrap": {
+        "addrs": [addr], "files": [], "peers": [{"peer_id": addr.rsplit("/", 1)[1], "addrs": [], "connected": False,
+                                                  "failures": 3, "last_error": why}]}}
+    cfg = load_config(None, overrides={"node.bootstrap": [addr]}, environ={})
+    isolated = of(check_bootstrap(cfg, status, None, timeout=0.5), "connections")  # type: ignore[arg-type]
+    assert [f.level for f in isolated] == [ERROR] and why in isolated[0].message
+    status["connected_peers"] = ["someone"]
+    assert not of(check_bootstrap(cfg, status, None, timeout=0.5), "connections")  # type: ignore[arg-type]
 
 
 def test_bootstrap_file_problems_are_reported_with_file_and_line(tmp_path: Path) -> None:
@@ -540,7 +610,7 @@ def test_one_connected_swarm_is_ok_with_its_size() -> None:
 def test_a_fresh_swarm_where_nobody_paired_yet_is_ok_not_split() -> None:
     a, b = other_peer_id(), other_peer_id()
     [finding] = check_pairing(trainers_status({ME: [], a: [], b: []}, **mixing(3, 3)))
-    assert finding.level == OK and finding.message == "pairing graph: no pairs yet among 3 alive trainers"
+    assert finding.level == OK and finding.message == "pairing graph: no pairs in the recent outer steps of the 3 alive trainers"
 
 
 def test_unpaired_trainers_beside_one_island_are_named_in_the_ok_line() -> None:

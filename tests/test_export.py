@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -82,6 +85,22 @@ def test_export_evaluate_measures_the_exported_weights(trained, tmp_path: Path, 
     home, tr = trained
     assert main(["export", "--home", str(home), "--out", str(tmp_path), "--evaluate"]) == 0
     assert f"{tr.val_loss:.4f} measured on the exported weights" in capsys.readouterr().out
+    # Issue #27: the measured loss was printed but not recorded beside the weights.
+    info = json.loads((tmp_path / "starling-export.json").read_text())
+    assert info["eval_loss"] == pytest.approx(tr.val_loss, abs=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_every_exported_file_has_the_same_private_mode(trained, tmp_path: Path, fmt: str) -> None:
+    """Issue #27: model.safetensors was 0600 but model.pt and starling-export.json 0644."""
+    home, _ = trained
+    old = os.umask(0o022)  # what a shell usually has: files the writer does not chmod come out 0644
+    try:
+        assert main(["export", "--home", str(home), "--out", str(tmp_path), "--format", fmt]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir() if p.is_file()}
+    assert len(modes) == 2 and set(modes.values()) == {0o600}, modes
 
 
 @pytest.mark.parametrize(

@@ -577,6 +577,11 @@ async def test_manifest_mismatch_is_refused_logged_once_and_reported_on_both_sid
         totals = a.rep.status()["swarm_totals"]
         assert totals["incompatible_peers"] == [odd.pid] and totals["replication"]["manifest_mismatches"] >= 1
         assert totals["manifest_hash"] == MANIFEST_A.hash
+        # Issue #27: what differs, for `status` (which showed the refused peer only as "suspect").
+        [differs] = totals["incompatible"]
+        assert (differs["peer_id"], differs["field"], differs["theirs"], differs["ours"]) == (
+            odd.pid, "manifest", MANIFEST_B.hash, MANIFEST_A.hash)
+        assert totals["our_manifest"] is not None and totals["our_manifest"]["task"] == MANIFEST_A.task
 
 
 async def test_a_node_whose_manifest_differs_from_the_swarms_it_knows_reports_it(caplog: Any) -> None:

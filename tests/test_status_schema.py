@@ -101,6 +101,7 @@ EXPORTED: dict[tuple[str, str], str] = {
     ("training", "period_s"): "training_pace_seconds",
     ("training", "last_inner_steps"): "training_last_inner_steps",
     ("training", "restarts"): "worker_restarts",
+    ("training", "checkpoint_failures"): "training_checkpoint_failures",
     ("sync", "rounds"): "sync_rounds",
     ("sync", "solo_rounds"): "sync_solo_rounds",
     ("sync", "failures"): "sync_failures",

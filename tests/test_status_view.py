@@ -106,7 +106,7 @@ def test_an_old_daemon_without_mixing_pace_or_partners_still_renders() -> None:
         del m["partners"]
     text = render_status(st)
     assert "mixing:" not in text and "pace:" not in text
-    assert "pairing graph: no pairs yet, 3 unpaired" in text
+    assert "pairing graph: no pairs in the alive trainers' recent outer steps, 3 unpaired" in text
 
 
 def test_bounds_line_appears_once_a_partner_was_clipped_refused_or_banned() -> None:

@@ -1,0 +1,137 @@
+"""Issue #27's rows through real `starling run` daemons: a swarm key mismatch and a wrong bootstrap PeerID
+(log, `status`, `doctor`), a peer training another model (`status`), a trainer whose HOME fills up (`status`,
+`doctor`, the exit code). The unit-level tests of the same rows are in tests/test_diagnostics.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from starling_testing.daemon import TINY, DaemonGroup, DaemonProc, starling
+
+REAL_PEER = "12D3KooWPoxc3GetHDNMfRYL4h9TgTs2Dkrxk53DHHVDEVfqWV33"  # a valid PeerID no node here has
+
+LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+
+
+def _status(home: Path) -> dict:
+    r = starling("status", "--home", str(home), "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["running"] is True  # as the no-daemon answer has "running": false (issue #27, status details)
+    return st
+
+
+@pytest.mark.slow
+def test_a_node_with_another_swarm_key_or_a_wrong_peer_id_is_told_why_by_log_status_and_doctor(
+    group: DaemonGroup, tmp_path: Path
+) -> None:
+    """The dialling side of a swarm key mismatch, and a bootstrap address naming another node's PeerID."""
+    key, other = tmp_path / "key", tmp_path / "other"
+    for path in (key, other):
+        assert starling("swarm-key", "--out", str(path)).returncode == 0
+    for name, k in (("boot", key), ("x", other)):
+        assert starling("init", "--home", str(tmp_path / name), "--swarm-key", str(k)).returncode == 0
+    keyed_addr = group.start("boot", *LOOPBACK, "--no-train").addr()
+    x = group.start("x", *LOOPBACK, "--no-train", "--bootstrap", keyed_addr)  # another key
+    addr = group.start("open", *LOOPBACK, "--no-train").addr()  # an open swarm
+    boot_id = addr.rsplit("/", 1)[1]
+    wrong = addr.rsplit("/p2p/", 1)[0] + f"/p2p/{REAL_PEER}"
+    w = group.start("w", *LOOPBACK, "--no-train", "--bootstrap", wrong)  # another node's PeerID
+    keyed_id = keyed_addr.rsplit("/", 1)[1]
+
+    def last_error(st: dict) -> str:
+        peers = st.get("bootstrap", {}).get("peers") or [{}]
+        return str(peers[0].get("last_error") or "")
+
+    x.wait_status(lambda st: "swarm key" in last_error(st), timeout=90)
+    w.wait_status(lambda st: "is " in last_error(st), timeout=90)
+    assert f"is {boot_id}, not {REAL_PEER}" in last_error(_status(w.home))
+
+    text = starling("status", "--home", str(x.home))
+    assert text.returncode == 0
+    assert f"bootstrap {keyed_id[:6]}..{keyed_id[-6:]} at " in text.stdout and "a different swarm key" in text.stdout
+    assert "a different swarm key (or none) is the likely cause" in x.log()
+    assert f"is {boot_id}, not {REAL_PEER}" in w.log()
+
+    for node, says in ((x, "swarm key"), (w, f"is {boot_id}, not {REAL_PEER}")):
+        r = starling("doctor", "--home", str(node.home), timeout=90)
+        assert r.returncode == 1, r.stdout
+        errors = [line for line in r.stdout.splitlines() if "ERROR" in line]
+        assert any("bootstrap" in line and says in line for line in errors), r.stdout
+        assert any("connected to no peer although it has 1 bootstrap peer" in line for line in errors), r.stdout
+        assert "TCP port open" not in r.stdout
+
+    # doctor --bootstrap with another node's real PeerID at a live address, no daemon on that home.
+    r = starling("doctor", "--home", str(tmp_path / "fresh"), "--bootstrap", wrong, timeout=90)
+    assert r.returncode == 1 and f"is {boot_id}, not {REAL_PEER}" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+def test_a_peer_training_another_task_is_shown_as_incompatible_by_status(group: DaemonGroup) -> None:
+    """It was `suspect ... 31s ago`, and plain `status` never said why."""
+    a = group.start("a", *TINY)
+    addr = a.addr()
+    b = group.start("b", *TINY, "--set", "train.d_model=48", "--bootstrap", addr)  # another model
+    a_id = addr.rsplit("/", 1)[1]
+    b.wait_status(lambda st: a_id in (st.get("swarm_totals") or {}).get("incompatible_peers", []), timeout=120)
+    [differs] = _status(b.home)["swarm_totals"]["incompatible"]
+    assert differs["peer_id"] == a_id and differs["field"] == "manifest" and differs["theirs"] != differs["ours"]
+    assert differs["differs"] == ["model_hash"]  # a runs the swarm's manifest, which b holds
+    text = starling("status", "--home", str(b.home)).stdout
+    assert f"incompatible {a_id[:6]}..{a_id[-6:]}" in text and "they differ in model_hash" in text, text
+    rows = [line for line in text.splitlines() if line.strip().startswith(f"{a_id[:6]}..{a_id[-6:]}") and " ago" in line]
+    assert rows and all("incompatible" in row and "suspect" not in row for row in rows), text
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MB tmpfs, unmounted when the test ends."""
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mountpoint)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip() or r.returncode}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=True)
+
+
+@pytest.mark.slow
+def test_a_trainer_on_a_full_disk_says_so_in_status_doctor_and_its_exit_code(
+    group: DaemonGroup, tiny_disk: Path, tmp_path: Path
+) -> None:
+    home = tiny_disk / "home"
+    assert starling("init", "--home", str(home)).returncode == 0
+    d = DaemonProc(home, [*TINY, "--set", "train.checkpoint_every=1"]).start(log=tmp_path / "daemon.log")
+    group.daemons.append(d)
+    d.wait_status(lambda st: (st.get("training") or {}).get("checkpoint_step") is not None, timeout=120)
+    filler = home / "filler"
+    with open(filler, "wb") as f:  # the disk is full from now on
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    st = d.wait_status(lambda st: bool((st.get("training") or {}).get("checkpoint_error")), timeout=120)
+    assert "No space left on device" in st["training"]["checkpoint_error"]
+    text = starling("status", "--home", str(home))
+    assert text.returncode == 0 and "checkpoints failing:" in text.stdout
+    r = starling("doctor", "--home", str(home), timeout=90)
+    assert r.returncode == 1
+    assert any("disk" in line and "MB free" in line for line in r.stdout.splitlines() if "ERROR" in line), r.stdout
+    assert any("checkpoints fail" in line for line in r.stdout.splitlines() if "ERROR" in line), r.stdout
+    d.wait_status(lambda st: st["training"]["checkpoint_failures"] >= 3, timeout=120)
+    failed_lines = [line for line in d.log().splitlines() if "checkpoint at step" in line and "failed" in line]
+    failures = d.wait_status()["training"]["checkpoint_failures"]
+    assert 1 <= len(failed_lines) < failures, failed_lines  # rate-limited: one line a minute, with a count
+
+    assert "MB free on the file system of" in d.log()  # said at start: the tmpfs has 2 MB
+    assert d.stop(timeout=30) == 1  # the final checkpoint failed too: non-zero, and said
+    assert "stopped, but the final checkpoint (step" in d.log() and "No space left on device" in d.log()
