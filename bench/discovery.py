@@ -14,13 +14,12 @@ import argparse
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from node.launcher import stop_all
 from starling_testing.daemon import DaemonProc
 from starling_testing.report import replace_section
 
@@ -61,13 +60,7 @@ def run_once(n: int, root: Path, timeout: float = 120.0) -> dict[str, float]:
                   [sum(m["state"] == "alive" for m in s.get("members", [])) for s in sts], flush=True)
         return {"n": n, "discovered_s": t_discovered or float("nan"), "connected_s": t_connected or float("nan")}
     finally:
-        for d in daemons:
-            d.signal(signal.SIGTERM)
-        for d in daemons:
-            try:
-                d.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                d.kill()
+        stop_all(daemons)
 
 
 def write_docs(rows: list[dict[str, float]], command: str) -> None:

@@ -22,13 +22,12 @@ import argparse
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from node.launcher import stop_all
 from starling_testing.daemon import DaemonProc
 from starling_testing.report import replace_section
 
@@ -67,13 +66,7 @@ def measure(n: int, settle: float, seconds: float, sets: list[str], root: Path) 
         after = snapshot()
         alive = [sum(m["state"] == "alive" for m in (d.status(timeout=5) or {}).get("members", [])) for d in daemons]
     finally:
-        for d in daemons:
-            d.signal(signal.SIGTERM)
-        for d in daemons:
-            try:
-                d.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                d.kill()
+        stop_all(daemons)
     rates: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
         dt = a["t"] - b["t"]

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -173,6 +173,7 @@ class DaemonProcess:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+
     # -- output ----------------------------------------------------------------------------------------
 
     def log(self) -> str:
@@ -181,3 +182,16 @@ class DaemonProcess:
 
     def tail(self, chars: int = 3000) -> str:
         return f"--- end of {self.log_path} ---\n{self.log()[-chars:]}"
+
+
+def stop_all(daemons: Iterable[DaemonProcess], timeout: float = 15.0) -> None:
+    """Stop several daemons gracefully and together: SIGTERM to all first, then wait for each (SIGKILL after
+    ``timeout``), so that their drains overlap instead of adding up."""
+    daemons = [d for d in daemons if d.proc is not None]
+    for d in daemons:
+        d.signal(signal.SIGTERM)
+    for d in daemons:
+        try:
+            d.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            d.kill()

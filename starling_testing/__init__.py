@@ -17,7 +17,8 @@ Files and their main names:
 * ``fuzz.py``: the fuzzer's targets, mutator and runner (``make fuzz``; tests/test_fuzz.py drives the same
   targets with hypothesis);
 * ``adversary.py``: hostile averaging partners against a real victim (``make bench-adversary``);
-* ``report.py``: ``replace_section``, how benchmarks write their figures into docs/.
+* ``report.py``: ``replace_section``, how benchmarks write their figures into docs/;
+* ``disk.py``: ``tiny_tmpfs``, a small tmpfs for tests of a full disk.
 
 Only the network lab and the daemon helpers are imported here (they need neither torch nor libp2p); import
 the other modules by name.

@@ -10,7 +10,6 @@ and daemons inside a :class:`starling_testing.netlab.Lab` host (:func:`spawn_dae
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -101,15 +100,7 @@ class DaemonGroup:
         return d
 
     def close(self) -> None:
-        for d in self.daemons:
-            if d.running():
-                d.proc.send_signal(signal.SIGTERM)
-        for d in self.daemons:
-            if d.proc is not None:
-                try:
-                    d.proc.wait(12)
-                except subprocess.TimeoutExpired:
-                    d.kill()
+        launcher.stop_all(self.daemons, timeout=12)
 
 
 # --- daemons in a network lab (starling_testing.netlab) ----------------------------------------------------

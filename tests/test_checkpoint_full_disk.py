@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from node.checkpoint import CheckpointStore, read_checkpoint
+from starling_testing.disk import tiny_tmpfs
 
 TMPFS_SIZE = 1 << 20  # bytes: room for a few checkpoints of STATE_ELEMS floats
 
@@ -27,16 +27,9 @@ TMPFS_SIZE = 1 << 20  # bytes: room for a few checkpoints of STATE_ELEMS floats
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs, unmounted when the test ends."""
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE},mode=0700", "tmpfs", str(mountpoint)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip() or r.returncode}")
-    try:
+    with tiny_tmpfs(tmp_path / "disk", TMPFS_SIZE) as mountpoint:
         yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=True)
+
 
 
 def tiny_state(step: int) -> dict:

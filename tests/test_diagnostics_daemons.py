@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from starling_testing.daemon import TINY, DaemonGroup, DaemonProc, starling
+from starling_testing.disk import tiny_tmpfs
 
 REAL_PEER = "12D3KooWPoxc3GetHDNMfRYL4h9TgTs2Dkrxk53DHHVDEVfqWV33"  # a valid PeerID no node here has
 
@@ -92,16 +92,9 @@ def test_a_peer_training_another_task_is_shown_as_incompatible_by_status(group: 
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 2 MB tmpfs, unmounted when the test ends."""
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mountpoint)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip() or r.returncode}")
-    try:
+    with tiny_tmpfs(tmp_path / "disk", "2m") as mountpoint:
         yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], check=True)
+
 
 
 @pytest.mark.slow
