@@ -67,15 +67,15 @@ class Rounds(logging.Handler):
         super().__init__(logging.INFO)
         self.sizes: list[int] = []  # 0: failed
         self.seen = 0  # sizes already matched to an applied result
-        self.lock = threading.Lock()
+        self.guard = threading.Lock()  # not `lock`: logging.Handler holds its own `lock` around emit()
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if (m := self.AVERAGED.search(text)) is not None:
-            with self.lock:
+            with self.guard:
                 self.sizes.append(int(m.group(1)))
         elif text.startswith("Averaging failed"):
-            with self.lock:
+            with self.guard:
                 self.sizes.append(0)
 
 
@@ -142,7 +142,7 @@ def run_peer(spec: dict[str, Any]) -> int:
 
     def counted_apply() -> None:
         apply_results()
-        with rounds.lock:  # the round's log line comes before its result is handed over
+        with rounds.guard:  # the round's log line comes before its result is handed over
             new, rounds.seen = rounds.sizes[rounds.seen:], len(rounds.sizes)
         groups.append(new[-1] if new else 0)  # no line: the round was aborted
         applied["averaged"] += 1
