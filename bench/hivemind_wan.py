@@ -21,6 +21,12 @@ Two roles, one JSON spec each (argv[2]):
   until the go file's deadline, evaluating the validation loss (the task's own evaluation: the same held-out
   batches as the simulation and Starling's workers) each time an averaging result (or a state download from
   peers) is applied, and appends one JSON line per evaluation to `out`; then one summary line, then `DONE`.
+
+What hivemind does here (1.1.12, read from its source and seen in the logs): in local-update mode it averages with
+its delta rule in a background thread, but `TrainingStateAverager.step` waits for every pending update, the running
+averaging round included, before each local optimizer step; so a peer computes nothing from an epoch's end until
+that round's matchmaking (`matchmaking_time`) and all-reduce are over, and a peer that fell an epoch behind
+downloads the whole state from a peer before it trains on.
 """
 
 from __future__ import annotations

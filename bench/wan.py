@@ -759,7 +759,9 @@ def hivemind_note(run: HivemindRun) -> str:
     sent = sum(p.link_sent for p in run.peers) / len(run.peers)
     return (f"hivemind: {run.settings.text()}; {sent / 1e6:.1f} MB sent per peer on its link in "
             f"{run.seconds:.0f} s; evaluations after each applied averaging result (a failed round's too) or "
-            "state download")
+            "state download. In local-update mode hivemind 1.1.12 averages with its delta rule, and "
+            "TrainingStateAverager.step waits for a pending averaging round before each local optimizer step: a peer "
+            "computes nothing from the epoch's end until its matchmaking and all-reduce are over")
 
 
 # --- composing and reporting ---------------------------------------------------------------------------------------
