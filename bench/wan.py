@@ -21,7 +21,15 @@ Contenders, each on the same namespaces and links:
   vector with torch.distributed's gloo (TCP rendezvous at the first trainer's address). DDP: a step is one
   inner step plus that all-reduce; DiLoCo: an outer step is H inner steps plus the same all-reduce (of Delta,
   a vector of the same size).
-- **hivemind**: only where bench/.venv-hivemind exists (bench/sync.py makes it); otherwise skipped with a note.
+- **hivemind**: real hivemind 1.1.12 peers (bench/hivemind_wan.py in bench/.venv-hivemind, which bench/sync.py
+  --parts 3 makes; without it, or with `--hivemind off`, a note says it was left out): a hivemind DHT node on the
+  bootstrap host and one `hivemind.Optimizer` peer per trainer host, with the same model, shards, inner optimizer
+  (AdamW) and lr schedule, in local-update mode (the closest to local SGD: each peer steps on its own gradients,
+  and the collaboration averages parameters in one group each time it has accumulated N x H x batch size
+  samples, about every H local steps), no compression, timeouts sized for the slowest link. Only each peer's
+  training process is capped (its DHT, averager and p2pd processes are not, as Starling's daemon is not). Its loss
+  is the mean over the peers of each one's latest validation loss, evaluated after each averaging result (or
+  state download) it applied, for the same wall time as Starling's run; bytes from the same link counters.
 
 First a calibration run: the same Starling daemons on unshaped links, which gives the unshaped inner-step rate
 (each contender's "share of wall time computed" is against it), and the bytes per outer step from which the
@@ -90,6 +98,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Over slow links"
 HIVEMIND_VENV = ROOT / "bench" / ".venv-hivemind"
+HIVEMIND_SCRIPT = ROOT / "bench" / "hivemind_wan.py"
+HIVEMIND_PORT = 31337
 N = 4
 SCENARIOS = ("uniform", "one-slow")
 SLOW_FACTOR = 5.0
@@ -97,6 +107,7 @@ GLOO_PORT = 29500
 POLL_S = 1.0
 DDP_ROW = "DDP (gloo, composed)"
 DILOCO_ROW = "DiLoCo (gloo, composed)"
+HIVEMIND_ROW = "hivemind (Optimizer, local updates)"
 
 # The regime to reproduce (docs/benchmarks.md, "Over slow links"): a 1B-parameter model on one modern GPU
 # (0.4 s per inner step), H = 50, 100 Mbit/s links; Starling today sends phi and Delta in bf16, 4 bytes per
@@ -132,6 +143,7 @@ class Plan:
     scenarios: list[str]
     variants: list[tuple[str, dict[str, str]]]  # Starling variants: (label, {"section.option": value})
     sync: dict[str, Any] = field(default_factory=dict)  # sync options of every Starling run (quick: faster joins)
+    hivemind: str = "auto"  # auto: run hivemind where bench/.venv-hivemind exists; off: leave it out
 
     @property
     def quota_us(self) -> int:
@@ -557,6 +569,201 @@ def time_collective(wl: WanLab, plan: Plan, peer_ids: list[str], rates: list[flo
     return out
 
 
+# --- hivemind: its collaborative optimizer, real peers in the lab ---------------------------------------------------
+
+
+@dataclass
+class HivemindSettings:
+    """hivemind.Optimizer's options that depend on the links (its defaults assume fast ones), from the slowest."""
+
+    target_batch_size: int  # N x H x batch size: an epoch, and an averaging round, every ~H local steps per peer
+    matchmaking_time: float
+    request_timeout: float
+    averaging_timeout: float
+    next_chunk_timeout: float
+
+    @classmethod
+    def for_links(cls, bc: BenchConfig, params: int, rates: list[float]) -> HivemindSettings:
+        # Butterfly all-reduce in one group of N: each peer sends (N-1)/N of the fp32 vector as its parts and
+        # as much again as averaged parts; parts are 512 kB (hivemind's DEFAULT_PART_SIZE_BYTES), and a peer
+        # streams them to its N-1 partners at once.
+        rate = min(rates) * 1e6 / 8
+        allreduce_s = 2 * (N - 1) / N * params * 4 / rate
+        chunk_s = (N - 1) * 2**19 / rate
+        averaging = max(60.0, 3 * allreduce_s + 30)
+        slow = min(rates) < 1.0
+        return cls(N * bc.inner_steps * bc.batch_size, 30.0 if slow else 15.0, 6.0 if slow else 3.0, averaging,
+                   min(averaging, max(15.0, 3 * chunk_s)))
+
+    def text(self) -> str:
+        return (f"target_batch_size {self.target_batch_size}, matchmaking_time {self.matchmaking_time:g} s, "
+                f"request_timeout {self.request_timeout:g} s, averaging_timeout {self.averaging_timeout:.0f} s, "
+                f"next_chunk_timeout {self.next_chunk_timeout:.0f} s")
+
+
+@dataclass
+class HivemindPeer:
+    name: str
+    steps: int
+    seconds: float
+    cpu_share: float
+    groups: list[int]  # the group size of each averaging result it applied (0 or 1: the round failed)
+    loaded: int  # state downloads from peers (hivemind's catch-up: a peer that fell an epoch behind)
+    link_sent: int
+    points: list[tuple[float, float]]  # (s since the start, val loss) after each averaging or download
+
+    @property
+    def rate(self) -> float:
+        return self.steps / self.seconds if self.seconds else 0.0
+
+    @property
+    def averaged(self) -> int:
+        return sum(1 for g in self.groups if g > 1)
+
+
+@dataclass
+class HivemindRun:
+    settings: HivemindSettings
+    seconds: float
+    curve: list[tuple[float, float]]
+    sent_curve: list[tuple[float, float]]
+    peers: list[HivemindPeer]
+
+
+def hivemind_python(plan: Plan) -> tuple[Path | None, str | None]:
+    """The hivemind venv's python, or None and why hivemind is left out."""
+    if plan.hivemind == "off":
+        return None, "hivemind left out (--hivemind off)"
+    python = HIVEMIND_VENV / "bin" / "python"
+    if not python.exists():
+        return None, f"hivemind skipped: no {HIVEMIND_VENV.relative_to(ROOT)} (bench/sync.py --parts 3 creates it)"
+    check = subprocess.run([str(python), "-c", "import hivemind, torch"], capture_output=True, text=True, timeout=120)
+    if check.returncode != 0:
+        tail = (check.stderr or check.stdout).strip().splitlines()[-1:]
+        return None, f"hivemind skipped: {HIVEMIND_VENV.relative_to(ROOT)} cannot import it ({' '.join(tail)})"
+    return python, None
+
+
+def mean_curve(peers: list[list[tuple[float, float]]], initial: float) -> list[tuple[float, float]]:
+    """The mean over peers of each one's latest validation loss (`initial` before its first), at every point of
+    any peer: the loss against wall time that Starling's rows show (there sampled at each poll)."""
+    events = sorted((t, i, v) for i, pts in enumerate(peers) for t, v in pts)
+    latest = [initial] * len(peers)
+    out = [(0.0, initial)]
+    for t, i, v in events:
+        latest[i] = v
+        out.append((t, statistics.fmean(latest)))
+    return out
+
+
+def _stop_leftovers(hosts: list[netlab.Host]) -> None:
+    """SIGKILL whatever a hivemind run left in these hosts' namespaces (p2pd daemons, averager processes whose
+    parent is gone): only the bench's own processes run there, and none of Starling's between runs."""
+    for host in hosts:
+        for pid in netlab._pids_in(host.netns):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def run_hivemind(wl: WanLab, root: Path, python: Path, plan: Plan, peer_ids: list[str], rates: list[float],
+                 initial_loss: float, params: int, seconds: float, label: str) -> HivemindRun:
+    """A hivemind DHT node on the bootstrap host and N hivemind.Optimizer peers, one per trainer host, each
+    (its training process alone, not its DHT, averager and p2pd processes) in its own cpu group; `seconds`
+    from a common start. BenchError with the log's tail when a part does not come up."""
+    from node.worker import lr_at
+
+    wl.shape(rates)
+    bc = plan.bench
+    settings = HivemindSettings.for_links(bc, params, rates)
+    cfg = TrainConfig(**plan.train())
+    lrs = [lr_at(cfg, step) for step in range(cfg.total_steps + 1)]
+    root.mkdir(parents=True)
+    go_file = root / "go.json"
+    run_id = f"wan-{uuid.uuid4().hex[:8]}"
+    print(f"  {label}: hivemind DHT on the bootstrap host and {N} hivemind.Optimizer peers "
+          f"({', '.join(f'{r:g}' for r in rates)} Mbit/s; {settings.text()})", file=sys.stderr, flush=True)
+    procs: list[Proc] = []
+    hosts = [wl.boot, *wl.hosts]
+    try:
+        with caps([h.name for h in wl.hosts], plan.quota_us) as cgroups:
+            boot = wl.boot.spawn([str(python), str(HIVEMIND_SCRIPT), "dht",
+                                  json.dumps({"ip": wl.boot.ip, "port": HIVEMIND_PORT})],
+                                 log=f"{label}-boot.log", cwd=ROOT)
+            procs.append(boot)
+            initial_peer = boot.wait_for(r"^MADDR (\S+)$", timeout=plan.startup_s).group(1)
+            peers = []
+            for host, pid in zip(wl.hosts, peer_ids, strict=True):
+                spec = {"ip": host.ip, "port": HIVEMIND_PORT, "initial_peer": initial_peer, "train": plan.train(),
+                        "peer_id": pid, "lrs": lrs, "run_id": run_id, "out": str(root / f"{host.name}.jsonl"),
+                        "go_file": str(go_file), "go_timeout_s": 2 * plan.startup_s,
+                        **dataclasses.asdict(settings)}
+                p = host.spawn([str(python), str(HIVEMIND_SCRIPT), "peer", json.dumps(spec)],
+                               log=f"{label}-{host.name}.log", cwd=ROOT)
+                procs.append(p)
+                peers.append(p)
+            for host, p in zip(wl.hosts, peers, strict=True):
+                ready = int(p.wait_for(r"^READY (\d+)$", timeout=plan.startup_s).group(1))
+                cgroups[host.name].add(ready)  # this process only: its hivemind children were forked before
+            t0 = time.time() + 1.0
+            go_file.write_text(json.dumps({"t0": t0, "seconds": seconds}))
+            while time.time() < t0:
+                time.sleep(0.05)
+            c0 = wl.counters()
+            sent_curve = [(0.0, 0.0)]
+            print(f"  {label}: all {N} peers started; measuring {seconds:.0f} s", file=sys.stderr, flush=True)
+            while (now := time.time()) - t0 < seconds:
+                time.sleep(min(POLL_S, max(0.0, seconds - (now - t0))))
+                for p in procs:
+                    if p.poll() is not None:
+                        raise BenchError(f"hivemind: {p.host.name} exited ({p.poll()})\n{p.tail()}")
+                c = wl.counters()
+                sent_curve.append((time.time() - t0, statistics.fmean(c[k][0] - c0[k][0] for k in c)))
+            c1 = wl.counters()
+            # A peer finishes its current step first (it may wait for an averaging round to end).
+            for p in peers:
+                p.wait_for(r"^DONE$", timeout=settings.averaging_timeout + 60)
+    finally:
+        for p in reversed(procs):
+            p.stop(grace=10.0)
+        _stop_leftovers(hosts)
+    out = []
+    for host in wl.hosts:
+        lines = [json.loads(ln) for ln in (root / f"{host.name}.jsonl").read_text().splitlines() if ln.strip()]
+        summary = next(x for x in lines if x.get("summary"))
+        points = [(x["t"] - t0, float(x["val"])) for x in lines if "val" in x and x["t"] - t0 <= seconds]
+        out.append(HivemindPeer(host.name, int(summary["steps"]), float(summary["seconds"]), float(summary["cpu"]),
+                                [int(g) for g in summary["groups"]], int(summary["loaded"]),
+                                c1[host.name][0] - c0[host.name][0], points))
+    curve = mean_curve([p.points for p in out], initial_loss)
+    curve.append((seconds, curve[-1][1]))  # each peer's latest loss holds to the end, as in Starling's curve
+    run = HivemindRun(settings, seconds, curve, sent_curve, out)
+    print(f"  {label}: val {run.curve[-1][1]:.4f}, inner steps/s per peer " + ", ".join(f"{p.rate:.2f}" for p in out)
+          + ", averaged/other rounds " + ", ".join(f"{p.averaged}/{len(p.groups) - p.averaged}" for p in out)
+          + ", state downloads " + ", ".join(str(p.loaded) for p in out), file=sys.stderr, flush=True)
+    return run
+
+
+def hivemind_row(run: HivemindRun, unshaped: StarlingRun) -> Row:
+    ref = unshaped.mean("rate")
+    shares = [p.rate / ref for p in run.peers] if ref else []
+    share = f"{statistics.fmean(shares):.1%} ({min(shares):.0%}-{max(shares):.0%})" if shares else "-"
+    rounds = ", ".join(f"{p.averaged}/{len(p.groups) - p.averaged}" for p in run.peers)
+    cpu = ", ".join(f"{p.cpu_share:.2f}" for p in run.peers)
+    sizes = sorted({g for p in run.peers for g in p.groups if g > 1})
+    note = (f"inner steps {', '.join(str(p.steps) for p in run.peers)}; group sizes "
+            f"{', '.join(map(str, sizes)) or '-'}; state downloads {', '.join(str(p.loaded) for p in run.peers)}")
+    return Row(HIVEMIND_ROW, run.curve, run.sent_curve, share, rounds, cpu, note, rate_shares=shares)
+
+
+def hivemind_note(run: HivemindRun) -> str:
+    sent = sum(p.link_sent for p in run.peers) / len(run.peers)
+    return (f"hivemind: {run.settings.text()}; {sent / 1e6:.1f} MB sent per peer on its link in "
+            f"{run.seconds:.0f} s; evaluations after each applied averaging result (a failed round's too) or "
+            "state download. In local-update mode hivemind 1.1.12 averages with its delta rule, and "
+            "TrainingStateAverager.step waits for a pending averaging round before each local optimizer step: a peer "
+            "computes nothing from the epoch's end until its matchmaking and all-reduce are over")
+
+
 # --- composing and reporting ---------------------------------------------------------------------------------------
 
 
@@ -700,8 +907,9 @@ def plot(rows: list[Row], target: float, title: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 5.4), dpi=110)
     for r in rows:
         pts = [(t, v) for t, v in r.curve if t > 0]
-        style = ":" if r.reference else "--" if "DDP" in r.label else "-." if "DiLoCo" in r.label else "-"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=r.label)
+        style = (":" if r.reference else "--" if "DDP" in r.label else "-." if "DiLoCo" in r.label
+                 else (0, (5, 1, 1, 1, 1, 1)) if r.label == HIVEMIND_ROW else "-")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, label=r.label)
     ax.axhline(target, color="grey", linewidth=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("wall time (s, log scale)")
@@ -777,10 +985,9 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
             variants.append((label, sets))
         else:
             notes.append(f"Starling variant `{label}` skipped: this build refuses it ({why})")
-    if not HIVEMIND_VENV.exists():
-        notes.append(f"hivemind skipped: no {HIVEMIND_VENV.relative_to(ROOT)} (bench/sync.py --parts 3 creates it)")
-    else:
-        notes.append("hivemind skipped: its collaborative optimizer is not wired into this bench yet")
+    hm_python, why = hivemind_python(plan)
+    if why is not None:
+        notes.append(why)
     scenarios = []
     with Lab(log_dir=root / "lab-logs", env={"PYTHONPATH": str(ROOT)}) as lab:
         wl = WanLab(lab)
@@ -808,12 +1015,27 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                 tag = f"{name}-{rate:g}mbit"
                 print(f"{tag}:", file=sys.stderr, flush=True)
                 rows = [starling_row(unshaped, None, "Starling defaults, unshaped links (reference)", True)]
+                hm_notes: list[str] = []
                 runs = []
                 for label, sets in variants:
                     run = run_starling(wl, root / f"{tag}-{len(runs)}", plan, f"{tag}-{label}", sets, keys, rates,
                                        ddp.initial_val, plan.seconds)
                     runs.append(run)
                     rows.append(starling_row(run, unshaped, f"Starling {label}"))
+                if hm_python is not None:
+                    try:
+                        hm = run_hivemind(wl, root / f"{tag}-hivemind", hm_python, plan, peer_ids, rates,
+                                          ddp.initial_val, ddp.params, runs[0].seconds if runs else plan.seconds,
+                                          f"{tag}-hivemind")
+                    except (BenchError, LabError, OSError, ValueError, KeyError, StopIteration,
+                            subprocess.SubprocessError) as e:
+                        lines = str(e).strip().splitlines() or [type(e).__name__]
+                        print(f"  hivemind could not run: {str(e).strip()}", file=sys.stderr, flush=True)
+                        hm_notes.append(f"hivemind could not run ({tag}): {lines[0]}"
+                                        + (f" (last log line: {lines[-1].strip()})" if len(lines) > 1 else ""))
+                    else:
+                        rows.append(hivemind_row(hm, unshaped))
+                        hm_notes.append(hivemind_note(hm))
                 estimate = 2 * (N - 1) / N * ddp.params * 4 * 8 / (min(rates) * 1e6)
                 steps = 1 if plan.quick or estimate > 150 else 2
                 col = time_collective(wl, plan, peer_ids, rates, steps, ddp.params)
@@ -833,7 +1055,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                             f"gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' unshaped "
                             f"{derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
                             "shares the machine with its daemon)"]
-                sc_notes += [membership_note(run) for run in runs]
+                sc_notes += [membership_note(run) for run in runs] + hm_notes
                 scenarios.append(Scenario(name, rates, rows, target, wall, png, sc_notes))
                 print(scenario_table(rows, target, wall), file=sys.stderr, flush=True)
     return derivation, unshaped, scenarios, notes
@@ -910,7 +1132,10 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
         "equal wall time is the other view (both interpolated linearly between evaluations: DDP's every "
         f"{max(1, bc.inner_steps // 5)} steps, DiLoCo's and Starling's after each outer step). Share of the unshaped inner-step rate: Starling's trainers' "
         "inner steps per second against the unshaped run's mean over its trainers (mean, range); DDP/DiLoCo: compute "
-        "over step time.",
+        "over step time." + (" hivemind: real peers for the same wall time as Starling, from a common start; "
+                             "its loss and bytes measured as Starling's, its share of the unshaped rate as "
+                             "Starling's (local steps per second against the unshaped Starling run's)."
+                             if any(r.label == HIVEMIND_ROW for sc in scenarios for r in sc.rows) else ""),
     ]
     for sc in scenarios:
         head = (f"### {sc.name}: links {', '.join(f'{r:g}' for r in sc.rates)} Mbit/s"
@@ -950,6 +1175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-steps", type=int, default=None, help="simulated outer steps (default 20)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the simulation (1: on a loaded machine a second one spins)")
+    parser.add_argument("--hivemind", choices=("auto", "off"), default="auto",
+                        help="auto: hivemind's collaborative optimizer as a contender where bench/.venv-hivemind "
+                        "exists (bench/sync.py --parts 3 creates it), otherwise a note; off: leave it out")
     parser.add_argument("--out", type=Path, default=None, help="where PNGs go without --write-docs (default a temp dir)")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
     args = parser.parse_args(argv)
@@ -970,7 +1198,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args.quick, bench_for(args.model, args.quick, args.outer_steps), args.model,
                 args.seconds or (40.0 if args.quick else 240.0), args.calib_seconds or (20.0 if args.quick else 90.0),
                 240.0 if args.quick else 300.0, args.cap, rates, scenarios, variants,
-                {"join_wait_s": 2} if args.quick else {})
+                {"join_wait_s": 2} if args.quick else {}, args.hivemind)
     reason = lab_unavailable() or tbf_unavailable()
     if reason is not None:
         print(f"bench/wan.py skipped: {reason}", file=sys.stderr)

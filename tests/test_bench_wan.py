@@ -1,5 +1,6 @@
 """`bench/wan.py --quick` runs end to end in the network lab: real daemons behind shaped links, the gloo
-all-reduce timed between the namespaces, the composed DDP and DiLoCo rows, the plot.
+all-reduce timed between the namespaces, the composed DDP and DiLoCo rows, hivemind's peers where
+bench/.venv-hivemind exists, the plot.
 
 No speed or loss figure is asserted (they are benchmark figures, docs/benchmarks.md "Over slow links"): this
 proves the benchmark works, so that they can be reproduced: the derivation is printed, every contender has a
@@ -21,6 +22,7 @@ from starling_testing import netlab
 ROOT = Path(__file__).resolve().parent.parent
 WAN = ROOT / "bench" / "wan.py"
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+HIVEMIND_PYTHON = ROOT / "bench" / ".venv-hivemind" / "bin" / "python"
 CONTENDERS = ["Starling defaults, unshaped links (reference)", "Starling defaults", "DDP (gloo, composed)",
               "DiLoCo (gloo, composed)"]
 
@@ -59,6 +61,13 @@ def test_quick_wan_benchmark_prints_a_row_per_contender_and_cleans_up(tmp_path: 
         assert re.fullmatch(r"[0-9.]+ (s|h)|not reached", cells[1]), cells
         assert math.isfinite(float(cells[2].split()[0])), cells
         assert re.fullmatch(r"[0-9.]+ MB|-", cells[4]), cells
+    if HIVEMIND_PYTHON.exists():  # bench/sync.py --parts 3 made the venv: hivemind is a contender
+        cells = _row(out, "hivemind (Optimizer, local updates)")
+        assert math.isfinite(float(cells[2].split()[0])), cells
+        assert re.fullmatch(r"[0-9.]+ MB", cells[4]), cells
+        assert all(re.fullmatch(r"\d+/\d+", r) for r in cells[6].split(", ")), cells
+    else:
+        assert "hivemind skipped: no bench/.venv-hivemind" in out
     rounds = _row(out, "Starling defaults")[6].split(", ")
     assert len(rounds) == 4 and all(re.fullmatch(r"\d+/\d+", r) for r in rounds), rounds
     assert list(tmp_path.glob("wan-uniform-*.png")), "no plot written"
