@@ -345,7 +345,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _run_until_signal(daemon: Any) -> None:
-    """Run the daemon until SIGTERM/SIGINT, then cancel it and give it a bounded time to drain."""
+    """Run the daemon until SIGTERM/SIGINT, then stop it gracefully within a bounded time to drain.
+
+    The first signal asks the daemon to stop (its components clean up while the host still carries their
+    goodbyes); a second one cancels everything at once."""
     import trio
 
     from node.daemon import StartupError
@@ -353,11 +356,17 @@ async def _run_until_signal(daemon: Any) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             async def watch() -> None:
+                first = True
                 async for signum in signals:
-                    log.info("received %s, stopping", signal.Signals(signum).name)
-                    _arm_hard_stop()
-                    nursery.cancel_scope.cancel()
-                    return
+                    if first:
+                        log.info("received %s, stopping", signal.Signals(signum).name)
+                        _arm_hard_stop()
+                        daemon.stop()
+                        first = False
+                    else:
+                        log.info("received %s again, stopping now", signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
 
             nursery.start_soon(watch)
             try:
@@ -365,6 +374,7 @@ async def _run_until_signal(daemon: Any) -> None:
             except StartupError:
                 nursery.cancel_scope.cancel()
                 raise
+            nursery.cancel_scope.cancel()
 
 
 def _find_exception(exc: BaseException, kind: type[BaseException]) -> BaseException | None:

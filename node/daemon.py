@@ -5,10 +5,12 @@ replication, averaging, and the trainer's supervisor when training); cancelling 
 all. Each component owns its own deadlines, so no remote peer can hold the daemon. The trainer runs in
 a separate worker process: the daemon only ever waits on it through a pipe, never on torch.
 
-Stopping: cancelling the nursery stops every component at once; the slow ones shield their own bounded
-clean-up (the supervisor lets the worker checkpoint, the replicator publishes our departure and saves the
-state), and the libp2p host is closed only after the whole nursery has finished, so those goodbyes still
-reach the peers.
+Stopping: :meth:`Daemon.stop` cancels the nursery, which stops every component at once; the slow ones
+shield their own bounded clean-up (the supervisor lets the worker checkpoint, the replicator publishes our
+departure and saves the state), and the libp2p host is closed only after the whole nursery has finished, so
+those goodbyes still reach the peers. (Cancelling `run` from outside instead would cancel the host's own
+tasks too: a connection still being set up is then closed under the goodbye, and the peers learn of the
+departure only by suspicion.)
 """
 
 from __future__ import annotations
@@ -265,6 +267,10 @@ class Daemon:
             )
             self.muxer_offences.on_offence = self.averager.note_offence
         self.ready = trio.Event()
+        # `stop()` cancels the component nursery when it exists, else the whole of `run` (start-up).
+        self._run_scope: trio.CancelScope | None = None
+        self._components_scope: trio.CancelScope | None = None
+        self._stop_requested = False
         self._last_progress_step = 0
         self.snapshots = SnapshotServer(snapshot_source(home), max_serving=2)
         self.join_status: dict[str, Any] = {"state": "not started"}
@@ -501,7 +507,23 @@ class Daemon:
 
     # --- run ---------------------------------------------------------------------------------------------
 
+    def stop(self) -> None:
+        """Stop gracefully: cancel the components (each runs its own bounded clean-up) while the host stays
+        up to carry their goodbyes; before the components exist, cancel the start-up itself."""
+        self._stop_requested = True
+        if self._components_scope is not None:
+            self._components_scope.cancel()
+        elif self._run_scope is not None:
+            self._run_scope.cancel()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until :meth:`stop` (or until cancelled from outside, which also cancels the host's tasks)."""
+        with trio.CancelScope() as self._run_scope:
+            if self._stop_requested:
+                return
+            await self._run(task_status)
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         node = self.cfg.node
         if self.train:
             await self._check_task()
@@ -511,56 +533,63 @@ class Daemon:
             log.info("peer id %s, swarm %r", self.peer_id, node.swarm)
             for a in self.host.get_addrs():
                 log.info("listening on %s", a)
-            async with trio.open_nursery() as nursery:
-                if node.addr_file:
-                    write_addr_file(Path(node.addr_file), [str(a) for a in self.host.get_addrs()])
-                if node.bootstrap_files:
-                    paths = [Path(p) for p in node.bootstrap_files]
-                    nursery.start_soon(watch_bootstrap_files, paths, self.connmgr)
+            with trio.CancelScope() as self._components_scope:
+                if self._stop_requested:
+                    return
+                await self._run_components(task_status)
+
+    async def _run_components(self, task_status: trio.TaskStatus[None]) -> None:
+        node = self.cfg.node
+        async with trio.open_nursery() as nursery:
+            if node.addr_file:
+                write_addr_file(Path(node.addr_file), [str(a) for a in self.host.get_addrs()])
+            if node.bootstrap_files:
+                paths = [Path(p) for p in node.bootstrap_files]
+                nursery.start_soon(watch_bootstrap_files, paths, self.connmgr)
+            try:
+                await nursery.start(serve_control, self.home / SOCKET_FILE, self._handle_control)
+            except OSError as e:  # a read-only or foreign-owned HOME
+                raise StartupError(
+                    f"cannot create the control socket {self.home / SOCKET_FILE}: {e.strerror or e}"
+                ) from None
+            await nursery.start(self.connmgr.run)
+            await nursery.start(self.nat.run)
+            nursery.start_soon(self._learn_member_addrs)
+            await nursery.start(self.discovery.run)
+            await nursery.start(self.replicator.run)
+            nursery.start_soon(self._keep_history)
+            if node.allow_peers:
+                nursery.start_soon(self._enforce_allowlist)
+            if node.metrics_port:
                 try:
-                    await nursery.start(serve_control, self.home / SOCKET_FILE, self._handle_control)
-                except OSError as e:  # a read-only or foreign-owned HOME
+                    await nursery.start(serve_metrics, self.metrics, node.metrics_host, node.metrics_port)
+                except OSError as e:
                     raise StartupError(
-                        f"cannot create the control socket {self.home / SOCKET_FILE}: {e.strerror or e}"
+                        f"cannot serve metrics on {node.metrics_host}:{node.metrics_port}: {e.strerror or e}"
                     ) from None
-                await nursery.start(self.connmgr.run)
-                await nursery.start(self.nat.run)
-                nursery.start_soon(self._learn_member_addrs)
-                await nursery.start(self.discovery.run)
-                await nursery.start(self.replicator.run)
-                nursery.start_soon(self._keep_history)
-                if node.allow_peers:
-                    nursery.start_soon(self._enforce_allowlist)
-                if node.metrics_port:
-                    try:
-                        await nursery.start(serve_metrics, self.metrics, node.metrics_host, node.metrics_port)
-                    except OSError as e:
-                        raise StartupError(
-                            f"cannot serve metrics on {node.metrics_host}:{node.metrics_port}: {e.strerror or e}"
-                        ) from None
-                    log.info("metrics on http://%s:%d/metrics", node.metrics_host, node.metrics_port)
-                    nursery.start_soon(self._refresh_metrics)
-                if self.train:
-                    self.host.set_stream_handler(SNAPSHOT_PROTOCOL, self.snapshots.handle)
-                    self.supervisor = self._make_supervisor()
-                    assert self.averager is not None and self.catch_up is not None
-                    try:
-                        await nursery.start(self.averager.run)
-                    except (OSError, BaseExceptionGroup) as e:
-                        if (startup := self._datapath_error(e)) is None:
-                            raise
-                        raise startup from None
-                    await nursery.start(self.catch_up.run)
-                    nursery.start_soon(self._train)
-                self.ready.set()
-                self.notifier.ready(summarize_status(self.status()))
-                nursery.start_soon(watchdog_loop, self.notifier, lambda: summarize_status(self.status()))
-                nursery.start_soon(log_summary_loop, lambda: summarize_status(self.status()))
-                task_status.started()
+                log.info("metrics on http://%s:%d/metrics", node.metrics_host, node.metrics_port)
+                nursery.start_soon(self._refresh_metrics)
+            if self.train:
+                self.host.set_stream_handler(SNAPSHOT_PROTOCOL, self.snapshots.handle)
+                self.supervisor = self._make_supervisor()
+                assert self.averager is not None and self.catch_up is not None
                 try:
-                    await trio.sleep_forever()
-                finally:
-                    self.notifier.stopping("stopping")
+                    await nursery.start(self.averager.run)
+                except (OSError, BaseExceptionGroup) as e:
+                    if (startup := self._datapath_error(e)) is None:
+                        raise
+                    raise startup from None
+                await nursery.start(self.catch_up.run)
+                nursery.start_soon(self._train)
+            self.ready.set()
+            self.notifier.ready(summarize_status(self.status()))
+            nursery.start_soon(watchdog_loop, self.notifier, lambda: summarize_status(self.status()))
+            nursery.start_soon(log_summary_loop, lambda: summarize_status(self.status()))
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self.notifier.stopping("stopping")
 
     async def _enforce_allowlist(self) -> None:
         """Connections from peers outside `node.allow_peers` are closed (their streams are already refused)."""
