@@ -39,6 +39,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,10 +59,18 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Memory"
 MIB = 1 << 20
 
-# name -> (d_model, n_layers, n_heads): the default task at about 10M and 100M parameters.
-SIZES: dict[str, tuple[int, int, int]] = {"10M": (512, 3, 8), "100M": (1024, 8, 16)}
+# name -> (d_model, n_layers, n_heads): the default task at about 10M, 100M and 1B parameters (1B only with
+# --device cuda: two nodes need about 50 GB of host memory and 40 GB of GPU memory).
+SIZES: dict[str, tuple[int, int, int]] = {"10M": (512, 3, 8), "100M": (1024, 8, 16), "1B": (2048, 20, 16)}
 SEQ_LEN = 32
-TIMEOUT_S = {"10M": 240.0, "100M": 540.0}  # the whole run of one size, start-up included
+TIMEOUT_S = {"10M": 240.0, "100M": 540.0, "1B": 420.0}  # the whole run of one size, start-up included
+# A 1B checkpoint is about 20 GB, and a GPU host's 64 GB disk does not hold two nodes' first two: at 1B no
+# periodic checkpoint is written, and the run ends after the averaged outer step (torch.save streams each
+# tensor, so a checkpoint adds next to nothing to the peak: see "Where the bytes go").
+SIZE_SETS: dict[str, dict[str, object]] = {"1B": {"train.checkpoint_every": 1_000_000}}
+NO_CHECKPOINT = {"1B"}
+SETTLE_S = 8.0  # without a checkpoint to wait for: sampling after the averaged step, for its outer step
+GPU_SECTION = "## Memory on a GPU"
 EXTRAPOLATE = 1_000_000_000
 GROUP_RANKS = 2  # --group: node a's worker as a 2-process gloo group (the CPU stand-in for a 2-GPU host)
 GROUP_SECTION = "## Memory of a worker group"
@@ -109,6 +118,8 @@ class Row:
     worker: Proc = field(default_factory=Proc)
     averaged: int = 0
     seconds: float = 0.0
+    device: str = "cpu"
+    gpu: int = 0  # the worker's peak GPU memory as nvidia-smi reports it (bytes; the CUDA context included)
 
     @property
     def total(self) -> int:
@@ -151,9 +162,25 @@ def status(d: DaemonProc) -> dict[str, Any] | None:
     return d.status(timeout=5.0) if d.running() else None
 
 
-def set_args(d_model: int, n_layers: int, n_heads: int) -> list[str]:
-    sets = {**TRAIN_SETS, "train.d_model": d_model, "train.n_layers": n_layers, "train.n_heads": n_heads}
+def set_args(d_model: int, n_layers: int, n_heads: int, extra: dict[str, object] | None = None) -> list[str]:
+    sets = {**TRAIN_SETS, "train.d_model": d_model, "train.n_layers": n_layers, "train.n_heads": n_heads,
+            **(extra or {})}
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def gpu_memory() -> dict[int, int]:
+    """Bytes of GPU memory per process, as nvidia-smi lists its compute processes ({} without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    used = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            used[int(pid)] = int(mib) * MIB
+    return used
 
 
 def kill(d: DaemonProc, worker_pids: list[int]) -> None:
@@ -172,12 +199,14 @@ def kill(d: DaemonProc, worker_pids: list[int]) -> None:
         time.sleep(0.1)
 
 
-def measure(size: str, root: Path) -> Row:
+def measure(size: str, root: Path, device: str = "cpu") -> Row:
     """Two daemons training the default task at `size`, until both have averaged an outer step and written
     the checkpoint after it; the busier node's figures (each process's larger peak of the two)."""
-    row = Row(size, param_count(*SIZES[size][:2]))
-    procs, row.averaged, row.seconds = run_pair(size, root, local_ranks=1)
+    row = Row(size, param_count(*SIZES[size][:2]), device=device)
+    gpu_peaks: dict[int, int] = {}
+    procs, row.averaged, row.seconds = run_pair(size, root, local_ranks=1, device=device, gpu_peaks=gpu_peaks)
     row.daemon, (row.worker,) = max(procs, key=lambda pair: pair[0].hwm + pair[1][0].hwm)
+    row.gpu = max((gpu_peaks.get(ranks[0].pid, 0) for _, ranks in procs), default=0)
     return row
 
 
@@ -190,14 +219,16 @@ def measure_group(size: str, root: Path) -> GroupRow:
     return row
 
 
-def run_pair(size: str, root: Path, local_ranks: int) -> tuple[list[tuple[Proc, list[Proc]]], int, float]:
+def run_pair(size: str, root: Path, local_ranks: int, device: str = "cpu", gpu_peaks: dict[int, int] | None = None,
+             ) -> tuple[list[tuple[Proc, list[Proc]]], int, float]:
     """Run the two daemons (node a with `train.local_ranks = local_ranks`) until both have averaged an outer
     step and written the checkpoint after it; per node (daemon, [worker processes, rank 0 first]), the
-    averaged outer steps and the seconds it took."""
+    averaged outer steps and the seconds it took. On `device` cuda, `gpu_peaks` collects each process's
+    peak GPU memory (nvidia-smi, sampled with the rest)."""
     d_model, n_layers, n_heads = SIZES[size]
     swarm = f"mem-{uuid.uuid4().hex[:8]}"
     common = ["--listen", "/ip4/127.0.0.1/tcp/0", "--swarm", swarm, "--set", "sync.datapath_port=0",
-              *set_args(d_model, n_layers, n_heads)]
+              *set_args(d_model, n_layers, n_heads, {**SIZE_SETS.get(size, {}), "train.device": device})]
     addr = root / "a.addr"
     nodes = [DaemonProc(root / "a", [*common, "--addr-file", str(addr), "--set", f"train.local_ranks={local_ranks}"]),
              DaemonProc(root / "b", [*common, "--bootstrap-file", str(addr)])]
@@ -233,9 +264,18 @@ def run_pair(size: str, root: Path, local_ranks: int) -> tuple[list[tuple[Proc, 
                         procs[i][1][:] = [known.get(p) or Proc(pid=p) for p in pids]
                 for p in [procs[i][0], *procs[i][1]]:
                     p.sample()
+                if gpu_peaks is not None and device != "cpu":
+                    for pid, used in gpu_memory().items():
+                        gpu_peaks[pid] = max(gpu_peaks.get(pid, 0), used)
                 group = int((tr.get("exchanges") or {}).get("group", 0))
                 ckpt = tr.get("checkpoint_step")
-                if group >= 1 and not done[i]:
+                if group >= 1 and not done[i] and size in NO_CHECKPOINT:
+                    if ckpt_after[i] is None:
+                        ckpt_after[i] = int(time.monotonic())
+                    elif time.monotonic() - ckpt_after[i] > SETTLE_S:
+                        done[i] = True
+                        averaged = max(averaged, group)
+                elif group >= 1 and not done[i]:
                     if ckpt_after[i] is None:
                         ckpt_after[i] = -1 if ckpt is None else int(ckpt)
                     elif ckpt is not None and int(ckpt) > ckpt_after[i]:
@@ -448,7 +488,7 @@ def load_rows(path: Path) -> list[Row]:
     rows = []
     for obj in json.loads(path.read_text()):
         rows.append(Row(obj["size"], obj["params"], Proc(**obj["daemon"]), Proc(**obj["worker"]),
-                        obj.get("averaged", 0), obj.get("seconds", 0.0)))
+                        obj.get("averaged", 0), obj.get("seconds", 0.0), obj.get("device", "cpu"), obj.get("gpu", 0)))
     return rows
 
 
@@ -461,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"write the `{SECTION}` section of {DOCS.name} (with --group: `{GROUP_SECTION}`)")
     ap.add_argument("--group", action="store_true",
                     help=f"measure node a with its worker as a {GROUP_RANKS}-process group instead")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help=f"train.device of both nodes; cuda adds each worker's GPU memory (section `{GPU_SECTION}`)")
     args = ap.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
     unknown = [s for s in sizes if s not in SIZES]
@@ -478,15 +520,62 @@ def main(argv: list[str] | None = None) -> int:
         before_group = load_group_rows(args.before) if args.before else None
         return publish(args, [asdict(r) for r in group_rows], render_group(group_rows, before_group, command),
                        GROUP_SECTION)
+    if args.group and args.device != "cpu":
+        ap.error("--group measures the CPU worker group; use it without --device")
+    if "1B" in sizes and args.device == "cpu":
+        ap.error("--sizes 1B needs --device cuda (two nodes need about 50 GB of memory)")
     rows = []
     for size in sizes:
-        row = run_size(size, measure)
+        row = run_size(size, lambda size, root: measure(size, root, args.device))
         rows.append(row)
         print(f"{size}: {row.params:,} params in {row.seconds:.0f} s: daemon {row.daemon.hwm / MIB:,.0f} MiB, "
               f"worker {row.worker.hwm / MIB:,.0f} MiB ({row.total / row.params:.1f} B/param together; shared "
-              f"slots {row.worker.shmem / MIB:,.0f} MiB in each)", file=sys.stderr, flush=True)
+              f"slots {row.worker.shmem / MIB:,.0f} MiB in each)"
+              + (f"; worker GPU {row.gpu / MIB:,.0f} MiB ({row.gpu / row.params:.1f} B/param)" if row.gpu else ""),
+              file=sys.stderr, flush=True)
+        if args.json:  # each size as soon as it is measured: a later size may not finish
+            args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    if args.device != "cpu":
+        return publish(args, [asdict(r) for r in rows], render_gpu(rows, command, gpu_name()), GPU_SECTION)
     before = load_rows(args.before) if args.before else None
     return publish(args, [asdict(r) for r in rows], render(rows, before, command), SECTION)
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    return out.splitlines()[0] if out else "an unnamed GPU"
+
+
+def render_gpu(rows: list[Row], command: str, device: str) -> str:
+    """The `## Memory on a GPU` section: host memory beside the worker's GPU memory, per size, and the slope."""
+    out = [GPU_SECTION, "",
+           f"`{command}` on one {device}: the run of `## Memory` with `train.device = cuda` (autocast bf16, "
+           "the default precision on CUDA; AdamW). Host columns as there (VmHWM of the daemon and the worker of "
+           "the node whose two peaks sum higher; machine = both with the shared slots once). GPU = the "
+           "largest `used_memory` nvidia-smi listed for either worker while sampling (every 0.25 s), the CUDA "
+           "context and the caching allocator's reserve included. At 1B no periodic checkpoint is written "
+           "(two nodes' 20 GB checkpoints do not fit the host's disk twice over); the run ends 8 s after the "
+           "averaged outer step instead.", "",
+           "| model | parameters | daemon host MiB (B/param) | worker host MiB (B/param) | machine host MiB (B/param) "
+           "| worker GPU MiB (B/param) | averaged outer steps | seconds |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{v / MIB:,.0f} ({per_param(v, r.params)})" for v in (r.daemon.hwm, r.worker.hwm, r.machine, r.gpu)]
+        out.append(f"| {r.size} | {r.params:,} | " + " | ".join(cells) + f" | {r.averaged} | {r.seconds:.0f} |")
+    if len(rows) >= 2:
+        a, b = rows[0], rows[-1]
+        slope = [(vb - va) / (b.params - a.params) for va, vb in
+                 ((a.daemon.hwm, b.daemon.hwm), (a.worker.hwm, b.worker.hwm), (a.machine, b.machine), (a.gpu, b.gpu))]
+        out.append(f"| marginal ({a.size} -> {b.size}) | | " + " | ".join(f"+{x:.1f} B/param" for x in slope) + " | | |")
+    out += ["", "Expected on a GPU, from the code (`## Memory`, \"Where the bytes go\"): the worker's GPU holds "
+            "the parameters, gradients, AdamW state and its step temporary (4 + 4 + 8 + 4 = 20 B/param at the "
+            "AdamW step); its host memory keeps the fp32 master copies (theta at publish and the outer momentum, "
+            "8 B/param) and the four shared slots (16 B/param, mapped by the daemon too)."]
+    return "\n".join(out)
 
 
 def run_size(size: str, measure_one: Callable[[str, Path], RowT]) -> RowT:
