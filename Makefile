@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down clean
 
 install: $(STAMP)
 
@@ -48,6 +48,16 @@ test-fast: install
 # The long runs (chaos run, benchmark smoke tests), kept out of `make test`.
 test-long: install
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
+
+# On a GPU host (issue #28): GPU_PY is a Python whose torch is a CUDA build with the project's dependencies
+# (the venv's pinned torch is the CPU wheel). The `gpu` tests, then every GPU check of bench/gpu.py, each under
+# its own time limit, into bench-gpu-out/ (then: $(PY) bench/gpu.py --write-docs --from bench-gpu-out).
+GPU_PY ?= $(PY)
+test-gpu:
+	$(GPU_PY) -m pytest -q -m gpu -rs tests/test_gpu.py
+
+bench-gpu:
+	$(GPU_PY) bench/gpu.py --out bench-gpu-out
 
 # ruff, then the import layers (pyproject.toml's [tool.importlinter] contracts:
 # p2p <- protocols <- node <- starling_testing), then mypy on the status schema and the modules that build

@@ -94,14 +94,17 @@ def run(cmd: list[str], timeout: float) -> tuple[int | None, str]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            if code is None:  # the killed daemons' slots, once the processes are reaped
+            if code is None:  # the killed daemons' slots, once every process of the group is gone
                 from node.shm import sweep_orphans
 
-                for _ in range(30):
-                    sweep_orphans()
-                    if not any(name.startswith("stl") for name in os.listdir("/dev/shm")):
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    try:
+                        os.killpg(proc.pid, 0)
+                    except ProcessLookupError:
                         break
-                    time.sleep(0.5)
+                    time.sleep(0.2)
+                sweep_orphans()
         log.seek(0)
         return code, log.read()[-6000:]
 
@@ -137,7 +140,9 @@ def step_tests(out: Path, limit: float) -> dict[str, Any]:
                           "--junitxml", str(out / f"tests-{name}.xml"), *selection], left)
         summary = next((line for line in reversed(text.splitlines())
                         if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b", line)), "")
-        result[name] = {"exit": code, "summary": summary.strip("= ") or "ran out of time", "tail": text[-2500:]}
+        junit = out / f"tests-{name}.xml"
+        result[name] = {"exit": code, "summary": summary.strip("= ") or "ran out of time", "tail": text[-2500:],
+                        "junit": junit.read_text() if junit.exists() else None}
     return result
 
 
@@ -263,8 +268,10 @@ def render(results: dict[str, Any], command: str) -> str:
     lines = [SECTION, "",
              f"`{command}` on one {gpu} ({env.get('gpu_memory_gib', '?')} GiB), {env.get('cpus', '?')} CPU cores, "
              f"{env.get('host_memory_gib', '?')} GiB of host memory; torch {env.get('torch', '?')} (CUDA "
-             f"{env.get('cuda', '?')}), Python {env.get('python', '?')}; {results.get('date', '')}. One run on a "
-             "lent machine: each figure is from that run alone.", ""]
+             f"{env.get('cuda', '?')}), Python {env.get('python', '?')}; {results.get('date', '')}, on a "
+             "lent machine. The run's files are in bench/gpu_run/ (`python "
+             "bench/gpu.py --write-docs --from bench/gpu_run` renders this section from them).", ""]
+    lines += [*results.get("notes", []), ""] if results.get("notes") else []
     tests = results.get("tests")
     if tests:
         gpu_tests, modules = tests.get("gpu", {}), tests.get("trainer_modules", {})
@@ -275,10 +282,16 @@ def render(results: dict[str, Any], command: str) -> str:
                   "- The fast tests of every module that builds a trainer "
                   f"({', '.join(t.removeprefix('tests/') for t in TRAINER_TESTS)}), with `train.device = auto`, "
                   f"which is CUDA there: **{modules.get('summary') or tests.get('error')}**.", ""]
+        if failed := failures(modules.get("junit")):
+            lines += ["  Failed there: " + "; ".join(f"`{name}`" for name in failed) + "."]
+        if rerun := results.get("tests_rerun"):
+            lines += [f"- Re-run ({rerun['what']}): **{rerun['summary']}**; {rerun['failed']}.", ""]
     copies = results.get("copies")
     if copies and "inner_step_s" in copies:
         h = copies["inner_steps_per_outer"]
         lines += ["### The outer step's copies between the GPU and the host", "",
+                  ("The second run, with `theta_published` page-locked (node/worker.py). " if
+                   results.get("copies_before_pinning") else "") +
                   f"One trainer in-process, {copies['params']:,} parameters ({copies['precision']} autocast, batch "
                   f"{THROUGHPUT_SETS['train.batch_size']} x {THROUGHPUT_SETS['train.seq_len']} bytes), medians "
                   "with the GPU synchronised around each:", "",
@@ -291,7 +304,14 @@ def render(results: dict[str, Any], command: str) -> str:
             lines.append(f"| {what} | {copies[key] * 1e3:.1f} | {copies[key] / copies['inner_step_s']:.1f} |")
         share = (copies["publish_s"] + copies["apply_solo_s"]) / (h * copies["inner_step_s"])
         lines += ["", f"With H = {h}, publish + apply take **{share:.1%}** of an outer step's compute on this "
-                  "model: the copies are not where time goes at this H.", ""]
+                  "model, time in which the worker does not train."]
+        if before := results.get("copies_before_pinning"):
+            lines += [f"Before `theta_published` was page-locked (the first run): publish "
+                      f"{before['publish_s'] * 1e3:.0f} ms, apply {before['apply_solo_s'] * 1e3:.0f} ms "
+                      f"({(before['publish_s'] + before['apply_solo_s']) / (h * before['inner_step_s']):.1%} of an "
+                      "outer step); the gather itself, pageable against pinned in one run: "
+                      f"{before['gather_theta_pageable_s'] * 1e3:.1f} against {before['gather_theta_pinned_s'] * 1e3:.1f} ms."]
+        lines.append("")
     thr = results.get("throughput")
     if thr and thr.get("phases"):
         model = thr.get("model", THROUGHPUT_SETS)
@@ -304,22 +324,35 @@ def render(results: dict[str, Any], command: str) -> str:
                   f"{precision}a {thr['window_s']:.0f} s window per phase after the first outer step (averaging: "
                   "after the first averaged one); samples/s from the workers' step counters. *alone*: each in "
                   "its own swarm, solo outer steps; *averaging*: the two in one swarm.", "",
-                  "| phase | samples/s node a | node b | outer steps in the window |", "|---|---|---|---|"]
+                  "| phase | samples/s node a | node b | outer steps in the window | status's samples/s (a, b) |",
+                  "|---|---|---|---|---|"]
         for ph in thr["phases"]:
             if "samples_per_s" not in ph:
-                lines.append(f"| {ph['name']} | - | - | {ph.get('error', '')} |")
+                lines.append(f"| {ph['name']} | - | - | {ph.get('error', '')} | |")
                 continue
             steps = (f"{ph['averaged_rounds']} averaged, {ph['solo_rounds']} solo (both nodes)" if ph["averaging"]
                      else "solo")
             a, b = ph["samples_per_s"]
-            lines.append(f"| {ph['name']} | {a:.0f} | {b:.0f} | {steps} |")
+            ra, rb = ph.get("reported_samples_per_s") or (float("nan"), float("nan"))
+            lines.append(f"| {ph['name']} | {a:.0f} | {b:.0f} | {steps} | {ra:.0f}, {rb:.0f} |")
         if "ratio" in thr:
             lines += ["", f"**averaging / alone = {thr['ratio']:.3f}** (against the faster alone phase)."]
-        lines.append("")
+        lines += [*thr.get("notes", []), ""]
     for name in STEPS:
         if isinstance(results.get(name), dict) and results[name].get("error"):
             lines.append(f"Step `{name}` did not finish: {results[name]['error']}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def failures(junit: str | None) -> list[str]:
+    """The failed test cases of a JUnit XML file's text."""
+    if not junit:
+        return []
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(junit)
+    return [f"{case.get('classname', '').removeprefix('tests.')}::{case.get('name')}" for case in root.iter("testcase")
+            if case.find("failure") is not None or case.find("error") is not None]
 
 
 def write_docs(src: Path) -> None:

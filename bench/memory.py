@@ -385,7 +385,7 @@ def render(rows: list[Row], before: list[Row] | None, command: str) -> str:
              "in both peaks; the machine column counts them once. The marginal row is the slope between the "
              "two sizes: what each further parameter costs, the figure to size a machine by. **1B is "
              "extrapolated, not measured** (fixed + slope x 1B): two daemons at 1B do not fit this 2-core, "
-             "24 GB machine, so it was not run.",
+             "24 GB machine, so it was not run here (measured on a GPU host: section `Memory on a GPU`).",
              "### After\n\n" + "\n".join(table(rows))]
     if before:
         parts.append("### Before (the same benchmark on the code before the cuts)\n\n" + "\n".join(table(before)))

@@ -188,7 +188,9 @@ class Trainer:
         # so a single worker keeps no model-sized scratch; `_scratch` is allocated only where it is used
         # without one (in-process trainers). See bench/memory.py.
         self.phi = torch.empty(masters, dtype=torch.float32)
-        self.theta_published = torch.empty(masters, dtype=torch.float32)
+        # Page-locked on a GPU host: the publish gathers theta from the device into it, and the rebase writes
+        # it back, at about 4x the speed of pageable memory (bench/gpu.py, docs/benchmarks.md "On a GPU").
+        self.theta_published = torch.empty(masters, dtype=torch.float32, pin_memory=self.device.type == "cuda")
         self._scratch_buf: torch.Tensor | None = None
         # Error feedback (`sync.compression` other than none): what the wire has not yet carried of our own
         # Deltas, added to the next one at publish. Model-sized fp32, allocated by the first lossy result.

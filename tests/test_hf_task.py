@@ -137,7 +137,8 @@ def test_export_hf_and_safetensors_load_and_give_the_recorded_validation_loss(tm
     tr.save_checkpoint()
 
     assert main(["export", "--home", str(home), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    # On the trainer's device (the task's batches are there), where the recorded loss was measured.
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).to(tr.device)
     assert tr.task.evaluate(loaded) == pytest.approx(tr.val_loss, abs=1e-5)
     assert json.loads((tmp_path / "hf" / "starling-export.json").read_text())["outer_step"] == 1
 

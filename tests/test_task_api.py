@@ -155,14 +155,21 @@ def test_gradient_accumulation_takes_the_step_of_the_whole_batch(tmp_path: Path)
     whole = Trainer(unclipped, tmp_path / "whole", "peer-a")
     split = Trainer(dataclasses.replace(unclipped, accum_steps=2), tmp_path / "split", "peer-a")
     assert split.task.cfg.batch_size == 2  # the task sees micro-batches
-    assert whole.evaluate() == pytest.approx(split.evaluate(), abs=1e-5)  # the same validation set
+    # fp32 on the CPU: equal to rounding. On a GPU (bf16 autocast) two micro-batches round differently from
+    # one batch, so there the check is to bf16's precision: a sum instead of a mean would still be 2x off.
+    close = {"atol": 1e-6, "rtol": 1e-5} if whole.device.type == "cpu" else {"atol": 1e-4, "rtol": 5e-2}
+    loss_tol = 1e-5 if whole.device.type == "cpu" else 2e-3
+    assert whole.evaluate() == pytest.approx(split.evaluate(), abs=loss_tol)  # the same validation set
     for _ in range(3):
-        assert whole.inner_step() == pytest.approx(split.inner_step(), abs=1e-5)
+        assert whole.inner_step() == pytest.approx(split.inner_step(), abs=loss_tol)
         # The mean loss's gradient, not the sum's: the gradients are freed after the step, so compare what
         # AdamW kept of them (its first moment, an average of the gradients so far; a sum would double it).
         for p, q in zip(whole.params, split.params, strict=True):
-            assert torch.allclose(whole.optimizer.state[p]["exp_avg"], split.optimizer.state[q]["exp_avg"], atol=1e-6)
-    assert torch.allclose(flat(whole), flat(split), atol=1e-5)
+            assert torch.allclose(whole.optimizer.state[p]["exp_avg"], split.optimizer.state[q]["exp_avg"], **close)
+    if whole.device.type == "cpu":
+        # (Not on a GPU: there AdamW's normalised step turns bf16 rounding differences in near-zero gradients
+        # into lr-sized weight differences; the first moments above are the check there.)
+        assert torch.allclose(flat(whole), flat(split), atol=1e-5)
     assert split.step == 3  # one inner step per whole batch
 
 

@@ -633,7 +633,7 @@ def test_phi_in_the_slot_and_a_lent_scratch_give_the_same_bits_without_a_private
         assert torch.equal(slot_phi, plain.phi) and torch.equal(slot_delta, plain.theta_published - plain.phi)
         for tr in (plain, lean):
             tr.inner_step()  # progress made while the exchange runs, which the rebase keeps
-        theta_now = torch.cat([p.detach().reshape(-1) for p in plain.params])
+        theta_now = torch.cat([p.detach().reshape(-1).cpu() for p in plain.params])  # the device's, on the host
         theta_pub = plain.theta_published.clone()
         sum_phi, sum_delta = plain.phi + partner_phi, slot_delta + 0.02
         plain.apply_result(2, sum_phi.clone(), sum_delta.clone(), partner_samples=plain.published_samples)
@@ -643,5 +643,6 @@ def test_phi_in_the_slot_and_a_lent_scratch_give_the_same_bits_without_a_private
         for a, b in zip(plain.params, lean.params, strict=True):
             assert torch.equal(a, b)
         # The flat form of the rebase, theta <- (theta_now - theta_published) + phi, to the bit.
-        assert torch.equal(torch.cat([p.detach().reshape(-1) for p in lean.params]), (theta_now - theta_pub) + plain.phi)
+        assert torch.equal(torch.cat([p.detach().reshape(-1).cpu() for p in lean.params]),
+                           (theta_now - theta_pub) + plain.phi)
     assert lean._scratch_buf is None

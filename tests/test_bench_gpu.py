@@ -1,0 +1,50 @@
+"""bench/gpu.py: the GPU run's stored files render the `## On a GPU` section, and a step's time limit holds
+(a bench killed at its limit leaves no daemon behind: a GPU lease is minutes, and the next step needs the GPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu  # noqa: E402
+
+
+def test_the_stored_gpu_run_renders_its_figures_and_the_tests_that_failed() -> None:
+    results = json.loads((ROOT / "bench" / "gpu_run" / "gpu.json").read_text())
+    text = gpu.render(results, results["command"])
+    assert text.startswith(gpu.SECTION)
+    assert "NVIDIA H200" in text and "**averaging / alone = 0.447**" in text
+    # The first run's failures are named from its JUnit file, and the re-run is reported beside them.
+    assert "test_export::test_export_evaluate_measures_the_exported_weights" in text
+    assert "Re-run" in text and "| one inner step | 21.0 | 1 |" in text
+
+
+def test_a_step_that_overruns_its_limit_is_killed_with_its_whole_process_group(tmp_path: Path) -> None:
+    marker = tmp_path / "child.pid"
+    script = (f"import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)']); open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    began = time.monotonic()
+    code, _ = gpu.run([sys.executable, "-c", script], timeout=2.0)
+    assert code is None and time.monotonic() - began < 30
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        status = Path(f"/proc/{child}/status").read_text() if Path(f"/proc/{child}/status").exists() else ""
+        if "zombie" in status:
+            break
+        time.sleep(0.1)
+    status = Path(f"/proc/{child}/status").read_text() if Path(f"/proc/{child}/status").exists() else "gone"
+    assert status == "gone" or "zombie" in status, status
+
+
+@pytest.mark.parametrize("missing", ["no-such-program-here"])
+def test_a_missing_program_is_an_exit_status_not_an_exception(missing: str) -> None:
+    code, text = gpu.run([missing], timeout=5.0)
+    assert code == 127 and missing in text
