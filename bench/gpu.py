@@ -208,6 +208,7 @@ def measure_copies(path: Path) -> None:
 
     model = {k.removeprefix("train."): v for k, v in THROUGHPUT_SETS.items()}
     cfg = TrainConfig(**model, warmup=2, eval_batches=1)  # type: ignore[arg-type]
+    torch.set_num_threads(cfg.threads)  # as the worker does (node/worker.py): its host-side work runs on these
     with tempfile.TemporaryDirectory() as home:
         tr = Trainer(cfg, Path(home), "peer-a")
 
@@ -252,7 +253,22 @@ def measure_copies(path: Path) -> None:
             tr.apply_result(1)
             sync()
             apply_times.append(time.perf_counter() - t)
-        result = {"params": tr.numel, "precision": tr.precision, "inner_step_s": inner,
+        # A group result (a pair), and beside it the finite check the worker made before (isfinite + all on
+        # both sums), which was most of a group step's host time with one thread.
+        group_times = []
+        for _ in range(3):
+            while not tr.publish_due():
+                tr.inner_step()
+            tr.publish(*slots)
+            sum_phi, sum_delta = slots[0] * 2, slots[1] * 2
+            sync()
+            t = time.perf_counter()
+            tr.apply_result(2, sum_phi, sum_delta, partner_samples=tr.published_samples)
+            sync()
+            group_times.append(time.perf_counter() - t)
+        old_check = timed(lambda: bool(torch.isfinite(slots[0]).all()) and bool(torch.isfinite(slots[1]).all()), 3)
+        result = {"params": tr.numel, "precision": tr.precision, "threads": cfg.threads, "inner_step_s": inner,
+                  "apply_group_s": statistics.median(group_times), "old_finite_check_s": old_check,
                   "gather_theta_pageable_s": gather, "gather_theta_pinned_s": gather_pinned,
                   "publish_s": statistics.median(publish_times), "apply_solo_s": statistics.median(apply_times),
                   "inner_steps_per_outer": cfg.inner_steps}
@@ -290,23 +306,35 @@ def render(results: dict[str, Any], command: str) -> str:
     if copies and "inner_step_s" in copies:
         h = copies["inner_steps_per_outer"]
         lines += ["### The outer step's copies between the GPU and the host", "",
-                  ("The second run, with `theta_published` page-locked (node/worker.py). " if
+                  ("The third run: `theta_published` page-locked and the new finite check (node/worker.py). " if
                    results.get("copies_before_pinning") else "") +
-                  f"One trainer in-process, {copies['params']:,} parameters ({copies['precision']} autocast, batch "
+                  f"One trainer in-process with torch threads = {copies.get('threads', 'default')} (the "
+                  "worker's `train.threads`: its host-side work runs on these), "
+                  f"{copies['params']:,} parameters ({copies['precision']} autocast, batch "
                   f"{THROUGHPUT_SETS['train.batch_size']} x {THROUGHPUT_SETS['train.seq_len']} bytes), medians "
                   "with the GPU synchronised around each:", "",
                   "| what | ms | in inner steps |", "|---|---|---|",
                   f"| one inner step | {copies['inner_step_s'] * 1e3:.1f} | 1 |"]
-        for key, what in (("gather_theta_pageable_s", "gather theta GPU -> host fp32 (pageable, as the worker does)"),
-                          ("gather_theta_pinned_s", "the same into pinned host memory"),
+        for key, what in (("gather_theta_pageable_s", "gather theta GPU -> host fp32, pageable host memory"),
+                          ("gather_theta_pinned_s", "the same into page-locked memory (the worker's theta at publish now)"),
                           ("publish_s", "publish (gather theta, phi and Delta into the slots)"),
-                          ("apply_solo_s", "apply a solo result (outer step on the host, rebase back to the GPU)")):
-            lines.append(f"| {what} | {copies[key] * 1e3:.1f} | {copies[key] / copies['inner_step_s']:.1f} |")
-        share = (copies["publish_s"] + copies["apply_solo_s"]) / (h * copies["inner_step_s"])
-        lines += ["", f"With H = {h}, publish + apply take **{share:.1%}** of an outer step's compute on this "
-                  "model, time in which the worker does not train."]
+                          ("apply_solo_s", "apply a solo result (outer step on the host, rebase back to the GPU)"),
+                          ("apply_group_s", "apply a pair's result (the NoLoCo step, its finite checks, the rebase)"),
+                          ("old_finite_check_s", "the finite checks as they were (isfinite + all, both sums)")):
+            if key in copies:
+                lines.append(f"| {what} | {copies[key] * 1e3:.1f} | {copies[key] / copies['inner_step_s']:.1f} |")
+        applied = copies.get("apply_group_s", copies["apply_solo_s"])
+        share = (copies["publish_s"] + applied) / (h * copies["inner_step_s"])
+        what = "a pair's result" if "apply_group_s" in copies else "a solo result"
+        lines += ["", f"With H = {h}, a publish and applying {what} take **{share:.0%}** of the time of an outer "
+                  "step's compute on this model: time in which the worker does not train."]
+        if many := results.get("copies_many_threads"):
+            lines += [f"With torch's default threads (16; the second run): publish {many['publish_s'] * 1e3:.0f} ms, "
+                      f"apply a solo result {many['apply_solo_s'] * 1e3:.0f} ms, against "
+                      f"{copies['publish_s'] * 1e3:.0f} and {copies['apply_solo_s'] * 1e3:.0f} ms on one thread "
+                      "above (two machines of the same kind: a comparison across runs)."]
         if before := results.get("copies_before_pinning"):
-            lines += [f"Before `theta_published` was page-locked (the first run): publish "
+            lines += [f"Before `theta_published` was page-locked (the first run, default threads): publish "
                       f"{before['publish_s'] * 1e3:.0f} ms, apply {before['apply_solo_s'] * 1e3:.0f} ms "
                       f"({(before['publish_s'] + before['apply_solo_s']) / (h * before['inner_step_s']):.1%} of an "
                       "outer step); the gather itself, pageable against pinned in one run: "

@@ -23,7 +23,9 @@ def test_the_stored_gpu_run_renders_its_figures_and_the_tests_that_failed() -> N
     assert "NVIDIA H200" in text and "**averaging / alone = 0.447**" in text
     # The first run's failures are named from its JUnit file, and the re-run is reported beside them.
     assert "test_export::test_export_evaluate_measures_the_exported_weights" in text
-    assert "Re-run" in text and "| one inner step | 21.0 | 1 |" in text
+    assert "Re-run" in text and "| one inner step | 14.5 | 1 |" in text
+    # The finite check as it was is shown beside the group step that replaced it.
+    assert "| the finite checks as they were (isfinite + all, both sums) | 1090.9 |" in text
 
 
 def test_a_step_that_overruns_its_limit_is_killed_with_its_whole_process_group(tmp_path: Path) -> None:

@@ -646,3 +646,20 @@ def test_phi_in_the_slot_and_a_lent_scratch_give_the_same_bits_without_a_private
         assert torch.equal(torch.cat([p.detach().reshape(-1).cpu() for p in lean.params]),
                            (theta_now - theta_pub) + plain.phi)
     assert lean._scratch_buf is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_one_non_finite_entry_anywhere_makes_a_group_result_non_finite(bad: float) -> None:
+    from node.worker import _all_finite
+
+    x = torch.randn(100_003)
+    assert _all_finite(x) and _all_finite(x[:0])
+    for where in (0, 50_000, 100_002):
+        y = x.clone()
+        y[where] = bad
+        assert not _all_finite(y), where
+    y = x.clone()
+    y[1], y[2] = float("inf"), float("-inf")  # they would cancel in a careless check; the sum is NaN
+    assert not _all_finite(y)
+    # Finite values so large that they overflow fp32 when summed are refused as well (no usable result).
+    assert not _all_finite(torch.full((10,), 3e38))
