@@ -493,6 +493,7 @@ class Trainer:
         scratch: torch.Tensor | None = None,
         compression: str = "none",
         phi_range: tuple[int, int] | None = None,
+        sum_phi_is_scratch: bool = False,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
         size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
@@ -511,7 +512,10 @@ class Trainer:
 
         `compression` (a `sync.compression` preset) says what the wire carried: with a lossy one the
         error-feedback residual is updated (`_feed_back`), and `phi_range` = [lo, hi) is the fragment whose
-        phi was exchanged: the pull applies there only (`sum_phi` outside it is not read)."""
+        phi was exchanged: the pull applies there only (`sum_phi` outside it is not read).
+
+        `sum_phi_is_scratch`: `sum_phi` may be overwritten (the worker's phi_out slot, which nobody reads once
+        the exchange is over): the NoLoCo pull then needs no model-sized temporary (node/outer.py)."""
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
         if group_size >= 2:
@@ -529,7 +533,8 @@ class Trainer:
             self._own_phi_on_wire(sum_phi, phi_range, preset)
         samples = (self.published_samples, partner_samples) if group_size == 2 and partner_samples > 0 else None
         self.outer.step(self.phi, own_delta, group_size=group_size, sum_phi=sum_phi, sum_delta=sum_delta,
-                        samples=samples, phi_range=phi_range if group_size >= 2 else None)
+                        samples=samples, phi_range=phi_range if group_size >= 2 else None,
+                        overwrite_sum_phi=sum_phi_is_scratch)
         self._rebase()
         published_at = self.pending
         self.pending = None
@@ -904,7 +909,7 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
     phi_range = (int(msg.phi_range[0]), int(msg.phi_range[1])) if msg.phi_range else None
     used = trainer.apply_result(msg.group_size, _view(slots.phi_out), _view(slots.delta_out), msg.group_outer_step,
                                 partner_samples=msg.partner_samples, scratch=_view(slots.delta),
-                                compression=msg.compression, phi_range=phi_range)
+                                compression=msg.compression, phi_range=phi_range, sum_phi_is_scratch=True)
     trainer.set_pace(msg.period_s, msg.shift_s)
     log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
     if trainer.outer_step % trainer.cfg.eval_every == 0:

@@ -117,6 +117,29 @@ def test_a_pair_step_from_the_sums_is_bit_identical_to_the_step_from_the_means(k
     assert torch.equal(by_sum[0], by_mean[0]) and torch.equal(by_sum[1], by_mean[1])
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("phi_range", [None, (1_000, 7_000)])
+def test_the_pull_computed_in_the_sum_phi_buffer_gives_the_same_bits(weighted: bool, phi_range) -> None:
+    """The worker lets the step use its phi_out slot as the pull's scratch (no model-sized temporary): the
+    same operation into another buffer, so phi and the momentum come out bit for bit as before."""
+    from node.outer import PairWeights
+
+    gen = torch.Generator().manual_seed(5)
+    phi, momentum = torch.randn(10_000, generator=gen), torch.randn(10_000, generator=gen)
+    sum_phi, sum_delta = torch.randn(10_000, generator=gen), torch.randn(10_000, generator=gen) * 1e-2
+    weights = PairWeights(300, 100, sum_delta * 0.5) if weighted else None
+    plain, scratch = (phi.clone(), momentum.clone()), (phi.clone(), momentum.clone())
+    kept = sum_phi.clone()
+    noloco_step(*plain, sum_delta, kept, HYPER, 2, weights, phi_range)
+    assert torch.equal(kept, sum_phi)  # untouched without the flag
+    used = sum_phi.clone()
+    noloco_step(*scratch, sum_delta, used, HYPER, 2, weights, phi_range, overwrite_sum_phi=True)
+    assert torch.equal(plain[0], scratch[0]) and torch.equal(plain[1], scratch[1])
+    lo, hi = phi_range or (0, 10_000)
+    assert not torch.equal(used[lo:hi], sum_phi[lo:hi])  # it was the scratch
+    assert torch.equal(used[:lo], sum_phi[:lo]) and torch.equal(used[hi:], sum_phi[hi:])  # only the fragment
+
+
 def test_group_step_without_sums_is_refused() -> None:
     opt = OuterOptimizer("noloco", HYPER, 2)
     with pytest.raises(ValueError, match="sum_phi and sum_delta"):
