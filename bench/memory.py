@@ -356,7 +356,8 @@ ACCOUNTING = [
      "4", "0"),
     ("worker", "outer momentum (node/outer.py)", "4", "4"),
     ("worker", "NoLoCo pull temporary `sum_phi - n*phi` (node/outer.py, outer step only; grads are freed "
-               "by then after the cut, so it no longer adds to the peak)", "4", "4"),
+               "by then after the cut, so it no longer adds to the peak; since issue #28 computed in the phi_out "
+               "slot, for time: the measured rows above predate that)", "4", "0"),
     ("worker", "checkpoint write (torch.save streams each tensor's storage)", "~0", "~0"),
     ("both", "shared slots phi, Delta, phi_out, Delta_out (node/shm.py), resident in both processes", "16", "16"),
     ("daemon", "exchange buffers (protocols/avg.py, codec.py: one 1 MiB frame and chunk-sized scratch)", "~0", "~0"),
@@ -368,7 +369,7 @@ def accounting() -> list[str]:
     out += [f"| {p} | {what} | {b} | {a} |" for p, what, b, a in ACCOUNTING]
     out.append("| **worker, at its peak (the AdamW step)** | params + grads + AdamW + its temporary + master "
                "copies + slots | 4+4+8+4 + 16 + 16 = **52** | 4+4+8+4 + 8 + 16 = **44** |")
-    out.append("| **worker, during the outer step** | | 4+4+8 + 16 + 4 + 16 = 52 | 4+8 + 8 + 4 + 16 = 40 |")
+    out.append("| **worker, during the outer step** | | 4+4+8 + 16 + 4 + 16 = 52 | 4+8 + 8 + 16 = 36 (40 with the pull's temporary, before issue #28) |")
     out.append("| **daemon** | the shared slots | **16** | **16** |")
     return out
 
@@ -422,8 +423,7 @@ def render(rows: list[Row], before: list[Row] | None, command: str) -> str:
                  "Not cut, and why: the daemon holds no model-sized buffer of its own (the exchange decodes "
                  "into the shared outputs chunk by chunk), so its 16 B/param are the slots themselves; "
                  "`theta_published` is needed for the rebase (phi + Delta does not give theta's bits back); "
-                 "the NoLoCo pull's temporary (node/outer.py) could go into the phi_out slot, free by then, but "
-                 "it no longer sets the peak; the AdamW temporary is torch's (`foreach=False` would trade it "
+                 "the AdamW temporary is torch's (`foreach=False` would trade it "
                  "for speed).")
     return "\n\n".join(parts) + "\n"
 
