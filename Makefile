@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory chaos fuzz swarm-up swarm-down image clean
 
 install: $(STAMP)
 
@@ -116,6 +116,24 @@ chaos: install
 
 fuzz: install
 	$(PY) bench/fuzz.py --n 100000
+
+# The node image (docker/Dockerfile). OFFLINE=1 needs no registry and no torch index: a base image made from
+# Debian packages (docker/base-image.sh: debootstrap + docker import, root; built once, kept as BASE_IMAGE_OFFLINE)
+# and every Python package from a local wheelhouse (docker/wheelhouse.sh: this machine's pip, its CPU torch).
+# Plain `make image` is the internet build (python:3.11-slim from Docker Hub, torch from download.pytorch.org).
+IMAGE ?= starling:latest
+OFFLINE ?= 0
+DEBIAN_RELEASE ?= $(or $(shell . /etc/os-release 2>/dev/null && echo $$VERSION_CODENAME),bookworm)
+BASE_IMAGE_OFFLINE ?= starling-base:$(DEBIAN_RELEASE)
+WHEEL_PY ?=
+image:
+ifeq ($(OFFLINE),1)
+	@docker image inspect $(BASE_IMAGE_OFFLINE) >/dev/null 2>&1 || DEBIAN_RELEASE=$(DEBIAN_RELEASE) docker/base-image.sh $(BASE_IMAGE_OFFLINE)
+	PY="$(WHEEL_PY)" docker/wheelhouse.sh
+	docker build -f docker/Dockerfile --build-arg OFFLINE=1 --build-arg BASE_IMAGE=$(BASE_IMAGE_OFFLINE) -t $(IMAGE) .
+else
+	docker build -f docker/Dockerfile -t $(IMAGE) .
+endif
 
 # docker-compose swarm (needs a Docker engine): one bootstrap/relay service and scalable trainers.
 # COMPOSE is the `docker compose` v2 plugin when Docker has it, else the standalone `docker-compose`
