@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory chaos fuzz swarm-up swarm-down image clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -134,6 +134,15 @@ ifeq ($(OFFLINE),1)
 else
 	docker build -f docker/Dockerfile -t $(IMAGE) .
 endif
+
+# The compose swarm for real (docker/compose_test.py; not part of `make test`; docs/benchmarks.md has its time): starts
+# dockerd if it is not running (as root; installs docker.io first if missing, stops it after), builds the image
+# offline, brings up bootstrap + 3 trainers, checks in the containers that every trainer averaged with >= 2
+# partners, that health checks pass and the metrics answer, that a killed trainer is restarted and resumes,
+# then `down`: every node exits 0 after its final
+# checkpoint. Removes the containers, volumes, network and image it made. KEEP_IMAGE=1 keeps the image.
+test-compose:
+	$(PY_SYS) docker/compose_test.py $(if $(filter 1,$(KEEP_IMAGE)),--keep-image)
 
 # docker-compose swarm (needs a Docker engine): one bootstrap/relay service and scalable trainers.
 # COMPOSE is the `docker compose` v2 plugin when Docker has it, else the standalone `docker-compose`
