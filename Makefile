@@ -135,12 +135,12 @@ else
 	docker build -f docker/Dockerfile -t $(IMAGE) .
 endif
 
-# The compose swarm for real (docker/compose_test.py; not part of `make test`; docs/benchmarks.md has its time): starts
-# dockerd if it is not running (as root; installs docker.io first if missing, stops it after), builds the image
+# The compose swarm for real (docker/compose_test.py; outside `make test`; its time is in docs/benchmarks.md):
+# starts dockerd if none runs (as root; installs docker.io first if missing; stops it after), builds the image
 # offline, brings up bootstrap + 3 trainers, checks in the containers that every trainer averaged with >= 2
 # partners, that health checks pass and the metrics answer, that a killed trainer is restarted and resumes,
-# then `down`: every node exits 0 after its final
-# checkpoint. Removes the containers, volumes, network and image it made. KEEP_IMAGE=1 keeps the image.
+# then `down`: every node exits 0 after draining, each trainer after its final checkpoint. Removes the
+# containers, volumes, network and images it made; KEEP_IMAGE=1 keeps the images and the wheelhouse.
 test-compose:
 	$(PY_SYS) docker/compose_test.py $(if $(filter 1,$(KEEP_IMAGE)),--keep-image)
 
