@@ -154,10 +154,12 @@ class Swarm:
         return run([*self.cmd, *args], check=check, env=self.env, timeout=timeout)
 
     def containers(self) -> dict[str, str]:
-        """name -> id for the project's containers, stopped ones included."""
-        p = run(["docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}",
-                 "--format", "{{.Names}} {{.ID}}"])
-        return dict(line.split() for line in p.stdout.splitlines() if line.strip())
+        """`service_N` -> id for the project's containers, stopped ones included. From compose's labels, since
+        the container names differ: `<project>_trainer_1` (docker-compose 1.x), `<project>-trainer-1` (v2)."""
+        fmt = '{{.ID}} {{.Label "com.docker.compose.service"}} {{.Label "com.docker.compose.container-number"}}'
+        p = run(["docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}", "--format", fmt])
+        rows = [line.split() for line in p.stdout.splitlines() if line.strip()]
+        return {f"{service}_{number}": cid for cid, service, number in rows}
 
     def exec(self, service: str, index: int, *cmd: str, check: bool = False) -> subprocess.CompletedProcess[str]:
         return run([*self.cmd, "exec", "-T", "--index", str(index), service, *cmd], check=check, env=self.env,
@@ -219,7 +221,7 @@ def check_metrics(swarm: Swarm) -> dict:
     for i in range(1, TRAINERS + 1):
         found[f"trainer_{i} (its loopback)"] = metrics_lines(swarm, "trainer", i, "http://127.0.0.1:9100/metrics")
     for name, cid in swarm.containers().items():
-        if "trainer" not in name:
+        if not name.startswith("trainer_"):
             continue
         nets = inspect(cid)["NetworkSettings"]["Networks"]
         ip = next(iter(nets.values()))["IPAddress"]
@@ -245,7 +247,7 @@ KILL_DAEMON = ("import os, signal; os.kill(next(int(p) for p in os.listdir('/pro
 def check_restart(swarm: Swarm, timeout: float = 180) -> dict:
     """The restart policy: trainer 1's daemon killed (SIGKILL: a crash, no drain) comes back in the same
     container, with the same identity, resumed from its checkpoint, and healthy again."""
-    name, cid = next((n, c) for n, c in swarm.containers().items() if n.endswith("trainer_1"))
+    name, cid = "trainer_1", swarm.containers()["trainer_1"]
     _, before = swarm.status("trainer", 1)
     p = swarm.exec("trainer", 1, "python", "-c", KILL_DAEMON)
     if p.returncode not in (0, 137):  # the exec may die with the container
@@ -263,7 +265,8 @@ def check_restart(swarm: Swarm, timeout: float = 180) -> dict:
                          f"{state['RestartCount']}, status exit {rc}, health {health}, {st.get('training')}")
         time.sleep(3)
     back_s = time.monotonic() - t0
-    logs = run(["docker", "logs", cid]).stdout + run(["docker", "logs", cid]).stderr
+    p = run(["docker", "logs", cid])
+    logs = p.stdout + p.stderr
     if st.get("peer_id") != before.get("peer_id"):
         raise Failed(f"{name}: came back as {st.get('peer_id')}, was {before.get('peer_id')}")
     if "resumed from" not in logs:
@@ -315,7 +318,7 @@ def check_down(swarm: Swarm, image: str, workdir: Path, restarted: str) -> dict:
             stops[name] = t[1] - t[0]
         if "took longer than" in text:
             problems.append(f"{name}: the graceful stop overran its budget")
-        if "trainer" in name:
+        if name.startswith("trainer_"):
             tail = text[text.rfind("received SIGTERM"):] if "received SIGTERM" in text else ""
             m = list(CHECKPOINT_LINE.finditer(tail))
             if not m:
@@ -372,8 +375,12 @@ def main() -> int:
             run(make, timeout=3600)
             result["build_s"] = time.monotonic() - t0
         result["image_bytes"] = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", args.image]).stdout)
+        hist = run(["docker", "history", "--no-trunc", "--format", "{{.Size}}\t{{.CreatedBy}}", args.image]).stdout
+        layers = [(size, " ".join(by.split())[-70:]) for size, _, by in (ln.partition("\t") for ln in hist.splitlines())
+                  if size not in ("0B", "0")]
         log(f"image {args.image}: {result['image_bytes'] / 1e6:.0f} MB" +
-            (f", built in {result['build_s']:.0f}s" if "build_s" in result else ""))
+            (f", built in {result['build_s']:.0f}s" if "build_s" in result else "") +
+            "; layers: " + "; ".join(f"{size} {by}" for size, by in layers))
 
         swarm = Swarm(compose, args.image, workdir)
         swarm("down", "-v", check=False)  # leftovers of an interrupted run
