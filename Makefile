@@ -151,13 +151,19 @@ TRAINERS ?= 3
 COMPOSE ?= $(shell if docker compose version >/dev/null 2>&1; then echo "docker compose"; \
 	elif command -v docker-compose >/dev/null 2>&1; then echo docker-compose; fi)
 NO_COMPOSE := echo "error: neither 'docker compose' nor 'docker-compose' is installed (Debian: apt-get install docker-compose)" >&2; exit 2
+# OFFLINE=1: the image from `make image OFFLINE=1`, and compose builds nothing (its build would need Docker Hub).
 swarm-up:
 	@[ -n "$(COMPOSE)" ] || { $(NO_COMPOSE); }
-	$(COMPOSE) -f docker/docker-compose.yml up -d --build --scale trainer=$(TRAINERS)
+ifeq ($(OFFLINE),1)
+	$(MAKE) --no-print-directory image OFFLINE=1 IMAGE=$(IMAGE)
+	STARLING_IMAGE=$(IMAGE) $(COMPOSE) -f docker/docker-compose.yml up -d --no-build --scale trainer=$(TRAINERS)
+else
+	STARLING_IMAGE=$(IMAGE) $(COMPOSE) -f docker/docker-compose.yml up -d --build --scale trainer=$(TRAINERS)
+endif
 
 swarm-down:
 	@[ -n "$(COMPOSE)" ] || { $(NO_COMPOSE); }
-	$(COMPOSE) -f docker/docker-compose.yml down
+	STARLING_IMAGE=$(IMAGE) $(COMPOSE) -f docker/docker-compose.yml down
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .import_linter_cache .mypy_cache .hypothesis

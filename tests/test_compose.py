@@ -35,3 +35,4 @@ def test_the_compose_swarm_averages_and_stops_gracefully() -> None:
                          capture_output=True, text=True, timeout=3500, cwd=ROOT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     assert "PASSED" in out.stdout
+    print(out.stdout[-4000:])  # the timings, the image's size and layers: shown with `pytest -rP`
