@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -127,6 +127,33 @@ chaos: install
 fuzz: install
 	$(PY) bench/fuzz.py --n 100000
 
+# The node image (docker/Dockerfile). OFFLINE=1 needs no registry and no torch index: a base image made from
+# Debian packages (docker/base-image.sh: debootstrap + docker import, root; built once, kept as BASE_IMAGE_OFFLINE)
+# and every Python package from a local wheelhouse (docker/wheelhouse.sh: this machine's pip, its CPU torch).
+# Plain `make image` is the internet build (python:3.11-slim from Docker Hub, torch from download.pytorch.org).
+IMAGE ?= starling:latest
+OFFLINE ?= 0
+DEBIAN_RELEASE ?= $(or $(shell . /etc/os-release 2>/dev/null && echo $$VERSION_CODENAME),bookworm)
+BASE_IMAGE_OFFLINE ?= starling-base:$(DEBIAN_RELEASE)
+WHEEL_PY ?=
+image:
+ifeq ($(OFFLINE),1)
+	@docker image inspect $(BASE_IMAGE_OFFLINE) >/dev/null 2>&1 || DEBIAN_RELEASE=$(DEBIAN_RELEASE) docker/base-image.sh $(BASE_IMAGE_OFFLINE)
+	PY="$(WHEEL_PY)" docker/wheelhouse.sh
+	docker build -f docker/Dockerfile --build-arg OFFLINE=1 --build-arg BASE_IMAGE=$(BASE_IMAGE_OFFLINE) -t $(IMAGE) .
+else
+	docker build -f docker/Dockerfile -t $(IMAGE) .
+endif
+
+# The compose swarm for real (docker/compose_test.py; outside `make test`; its time is in docs/benchmarks.md):
+# starts dockerd if none runs (as root; installs docker.io first if missing; stops it after), builds the image
+# offline, brings up bootstrap + 3 trainers, checks in the containers that every trainer averaged with >= 2
+# partners, that health checks pass and the metrics answer, that a killed trainer is restarted and resumes,
+# then `down`: every node exits 0 after draining, each trainer after its final checkpoint. Removes the
+# containers, volumes, network and images it made; KEEP_IMAGE=1 keeps the images and the wheelhouse.
+test-compose:
+	$(PY_SYS) docker/compose_test.py $(if $(filter 1,$(KEEP_IMAGE)),--keep-image)
+
 # docker-compose swarm (needs a Docker engine): one bootstrap/relay service and scalable trainers.
 # COMPOSE is the `docker compose` v2 plugin when Docker has it, else the standalone `docker-compose`
 # (what `make install` gets from Debian); evaluated only by these targets. Override: make swarm-up COMPOSE=...
@@ -134,13 +161,19 @@ TRAINERS ?= 3
 COMPOSE ?= $(shell if docker compose version >/dev/null 2>&1; then echo "docker compose"; \
 	elif command -v docker-compose >/dev/null 2>&1; then echo docker-compose; fi)
 NO_COMPOSE := echo "error: neither 'docker compose' nor 'docker-compose' is installed (Debian: apt-get install docker-compose)" >&2; exit 2
+# OFFLINE=1: the image from `make image OFFLINE=1`, and compose builds nothing (its build would need Docker Hub).
 swarm-up:
 	@[ -n "$(COMPOSE)" ] || { $(NO_COMPOSE); }
-	$(COMPOSE) -f docker/docker-compose.yml up -d --build --scale trainer=$(TRAINERS)
+ifeq ($(OFFLINE),1)
+	$(MAKE) --no-print-directory image OFFLINE=1 IMAGE=$(IMAGE)
+	STARLING_IMAGE=$(IMAGE) $(COMPOSE) -f docker/docker-compose.yml up -d --no-build --scale trainer=$(TRAINERS)
+else
+	STARLING_IMAGE=$(IMAGE) $(COMPOSE) -f docker/docker-compose.yml up -d --build --scale trainer=$(TRAINERS)
+endif
 
 swarm-down:
 	@[ -n "$(COMPOSE)" ] || { $(NO_COMPOSE); }
-	$(COMPOSE) -f docker/docker-compose.yml down
+	STARLING_IMAGE=$(IMAGE) $(COMPOSE) -f docker/docker-compose.yml down
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .import_linter_cache .mypy_cache .hypothesis
