@@ -575,7 +575,7 @@ def render_gpu(rows: list[Row], command: str, device: str) -> str:
             "the parameters, gradients, AdamW state and its step temporary (4 + 4 + 8 + 4 = 20 B/param at the "
             "AdamW step); its host memory keeps the fp32 master copies (theta at publish and the outer momentum, "
             "8 B/param) and the four shared slots (16 B/param, mapped by the daemon too)."]
-    return "\n".join(out)
+    return "\n".join(out) + "\n"
 
 
 def run_size(size: str, measure_one: Callable[[str, Path], RowT]) -> RowT:
