@@ -256,6 +256,7 @@ class Daemon:
                 on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
                 reachable=lambda: self.nat.reachability != "private",
                 on_outer_step=self.catch_up.note_outer_step,
+                on_behind=self.catch_up.behind,
                 anyone_else=lambda: bool(self._possible_partners()),
                 pace=lambda: float(self._training().get("period_s") or 0.0),
                 # The pace gives the swarm's fastest trainer H inner steps per outer step: no honest

@@ -21,6 +21,7 @@ from node.status_schema import (
 )
 
 MAX_PARTNERS_SHOWN = 4  # partners named on the mixing line; the rest are counted
+RECENT_REFUSAL_S = 120.0  # a refused averaging request is shown this long after it
 
 
 def short(peer_id: str) -> str:
@@ -145,6 +146,9 @@ def render_status(st: NodeStatus) -> str:
         sitting_out = _sitting_out_line(sy)
         if sitting_out:
             out.append(sitting_out)
+        refusal = _refusal_line(sy)
+        if refusal:
+            out.append(refusal)
     if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
         out.append(_pace_line(tr))
     out.extend(_incompatible_lines(st))
@@ -250,6 +254,18 @@ def _sitting_out_line(sy: SyncStatus) -> str | None:
         named.append(f"{count - len(named)} more")
     return (f"sitting out: {count} partner{'s' * (count != 1)} after missed averaging rounds"
             f" (seconds left): {', '.join(named)}")
+
+
+def _refusal_line(sy: SyncStatus) -> str | None:
+    """The latest averaging request refused, either way, while it is recent: the reason two alive trainers
+    step solo side by side (`declined` rose and `pairing graph` still showed their old island)."""
+    last = sy.get("last_refusal")
+    if not isinstance(last, dict) or _seconds(last.get("seconds_ago")) > RECENT_REFUSAL_S:
+        return None
+    peer = short(str(last.get("peer", "?")))
+    who = f"{peer} refused our request" if last.get("by") == "partner" else f"we refused {peer}'s request"
+    hint = f"; {last['hint']}" if last.get("hint") else ""
+    return f"not averaging: {who} {_seconds(last.get('seconds_ago')):.0f}s ago: {last.get('reason', '?')!r}{hint}"
 
 
 def _seconds(value: Any) -> float:

@@ -127,6 +127,30 @@ async def test_a_catch_up_starts_after_catch_up_after_outer_steps_in_a_row_witho
         nursery.cancel_scope.cancel()
 
 
+async def test_a_refusal_as_too_far_behind_starts_the_catch_up_at_once(
+    tmp_path: Path, fake_download: list, autojump_clock
+) -> None:
+    """Issue #27: a worker restarted after `kill -9` resumed outer steps back; its partner refused it as too
+    far behind while both stepped solo. The refusal starts the catch-up, without `catch_up_after` more
+    outer steps (each a whole pairing window); a partner within the gap, or ahead of nobody, does not."""
+    cu = catch_up(tmp_path, 10, {"a": 15})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cu.run)
+        cu.behind(14)  # within the gap (4): no catch-up
+        await trio.sleep(1)
+        assert fake_download == []
+        cu.behind(15)
+        await trio.sleep(1)
+        assert fake_download == [["a"]]
+        cu.adopted(Adopted(previous_step=10, previous_outer_step=10, step=100, outer_step=15, donors=["a"]))
+        # A refusal soon after (a worker restarted from an older checkpoint) does not wait out the
+        # interval that guards the member records' lag.
+        cu.behind(15)
+        await trio.sleep(1)
+        assert len(fake_download) == 2
+        nursery.cancel_scope.cancel()
+
+
 async def test_catch_up_after_0_never_catches_up(tmp_path: Path, fake_download: list, autojump_clock) -> None:
     cu = catch_up(tmp_path, 0, {"a": 20}, catch_up_after=0)
     async with trio.open_nursery() as nursery:
