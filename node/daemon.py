@@ -34,7 +34,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from node import refusals
 from node.averager import Averager
-from node.config import Config
+from node.config import RUN_CONFIG_FILE, Config, write_run_config
 from node.control import SOCKET_FILE, serve_control
 from node.crdt import Manifest, ManifestAuthority
 from node.history import HISTORY_FILE, HistoryError, LossHistory, series_of
@@ -771,3 +771,7 @@ class Daemon:
         if checked is not None:
             self._checked = checked
             log.debug("train.task %r loads (task %s)", self.cfg.train.task, checked.name)
+        try:
+            write_run_config(self.home, self.cfg)  # what `export` rebuilds the model from
+        except OSError as e:  # a full disk is reported by the checkpoints; export then needs `--set` again
+            log.warning("cannot record the run's options in %s: %s", self.home / RUN_CONFIG_FILE, e)
