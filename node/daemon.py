@@ -390,11 +390,17 @@ class Daemon:
         and slower machines fewer in the same time (node/worker.py, `publish_due`). 0 (every H inner steps
         of this machine) with `sync.pace = steps` or before any speed is known. Batch sizes are assumed
         equal across the swarm (they are part of one run's settings); a worker group's inner step covers
-        `local_ranks` batches, and its samples/s counts them all."""
+        `local_ranks` batches, and its samples/s counts them all. With no possible partner, 0 too: a lone
+        trainer takes exactly H inner steps per outer step."""
         if self.cfg.sync.pace != "swarm":
             return 0.0
+        others = [m.record.samples_per_s for m in self._possible_partners()]
+        if not others:
+            # Alone: no phase to share, and H is honoured. A lone trainer paced by its own smoothed speed
+            # did 25-47 inner steps per outer step at H = 50 (its evaluations and checkpoints take time).
+            return 0.0
         own = float(self._training().get("samples_per_s") or 0.0)
-        speeds = [own, *(m.record.samples_per_s for m in self._possible_partners())]
+        speeds = [own, *others]
         fastest = max((v for v in speeds if math.isfinite(v)), default=0.0)
         if own > 0:
             # A record is a claim: no trainer is taken as more than MAX_SPEEDUP times faster than we are, so

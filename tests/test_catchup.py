@@ -32,7 +32,8 @@ from starling_testing.daemon import TINY as TINY_DAEMON
 from starling_testing.daemon import DaemonGroup
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
-                   eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)
+                   eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1,
+                   checkpoint_min_s=0)
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 MODEL = snap.ModelShape("L", 10)  # our worker's model, where no real download checks it
 
