@@ -293,6 +293,8 @@ class Daemon:
             "role": "trainer" if self.train else "network-only",
             "version": starling_version(),
             "manifest_hash": manifest.hash if manifest else "",
+            # The NAT verdict that status's top line shows: the record said `unknown` beside `public` there.
+            "reachability": self.nat.reachability,
         }
         if self.averager is not None:
             fields["partners"] = self.averager.recent_partners()[:16]

@@ -332,6 +332,9 @@ def _pairing_line(members: list[MemberStatus]) -> str:
     """Whether the alive trainers form one pairing group, as `starling doctor` judges it."""
     graph = pairing_graph(members)
     unpaired = f", {len(graph.unpaired)} unpaired" if graph.unpaired else ""
+    if not graph.islands and len(graph.unpaired) == 1:
+        # After its partner left, "no pairs ..., 1 unpaired" read as if pairing had failed.
+        return "pairing graph: one alive trainer, nobody to pair with"
     if not graph.islands:
         return f"pairing graph: no pairs in the alive trainers' recent outer steps{unpaired}"
     if not graph.split:

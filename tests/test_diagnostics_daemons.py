@@ -141,3 +141,17 @@ def test_a_lone_founder_starts_training_without_waiting_join_wait_s(group: Daemo
     assert st["join"]["state"] == "alone: starting a fresh model", st["join"]
     assert "without waiting sync.join_wait_s" in d.log()
 
+
+@pytest.mark.slow
+def test_a_nodes_own_member_record_carries_the_reachability_its_status_shows(group: DaemonGroup) -> None:
+    """Its own record said `reachability unknown` while the top line of the same status said public."""
+    a = group.start("a", *LOOPBACK, "--no-train")
+    b = group.start("b", *LOOPBACK, "--no-train", "--bootstrap", a.addr())
+
+    def own_record(st: dict) -> dict:
+        return next((m for m in st.get("members", []) if m.get("self")), {})
+
+    st = b.wait_status(lambda s: s.get("reachability") == "public" and own_record(s).get("reachability") == "public",
+                       timeout=60, interval=1)
+    assert _status(b.home)["running"] is True and own_record(st)["peer_id"] == st["peer_id"]
+
