@@ -289,6 +289,7 @@ class Averager:
         # The latest refusal either way (a partner's answer to us, or ours to it), for status: `declined`
         # alone counted them while the reason was logged at debug level only.
         self._last_refusal: tuple[str, str, str, str, float] | None = None  # (peer, by, reason, hint, time)
+        self._last_success_at = -math.inf  # trio time of our latest completed exchange
         self._partners: set[str] = set()
         # (outer step, its partners (none: a solo step), whether the first was the scheduled one), newest last.
         self._recent: collections.deque[tuple[int, tuple[str, ...], bool]] = collections.deque(maxlen=MIXING_WINDOW)
@@ -355,7 +356,7 @@ class Averager:
         if self._last_refusal is not None:
             peer, by, reason, hint, at = self._last_refusal
             st["last_refusal"] = {"peer": peer, "by": by, "reason": reason, "hint": hint,
-                                  "seconds_ago": round(now - at, 1)}
+                                  "seconds_ago": round(now - at, 1), "averaged_since": self._last_success_at > at}
         return st
 
     def _note_refusal(self, peer: str, by: str, reason: str, ours: int, theirs: int) -> None:
@@ -1105,6 +1106,7 @@ class Averager:
     # --- bookkeeping -------------------------------------------------------------------------------------
 
     def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0, compression: str = "none") -> None:
+        self._last_success_at = trio.current_time()
         link = self._link(partner)
         link.compression = compression
         self._transfer_s = result.duration_s if self._transfer_s is None else (

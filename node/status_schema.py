@@ -164,6 +164,7 @@ class RefusalStatus(TypedDict):
     reason: str  # the refuser's words, e.g. "outer steps too far apart: yours 30, ours 35"
     hint: str  # what it means here ("this node is 5 outer steps behind ...: it catches up"), or ""
     seconds_ago: float
+    averaged_since: bool  # an exchange completed after it (status's `not averaging:` line is then left out)
 
 
 class SyncStatus(TypedDict):

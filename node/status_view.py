@@ -257,10 +257,12 @@ def _sitting_out_line(sy: SyncStatus) -> str | None:
 
 
 def _refusal_line(sy: SyncStatus) -> str | None:
-    """The latest averaging request refused, either way, while it is recent: the reason two alive trainers
-    step solo side by side (`declined` rose and `pairing graph` still showed their old island)."""
+    """The latest averaging request refused, either way, while it is recent and no exchange has completed
+    since: the reason two alive trainers step solo side by side (`declined` rose and `pairing graph`
+    still showed their old island)."""
     last = sy.get("last_refusal")
-    if not isinstance(last, dict) or _seconds(last.get("seconds_ago")) > RECENT_REFUSAL_S:
+    if (not isinstance(last, dict) or last.get("averaged_since")
+            or _seconds(last.get("seconds_ago")) > RECENT_REFUSAL_S):
         return None
     peer = short(str(last.get("peer", "?")))
     who = f"{peer} refused our request" if last.get("by") == "partner" else f"we refused {peer}'s request"

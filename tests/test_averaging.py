@@ -158,8 +158,11 @@ async def test_one_step_beyond_the_gap_says_why_in_status_and_log_wakes_the_catc
     assert "this node is 5 outer steps behind (sync.max_step_gap 4): it catches up from the swarm" in mine["hint"]
     theirs = st[1]["last_refusal"]
     assert theirs is not None and "the partner is 5 outer steps behind" in theirs["hint"]
+    assert mine["averaged_since"] is False
     line = render_status({"sync": st[0]})  # type: ignore[typeddict-item]
     assert "not averaging: " in line and "this node is 5 outer steps behind" in line, line
+    st[0]["last_refusal"] = {**mine, "averaged_since": True}  # once an exchange completed after it: gone
+    assert "not averaging" not in render_status({"sync": st[0]})  # type: ignore[typeddict-item]
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "to average" in r.getMessage()]
     # Logged at INFO, once per peer and reason (a minute apart at most), on both sides.
     assert len([m for m in infos if ids[0] in m]) == 1 and len([m for m in infos if ids[1] in m]) == 1, infos
