@@ -209,8 +209,8 @@ async def fetch_swarm_snapshot(
 class CatchUp:
     """Re-syncs this trainer from the swarm once it has drifted out of every partner's reach.
 
-    Trigger: `sync.catch_up_after` outer steps in a row without an eligible partner (the averager reports
-    each outer step to `note_outer_step`) while alive trainers of our run exist outside the gap, and this
+    Trigger: `sync.catch_up_after` outer steps in a row that were not averaged (the averager reports each
+    outer step to `note_outer_step`), or at once a partner's refusal as too far behind (`behind`), while alive trainers of our run exist outside the gap, and this
     node's outer step is more than the gap from the swarm's median. The median (upper median, over every
     alive trainer of the run, this node included) is the majority's position: a lone runaway node comes
     back to the swarm, never the swarm to it; between two nodes the one further ahead is the reference.
