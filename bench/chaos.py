@@ -77,7 +77,7 @@ SYNC = {"pair_window_s": 2.0, "backoff_s": 1.0, "join_wait_s": 3.0}
 TRAIN = {
     "d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32, "batch_size": 4, "inner_steps": 5,
     "data_bytes": 300_000, "warmup": 10, "lr": 0.003, "max_lag": 5, "checkpoint_every": 2,
-    "eval_batches": 1,
+    "checkpoint_min_s": 0.0, "eval_batches": 1,
 }
 # Heartbeats, suspect and gone times are the daemon's defaults (2 s, 15 s, 60 s). The 0.5 s / 3 s / 6 s of
 # the swarm tests overload gossip with seven daemons on two busy cores: records arrive ever later and every

@@ -108,7 +108,7 @@ def convergence_fields(bc: BenchConfig) -> dict[str, Any]:
               if getattr(cfg, f.name) != getattr(default, f.name)}
     # Keep enough that the checkpoint at the target survives a stop that comes many outer steps late (a
     # slow poll on a loaded machine, instant solo steps at a tiny H); the files are deleted with the run.
-    return {**fields, "checkpoint_every": 1, "checkpoints_keep": min(1000, 2 * bc.outer_steps + 10)}
+    return {**fields, "checkpoint_every": 1, "checkpoint_min_s": 0.0, "checkpoints_keep": min(1000, 2 * bc.outer_steps + 10)}
 
 
 def _text(value: Any) -> str:

@@ -65,8 +65,10 @@ Two rules keep heterogeneous machines from drifting apart for good:
   a node that never waited would race away from everyone). Busy partners count as eligible.
 - After an exchange both partners adopt the larger of their two outer steps (each learns the other's
   from the request or the answer, `ExchangeOutcome.group_outer_step` hands it to the worker), so paired
-  nodes' counters never drift apart. A node that has had no eligible partner for a while re-syncs from
-  the swarm instead (node/latejoin.py, `CatchUp`), fed by `on_outer_step`.
+  nodes' counters never drift apart. A node whose outer steps have gone unaveraged for a while re-syncs
+  from the swarm instead (node/latejoin.py, `CatchUp`), fed by `on_outer_step`; at once when a partner
+  refuses it as too far behind (`on_behind`). Refusals show in status (`last_refusal`) and in the log at
+  INFO, once a minute per peer and reason: `declined` alone rose while the reason was logged at debug.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from __future__ import annotations
 import collections
 import ipaddress
 import logging
+import math
 import random
 import statistics
 from collections.abc import Callable
@@ -115,7 +118,9 @@ HOLD_SHARE = 0.5
 # The answer to a second-round request during our first round (the one request that may be held).
 NOT_IN_ROUND = "not ready (in the first round of its outer step)"
 ALREADY_EXCHANGING = "already exchanging"  # the answer of a trainer whose outer step is paired and transferring
-HOLD_MARGIN_S = 0.5  # past our first round's window: the second round begins right after it ends
+HOLD_MARGIN_S = 0.5
+GAP_REFUSAL = "outer steps too far apart"  # the start of `_judge`'s refusal for `sync.max_step_gap`
+REFUSAL_LOG_S = 60.0  # a refusal is logged at INFO at most this often per peer and kind of reason  # past our first round's window: the second round begins right after it ends
 # How long a scheduled partner that is busy *transferring* is waited for: this many times our own typical
 # transfer (an EWMA of our exchanges' durations), when that is longer than the pairing window.
 BUSY_WAIT_FACTOR = 1.5
@@ -223,6 +228,7 @@ class Averager:
         swarm_steps: Callable[[], dict[str, int]] | None = None,
         speeds: Callable[[], dict[str, float]] | None = None,
         outer_period: Callable[[], float] | None = None,
+        on_behind: Callable[[int], None] | None = None,
     ) -> None:
         self.host = host
         self.cfg = cfg
@@ -234,9 +240,16 @@ class Averager:
         # Behind a NAT our side-channel port cannot be reached: offering it would cost the partner a
         # connect timeout on every round before it falls back to the libp2p stream.
         self.reachable = reachable
-        # Told at the start of every outer step whether any partner was eligible (the catch-up counts
-        # the steps without one).
+        # Told at the end of every outer step whether it was averaged (the catch-up counts the steps
+        # without a partner). Not whether a partner looked eligible at its start: a partner one step
+        # beyond `sync.max_step_gap` is eligible by its record (which may lag a heartbeat) and yet refuses
+        # every request, and two such trainers stepped solo side by side for minutes, never catching up.
         self.on_outer_step = on_outer_step
+        # Told a partner's outer step when it refused us as too far behind it: the catch-up starts now,
+        # not after `sync.catch_up_after` more outer steps (a restarted worker resumes from a checkpoint
+        # up to `train.checkpoint_every` outer steps back, while its partner went on).
+        self.on_behind = on_behind
+        self._refusal_logged: dict[tuple[str, str], float] = {}  # (peer, reason kind) -> trio time logged
         # Whether any other trainer of our run could pair at all, whatever its outer step: when none can,
         # the outer step is solo at once. Trainers that the records show outside the step gap still get the
         # pairing window: records lag (a heartbeat old), the gap is judged on the actual request, and where
@@ -273,6 +286,10 @@ class Averager:
             "last_compression": None,  # the sync.compression preset its wire used (auto chooses per exchange)
             "last_error": None,
         }
+        # The latest refusal either way (a partner's answer to us, or ours to it), for status: `declined`
+        # alone counted them while the reason was logged at debug level only.
+        self._last_refusal: tuple[str, str, str, str, float] | None = None  # (peer, by, reason, hint, time)
+        self._last_success_at = -math.inf  # trio time of our latest completed exchange
         self._partners: set[str] = set()
         # (outer step, its partners (none: a solo step), whether the first was the scheduled one), newest last.
         self._recent: collections.deque[tuple[int, tuple[str, ...], bool]] = collections.deque(maxlen=MIXING_WINDOW)
@@ -335,7 +352,35 @@ class Averager:
         now = trio.current_time()
         st["banned"] = sorted(p for p, link in self._links.items() if link.banned_until > now)
         st["sitting_out"] = self.misses.status()
+        st["last_refusal"] = None
+        if self._last_refusal is not None:
+            peer, by, reason, hint, at = self._last_refusal
+            st["last_refusal"] = {"peer": peer, "by": by, "reason": reason, "hint": hint,
+                                  "seconds_ago": round(now - at, 1), "averaged_since": self._last_success_at > at}
         return st
+
+    def _note_refusal(self, peer: str, by: str, reason: str, ours: int, theirs: int) -> None:
+        """Record a refusal for status and log it at INFO, once a minute per peer and kind of reason: a
+        node that steps solo beside an alive partner must say why (`by`: "partner" refused us, "us")."""
+        now = trio.current_time()
+        kind = reason.split(":", 1)[0]
+        hint = ""
+        if kind == GAP_REFUSAL:
+            behind = theirs - ours
+            hint = (f"{'this node' if behind > 0 else 'the partner'} is {abs(behind)} outer steps behind "
+                    f"(sync.max_step_gap {self.cfg.max_step_gap}): "
+                    f"{'it' if behind > 0 else 'the partner'} catches up from the swarm")
+        self._last_refusal = (peer, by, reason, hint, now)
+        key = (peer, kind)
+        if now < self._refusal_logged.get(key, -math.inf):
+            return
+        self._refusal_logged[key] = now + REFUSAL_LOG_S
+        if len(self._refusal_logged) > MAX_LINKS:
+            self._refusal_logged.pop(next(iter(self._refusal_logged)))
+        if by == "partner":
+            log.info("partner %s refused to average: %r%s", peer, reason, f"; {hint}" if hint else "")
+        else:
+            log.info("refused to average with %s: %r%s", peer, reason, f"; {hint}" if hint else "")
 
     def mixing(self) -> MixingStatus:
         """Whom this node averaged with over its last MIXING_WINDOW outer steps, and how often it stepped
@@ -399,9 +444,9 @@ class Averager:
         """
         if self.eligible_peers is not None:
             has_partner = any(p != self.me for p in self.eligible_peers())
-            if self.on_outer_step is not None:
-                self.on_outer_step(has_partner)
             if not has_partner and self.anyone_else is not None and not self.anyone_else():
+                if self.on_outer_step is not None:
+                    self.on_outer_step(False)
                 self.stats["solo_rounds"] += 1
                 self.stats["unpaired_rounds"] += 1
                 self._recent.append((request.outer_step, (), False))
@@ -455,6 +500,8 @@ class Averager:
             self._last_paired[partner] = self.stats["rounds"]
         group_outer_step = self._follow_the_swarm(request.outer_step, group_outer_step)
         self._last_outer_step = max(request.outer_step, group_outer_step or 0)
+        if self.on_outer_step is not None:
+            self.on_outer_step(size >= 2)
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   f"averaged in a group of {size}" if size >= 2 else "solo", trio.current_time() - began)
         # The first round's preset (a second round, in groups of four, is always `none`).
@@ -802,7 +849,8 @@ class Averager:
 
     async def _try_partner(self, pending: _Pending, partner: str, *, scheduled: bool = False) -> str:
         """Ask `partner`; returns "paired", "not ready" (it is still training), "exchanging" (busy with
-        another partner's transfer), "busy", "refused" or "failed"."""
+        another partner's transfer), "busy", "apart" (refused: outer steps beyond `sync.max_step_gap`), "refused"
+        or "failed"."""
         pending.initiating_to = partner
         began = trio.current_time()
         claimed_here = False
@@ -862,6 +910,12 @@ class Averager:
                 return "not ready"
             if e.verdict == "busy":
                 return "exchanging" if e.reason == ALREADY_EXCHANGING else "busy"
+            ours = pending.request.outer_step
+            self._note_refusal(partner, "partner", e.reason, ours, e.outer_step)
+            if e.reason.startswith(GAP_REFUSAL):
+                if e.outer_step > ours and self.on_behind is not None:
+                    self.on_behind(e.outer_step)
+                return "apart"  # an honest state the catch-up ends: no missed round (node/partner_misses.py)
             return "refused"
         except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
             self._learn_rate(partner, progress)
@@ -929,6 +983,11 @@ class Averager:
             verdict = self._judge(request, pending, partner)
         if verdict is None or verdict[0] == "busy":
             self.misses.heard(partner)  # it asks us as a partner of our run would: it takes part
+        if verdict is not None and verdict[0] == "refuse":
+            ours = pending.request.outer_step if pending is not None else self._last_outer_step
+            self._note_refusal(partner, "us", verdict[1], ours, request.outer_step)
+            if verdict[1].startswith(GAP_REFUSAL) and request.outer_step > ours and self.on_behind is not None:
+                self.on_behind(request.outer_step)  # the asker is ahead of us beyond the gap: we are behind
         if verdict is not None:
             # Between outer steps we say the last one we took: an asker that is behind learns the count.
             since = 0
@@ -1026,7 +1085,7 @@ class Averager:
             return ("refuse", f"parameter layout mismatch: yours {req.layout_hash[:12]}, ours {ours_layout[:12]}")
         gap = abs(req.outer_step - pending.request.outer_step)
         if gap > self.cfg.max_step_gap:
-            return ("refuse", f"outer steps too far apart: yours {req.outer_step}, ours {pending.request.outer_step}")
+            return ("refuse", f"{GAP_REFUSAL}: yours {req.outer_step}, ours {pending.request.outer_step}")
         if req.wire_dtype not in ("fp32", "bf16", "int8"):
             return ("refuse", f"unknown wire dtype {req.wire_dtype!r}")
         if not self._accepts_compression(req.compression):
@@ -1047,6 +1106,7 @@ class Averager:
     # --- bookkeeping -------------------------------------------------------------------------------------
 
     def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0, compression: str = "none") -> None:
+        self._last_success_at = trio.current_time()
         link = self._link(partner)
         link.compression = compression
         self._transfer_s = result.duration_s if self._transfer_s is None else (

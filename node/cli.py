@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "every file written is private (mode 0600)")
     sp.add_argument("--evaluate", action="store_true", help="also measure the exported weights' validation loss")
     sp.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
-                    help="a config option, as given to `run` (the task and its [task] options fix the model)")
+                    help="a config option over what the trainer last ran with (HOME/run-config.toml: the task "
+                         "and its [task] options fix the model)")
     for command_parser in sub.choices.values():
         command_parser.set_defaults(_parser=command_parser)
     return p
@@ -471,7 +472,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not home.is_dir():
         return _die(f"{home}: no such node home (pass --home or set STARLING_HOME)")
     try:
-        cfg = load_config(home, overrides=_parse_set(args.set))
+        # The options the trainer ran with (HOME/run-config.toml): no `--set` of `run` to repeat.
+        cfg = load_config(home, overrides=_parse_set(args.set), run_config=True)
     except (ConfigError, ValueError) as e:
         return _die(str(e))
     from node.export import ExportError, export_weights  # imports torch: only now

@@ -22,8 +22,14 @@ from typing import Any, get_type_hints
 import tomli_w
 
 from node.config_base import opt
+from p2p.fsutil import atomic_write_bytes
 
 CONFIG_FILE = "config.toml"
+#: The [train] and [task] options a trainer last ran with (written by the daemon at start): `export` reads
+#: them, so that it rebuilds the model that HOME's checkpoints hold without repeating `run`'s `--set`.
+RUN_CONFIG_FILE = "run-config.toml"
+#: The sections of RUN_CONFIG_FILE: what fixes the model and the task.
+RUN_SECTIONS = ("train", "task")
 ENV_PREFIX = "STARLING_"
 #: STARLING_* variables that are not options (unknown_environment warns about any other).
 NON_OPTION_VARIABLES = frozenset({"STARLING_HOME"})
@@ -260,10 +266,14 @@ def load_config(
     *,
     overrides: dict[str, Any] | None = None,
     environ: dict[str, str] | None = None,
+    run_config: bool = False,
 ) -> Config:
     """Build the config: defaults < HOME/config.toml < STARLING_<SECTION>_<FIELD> env < `overrides`.
 
     `overrides` maps "section.field" to a value (already typed, or text as from a `--set` flag).
+    `run_config` (export): the [train] and [task] options the trainer last ran with (HOME/run-config.toml,
+    `write_run_config`) come after the environment and before `overrides`; the [task] section is taken
+    whole (an option the run did not have is not the run's).
     Raises ConfigError with a one-line message naming the option.
     """
     environ = os.environ if environ is None else environ
@@ -322,7 +332,22 @@ def load_config(
                 except ConfigError as e:
                     raise ConfigError(f"{source}: {e}") from None
 
-    # 3. flags
+    # 3. what a trainer last ran with (export only): it replaces those sections, flags still win
+    if run_config and home is not None:
+        for sec_name, section in read_run_config(home).items():
+            if getattr(sections[sec_name], "free_form", False):
+                values[sec_name] = dict(section)
+                continue
+            types = _field_types(sections[sec_name])
+            for key, value in section.items():
+                if key in types:  # an option of another version is left out
+                    try:
+                        values[sec_name][key] = _coerce(sec_name, key, types[key], value, from_text=False)
+                    except ConfigError as e:
+                        raise ConfigError(f"{home / RUN_CONFIG_FILE}: {e}") from None
+                    sources[f"{sec_name}.{key}"] = str(home / RUN_CONFIG_FILE)
+
+    # 4. flags
     for dotted, value in (overrides or {}).items():
         sec_name, _, key = dotted.partition(".")
         if sec_name in sections and getattr(sections[sec_name], "free_form", False) and key:
@@ -344,6 +369,30 @@ def load_config(
             raise ConfigError(_with_sources(str(e), sources)) from None
         built[sec_name] = sec
     return Config(built)
+
+
+def write_run_config(home: Path, cfg: Config) -> None:
+    """Record the [train] and [task] options this trainer runs with in HOME/run-config.toml (private,
+    written atomically). Why: `export` rebuilds the model from the config, and a node started with
+    `--set train.d_model=...` (or a task's options) had to be given the same flags again, else it said
+    there was no checkpoint of the configured model, or that the task was not a Hugging Face model."""
+    data = {name: cfg.to_dict()[name] for name in RUN_SECTIONS if name in cfg.sections}
+    text = ("# The [train] and [task] options this node's trainer last ran with, written at each start.\n"
+            "# `starling export` reads them; edit config.toml, not this file.\n" + tomli_w.dumps(data))
+    atomic_write_bytes(home / RUN_CONFIG_FILE, text.encode(), mode=0o600)
+
+
+def read_run_config(home: Path) -> dict[str, dict[str, Any]]:
+    """HOME/run-config.toml's sections ({} where there is none); a file that cannot be read is a
+    ConfigError naming it."""
+    path = home / RUN_CONFIG_FILE
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it ({e}); delete it or start the trainer once") from None
+    return {name: data[name] for name in RUN_SECTIONS if isinstance(data.get(name), dict)}
 
 
 def _env_source(name: str, value: str) -> str:

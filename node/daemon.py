@@ -34,7 +34,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from node import refusals
 from node.averager import Averager
-from node.config import Config
+from node.config import RUN_CONFIG_FILE, Config, write_run_config
 from node.control import SOCKET_FILE, serve_control
 from node.crdt import Manifest, ManifestAuthority
 from node.history import HISTORY_FILE, HistoryError, LossHistory, series_of
@@ -256,6 +256,7 @@ class Daemon:
                 on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
                 reachable=lambda: self.nat.reachability != "private",
                 on_outer_step=self.catch_up.note_outer_step,
+                on_behind=self.catch_up.behind,
                 anyone_else=lambda: bool(self._possible_partners()),
                 pace=lambda: float(self._training().get("period_s") or 0.0),
                 # The pace gives the swarm's fastest trainer H inner steps per outer step: no honest
@@ -292,6 +293,8 @@ class Daemon:
             "role": "trainer" if self.train else "network-only",
             "version": starling_version(),
             "manifest_hash": manifest.hash if manifest else "",
+            # The NAT verdict that status's top line shows: the record said `unknown` beside `public` there.
+            "reachability": self.nat.reachability,
         }
         if self.averager is not None:
             fields["partners"] = self.averager.recent_partners()[:16]
@@ -389,11 +392,17 @@ class Daemon:
         and slower machines fewer in the same time (node/worker.py, `publish_due`). 0 (every H inner steps
         of this machine) with `sync.pace = steps` or before any speed is known. Batch sizes are assumed
         equal across the swarm (they are part of one run's settings); a worker group's inner step covers
-        `local_ranks` batches, and its samples/s counts them all."""
+        `local_ranks` batches, and its samples/s counts them all. With no possible partner, 0 too: a lone
+        trainer takes exactly H inner steps per outer step."""
         if self.cfg.sync.pace != "swarm":
             return 0.0
+        others = [m.record.samples_per_s for m in self._possible_partners()]
+        if not others:
+            # Alone: no phase to share, and H is honoured. A lone trainer paced by its own smoothed speed
+            # did 25-47 inner steps per outer step at H = 50 (its evaluations and checkpoints take time).
+            return 0.0
         own = float(self._training().get("samples_per_s") or 0.0)
-        speeds = [own, *(m.record.samples_per_s for m in self._possible_partners())]
+        speeds = [own, *others]
         fastest = max((v for v in speeds if math.isfinite(v)), default=0.0)
         if own > 0:
             # A record is a claim: no trainer is taken as more than MAX_SPEEDUP times faster than we are, so
@@ -611,8 +620,17 @@ class Daemon:
                 timeout_s=t.join_timeout_s,
                 status=self.join_status,
                 on_refused=self._donor_lied,
+                alone=self._knows_no_one,
             )
         await self.supervisor.run()
+
+    def _knows_no_one(self) -> bool:
+        """No bootstrap peer configured, no connection and no other member: the founder's first start,
+        with no donor to wait for (a peer that dials us in the late join's grace period counts)."""
+        node = self.cfg.node
+        me = str(self.peer_id)
+        return (not node.bootstrap and not node.bootstrap_files and not self.host.get_connected_peers()
+                and not any(m.record.peer_id != me for m in self.replicator.state.members()))
 
     def _donor_lied(self, peer: str) -> None:
         """A donor whose record carries our manifest served a snapshot of another model: that is no honest
@@ -770,3 +788,7 @@ class Daemon:
         if checked is not None:
             self._checked = checked
             log.debug("train.task %r loads (task %s)", self.cfg.train.task, checked.name)
+        try:
+            write_run_config(self.home, self.cfg)  # what `export` rebuilds the model from
+        except OSError as e:  # a full disk is reported by the checkpoints; export then needs `--set` again
+            log.warning("cannot record the run's options in %s: %s", self.home / RUN_CONFIG_FILE, e)

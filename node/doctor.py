@@ -1192,6 +1192,8 @@ def _pairing_ok_text(graph: PairingGraph) -> str:
         alive = len(graph.unpaired)
         if not alive:
             return "pairing graph: no alive trainers"
+        if alive == 1:
+            return "pairing graph: one alive trainer, nobody to pair with"  # as `starling status` says
         return f"pairing graph: no pairs in the recent outer steps of the {alive} alive trainer{'s' * (alive != 1)}"
     return f"pairing graph: one island of {graph.paired} trainers" + (unpaired if graph.unpaired else "")
 

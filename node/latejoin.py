@@ -9,7 +9,8 @@ verified checkpoint.
 
 Catch-up (`CatchUp`): a trainer that has drifted more than `sync.max_step_gap` outer steps from the
 swarm has nobody to average with, and averaging is what would bring it back. After
-`sync.catch_up_after` outer steps in a row without an eligible partner, the daemon downloads the same
+`sync.catch_up_after` outer steps in a row that were not averaged (at once when a partner refuses it as
+too far behind: `CatchUp.behind`), the daemon downloads the same
 kind of snapshot from donors near the swarm's median outer step, while training goes on, and the worker
 adopts it at its next outer step (`node.worker.Trainer.adopt_snapshot`).
 """
@@ -44,6 +45,7 @@ JOIN_FILE = "snapshot.pt"
 CATCH_UP_DIR = "catchup"
 CHECKPOINT_DIR = "checkpoints"
 CATCH_UP_INTERVAL_S = 30.0  # the least time between two catch-up attempts
+ALONE_GRACE_S = 1.0  # a late join's wait for donors when this node knows of no one at all
 
 
 def join_snapshot_path(home: Path) -> Path:
@@ -100,8 +102,14 @@ async def late_join(
     timeout_s: float,
     status: dict[str, Any],
     on_refused: Callable[[str], None] | None = None,
+    alone: Callable[[], bool] | None = None,
 ) -> bool:
     """Download a starting point from the swarm if this node has no checkpoint. True if one was written.
+
+    `alone()`: whether this node knows of no one at all (no bootstrap peer configured, no connection, no
+    member): then the wait for donors ends after `ALONE_GRACE_S` (time for a peer that dials us), not
+    `wait_s`. Every first start of a swarm's founder waited out `sync.join_wait_s` for donors that could
+    not exist.
 
     `model`: our own model (the start-up check's); a donor's snapshot must be exactly that. None (the
     check did not say in time) starts a fresh model: without our size, a donor's claim would decide how
@@ -118,10 +126,16 @@ async def late_join(
     status["state"] = "looking for donors"
     deadline = trio.current_time() + wait_s
     found: list[str] = []
+    alone_after = trio.current_time() + min(ALONE_GRACE_S, wait_s)
     while trio.current_time() < deadline:
         found = donors()
         if found:
             break
+        if alone is not None and trio.current_time() >= alone_after and alone():
+            status["state"] = "alone: starting a fresh model"
+            log.info("no bootstrap peer configured and no swarm member known: starting from a fresh model "
+                     "without waiting sync.join_wait_s for donors")
+            return False
         await trio.sleep(0.5)
     if not found:
         status["state"] = "no donors: starting a fresh model"
@@ -195,8 +209,8 @@ async def fetch_swarm_snapshot(
 class CatchUp:
     """Re-syncs this trainer from the swarm once it has drifted out of every partner's reach.
 
-    Trigger: `sync.catch_up_after` outer steps in a row without an eligible partner (the averager reports
-    each outer step to `note_outer_step`) while alive trainers of our run exist outside the gap, and this
+    Trigger: `sync.catch_up_after` outer steps in a row that were not averaged (the averager reports each
+    outer step to `note_outer_step`), or at once a partner's refusal as too far behind (`behind`), while alive trainers of our run exist outside the gap, and this
     node's outer step is more than the gap from the swarm's median. The median (upper median, over every
     alive trainer of the run, this node included) is the majority's position: a lone runaway node comes
     back to the swarm, never the swarm to it; between two nodes the one further ahead is the reference.
@@ -232,17 +246,32 @@ class CatchUp:
         self.own_outer_step = own_outer_step
         self.trainers = trainers  # alive trainers of our run (not us): peer id -> outer step
         self.deliver = deliver
-        self.unpaired = 0  # outer steps in a row without an eligible partner
+        self.unpaired = 0  # outer steps in a row that were not averaged
         self.catch_ups = 0  # snapshots the worker adopted
         self.status: dict[str, Any] = {"state": "idle"}
         self._wake = trio.Event()
         self._delivered = False  # a snapshot waits for the worker's next outer step
         self._next_allowed = -math.inf  # trio time before which no new attempt starts
+        self._refused_at: int | None = None  # a partner's outer step when it refused us as too far behind
 
     def note_outer_step(self, had_partner: bool) -> None:
-        """Called by the averager at the start of every outer step."""
+        """Called by the averager at the end of every outer step: `had_partner`, whether it was averaged."""
         self.unpaired = 0 if had_partner else self.unpaired + 1
         if self.cfg.catch_up_after and self.unpaired >= self.cfg.catch_up_after:
+            self._wake.set()
+
+    def behind(self, partner_step: int) -> None:
+        """A partner refused us as too far behind: its outer step is `partner_step`. Catch up now, without
+        waiting out `catch_up_after` more unaveraged outer steps (each a whole pairing window): a worker
+        restarted after a crash resumes from a checkpoint up to `train.checkpoint_every` outer steps back
+        while its partner went on, and one step beyond the gap is enough for every request to be refused.
+        `plan()` still decides from the member records. The refusal is fresh evidence (the records that
+        `CATCH_UP_INTERVAL_S` guards against lag a heartbeat), so it lifts that interval: a restart soon
+        after a catch-up would otherwise wait it out."""
+        if self.cfg.catch_up_after and partner_step - self.own_outer_step() > self.cfg.max_step_gap:
+            self.unpaired = max(self.unpaired, self.cfg.catch_up_after)
+            self._refused_at = partner_step
+            self._next_allowed = -math.inf
             self._wake.set()
 
     def swarm_outer_step(self) -> int | None:
@@ -290,6 +319,7 @@ class CatchUp:
                 continue  # right after a catch-up the swarm's records still show our old step
             plan = self.plan()
             if plan is None:
+                self._refused_at = None
                 continue
             self.unpaired = 0  # a retry needs another `catch_up_after` outer steps without a partner
             self._next_allowed = trio.current_time() + CATCH_UP_INTERVAL_S
@@ -300,8 +330,11 @@ class CatchUp:
         if model is None:
             return  # the worker has not said what it trains: nothing to catch up yet
         own = self.own_outer_step()
-        log.info("outer step %d is %d from the swarm's %d and no partner was eligible for %d outer steps: "
-                 "catching up from %d donors", own, abs(own - target), target, self.cfg.catch_up_after, len(donors))
+        why = (f"a partner at outer step {self._refused_at} refused it as too far behind" if self._refused_at
+               is not None else f"its last {self.cfg.catch_up_after} outer steps were not averaged")
+        self._refused_at = None
+        log.info("outer step %d is %d from the swarm's %d and %s: catching up from %d donors",
+                 own, abs(own - target), target, why, len(donors))
         self.status = {"state": "downloading", "donors": donors, "from_outer_step": own, "swarm_outer_step": target}
         path = self.home / CATCH_UP_DIR / JOIN_FILE
         try:

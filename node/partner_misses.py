@@ -8,7 +8,9 @@ window for it: a victim fell from 95 to 2.5 inner steps/s (issue #26 item 3).
 A round of an outer step *misses* a peer when we asked it (or the schedule gave it to us) and it neither
 paired nor asked us itself, and at least one answer was a failure (no handler, a broken stream) or a
 refusal, or, as the scheduled partner, it answered "busy" or never showed up. "Not ready" (it is between
-outer steps, a phase question the phase shift solves) is no miss, nor is "busy" from a peer we asked
+outer steps, a phase question the phase shift solves) is no miss, nor is "apart" (a refusal for outer steps
+beyond `sync.max_step_gap`: an honest state that the catch-up ends, where sitting out kept two trainers
+apart for minutes after a worker restart), nor is "busy" from a peer we asked
 outside the schedule: honest peers are busy with their own scheduled partners, and in an odd-sized swarm
 the node with a bye hears "busy" from everyone. After `limit` missed rounds in a row
 the peer sits out for a back-off that doubles with each exclusion (`backoff_s` up to `max_backoff_s`);

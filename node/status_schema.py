@@ -35,7 +35,7 @@ from p2p.status import (
 __all__ = [
     "AuthorizationStatus", "BootstrapPeerStatus", "BootstrapStatus", "ConnectionsStatus", "DiscoveryStatus", "DownloadStatus",
     "ExchangeCounts", "IncompatiblePeerStatus", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
-    "PeerPathStatus", "ProgressStatus", "RefusalsStatus", "ReplicaStatus", "ReplicationStatus", "SittingOutStatus",
+    "PeerPathStatus", "ProgressStatus", "RefusalStatus", "RefusalsStatus", "ReplicaStatus", "ReplicationStatus", "SittingOutStatus",
     "StreamLimitsStatus", "TransferStatus",
     "SwarmTotals", "SyncStatus", "TrainingStatus",
 ]  # fmt: skip
@@ -156,6 +156,17 @@ class SittingOutStatus(TypedDict):
     peers: dict[str, float]  # peer id -> seconds left, the most first; at most 16 named (count has them all)
 
 
+class RefusalStatus(TypedDict):
+    """``sync.last_refusal``: the latest averaging request refused, either way (node/averager.py)."""
+
+    peer: str
+    by: str  # partner (it refused our request) | us (we refused its request)
+    reason: str  # the refuser's words, e.g. "outer steps too far apart: yours 30, ours 35"
+    hint: str  # what it means here ("this node is 5 outer steps behind ...: it catches up"), or ""
+    seconds_ago: float
+    averaged_since: bool  # an exchange completed after it (status's `not averaging:` line is then left out)
+
+
 class SyncStatus(TypedDict):
     """``sync``: averaging rounds with partners (trainers only)."""
 
@@ -185,6 +196,7 @@ class SyncStatus(TypedDict):
     clipped: dict[str, int]  # partner updates clipped, by part: delta | phi
     banned: list[str]
     sitting_out: SittingOutStatus  # partners that missed rounds in a row, sitting out a back-off
+    last_refusal: RefusalStatus | None  # why the latest refused request was refused (None: none yet)
     catch_ups: NotRequired[int]  # snapshots the worker adopted
     catch_up: NotRequired[ProgressStatus]
 

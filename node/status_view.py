@@ -21,6 +21,7 @@ from node.status_schema import (
 )
 
 MAX_PARTNERS_SHOWN = 4  # partners named on the mixing line; the rest are counted
+RECENT_REFUSAL_S = 120.0  # a refused averaging request is shown this long after it
 
 
 def short(peer_id: str) -> str:
@@ -145,6 +146,9 @@ def render_status(st: NodeStatus) -> str:
         sitting_out = _sitting_out_line(sy)
         if sitting_out:
             out.append(sitting_out)
+        refusal = _refusal_line(sy)
+        if refusal:
+            out.append(refusal)
     if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
         out.append(_pace_line(tr))
     out.extend(_incompatible_lines(st))
@@ -252,6 +256,20 @@ def _sitting_out_line(sy: SyncStatus) -> str | None:
             f" (seconds left): {', '.join(named)}")
 
 
+def _refusal_line(sy: SyncStatus) -> str | None:
+    """The latest averaging request refused, either way, while it is recent and no exchange has completed
+    since: the reason two alive trainers step solo side by side (`declined` rose and `pairing graph`
+    still showed their old island)."""
+    last = sy.get("last_refusal")
+    if (not isinstance(last, dict) or last.get("averaged_since")
+            or _seconds(last.get("seconds_ago")) > RECENT_REFUSAL_S):
+        return None
+    peer = short(str(last.get("peer", "?")))
+    who = f"{peer} refused our request" if last.get("by") == "partner" else f"we refused {peer}'s request"
+    hint = f"; {last['hint']}" if last.get("hint") else ""
+    return f"not averaging: {who} {_seconds(last.get('seconds_ago')):.0f}s ago: {last.get('reason', '?')!r}{hint}"
+
+
 def _seconds(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
@@ -316,6 +334,9 @@ def _pairing_line(members: list[MemberStatus]) -> str:
     """Whether the alive trainers form one pairing group, as `starling doctor` judges it."""
     graph = pairing_graph(members)
     unpaired = f", {len(graph.unpaired)} unpaired" if graph.unpaired else ""
+    if not graph.islands and len(graph.unpaired) == 1:
+        # After its partner left, "no pairs ..., 1 unpaired" read as if pairing had failed.
+        return "pairing graph: one alive trainer, nobody to pair with"
     if not graph.islands:
         return f"pairing graph: no pairs in the alive trainers' recent outer steps{unpaired}"
     if not graph.split:

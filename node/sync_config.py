@@ -49,7 +49,7 @@ class SyncConfig:
     join_donors: int = opt(3, "late join: download the swarm's weights from up to this many donors at once (0 = off)")
     join_wait_s: float = opt(10.0, "late join: seconds to wait for trained members before starting a fresh model")
     join_timeout_s: float = opt(600.0, "late join and catch-up: seconds the download may take before it is given up")
-    catch_up_after: int = opt(3, "outer steps in a row with no eligible partner before re-syncing from the swarm (0 = never)")
+    catch_up_after: int = opt(3, "outer steps in a row not averaged before a node far from the swarm's median re-syncs from it (0 = never)")
     backoff_s: float = opt(10.0, "first back-off after a failed exchange with a partner (doubles, max 5 min)")
 
     def validate(self) -> None:

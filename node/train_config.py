@@ -69,6 +69,8 @@ class TrainConfig:
                                   "resort: the exchange's own deadlines, sync.stall_timeout_s and "
                                   "sync.max_transfer_s, end a dead one long before)")
     checkpoint_every: int = opt(5, "outer steps between two checkpoints")
+    checkpoint_min_s: float = opt(30.0, "least seconds between two checkpoints, whatever checkpoint_every says "
+                                  "(outer steps of a tiny model take well under a second; 0 = no floor)")
     checkpoints_keep: int = opt(3, "checkpoints kept on disk (older ones are deleted)")
 
     def validate(self) -> None:
@@ -120,6 +122,7 @@ class TrainConfig:
         _int_range("max_lag", self.max_lag, 0, 1_000_000_000)
         _float_range("exchange_timeout", self.exchange_timeout, 0.1, 86400.0)
         _int_range("checkpoint_every", self.checkpoint_every, 1, 1_000_000)
+        _float_range("checkpoint_min_s", self.checkpoint_min_s, 0.0, 86400.0)
         _int_range("checkpoints_keep", self.checkpoints_keep, 1, 1000)
 
 

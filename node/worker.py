@@ -232,6 +232,9 @@ class Trainer:
         # One directory per model: a changed architecture starts fresh instead of tripping over old files.
         ckpt_dir = home / "checkpoints" / f"{self.task.name}-{self.model_hash[:12]}"
         self.checkpoints = CheckpointStore(ckpt_dir, cfg.checkpoints_keep)
+        # The latest checkpoint tried (written or failed): the next one is due `checkpoint_every` outer steps
+        # and `checkpoint_min_s` seconds later (`checkpoint_due`). None: none yet in this process.
+        self._checkpoint_tried: tuple[int, float] | None = None  # (outer step, monotonic time)
 
     # -- flat views --
 
@@ -650,7 +653,21 @@ class Trainer:
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         return {"state": state, "param_groups": groups}
 
-    def save_checkpoint(self) -> Path:
+    def checkpoint_due(self, now: float | None = None) -> bool:
+        """Whether the outer step just applied should be checkpointed: every `checkpoint_every` outer steps,
+        but never sooner than `checkpoint_min_s` seconds after the previous one tried.
+
+        Why a time floor: with a tiny model and the swarm's pace, outer steps come several a second, and
+        `checkpoint_every` alone wrote about one checkpoint a second (disk wear and I/O for nothing: a
+        crash costs at most the floor's seconds). The first one of a process follows the step rule alone."""
+        if self._checkpoint_tried is None:
+            return self.outer_step % self.cfg.checkpoint_every == 0
+        outer, at = self._checkpoint_tried
+        now = time.monotonic() if now is None else now
+        return self.outer_step - outer >= self.cfg.checkpoint_every and now - at >= self.cfg.checkpoint_min_s
+
+    def save_checkpoint(self, now: float | None = None) -> Path:
+        self._checkpoint_tried = (self.outer_step, time.monotonic() if now is None else now)
         return self.checkpoints.save(self.state_dict(), self.step)
 
     def read_swarm_snapshot(self, path: Path) -> dict[str, Any]:
@@ -914,7 +931,7 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
     log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
     if trainer.outer_step % trainer.cfg.eval_every == 0:
         trainer.evaluate()
-    if trainer.outer_step % trainer.cfg.checkpoint_every == 0:
+    if trainer.checkpoint_due():
         _checkpoint(chan, trainer)
 
 

@@ -40,7 +40,8 @@ TINY_TRAIN = [
     "--set", "train.d_model=32", "--set", "train.n_layers=1", "--set", "train.n_heads=2",
     "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set", "train.inner_steps=5",
     "--set", "train.data_bytes=300000", "--set", "train.warmup=10", "--set", "train.lr=0.003",
-    "--set", "train.max_lag=5", "--set", "train.checkpoint_every=2", "--set", "train.eval_batches=1",
+    "--set", "train.max_lag=5", "--set", "train.checkpoint_every=2", "--set", "train.checkpoint_min_s=0",
+    "--set", "train.eval_batches=1",
     "--set", "sync.pair_window_s=2", "--set", "sync.backoff_s=1", "--set", "sync.join_wait_s=2",
 ]  # fmt: skip
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import AsyncExitStack
 
 import multiaddr
@@ -17,6 +18,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from node.averager import Averager, _Pending
 from node.exchange import ExchangeRequest
 from node.robust import Credited, UpdateBound
+from node.status_view import render_status
 from node.sync_config import SyncConfig
 from node.task import layout_hash
 from p2p.host import build_host
@@ -115,6 +117,58 @@ async def test_partners_whose_outer_steps_are_too_far_apart_refuse() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_one_step_beyond_the_gap_says_why_in_status_and_log_wakes_the_catch_up_and_misses_no_round(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue #27 (`kill -9` of a worker): the restarted worker resumed outer steps back, one step beyond
+    `sync.max_step_gap` from its partner. Each record (the daemon's eligibility allows one step more, as a
+    record lags a heartbeat) kept the other eligible, every request was refused, `declined` rose, the
+    reason went to the debug log only, the catch-up (which counted outer steps without an *eligible*
+    partner) never started, and each counted the other's refusals as missed rounds until it sat out."""
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=1.0, max_step_gap=4)
+    behind_calls: list[list[int]] = [[], []]
+    averaged: list[list[bool]] = [[], []]
+    async with AsyncExitStack() as stack:
+        hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+        for h in hosts:
+            await stack.enter_async_context(h.run(LISTEN))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        ids = [str(h.get_id()) for h in hosts]
+        avs = [
+            Averager(hosts[i], cfg, manifest_hash=lambda: "m1", eligible_peers=lambda i=i: [ids[1 - i]],
+                     anyone_else=lambda: True, on_behind=behind_calls[i].append, on_outer_step=averaged[i].append)
+            for i in range(2)
+        ]
+        for a in avs:
+            await nursery.start(a.run)
+        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+        caplog.set_level(logging.INFO, logger="starling.averager")
+        for k in range(4):  # more than partner_misses.MISS_LIMIT rounds
+            outcomes = await exchange_both(avs, [request(1, outer_step=10 + k), request(2, outer_step=15 + k)])
+            assert group_sizes(outcomes) == [1, 1]
+        nursery.cancel_scope.cancel()
+    assert averaged == [[False] * 4, [False] * 4]  # each outer step told the catch-up it was not averaged
+    assert behind_calls[1] == [] and behind_calls[0] and set(behind_calls[0]) <= {15, 16, 17, 18}
+    assert not avs[0].sits_out(ids[1]) and not avs[1].sits_out(ids[0])  # an honest state, no missed round
+    st = [a.status() for a in avs]
+    assert st[0]["declined"] > 0
+    mine = st[0]["last_refusal"]
+    assert mine is not None and mine["peer"] == ids[1] and mine["reason"].startswith("outer steps too far apart")
+    assert mine["by"] == "partner" or mine["by"] == "us"
+    assert "this node is 5 outer steps behind (sync.max_step_gap 4): it catches up from the swarm" in mine["hint"]
+    theirs = st[1]["last_refusal"]
+    assert theirs is not None and "the partner is 5 outer steps behind" in theirs["hint"]
+    assert mine["averaged_since"] is False
+    line = render_status({"sync": st[0]})  # type: ignore[typeddict-item]
+    assert "not averaging: " in line and "this node is 5 outer steps behind" in line, line
+    st[0]["last_refusal"] = {**mine, "averaged_since": True}  # once an exchange completed after it: gone
+    assert "not averaging" not in render_status({"sync": st[0]})  # type: ignore[typeddict-item]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "to average" in r.getMessage()]
+    # Logged at INFO, once per peer and reason (a minute apart at most), on both sides.
+    assert len([m for m in infos if ids[0] in m]) == 1 and len([m for m in infos if ids[1] in m]) == 1, infos
+    assert any("this node is 5 outer steps behind" in m for m in infos), infos
+
+
 async def test_a_node_alone_takes_a_solo_step_after_the_pairing_window() -> None:
     cfg = SyncConfig(pair_window_s=0.5)
     async with AsyncExitStack() as stack:
@@ -161,14 +215,16 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
     assert trio.current_time() - began >= 600
     assert seen == [False, False] and distant.status()["unpaired_rounds"] == 0
 
-    # An eligible partner that never becomes ready (busy, or not connected yet) is waited for.
+    # An eligible partner that never becomes ready (busy, or not connected yet) is waited for; the step was
+    # not averaged, which the catch-up counts (it starts only where the records show someone beyond the
+    # gap: a partner one step beyond it looked eligible and refused every request, issue #27).
     partner = str(ID.from_pubkey(create_new_key_pair().public_key))
     hopeful = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [partner],
                        on_outer_step=seen.append, anyone_else=lambda: True)
     began = trio.current_time()
     assert (await hopeful.exchange(request(1))).group_size == 1
     assert trio.current_time() - began >= 600
-    assert seen == [False, False, True] and hopeful.status()["unpaired_rounds"] == 0
+    assert seen == [False, False, False] and hopeful.status()["unpaired_rounds"] == 0
 
 
 @pytest.mark.parametrize("steps", [(3, 7), (7, 3)], ids=["responder-ahead", "initiator-ahead"])

@@ -32,7 +32,8 @@ from starling_testing.daemon import TINY as TINY_DAEMON
 from starling_testing.daemon import DaemonGroup
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
-                   eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)
+                   eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1,
+                   checkpoint_min_s=0)
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 MODEL = snap.ModelShape("L", 10)  # our worker's model, where no real download checks it
 
@@ -124,6 +125,30 @@ async def test_a_catch_up_starts_after_catch_up_after_outer_steps_in_a_row_witho
         assert len(fake_download) == 1
         cu.adopted(Adopted(previous_step=10, previous_outer_step=2, step=100, outer_step=21, donors=["a", "b"]))
         assert cu.catch_ups == 1 and cu.status["state"] == "done"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refusal_as_too_far_behind_starts_the_catch_up_at_once(
+    tmp_path: Path, fake_download: list, autojump_clock
+) -> None:
+    """Issue #27: a worker restarted after `kill -9` resumed outer steps back; its partner refused it as too
+    far behind while both stepped solo. The refusal starts the catch-up, without `catch_up_after` more
+    outer steps (each a whole pairing window); a partner within the gap, or ahead of nobody, does not."""
+    cu = catch_up(tmp_path, 10, {"a": 15})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cu.run)
+        cu.behind(14)  # within the gap (4): no catch-up
+        await trio.sleep(1)
+        assert fake_download == []
+        cu.behind(15)
+        await trio.sleep(1)
+        assert fake_download == [["a"]]
+        cu.adopted(Adopted(previous_step=10, previous_outer_step=10, step=100, outer_step=15, donors=["a"]))
+        # A refusal soon after (a worker restarted from an older checkpoint) does not wait out the
+        # interval that guards the member records' lag.
+        cu.behind(15)
+        await trio.sleep(1)
+        assert len(fake_download) == 2
         nursery.cancel_scope.cancel()
 
 
@@ -237,6 +262,24 @@ async def test_a_late_join_whose_donors_cannot_be_combined_starts_a_fresh_model(
                                       status=status)
     assert joined is False
     assert status["state"].startswith("download failed (the donors disagree") and "fresh model" in status["state"]
+
+
+async def test_a_late_join_that_knows_no_one_starts_at_once_instead_of_after_join_wait_s(
+    tmp_path: Path, autojump_clock
+) -> None:
+    """Issue #27: every first start of a trainer waited `sync.join_wait_s` (10 s) for donors, even the
+    founder of a swarm with no bootstrap peer and nobody else known. A node that knows someone still waits."""
+    status: dict[str, Any] = {}
+    began = trio.current_time()
+    assert not await latejoin.late_join(None, tmp_path, list, model=MODEL, max_donors=3, wait_s=600, timeout_s=5,
+                                        status=status, alone=lambda: True)
+    assert trio.current_time() - began <= latejoin.ALONE_GRACE_S + 0.5
+    assert status["state"] == "alone: starting a fresh model"
+
+    began = trio.current_time()
+    assert not await latejoin.late_join(None, tmp_path, list, model=MODEL, max_donors=3, wait_s=600, timeout_s=5,
+                                        status=status, alone=lambda: False)
+    assert trio.current_time() - began >= 600 and status["state"] == "no donors: starting a fresh model"
 
 
 def test_a_runaway_that_comes_back_drops_its_later_checkpoints_so_a_restart_does_not_undo_it(tmp_path: Path) -> None:

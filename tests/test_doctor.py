@@ -613,6 +613,12 @@ def test_a_fresh_swarm_where_nobody_paired_yet_is_ok_not_split() -> None:
     assert finding.level == OK and finding.message == "pairing graph: no pairs in the recent outer steps of the 3 alive trainers"
 
 
+def test_a_lone_alive_trainer_is_ok_and_said_so_plainly() -> None:
+    """Issue #27: after its partner left, "no pairs yet, 1 unpaired" read as a failure to pair."""
+    [finding] = check_pairing(trainers_status({ME: []}, **mixing(3, 3)))
+    assert finding.level == OK and finding.message == "pairing graph: one alive trainer, nobody to pair with"
+
+
 def test_unpaired_trainers_beside_one_island_are_named_in_the_ok_line() -> None:
     a, b = other_peer_id(), other_peer_id()
     [finding] = check_pairing(trainers_status({ME: [a], a: [ME], b: []}))

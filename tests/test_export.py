@@ -135,3 +135,29 @@ def test_export_before_the_first_checkpoint_says_so(tmp_path: Path, capsys) -> N
     assert main(["export", "--home", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "no checkpoint yet" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_home_trained_with_set_options_exports_without_repeating_them(group, tmp_path: Path) -> None:
+    """Issue #27: `export` after `run --set train.d_model=48` said there was no checkpoint of the configured
+    model unless given the same `--set` again. The daemon records the options it ran with."""
+    from safetensors.torch import load_file
+
+    from starling_testing.daemon import TINY as TINY_DAEMON
+    from starling_testing.daemon import starling
+
+    d = group.start("wide", *TINY_DAEMON, "--set", "train.d_model=48")
+    d.wait_status(lambda s: (s.get("training") or {}).get("checkpoint_step") is not None, timeout=120, interval=1)
+    assert d.stop() == 0
+    recorded = d.home / "run-config.toml"
+    assert stat.S_IMODE(recorded.stat().st_mode) == 0o600 and "d_model = 48" in recorded.read_text()
+    out = tmp_path / "out"
+    r = starling("export", "--home", str(d.home), "--out", str(out), timeout=120)
+    assert r.returncode == 0, r.stderr
+    weights = load_file(out / "model.safetensors")
+    assert any(t.shape[-1] == 48 for t in weights.values())
+    # A `--set` given to export still wins over what the run recorded.
+    r = starling("export", "--home", str(d.home), "--out", str(tmp_path / "other"), "--set", "train.d_model=64",
+                 timeout=120)
+    assert r.returncode == 2 and "no checkpoint of the configured model" in r.stderr, r.stderr
+

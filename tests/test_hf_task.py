@@ -176,3 +176,24 @@ def test_two_daemons_average_the_hf_task_on_loopback(group, text_dir: Path) -> N
         st = d.wait_status(lambda s: (s.get("training") or {}).get("exchanges", {}).get("group", 0) >= 2,
                            timeout=150, interval=1)
         assert st["training"]["task"] == "hf-causal-lm" and st["training"]["loss"] is not None
+
+
+@pytest.mark.slow
+def test_export_hf_of_a_daemons_home_needs_no_repeated_set(group, text_dir: Path, tmp_path: Path) -> None:
+    """Issue #27: `export --format hf` of a home that trained hf-causal-lm said "the model of task stdlib-lm
+    is not a Hugging Face model" unless `run`'s `--set` options were given again."""
+    from transformers import AutoModelForCausalLM
+
+    from starling_testing.daemon import TINY as TINY_DAEMON
+    from starling_testing.daemon import starling
+
+    d = group.start("hf", *TINY_DAEMON, "--swarm", "hf", "--set", f"train.task={TASK}", "--set",
+                    f"task.data={text_dir}", "--set", "task.model={ model_type = 'gpt2', n_embd = 32, n_layer = 1, "
+                    "n_head = 2 }", "--set", "train.data_bytes=60000")
+    d.wait_status(lambda s: (s.get("training") or {}).get("checkpoint_step") is not None, timeout=150, interval=1)
+    assert d.stop() == 0
+    out = tmp_path / "out"
+    r = starling("export", "--home", str(d.home), "--out", str(out), "--format", "hf", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert AutoModelForCausalLM.from_pretrained(out).config.n_embd == 32
+

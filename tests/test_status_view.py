@@ -97,6 +97,16 @@ def test_pairing_graph_line_says_one_island_or_names_the_islands() -> None:
     assert short(c) in split and short(a) in split
 
 
+def test_a_lone_alive_trainer_is_not_reported_as_an_unpaired_failure() -> None:
+    """Issue #27: after the partner left (8 pairs), `pairing graph: no pairs yet, 1 unpaired`."""
+    st = captured()
+    a, b, _ = (m["peer_id"] for m in st["members"])
+    st["members"] = st["members"][:2]
+    st["members"][0]["partners"], st["members"][1]["partners"] = [b], [a]
+    st["members"][1]["state"] = "left"
+    assert line(render_status(st), "pairing graph:") == "pairing graph: one alive trainer, nobody to pair with"
+
+
 def test_an_old_daemon_without_mixing_pace_or_partners_still_renders() -> None:
     st = captured()
     del st["sync"]["mixing"]

@@ -26,7 +26,8 @@ from node.train_config import TrainConfig
 from node.worker import Trainer, _StopFlag, _train, lr_at
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
-                   eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)
+                   eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1,
+                   checkpoint_min_s=0)
 
 
 @pytest.fixture(autouse=True)
@@ -265,6 +266,33 @@ def test_the_loop_checkpoints_every_k_outer_steps_and_on_stop(tmp_path: Path) ->
     run_scripted(tr, 3)
     steps = sorted(s for s, _ in tr.checkpoints.checkpoints())
     assert steps == [2 * TINY.inner_steps, 3 * TINY.inner_steps]  # at outer step 2, then on stop
+
+
+def test_checkpoints_are_paced_by_time_as_well_as_by_outer_steps(tmp_path: Path) -> None:
+    """Issue #27: a tiny model at the swarm's pace made several outer steps a second and `checkpoint_every`
+    alone wrote about one checkpoint a second. `train.checkpoint_min_s` is a floor between two (fake clock)."""
+    tr = Trainer(dataclasses.replace(TINY, checkpoint_every=2, checkpoint_min_s=30.0), tmp_path, "peer-a")
+    tr.outer_step = 1
+    assert not tr.checkpoint_due(now=0.0)  # the step rule: every 2nd outer step
+    tr.outer_step = 2
+    assert tr.checkpoint_due(now=0.0)  # the first of a process follows the step rule alone
+    tr.save_checkpoint(now=100.0)
+    tr.outer_step = 4
+    assert not tr.checkpoint_due(now=110.0)  # 2 outer steps on, but 10 s: too soon
+    tr.outer_step = 5
+    assert tr.checkpoint_due(now=131.0)  # the first outer step past the floor, not the next multiple of 2
+    tr.save_checkpoint(now=131.0)
+    tr.outer_step = 6
+    assert not tr.checkpoint_due(now=500.0)  # a long time, but one outer step since
+    assert Trainer(dataclasses.replace(TINY, checkpoint_min_s=0.0), tmp_path / "b", "peer-b").cfg.checkpoint_min_s == 0
+
+
+def test_the_loop_writes_no_checkpoint_sooner_than_checkpoint_min_s(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(TINY, checkpoint_every=1, checkpoint_min_s=3600.0, checkpoints_keep=10, overlap=False)
+    tr = Trainer(cfg, tmp_path, "peer-a")
+    run_scripted(tr, 4)
+    steps = sorted(s for s, _ in tr.checkpoints.checkpoints())
+    assert steps == [TINY.inner_steps, 4 * TINY.inner_steps]  # the first outer step's, then the one on stop
 
 
 def test_a_resumed_trainer_continues_exactly_where_the_checkpoint_was(tmp_path: Path) -> None:
