@@ -81,6 +81,7 @@ RowT = TypeVar("RowT")
 TRAIN_SETS = {
     "train.seq_len": SEQ_LEN, "train.batch_size": 2, "train.inner_steps": 3, "train.max_lag": 2,
     "train.warmup": 1, "train.total_steps": 1000, "train.eval_batches": 1, "train.checkpoint_every": 1,
+    "train.checkpoint_min_s": 0,
     "train.data_bytes": 1_000_000, "train.threads": 1, "train.exchange_timeout": 300,
     "sync.pace": "steps", "sync.max_step_gap": 50,
 }
