@@ -133,16 +133,6 @@ def test_a_trainer_on_a_full_disk_says_so_in_status_doctor_and_its_exit_code(
 
 
 @pytest.mark.slow
-def test_a_lone_founder_starts_training_without_waiting_join_wait_s(group: DaemonGroup) -> None:
-    """Every first start of a trainer waited `sync.join_wait_s` for donors, even with no bootstrap peer and
-    nobody known. Here the wait is 120 s; the node trains long before."""
-    d = group.start("founder", *TINY, "--set", "sync.join_wait_s=120")
-    st = d.wait_status(lambda s: (s.get("training") or {}).get("state") == "training", timeout=90, interval=1)
-    assert st["join"]["state"] == "alone: starting a fresh model", st["join"]
-    assert "without waiting sync.join_wait_s" in d.log()
-
-
-@pytest.mark.slow
 def test_a_nodes_own_member_record_carries_the_reachability_its_status_shows(group: DaemonGroup) -> None:
     """Its own record said `reachability unknown` while the top line of the same status said public."""
     a = group.start("a", *LOOPBACK, "--no-train")
