@@ -115,8 +115,8 @@ MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
 OPEN_TIMEOUT_S = 10.0  # opening a state stream (dial if needed, protocol negotiation)
 STARTUP_TIMEOUT_S = 10.0
 PUBLISH_TIMEOUT_S = 5.0
-GOODBYE_TIMEOUT_S = 2.0  # publishing the departure on stop
-STOP_TIMEOUT_S = 5.0  # everything done on stop, goodbye included
+GOODBYE_TIMEOUT_S = 4.0  # publishing the departure on stop (2 s was too short on a loaded machine)
+STOP_TIMEOUT_S = 6.0  # everything done on stop, goodbye included (within the CLI's 9 s hard stop)
 POLL_S = 1.0  # how often the anti-entropy loop looks for connections it was not told about
 
 
