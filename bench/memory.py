@@ -244,6 +244,7 @@ def run_pair(size: str, root: Path, local_ranks: int, device: str = "cpu", gpu_p
         for (dp, _), d in zip(procs, nodes, strict=True):
             dp.pid = d.proc.pid
         ckpt_after: list[int | None] = [None, None]  # a checkpoint step seen once the node had averaged
+        averaged_at: list[float | None] = [None, None]  # NO_CHECKPOINT sizes: when the node had averaged
         done = [False, False]
         while not all(done):
             if time.monotonic() > deadline:
@@ -271,9 +272,10 @@ def run_pair(size: str, root: Path, local_ranks: int, device: str = "cpu", gpu_p
                 group = int((tr.get("exchanges") or {}).get("group", 0))
                 ckpt = tr.get("checkpoint_step")
                 if group >= 1 and not done[i] and size in NO_CHECKPOINT:
-                    if ckpt_after[i] is None:
-                        ckpt_after[i] = int(time.monotonic())
-                    elif time.monotonic() - ckpt_after[i] > SETTLE_S:
+                    at = averaged_at[i]
+                    if at is None:
+                        averaged_at[i] = time.monotonic()
+                    elif time.monotonic() - at > SETTLE_S:
                         done[i] = True
                         averaged = max(averaged, group)
                 elif group >= 1 and not done[i]:
