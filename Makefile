@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml | sysdeps
 
 # The embedded default: a local swarm (bootstrap + 3 peers) on 127.0.0.1 with a live status view.
 run: install
-	$(PY) -m node.localswarm --peers 3 --seconds $(RUN_SECONDS)
+	$(PY) -m node.ops.localswarm --peers 3 --seconds $(RUN_SECONDS)
 
 test: install
 	$(PY) -m pytest -q -m "not long" --durations=20 $(PYTEST_ARGS)

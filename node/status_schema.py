@@ -1,9 +1,9 @@
 """The schema of a daemon's status: the dict `starling status --json` prints and the control socket returns.
 
-The daemon builds it (node/daemon.py `Daemon.status`, which takes sections from node/supervisor.py,
-node/averager.py, node/replicator.py, node/nat.py, node/latejoin.py and the p2p layer's managers), and
-metrics (node/metrics.py), `starling doctor` (node/doctor.py), the status view (node/status_view.py),
-sd_notify's summary (node/sdnotify.py), `make run` (node/localswarm.py), benches and tests read it by
+The daemon builds it (node/daemon.py `Daemon.status`, which takes sections from node/bridge/supervisor.py,
+node/averaging/averager.py, node/swarm/replicator.py, node/swarm/nat.py, node/averaging/latejoin.py and the p2p layer's managers), and
+metrics (node/ops/metrics.py), `starling doctor` (node/ops/doctor.py), the status view (node/ops/status_view.py),
+sd_notify's summary (node/ops/sdnotify.py), `make run` (node/ops/localswarm.py), benches and tests read it by
 key. These TypedDicts are that contract: mypy (`make lint`) checks the builders' dict literals against
 them, and the readers' subscripts (``st["training"]``) and the types of what their ``.get`` returns.
 
@@ -41,7 +41,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-# --- training: the local torch worker, as its supervisor sees it (node/supervisor.py) -------------------------
+# --- training: the local torch worker, as its supervisor sees it (node/bridge/supervisor.py) -------------------------
 
 
 class ExchangeCounts(TypedDict):
@@ -79,7 +79,7 @@ class TrainingStatus(TypedDict):
     error: str | None
 
 
-# --- sync: the averager (node/averager.py) and the catch-up (node/latejoin.py) ------------------------------
+# --- sync: the averager (node/averaging/averager.py) and the catch-up (node/averaging/latejoin.py) ------------------------------
 
 
 class MixingStatus(TypedDict):
@@ -117,7 +117,7 @@ class DownloadStatus(TypedDict):
 
 
 class ProgressStatus(TypedDict, total=False):
-    """A late join's or catch-up's progress (node/latejoin.py); its keys follow its state."""
+    """A late join's or catch-up's progress (node/averaging/latejoin.py); its keys follow its state."""
 
     state: str
     error: str
@@ -149,7 +149,7 @@ class TransferStatus(TypedDict):
 
 class SittingOutStatus(TypedDict):
     """``sync.sitting_out``: trainers that missed averaging rounds in a row and are not waited for as partners
-    until their back-off ends (node/partner_misses.py)."""
+    until their back-off ends (node/averaging/partner_misses.py)."""
 
     count: int  # peers sitting out now
     exclusions: int  # times a peer was made to sit out, since start
@@ -157,7 +157,7 @@ class SittingOutStatus(TypedDict):
 
 
 class RefusalStatus(TypedDict):
-    """``sync.last_refusal``: the latest averaging request refused, either way (node/averager.py)."""
+    """``sync.last_refusal``: the latest averaging request refused, either way (node/averaging/averager.py)."""
 
     peer: str
     by: str  # partner (it refused our request) | us (we refused its request)
@@ -192,7 +192,7 @@ class SyncStatus(TypedDict):
     mixing: MixingStatus
     state: str  # idle | pairing | exchanging
     transfer: NotRequired[TransferStatus]  # while exchanging
-    rejections: dict[str, int]  # partner updates refused, by reason (node/robust.py)
+    rejections: dict[str, int]  # partner updates refused, by reason (node/averaging/robust.py)
     clipped: dict[str, int]  # partner updates clipped, by part: delta | phi
     banned: list[str]
     sitting_out: SittingOutStatus  # partners that missed rounds in a row, sitting out a back-off
@@ -201,7 +201,7 @@ class SyncStatus(TypedDict):
     catch_up: NotRequired[ProgressStatus]
 
 
-# --- membership: the swarm-state replica (node/replicator.py) -----------------------------------------------
+# --- membership: the swarm-state replica (node/swarm/replicator.py) -----------------------------------------------
 
 
 class MemberStatus(TypedDict):
@@ -285,13 +285,13 @@ class SwarmTotals(TypedDict):
 
 
 class ReplicaStatus(TypedDict):
-    """The replica's part of the status (node/replicator.py), merged into its top level."""
+    """The replica's part of the status (node/swarm/replicator.py), merged into its top level."""
 
     members: list[MemberStatus]
     swarm_totals: SwarmTotals
 
 
-# --- the network: NAT traversal (node/nat.py) ------------------------------------------------------------
+# --- the network: NAT traversal (node/swarm/nat.py) ------------------------------------------------------------
 
 
 class NatStatus(TypedDict):
@@ -327,7 +327,7 @@ class BootstrapStatus(TypedDict):
     peers: list[BootstrapPeerStatus]  # every bootstrap peer (files' too): connected, or why not
 
 
-# --- refusals: every limit's refusals in one place (node/refusals.py) ---------------------------------------
+# --- refusals: every limit's refusals in one place (node/ops/refusals.py) ---------------------------------------
 
 
 class RefusalsStatus(TypedDict):
@@ -375,7 +375,7 @@ class NodeStatus(TypedDict):
     authorization: AuthorizationStatus
     stream_limits: StreamLimitsStatus
     muxer: MuxerStatus  # peers that overran a stream's receive window (p2p/limits.py)
-    refusals: RefusalsStatus  # what every limit refused, summed by kind (node/refusals.py)
+    refusals: RefusalsStatus  # what every limit refused, summed by kind (node/ops/refusals.py)
     reachability: str  # public | private | unknown
     nat: NatStatus
     peers: list[PeerPathStatus]

@@ -4,13 +4,15 @@ heavy import (the surface is loaded lazily, PEP 562)."""
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGES = ["p2p", "protocols", "node", "node.tasks"]
+ROOMS = ["node.config", "node.swarm", "node.averaging", "node.bridge", "node.worker", "node.ops"]
+PACKAGES = ["p2p", "protocols", "node", *ROOMS, "node.tasks"]
 
 
 @pytest.mark.parametrize("name", PACKAGES)
@@ -21,7 +23,7 @@ def test_the_docstring_lists_every_module_of_the_package(name: str) -> None:
     assert [m for m in modules if m not in package.__doc__] == [], f"add them to {name}/__init__.py's docstring"
 
 
-@pytest.mark.parametrize("name", ["p2p", "protocols", "node"])
+@pytest.mark.parametrize("name", ["p2p", "protocols", "node", "node.config", "node.worker"])
 def test_every_exported_name_resolves_from_its_module(name: str) -> None:
     package = importlib.import_module(name)
     for export in package.__all__:
@@ -34,7 +36,8 @@ def test_every_exported_name_resolves_from_its_module(name: str) -> None:
 
 def test_importing_the_packages_loads_nothing_heavy() -> None:
     code = (
-        "import sys, p2p, protocols, node, node.tasks, node.status_schema, node.status_view\n"
+        "import sys, p2p, protocols, node, node.tasks, node.status_schema, node.ops.status_view, "
+        + ", ".join(ROOMS) + "\n"
         "print(sorted(m for m in ('torch', 'libp2p', 'trio', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
@@ -46,8 +49,31 @@ def test_the_daemon_process_loads_no_torch() -> None:
     `starling run` (node.cli -> node.daemon and everything it imports) must never load torch, which
     would cost the daemon about 200 MB of memory and seconds of start-up. Only the worker imports it."""
     code = (
-        "import sys, node.cli, node.daemon, node.supervisor, node.averager, node.latejoin\n"
+        "import sys, node.cli, node.daemon, node.bridge.supervisor, node.averaging.averager, "
+        "node.averaging.latejoin\n"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+def test_task_modules_written_against_0_2_still_import(tmp_path: Path) -> None:
+    """A task module is the operator's code, named by their config files: the task API's 0.2 import paths
+    (`node.task`, `node.train_config`, `node.worker`'s `default_optimizer`) keep working after the rooms
+    moved those modules, and give the same objects, so that `load_task`'s Task check still holds."""
+    (tmp_path / "old_task.py").write_text(
+        "from node.task import TaskContext, TaskError, autocast, load_task\n"
+        "from node.train_config import TrainConfig\n"
+        "from node.worker import default_optimizer\n"
+        "from node.config import load_config\n"
+    )
+    code = (
+        "import old_task, node.worker.task as t, node.config.train as c, node.worker.trainer as w, node.config.load as l\n"
+        "print(old_task.TaskContext is t.TaskContext and old_task.load_task is t.load_task and "
+        "old_task.TrainConfig is c.TrainConfig and old_task.default_optimizer is w.default_optimizer and "
+        "old_task.load_config is l.load_config)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         env=env)
+    assert out.stdout.strip() == "True"

@@ -16,7 +16,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.cli import _find_exception
-from node.config import load_config
+from node.config.load import load_config
 from node.daemon import Daemon, StartupError
 from p2p.host import foreign_listeners, port_in_use
 from starling_testing.daemon import TINY, DaemonGroup, free_port, starling

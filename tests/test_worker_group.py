@@ -1,4 +1,4 @@
-"""A multi-device host as one node (node/worker_group.py): a torch.distributed worker group on CPU with gloo.
+"""A multi-device host as one node (node/worker/group.py): a torch.distributed worker group on CPU with gloo.
 
 The group's Delta must be the one a single process computes on the concatenated batch, every rank must
 continue from the weights of the outer step, and the supervisor must restart the group as a unit."""
@@ -18,15 +18,15 @@ import torch.multiprocessing as mp
 import trio
 from test_worker import TINY, alive, wait_until
 
-from node import worker_group
-from node.checkpoint import read_checkpoint
-from node.exchange import ExchangeOutcome, ExchangeRequest
-from node.group_procs import Rendezvous
-from node.supervisor import WorkerSupervisor
-from node.task import TaskContext
-from node.train_config import TrainConfig
-from node.worker import Trainer
-from node.worker_group import GroupTrainer, WorkerGroup, buckets, exit_group_process
+from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
+from node.bridge.group_procs import Rendezvous
+from node.bridge.supervisor import WorkerSupervisor
+from node.config.train import TrainConfig
+from node.worker.checkpoint import read_checkpoint
+from node.worker.group import GroupTrainer, WorkerGroup, buckets, exit_group_process
+from node.worker.task import TaskContext
+from node.worker.trainer import Trainer
+from node.worker.trainer import group as worker_group
 from starling_testing.daemon import TINY as TINY_DAEMON
 from starling_testing.daemon import DaemonGroup
 
@@ -129,7 +129,7 @@ def _rank(rank: int, directory: str, out: str) -> None:
             "momentum": trainer.outer.momentum.numel(), "scratch": trainer._scratch_buf is not None,
             "numel": trainer.numel}
     torch.save({"theta": theta, "kept": kept}, Path(out) / f"theta{rank}.pt")
-    exit_group_process(0)  # as node/worker.py does: no finalization race with gloo's threads
+    exit_group_process(0)  # as node/worker/trainer.py does: no finalization race with gloo's threads
 
 
 @pytest.mark.slow

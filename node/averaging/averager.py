@@ -2,7 +2,7 @@
 
 The worker publishes `(phi, Delta)` in shared memory and the supervisor calls `Averager.exchange`. Who
 pairs with whom comes from a schedule that every trainer computes alike from the outer step and the
-trainers it knows (node/pairing.py: a fresh random matching per outer step, the solo step rotating
+trainers it knows (node/averaging/pairing.py: a fresh random matching per outer step, the solo step rotating
 when their number is odd), because "whoever asks first" phase-locks equal machines into fixed pairs and
 starves an odd one out. For up to `sync.pair_window_s`:
 
@@ -19,10 +19,10 @@ asks A) become one exchange: the request of the smaller PeerID wins. Once paired
 as it moves (`sync.stall_timeout_s` without a byte, a floor of a few kbit/s, `sync.max_transfer_s` in all:
 protocols/avg.py, `TransferLimits`), so a slow link is never ruled out by a guess of its rate; each
 partner's rate is measured while bytes flow, after failed transfers too, and shown in status. The worker
-keeps training meanwhile (node/worker.py): on a slow link an outer step simply lasts as long as its
+keeps training meanwhile (node/worker/trainer.py): on a slow link an outer step simply lasts as long as its
 exchange.
 
-Phase: outer steps are paced by time (node/worker.py, `publish_due`), and two partners that published at
+Phase: outer steps are paced by time (node/worker/trainer.py, `publish_due`), and two partners that published at
 different moments meet halfway: each tells the other how long it waited for the pairing, and the result
 moves the next publish by half the difference (`ExchangeOutcome.shift_s`), so phases converge across the
 swarm like any gossip average. A node that found nobody ready at all in its window is out of phase with
@@ -44,8 +44,8 @@ answer deadline) instead of sending the asker away to ask again a few hundred ms
 could not hold is answered "not ready", and the asker asks again.
 
 Weights: each side says how many inner steps and samples its Delta covers; the worker weights the pair's
-Delta and its phi pull by samples (node/outer.py, `PairWeights`). What a partner sends is bounded before it reaches the
-worker (node/robust.py): its Delta norm and its phi's distance from ours are clipped to a multiple of our
+Delta and its phi pull by samples (node/worker/outer.py, `PairWeights`). What a partner sends is bounded before it reaches the
+worker (node/averaging/robust.py): its Delta norm and its phi's distance from ours are clipped to a multiple of our
 own Delta norm per inner step (scaled by the steps the exchange covers, a partner's claimed steps and
 samples credited up to the swarm's H); only values that are no model of ours (non-finite, or longer than
 `sync.max_delta_ratio` x our own phi's norm) are refused.
@@ -53,7 +53,7 @@ samples credited up to the swarm's H); only values that are no model of ours (no
 Compression: the initiator names the exchange's `sync.compression` preset in its request (and the phi
 fragment), and both sides' wires, outcomes and workers follow it. With a fixed preset a responder refuses any
 other; with `auto` (the default) the initiator picks one per exchange from the partner's measured rate and the
-outer step's compute period (`outer_period`, else the pace; node/compression_choice.py), and an `auto`
+outer step's compute period (`outer_period`, else the pace; node/averaging/compression_choice.py), and an `auto`
 responder takes whatever known preset the request names, since both ends measured the same link.
 
 Two rules keep heterogeneous machines from drifting apart for good:
@@ -66,7 +66,7 @@ Two rules keep heterogeneous machines from drifting apart for good:
 - After an exchange both partners adopt the larger of their two outer steps (each learns the other's
   from the request or the answer, `ExchangeOutcome.group_outer_step` hands it to the worker), so paired
   nodes' counters never drift apart. A node whose outer steps have gone unaveraged for a while re-syncs
-  from the swarm instead (node/latejoin.py, `CatchUp`), fed by `on_outer_step`; at once when a partner
+  from the swarm instead (node/averaging/latejoin.py, `CatchUp`), fed by `on_outer_step`; at once when a partner
   refuses it as too far behind (`on_behind`). Refusals show in status (`last_refusal`) and in the log at
   INFO, once a minute per peer and reason: `declined` alone rose while the reason was logged at debug.
 """
@@ -87,13 +87,13 @@ import numpy as np
 import trio
 from libp2p.peer.id import ID
 
-from node.compression_choice import AUTO, choose_compression
-from node.exchange import ExchangeOutcome, ExchangeRequest
-from node.pairing import scheduled_partners
-from node.partner_misses import PartnerMisses
-from node.robust import UpdateBound
+from node.averaging.compression_choice import AUTO, choose_compression
+from node.averaging.pairing import scheduled_partners
+from node.averaging.partner_misses import PartnerMisses
+from node.averaging.robust import UpdateBound
+from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
+from node.config.sync import SyncConfig
 from node.status_schema import MixingStatus, SyncStatus
-from node.sync_config import SyncConfig
 from p2p.datapath import DataPathListener
 from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
@@ -133,7 +133,7 @@ class _Pending:
 
     request: ExchangeRequest  # its `layout_hash` is what partners compare
     tensors: Tensors
-    stage: int = 1  # the round of the outer step (node/pairing.py, `schedule`)
+    stage: int = 1  # the round of the outer step (node/averaging/pairing.py, `schedule`)
     members: int = 1  # trainers whose (mean) values `tensors` carries: 2 in a second round after a pair
     samples: int | None = None  # the samples those values stand for (None: the request's own)
     inner_steps: int | None = None  # the most inner steps among them (None: the request's own)
@@ -163,7 +163,7 @@ class _Pending:
     phase_gaps: list[tuple[float, bool]] = field(default_factory=list)
     largest_seen: int = 0  # the largest outer step a ready partner showed us in this window
     # The exchange's `sync.compression` preset and phi fragment: the initiator's choice (protocols/compress.py,
-    # node/compression_choice.py), set when the round is paired.
+    # node/averaging/compression_choice.py), set when the round is paired.
     compression: str = "none"
     fragment: int = 0
 
@@ -192,7 +192,7 @@ class _Link:
     bytes_sent: int = 0
     bytes_received: int = 0
     last_path: str = ""  # what carried the bulk last time: datapath (side channel) or stream (libp2p)
-    clipped: int = 0  # exchanges whose values we clipped (node/robust.py)
+    clipped: int = 0  # exchanges whose values we clipped (node/averaging/robust.py)
     ip: str | None = None  # the address its latest request or answer came from
     compression: str | None = None  # the preset of our latest exchange with it (`sync.compression = auto`)
 
@@ -235,7 +235,7 @@ class Averager:
         self.manifest_hash = manifest_hash
         self.eligible_peers = eligible_peers
         self.metrics = metrics
-        self.path_of = path_of  # direct | hole-punched | relayed | none (node/nat.py)
+        self.path_of = path_of  # direct | hole-punched | relayed | none (node/swarm/nat.py)
         self.on_transfer = on_transfer
         # Behind a NAT our side-channel port cannot be reached: offering it would cost the partner a
         # connect timeout on every round before it falls back to the libp2p stream.
@@ -260,7 +260,7 @@ class Averager:
         # Outer steps of the swarm's alive trainers (member records), to keep our counter in their range.
         self.swarm_steps = swarm_steps
         # Samples/s of the trainers (ours included) as their records show: the schedule pairs like speeds
-        # in some outer steps (node/pairing.py).
+        # in some outer steps (node/averaging/pairing.py).
         self.speeds = speeds
         # Compute seconds of one of our outer steps (H inner steps; 0: unknown), against which
         # `sync.compression = auto` weighs a transfer's predicted time. None: the pace stands for it.
@@ -301,7 +301,7 @@ class Averager:
         # Per IP: identities banned from it, and until when the IP itself is banned. A fresh PeerID costs
         # nothing, so bans per identity alone let one machine offend forever (bounded like _links).
         self._ip_bans: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
-        # The swarm's H: the most inner steps an honest partner's Delta covers (node/robust.py).
+        # The swarm's H: the most inner steps an honest partner's Delta covers (node/averaging/robust.py).
         self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps, cfg.clip_phi_ratio)
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
         self._phi_mean: np.ndarray | None = None  # a pair's mean phi, sent in a second round
@@ -312,7 +312,7 @@ class Averager:
         self._transfer_s: float | None = None  # our exchanges' typical duration (EWMA), for `_busy_wait_s`
         # Our typical rate each way over all partners (EWMA): `auto`'s guess for a partner not measured yet.
         self._rate_bps: float | None = None
-        # Trainers that claim to average but miss round after round sit out (node/partner_misses.py).
+        # Trainers that claim to average but miss round after round sit out (node/averaging/partner_misses.py).
         self.misses = PartnerMisses()
 
     # --- lifecycle ---------------------------------------------------------------------------------------
@@ -411,7 +411,7 @@ class Averager:
     # --- validation of what partners send ------------------------------------------------------------------
 
     def _credit(self, pending: _Pending) -> tuple[int, int]:
-        """The partner's inner steps and samples as we believe them (node/robust.py, `credit`); a side
+        """The partner's inner steps and samples as we believe them (node/averaging/robust.py, `credit`); a side
         that carries the mean of `members` trainers is credited up to that many trainers' samples."""
         own = pending.request
         members = max(1, pending.partner_members)
@@ -435,7 +435,7 @@ class Averager:
         With n >= 2, `request.phi_out` and `request.delta_out` hold the group's sums of phi and Delta
         (the worker's outer step divides by n). After one round they are the pair's plain sums (the same
         bits on both partners) and the outcome's `partner_samples` the partner's credited samples (the
-        worker weights the pair's mean by samples, node/outer.py); after a second round they are n times
+        worker weights the pair's mean by samples, node/worker/outer.py); after a second round they are n times
         the group's sample-weighted means, already weighted (`partner_samples` 0).
 
         After an exchange, the outcome's `group_outer_step` is the largest outer step of the group (the
@@ -533,7 +533,7 @@ class Averager:
 
     async def _second_round(self, request: ExchangeRequest, arrays: Tensors, first: _Pending | None, partner: str,
                             size: int, partners: list[str], group_outer_step: int) -> tuple[int, int]:
-        """The second round of a group step (node/pairing.py, `schedule`): send what the first round gave
+        """The second round of a group step (node/averaging/pairing.py, `schedule`): send what the first round gave
         (the pair's sample-weighted means, or our own values after a bye or a failed first round) to the
         second-round partner, receive its side's, and leave n times the group's weighted means in the
         outputs. Returns the group size and the group's outer step (`group_outer_step`: the first round's);
@@ -542,7 +542,7 @@ class Averager:
 
         Where the pair's means go: phi's into a buffer of ours (the worker's phi slot is its live phi),
         Delta's into the worker's Delta slot, which it only wrote for us (its outer step recomputes its
-        own Delta from its weights, node/worker.py `apply_result`)."""
+        own Delta from its weights, node/worker/trainer.py `apply_result`)."""
         own_samples = max(0, request.samples)
         if first is not None:
             partner_samples = self._credit(first)[1]
@@ -701,7 +701,7 @@ class Averager:
 
     def sits_out(self, peer: str) -> bool:
         """Whether `peer` should not count as a possible partner now: banned (it or its IP), or it missed
-        too many rounds in a row (node/partner_misses.py). A peer that counts costs every outer step the
+        too many rounds in a row (node/averaging/partner_misses.py). A peer that counts costs every outer step the
         whole pairing window when it never pairs."""
         link = self._links.get(peer)
         if link is not None and (link.banned_until > trio.current_time()
@@ -786,7 +786,7 @@ class Averager:
     def _compression_for(self, partner: str, pending: _Pending) -> str:
         """The preset we ask `partner` to exchange this round with: `sync.compression`, or with `auto` the
         least compressed one whose transfer the measured rate fits in an outer step
-        (node/compression_choice.py). A second round (groups of four) is always `none`."""
+        (node/averaging/compression_choice.py). A second round (groups of four) is always `none`."""
         if self.cfg.compression != AUTO:
             return self.cfg.compression
         if pending.stage != 1:
@@ -915,7 +915,7 @@ class Averager:
             if e.reason.startswith(GAP_REFUSAL):
                 if e.outer_step > ours and self.on_behind is not None:
                     self.on_behind(e.outer_step)
-                return "apart"  # an honest state the catch-up ends: no missed round (node/partner_misses.py)
+                return "apart"  # an honest state the catch-up ends: no missed round (node/averaging/partner_misses.py)
             return "refused"
         except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
             self._learn_rate(partner, progress)
@@ -1208,7 +1208,7 @@ class Averager:
 def _arrays(request: ExchangeRequest) -> Tensors:
     """The request's four slots as flat float32 numpy arrays over the same memory (no copy; `ValueError`
     where that cannot be). The daemon's views of the shared memory are numpy arrays already
-    (node/shm.py); CPU torch tensors, as tests and benches hand them in, are viewed without a copy too."""
+    (node/bridge/shm.py); CPU torch tensors, as tests and benches hand them in, are viewed without a copy too."""
     return Tensors(request.phi, request.delta, request.phi_out, request.delta_out).as_arrays()
 
 

@@ -6,7 +6,7 @@ step compression only loses. Over a 0.4 Mbit/s link a bf16 exchange took 70-80 s
 per outer step, each outer step stretched over ~1,000 inner steps instead of ~100, and at equal wall time
 `medium` was 0.38 nats better (docs/benchmarks.md, "Compression" and "Over slow links"). What decides is the
 ratio of wire time to compute time, and the daemon measures both: each partner's rate while bytes flow
-(node/averager.py, `_learn_rate`) and the outer step's compute period (the pace).
+(node/averaging/averager.py, `_learn_rate`) and the outer step's compute period (the pace).
 
 The rule (`choose_compression`): the least compressed preset whose predicted transfer fits in `STRETCH` (2)
 periods. Why 2 and not 1: the worker never waits for a transfer (it overlaps the next outer step), so a
@@ -40,7 +40,7 @@ RELAX_SHARE = 0.5
 def transfer_s(preset: str, numel: int, rate_bps: float, wire_dtype: str = "bf16") -> float:
     """Predicted seconds for one exchange's transfer under `preset`: each side sends
     `bytes_per_param x numel` while the other sends as much, and `rate_bps` is the partner's rate *each way*
-    (node/averager.py, `_learn_rate`: the bytes of both directions over the time they flowed, halved), so
+    (node/averaging/averager.py, `_learn_rate`: the bytes of both directions over the time they flowed, halved), so
     the transfer takes one side's bytes over that rate. Framing and the handshake are left out."""
     return PRESETS[preset].bytes_per_param(numel, wire_dtype) * numel / rate_bps
 

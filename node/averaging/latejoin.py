@@ -12,7 +12,7 @@ swarm has nobody to average with, and averaging is what would bring it back. Aft
 `sync.catch_up_after` outer steps in a row that were not averaged (at once when a partner refuses it as
 too far behind: `CatchUp.behind`), the daemon downloads the same
 kind of snapshot from donors near the swarm's median outer step, while training goes on, and the worker
-adopts it at its next outer step (`node.worker.Trainer.adopt_snapshot`).
+adopts it at its next outer step (`node.worker.trainer.Trainer.adopt_snapshot`).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 from libp2p.peer.id import ID
 
-from node.ckptfile import CheckpointError, read_phi, write_phi
+from node.bridge.ckptfile import CheckpointError, read_phi, write_phi
+from node.config.sync import SyncConfig
 from node.status_schema import ProgressStatus
-from node.sync_config import SyncConfig
 from p2p.fsutil import private_dir
 from protocols.snapshot import PROTOCOL_ID, JoinDownload, ModelShape, Snapshot, combine
 
 if TYPE_CHECKING:
-    from node.ipc import Adopted
+    from node.bridge.ipc import Adopted
 
 log = logging.getLogger("starling.latejoin")
 
@@ -76,7 +76,7 @@ def snapshot_source(home: Path) -> Callable[[], Snapshot | None]:
             if cache["path"] == path:
                 return cache["snapshot"]
             try:
-                # Only phi and the counters, without torch (node/ckptfile.py): a checkpoint of an older
+                # Only phi and the counters, without torch (node/bridge/ckptfile.py): a checkpoint of an older
                 # version (format 1) is not served until the worker writes its next one.
                 state = read_phi(path)
                 snap = Snapshot.of(state.phi, state.step, state.outer_step, state.layout_hash)
@@ -185,7 +185,7 @@ async def fetch_swarm_snapshot(
         download.clear()  # what these donors sent cannot be combined: resuming it would only fail again
         raise
     private_dir(target.parent)
-    # phi and the counters only, in the checkpoint format the worker reads (node/ckptfile.py), without torch.
+    # phi and the counters only, in the checkpoint format the worker reads (node/bridge/ckptfile.py), without torch.
     await trio.to_thread.run_sync(functools.partial(
         write_phi, target, state["phi"], state["step"], state["outer_step"], state["layout_hash"],
         donors=state["donors"]))

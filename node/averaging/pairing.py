@@ -22,7 +22,7 @@ buckets of their `samples_per_s`), a share `TIER_SHARE` of the outer steps (draw
 trainers of like speed: each tier is shuffled, the tiers are laid out fastest first and neighbours pair.
 The other steps draw the matching at random as above, so trainers of different speeds still meet in most
 steps and the swarm stays one model. Why: a pair's outer step takes both to a sample-weighted point
-(node/outer.py), so a fast machine that meets a slow one moves towards a model that carries fewer
+(node/worker/outer.py), so a fast machine that meets a slow one moves towards a model that carries fewer
 samples, and with only random pairs the fast machines (which carry most of the swarm's samples) spend two
 of every three steps apart from each other. In-process (2 trainers at H = 20, 2 at H = 8, random pairs, 3
 seeds; docs/benchmarks.md, "Pairing rule") the fast members reached 2.2195 with random pairs, 2.2117 with
@@ -79,7 +79,7 @@ def schedule(members: Iterable[str], round_no: int,
     The first round is the matching (a random one, or like speeds together in a share of the steps where
     speeds differ). The second round joins the first round's pairs two by two, crosswise: pairs (a, b)
     and (c, d), in the order the first round laid them out, meet as a-c and b-d. After the second round
-    (each side sending its pair's mean, node/averager.py) all four hold the mean of the four: groups of
+    (each side sending its pair's mean, node/averaging/averager.py) all four hold the mean of the four: groups of
     four from pairwise exchanges only, as a butterfly all-reduce builds them. A bye meets the first member
     of the last pair that has no pair to join, so that with three trainers nobody steps solo. Why groups:
     in-process, averaging all four of 2 fast + 2 slow machines at every outer step reached a loss 0.019

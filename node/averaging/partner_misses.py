@@ -34,7 +34,7 @@ MISS_BACKOFF_MAX_S = 600.0
 MAX_PEERS = 4096  # peers remembered; the oldest entries are forgotten first
 MAX_SHOWN = 16  # peers named in status (all are counted): a Sybil crowd must not bloat every status answer
 
-# Outcomes of one attempt (node/averager.py, `_try_partner`) that miss a round whoever we asked.
+# Outcomes of one attempt (node/averaging/averager.py, `_try_partner`) that miss a round whoever we asked.
 _MISSED = frozenset({"failed", "refused"})
 
 

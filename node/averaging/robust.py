@@ -14,7 +14,7 @@ bounded here, against references that only this node writes:
 - The reference is scaled by the inner steps the exchange covers (the larger of ours and the partner's):
   on a swarm of mixed speeds a faster partner's Delta covers more steps, and phis drift apart by about as
   much. A partner's claimed steps count up to the swarm's H at most (the pace gives the fastest trainer H
-  inner steps per outer step, node/worker.py): claiming more buys nothing.
+  inner steps per outer step, node/worker/trainer.py): claiming more buys nothing.
 - The partner's Delta norm, and the distance of its phi from ours, are each *clipped*, to `clip_ratio`
   and `clip_phi_ratio` x the reference (as hivemind's CenteredClip clips each peer's deviation from the centre,
   here the centre is our own phi and zero Delta): an honest partner slightly outside still counts, in the
@@ -30,7 +30,7 @@ bounded here, against references that only this node writes:
   still in its learning-rate warm-up has a tiny reference next to a trained partner's Delta. Those are
   clipped, never refused: the pull between them is bounded per round, which also keeps a trained node
   from being dragged half-way to a fresh one. Only values that are no model of ours at all are refused
-  and count as an offence (repeated offences ban the partner, node/averager.py): non-finite ones, or a
+  and count as an offence (repeated offences ban the partner, node/averaging/averager.py): non-finite ones, or a
   Delta or phi distance longer than `reject_ratio` x the norm of our own phi (two models of one
   architecture are at most about the sum of their norms apart; +1000 on every weight is not training).
 

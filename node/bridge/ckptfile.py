@@ -10,10 +10,10 @@ Current files (format 2) are a fixed header, then a body of three sections:
            | payload: `torch.save` of the rest of the state (empty in a file of the slow weights only)
 
 Why phi has a section of its own: the daemon touches checkpoints only to serve its slow weights to late
-joiners and to leave the swarm's weights for its worker (node/latejoin.py), and the daemon process
+joiners and to leave the swarm's weights for its worker (node/averaging/latejoin.py), and the daemon process
 imports no torch (it stays in the worker process: hundreds of MB of memory and seconds of start-up).
 Raw float32 plus a msgpack map is all it needs, here, with numpy: `read_phi` and `write_phi`. The worker's
-side - the whole state, with the torch payload - is `node.checkpoint`.
+side - the whole state, with the torch payload - is `node.worker.checkpoint`.
 
 Why the header: a power cut or a full disk can leave a short or garbled file behind despite the atomic
 rename (e.g. a filesystem that reorders data and metadata writes), and `torch.load` on such a file fails
@@ -26,7 +26,7 @@ Large models: reading hashes the file in chunks as it streams by and reads phi s
 preallocated array, so a multi-GB file is never held twice in memory (`read_phi` keeps only phi).
 
 Format 1 files (b"STLCKPT1": the same header, then the whole state, phi included, as one `torch.save`
-payload) are still read by `node.checkpoint.read_checkpoint`; `read_phi` refuses them (their phi is
+payload) are still read by `node.worker.checkpoint.read_checkpoint`; `read_phi` refuses them (their phi is
 inside the torch payload), and a worker's next checkpoint is written in format 2.
 
 Writing is atomic: the file goes to a hidden temp file in the same directory, which is fsynced, renamed
@@ -82,7 +82,7 @@ class PhiState:
 
 @dataclass
 class RawCheckpoint:
-    """One verified file, sections undecoded beyond the meta: what `node.checkpoint` builds the state from.
+    """One verified file, sections undecoded beyond the meta: what `node.worker.checkpoint` builds the state from.
 
     Format 1: `meta` empty, `phi` None, `payload` the whole state's `torch.save`. Format 2: `phi` None
     when the state had no raw slow weights (`meta` then has no "numel"); `payload` None when not asked
@@ -267,7 +267,7 @@ def write_phi(
     path: Path, phi: np.ndarray, step: int, outer_step: int, layout_hash: str, *, donors: Sequence[str] = ()
 ) -> None:
     """Write a format-2 file of slow weights and counters only (empty torch payload), atomically and 0600,
-    without torch: what `node.checkpoint.read_checkpoint` reads as {"phi", "step", "outer_step",
+    without torch: what `node.worker.checkpoint.read_checkpoint` reads as {"phi", "step", "outer_step",
     "layout_hash"} (and "donors" if given). `phi` is flattened and stored as float32."""
     flat = np.ascontiguousarray(phi, dtype=PHI_DTYPE).reshape(-1)
     meta: dict[str, Any] = {"step": int(step), "outer_step": int(outer_step), "layout_hash": str(layout_hash),

@@ -1,10 +1,10 @@
 """The contract of one outer step's exchange between the supervisor and the daemon's averager.
 
-The supervisor (node/supervisor.py) hands an `ExchangeRequest` to the daemon's exchange function (an
+The supervisor (node/bridge/supervisor.py) hands an `ExchangeRequest` to the daemon's exchange function (an
 `ExchangeFn`: `Averager.exchange` in the daemon, `solo_exchange` for a node without averaging) and gets
 one `ExchangeOutcome` back: the request is the input, the outcome (with the sums in the request's output
 slots) the only result. No torch here: the slots are numpy float32 arrays over the shared memory
-(node/shm.py), and the daemon process loads no torch at all.
+(node/bridge/shm.py), and the daemon process loads no torch at all.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-    from node.task import Layout
+#: Parameter names and shapes, in the order of the flat vectors (the worker's `param_layout`, node/worker/task.py).
+#: Here, not in the worker's task module, because the daemon reads it too and never imports the worker.
+Layout = list[tuple[str, tuple[int, ...]]]
 
 
 @dataclass
@@ -38,7 +40,7 @@ class ExchangeRequest:
     phi_out: np.ndarray  # flat fp32: sum of phi over the group, filled by the daemon
     delta_out: np.ndarray  # flat fp32: sum of Delta over the group, filled by the daemon
     layout: Layout  # parameter names and shapes (for the run manifest)
-    # The worker's task layout hash (node/task.py, `layout_hash`, sent in its hello): partners compare it
+    # The worker's task layout hash (node/worker/task.py, `layout_hash`, sent in its hello): partners compare it
     # before they exchange, so every side must compute it with that one function.
     layout_hash: str
     inner_steps: int = 0  # inner steps that Delta covers
@@ -60,13 +62,13 @@ class ExchangeOutcome:
     meanwhile (within our step gap), or the swarm's when this node fell far behind it. None: keep ours.
 
     `partner_samples` is the partner's (credited) samples, for a pair's sample-weighted step
-    (node/outer.py); 0 where the sums are plain or already weighted (a group's second round), or unknown.
+    (node/worker/outer.py); 0 where the sums are plain or already weighted (a group's second round), or unknown.
 
     `shift_s` moves the worker's next publish by this many seconds, towards the partners' phase.
 
     `compression` is the `sync.compression` preset the wire used, and `phi_range` the [lo, hi) of phi it
     carried (a fragment; None: all of it): the worker's error feedback and pull need both
-    (node/worker.py, `Trainer.apply_result`); `phi_out` outside the range holds nothing of this exchange.
+    (node/worker/trainer.py, `Trainer.apply_result`); `phi_out` outside the range holds nothing of this exchange.
     """
 
     group_size: int

@@ -1,7 +1,7 @@
 """A worker group's processes as the daemon sees them: where the ranks meet, and ranks 1..W-1 as processes.
 
-node/worker_group.py says how a group of `train.local_ranks` processes trains as one node. This module is
-the part the daemon needs (node/supervisor.py starts and stops the ranks), kept apart from that one so
+node/worker/group.py says how a group of `train.local_ranks` processes trains as one node. This module is
+the part the daemon needs (node/bridge/supervisor.py starts and stops the ranks), kept apart from that one so
 that the daemon loads no torch.
 """
 
@@ -41,7 +41,7 @@ class Rendezvous:
 
 
 class FollowerProcs:
-    """Ranks 1..W-1 of one worker-group lifetime, started next to rank 0 by node/supervisor.py and
+    """Ranks 1..W-1 of one worker-group lifetime, started next to rank 0 by node/bridge/supervisor.py and
     stopped (killed after a grace period) with it; each lifetime meets in a fresh directory."""
 
     def __init__(self, world_size: int, python: str) -> None:

@@ -1,9 +1,9 @@
 """The daemon-worker control channel: its messages, their framing, and the worker's blocking end.
 
-Why a module of its own: the daemon (node/supervisor.py) and the worker (node/worker.py) both speak this
+Why a module of its own: the daemon (node/bridge/supervisor.py) and the worker (node/worker/trainer.py) both speak this
 conversation, and the daemon must not import the worker, which imports torch: the daemon process loads
-no torch at all (it averages on numpy views of the shared memory, node/shm.py). The conversation itself
-is described in node/worker.py's docstring.
+no torch at all (it averages on numpy views of the shared memory, node/bridge/shm.py). The conversation itself
+is described in node/worker/trainer.py's docstring.
 
 Frames are a 4-byte big-endian length and a msgpack map `{"v": version, "t": type, **fields}`, each at
 most MAX_FRAME bytes; a frame that breaks any of that is a `ProtocolError`.
@@ -71,7 +71,7 @@ class Result:
     outer_step: int
     group_size: int
     # The outer step to continue from when larger than ours: the group's largest (n >= 2), or for a solo
-    # step the largest that ready trainers showed the daemon meanwhile (node/averager.py).
+    # step the largest that ready trainers showed the daemon meanwhile (node/averaging/averager.py).
     group_outer_step: int | None = None
     adopt: str = ""  # a swarm snapshot file to adopt instead of this outer step (a catch-up)
     adopt_outer_step: int | None = None  # the swarm's outer step to continue from with the snapshot

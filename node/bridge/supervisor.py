@@ -1,8 +1,8 @@
 """The daemon's side of the local torch worker: spawn it, talk to it, restart it, stop it cleanly.
 
-The worker (node/worker.py) is a separate OS process so that trio never competes with torch for the GIL.
+The worker (node/worker/trainer.py) is a separate OS process so that trio never competes with torch for the GIL.
 The supervisor talks to it with length-prefixed msgpack over a socketpair read by trio, and shares the
-slow weights and outer gradients through four named shared-memory segments it owns (node/shm.py).
+slow weights and outer gradients through four named shared-memory segments it owns (node/bridge/shm.py).
 
 For every `publish` from the worker it calls the daemon's `exchange` function (at most one in flight),
 bounded by `train.exchange_timeout`; whatever happens - a result, an exception, the deadline - the worker
@@ -21,7 +21,7 @@ forever): the state becomes "failed" for good and status says why. `error` in th
 worker error (the exception text a crashing worker sent, or how it ended); it stays after a recovery, so
 that a flapping worker can be diagnosed while it trains. On cancellation `run()` asks the worker to
 checkpoint and stop, waits up to `stop_grace` seconds (shielded), then kills it - no stray process is left
-behind. A worker group (`train.local_ranks > 1`, node/worker_group.py) is one worker here: its ranks
+behind. A worker group (`train.local_ranks > 1`, node/worker/group.py) is one worker here: its ranks
 start together, rank 0 alone speaks the protocol, and when any rank dies the others are stopped and the
 whole group restarts.
 
@@ -44,9 +44,9 @@ from typing import Any
 
 import trio
 
-from node.exchange import ExchangeFn, ExchangeOutcome, ExchangeRequest
-from node.group_procs import FollowerProcs
-from node.ipc import (
+from node.bridge.exchange import ExchangeFn, ExchangeOutcome, ExchangeRequest
+from node.bridge.group_procs import FollowerProcs
+from node.bridge.ipc import (
     Adopted,
     Attach,
     CheckpointFailed,
@@ -65,9 +65,9 @@ from node.ipc import (
     Stopped,
     encode_message,
 )
-from node.shm import ExchangeSlots, sweep_orphans
+from node.bridge.shm import ExchangeSlots, sweep_orphans
+from node.config.train import TrainConfig
 from node.status_schema import TrainingStatus
-from node.train_config import TrainConfig
 
 log = logging.getLogger("starling.supervisor")
 
@@ -331,7 +331,7 @@ class WorkerSupervisor:
         self._crash = None
         self._group_exit = None
         # train.local_ranks > 1: this process is rank 0 of a worker group whose other ranks start, stop and
-        # restart with it (node/worker_group.py).
+        # restart with it (node/worker/group.py).
         followers = FollowerProcs(self.cfg.local_ranks, self._python) if self.cfg.local_ranks > 1 else None
         ours, theirs = socket.socketpair()
         try:

@@ -1,7 +1,7 @@
 """What every config section module shares: :func:`opt`, a dataclass field with a default and a help text.
 
-Its own module so that the section modules (node/train_config.py, node/sync_config.py) do not import
-node/config.py, which imports them to list the config file's sections.
+Its own module so that the section modules (node/config/train.py, node/config/sync.py) do not import
+node/config/load.py, which imports them to list the config file's sections.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any, get_type_hints
 
 import tomli_w
 
-from node.config_base import opt
+from node.config.base import opt
 from p2p.fsutil import atomic_write_bytes
 
 CONFIG_FILE = "config.toml"
@@ -133,7 +133,7 @@ class TaskOptions:
     (`STARLING_TASK_<NAME>`) or a flag (`--set task.<name>=...`) the text is read as a TOML value when it
     is one (`64`, `true`, `[1, 2]`, `{ n_embd = 64 }`) and as a plain string otherwise (`/srv/text`).
     Names are lower-case so that each maps to exactly one environment variable. The task checks the
-    values; the options that fix the model are part of the run manifest (node/task.py, `model_hash`).
+    values; the options that fix the model are part of the run manifest (node/worker/task.py, `model_hash`).
     """
 
     free_form = True  # load_config, render_config_file and unknown_environment take any option name
@@ -178,13 +178,13 @@ def _sections() -> dict[str, type]:
     """The config file's sections, in file order. Later issues add sections here."""
     sections: dict[str, type] = {"node": NodeConfig}
     try:
-        from node.train_config import TrainConfig
+        from node.config.train import TrainConfig
     except ImportError:  # the trainer is optional at import time for network-only tooling
         pass
     else:
         sections["train"] = TrainConfig
     try:
-        from node.sync_config import SyncConfig
+        from node.config.sync import SyncConfig
     except ImportError:
         pass
     else:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node.config_base import opt
+from node.config.base import opt
 from protocols.compress import PRESETS
 
 WIRE_DTYPES = ("fp32", "bf16", "int8")
-# `auto` (node/compression_choice.py): each exchange's initiator picks one of the presets from what it measured.
+# `auto` (node/averaging/compression_choice.py): each exchange's initiator picks one of the presets from what it measured.
 COMPRESSIONS = ("auto", *PRESETS)
 PACES = ("swarm", "steps")
 

@@ -13,7 +13,7 @@ task's short runs, yet it keeps weights bounded over the long runs of real model
 is the paper's Adam.
 
 Task-specific settings (a data path, a hidden size) are not here but in the free-form `[task]` section
-(node/config.py, `TaskOptions`), which is handed to the task as it is.
+(node/config/load.py, `TaskOptions`), which is handed to the task as it is.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from node.config_base import opt
+from node.config.base import opt
 
-# "package.module:function" - the factory that builds the task (see node/task.py).
+# "package.module:function" - the factory that builds the task (see node/worker/task.py).
 _TASK_SPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:[0-9]+)$")
 OUTER_KINDS = ("noloco", "diloco")

@@ -135,7 +135,7 @@ def request_sync(path: Path, request: dict[str, Any], *, timeout: float = 10.0) 
 
 def request_status(home: Path, *, timeout: float = 10.0) -> NodeStatus:
     """The status of the daemon on `home` (the dict `starling status --json` prints), over its control
-    socket: the one status client of the launcher (node/launcher.py), tests and benchmarks.
+    socket: the one status client of the launcher (node/ops/launcher.py), tests and benchmarks.
 
     Raises :class:`ControlError` when no daemon answers, or when it answers with an error."""
     answer = request_sync(Path(home) / SOCKET_FILE, {"cmd": "status"}, timeout=timeout)

@@ -41,8 +41,8 @@ from typing import Any, Literal, cast
 
 import trio
 
-from node.config import CONFIG_FILE, ENV_PREFIX, Config, ConfigError, load_config, resolve_home
-from node.mixing import PairingGraph, pairing_graph
+from node.config.load import CONFIG_FILE, ENV_PREFIX, Config, ConfigError, load_config, resolve_home
+from node.ops.islands import PairingGraph, pairing_graph
 from node.status_schema import MemberStatus, NodeStatus
 
 Level = Literal["ok", "skip", "warn", "error"]
@@ -342,7 +342,7 @@ class DaemonProbe:
 
 def probe_daemon(home: Path, *, timeout: float = STATUS_TIMEOUT_S) -> DaemonProbe:
     """Ask the daemon for its status; tell "not running" apart from "running but not answering"."""
-    from node.control import SOCKET_FILE, ControlError, request_sync
+    from node.ops.control import SOCKET_FILE, ControlError, request_sync
 
     try:
         answer = request_sync(home / SOCKET_FILE, {"cmd": "status"}, timeout=timeout)
@@ -394,7 +394,7 @@ def probe_daemon(home: Path, *, timeout: float = STATUS_TIMEOUT_S) -> DaemonProb
 
 def _lock_holder(home: Path) -> str | None:
     """The pid written in HOME/daemon.lock when a live process holds the lock, else None."""
-    from node.lock import LOCK_FILE
+    from node.ops.lock import LOCK_FILE
 
     try:
         fd = os.open(home / LOCK_FILE, os.O_RDONLY)
@@ -1131,7 +1131,7 @@ def check_pairing(status: NodeStatus) -> list[Finding]:
     """The alive trainers average across one connected group, and this node does not mostly step solo.
 
     Islands are groups of trainers that only pair among themselves: each trains its own model, which no
-    single node's loss shows (see node/mixing.py). Unpaired trainers (no partner yet, as in a fresh
+    single node's loss shows (see node/ops/islands.py). Unpaired trainers (no partner yet, as in a fresh
     swarm) are named but not blamed.
     """
     members = _members(status)

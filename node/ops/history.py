@@ -1,6 +1,6 @@
 """Bounded loss history of every swarm member, for plots and for ``starling plot``.
 
-Why this exists: the swarm state (:mod:`node.crdt`) keeps only the *latest* member record of each peer,
+Why this exists: the swarm state (:mod:`node.swarm.crdt`) keeps only the *latest* member record of each peer,
 which is what convergence needs but not what a loss curve needs. The daemon therefore feeds every member
 record it sees into a :class:`LossHistory`, which remembers a time series per member:
 ``(wall_time, step, outer_step, loss, val_loss)``.

@@ -1,9 +1,9 @@
 """The one launcher of `starling run` processes: start a daemon on its HOME, watch it through its control
 socket, stop it.
 
-`make run` (node/localswarm.py), the tests and the benchmarks (through starling_testing.daemon, which adds
+`make run` (node/ops/localswarm.py), the tests and the benchmarks (through starling_testing.daemon, which adds
 what only tests need: a group that always cleans up, tiny models, network-lab daemons) all start daemons
-with :class:`DaemonProcess`, and read their status with :func:`node.control.request_status`, the same dict
+with :class:`DaemonProcess`, and read their status with :func:`node.ops.control.request_status`, the same dict
 `starling status --json` prints, without spawning a Python process per poll (about a second of CPU on a
 loaded 2-core machine).
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from node.control import ControlError, request_status
+from node.ops.control import ControlError, request_status
 from node.status_schema import NodeStatus
 
 #: `starling` as a command line, with this interpreter (the venv's, by absolute path).

@@ -8,6 +8,7 @@ node with SIGTERM, which is the same graceful stop systemd uses.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import signal
@@ -18,16 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from node.launcher import DaemonProcess
+from node.ops.launcher import DaemonProcess
 from node.status_schema import NodeStatus, SyncStatus, TrainingStatus
 
 
 def _trainer_available() -> bool:
-    try:
-        import node.supervisor  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether this Python can run the torch worker; without torch the local swarm runs network-only.
+    Asked of the import system, not by importing: this room imports nothing of the daemon's side."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -61,7 +60,7 @@ def render(names: list[str], statuses: Sequence[NodeStatus | None], started: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m node.localswarm", description=__doc__, allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m node.ops.localswarm", description=__doc__, allow_abbrev=False)
     p.add_argument("--peers", type=int, default=3, help="peers besides the bootstrap node")
     p.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = until Ctrl+C)")
     p.add_argument("--root", default="run", help="directory for the nodes' homes")
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(d.proc.pid, signal.SIGKILL)  # its own process group: the worker too
         if train:
             try:
-                from node.plot import plot_homes  # noqa: PLC0415 (optional: loss plot at the end)
+                from node.ops.plot import plot_homes  # noqa: PLC0415 (optional: loss plot at the end)
             except ImportError:
                 pass
             else:

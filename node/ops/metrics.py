@@ -34,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from node.mixing import pairing_graph
+from node.ops.islands import pairing_graph
 from node.status_schema import (
     MemberStatus,
     MixingStatus,
@@ -199,11 +199,11 @@ def _reason_counter(name: str, doc: str, counts: Any, label: str = "reason") -> 
 
 
 def _refusal_families(status: NodeStatus) -> Iterator[Metric]:
-    """What this node refused to peers (node/refusals.py), the muxer's offences and the remote clocks it did
+    """What this node refused to peers (node/ops/refusals.py), the muxer's offences and the remote clocks it did
     not follow: an alert on a rising ``rate()`` of these is how an operator learns that someone is hitting
     the limits, without reading every node's status."""
     yield from _reason_counter(
-        "refusals", "Requests, connections and records refused to peers, by kind and why (node/refusals.py)",
+        "refusals", "Requests, connections and records refused to peers, by kind and why (node/ops/refusals.py)",
         status.get("refusals"), label="kind",
     )
     muxer = status.get("muxer")
@@ -229,7 +229,7 @@ def _swarm_totals_families(totals: SwarmTotals) -> Iterator[Metric]:
 
 
 def _sitting_out_families(sitting_out: SittingOutStatus) -> Iterator[Metric]:
-    """Trainers not waited for as partners after missed rounds (node/partner_misses.py): a count that stays
+    """Trainers not waited for as partners after missed rounds (node/averaging/partner_misses.py): a count that stays
     up means fake or broken trainers in the member table."""
     yield from _gauge("sync_partners_sitting_out", "Trainers sitting out a back-off after missed averaging rounds",
                       sitting_out.get("count"))
@@ -241,7 +241,7 @@ def _sync_families(sync: SyncStatus, max_peer_labels: int) -> Iterator[Metric]:
     yield from _counter("sync_rounds", "Averaging rounds completed with a partner", sync.get("rounds"))
     yield from _counter("sync_solo_rounds", "Outer steps taken without a partner", sync.get("solo_rounds"))
     yield from _counter("sync_failures", "Averaging rounds that failed", sync.get("failures"))
-    yield from _reason_counter("sync_refused_updates", "Partner updates refused as invalid, by reason (node/robust.py)",
+    yield from _reason_counter("sync_refused_updates", "Partner updates refused as invalid, by reason (node/averaging/robust.py)",
                                sync.get("rejections"))
     yield from _reason_counter("sync_clipped_updates", "Partner updates clipped to the bounds, by part (delta | phi)",
                                sync.get("clipped"))
@@ -355,7 +355,7 @@ def _mixing_families(mixing: MixingStatus) -> Iterator[Metric]:
 
 
 def _pairing_families(members: list[MemberStatus]) -> Iterator[Metric]:
-    """The pairing graph over alive trainers (node/mixing.py): more than one island means a split swarm."""
+    """The pairing graph over alive trainers (node/ops/islands.py): more than one island means a split swarm."""
     graph = pairing_graph(members)
     yield from _gauge(
         "swarm_pairing_islands",

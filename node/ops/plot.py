@@ -1,6 +1,6 @@
 """Loss curves of a swarm as a PNG: ``starling plot`` and the plot ``make run`` writes at the end.
 
-Input is the :class:`~node.history.LossHistory` a node keeps of every member it heard of (saved as
+Input is the :class:`~node.ops.history.LossHistory` a node keeps of every member it heard of (saved as
 ``HOME/history.msgpack``). The figure has one colour per member: its training loss against its step as a
 solid line and, when it reports one, its validation loss as a dashed line of the same colour. The legend
 shows short peer ids (the tail of the id: libp2p ids share their first characters).
@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 from matplotlib.figure import Figure  # noqa: E402
 
-from node.history import HISTORY_FILE, HistoryError, LossHistory  # noqa: E402
+from node.ops.history import HISTORY_FILE, HistoryError, LossHistory  # noqa: E402
 
 #: Figure size in inches and resolution: 1200 x 720 pixels.
 FIGSIZE = (10.0, 6.0)
@@ -124,7 +124,7 @@ def _check_writable_dir(out: Path) -> None:
 
 
 def plot_homes(homes: Iterable[Path], out: Path) -> bool:
-    """Merge the histories in each home's :data:`~node.history.HISTORY_FILE` and plot them to ``out``.
+    """Merge the histories in each home's :data:`~node.ops.history.HISTORY_FILE` and plot them to ``out``.
 
     For ``make run``: each home is a stopped node's HOME. A node's history already holds every member it
     heard of; merging the homes also covers a node that never heard of another. Unreadable histories are
@@ -153,7 +153,7 @@ def daemon_history(home: Path) -> LossHistory | None:
     it lags; the daemon's own copy is current. A daemon whose answer is unusable (too large for the socket,
     an older daemon) is the same as none: the caller falls back to the file.
     """
-    from node.control import SOCKET_FILE, ControlError, request_sync
+    from node.ops.control import SOCKET_FILE, ControlError, request_sync
 
     try:
         answer = request_sync(Path(home) / SOCKET_FILE, {"cmd": "history"}, timeout=10.0)

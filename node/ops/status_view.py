@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from node.mixing import pairing_graph
-from node.refusals import refused_line
+from node.ops.islands import pairing_graph
+from node.ops.refusals import refused_line
 from node.status_schema import (
     MemberStatus,
     MixingStatus,
@@ -212,7 +212,7 @@ def _training_error_line(tr: TrainingStatus) -> str:
 
 def _compression_part(sy: SyncStatus) -> str:
     """`, compression X` for a setting other than `none`; with `auto`, also the preset its latest exchange
-    used (chosen per exchange from the link's measured rate, node/compression_choice.py)."""
+    used (chosen per exchange from the link's measured rate, node/averaging/compression_choice.py)."""
     configured, last = sy.get("compression"), sy.get("last_compression")
     if configured == "auto":
         return ", compression auto" + (f" (last {last})" if isinstance(last, str) else "")
@@ -220,7 +220,7 @@ def _compression_part(sy: SyncStatus) -> str:
 
 
 def _bounds_line(sy: SyncStatus) -> str | None:
-    """What partners sent outside the bounds (node/robust.py), shown only once something was: clipped
+    """What partners sent outside the bounds (node/averaging/robust.py), shown only once something was: clipped
     updates, refused ones by reason, and banned partners."""
     clipped = sy.get("clipped")
     clipped = clipped if isinstance(clipped, dict) else {}
@@ -237,7 +237,7 @@ def _bounds_line(sy: SyncStatus) -> str | None:
 
 
 def _sitting_out_line(sy: SyncStatus) -> str | None:
-    """Trainers the averager stopped waiting for after missed rounds (node/partner_misses.py), with the
+    """Trainers the averager stopped waiting for after missed rounds (node/averaging/partner_misses.py), with the
     seconds left of each one's back-off; shown only while one sits out. Without it an operator sees a member
     table full of alive trainers and a node that pairs with few of them, and cannot tell why."""
     section = sy.get("sitting_out")

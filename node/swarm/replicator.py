@@ -1,4 +1,4 @@
-"""Replicate the swarm state (:mod:`node.crdt`) over libp2p: gossip for speed, anti-entropy for certainty.
+"""Replicate the swarm state (:mod:`node.swarm.crdt`) over libp2p: gossip for speed, anti-entropy for certainty.
 
 Every node holds a full replica of the swarm state. :class:`StateReplicator` keeps it in step with the
 rest of the swarm:
@@ -31,14 +31,14 @@ rest of the swarm:
   first successful session (or, alone, after a short grace period), unless the configuration names
   another founder (``node.founder``) or another hash (``node.manifest_hash``); a node whose manifest
   differs from the swarm's reports it in :attr:`StateReplicator.manifest_error`. Which manifests are
-  adopted at all is the replica's :class:`node.crdt.ManifestAuthority`; every refused one is logged once
+  adopted at all is the replica's :class:`node.swarm.crdt.ManifestAuthority`; every refused one is logged once
   with both hashes and its signer. With no founder configured, the first manifest held is pinned to
   ``HOME/manifest.pin`` (trust on first use), so that not even an empty state file lets another in.
-* **Sybil limits.** Every record merged carries a :class:`node.crdt.Delivery`: the peer that handed it
+* **Sybil limits.** Every record merged carries a :class:`node.swarm.crdt.Delivery`: the peer that handed it
   over and the network group (/24, /48) its connection comes from, for the replica's per-subnet limits.
 * **Persistence.** The replica is saved atomically every ``save_s`` and on stop; :func:`load_state`
   restores it on start. A restarted node re-signs its record as soon as a peer shows it a newer one of
-  its own (see :meth:`node.crdt.SwarmState.own_record_superseded`).
+  its own (see :meth:`node.swarm.crdt.SwarmState.own_record_superseded`).
 * **Graceful stop.** On cancellation the node publishes its departure (``left``), waits briefly for it
   to go out, and saves. That part is shielded from the cancellation and bounded in time.
 """
@@ -69,7 +69,8 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
-from node.crdt import (
+from node.status_schema import MemberStatus, ReplicaStatus, ReplicationStatus
+from node.swarm.crdt import (
     Delivery,
     Manifest,
     ManifestMismatch,
@@ -82,7 +83,6 @@ from node.crdt import (
     StateFileError,
     SwarmState,
 )
-from node.status_schema import MemberStatus, ReplicaStatus, ReplicationStatus
 from p2p.fsutil import atomic_write_bytes
 from p2p.gossip import send_peer_record_once
 from p2p.limits import stop_receiving
@@ -185,7 +185,7 @@ def _is_sha256_hex(text: str) -> bool:
 
 class DeliveredReplica:
     """The replica as one session sees it: every record it merges is attributed to that session's peer
-    and network group (see :class:`node.crdt.Delivery`)."""
+    and network group (see :class:`node.swarm.crdt.Delivery`)."""
 
     def __init__(self, state: SwarmState, delivery: Delivery) -> None:
         self.state = state

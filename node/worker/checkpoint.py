@@ -1,9 +1,9 @@
 """Atomic, hashed checkpoints of the worker's whole training state, last N kept (the worker's side: torch).
 
-The file format is `node.ckptfile`'s: a hashed header, then the slow weights `phi` as raw float32 with a
+The file format is `node.bridge.ckptfile`'s: a hashed header, then the slow weights `phi` as raw float32 with a
 msgpack map of their counters, then a `torch.save` payload of the rest of the state. `phi` is apart so that
-the daemon, which imports no torch, can serve it to late joiners (`node.ckptfile.read_phi`) and leave the
-swarm's weights for the worker (`node.ckptfile.write_phi`), which reads them here as a state dict.
+the daemon, which imports no torch, can serve it to late joiners (`node.bridge.ckptfile.read_phi`) and leave the
+swarm's weights for the worker (`node.bridge.ckptfile.write_phi`), which reads them here as a state dict.
 `read_checkpoint` returns the state as it was saved, from current (format 2) and older (format 1: one
 `torch.save` of everything) files alike; a corrupt or truncated file is a CheckpointError, and the store
 sets it aside as `*.corrupt` and falls back to the previous checkpoint.
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from node.ckptfile import (
+from node.bridge.ckptfile import (
     MAGIC_V1,
     MAGIC_V2,
     PHI_DTYPE,
@@ -104,7 +104,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     """Read and verify one checkpoint file (format 1 or 2); raise CheckpointError with a one-line reason.
 
     Returns the state as written: phi is a float32 CPU tensor. A file of the slow weights only
-    (`node.ckptfile.write_phi`) gives {"phi", "step", "outer_step", "layout_hash"}, and "donors" if any."""
+    (`node.bridge.ckptfile.write_phi`) gives {"phi", "step", "outer_step", "layout_hash"}, and "donors" if any."""
     raw = read_file(path)
     state: dict[str, Any] = {}
     if raw.payload or raw.version == 1:

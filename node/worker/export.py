@@ -1,6 +1,6 @@
 """`starling export`: the slow weights of a node's latest checkpoint, as files any torch user can load.
 
-A checkpoint (node/checkpoint.py) is Starling's whole training state behind a hashed header, so a plain
+A checkpoint (node/worker/checkpoint.py) is Starling's whole training state behind a hashed header, so a plain
 `torch.load` cannot read it, and it holds the weights twice: the fast weights `theta` and the slow weights
 `phi`. What a user wants from a run is `phi`, the weights the swarm agrees on (every outer step pulls
 each node's `phi` towards its partners'; `theta` is where this node's inner steps have wandered since).
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from node.checkpoint import CheckpointError, list_checkpoints, read_checkpoint
-from node.config import Config
-from node.task import TaskError, layout_hash, load_task, model_hash, param_layout, task_context
+from node.config.load import Config
+from node.worker.checkpoint import CheckpointError, list_checkpoints, read_checkpoint
+from node.worker.task import TaskError, layout_hash, load_task, model_hash, param_layout, task_context
 from p2p.fsutil import unwritable_reason
 
 FORMATS = ("safetensors", "torch", "hf")

@@ -6,7 +6,7 @@ average gradients at every inner step over the host's own links (NVLink/NCCL) at
 the ranks keep identical weights: after each inner step's backward they all-reduce the gradients and the
 loss (the mean over ranks, DDP's semantics: the gradient of the mean loss over the group's
 `local_ranks x batch_size` sequences), then clip and step alike. Only rank 0 talks to the daemon: it runs
-the unchanged single-worker loop (node/worker.py `_train`): it publishes phi/Delta, applies the outer result,
+the unchanged single-worker loop (node/worker/trainer.py `_train`): it publishes phi/Delta, applies the outer result,
 evaluates and writes checkpoints. The other ranks follow its commands:
 
     STEP   one inner step (its gradient all-reduce is where the ranks meet)
@@ -16,7 +16,7 @@ evaluates and writes checkpoints. The other ranks follow its commands:
     STOP   exit (rank 0 stops when the daemon says so, or is gone)
 
 Processes. The supervisor starts rank 0 as `python -m node.worker --fd N --group DIR --world-size W` and
-ranks 1..W-1 as `python -m node.worker --follow DIR --rank R --world-size W` (`FollowerProcs`, node/group_procs.py); they meet
+ranks 1..W-1 as `python -m node.worker --follow DIR --rank R --world-size W` (`FollowerProcs`, node/bridge/group_procs.py); they meet
 through a `FileStore` in DIR, so there is no port to pick or collide on. Rank 0 puts the daemon's `init` in
 the store for the others. If any rank dies the supervisor kills the others and restarts the whole group: a
 group that lost a rank cannot go on (its collectives would wait forever), and the restart resumes every
@@ -53,12 +53,12 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from node.checkpoint import read_checkpoint
-from node.group_procs import Rendezvous
-from node.ipc import Adopted, Init
-from node.task import TaskError, resolve_device
-from node.train_config import TrainConfig
-from node.worker import Trainer, _setup_logging
+from node.bridge.group_procs import Rendezvous
+from node.bridge.ipc import Adopted, Init
+from node.config.train import TrainConfig
+from node.worker.checkpoint import read_checkpoint
+from node.worker.task import TaskError, resolve_device
+from node.worker.trainer import Trainer, _setup_logging
 
 log = logging.getLogger("starling.worker_group")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.train_config import OUTER_KINDS
+from node.config.train import OUTER_KINDS
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def diloco_step(
 class PairWeights:
     """What a pair's members trained since their last outer step (samples), and this replica's own Delta.
 
-    Why weight: on machines of different speeds the outer steps are paced by time (node/worker.py), so a
+    Why weight: on machines of different speeds the outer steps are paced by time (node/worker/trainer.py), so a
     slower machine's Delta covers fewer inner steps. The pair's Delta is then the *sample-weighted* mean,
     as hivemind's collaborative optimizer weights by samples: each machine counts in proportion to the
     compute it put in, and a slow partner neither dilutes a fast one's progress as a plain mean would nor

@@ -15,8 +15,8 @@ manifest, except those the task names in `local_options` (paths to this machine'
 from peer to peer).
 
 Optional hooks (`TaskHooks`; a task without them gets the defaults): `configure_optimizer(model)` for the
-inner optimizer (default AdamW, node/worker.py `default_optimizer`), `lr_at(step)` for the learning-rate
-schedule (default warm-up + cosine, node/worker.py `lr_at`) and `save_pretrained(model, directory)` for
+inner optimizer (default AdamW, node/worker/trainer.py `default_optimizer`), `lr_at(step)` for the learning-rate
+schedule (default warm-up + cosine, node/worker/trainer.py `lr_at`) and `save_pretrained(model, directory)` for
 `starling export --format hf`. Gradient accumulation and precision are config (`train.accum_steps`,
 `train.precision`): the trainer does them for every task, so a task only ever sees micro-batches.
 """
@@ -35,7 +35,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from node.train_config import TrainConfig
+from node.bridge.exchange import Layout
+from node.config.train import TrainConfig
 
 
 class TaskError(Exception):
@@ -52,7 +53,7 @@ class TaskContext:
     evaluates `eval_batches * batch_size * accum_steps` sequences, the same set whatever the split).
     `options` is the `[task]` config section as it was given (plain TOML values).
     `rank` / `world_size`: this process's place in the node's worker group (`train.local_ranks`,
-    node/worker_group.py); each rank must draw a different shard. `peer_id` already differs per rank
+    node/worker/group.py); each rank must draw a different shard. `peer_id` already differs per rank
     (`<PeerID>/rank<r>` for r > 0), so a task that shards by PeerID needs nothing more; `cfg.batch_size`
     stays per rank (the node's inner step covers `world_size` times as many sequences).
     """
@@ -231,9 +232,6 @@ def resolve_device(name: str) -> torch.device:
             raise TaskError(f"train.device: {name} requested but this machine has {count} CUDA device(s)"
                             f" (cuda:0..cuda:{count - 1})")
     return device
-
-
-Layout = list[tuple[str, tuple[int, ...]]]
 
 
 def param_layout(model: torch.nn.Module) -> Layout:

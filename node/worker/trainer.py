@@ -1,6 +1,6 @@
 """The local torch worker: inner optimizer steps, the outer step, checkpoints; one OS process per node.
 
-Started by `node.supervisor.WorkerSupervisor` as `python -m node.worker --fd N`, where N is this end of a
+Started by `node.bridge.supervisor.WorkerSupervisor` as `python -m node.worker --fd N`, where N is this end of a
 socketpair. Why a separate process: the trio daemon never competes with torch for the GIL, so networking
 never waits on training and training never waits on networking; and a crashed or OOM-killed worker does
 not take the node off the network.
@@ -9,7 +9,7 @@ Conversation with the daemon (msgpack maps, length-prefixed, over the socketpair
 
     daemon -> worker   init      config, HOME, PeerID
     worker -> daemon   hello     parameter count and layout, task, device, hashes, resumed counters
-    daemon -> worker   attach    names of the four shared-memory slots (node/shm.py)
+    daemon -> worker   attach    names of the four shared-memory slots (node/bridge/shm.py)
     worker -> daemon   publish   phi and Delta are in the slots for outer step k (and the inner steps and
                                  samples that Delta covers)
     daemon -> worker   result    group size n for outer step k (sums over the group in phi_out/delta_out
@@ -29,7 +29,7 @@ on stdin and exits 0, or 2 with the reason on one line: the daemon runs it befor
 task that cannot be imported or built, or a missing GPU, stops the start-up with exit code 2.
 
 With `train.local_ranks > 1` this process is rank 0 of a worker group (`--fd N --group DIR`), and ranks
-1.. run as `python -m node.worker --follow DIR --rank R`: node/worker_group.py says how they train as one.
+1.. run as `python -m node.worker --follow DIR --rank R`: node/worker/group.py says how they train as one.
 
 The inner/outer loop (overlap mode, the default): after H inner steps the worker writes `phi` and
 `Delta = theta - phi` into shared memory, says `publish`, and keeps training. When the result arrives it
@@ -46,7 +46,7 @@ blocking baseline).
 
 Outer-step counters. After an exchange the worker continues from the larger of the two partners' outer
 steps, so paired nodes keep the same counter. A node that fell too far from the swarm to pair gets a
-catch-up instead of a result: the daemon downloaded the swarm's weights (node/latejoin.py, `CatchUp`) and
+catch-up instead of a result: the daemon downloaded the swarm's weights (node/averaging/latejoin.py, `CatchUp`) and
 the worker adopts them at that outer step (`Trainer.adopt_snapshot`). The learning-rate schedule follows
 the inner `step`, which only a snapshot changes.
 
@@ -72,8 +72,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.checkpoint import CheckpointError, CheckpointStore, read_checkpoint
-from node.ipc import (
+from node.bridge.ipc import (
     MAX_FRAME,
     Adopted,
     Attach,
@@ -92,9 +91,11 @@ from node.ipc import (
     Stopped,
     WorkerChannel,
 )
-from node.outer import OuterHyper, OuterOptimizer
-from node.shm import ExchangeSlots, SharedTensor
-from node.task import (
+from node.bridge.shm import ExchangeSlots, SharedTensor
+from node.config.train import TrainConfig
+from node.worker.checkpoint import CheckpointError, CheckpointStore, read_checkpoint
+from node.worker.outer import OuterHyper, OuterOptimizer
+from node.worker.task import (
     Layout,
     TaskError,
     autocast,
@@ -106,12 +107,11 @@ from node.task import (
     resolve_precision,
     task_context,
 )
-from node.train_config import TrainConfig
 from protocols.codec import round_trip
 from protocols.compress import Compression, get_compression
 
 if TYPE_CHECKING:
-    from node.group_procs import Rendezvous
+    from node.bridge.group_procs import Rendezvous
 
 log = logging.getLogger("starling.worker")
 
@@ -170,7 +170,7 @@ class Trainer:
     ) -> None:
         """`slow_weights=False`: this process takes no outer step and keeps none of the fp32 master copies
         (phi, theta at publish, outer momentum: 12 bytes per parameter). A worker group's ranks 1.. are
-        built so; only rank 0 publishes and applies results (node/worker_group.py)."""
+        built so; only rank 0 publishes and applies results (node/worker/group.py)."""
         self.cfg = cfg
         self.home = home
         self.device = resolve_device(cfg.device)
@@ -353,7 +353,7 @@ class Trainer:
         return total / micro
 
     def reduce_gradients(self, loss_sum: float) -> float:
-        """Hook between backward and the update: a worker group (node/worker_group.py) averages the
+        """Hook between backward and the update: a worker group (node/worker/group.py) averages the
         gradients and the loss over its ranks here, so that every rank takes the same step. A single
         process has nothing to do."""
         return loss_sum
@@ -372,7 +372,7 @@ class Trainer:
         H inner steps of the swarm's fastest trainer, node/daemon.py), every trainer makes outer steps at
         the same rate and a slower one simply covers fewer inner steps in each (dynamic local updates, Liu
         et al. 2024, "Asynchronous Local-SGD Training for Language Modeling"); its Delta then counts in
-        proportion to its samples (node/outer.py, `PairWeights`). The fastest trainer still takes about H.
+        proportion to its samples (node/worker/outer.py, `PairWeights`). The fastest trainer still takes about H.
         A step is taken only if it ends nearer the deadline than not (half a step's time early is on time),
         and never more than 2H steps go into one outer step (a stale pace after the fastest trainer left)."""
         if self.pending is not None:
@@ -471,7 +471,7 @@ class Trainer:
 
     def set_pace(self, period_s: float, shift_s: float = 0.0) -> None:
         """Take the daemon's pace for the next outer steps (0: every H inner steps) and move the pending
-        deadline by `shift_s` (towards the partner's phase, node/averager.py)."""
+        deadline by `shift_s` (towards the partner's phase, node/averaging/averager.py)."""
         if period_s <= 0 or not math.isfinite(period_s):
             self.period_s, self.next_publish_at = 0.0, None
             return
@@ -518,7 +518,7 @@ class Trainer:
         phi was exchanged: the pull applies there only (`sum_phi` outside it is not read).
 
         `sum_phi_is_scratch`: `sum_phi` may be overwritten (the worker's phi_out slot, which nobody reads once
-        the exchange is over): the NoLoCo pull then needs no model-sized temporary (node/outer.py)."""
+        the exchange is over): the NoLoCo pull then needs no model-sized temporary (node/worker/outer.py)."""
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
         if group_size >= 2:
@@ -671,7 +671,7 @@ class Trainer:
         return self.checkpoints.save(self.state_dict(), self.step)
 
     def read_swarm_snapshot(self, path: Path) -> dict[str, Any]:
-        """A snapshot the daemon downloaded from the swarm (node/latejoin.py), checked to be of this model;
+        """A snapshot the daemon downloaded from the swarm (node/averaging/latejoin.py), checked to be of this model;
         CheckpointError otherwise."""
         state = read_checkpoint(path)
         phi = state.get("phi")
@@ -695,7 +695,7 @@ class Trainer:
 
     def start_from_join_snapshot(self) -> Path | None:
         """A late joiner's first start: slow and fast weights and step counters from the swarm snapshot the
-        daemon downloaded (node/latejoin.py); its own data shard, RNG and a fresh inner optimizer. The
+        daemon downloaded (node/averaging/latejoin.py); its own data shard, RNG and a fresh inner optimizer. The
         snapshot is consumed (renamed) so that later restarts use this node's own checkpoints."""
         path = self.home / "join" / "snapshot.pt"
         if not path.exists():
@@ -805,7 +805,7 @@ class _Meter:
 
 def run_worker(chan: WorkerChannel, init: Init, stop: _StopFlag, group: Rendezvous | None = None) -> int:
     """Build the trainer, resume, and train until told to stop; returns the process exit code. `group`
-    (a node.worker_group.Rendezvous) makes this process rank 0 of a worker group."""
+    (a node.worker.group.Rendezvous) makes this process rank 0 of a worker group."""
     try:
         cfg = TrainConfig(**init.config)
         cfg.validate()
@@ -817,7 +817,7 @@ def run_worker(chan: WorkerChannel, init: Init, stop: _StopFlag, group: Rendezvo
         if group is None:
             trainer = Trainer(cfg, Path(init.home), init.peer_id, init.task_options)
         else:
-            from node.worker_group import lead_group
+            from node.worker.group import lead_group
 
             trainer = lead_group(group, cfg, init)
     except TaskError as e:
@@ -1067,8 +1067,8 @@ def run_main(args: argparse.Namespace) -> int:
         return check_main()
     group = None
     if args.follow or args.group:
-        from node.group_procs import Rendezvous
-        from node.worker_group import follow_main
+        from node.bridge.group_procs import Rendezvous
+        from node.worker.group import follow_main
 
         group = Rendezvous(Path(args.follow or args.group), args.world_size)
         if args.follow:
@@ -1124,7 +1124,7 @@ def check_task(request: dict[str, Any]) -> str:
         raise TaskError(f"bad train config: {e}") from None
     device = resolve_device(cfg.device)
     if cfg.local_ranks > 1:
-        from node.worker_group import check_group
+        from node.worker.group import check_group
 
         check_group(cfg, device)
     task = load_task(cfg.task, task_context(cfg, peer_id, device, options))
@@ -1165,23 +1165,9 @@ def check_main() -> int:
 
 def _setup_logging(level: str) -> None:
     try:
-        from node.logs import setup_logging
+        from node.ops.logs import setup_logging
     except ImportError:  # keep the worker usable without the daemon's helpers
         logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO))
     else:
         setup_logging(level)
 
-
-if __name__ == "__main__":
-    # Run the importable module's main, not this __main__ copy of it: node/worker_group.py subclasses
-    # node.worker.Trainer, whose messages the loop must know as its own classes.
-    from node.worker import parse_args as _parse_args
-    from node.worker import run_main as _run_main
-
-    _args = _parse_args()
-    code = _run_main(_args)
-    if _args.follow or _args.group:
-        from node.worker_group import exit_group_process
-
-        exit_group_process(code)
-    sys.exit(code)
