@@ -60,8 +60,8 @@ bench-gpu:
 	$(GPU_PY) bench/gpu.py --out bench-gpu-out
 
 # ruff, then the import layers (pyproject.toml's [tool.importlinter] contracts:
-# p2p <- protocols <- node <- starling_testing), then mypy on the status schema and the modules that build
-# or read the status ([tool.mypy]).
+# p2p <- protocols <- node <- starling_testing, and node/'s rooms), then mypy on the status schema and the
+# modules that build or read the status ([tool.mypy]).
 lint: install
 	$(VENV)/bin/ruff check p2p protocols node starling_testing tests bench tools
 	$(VENV)/bin/lint-imports

@@ -23,7 +23,7 @@ from node.bridge.group_procs import Rendezvous
 from node.bridge.supervisor import WorkerSupervisor
 from node.config.train import TrainConfig
 from node.worker.checkpoint import read_checkpoint
-from node.worker.group import GroupTrainer, WorkerGroup, buckets, exit_group_process
+from node.worker.group import GroupTrainer, WorkerGroup, buckets, exit_group_process, group_store
 from node.worker.task import TaskContext
 from node.worker.trainer import Trainer
 from node.worker.trainer import group as worker_group
@@ -98,7 +98,7 @@ def _flat(trainer: Trainer) -> torch.Tensor:
 def _join(rank: int, directory: str, out: str) -> GroupTrainer:
     torch.set_num_threads(1)
     rendezvous = Rendezvous(Path(directory), 2)
-    group = WorkerGroup.join(rendezvous, rank, LINEAR, rendezvous.store())
+    group = WorkerGroup.join(rendezvous, rank, LINEAR, group_store(rendezvous))
     trainer = GroupTrainer(group, LINEAR, Path(out) / "home", "peer-a")
     trainer.resume()
     return trainer
@@ -186,7 +186,7 @@ def _two_heads_rank(rank: int, directory: str, out: str) -> None:
     torch.set_num_threads(1)
     cfg = dataclasses.replace(LINEAR, task=f"{__name__}:make_two_heads_task")
     rendezvous = Rendezvous(Path(directory), 2)
-    group = WorkerGroup.join(rendezvous, rank, cfg, rendezvous.store())
+    group = WorkerGroup.join(rendezvous, rank, cfg, group_store(rendezvous))
     trainer = GroupTrainer(group, cfg, Path(out) / "home", "peer-a")
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     if rank == 0:

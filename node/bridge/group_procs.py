@@ -7,37 +7,23 @@ that the daemon loads no torch.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import trio
 
 log = logging.getLogger("starling.worker_group")
 
-# Ranks 1.. wait this long for rank 0 to hand them the daemon's init.
-INIT_TIMEOUT = datetime.timedelta(minutes=10)
-
-
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where a worker group's processes meet: a fresh directory holding their torch.distributed FileStore."""
+    """Where a worker group's processes meet: a fresh directory holding their torch.distributed FileStore
+    (opened by the ranks, node/worker/group.py `group_store`: the daemon, which starts them, loads no torch)."""
 
     directory: Path
     world_size: int
-
-    def store(self) -> Any:
-        """The group's `torch.distributed.FileStore` (torch imported here: only the worker's ranks call
-        this; the daemon, which starts them, loads no torch)."""
-        import torch.distributed as dist
-
-        store = dist.FileStore(str(self.directory / "store"), self.world_size)
-        store.set_timeout(INIT_TIMEOUT)
-        return store
 
 
 class FollowerProcs:

@@ -68,12 +68,22 @@ log = logging.getLogger("starling.worker_group")
 # (`train.overlap` off or a `train.max_lag`; by default it never waits).
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 INIT_KEY = "starling/init"
+# Ranks 1.. wait this long for rank 0 to hand them the daemon's init.
+INIT_TIMEOUT = datetime.timedelta(minutes=10)
 
 STEP, SYNC, SAVE, STOP = 1, 2, 3, 4
 
 # The most a bucket of gradients or weights crossing the group holds (DDP's default bucket is 25 MiB): large
 # enough that a collective's latency does not matter, small enough to be no memory to speak of.
 BUCKET_BYTES = 32 << 20
+
+
+def group_store(rendezvous: Rendezvous) -> dist.FileStore:
+    """The group's `torch.distributed.FileStore` in the rendezvous directory (here, not on `Rendezvous`:
+    the daemon, which makes the directory and starts the ranks, loads no torch)."""
+    store = dist.FileStore(str(rendezvous.directory / "store"), rendezvous.world_size)
+    store.set_timeout(INIT_TIMEOUT)
+    return store
 
 
 def buckets(tensors: Sequence[torch.Tensor], cap_bytes: int | None = None) -> Iterator[list[torch.Tensor]]:
@@ -361,7 +371,7 @@ def exit_group_process(code: int) -> None:
 def lead_group(rendezvous: Rendezvous, cfg: TrainConfig, init: Init) -> GroupTrainer:
     """Rank 0: hand the daemon's init to the other ranks, join the group and build this rank's trainer."""
     check_group(cfg, resolve_device(cfg.device))
-    store = rendezvous.store()
+    store = group_store(rendezvous)
     store.set(INIT_KEY, msgpack.packb(dataclasses.asdict(init)))
     group = WorkerGroup.join(rendezvous, 0, cfg, store)
     return GroupTrainer(group, cfg, Path(init.home), init.peer_id, init.task_options)
@@ -376,7 +386,7 @@ def follow_main(rendezvous: Rendezvous, rank: int) -> int:
         print(f"worker: --rank must be between 1 and {rendezvous.world_size - 1}, got {rank}", file=sys.stderr)
         return 2
     try:
-        store = rendezvous.store()
+        store = group_store(rendezvous)
         init = Init(**msgpack.unpackb(store.get(INIT_KEY), raw=False))
         cfg = TrainConfig(**init.config)
         cfg.validate()
