@@ -32,7 +32,7 @@ from node.bridge.shm import ExchangeSlots, SharedTensor
 from node.bridge.supervisor import WorkerSupervisor
 from node.config.train import TrainConfig
 from node.worker.checkpoint import CheckpointError, write_checkpoint
-from node.worker.trainer import Trainer, _StopFlag, _train, lr_at
+from node.worker.trainer import StopFlag, Trainer, _train, lr_at
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                    eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1,
@@ -250,7 +250,7 @@ def run_scripted(trainer: Trainer, outer_steps: int, answer_at_lag: int | None =
 
     slots = ExchangeSlots.create(trainer.numel)
     try:
-        _train(Daemon(), trainer, slots, _StopFlag())  # type: ignore[arg-type]
+        _train(Daemon(), trainer, slots, StopFlag())  # type: ignore[arg-type]
     finally:
         slots.close()
     return lags

@@ -56,9 +56,10 @@ import torch.distributed as dist
 from node.bridge.group_procs import Rendezvous
 from node.bridge.ipc import Adopted, Init
 from node.config.train import TrainConfig
+from node.ops.logs import setup_logging
 from node.worker.checkpoint import read_checkpoint
 from node.worker.task import TaskError, resolve_device
-from node.worker.trainer import Trainer, _setup_logging
+from node.worker.trainer import Trainer
 
 log = logging.getLogger("starling.worker_group")
 
@@ -393,7 +394,7 @@ def follow_main(rendezvous: Rendezvous, rank: int) -> int:
     except Exception as e:
         print(f"worker rank {rank}: no usable init from rank 0: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    _setup_logging(init.log_level)
+    setup_logging(init.log_level)
     torch.set_num_threads(cfg.threads)
     try:
         group = WorkerGroup.join(rendezvous, rank, cfg, store)

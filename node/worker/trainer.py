@@ -57,28 +57,21 @@ meant for the daemon does not interrupt it mid-step; the daemon asks it to stop 
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import os
-import signal
-import socket
-import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from node.bridge.ipc import (
-    MAX_FRAME,
     Adopted,
     Attach,
     CheckpointFailed,
     CheckpointSaved,
-    Crashed,
     DaemonGone,
     Fatal,
     Hello,
@@ -109,9 +102,6 @@ from node.worker.task import (
 )
 from protocols.codec import round_trip
 from protocols.compress import Compression, get_compression
-
-if TYPE_CHECKING:
-    from node.bridge.group_procs import Rendezvous
 
 log = logging.getLogger("starling.worker")
 
@@ -775,7 +765,7 @@ class Trainer:
 # --- the process loop -------------------------------------------------------------------------------------
 
 
-class _StopFlag:
+class StopFlag:
     """Set by SIGTERM/SIGINT; checked between steps so a signal never interrupts a step half-way."""
 
     def __init__(self) -> None:
@@ -803,9 +793,12 @@ class _Meter:
         return (self.first and bool(self.losses)) or time.monotonic() - self.started >= METRICS_INTERVAL
 
 
-def run_worker(chan: WorkerChannel, init: Init, stop: _StopFlag, group: Rendezvous | None = None) -> int:
-    """Build the trainer, resume, and train until told to stop; returns the process exit code. `group`
-    (a node.worker.group.Rendezvous) makes this process rank 0 of a worker group."""
+def run_worker(chan: WorkerChannel, init: Init, stop: StopFlag,
+               build: Callable[[TrainConfig, Init], Trainer] | None = None) -> int:
+    """Build the trainer, resume, and train until told to stop; returns the process exit code. `build`
+    makes the trainer from the config and the daemon's init (default: a plain `Trainer`); rank 0 of a
+    worker group passes node/worker/group.py's (node/worker/main.py does), so that this module, which the
+    group's trainer subclasses, never imports the group."""
     try:
         cfg = TrainConfig(**init.config)
         cfg.validate()
@@ -814,12 +807,10 @@ def run_worker(chan: WorkerChannel, init: Init, stop: _StopFlag, group: Rendezvo
         return 2
     torch.set_num_threads(cfg.threads)
     try:
-        if group is None:
+        if build is None:
             trainer = Trainer(cfg, Path(init.home), init.peer_id, init.task_options)
         else:
-            from node.worker.group import lead_group
-
-            trainer = lead_group(group, cfg, init)
+            trainer = build(cfg, init)
     except TaskError as e:
         # One line for the operator; the task's own traceback only at debug (it is the task author's).
         log.error("%s", e)
@@ -857,7 +848,7 @@ def run_worker(chan: WorkerChannel, init: Init, stop: _StopFlag, group: Rendezvo
     return code
 
 
-def _wait_for(chan: WorkerChannel, kind: type, *, timeout: float, stop: _StopFlag) -> Any:
+def _wait_for(chan: WorkerChannel, kind: type, *, timeout: float, stop: StopFlag) -> Any:
     """Block for a message of `kind` (the daemon is local and answers at once; the timeout is a bug
     guard). None if told to stop meanwhile."""
     deadline = time.monotonic() + timeout
@@ -879,7 +870,7 @@ def _view(slot: SharedTensor) -> torch.Tensor:
     return torch.from_numpy(slot.array)
 
 
-def _train(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: _StopFlag) -> int:
+def _train(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: StopFlag) -> int:
     cfg = trainer.cfg
     trainer.share_phi(_view(slots.phi))  # one copy of phi, in the slot the daemon sends it from
     meter = _Meter()
@@ -1039,135 +1030,3 @@ def _final_checkpoint(chan: WorkerChannel | None, trainer: Trainer) -> None:
             chan.send(Stopped(step=trainer.step, outer_step=trainer.outer_step))
         except DaemonGone:
             pass
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m node.worker", description=__doc__.splitlines()[0], allow_abbrev=False
-    )
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--fd", type=int, help="this end of the daemon's control socketpair")
-    mode.add_argument("--check", action="store_true",
-                      help="only load the device and task of the JSON request on stdin; exit 0, or 2 and why")
-    mode.add_argument("--follow", metavar="DIR", help="be rank --rank of the worker group meeting in DIR")
-    parser.add_argument("--group", metavar="DIR", help="with --fd: be rank 0 of the worker group meeting in DIR")
-    parser.add_argument("--rank", type=int, default=0, help="with --follow: this process's rank (>= 1)")
-    parser.add_argument("--world-size", type=int, default=1, help="processes in the worker group")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_main(parse_args(argv))
-
-
-def run_main(args: argparse.Namespace) -> int:
-    """The worker process for parsed arguments: the daemon's worker (--fd, optionally rank 0 of a group
-    with --group), a group follower (--follow), or the task check (--check). Returns the exit code."""
-    if args.check:
-        return check_main()
-    group = None
-    if args.follow or args.group:
-        from node.bridge.group_procs import Rendezvous
-        from node.worker.group import follow_main
-
-        group = Rendezvous(Path(args.follow or args.group), args.world_size)
-        if args.follow:
-            return follow_main(group, args.rank)
-    stop = _StopFlag()
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    chan = WorkerChannel(socket.socket(fileno=args.fd))
-    try:
-        init = chan.receive(timeout=60.0)
-        if not isinstance(init, Init):
-            print("worker: no init message from the daemon", file=sys.stderr)
-            return 2
-        _setup_logging(init.log_level)
-        return run_worker(chan, init, stop, group)
-    except DaemonGone:
-        return 0
-    except Exception as e:
-        # The traceback goes to the log for whoever debugs the task; the daemon gets one line, which
-        # `starling status` shows as the reason for the restart (or for giving up after too many).
-        log.exception("the worker failed")
-        text = " ".join(f"{type(e).__name__}: {e}".split())[:MAX_ERROR_CHARS]
-        try:
-            chan.send(Crashed(error=text))
-        except DaemonGone:
-            pass
-        return 1
-    finally:
-        chan.close()
-
-
-MAX_ERROR_CHARS = 300  # of an error sent to the daemon: one status line, not a dump
-
-
-def check_task(request: dict[str, Any]) -> str:
-    """Resolve the device and build the task of a `{"config": {...}, "peer_id": ...}` request, the way
-    `Trainer` does; return the task's name. Raises TaskError (one line) for anything the operator must fix.
-
-    With `"describe": true` the model is built too, and the answer is a JSON object of the task's name and
-    its model (`model_hash`, `layout_hash`, `numel`, as the worker's hello says them): a daemon that will
-    download a late join's snapshot needs its own model's size first, since a donor's claim must not
-    decide what it writes to disk (protocols/snapshot.py, `ModelShape`).
-
-    Why a separate process runs this and not the daemon: the task factory may put data on the GPU, and a
-    CUDA context in the daemon would hold GPU memory for its whole life.
-    """
-    try:
-        cfg = TrainConfig(**request["config"])
-        cfg.validate()
-        peer_id = str(request["peer_id"])
-        options = dict(request.get("task_options") or {})
-    except (KeyError, TypeError, ValueError) as e:
-        raise TaskError(f"bad train config: {e}") from None
-    device = resolve_device(cfg.device)
-    if cfg.local_ranks > 1:
-        from node.worker.group import check_group
-
-        check_group(cfg, device)
-    task = load_task(cfg.task, task_context(cfg, peer_id, device, options))
-    if not request.get("describe"):
-        return task.name
-    try:
-        model = task.build_model()
-    except Exception as e:  # the task's own code: its error is the operator's to fix
-        raise TaskError(f"train.task: building the model failed: {type(e).__name__}: {e}") from e
-    params = [p for _, p in model.named_parameters() if p.requires_grad]
-    return json.dumps({"name": task.name, "model_hash": model_hash(task, options),
-                       "layout_hash": layout_hash(param_layout(model)), "numel": sum(p.numel() for p in params)})
-
-
-def check_main() -> int:
-    """`python -m node.worker --check`: read the request (JSON) on stdin; print the task's name (with
-    `"describe": true`, the JSON object `check_task` says) and exit 0,
-    or print the reason on one line on stderr and exit 2 (with its traceback too at log level debug)."""
-    try:
-        request = json.loads(sys.stdin.read(MAX_FRAME))
-        if not isinstance(request, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as e:
-        print(f"worker --check: unreadable request: {e}", file=sys.stderr)
-        return 2
-    level = str(request.get("log_level") or "warning")
-    _setup_logging(level)
-    try:
-        name = check_task(request)
-    except TaskError as e:
-        if level == "debug" and e.__cause__ is not None:
-            log.debug("the task failed with", exc_info=e.__cause__)
-        print(e, file=sys.stderr)
-        return 2
-    print(name)
-    return 0
-
-
-def _setup_logging(level: str) -> None:
-    try:
-        from node.ops.logs import setup_logging
-    except ImportError:  # keep the worker usable without the daemon's helpers
-        logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO))
-    else:
-        setup_logging(level)
-
