@@ -1,7 +1,7 @@
 """node.worker: the torch worker process, the only room of node/ that imports torch.
 
     __main__.py   `python -m node.worker`: the process the supervisor starts
-    main.py       process_main, check_task: the worker's modes (the daemon's worker, a group rank, the task check)
+    main.py       process_main, answer_task_check: the worker's modes (the daemon's worker, a group rank, the task check)
     trainer.py    Trainer: inner and outer steps, the worker's side of the conversation with the daemon
     group.py      WorkerGroup, GroupTrainer: a multi-GPU host as one node (torch.distributed)
     outer.py      OuterOptimizer: NoLoCo and DiLoCo on flat fp32 slow weights

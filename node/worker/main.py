@@ -98,9 +98,10 @@ def run_main(args: argparse.Namespace) -> int:
 MAX_ERROR_CHARS = 300  # of an error sent to the daemon: one status line, not a dump
 
 
-def check_task(request: dict[str, Any]) -> str:
-    """Resolve the device and build the task of a `{"config": {...}, "peer_id": ...}` request, the way
-    `Trainer` does; return the task's name. Raises TaskError (one line) for anything the operator must fix.
+def answer_task_check(request: dict[str, Any]) -> str:
+    """The worker's answer to the daemon's start-up check (node/bridge/supervisor.py `check_task`, which
+    runs `python -m node.worker --check` and reads this): resolve the device and build the task of a
+    `{"config": {...}, "peer_id": ...}` request, the way `Trainer` does; return the task's name. Raises TaskError (one line) for anything the operator must fix.
 
     With `"describe": true` the model is built too, and the answer is a JSON object of the task's name and
     its model (`model_hash`, `layout_hash`, `numel`, as the worker's hello says them): a daemon that will
@@ -134,7 +135,7 @@ def check_task(request: dict[str, Any]) -> str:
 
 def check_main() -> int:
     """`python -m node.worker --check`: read the request (JSON) on stdin; print the task's name (with
-    `"describe": true`, the JSON object `check_task` says) and exit 0,
+    `"describe": true`, the JSON object `answer_task_check` says) and exit 0,
     or print the reason on one line on stderr and exit 2 (with its traceback too at log level debug)."""
     try:
         request = json.loads(sys.stdin.read(MAX_FRAME))
@@ -146,7 +147,7 @@ def check_main() -> int:
     level = str(request.get("log_level") or "warning")
     setup_logging(level)
     try:
-        name = check_task(request)
+        name = answer_task_check(request)
     except TaskError as e:
         if level == "debug" and e.__cause__ is not None:
             log.debug("the task failed with", exc_info=e.__cause__)
