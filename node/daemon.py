@@ -48,7 +48,7 @@ from node.ops.history import HISTORY_FILE, HistoryError, LossHistory, series_of
 from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
-from node.status_schema import JoinStatus, NodeStatus
+from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus
 from node.swarm.crdt import Manifest, ManifestAuthority
 from node.swarm.nat import NatConfig, NatService
 from node.swarm.replicator import (
@@ -382,7 +382,7 @@ class Daemon:
             if m.record.role == "trainer"
             and m.record.manifest_hash  # a trainer whose task is not loaded yet can only refuse
             and m.record.peer_id != str(self.peer_id)
-            and (allow_relay or self.nat.path_of(m.record.peer_id) in ("direct", "hole-punched"))
+            and (allow_relay or self.nat.path_of(m.record.peer_id) in DIRECT_PATHS)
             and (averager is None or not averager.sits_out(m.record.peer_id))
         ]
 

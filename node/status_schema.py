@@ -21,7 +21,7 @@ imports nothing heavy: `starling status` renders with it.
 
 # No `from __future__ import annotations`: Python 3.11's TypedDict reads NotRequired only from evaluated
 # annotations, and tests read __required_keys__.
-from typing import NotRequired, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 from p2p.status import (
     AuthorizationStatus,
@@ -309,11 +309,18 @@ class NatStatus(TypedDict):
     dialbacks_served: int
 
 
+#: How we reach a peer (node/swarm/nat.py, `NatService.path_of`).
+ConnectionPath = Literal["direct", "hole-punched", "relayed", "none"]
+#: The paths bulk tensors may take (the side channel, an exchange's bytes): a connection of our own, never a
+#: relay's circuit, unless `sync.allow_relay_bulk`. The daemon, the averager and NAT traversal all ask this.
+DIRECT_PATHS: frozenset[ConnectionPath] = frozenset({"direct", "hole-punched"})
+
+
 class PeerPathStatus(TypedDict):
     """``peers[i]``: one connected peer's network path."""
 
     peer_id: str
-    path: str  # direct | hole-punched | relayed | none
+    path: ConnectionPath
     rtt_ms: float | None
     throughput_mbps: NotRequired[float]  # once a bulk transfer measured it
     note: NotRequired[str]  # why a relayed peer is not direct

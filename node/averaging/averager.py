@@ -93,7 +93,7 @@ from node.averaging.partner_misses import PartnerMisses
 from node.averaging.robust import UpdateBound
 from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
 from node.config.sync import SyncConfig
-from node.status_schema import MixingStatus, SyncStatus
+from node.status_schema import DIRECT_PATHS, MixingStatus, SyncStatus
 from p2p.datapath import DataPathListener
 from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
@@ -713,7 +713,7 @@ class Averager:
         """Whether to open a punched side channel with `partner` where its listener (or ours) is behind a
         NAT: only with the side channel on and over a direct connection (a relayed one's remote address is
         the relay's, so a punch towards it could only fail)."""
-        return self.cfg.datapath and (self.path_of is None or self.path_of(partner) in ("direct", "hole-punched"))
+        return self.cfg.datapath and (self.path_of is None or self.path_of(partner) in DIRECT_PATHS)
 
     def _group_outer_step(self, ours: int, theirs: int | None) -> int:
         """The outer step both partners continue from: the larger one. A partner's step beyond our own gap
@@ -1065,7 +1065,7 @@ class Averager:
         if (
             self.path_of is not None
             and not self.cfg.allow_relay_bulk
-            and self.path_of(partner) not in ("direct", "hole-punched")
+            and self.path_of(partner) not in DIRECT_PATHS
         ):
             return ("refuse", "no direct path between us: bulk tensors do not go through relays")
         if self._link(partner).banned_until > trio.current_time():

@@ -26,7 +26,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from node.ops.islands import pairing_graph
 from node.status_schema import (
+    ConnectionPath,
     MemberStatus,
     MixingStatus,
     MuxerStatus,
@@ -54,7 +55,7 @@ PREFIX = "starling"
 
 # Path and member states the daemon reports; always exported (as 0 when absent) so dashboards and
 # alerts see a series drop to zero instead of disappearing.
-CONNECTION_PATHS = ("direct", "hole-punched", "relayed")
+CONNECTION_PATHS = tuple(p for p in get_args(ConnectionPath) if p != "none")
 MEMBER_STATES = ("alive", "suspect", "gone", "left")
 
 # Round durations span a LAN exchange of a small model to a WAN exchange of a large one.

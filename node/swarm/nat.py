@@ -53,7 +53,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
 
-from node.status_schema import NatStatus, PeerPathStatus
+from node.status_schema import ConnectionPath, NatStatus, PeerPathStatus
 from p2p.connmgr import ConnManager
 from p2p.host import interface_ipv4_addrs
 from p2p.wire import LibP2PByteStream, ProtocolError, read_exactly
@@ -74,7 +74,7 @@ from protocols.dialback import (
 log = logging.getLogger("starling.nat")
 
 Reachability = Literal["public", "private", "unknown"]
-Path = Literal["direct", "hole-punched", "relayed", "none"]
+Path = ConnectionPath  # declared with the status that reports it (node/status_schema.py)
 
 PING_PROTOCOL_ID = TProtocol("/ipfs/ping/1.0.0")
 PING_BYTES = 32
