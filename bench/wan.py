@@ -193,7 +193,7 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 def default_variants() -> str:
     """The shipped defaults, plus one variant per other `sync.compression` value once the option exists (the
     default, `auto` now, is the `defaults` row itself)."""
-    from node.config.load import sync as sync_config
+    from node.config import sync as sync_config
 
     presets = getattr(sync_config, "COMPRESSIONS", ())
     default = sync_config.SyncConfig().compression

@@ -80,8 +80,8 @@ from node.swarm.crdt import (
     decode_digest,
     encode_digest,
 )
+from node.worker import checkpoint as ckpt
 from node.worker.task import layout_hash
-from node.worker.trainer import checkpoint as ckpt
 from p2p.datapath import (
     FRAME_HELLO,
     MAGIC,

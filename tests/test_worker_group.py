@@ -22,11 +22,11 @@ from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
 from node.bridge.group_procs import Rendezvous
 from node.bridge.supervisor import WorkerSupervisor
 from node.config.train import TrainConfig
+from node.worker import group as worker_group
 from node.worker.checkpoint import read_checkpoint
 from node.worker.group import GroupTrainer, WorkerGroup, buckets, exit_group_process, group_store
 from node.worker.task import TaskContext
 from node.worker.trainer import Trainer
-from node.worker.trainer import group as worker_group
 from starling_testing.daemon import TINY as TINY_DAEMON
 from starling_testing.daemon import DaemonGroup
 
