@@ -317,7 +317,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             log.info("created a new identity in %s", home / IDENTITY_FILE)
         import trio
 
-        from node.daemon import Daemon, StartupError
+        from node.daemon import Daemon, StartupError, find_exception
 
         train = not args.no_train
         try:
@@ -329,7 +329,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         except BaseException as e:
-            startup = _find_exception(e, StartupError)
+            startup = find_exception(e, StartupError)
             if startup is None:
                 raise
             return _die(str(startup))
@@ -376,18 +376,6 @@ async def _run_until_signal(daemon: Any) -> None:
                 nursery.cancel_scope.cancel()
                 raise
             nursery.cancel_scope.cancel()
-
-
-def _find_exception(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
-    """The first `kind` inside `exc`, looking through trio's exception groups."""
-    if isinstance(exc, kind):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _find_exception(inner, kind)
-            if found is not None:
-                return found
-    return None
 
 
 def _arm_hard_stop() -> None:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import multiaddr
 import trio
@@ -133,13 +133,17 @@ def _why_not_listening(host: str, port: int) -> str:
     return "the listener failed to start"
 
 
-def _find_os_error(exc: BaseException) -> OSError | None:
-    """The first OSError in `exc` or the exception groups trio wraps it in (nested nurseries)."""
-    if isinstance(exc, OSError):
+_E = TypeVar("_E", bound=BaseException)
+
+
+def find_exception(exc: BaseException, kind: type[_E]) -> _E | None:
+    """The first `kind` in `exc` or in the exception groups trio wraps it in (nested nurseries): the one
+    walk the daemon (a listener's OSError) and the CLI (a StartupError under the run's nursery) share."""
+    if isinstance(exc, kind):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            if (found := _find_os_error(inner)) is not None:
+            if (found := find_exception(inner, kind)) is not None:
                 return found
     return None
 
@@ -687,7 +691,7 @@ class Daemon:
         """The averager's start failed: if its side-channel listener could not bind (sync.datapath_port busy
         or not allowed), a one-line StartupError saying so; None for any other failure. Without this, a busy
         port was an 84-line ExceptionGroup and exit 1."""
-        error = _find_os_error(exc)
+        error = find_exception(exc, OSError)
         if error is None or self.averager is None or self.averager.listener is None:
             return None
         listener = self.averager.listener
