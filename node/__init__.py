@@ -1,6 +1,6 @@
-"""node: the daemon, the top of p2p <- protocols <- node (pyproject.toml's import contracts).
+"""node: the daemon and its worker, the top of p2p <- protocols <- node (pyproject.toml's import contracts).
 
-Two processes, six rooms. The rooms follow the import graph (pyproject.toml's import contracts check it):
+Two processes, six rooms. The rooms follow the import graph, and the same contracts check their order:
 cli > daemon > swarm | averaging > bridge > ops > config | status_schema, and worker beside them, on the
 bridge; nothing on the daemon's side imports worker/, the only room that loads torch.
 
