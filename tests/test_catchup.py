@@ -25,7 +25,7 @@ from node.bridge.shm import ExchangeSlots
 from node.config.sync import SyncConfig
 from node.config.train import TrainConfig
 from node.worker.checkpoint import CheckpointError, write_checkpoint
-from node.worker.trainer import StopFlag, Trainer, _train
+from node.worker.trainer import StopFlag, Trainer, train_loop
 from p2p.host import build_host
 from protocols import snapshot as snap
 from starling_testing.daemon import TINY as TINY_DAEMON
@@ -311,7 +311,7 @@ def run_worker_loop(trainer: Trainer, first: Result, outer_steps: int = 2) -> li
     daemon = ScriptedDaemon(trainer, first, outer_steps)
     slots = ExchangeSlots.create(trainer.numel)
     try:
-        _train(daemon, trainer, slots, StopFlag())  # type: ignore[arg-type]
+        train_loop(daemon, trainer, slots, StopFlag())  # type: ignore[arg-type]
     finally:
         slots.close()
     return daemon.sent

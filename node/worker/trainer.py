@@ -136,7 +136,7 @@ def default_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """Whether `t` holds no NaN and no infinity, in one read-only pass: any of them makes the sum non-finite.
 
     Why not ``torch.isfinite(t).all()``: that writes a model-sized bool tensor and reads it again, and this
@@ -515,7 +515,7 @@ class Trainer:
             if sum_phi is None or sum_delta is None:
                 raise ValueError("a group result needs sum_phi and sum_delta")
             lo, hi = phi_range if phi_range is not None else (0, self.numel)
-            if not (_all_finite(sum_phi[lo:hi]) and _all_finite(sum_delta)):
+            if not (all_finite(sum_phi[lo:hi]) and all_finite(sum_delta)):
                 log.warning("outer step %d: group sums are not finite; taking a solo step", self.outer_step)
                 group_size = 1
         preset = get_compression(compression)
@@ -841,7 +841,7 @@ def run_worker(chan: WorkerChannel, init: Init, stop: StopFlag,
         return 0
     slots = ExchangeSlots.attach(attach.names, trainer.numel)
     try:
-        code = _train(chan, trainer, slots, stop)
+        code = train_loop(chan, trainer, slots, stop)
     finally:
         slots.close()
     trainer.close()  # not after an exception: the other ranks may be mid-collective; the supervisor kills them
@@ -870,7 +870,10 @@ def _view(slot: SharedTensor) -> torch.Tensor:
     return torch.from_numpy(slot.array)
 
 
-def _train(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: StopFlag) -> int:
+def train_loop(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: StopFlag) -> int:
+    """The worker's loop once attached to its slots: train, publish, apply results and snapshots, report
+    metrics and checkpoint, until `stop` or the daemon says stop; returns the exit code. Public because the
+    tests drive it with a scripted daemon on the channel's other end."""
     cfg = trainer.cfg
     trainer.share_phi(_view(slots.phi))  # one copy of phi, in the slot the daemon sends it from
     meter = _Meter()
