@@ -43,6 +43,7 @@ from node.latejoin import (
     has_checkpoint,
     join_snapshot_path,
     late_join,
+    near_the_swarm,
     progress_view,
     snapshot_source,
 )
@@ -632,7 +633,8 @@ class Daemon:
     def _join_donors(self) -> list[str]:
         """Alive trainers that have made outer steps and whose signed member record carries our run
         manifest: ours as the start-up check described it, else the swarm's. A member of another run (or
-        one that claims no run) trains another model, and its snapshot would be refused at its meta."""
+        one that claims no run) trains another model, and its snapshot would be refused at its meta. Of
+        those, the ones near the swarm's position (`near_the_swarm`): not a mean of far-apart models."""
         c = self._checked
         wanted = self._manifest_of(c.name, c.model_hash).hash if c is not None and c.model_hash else None
         if wanted is None:
@@ -640,13 +642,15 @@ class Daemon:
             wanted = swarm.hash if swarm is not None else None
         if wanted is None:
             return []
-        donors = [
+        trained = [
             m.record
             for m in self.replicator.state.members()
             if m.state == "alive" and m.record.role == "trainer" and m.record.outer_step > 0
             and m.record.manifest_hash == wanted
             and m.record.peer_id != str(self.peer_id)
         ]
+        near = set(near_the_swarm({r.peer_id: r.outer_step for r in trained}, self.cfg.sync.max_step_gap))
+        donors = [record for record in trained if record.peer_id in near]
         # A joiner learns its donors from their records a second after it met the bootstrap node, before the
         # connection manager has dialled any of them (`_learn_member_addrs`, every 5 s): without their
         # addresses every download failed at once ("no known addresses") and the joiner started a fresh

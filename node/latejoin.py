@@ -90,6 +90,19 @@ def snapshot_source(home: Path) -> Callable[[], Snapshot | None]:
     return source
 
 
+def near_the_swarm(steps: dict[str, int], gap: int) -> list[str]:
+    """Of the trained trainers `steps` (peer id -> outer step), those within `gap` outer steps of the upper
+    median of their outer steps: a late join's donors. The mean of donors far apart is no model anyone
+    trains (`combine` takes their low median step, so it also starts the joiner at the one behind): a
+    founder that ran ahead alone and a second node still catching up made a joiner start from the mean of
+    outer steps 179 and 22, at 22. As in the catch-up, the upper median is the majority's position, and
+    between two the one further ahead."""
+    if not steps:
+        return []
+    target = statistics.median_high(steps.values())
+    return [peer for peer, step in steps.items() if abs(step - target) <= gap]
+
+
 async def late_join(
     host: Any,
     home: Path,
@@ -261,14 +274,21 @@ class CatchUp:
             self._next_allowed = -math.inf
             self._wake.set()
 
+    def _others(self) -> dict[str, int]:
+        """The other alive trainers that have made an outer step: peer id -> outer step. One at outer step
+        0 has not trained yet (a late joiner still downloading, a worker still loading its task) and is no
+        part of where the swarm is: counted, a joiner made the median of {22, 179, 0} this node's own 22,
+        and a catch-up planned towards 179 was delivered at outer step 22."""
+        return {peer: step for peer, step in self.trainers().items() if step > 0}
+
     def swarm_outer_step(self) -> int | None:
         """The upper median of the alive trainers' outer steps, ours included (None when we are alone)."""
-        others = list(self.trainers().values())
+        others = list(self._others().values())
         return statistics.median_high([self.own_outer_step(), *others]) if others else None
 
     def plan(self) -> tuple[int, list[str]] | None:
         """(the swarm's outer step, donors) if this node should catch up now, else None."""
-        others = self.trainers()
+        others = self._others()
         own = self.own_outer_step()
         gap = self.cfg.max_step_gap
         if not any(abs(step - own) > gap for step in others.values()):
@@ -276,7 +296,7 @@ class CatchUp:
         target = statistics.median_high([own, *others.values()])
         if abs(own - target) <= gap:
             return None
-        near = sorted((abs(step - target), peer) for peer, step in others.items() if step > 0 and abs(step - target) <= gap)
+        near = sorted((abs(step - target), peer) for peer, step in others.items() if abs(step - target) <= gap)
         donors = [peer for _, peer in near[: max(1, self.cfg.join_donors)]]
         return (target, donors) if donors else None
 

@@ -80,8 +80,26 @@ def test_no_catch_up_when_alone_or_when_every_trainer_is_within_reach(tmp_path: 
 
 
 def test_donors_must_have_trained_and_there_is_at_least_one_even_with_late_join_off(tmp_path: Path) -> None:
-    assert catch_up(tmp_path, 50, {"a": 0, "b": 0, "c": 1}).plan() == (1, ["c"])
+    assert catch_up(tmp_path, 50, {"a": 0, "b": 0, "c": 1, "d": 2}).plan() == (2, ["d", "c"])
+
+
+def test_a_trainer_that_has_not_made_an_outer_step_is_no_part_of_the_swarms_position(tmp_path: Path) -> None:
+    """Seen in a late-join run: a node at outer step 22 planned a catch-up towards the founder at 179, and a
+    joiner still downloading (outer step 0) then made the median of {22, 179, 0} 22: the snapshot was
+    delivered at outer step 22 ("outer step 22 -> 22"), and the same joiner could stop the plan itself."""
+    cu = catch_up(tmp_path, 22, {"founder": 179, "joiner": 0})
+    assert cu.plan() == (179, ["founder"])
+    assert cu.swarm_outer_step() == 179
+    assert catch_up(tmp_path, 22, {"joiner": 0}).swarm_outer_step() is None  # alone as far as steps go
     assert catch_up(tmp_path, 0, {"a": 20, "b": 21}, join_donors=0).plan() == (20, ["a"])
+
+
+def test_a_late_join_takes_donors_near_the_swarms_position_not_a_mean_of_far_apart_models() -> None:
+    """A founder that ran ahead alone (179) and a second node still catching up (22): the joiner took the
+    mean of both, at the low median's outer step 22. Between two, the one further ahead is the reference."""
+    assert latejoin.near_the_swarm({"founder": 179, "second": 22}, 4) == ["founder"]
+    assert sorted(latejoin.near_the_swarm({"a": 30, "b": 31, "c": 28, "runaway": 90}, 4)) == ["a", "b", "c"]
+    assert latejoin.near_the_swarm({}, 4) == []
 
 
 # --- when: the trigger ------------------------------------------------------------------------------------
@@ -223,6 +241,19 @@ async def test_a_node_far_behind_downloads_the_swarms_weights_and_adopts_them_at
     assert report.val_loss == behind.val_loss is not None
     assert not path.exists()  # consumed
     assert behind.publish_due() is False and behind.last_publish_step == behind.step
+
+
+def test_a_catch_up_never_sets_the_outer_step_below_the_snapshots_own(tmp_path: Path) -> None:
+    """The catch-up's `outer step 22 -> 22` while the swarm was at 179: the weights came from outer step 179
+    but the daemon's swarm median (22, dragged down by a trainer that had not started) set the counter."""
+    donor = trained(tmp_path / "donor", 4)
+    behind = trained(tmp_path / "behind", 1)
+    path = tmp_path / "snapshot.pt"
+    write_checkpoint(path, {"phi": donor.phi, "step": donor.step, "outer_step": donor.outer_step,
+                            "layout_hash": donor.layout_hash, "donors": ["d"]})
+    report = behind.adopt_snapshot(path, behind.outer_step)
+    assert (report.previous_outer_step, report.outer_step) == (1, 4)
+    assert behind.outer_step == donor.outer_step and behind.step == donor.step
 
 
 def test_a_snapshot_of_another_model_is_refused_and_nothing_changes(tmp_path: Path) -> None:
