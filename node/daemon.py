@@ -59,7 +59,7 @@ from node.replicator import (
     read_manifest_pin,
 )
 from node.sdnotify import Notifier, summarize_status, watchdog_loop
-from node.status_schema import JoinStatus, NodeStatus
+from node.status_schema import JoinStatus, NodeStatus, OutOfReachStatus
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import SWARM_KEY_FILE, AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
@@ -369,6 +369,20 @@ class Daemon:
         gap = self.cfg.sync.max_step_gap
         return [m.record.peer_id for m in self._possible_partners() if abs(m.record.outer_step - ours) <= gap + 1]
 
+    def _out_of_reach(self) -> OutOfReachStatus | None:
+        """Possible partners exist and none is eligible because of the outer-step gap: what status says
+        instead of nothing. After a worker restarted from an older checkpoint, the two trainers stepped solo
+        side by side while status showed their old pairing as "one island of 2 trainers" (issue #27)."""
+        if self.supervisor is None or self._eligible_partners():
+            return None
+        ours = int(self._training().get("outer_step") or 0)
+        steps = [m.record.outer_step for m in self._possible_partners()]
+        if not steps:
+            return None
+        nearest = min(steps, key=lambda step: abs(step - ours))
+        return {"trainers": len(steps), "nearest_steps": abs(nearest - ours), "behind": nearest > ours,
+                "max_step_gap": self.cfg.sync.max_step_gap}
+
     def _possible_partners(self) -> list[Any]:
         """Alive trainers with our manifest (`alive_members` checks it) and (unless the config allows bulk
         over relays) a direct or hole-punched path: bulk tensors never cross a relay. None at all makes the
@@ -496,6 +510,7 @@ class Daemon:
             if self.catch_up is not None:
                 sync["catch_ups"] = self.catch_up.catch_ups
                 sync["catch_up"] = progress_view(self.catch_up.status)
+            sync["out_of_reach"] = self._out_of_reach()
             join: JoinStatus = {**progress_view(self.join_status)}
             join["serving"] = self.snapshots.serving
             join["served"] = self.snapshots.served

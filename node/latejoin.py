@@ -222,7 +222,9 @@ class CatchUp:
     to the worker for its next outer step, where it also continues from the swarm's then-current outer
     step. A failed download is retried after another `catch_up_after` outer steps without a partner.
     Attempts are at least `CATCH_UP_INTERVAL_S` apart: where outer steps are much shorter than a heartbeat
-    (tiny models), the member records lag behind and an eager node would download again and again.
+    (tiny models), the member records lag behind and an eager node would download again and again; a
+    refusal as too far behind, or our own outer step going back (a worker restarted from an older
+    checkpoint), is fresh evidence and lifts that interval.
     """
 
     def __init__(
@@ -253,9 +255,19 @@ class CatchUp:
         self._delivered = False  # a snapshot waits for the worker's next outer step
         self._next_allowed = -math.inf  # trio time before which no new attempt starts
         self._refused_at: int | None = None  # a partner's outer step when it refused us as too far behind
+        self._last_own: int | None = None  # our outer step at the previous outer step (or adoption)
 
     def note_outer_step(self, had_partner: bool) -> None:
-        """Called by the averager at the end of every outer step: `had_partner`, whether it was averaged."""
+        """Called by the averager at the end of every outer step: `had_partner`, whether it was averaged.
+
+        Our outer step lower than at the previous call, without a catch-up in between: the worker was
+        restarted from an older checkpoint (a crash, `kill -9`). That is news about our own position, not
+        a member record's lag, so it lifts `CATCH_UP_INTERVAL_S`: a restart within 30 s of a catch-up
+        stepped solo beside its partner for the rest of those 30 s."""
+        own = self.own_outer_step()
+        if self._last_own is not None and own < self._last_own:
+            self._next_allowed = -math.inf
+        self._last_own = own
         self.unpaired = 0 if had_partner else self.unpaired + 1
         if self.cfg.catch_up_after and self.unpaired >= self.cfg.catch_up_after:
             self._wake.set()
@@ -309,6 +321,7 @@ class CatchUp:
             return
         self.catch_ups += 1
         self.unpaired = 0
+        self._last_own = report.outer_step  # a catch-up of a runaway moves back too: no restart
         self.status.update(state="done", outer_step=report.outer_step, step=report.step, error="")
         log.info(
             "caught up with the swarm from %d donors: outer step %d -> %d, inner step %d -> %d",

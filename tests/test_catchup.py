@@ -170,6 +170,39 @@ async def test_a_refusal_as_too_far_behind_starts_the_catch_up_at_once(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_worker_restarted_from_an_older_checkpoint_soon_after_a_catch_up_catches_up_at_once(
+    tmp_path: Path, fake_download: list, autojump_clock
+) -> None:
+    """Issue #27, `kill -9` of a worker (through real daemons: tests/test_diagnostics_daemons.py): restarted
+    20 s after the node's previous catch-up, out of its partner's reach, it stepped solo for the 10 s left
+    of `CATCH_UP_INTERVAL_S`. Its own step going back is no lagging record: the interval is lifted."""
+    own, swarm = [0], [20]
+    cu = CatchUp(None, tmp_path, SyncConfig(max_step_gap=4, catch_up_after=3), own_outer_step=lambda: own[0],
+                 trainers=lambda: {"a": swarm[0]}, deliver=lambda path, step: None, model=lambda: MODEL)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cu.run)
+        for _ in range(3):
+            cu.note_outer_step(False)
+            await trio.sleep(1)
+        assert len(fake_download) == 1
+        first = trio.current_time()
+        own[0] = 20
+        cu.adopted(Adopted(previous_step=10, previous_outer_step=3, step=100, outer_step=20, donors=["a"]))
+        for _ in range(5):  # averaged again
+            own[0] += 1
+            swarm[0] += 1
+            cu.note_outer_step(True)
+            await trio.sleep(1)
+        own[0], swarm[0] = 12, 27  # the worker resumed from a checkpoint 13 outer steps back
+        for _ in range(3):
+            cu.note_outer_step(False)
+            await trio.sleep(1)
+            own[0] += 1
+        assert len(fake_download) == 2
+        assert trio.current_time() - first < latejoin.CATCH_UP_INTERVAL_S
+        nursery.cancel_scope.cancel()
+
+
 async def test_catch_up_after_0_never_catches_up(tmp_path: Path, fake_download: list, autojump_clock) -> None:
     cu = catch_up(tmp_path, 0, {"a": 20}, catch_up_after=0)
     async with trio.open_nursery() as nursery:
