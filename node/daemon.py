@@ -636,8 +636,17 @@ class Daemon:
                 timeout_s=t.join_timeout_s,
                 status=self.join_status,
                 on_refused=self._donor_lied,
+                alone=self._knows_no_one,
             )
         await self.supervisor.run()
+
+    def _knows_no_one(self) -> bool:
+        """No bootstrap peer configured, no connection and no other member: the founder's first start,
+        with no donor to wait for (a peer that dials us in the late join's grace period counts)."""
+        node = self.cfg.node
+        me = str(self.peer_id)
+        return (not node.bootstrap and not node.bootstrap_files and not self.host.get_connected_peers()
+                and not any(m.record.peer_id != me for m in self.replicator.state.members()))
 
     def _donor_lied(self, peer: str) -> None:
         """A donor whose record carries our manifest served a snapshot of another model: that is no honest

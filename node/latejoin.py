@@ -45,6 +45,7 @@ JOIN_FILE = "snapshot.pt"
 CATCH_UP_DIR = "catchup"
 CHECKPOINT_DIR = "checkpoints"
 CATCH_UP_INTERVAL_S = 30.0  # the least time between two catch-up attempts
+ALONE_GRACE_S = 1.0  # a late join's wait for donors when this node knows of no one at all
 
 
 def join_snapshot_path(home: Path) -> Path:
@@ -114,8 +115,14 @@ async def late_join(
     timeout_s: float,
     status: dict[str, Any],
     on_refused: Callable[[str], None] | None = None,
+    alone: Callable[[], bool] | None = None,
 ) -> bool:
     """Download a starting point from the swarm if this node has no checkpoint. True if one was written.
+
+    `alone()`: whether this node knows of no one at all (no bootstrap peer configured, no connection, no
+    member): then the wait for donors ends after `ALONE_GRACE_S` (time for a peer that dials us), not
+    `wait_s`. Every first start of a swarm's founder waited out `sync.join_wait_s` for donors that could
+    not exist.
 
     `model`: our own model (the start-up check's); a donor's snapshot must be exactly that. None (the
     check did not say in time) starts a fresh model: without our size, a donor's claim would decide how
@@ -132,10 +139,16 @@ async def late_join(
     status["state"] = "looking for donors"
     deadline = trio.current_time() + wait_s
     found: list[str] = []
+    alone_after = trio.current_time() + min(ALONE_GRACE_S, wait_s)
     while trio.current_time() < deadline:
         found = donors()
         if found:
             break
+        if alone is not None and trio.current_time() >= alone_after and alone():
+            status["state"] = "alone: starting a fresh model"
+            log.info("no bootstrap peer configured and no swarm member known: starting from a fresh model "
+                     "without waiting sync.join_wait_s for donors")
+            return False
         await trio.sleep(0.5)
     if not found:
         status["state"] = "no donors: starting a fresh model"

@@ -328,6 +328,24 @@ async def test_a_late_join_whose_donors_cannot_be_combined_starts_a_fresh_model(
     assert status["state"].startswith("download failed (the donors disagree") and "fresh model" in status["state"]
 
 
+async def test_a_late_join_that_knows_no_one_starts_at_once_instead_of_after_join_wait_s(
+    tmp_path: Path, autojump_clock
+) -> None:
+    """Issue #27: every first start of a trainer waited `sync.join_wait_s` (10 s) for donors, even the
+    founder of a swarm with no bootstrap peer and nobody else known. A node that knows someone still waits."""
+    status: dict[str, Any] = {}
+    began = trio.current_time()
+    assert not await latejoin.late_join(None, tmp_path, list, model=MODEL, max_donors=3, wait_s=600, timeout_s=5,
+                                        status=status, alone=lambda: True)
+    assert trio.current_time() - began <= latejoin.ALONE_GRACE_S + 0.5
+    assert status["state"] == "alone: starting a fresh model"
+
+    began = trio.current_time()
+    assert not await latejoin.late_join(None, tmp_path, list, model=MODEL, max_donors=3, wait_s=600, timeout_s=5,
+                                        status=status, alone=lambda: False)
+    assert trio.current_time() - began >= 600 and status["state"] == "no donors: starting a fresh model"
+
+
 def test_a_runaway_that_comes_back_drops_its_later_checkpoints_so_a_restart_does_not_undo_it(tmp_path: Path) -> None:
     donor = trained(tmp_path / "donor", 1)
     runaway = trained(tmp_path / "runaway", 3)

@@ -213,3 +213,15 @@ def test_a_worker_killed_with_sigkill_resumes_from_its_checkpoint_and_averages_a
             assert "not averaging: " in text and last["reason"] in text, text
     assert told, "no status sample showed the restarted worker out of its partner's reach"
 
+
+@pytest.mark.slow
+def test_a_lone_founder_starts_training_without_waiting_join_wait_s(group: DaemonGroup) -> None:
+    """Every first start of a trainer waited `sync.join_wait_s` for donors, even with no bootstrap peer and
+    nobody known. Here the wait is 120 s; the node trains long before. (That it then runs far ahead of
+    the second trainer, whose worker loads for seconds meanwhile, is closed by the second's catch-up:
+    tests/test_swarm.py's late-join test, and the kill -9 test above, start their swarms this way.)"""
+    d = group.start("founder", *TINY, "--set", "sync.join_wait_s=120")
+    st = d.wait_status(lambda s: (s.get("training") or {}).get("state") == "training", timeout=90, interval=1)
+    assert st["join"]["state"] == "alone: starting a fresh model", st["join"]
+    assert "without waiting sync.join_wait_s" in d.log()
+
