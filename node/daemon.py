@@ -380,8 +380,12 @@ class Daemon:
         if not steps:
             return None
         nearest = min(steps, key=lambda step: abs(step - ours))
+        gap, swarm = self.cfg.sync.max_step_gap, None
+        if self.catch_up is not None and self.cfg.sync.catch_up_after:
+            swarm = self.catch_up.swarm_outer_step()
         return {"trainers": len(steps), "nearest_steps": abs(nearest - ours), "behind": nearest > ours,
-                "max_step_gap": self.cfg.sync.max_step_gap}
+                "catches_up": swarm is not None and abs(ours - swarm) > gap,
+                "catch_up_off": not self.cfg.sync.catch_up_after, "max_step_gap": gap}
 
     def _possible_partners(self) -> list[Any]:
         """Alive trainers with our manifest (`alive_members` checks it) and (unless the config allows bulk

@@ -173,7 +173,9 @@ class OutOfReachStatus(TypedDict):
 
     trainers: int  # the possible partners, all out of reach
     nearest_steps: int  # outer steps between this node and the nearest of them
-    behind: bool  # this node is behind the nearest (it catches up from the swarm); else it is ahead
+    behind: bool  # this node is behind the nearest of them; else ahead
+    catches_up: bool  # this node is off the swarm's position (node/latejoin.py CatchUp): it re-syncs, not them
+    catch_up_off: bool  # sync.catch_up_after = 0: nobody catches up
     max_step_gap: int
 
 

@@ -283,13 +283,18 @@ def _out_of_reach_line(sy: SyncStatus) -> str | None:
     count, steps = _count(reach.get("trainers")), _count(reach.get("nearest_steps"))
     where = (f"the other trainer of this run is {steps}" if count == 1
              else f"all {count} other trainers of this run are at least {steps}")
-    what = ("this node is behind: it catches up from the swarm" if reach.get("behind")
-            else "this node is ahead: the others catch up")
+    side = "behind" if reach.get("behind") else "ahead"
     catch_up = sy.get("catch_up")
     state = catch_up.get("state") if isinstance(catch_up, dict) else None
-    doing = f" (catch-up: {state})" if reach.get("behind") and state and state != "idle" else ""
+    if reach.get("catch_up_off"):
+        what = f"this node is {side}, and sync.catch_up_after = 0: nobody catches up"
+    elif reach.get("catches_up"):
+        doing = f" (catch-up: {state})" if state and state != "idle" else ""
+        what = f"this node is {side}: it catches up from the swarm{doing}"
+    else:
+        what = f"this node is {side}: the others catch up with it"
     return (f"not averaging: {where} outer steps away (sync.max_step_gap {_count(reach.get('max_step_gap'))}); "
-            f"{what}{doing}")
+            f"{what}")
 
 
 def _seconds(value: Any) -> float:

@@ -208,6 +208,7 @@ def test_a_worker_killed_with_sigkill_resumes_from_its_checkpoint_and_averages_a
         last = s["sync"].get("last_refusal")
         if theirs is not None and abs(theirs - ours) > gap + 1:
             assert "not averaging: the other trainer of this run is" in text, text
+            assert "this node is behind: it catches up from the swarm" in text, text
             told += 1
         if last and not last["averaged_since"] and last["seconds_ago"] < 60:
             assert "not averaging: " in text and last["reason"] in text, text

@@ -199,14 +199,23 @@ def test_every_possible_partner_beyond_the_step_gap_is_said_as_not_averaging() -
     "one island of 2 trainers"."""
     st = captured()
     assert "not averaging" not in render_status(st)
-    st["sync"]["out_of_reach"] = {"trainers": 1, "nearest_steps": 9, "behind": True, "max_step_gap": 2}
+    reach = {"trainers": 1, "nearest_steps": 9, "behind": True, "catches_up": True, "catch_up_off": False,
+             "max_step_gap": 2}
+    st["sync"]["out_of_reach"] = reach
     st["sync"]["catch_up"] = {"state": "downloading"}
     assert line(render_status(st), "not averaging:") == (
         "not averaging: the other trainer of this run is 9 outer steps away (sync.max_step_gap 2); this node is "
         "behind: it catches up from the swarm (catch-up: downloading)")
-    st["sync"]["out_of_reach"] = {"trainers": 3, "nearest_steps": 6, "behind": False, "max_step_gap": 4}
+    st["sync"]["out_of_reach"] = {**reach, "trainers": 3, "nearest_steps": 6, "behind": False, "catches_up": False,
+                                  "max_step_gap": 4}
     assert line(render_status(st), "not averaging:") == (
         "not averaging: all 3 other trainers of this run are at least 6 outer steps away (sync.max_step_gap 4); "
-        "this node is ahead: the others catch up")
+        "this node is ahead: the others catch up with it")
+    st["sync"]["out_of_reach"] = {**reach, "behind": False}  # a runaway: ahead, and off the swarm's position
+    assert line(render_status(st), "not averaging:").endswith("this node is ahead: it catches up from the swarm "
+                                                             "(catch-up: downloading)")
+    st["sync"]["out_of_reach"] = {**reach, "catch_up_off": True}
+    assert line(render_status(st), "not averaging:").endswith("this node is behind, and sync.catch_up_after = 0: "
+                                                             "nobody catches up")
     st["sync"]["out_of_reach"] = None
     assert "not averaging" not in render_status(st)
