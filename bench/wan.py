@@ -310,6 +310,14 @@ class NodeRun:
     def rate(self) -> float:
         return self.steps / self.seconds if self.seconds else 0.0
 
+    @property
+    def per_cpu(self) -> float | None:
+        """Inner steps per second of its worker's CPU: what the link cost the worker, apart from how much CPU
+        a shared machine gave it (the cap is an upper bound; the reference run may have got less)."""
+        if self.cpu_share is None or self.cpu_share <= 0:
+            return None
+        return self.rate / self.cpu_share
+
 
 @dataclass
 class StarlingRun:
@@ -781,6 +789,7 @@ class Row:
     reference: bool = False  # shown, not a contender (the unshaped run)
     averaged_shares: list[float] = field(default_factory=list)  # Starling: per trainer, averaged / outer steps
     rate_shares: list[float] = field(default_factory=list)  # Starling: per trainer, of the unshaped rate
+    cpu_rate_shares: list[float] = field(default_factory=list)  # the same per worker CPU-second
 
 
 def interp(points: list[tuple[float, float]], x: float) -> float:
@@ -835,7 +844,10 @@ def starling_row(run: StarlingRun, unshaped: StarlingRun | None, label: str, ref
     note = (f"inner steps {steps}; last exchange (s) {last}" + (f"; worker restarts {restarts}" if restarts else "")
             + (f"; catch-ups {catch_ups}" if any(n.catch_ups for n in run.nodes) else ""))
     averaged = [n.averaged / max(1, n.averaged + n.solo + n.failed) for n in run.nodes]
-    return Row(label, run.curve, run.sent_curve, share, rounds, cpu, note, reference, averaged, shares)
+    ref_cpu = [x for x in (n.per_cpu for n in unshaped.nodes) if x is not None] if unshaped else []
+    per_cpu = ([x / statistics.fmean(ref_cpu) for x in (n.per_cpu for n in run.nodes) if x is not None]
+               if ref_cpu else [])
+    return Row(label, run.curve, run.sent_curve, share, rounds, cpu, note, reference, averaged, shares, per_cpu)
 
 
 def verdicts(sc_name: str, rows: list[Row], target: float) -> list[str]:
@@ -856,7 +868,9 @@ def verdicts(sc_name: str, rows: list[Row], target: float) -> list[str]:
            f"({', '.join(f'{x:.0%}' for x in star.averaged_shares)})"]
     if star.rate_shares:
         out.append(f"- {sc_name}: every trainer makes >= 90% of its unshaped inner-step rate: "
-                   f"{met(min(star.rate_shares) >= 0.9)} ({', '.join(f'{x:.0%}' for x in star.rate_shares)})")
+                   f"{met(min(star.rate_shares) >= 0.9)} ({', '.join(f'{x:.0%}' for x in star.rate_shares)})"
+                   + (f"; per worker CPU-second, which a shared machine's load does not move: "
+                      f"{', '.join(f'{x:.0%}' for x in star.cpu_rate_shares)}" if star.cpu_rate_shares else ""))
     r_ddp, r_dil = ratio(t_ddp), ratio(t_dil)
     text = "n/a (not reached)" if r_ddp is None else f"{r_ddp:.1f}x"
     out.append(f"- {sc_name}: Starling reaches {target:.3f} >= 5x sooner than DDP: "

@@ -58,12 +58,14 @@ meant for the daemon does not interrupt it mid-step; the daemon asks it to stop 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import math
 import os
 import signal
 import socket
+import statistics
 import sys
 import time
 from collections.abc import Mapping
@@ -120,6 +122,7 @@ log = logging.getLogger("starling.worker")
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)
 METRICS_INTERVAL = 1.0  # seconds between metrics messages (also the worker's heartbeat)
+PHASE_WINDOW = 5  # outer steps whose median is this machine's speed (Trainer.samples_per_s)
 
 
 # --- the training core ------------------------------------------------------------------------------------
@@ -221,6 +224,11 @@ class Trainer:
         # Seconds per inner step over whole outer steps, the outer step's own work (evaluation, publish,
         # apply) included and the time blocked on a lagging result excluded: what this machine reports
         # as its speed, so that the swarm's pace gives the fastest machine time for H steps in full.
+        # The median of the last PHASE_WINDOW outer steps: one-off costs (the first outer step's
+        # allocations and, on a GPU, its pinned buffers and kernel warm-up; a checkpoint) are outliers that
+        # an average kept for many outer steps (an EMA from the first phase read 65 samples/s on an H200
+        # whose step counter made 536), and the pace derived from a stale speed is stale too.
+        self._phase_steps: collections.deque[float] = collections.deque(maxlen=PHASE_WINDOW)
         self.phase_step_s: float | None = None
         self.blocked_s = 0.0
         self._last_publish_time: float | None = None
@@ -409,8 +417,8 @@ class Trainer:
         self.published_samples = inner_steps * self.cfg.batch_size
         now = time.monotonic()
         if self._last_publish_time is not None and inner_steps > 0:
-            per_step = max(now - self._last_publish_time - self.blocked_s, 1e-6) / inner_steps
-            self.phase_step_s = per_step if self.phase_step_s is None else 0.7 * self.phase_step_s + 0.3 * per_step
+            self._phase_steps.append(max(now - self._last_publish_time - self.blocked_s, 1e-6) / inner_steps)
+            self.phase_step_s = statistics.median(self._phase_steps)
         self._last_publish_time, self.blocked_s = now, 0.0
         if self.period_s > 0:
             self.next_publish_at = now + self.period_s

@@ -255,7 +255,10 @@ class AccessControl:
                         f"hs:{addr[0] if addr else '?'}",
                         "refused a connection from %s: its handshake failed (%s)",
                         who,
-                        "wrong or missing swarm key, or not a Starling node" if control.keyed else "not a libp2p/Noise peer",
+                        ("wrong or missing swarm key, or not a Starling node" if control.keyed else "not a libp2p/Noise peer")
+                        # A handshake that never completed reads the same here: seen on a 0.08 Mbit/s link that
+                        # gossip filled (bench/wan.py one-slow), where honest peers' handshakes timed out.
+                        + "; or it did not complete: a slow or lossy link, or the dialler gave up",
                     )
                 raise
             remote = str(secured.get_remote_peer())

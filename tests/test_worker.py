@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -691,3 +692,26 @@ def test_one_non_finite_entry_anywhere_makes_a_group_result_non_finite(bad: floa
     assert not _all_finite(y)
     # Finite values so large that they overflow fp32 when summed are refused as well (no usable result).
     assert not _all_finite(torch.full((10,), 3e38))
+
+
+def test_the_reported_speed_follows_the_last_outer_steps_not_a_slow_first_one(tmp_path: Path, monkeypatch) -> None:
+    """`samples_per_s` (the speed the swarm's pace is built from) is the median of the last outer steps: a
+    first outer step 10x slower (one-off allocations and warm-up; on an H200 an average kept from it read
+    65 samples/s where the step counter made 536) is forgotten after three normal ones."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    tr = Trainer(TINY, tmp_path, "gpu")
+    h = TINY.inner_steps
+
+    def outer_step(seconds_per_step: float) -> None:
+        for _ in range(h):
+            tr.inner_step()
+        clock[0] += seconds_per_step * h
+        tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+        tr.apply_result(1)
+
+    outer_step(1.0)  # the first publish only starts the clock
+    outer_step(1.0)  # the slow first timed outer step
+    for _ in range(3):
+        outer_step(0.1)
+    assert tr.samples_per_s() == pytest.approx(TINY.batch_size / 0.1)
