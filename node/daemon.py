@@ -38,6 +38,7 @@ from node.averaging.latejoin import (
     has_checkpoint,
     join_snapshot_path,
     late_join,
+    near_the_swarm,
     progress_view,
     snapshot_source,
 )
@@ -48,7 +49,7 @@ from node.ops.history import HISTORY_FILE, HistoryError, LossHistory, series_of
 from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
-from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus
+from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
 from node.swarm.crdt import Manifest, ManifestAuthority
 from node.swarm.nat import NatConfig, NatService
 from node.swarm.replicator import (
@@ -372,6 +373,24 @@ class Daemon:
         gap = self.cfg.sync.max_step_gap
         return [m.record.peer_id for m in self._possible_partners() if abs(m.record.outer_step - ours) <= gap + 1]
 
+    def _out_of_reach(self) -> OutOfReachStatus | None:
+        """Possible partners exist and none is eligible because of the outer-step gap: what status says
+        instead of nothing. After a worker restarted from an older checkpoint, the two trainers stepped solo
+        side by side while status showed their old pairing as "one island of 2 trainers" (issue #27)."""
+        if self.supervisor is None or self._eligible_partners():
+            return None
+        ours = int(self._training().get("outer_step") or 0)
+        steps = [m.record.outer_step for m in self._possible_partners()]
+        if not steps:
+            return None
+        nearest = min(steps, key=lambda step: abs(step - ours))
+        gap, swarm = self.cfg.sync.max_step_gap, None
+        if self.catch_up is not None and self.cfg.sync.catch_up_after:
+            swarm = self.catch_up.swarm_outer_step()
+        return {"trainers": len(steps), "nearest_steps": abs(nearest - ours), "behind": nearest > ours,
+                "catches_up": swarm is not None and abs(ours - swarm) > gap,
+                "catch_up_off": not self.cfg.sync.catch_up_after, "max_step_gap": gap}
+
     def _possible_partners(self) -> list[Any]:
         """Alive trainers with our manifest (`alive_members` checks it) and (unless the config allows bulk
         over relays) a direct or hole-punched path: bulk tensors never cross a relay. None at all makes the
@@ -499,6 +518,7 @@ class Daemon:
             if self.catch_up is not None:
                 sync["catch_ups"] = self.catch_up.catch_ups
                 sync["catch_up"] = progress_view(self.catch_up.status)
+            sync["out_of_reach"] = self._out_of_reach()
             join: JoinStatus = {**progress_view(self.join_status)}
             join["serving"] = self.snapshots.serving
             join["served"] = self.snapshots.served
@@ -624,8 +644,17 @@ class Daemon:
                 timeout_s=t.join_timeout_s,
                 status=self.join_status,
                 on_refused=self._donor_lied,
+                alone=self._knows_no_one,
             )
         await self.supervisor.run()
+
+    def _knows_no_one(self) -> bool:
+        """No bootstrap peer configured, no connection and no other member: the founder's first start,
+        with no donor to wait for (a peer that dials us in the late join's grace period counts)."""
+        node = self.cfg.node
+        me = str(self.peer_id)
+        return (not node.bootstrap and not node.bootstrap_files and not self.host.get_connected_peers()
+                and not any(m.record.peer_id != me for m in self.replicator.state.members()))
 
     def _donor_lied(self, peer: str) -> None:
         """A donor whose record carries our manifest served a snapshot of another model: that is no honest
@@ -636,7 +665,8 @@ class Daemon:
     def _join_donors(self) -> list[str]:
         """Alive trainers that have made outer steps and whose signed member record carries our run
         manifest: ours as the start-up check described it, else the swarm's. A member of another run (or
-        one that claims no run) trains another model, and its snapshot would be refused at its meta."""
+        one that claims no run) trains another model, and its snapshot would be refused at its meta. Of
+        those, the ones near the swarm's position (`near_the_swarm`): not a mean of far-apart models."""
         c = self._checked
         wanted = self._manifest_of(c.name, c.model_hash).hash if c is not None and c.model_hash else None
         if wanted is None:
@@ -644,13 +674,15 @@ class Daemon:
             wanted = swarm.hash if swarm is not None else None
         if wanted is None:
             return []
-        donors = [
+        trained = [
             m.record
             for m in self.replicator.state.members()
             if m.state == "alive" and m.record.role == "trainer" and m.record.outer_step > 0
             and m.record.manifest_hash == wanted
             and m.record.peer_id != str(self.peer_id)
         ]
+        near = set(near_the_swarm({r.peer_id: r.outer_step for r in trained}, self.cfg.sync.max_step_gap))
+        donors = [record for record in trained if record.peer_id in near]
         # A joiner learns its donors from their records a second after it met the bootstrap node, before the
         # connection manager has dialled any of them (`_learn_member_addrs`, every 5 s): without their
         # addresses every download failed at once ("no known addresses") and the joiner started a fresh

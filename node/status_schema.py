@@ -167,6 +167,18 @@ class RefusalStatus(TypedDict):
     averaged_since: bool  # an exchange completed after it (status's `not averaging:` line is then left out)
 
 
+class OutOfReachStatus(TypedDict):
+    """``sync.out_of_reach``: alive trainers of this run exist, and every one is further than the allowed
+    gap of outer steps away (node/daemon.py): nobody this node can average with, and why."""
+
+    trainers: int  # the possible partners, all out of reach
+    nearest_steps: int  # outer steps between this node and the nearest of them
+    behind: bool  # this node is behind the nearest of them; else ahead
+    catches_up: bool  # this node is off the swarm's position (node/averaging/latejoin.py CatchUp): it re-syncs, not them
+    catch_up_off: bool  # sync.catch_up_after = 0: nobody catches up
+    max_step_gap: int
+
+
 class SyncStatus(TypedDict):
     """``sync``: averaging rounds with partners (trainers only)."""
 
@@ -199,6 +211,7 @@ class SyncStatus(TypedDict):
     last_refusal: RefusalStatus | None  # why the latest refused request was refused (None: none yet)
     catch_ups: NotRequired[int]  # snapshots the worker adopted
     catch_up: NotRequired[ProgressStatus]
+    out_of_reach: NotRequired[OutOfReachStatus | None]  # set while every possible partner is beyond the gap
 
 
 # --- membership: the swarm-state replica (node/swarm/replicator.py) -----------------------------------------------

@@ -80,8 +80,26 @@ def test_no_catch_up_when_alone_or_when_every_trainer_is_within_reach(tmp_path: 
 
 
 def test_donors_must_have_trained_and_there_is_at_least_one_even_with_late_join_off(tmp_path: Path) -> None:
-    assert catch_up(tmp_path, 50, {"a": 0, "b": 0, "c": 1}).plan() == (1, ["c"])
+    assert catch_up(tmp_path, 50, {"a": 0, "b": 0, "c": 1, "d": 2}).plan() == (2, ["d", "c"])
+
+
+def test_a_trainer_that_has_not_made_an_outer_step_is_no_part_of_the_swarms_position(tmp_path: Path) -> None:
+    """Seen in a late-join run: a node at outer step 22 planned a catch-up towards the founder at 179, and a
+    joiner still downloading (outer step 0) then made the median of {22, 179, 0} 22: the snapshot was
+    delivered at outer step 22 ("outer step 22 -> 22"), and the same joiner could stop the plan itself."""
+    cu = catch_up(tmp_path, 22, {"founder": 179, "joiner": 0})
+    assert cu.plan() == (179, ["founder"])
+    assert cu.swarm_outer_step() == 179
+    assert catch_up(tmp_path, 22, {"joiner": 0}).swarm_outer_step() is None  # alone as far as steps go
     assert catch_up(tmp_path, 0, {"a": 20, "b": 21}, join_donors=0).plan() == (20, ["a"])
+
+
+def test_a_late_join_takes_donors_near_the_swarms_position_not_a_mean_of_far_apart_models() -> None:
+    """A founder that ran ahead alone (179) and a second node still catching up (22): the joiner took the
+    mean of both, at the low median's outer step 22. Between two, the one further ahead is the reference."""
+    assert latejoin.near_the_swarm({"founder": 179, "second": 22}, 4) == ["founder"]
+    assert sorted(latejoin.near_the_swarm({"a": 30, "b": 31, "c": 28, "runaway": 90}, 4)) == ["a", "b", "c"]
+    assert latejoin.near_the_swarm({}, 4) == []
 
 
 # --- when: the trigger ------------------------------------------------------------------------------------
@@ -149,6 +167,39 @@ async def test_a_refusal_as_too_far_behind_starts_the_catch_up_at_once(
         cu.behind(15)
         await trio.sleep(1)
         assert len(fake_download) == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_restarted_from_an_older_checkpoint_soon_after_a_catch_up_catches_up_at_once(
+    tmp_path: Path, fake_download: list, autojump_clock
+) -> None:
+    """Issue #27, `kill -9` of a worker (through real daemons: tests/test_diagnostics_daemons.py): restarted
+    20 s after the node's previous catch-up, out of its partner's reach, it stepped solo for the 10 s left
+    of `CATCH_UP_INTERVAL_S`. Its own step going back is no lagging record: the interval is lifted."""
+    own, swarm = [0], [20]
+    cu = CatchUp(None, tmp_path, SyncConfig(max_step_gap=4, catch_up_after=3), own_outer_step=lambda: own[0],
+                 trainers=lambda: {"a": swarm[0]}, deliver=lambda path, step: None, model=lambda: MODEL)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cu.run)
+        for _ in range(3):
+            cu.note_outer_step(False)
+            await trio.sleep(1)
+        assert len(fake_download) == 1
+        first = trio.current_time()
+        own[0] = 20
+        cu.adopted(Adopted(previous_step=10, previous_outer_step=3, step=100, outer_step=20, donors=["a"]))
+        for _ in range(5):  # averaged again
+            own[0] += 1
+            swarm[0] += 1
+            cu.note_outer_step(True)
+            await trio.sleep(1)
+        own[0], swarm[0] = 12, 27  # the worker resumed from a checkpoint 13 outer steps back
+        for _ in range(3):
+            cu.note_outer_step(False)
+            await trio.sleep(1)
+            own[0] += 1
+        assert len(fake_download) == 2
+        assert trio.current_time() - first < latejoin.CATCH_UP_INTERVAL_S
         nursery.cancel_scope.cancel()
 
 
@@ -225,6 +276,19 @@ async def test_a_node_far_behind_downloads_the_swarms_weights_and_adopts_them_at
     assert behind.publish_due() is False and behind.last_publish_step == behind.step
 
 
+def test_a_catch_up_never_sets_the_outer_step_below_the_snapshots_own(tmp_path: Path) -> None:
+    """The catch-up's `outer step 22 -> 22` while the swarm was at 179: the weights came from outer step 179
+    but the daemon's swarm median (22, dragged down by a trainer that had not started) set the counter."""
+    donor = trained(tmp_path / "donor", 4)
+    behind = trained(tmp_path / "behind", 1)
+    path = tmp_path / "snapshot.pt"
+    write_checkpoint(path, {"phi": donor.phi, "step": donor.step, "outer_step": donor.outer_step,
+                            "layout_hash": donor.layout_hash, "donors": ["d"]})
+    report = behind.adopt_snapshot(path, behind.outer_step)
+    assert (report.previous_outer_step, report.outer_step) == (1, 4)
+    assert behind.outer_step == donor.outer_step and behind.step == donor.step
+
+
 def test_a_snapshot_of_another_model_is_refused_and_nothing_changes(tmp_path: Path) -> None:
     tr = trained(tmp_path, 1)
     before = (tr.step, tr.outer_step, tr.phi.clone())
@@ -262,6 +326,24 @@ async def test_a_late_join_whose_donors_cannot_be_combined_starts_a_fresh_model(
                                       status=status)
     assert joined is False
     assert status["state"].startswith("download failed (the donors disagree") and "fresh model" in status["state"]
+
+
+async def test_a_late_join_that_knows_no_one_starts_at_once_instead_of_after_join_wait_s(
+    tmp_path: Path, autojump_clock
+) -> None:
+    """Issue #27: every first start of a trainer waited `sync.join_wait_s` (10 s) for donors, even the
+    founder of a swarm with no bootstrap peer and nobody else known. A node that knows someone still waits."""
+    status: dict[str, Any] = {}
+    began = trio.current_time()
+    assert not await latejoin.late_join(None, tmp_path, list, model=MODEL, max_donors=3, wait_s=600, timeout_s=5,
+                                        status=status, alone=lambda: True)
+    assert trio.current_time() - began <= latejoin.ALONE_GRACE_S + 0.5
+    assert status["state"] == "alone: starting a fresh model"
+
+    began = trio.current_time()
+    assert not await latejoin.late_join(None, tmp_path, list, model=MODEL, max_donors=3, wait_s=600, timeout_s=5,
+                                        status=status, alone=lambda: False)
+    assert trio.current_time() - began >= 600 and status["state"] == "no donors: starting a fresh model"
 
 
 def test_a_runaway_that_comes_back_drops_its_later_checkpoints_so_a_restart_does_not_undo_it(tmp_path: Path) -> None:

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from node.ops.status_view import render_status
 from starling_testing.daemon import TINY, DaemonGroup, DaemonProc, starling
 from starling_testing.disk import tiny_tmpfs
 
@@ -144,4 +147,82 @@ def test_a_nodes_own_member_record_carries_the_reachability_its_status_shows(gro
     st = b.wait_status(lambda s: s.get("reachability") == "public" and own_record(s).get("reachability") == "public",
                        timeout=60, interval=1)
     assert _status(b.home)["running"] is True and own_record(st)["peer_id"] == st["peer_id"]
+
+
+def _newest_checkpoint_step(home: Path) -> int | None:
+    """The inner step of the newest checkpoint on disk: what a restarted worker resumes from."""
+    steps = [int(p.stem.split("-", 1)[1]) for p in (home / "checkpoints").glob("*/ckpt-*.pt")]
+    return max(steps, default=None)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_with_sigkill_resumes_from_its_checkpoint_and_averages_again_saying_why_meanwhile(
+    group: DaemonGroup,
+) -> None:
+    """Issue #27, `kill -9` of a worker: restarted from a checkpoint outer steps back, the two trainers
+    stepped solo for about 4 minutes, `declined` rising and logged at debug only, while `status` said "one
+    island of 2 trainers". Here the worker is killed while its newest checkpoint is more than
+    `sync.max_step_gap` outer steps back, so the restarted worker resumes out of its partner's reach. It
+    must catch up from the swarm and average again; meanwhile, whenever `status` itself holds the reason
+    (the partner's outer step beyond the gap, or a refusal), what `starling status` prints says so."""
+    gap, h = 2, 5  # sync.max_step_gap; TINY's train.inner_steps: an outer step is at most H inner steps
+    opts = [*TINY, "--swarm", "k9", "--set", "train.checkpoint_every=20", "--set", f"sync.max_step_gap={gap}"]
+    a = group.start("a", *opts)
+    b = group.start("b", *opts, "--bootstrap", a.addr())
+    for d in (a, b):
+        d.wait_status(lambda s: (s.get("sync") or {}).get("rounds", 0) >= 3, timeout=180, interval=1)
+
+    def far_from_its_checkpoint(s: dict) -> bool:
+        newest = _newest_checkpoint_step(b.home)
+        return newest is not None and s["training"]["step"] - newest >= (gap + 2) * h
+
+    st = b.wait_status(far_from_its_checkpoint, timeout=120, interval=0.2)
+    worker = st["training"]["pid"]
+    os.kill(worker, signal.SIGKILL)
+    checkpoint_step = _newest_checkpoint_step(b.home)
+    rounds = {d.home.name: d.status()["sync"]["rounds"] for d in (a, b)}
+    catch_ups = st["sync"].get("catch_ups", 0)
+    a_id = a.status()["peer_id"]
+
+    samples: list[dict] = []
+
+    def averaged_again(s: dict) -> bool:
+        tr = s.get("training") or {}
+        if tr.get("restarts", 0) >= 1 and tr.get("pid") not in (None, worker):
+            samples.append(s)  # the restarted worker runs
+        return bool(samples) and s["sync"]["rounds"] > rounds["b"] and s["sync"].get("catch_ups", 0) > catch_ups
+
+    b.wait_status(averaged_again, timeout=150, interval=0.3)
+    a.wait_status(lambda s: s["sync"]["rounds"] > rounds["a"], timeout=60)
+
+    log = b.log()
+    resumed = [line for line in log.splitlines() if "worker" in line and "resumed from" in line]
+    assert resumed and "checkpoints" in resumed[-1], log[-3000:]
+    assert int(resumed[-1].rsplit("at step", 1)[1].split()[0]) == checkpoint_step, resumed[-1]
+    assert "catching up from" in log, log[-3000:]
+    told = 0
+    for s in samples[:-1]:  # before it averaged again
+        text = render_status(s)  # what `starling status` prints for this status
+        ours = s["training"]["outer_step"]
+        theirs = next((m["outer_step"] for m in s.get("members", []) if m["peer_id"] == a_id), None)
+        last = s["sync"].get("last_refusal")
+        if theirs is not None and abs(theirs - ours) > gap + 1:
+            assert "not averaging: the other trainer of this run is" in text, text
+            assert "this node is behind: it catches up from the swarm" in text, text
+            told += 1
+        if last and not last["averaged_since"] and last["seconds_ago"] < 60:
+            assert "not averaging: " in text and last["reason"] in text, text
+    assert told, "no status sample showed the restarted worker out of its partner's reach"
+
+
+@pytest.mark.slow
+def test_a_lone_founder_starts_training_without_waiting_join_wait_s(group: DaemonGroup) -> None:
+    """Every first start of a trainer waited `sync.join_wait_s` for donors, even with no bootstrap peer and
+    nobody known. Here the wait is 120 s; the node trains long before. (That it then runs far ahead of
+    the second trainer, whose worker loads for seconds meanwhile, is closed by the second's catch-up:
+    tests/test_swarm.py's late-join test, and the kill -9 test above, start their swarms this way.)"""
+    d = group.start("founder", *TINY, "--set", "sync.join_wait_s=120")
+    st = d.wait_status(lambda s: (s.get("training") or {}).get("state") == "training", timeout=90, interval=1)
+    assert st["join"]["state"] == "alone: starting a fresh model", st["join"]
+    assert "without waiting sync.join_wait_s" in d.log()
 

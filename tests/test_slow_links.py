@@ -293,18 +293,11 @@ def test_the_wait_for_a_busy_partner_follows_our_own_transfer_time_and_never_dro
     assert averager._busy_wait_s() == 150.0
 
 
-# -- the pairing handshake: its deadline is learned too -------------------------------------------------
-
-
-async def test_a_partner_whose_answers_outlast_the_configured_handshake_deadline_is_given_longer_and_pairs() -> None:
-    """On a saturated slow link every pairing answer took longer than `sync.handshake_timeout_s`, so every
-    exchange failed as a bare TooSlowError, round after round (bench/wan.py, one-slow at 0.4 Mbit/s: the
-    slow trainer averaged 0 of 36 outer steps). The deadline now grows with each timeout, per partner: a
-    partner that always answers after 0.8 s, against a configured 0.5 s, fails once with a reason that
-    says so, then pairs."""
+async def test_a_partner_that_never_answers_the_pairing_request_fails_with_a_reason_that_names_the_deadline() -> None:
+    """A bare `TooSlowError:` was all an operator saw for every exchange of a trainer whose saturated link
+    delayed each answer past the deadline (bench/wan.py one-slow, docs/benchmarks.md)."""
+    cfg = dataclasses.replace(_slow_cfg(), handshake_timeout_s=0.5, pair_window_s=2)
     hosts = [build_host(create_new_key_pair()) for _ in range(2)]
-    partner_values = small_request(2)
-    cfg = dataclasses.replace(_slow_cfg(), handshake_timeout_s=0.5, pair_window_s=10, backoff_s=0.5)
     async with AsyncExitStack() as stack:
         for h in hosts:
             await stack.enter_async_context(h.run(LISTEN))
@@ -312,44 +305,16 @@ async def test_a_partner_whose_answers_outlast_the_configured_handshake_deadline
         ours = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
         await nursery.start(ours.run)
 
-        async def late_answers(stream) -> None:
-            control = LibP2PByteStream(stream)
-            req = await recv_as(control, avg.AvgRequest)
-            await trio.sleep(0.8)  # every answer comes after the configured deadline
-            try:
-                await send_msg(control, avg.AvgAnswer(verdict="accept", pubkey=KeyAgreement().public_key,
-                                                      session_id=b"x" * 16, outer_step=req.outer_step))
-                await recv_as(control, avg.AvgPath)
-            except Exception:  # the asker gave up before the answer: this attempt is over
-                return
-            channel = PlainFrameChannel(control, max_frame_size=avg.MAX_FRAME)
-            async with trio.open_nursery() as inner:
-                inner.start_soon(_drain, channel, req.numel)
-                for tensor in (partner_values.phi, partner_values.delta):
-                    await channel.send(np.asarray(tensor).tobytes())
-            await stream.close()
+        async def never_answers(stream) -> None:
+            await recv_as(LibP2PByteStream(stream), avg.AvgRequest)
+            await trio.sleep_forever()
 
-        hosts[1].set_stream_handler(avg.PROTOCOL_ID, late_answers)
+        hosts[1].set_stream_handler(avg.PROTOCOL_ID, never_answers)
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
-        with trio.fail_after(60):
+        with trio.fail_after(30):
             outcome = await ours.exchange(small_request(1))
         status = dict(ours.status())
         nursery.cancel_scope.cancel()
-    assert outcome.group_size == 2, status["last_error"]
-    (peer,) = status["per_peer"].values()
-    assert status["failures"] == 1 and peer["rounds"] == 1  # one timeout, then the exchange
-    assert "no answer to the pairing request within 0.5s" in status["last_error"]
-    assert "may take 1s" in status["last_error"]
-
-
-def test_the_handshake_deadline_doubles_per_timeout_up_to_a_cap_and_shrinks_back_after_a_quick_answer() -> None:
-    from node.averaging.averager import HANDSHAKE_MAX_S
-
-    ours = Averager(_NoHost(), SyncConfig(handshake_timeout_s=5.0), manifest_hash=lambda: "m1")
-    assert ours._handshake_s("p") == 5.0
-    assert [ours._handshake_timed_out("p") for _ in range(4)] == [10.0, 20.0, HANDSHAKE_MAX_S, HANDSHAKE_MAX_S]
-    assert ours._handshake_s("q") == 5.0  # only that partner waits longer
-    ours._handshake_took("p", 3.0)  # 4 x 3 s
-    assert ours._handshake_s("p") == 12.0
-    ours._handshake_took("p", 0.2)
-    assert ours._handshake_s("p") == 5.0
+    assert outcome.group_size == 1
+    assert status["last_error"].endswith(
+        "TooSlowError: no answer to the pairing request within 0.5s (sync.handshake_timeout_s)")

@@ -191,3 +191,31 @@ def test_sitting_out_line_names_the_partners_with_the_most_time_left_first_and_c
     st["sync"]["sitting_out"] = {"count": 1, "exclusions": 1, "peers": {"12D3KooWFake1xxxxxxxxxxxxxx1": 29.6}}
     assert line(render_status(st), "sitting out:") == (
         "sitting out: 1 partner after missed averaging rounds (seconds left): 12D3Ko..xxxxx1 30s")
+
+
+def test_every_possible_partner_beyond_the_step_gap_is_said_as_not_averaging() -> None:
+    """Issue #27, `kill -9` of a worker: restarted from an older checkpoint, the node was too far from its
+    partner for either to even ask the other (no refusal to show), and status said nothing but its old
+    "one island of 2 trainers"."""
+    st = captured()
+    assert "not averaging" not in render_status(st)
+    reach = {"trainers": 1, "nearest_steps": 9, "behind": True, "catches_up": True, "catch_up_off": False,
+             "max_step_gap": 2}
+    st["sync"]["out_of_reach"] = reach
+    st["sync"]["catch_up"] = {"state": "downloading"}
+    assert line(render_status(st), "not averaging:") == (
+        "not averaging: the other trainer of this run is 9 outer steps away (sync.max_step_gap 2); this node is "
+        "behind: it catches up from the swarm (catch-up: downloading)")
+    st["sync"]["out_of_reach"] = {**reach, "trainers": 3, "nearest_steps": 6, "behind": False, "catches_up": False,
+                                  "max_step_gap": 4}
+    assert line(render_status(st), "not averaging:") == (
+        "not averaging: all 3 other trainers of this run are at least 6 outer steps away (sync.max_step_gap 4); "
+        "this node is ahead: the others catch up with it")
+    st["sync"]["out_of_reach"] = {**reach, "behind": False}  # a runaway: ahead, and off the swarm's position
+    assert line(render_status(st), "not averaging:").endswith("this node is ahead: it catches up from the swarm "
+                                                             "(catch-up: downloading)")
+    st["sync"]["out_of_reach"] = {**reach, "catch_up_off": True}
+    assert line(render_status(st), "not averaging:").endswith("this node is behind, and sync.catch_up_after = 0: "
+                                                             "nobody catches up")
+    st["sync"]["out_of_reach"] = None
+    assert "not averaging" not in render_status(st)

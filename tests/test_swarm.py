@@ -108,8 +108,11 @@ def test_a_late_joiner_starts_from_the_swarms_weights_not_a_fresh_model(group: D
     steady = ["--set", "train.eval_batches=8"]  # validation loss over 8 batches: a steadier yardstick
     boot = group.start("n0", *TINY, *steady, "--swarm", "late")
     nodes = [boot, group.start("n1", *TINY, *steady, "--swarm", "late", "--bootstrap", boot.addr())]
+    # Trained, and together: a founder starts at once and runs ahead alone while the second node's worker
+    # loads; until that node has caught up, the joiner's donors would be the founder alone.
     for d in nodes:
-        d.wait_status(lambda s: s["training"]["outer_step"] >= 8 and s["training"].get("checkpoint_step"), timeout=200)
+        d.wait_status(lambda s: s["training"]["outer_step"] >= 8 and s["training"].get("checkpoint_step")
+                      and s["sync"]["rounds"] >= 1, timeout=200)
     joiner = group.start("late", *TINY, *steady, "--swarm", "late", "--bootstrap", boot.addr(),
                          "--set", "sync.join_wait_s=30")
     st = joiner.wait_status(lambda s: s.get("join", {}).get("state") == "done", timeout=90)

@@ -115,12 +115,6 @@ SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still trai
 # A second-round request that arrives during our first round is held for at most this share of the
 # handshake deadline (the asker's wait for our answer; past it the asker counts a failure against us).
 HOLD_SHARE = 0.5
-# The pairing handshake's deadline per partner (`_handshake_s`): the configured one until a handshake with that
-# partner times out, then HANDSHAKE_GROWTH times longer at each timeout up to HANDSHAKE_MAX_S; a completed one
-# sets it to HANDSHAKE_MARGIN times what it took (never under the configured one).
-HANDSHAKE_GROWTH = 2.0
-HANDSHAKE_MAX_S = 40.0
-HANDSHAKE_MARGIN = 4.0
 # The answer to a second-round request during our first round (the one request that may be held).
 NOT_IN_ROUND = "not ready (in the first round of its outer step)"
 ALREADY_EXCHANGING = "already exchanging"  # the answer of a trainer whose outer step is paired and transferring
@@ -201,7 +195,6 @@ class _Link:
     clipped: int = 0  # exchanges whose values we clipped (node/averaging/robust.py)
     ip: str | None = None  # the address its latest request or answer came from
     compression: str | None = None  # the preset of our latest exchange with it (`sync.compression = auto`)
-    handshake_s: float | None = None  # learned pairing-handshake deadline (None: `sync.handshake_timeout_s`)
 
 
 def _per_ip_key(ip: str | None) -> str | None:
@@ -768,32 +761,6 @@ class Averager:
         rate, assumed or measured, can rule out a slow link that works."""
         return avg.TransferLimits(stall_s=self.cfg.stall_timeout_s, max_s=self.cfg.max_transfer_s)
 
-    def _handshake_s(self, partner: str) -> float:
-        """The pairing handshake's deadline with `partner` (opening the stream, the request, the answer):
-        `sync.handshake_timeout_s`, or longer where handshakes with that partner timed out before.
-
-        Why learned: the configured 5 s is a guess, and a guess can rule out every exchange (issue #23 item
-        0). On a trainer whose 0.08 Mbit/s link the swarm's own gossip filled (bench/wan.py, one-slow at 0.4
-        Mbit/s), lost segments and TCP's retransmission back-off made every handshake outlast it: 0 of 36
-        outer steps averaged, each failing as a bare `TooSlowError`. Growing after each timeout (and
-        shrinking back to HANDSHAKE_MARGIN x what a completed one took) reaches what the link does; only
-        that partner's handshakes wait longer, never beyond HANDSHAKE_MAX_S."""
-        learned = self._link(partner).handshake_s
-        return max(self.cfg.handshake_timeout_s, learned or 0.0)
-
-    def _handshake_timed_out(self, partner: str) -> float:
-        """A handshake with `partner` timed out: its next deadline, HANDSHAKE_GROWTH times longer."""
-        link = self._link(partner)
-        link.handshake_s = max(self.cfg.handshake_timeout_s,
-                               min(HANDSHAKE_MAX_S, HANDSHAKE_GROWTH * self._handshake_s(partner)))
-        return link.handshake_s
-
-    def _handshake_took(self, partner: str, seconds: float) -> None:
-        """A handshake with `partner` completed in `seconds`: the next deadline HANDSHAKE_MARGIN times that
-        (the configured one at least), so a link that recovered stops waiting long for a dead peer."""
-        learned = min(HANDSHAKE_MAX_S, HANDSHAKE_MARGIN * max(0.0, seconds))
-        self._link(partner).handshake_s = learned if learned > self.cfg.handshake_timeout_s else None
-
     def _learn_rate(self, partner: str, progress: avg.Progress) -> None:
         """Fold the rate this transfer's bytes flowed at into the partner's link (EWMA), whether it
         completed or not: a transfer that was cut still shows what the link does."""
@@ -892,18 +859,16 @@ class Averager:
         compression = self._compression_for(partner, pending)
         preset = get_compression(compression)
         fragment = preset.fragment_of(pending.request.outer_step) if preset.lossy else 0
-        handshake_s = self._handshake_s(partner)
         answered = False  # the partner's answer came: what fails after it is no handshake timeout
         try:
             stream = None
-            with trio.fail_after(handshake_s):
+            with trio.fail_after(self.cfg.handshake_timeout_s):
                 stream = await self.host.new_stream(ID.from_base58(partner), [avg.PROTOCOL_ID])
             self._link(partner).ip = _per_ip_key(avg.partner_ip(stream))
 
             def claim(answer: avg.AvgAnswer) -> bool:
                 nonlocal claimed_here, answered
                 answered = True
-                self._handshake_took(partner, trio.current_time() - began)
                 if pending.claimed_by is not None:
                     return False  # a crossing request claimed this step meanwhile
                 pending.mark_paired(partner, trio.current_time())
@@ -921,7 +886,7 @@ class Averager:
                     local_peer_id=self.host.get_id().to_bytes(),
                     remote_peer_id=ID.from_base58(partner).to_bytes(),
                     remote_ip=avg.partner_ip(stream),
-                    handshake_timeout=handshake_s,
+                    handshake_timeout=self.cfg.handshake_timeout_s,
                     limits=self._transfer_limits(),
                     progress=progress,
                     on_accept=claim,
@@ -932,7 +897,6 @@ class Averager:
                 await close_quietly(stream)
         except Declined as e:
             self.stats["declined"] += 1
-            self._handshake_took(partner, trio.current_time() - began)
             not_ready = e.verdict == "busy" and e.reason.startswith("not ready")
             if e.verdict == "busy":
                 # Busy or between outer steps, it shows where its count is (a refusal's may be far off).
@@ -957,9 +921,9 @@ class Averager:
             return "refused"
         except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
             self._learn_rate(partner, progress)
-            if isinstance(e, trio.TooSlowError) and not answered:
-                e = trio.TooSlowError(f"no answer to the pairing request within {handshake_s:g}s; the next "
-                                      f"handshake with this peer may take {self._handshake_timed_out(partner):g}s")
+            if isinstance(e, trio.TooSlowError) and not answered:  # it said nothing: say which deadline
+                e = trio.TooSlowError(f"no answer to the pairing request within {self.cfg.handshake_timeout_s:g}s "
+                                      "(sync.handshake_timeout_s)")
             self._fail(partner, e, trio.current_time() - began)
             if claimed_here:  # our exchange owned this step and failed: solo, nothing applied
                 pending.result = 1
@@ -1007,10 +971,8 @@ class Averager:
         partner = str(stream.muxed_conn.peer_id)
         self._link(partner).ip = _per_ip_key(avg.partner_ip(stream))
         try:
-            request = await avg.read_request(stream, self._handshake_s(partner))
+            request = await avg.read_request(stream, self.cfg.handshake_timeout_s)
         except (ProtocolError, trio.TooSlowError) as e:
-            if isinstance(e, trio.TooSlowError):
-                self._handshake_timed_out(partner)
             self._fail(partner, e, 0.0, count=isinstance(e, ProtocolError))
             await close_quietly(stream, reset=True)
             return
@@ -1057,7 +1019,7 @@ class Averager:
                     listener=self.listener if (self.reachable is None or self.reachable()) else None,
                     local_peer_id=self.host.get_id().to_bytes(),
                     remote_peer_id=stream.muxed_conn.peer_id.to_bytes(),
-                    handshake_timeout=self._handshake_s(partner),
+                    handshake_timeout=self.cfg.handshake_timeout_s,
                     limits=self._transfer_limits(),
                     progress=progress,
                     validate=self._values_judge(pending),

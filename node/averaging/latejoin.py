@@ -45,6 +45,7 @@ JOIN_FILE = "snapshot.pt"
 CATCH_UP_DIR = "catchup"
 CHECKPOINT_DIR = "checkpoints"
 CATCH_UP_INTERVAL_S = 30.0  # the least time between two catch-up attempts
+ALONE_GRACE_S = 1.0  # a late join's wait for donors when this node knows of no one at all
 
 
 def join_snapshot_path(home: Path) -> Path:
@@ -90,6 +91,19 @@ def snapshot_source(home: Path) -> Callable[[], Snapshot | None]:
     return source
 
 
+def near_the_swarm(steps: dict[str, int], gap: int) -> list[str]:
+    """Of the trained trainers `steps` (peer id -> outer step), those within `gap` outer steps of the upper
+    median of their outer steps: a late join's donors. The mean of donors far apart is no model anyone
+    trains (`combine` takes their low median step, so it also starts the joiner at the one behind): a
+    founder that ran ahead alone and a second node still catching up made a joiner start from the mean of
+    outer steps 179 and 22, at 22. As in the catch-up, the upper median is the majority's position, and
+    between two the one further ahead."""
+    if not steps:
+        return []
+    target = statistics.median_high(steps.values())
+    return [peer for peer, step in steps.items() if abs(step - target) <= gap]
+
+
 async def late_join(
     host: Any,
     home: Path,
@@ -101,8 +115,14 @@ async def late_join(
     timeout_s: float,
     status: dict[str, Any],
     on_refused: Callable[[str], None] | None = None,
+    alone: Callable[[], bool] | None = None,
 ) -> bool:
     """Download a starting point from the swarm if this node has no checkpoint. True if one was written.
+
+    `alone()`: whether this node knows of no one at all (no bootstrap peer configured, no connection, no
+    member): then the wait for donors ends after `ALONE_GRACE_S` (time for a peer that dials us), not
+    `wait_s`. Every first start of a swarm's founder waited out `sync.join_wait_s` for donors that could
+    not exist.
 
     `model`: our own model (the start-up check's); a donor's snapshot must be exactly that. None (the
     check did not say in time) starts a fresh model: without our size, a donor's claim would decide how
@@ -119,10 +139,16 @@ async def late_join(
     status["state"] = "looking for donors"
     deadline = trio.current_time() + wait_s
     found: list[str] = []
+    alone_after = trio.current_time() + min(ALONE_GRACE_S, wait_s)
     while trio.current_time() < deadline:
         found = donors()
         if found:
             break
+        if alone is not None and trio.current_time() >= alone_after and alone():
+            status["state"] = "alone: starting a fresh model"
+            log.info("no bootstrap peer configured and no swarm member known: starting from a fresh model "
+                     "without waiting sync.join_wait_s for donors")
+            return False
         await trio.sleep(0.5)
     if not found:
         status["state"] = "no donors: starting a fresh model"
@@ -209,7 +235,9 @@ class CatchUp:
     to the worker for its next outer step, where it also continues from the swarm's then-current outer
     step. A failed download is retried after another `catch_up_after` outer steps without a partner.
     Attempts are at least `CATCH_UP_INTERVAL_S` apart: where outer steps are much shorter than a heartbeat
-    (tiny models), the member records lag behind and an eager node would download again and again.
+    (tiny models), the member records lag behind and an eager node would download again and again; a
+    refusal as too far behind, or our own outer step going back (a worker restarted from an older
+    checkpoint), is fresh evidence and lifts that interval.
     """
 
     def __init__(
@@ -240,9 +268,19 @@ class CatchUp:
         self._delivered = False  # a snapshot waits for the worker's next outer step
         self._next_allowed = -math.inf  # trio time before which no new attempt starts
         self._refused_at: int | None = None  # a partner's outer step when it refused us as too far behind
+        self._last_own: int | None = None  # our outer step at the previous outer step (or adoption)
 
     def note_outer_step(self, had_partner: bool) -> None:
-        """Called by the averager at the end of every outer step: `had_partner`, whether it was averaged."""
+        """Called by the averager at the end of every outer step: `had_partner`, whether it was averaged.
+
+        Our outer step lower than at the previous call, without a catch-up in between: the worker was
+        restarted from an older checkpoint (a crash, `kill -9`). That is news about our own position, not
+        a member record's lag, so it lifts `CATCH_UP_INTERVAL_S`: a restart within 30 s of a catch-up
+        stepped solo beside its partner for the rest of those 30 s."""
+        own = self.own_outer_step()
+        if self._last_own is not None and own < self._last_own:
+            self._next_allowed = -math.inf
+        self._last_own = own
         self.unpaired = 0 if had_partner else self.unpaired + 1
         if self.cfg.catch_up_after and self.unpaired >= self.cfg.catch_up_after:
             self._wake.set()
@@ -261,14 +299,21 @@ class CatchUp:
             self._next_allowed = -math.inf
             self._wake.set()
 
+    def _others(self) -> dict[str, int]:
+        """The other alive trainers that have made an outer step: peer id -> outer step. One at outer step
+        0 has not trained yet (a late joiner still downloading, a worker still loading its task) and is no
+        part of where the swarm is: counted, a joiner made the median of {22, 179, 0} this node's own 22,
+        and a catch-up planned towards 179 was delivered at outer step 22."""
+        return {peer: step for peer, step in self.trainers().items() if step > 0}
+
     def swarm_outer_step(self) -> int | None:
         """The upper median of the alive trainers' outer steps, ours included (None when we are alone)."""
-        others = list(self.trainers().values())
+        others = list(self._others().values())
         return statistics.median_high([self.own_outer_step(), *others]) if others else None
 
     def plan(self) -> tuple[int, list[str]] | None:
         """(the swarm's outer step, donors) if this node should catch up now, else None."""
-        others = self.trainers()
+        others = self._others()
         own = self.own_outer_step()
         gap = self.cfg.max_step_gap
         if not any(abs(step - own) > gap for step in others.values()):
@@ -276,7 +321,7 @@ class CatchUp:
         target = statistics.median_high([own, *others.values()])
         if abs(own - target) <= gap:
             return None
-        near = sorted((abs(step - target), peer) for peer, step in others.items() if step > 0 and abs(step - target) <= gap)
+        near = sorted((abs(step - target), peer) for peer, step in others.items() if abs(step - target) <= gap)
         donors = [peer for _, peer in near[: max(1, self.cfg.join_donors)]]
         return (target, donors) if donors else None
 
@@ -289,6 +334,7 @@ class CatchUp:
             return
         self.catch_ups += 1
         self.unpaired = 0
+        self._last_own = report.outer_step  # a catch-up of a runaway moves back too: no restart
         self.status.update(state="done", outer_step=report.outer_step, step=report.step, error="")
         log.info(
             "caught up with the swarm from %d donors: outer step %d -> %d, inner step %d -> %d",

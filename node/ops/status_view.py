@@ -149,6 +149,9 @@ def render_status(st: NodeStatus) -> str:
         refusal = _refusal_line(sy)
         if refusal:
             out.append(refusal)
+        reach = _out_of_reach_line(sy)
+        if reach:
+            out.append(reach)
     if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
         out.append(_pace_line(tr))
     out.extend(_incompatible_lines(st))
@@ -268,6 +271,30 @@ def _refusal_line(sy: SyncStatus) -> str | None:
     who = f"{peer} refused our request" if last.get("by") == "partner" else f"we refused {peer}'s request"
     hint = f"; {last['hint']}" if last.get("hint") else ""
     return f"not averaging: {who} {_seconds(last.get('seconds_ago')):.0f}s ago: {last.get('reason', '?')!r}{hint}"
+
+
+def _out_of_reach_line(sy: SyncStatus) -> str | None:
+    """Every possible partner is further than the allowed gap of outer steps away: no request is even sent,
+    so no refusal says it. After a worker restarted from an older checkpoint, its node stepped solo beside
+    an alive partner while `pairing graph` still showed their old island."""
+    reach = sy.get("out_of_reach")
+    if not isinstance(reach, dict):
+        return None
+    count, steps = _count(reach.get("trainers")), _count(reach.get("nearest_steps"))
+    where = (f"the other trainer of this run is {steps}" if count == 1
+             else f"all {count} other trainers of this run are at least {steps}")
+    side = "behind" if reach.get("behind") else "ahead"
+    catch_up = sy.get("catch_up")
+    state = catch_up.get("state") if isinstance(catch_up, dict) else None
+    if reach.get("catch_up_off"):
+        what = f"this node is {side}, and sync.catch_up_after = 0: nobody catches up"
+    elif reach.get("catches_up"):
+        doing = f" (catch-up: {state})" if state and state != "idle" else ""
+        what = f"this node is {side}: it catches up from the swarm{doing}"
+    else:
+        what = f"this node is {side}: the others catch up with it"
+    return (f"not averaging: {where} outer steps away (sync.max_step_gap {_count(reach.get('max_step_gap'))}); "
+            f"{what}")
 
 
 def _seconds(value: Any) -> float:

@@ -721,7 +721,7 @@ class Trainer:
         Taken: the slow weights as both phi and theta, the snapshot's inner `step` (so the learning-rate
         schedule is the swarm's) and `outer_step` (the swarm's current one when the daemon knows it, so
         that the node pairs again at once; the weights are at most a checkpoint interval older, which the
-        next averaging's pull closes). Reset: the outer momentum, because it is the direction of this
+        next averaging's pull closes; never below the snapshot's own). Reset: the outer momentum, because it is the direction of this
         node's own solo trajectory, which is abandoned; carrying it would push the swarm's weights along
         it. Kept: the inner Adam state, because a fresh Adam at the (post warm-up) learning rate takes
         sign-sized steps on every parameter in its first iterations, while the kept moments are those of
@@ -733,7 +733,13 @@ class Trainer:
         """
         state = self.read_swarm_snapshot(path)
         before = (self.step, self.outer_step)
-        self._take_swarm_weights(state, int(state["outer_step"]) if outer_step is None else outer_step)
+        # Never below the snapshot's own outer step: the daemon's swarm median counts every alive trainer,
+        # and a third one that has barely started (a late joiner) made it this node's own old step, so a
+        # catch-up took weights 157 outer steps ahead and kept the counter ("outer step 22 -> 22"): out of
+        # every partner's reach again, and a donor of a step its weights are not.
+        snapshot_outer_step = int(state["outer_step"])
+        self._take_swarm_weights(state, snapshot_outer_step if outer_step is None
+                                 else max(outer_step, snapshot_outer_step))
         self.outer.momentum.zero_()
         if self.residual is not None:
             self.residual.zero_()  # the residual of an abandoned trajectory
