@@ -14,6 +14,7 @@ from typing import Any
 
 import multiaddr
 import numpy as np
+import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -305,12 +306,15 @@ async def test_a_fake_trainer_stops_costing_the_pairing_window_once_it_missed_it
     assert averager.sits_out(fake_id) and averager.status()["unpaired_rounds"] == 2
 
 
-async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_after_its_bound() -> None:
+@pytest.mark.parametrize("fake_asks_first", [True, False], ids=["fake-has-the-smaller-id", "victim-has-the-smaller-id"])
+async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_after_its_bound(fake_asks_first: bool) -> None:
     """Before, a fake with an averaging handler that answers "not ready" to every request (as an honest
     trainer between outer steps does) was never a miss, so it counted as a possible partner for good and
     every outer step waited out the whole window for it. An honest partner that says "not ready" asks us
     when it publishes (the schedule pairs it with us too); this one never does, so after NOT_READY_GRACE
-    rounds its "not ready" counts as a miss and after MISS_LIMIT misses it sits out: solo at once."""
+    rounds its "not ready" counts as a miss and after MISS_LIMIT misses it sits out: solo at once. Both
+    sides of the schedule: the victim asks the fake itself, or waits for it to ask and asks once at the end
+    of the scheduled phase."""
     import torch
 
     from node.averager import Averager
@@ -332,10 +336,13 @@ async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_afte
         finally:
             await close_quietly(stream)
 
+    keys = [create_new_key_pair(), create_new_key_pair()]
+    keys.sort(key=lambda k: peer_id_of(k.public_key), reverse=not fake_asks_first)  # the smaller PeerID asks
     async with AsyncExitStack() as stack:
-        honest, fake = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+        fake, honest = build_host(keys[0]), build_host(keys[1])
         for h in (honest, fake):
             await stack.enter_async_context(h.run(LOOPBACK))
+        assert (str(fake.get_id()) < str(honest.get_id())) == fake_asks_first
         fake.set_stream_handler(avg.PROTOCOL_ID, never_ready)
         await honest.connect(info_from_p2p_addr(fake.get_addrs()[0]))
         fake_id = str(fake.get_id())
