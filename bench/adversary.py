@@ -1,11 +1,14 @@
-"""`make bench-adversary`: hostile peers against a real victim, two scenarios.
+"""`make bench-adversary`: hostile peers against a real victim, three scenarios.
 
 - averaging: hostile averaging partners (starling_testing/adversary.py says what each attack does;
   tests/test_adversary_avg.py asserts the bounds); about 1 min.
+- directions: how aligned, round after round, the contributions are that the victim clips, from honest
+  partners (in step, and far apart: a late starter) and from the drift attacks: what a persistent-direction
+  check beside the clip would have to tell apart (docs/reliability.md); about 1.5 min.
 - window-flood: a peer that writes 1 GiB of Yamux DATA past a refused stream's receive window into a real
   `starling run` daemon, reconnecting after each close (starling_testing/window_flood.py); about 1.5 min.
 
-    python bench/adversary.py --write-docs                          # both, into docs/reliability.md
+    python bench/adversary.py --write-docs                          # all three, into docs/reliability.md
     python bench/adversary.py --scenario window-flood --write-docs  # the "Stream receive windows" figures
 """
 
@@ -16,7 +19,7 @@ import sys
 
 from starling_testing import adversary, window_flood
 
-SCENARIOS = ("averaging", "window-flood")
+SCENARIOS = ("averaging", "directions", "window-flood")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         forwarded = [*(["--attacks", args.attacks] if args.attacks is not None else []),
                      *(["--write-docs"] if args.write_docs else [])]
         rc = adversary.main(forwarded)
+    if rc == 0 and args.scenario in ("all", "directions"):
+        rc = adversary.directions_main(args.write_docs)
     if rc == 0 and args.scenario in ("all", "window-flood"):
         result = window_flood.run_flood(args.flood_mib << 20, args.flood_attempts)
         print(window_flood.report(result))

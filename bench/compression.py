@@ -29,7 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.convergence import QUICK, BenchConfig, averaged_model_loss, relative_spread, replica_ids
+from bench.convergence import (
+    QUICK,
+    BenchConfig,
+    averaged_model_loss,
+    publish_all,
+    random_groups,
+    relative_spread,
+    replica_ids,
+)
 from node.worker.trainer import Trainer
 from protocols.codec import round_trip
 from protocols.compress import PRESETS, get_compression
@@ -66,14 +74,12 @@ def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str =
     pairing = torch.Generator().manual_seed(bc.seed + 1)
     errors: list[float] = []
     for outer in range(bc.outer_steps):
-        for t in trainers:
-            while not t.publish_due():
-                t.inner_step()
-        for t, phi, delta in zip(trainers, phis, deltas, strict=True):
-            t.publish(phi, delta)
-        perm = torch.randperm(n, generator=pairing).tolist()
-        half = n // 2
-        for a, b in ((perm[j], perm[j + half]) for j in range(half)):
+        publish_all(trainers, phis, deltas)
+        for group in random_groups(n, pairing):
+            if len(group) == 1:  # an odd one out: a solo step, nothing on the wire
+                trainers[group[0]].apply_result(1, compression=name)
+                continue
+            a, b = group
             lo, hi = preset.fragment_range(numel, preset.fragment_of(outer)) if preset.lossy else (0, numel)
             sum_phi = torch.zeros(numel)
             sum_phi[lo:hi] = wire(phis[a][lo:hi], pcodec) + wire(phis[b][lo:hi], pcodec)

@@ -177,6 +177,26 @@ def averaged_model_loss(trainers: list[Trainer]) -> float:
     return val_avg
 
 
+def publish_all(trainers: list[Trainer], phis: list[torch.Tensor], deltas: list[torch.Tensor]) -> None:
+    """Every replica trains to its next publish (H inner steps) and publishes phi and Delta into its slots."""
+    for t in trainers:
+        while not t.publish_due():
+            t.inner_step()
+    for t, phi, delta in zip(trainers, phis, deltas, strict=True):
+        t.publish(phi, delta)
+
+
+def random_groups(n: int, generator: torch.Generator) -> list[list[int]]:
+    """NoLoCo's random pairs among n replicas: a fresh permutation p from `generator`, pairs (p[j], p[j+n/2])
+    as in the reference code, and an odd one out in a group of its own (a solo step)."""
+    perm = torch.randperm(n, generator=generator).tolist()
+    half = n // 2
+    groups = [[perm[j], perm[j + half]] for j in range(half)]
+    if n % 2:
+        groups.append([perm[-1]])
+    return groups
+
+
 def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "replica",
               ids: list[str] | None = None, curve: bool = False) -> RunResult:
     """DiLoCo or NoLoCo with N in-process `Trainer`s and an in-memory exchange (`prefix`: see replica_ids;
@@ -195,19 +215,8 @@ def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "r
     pairing = torch.Generator().manual_seed(bc.seed + 1)
     points = [(0, initial)] if curve else []
     for outer in range(bc.outer_steps):
-        for t in trainers:
-            while not t.publish_due():
-                t.inner_step()
-        for t, phi, delta in zip(trainers, phis, deltas, strict=True):
-            t.publish(phi, delta)
-        if method == "diloco":
-            groups = [list(range(n))]
-        else:
-            perm = torch.randperm(n, generator=pairing).tolist()
-            half = n // 2
-            groups = [[perm[j], perm[j + half]] for j in range(half)]
-            if n % 2:
-                groups.append([perm[-1]])  # an odd one out takes a solo step
+        publish_all(trainers, phis, deltas)
+        groups = [list(range(n))] if method == "diloco" else random_groups(n, pairing)
         for group in groups:
             sum_phi = torch.stack([phis[i] for i in group]).sum(0)  # what the daemon leaves: the group's sums
             sum_delta = torch.stack([deltas[i] for i in group]).sum(0)

@@ -19,6 +19,13 @@ through):
 - norm_ratchet: its Delta along u, 1.2x longer every round (the old reference took accepted partners'
   norms and let this lift the bound 1,300x in 35 rounds);
 - combined: phi_drift and delta_drift at once.
+
+Directions (`measure_directions`, `python bench/adversary.py --scenario directions`): whether a check
+beside the clip could tell a partner that pushes one direction round after round from an honest one. Per
+round the victim's view: was the partner's Delta (its phi's offset from ours) clipped, and how aligned was
+it with the same partner's the round before (cosine). Honest pairs are measured in step (the same start)
+and far apart (one side trained DIRECTION_PRETRAIN outer steps alone first, as a late starter meets a
+trained swarm); docs/reliability.md says what the figures mean for such a check.
 """
 
 from __future__ import annotations
@@ -56,10 +63,11 @@ SECTION = "## Hostile averaging partners"
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 
 
-def train_config(inner_steps: int = 5) -> TrainConfig:
-    """The default task at a size that trains 2 x 40 outer steps in seconds on one core."""
+def train_config(inner_steps: int = 5, rounds: int = ROUNDS) -> TrainConfig:
+    """The default task at a size that trains 2 x 40 outer steps in seconds on one core (`rounds`: the most
+    outer steps one trainer takes, its schedule's length)."""
     cfg = TrainConfig(device="cpu", inner_steps=inner_steps, batch_size=4, seq_len=32, d_model=32, n_layers=1,
-                      n_heads=2, warmup=4, total_steps=ROUNDS * inner_steps * 2, data_bytes=200_000,
+                      n_heads=2, warmup=4, total_steps=rounds * inner_steps * 2, data_bytes=200_000,
                       eval_batches=2, overlap=False, max_lag=0, seed=0)
     cfg.validate()
     return cfg
@@ -112,6 +120,24 @@ class Outcome:
     rejections: dict[str, int] = field(default_factory=dict)
     clipped: dict[str, int] = field(default_factory=dict)
     banned: bool = False
+    # From the second round on, as the victim saw the partner: (its Delta clipped, its phi clipped, cosine of
+    # its Delta to its Delta the round before, cosine of its phi's offset from ours to the one before).
+    directions: list[tuple[bool, bool, float, float]] = field(default_factory=list)
+
+    def aligned_run(self, phi: bool = False, cos: float = 0.9) -> int:
+        """The most rounds in a row in which the partner's Delta (phi offset) was clipped and pointed within
+        `cos` of its direction the round before: what a persistent-direction check would count."""
+        best = run = 0
+        for d_clipped, p_clipped, d_cos, p_cos in self.directions:
+            hit = (p_clipped and p_cos >= cos) if phi else (d_clipped and d_cos >= cos)
+            run = run + 1 if hit else 0
+            best = max(best, run)
+        return best
+
+    def highest_cos(self, phi: bool = False) -> float:
+        """The highest cosine between two consecutive rounds' Deltas (phi offsets) of the partner."""
+        return max((c for c in (p if phi else d for _, _, d, p in self.directions) if not math.isnan(c)),
+                   default=math.nan)
 
 
 def _request(trainer: Trainer, outer_step: int) -> ExchangeRequest:
@@ -121,15 +147,37 @@ def _request(trainer: Trainer, outer_step: int) -> ExchangeRequest:
                            trainer.layout_hash)
 
 
-async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "honest") -> Outcome:
-    """`rounds` outer steps of a victim with one partner (honest when `attack` is None)."""
-    cfg = train_config()
+def _train_alone(trainer: Trainer, outer_steps: int) -> None:
+    """Solo outer steps, as a node that trained before the other one came."""
+    for r in range(outer_steps):
+        while not trainer.publish_due():
+            trainer.inner_step()
+        req = _request(trainer, r)
+        trainer.publish(req.phi, req.delta)
+        trainer.apply_result(1)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Their cosine; NaN where one is zero (an honest pair's phis are equal right after an exchange)."""
+    if not bool(a.any()) or not bool(b.any()):
+        return math.nan
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "honest", *, pre_victim: int = 0,
+               pre_partner: int = 0) -> Outcome:
+    """`rounds` outer steps of a victim with one partner (honest when `attack` is None); `pre_victim` and
+    `pre_partner`: outer steps each trains alone first."""
+    cfg = train_config(rounds=rounds + max(pre_victim, pre_partner))
     # A pairing window long enough for a loaded machine (every round must pair); once the victim has banned
     # the attacker there is nobody else, so its rounds are solo at once (`anyone_else` below).
     sync = SyncConfig(wire_dtype="fp32", pair_window_s=5, backoff_s=0.1)
     victim, partner = Trainer(cfg, home / "victim", "victim"), Trainer(cfg, home / "partner", "partner")
     u = torch.randn(victim.numel, generator=torch.Generator().manual_seed(7))
     u /= u.norm()
+    # In a thread: other duels of the same run share this event loop, and their handshakes would time out.
+    await trio.to_thread.run_sync(_train_alone, victim, pre_victim)
+    await trio.to_thread.run_sync(_train_alone, partner, pre_partner)
     start = victim.phi.clone()
     async with AsyncExitStack() as stack:
         hosts = [build_host(create_new_key_pair()) for _ in range(2)]
@@ -156,6 +204,8 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
             await nursery.start(a.run)
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
         averaged, moved_honest_span = 0, math.nan
+        directions: list[tuple[bool, bool, float, float]] = []
+        before: tuple[torch.Tensor, torch.Tensor] | None = None
         for r in range(rounds):
             reqs = []
             for t in (victim, partner):
@@ -168,7 +218,13 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
             honest_phi, honest_delta = reqs[1].phi.clone(), reqs[1].delta.clone()
             if attack is not None:
                 attack(reqs[1], u, r, float(honest_delta.norm()))
+            sent = (reqs[1].delta.clone(), reqs[1].phi - reqs[0].phi)  # what the victim is sent, its phi offset
+            clipped = dict(avs[0].clipped)
             results = await exchange_both(avs, reqs)
+            if before is not None:
+                directions.append((avs[0].clipped["delta"] > clipped["delta"], avs[0].clipped["phi"] > clipped["phi"],
+                                   _cos(sent[0], before[0]), _cos(sent[1], before[1])))
+            before = sent
             v = reqs[0]
             used = victim.apply_result(results[0].group_size, v.phi_out, v.delta_out,
                                        partner_samples=results[0].partner_samples)
@@ -188,7 +244,7 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
     moved = victim.phi - start
     finite = bool(torch.isfinite(victim.phi).all())
     return Outcome(name, rounds, float(moved @ u) if finite else math.inf, float(moved.norm()), moved_honest_span,
-                   finite, victim.evaluate(), averaged, st["rejections"], st["clipped"], bool(st["banned"]))
+                   finite, victim.evaluate(), averaged, st["rejections"], st["clipped"], bool(st["banned"]), directions)
 
 
 async def measure(names: list[str], home: Path) -> tuple[Outcome, list[Outcome]]:
@@ -202,6 +258,51 @@ async def measure(names: list[str], home: Path) -> tuple[Outcome, list[Outcome]]
         for name in ["honest", *names]:
             nursery.start_soon(one, name)
     return runs["honest"], [runs[name] for name in names]
+
+
+DIRECTION_PRETRAIN = 100  # outer steps one side of a "far apart" honest pair trained alone first
+DIRECTION_RUNS: dict[str, tuple[str | None, int, int]] = {  # row: (attack, pre_victim, pre_partner)
+    "honest, in step (same start)": (None, 0, 0),
+    f"honest, fresh partner (victim trained {DIRECTION_PRETRAIN} outer steps alone)": (None, DIRECTION_PRETRAIN, 0),
+    f"honest, trained partner ({DIRECTION_PRETRAIN} outer steps alone; fresh victim)": (None, 0, DIRECTION_PRETRAIN),
+    "delta_drift": ("delta_drift", 0, 0),
+    "phi_drift": ("phi_drift", 0, 0),
+    "combined": ("combined", 0, 0),
+}
+DIRECTION_COS = (0.9, 0.95)  # the alignments a check might call persistent
+
+
+async def measure_directions(home: Path) -> list[Outcome]:
+    """The DIRECTION_RUNS duels side by side (each is mostly waiting on its exchanges)."""
+    runs: dict[str, Outcome] = {}
+
+    async def one(i: int, row: str) -> None:
+        attack, pre_victim, pre_partner = DIRECTION_RUNS[row]
+        runs[row] = await duel(home / f"d{i}", ATTACKS[attack] if attack else None, ROUNDS, row,
+                               pre_victim=pre_victim, pre_partner=pre_partner)
+
+    async with trio.open_nursery() as nursery:
+        for i, row in enumerate(DIRECTION_RUNS):
+            nursery.start_soon(one, i, row)
+    return [runs[row] for row in DIRECTION_RUNS]
+
+
+def direction_table(outcomes: list[Outcome]) -> str:
+    cos = " / ".join(str(c) for c in DIRECTION_COS)
+    rows = [f"| partner ({ROUNDS} rounds) | Delta clipped | of them in a row, each aligned with the round before (cos >= "
+            f"{cos}) | highest cos of consecutive Deltas | phi clipped | of them in a row, aligned ({cos}) | highest "
+            "cos of consecutive phi offsets |",
+            "|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        runs = [" / ".join(str(o.aligned_run(phi, c)) for c in DIRECTION_COS) for phi in (False, True)]
+        rows.append(f"| {o.name} | {o.clipped.get('delta', 0)} | {runs[0]} | "
+                    f"{_figure(o.highest_cos(False))} | {o.clipped.get('phi', 0)} | {runs[1]} | "
+                    f"{_figure(o.highest_cos(True))} |")
+    return "\n".join(rows)
+
+
+def _figure(cos: float) -> str:
+    return "- (the phis were equal)" if math.isnan(cos) else f"{cos:.3f}"
 
 
 def table(honest: Outcome, outcomes: list[Outcome]) -> str:
@@ -220,14 +321,17 @@ def table(honest: Outcome, outcomes: list[Outcome]) -> str:
     return "\n".join(rows)
 
 
-def write_table(text: str, path: Path = DOCS) -> None:
-    """Replace the table of the section SECTION in docs/reliability.md (its prose stays as written)."""
+def write_table(text: str, path: Path = DOCS, header: str = "| attack") -> None:
+    """Replace the table of the section SECTION in docs/reliability.md whose first line starts with `header`
+    (its prose stays as written)."""
     doc = path.read_text()
     if SECTION not in doc:
         raise SystemExit(f"{path} has no section '{SECTION}' to update")
     head, section = doc.split(SECTION, 1)
     lines = section.split("\n")
-    first = next(i for i, x in enumerate(lines) if x.startswith("| attack"))
+    first = next((i for i, x in enumerate(lines) if x.startswith(header)), None)
+    if first is None:
+        raise SystemExit(f"{path}'s section '{SECTION}' has no table starting with '{header}' to update")
     last = first
     while last + 1 < len(lines) and lines[last + 1].startswith("|"):
         last += 1
@@ -255,6 +359,21 @@ def main(argv: list[str] | None = None) -> int:
         write_table(text)
     print(f"({time.monotonic() - began:.0f} s)")
     return 0
+
+
+def directions_main(write_docs: bool = False) -> int:
+    """Print the directions table (`bench/adversary.py --scenario directions`); `write_docs`: record it."""
+    torch.set_num_threads(1)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        outcomes = trio.run(measure_directions, Path(tmp))
+    text = direction_table(outcomes)
+    print(text)
+    if write_docs:
+        write_table(text, header="| partner (")
+    print(f"({time.monotonic() - began:.0f} s)")
+    return 0
+
 
 
 if __name__ == "__main__":

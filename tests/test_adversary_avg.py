@@ -57,3 +57,26 @@ def test_a_partner_lying_about_its_steps_and_samples_gains_no_larger_bound(outco
     per-step batch, its Delta is clipped every round, never accepted whole."""
     o = outcomes["delta_drift"]
     assert o.clipped["delta"] == o.rounds == o.averaged
+
+
+@pytest.fixture(scope="module")
+def far_apart(tmp_path_factory: pytest.TempPathFactory) -> adversary.Outcome:
+    """An honest late starter: the victim trained DIRECTION_PRETRAIN outer steps alone, its partner is fresh."""
+    return trio.run(lambda: adversary.duel(tmp_path_factory.mktemp("far"), None, adversary.ROUNDS, "late starter",
+                                           pre_victim=adversary.DIRECTION_PRETRAIN))
+
+
+def test_honest_partners_far_apart_are_clipped_round_after_round_along_one_direction_like_a_drift(
+    outcomes, far_apart,
+) -> None:
+    """Why no persistent-direction check ships beside the clip (docs/reliability.md, "A direction held over many
+    rounds"): an honest late starter's phi offset is clipped more rounds in a row, each aligned with the one
+    before, than phi_drift's, so such a check on phi bans the honest partner first; honest Deltas are aligned
+    round to round as well, and clipped in a row too, only fewer rounds than delta_drift's."""
+    phi_attack, delta_attack = outcomes["phi_drift"], outcomes["delta_drift"]
+    assert far_apart.aligned_run(phi=True, cos=0.95) >= max(5, phi_attack.aligned_run(phi=True, cos=0.95))
+    assert far_apart.aligned_run(phi=False, cos=0.9) >= 2  # an honest partner's Deltas, clipped and aligned
+    # (every round but a failed one, which ends a run: a loaded machine times a handshake out now and then)
+    assert delta_attack.aligned_run(phi=False, cos=0.95) >= adversary.ROUNDS // 2
+    assert outcomes["honest"].highest_cos() > 0.9  # in step, never clipped, and still pointing one way
+    assert outcomes["honest"].clipped == {"delta": 0, "phi": 0}

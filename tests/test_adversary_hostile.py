@@ -14,6 +14,7 @@ from typing import Any
 
 import multiaddr
 import numpy as np
+import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -23,7 +24,7 @@ from node.bridge.ckptfile import read_phi
 from node.swarm import crdt
 from node.swarm.crdt import Manifest, MemberRecord, SwarmState, peer_id_of, sign_record
 from p2p.host import build_host
-from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
+from p2p.wire import LibP2PByteStream, PlainFrameChannel, close_quietly, recv_as, send_msg
 from protocols import snapshot as snap
 from protocols.hlc import MAX_LEAD_S, Timestamp
 
@@ -304,6 +305,99 @@ async def test_a_fake_trainer_stops_costing_the_pairing_window_once_it_missed_it
     assert all(t >= window * 0.9 for t in took[:MISS_LIMIT]), took  # it is given the window MISS_LIMIT times
     assert all(t < 0.1 for t in took[MISS_LIMIT:]), took  # then solo at once
     assert averager.sits_out(fake_id) and averager.status()["unpaired_rounds"] == 2
+
+
+@pytest.mark.parametrize("fake_asks_first", [True, False], ids=["fake-has-the-smaller-id", "victim-has-the-smaller-id"])
+async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_after_its_bound(fake_asks_first: bool) -> None:
+    """Before, a fake with an averaging handler that answers "not ready" to every request (as an honest
+    trainer between outer steps does) was never a miss, so it counted as a possible partner for good and
+    every outer step waited out the whole window for it. An honest partner that says "not ready" asks us
+    when it publishes (the schedule pairs it with us too); this one never does, so after NOT_READY_GRACE
+    rounds its "not ready" counts as a miss and after MISS_LIMIT misses it sits out: solo at once. Both
+    sides of the schedule: the victim asks the fake itself, or waits for it to ask and asks once at the end
+    of the scheduled phase."""
+    import torch
+
+    from node.averaging.averager import Averager
+    from node.averaging.partner_misses import MISS_LIMIT, NOT_READY_GRACE
+    from node.bridge.exchange import ExchangeRequest
+    from node.config.sync import SyncConfig
+    from protocols import avg
+
+    window = 1.0
+    n = 1000
+    asked = [0]
+
+    async def never_ready(stream: Any) -> None:  # what a trainer between outer steps answers, every time
+        try:
+            request = await avg.read_request(stream, 5.0)
+            asked[0] += 1
+            await avg.answer(stream, "busy", "not ready (training between outer steps)", request.outer_step,
+                             since_publish_ms=1, paired=True)
+        finally:
+            await close_quietly(stream)
+
+    keys = [create_new_key_pair(), create_new_key_pair()]
+    keys.sort(key=lambda k: peer_id_of(k.public_key), reverse=not fake_asks_first)  # the smaller PeerID asks
+    async with AsyncExitStack() as stack:
+        fake, honest = build_host(keys[0]), build_host(keys[1])
+        for h in (honest, fake):
+            await stack.enter_async_context(h.run(LOOPBACK))
+        assert (str(fake.get_id()) < str(honest.get_id())) == fake_asks_first
+        fake.set_stream_handler(avg.PROTOCOL_ID, never_ready)
+        await honest.connect(info_from_p2p_addr(fake.get_addrs()[0]))
+        fake_id = str(fake.get_id())
+        averager: Averager | None = None
+
+        def possible() -> list[str]:  # as the daemon's _possible_partners filters its member records
+            return [p for p in [fake_id] if averager is None or not averager.sits_out(p)]
+
+        averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False), manifest_hash=lambda: "m",
+                            eligible_peers=possible, anyone_else=lambda: bool(possible()))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(averager.run)
+        bound = NOT_READY_GRACE + MISS_LIMIT
+        took = []
+        for step in range(bound + 2):
+            request = ExchangeRequest(step, torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n),
+                                      [("w", (n,))], "L", inner_steps=5, samples=20)
+            began = trio.current_time()
+            with trio.fail_after(30):
+                assert (await averager.exchange(request)).group_size == 1
+            took.append(trio.current_time() - began)
+        nursery.cancel_scope.cancel()
+    assert asked[0] >= bound  # it was asked, and said "not ready", in every round it was given
+    assert all(t >= window * 0.9 for t in took[:bound]), took  # it is given the window `bound` times
+    assert all(t < 0.1 for t in took[bound:]), took  # then solo at once
+    assert averager.sits_out(fake_id) and averager.status()["unpaired_rounds"] == 2
+    assert averager.status()["sitting_out"]["peers"].keys() == {fake_id}
+
+
+def test_a_scheduled_partner_that_says_not_ready_but_asks_us_between_our_rounds_never_sits_out() -> None:
+    """The honest side of the bound: a partner out of phase with us (or much slower) says "not ready" in
+    every one of our rounds, yet it asks us when it publishes (the schedule pairs it with us too), and that
+    request clears its count however long the streak; "not ready" outside the schedule never counts."""
+    from node.averaging.partner_misses import MISS_LIMIT, NOT_READY_GRACE, PartnerMisses
+
+    now = [0.0]
+    misses = PartnerMisses(clock=lambda: now[0])
+    for _ in range(10 * (NOT_READY_GRACE + MISS_LIMIT)):
+        for _ in range(NOT_READY_GRACE + MISS_LIMIT - 1):  # our rounds between two of its publishes
+            misses.begin_round()
+            misses.note("slow", "not ready", scheduled=True)
+            misses.end_round("slow")
+            misses.begin_round()
+            misses.note("other", "not ready")  # asked in the open phase only
+            misses.end_round(None)
+        misses.heard("slow")  # it published and asked us (we answered "not ready": no refusal)
+        now[0] += 1.0
+    assert not misses.sits_out("slow") and not misses.sits_out("other")
+    assert misses.status()["exclusions"] == 0
+    for _ in range(NOT_READY_GRACE + MISS_LIMIT):  # the same partner, never asking: the bound
+        misses.begin_round()
+        misses.note("slow", "not ready", scheduled=True)
+        misses.end_round("slow")
+    assert misses.sits_out("slow")
 
 
 async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> None:

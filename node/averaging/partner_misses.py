@@ -16,6 +16,17 @@ the node with a bye hears "busy" from everyone. After `limit` missed rounds in a
 the peer sits out for a back-off that doubles with each exclusion (`backoff_s` up to `max_backoff_s`);
 when it ends one try is allowed, and one more miss excludes it again. Pairing with us, or a request from
 it that we did not refuse, clears everything: it takes part. The table is bounded like the averager's.
+
+"Not ready" from the partner the schedule gave us is no miss either, at first: an honest partner out of
+phase with us says it. But an honest partner says it *between its own outer steps*, and when it publishes
+it looks for its partner: the schedule pairs it with us as well (every node computes the same matching), so
+it asks us (the smaller PeerID asks; the larger one asks once at the end of its scheduled phase, the
+probe), and that request, answered "not ready" by us or not, clears its count. A fake trainer that
+answers "not ready" to everything never asks (issue #26: it made every outer step of a real trainer wait
+out the pairing window). So a scheduled partner that answered only "not ready" in more than
+`not_ready_grace` of our rounds in a row, with no request from it and no pairing in between, misses each
+further such round. "Not ready" outside the schedule never counts: a peer paired by its own schedule with
+someone else has no reason to ask us.
 """
 
 from __future__ import annotations
@@ -31,6 +42,9 @@ from node.status_schema import SittingOutStatus
 MISS_LIMIT = 3  # missed rounds in a row before a peer sits out
 MISS_BACKOFF_S = 30.0  # its first time out; doubled at each exclusion in a row
 MISS_BACKOFF_MAX_S = 600.0
+# Rounds in a row a scheduled partner may answer only "not ready" (and never ask us) before each further
+# one is a miss: a fake that is never ready sits out after NOT_READY_GRACE + MISS_LIMIT rounds.
+NOT_READY_GRACE = 2
 MAX_PEERS = 4096  # peers remembered; the oldest entries are forgotten first
 MAX_SHOWN = 16  # peers named in status (all are counted): a Sybil crowd must not bloat every status answer
 
@@ -43,6 +57,7 @@ class _Entry:
     misses: int = 0  # missed rounds in a row
     exclusions: int = 0  # times it was made to sit out in a row
     until: float = 0.0  # trio time until which it sits out
+    not_ready: int = 0  # our rounds in a row it was scheduled with us and only said "not ready"
 
 
 class PartnerMisses:
@@ -50,14 +65,17 @@ class PartnerMisses:
 
     def __init__(self, *, limit: int = MISS_LIMIT, backoff_s: float = MISS_BACKOFF_S,
                  max_backoff_s: float = MISS_BACKOFF_MAX_S, max_peers: int = MAX_PEERS,
+                 not_ready_grace: int = NOT_READY_GRACE,
                  clock: Callable[[], float] = trio.current_time) -> None:
         self.limit = max(1, limit)
+        self.not_ready_grace = max(0, not_ready_grace)
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_peers = max_peers
         self._clock = clock
         self._peers: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
-        self._round: dict[str, str] = {}  # peer -> "heard" | "missed" | "neutral", in the current round
+        # peer -> "heard" | "missed" | "not ready" (scheduled, said only that) | "neutral", in the current round
+        self._round: dict[str, str] = {}
         self.excluded_total = 0  # exclusions so far (status)
 
     # --- a round ---------------------------------------------------------------------------------------
@@ -74,6 +92,8 @@ class PartnerMisses:
         elif self._round.get(peer) != "heard":
             if outcome in _MISSED or (scheduled and outcome == "busy"):
                 self._round[peer] = "missed"
+            elif scheduled and outcome == "not ready" and self._round.get(peer) != "missed":
+                self._round[peer] = "not ready"
             else:
                 self._round.setdefault(peer, "neutral")
 
@@ -90,6 +110,11 @@ class PartnerMisses:
         for peer, what in self._round.items():
             if what == "missed":
                 self._miss(peer)
+            elif what == "not ready":
+                entry = self._entry(peer)
+                entry.not_ready += 1
+                if entry.not_ready > self.not_ready_grace:
+                    self._miss(peer)
         self._round = {}
 
     # --- the verdict -----------------------------------------------------------------------------------
@@ -113,11 +138,15 @@ class PartnerMisses:
             "peers": {peer: round(seconds, 1) for seconds, peer in left[:max(0, shown)]},
         }
 
-    def _miss(self, peer: str) -> None:
+    def _entry(self, peer: str) -> _Entry:
         entry = self._peers.pop(peer, None) or _Entry()
         self._peers[peer] = entry  # newest last: the oldest are forgotten first
         while len(self._peers) > self.max_peers:
             self._peers.popitem(last=False)
+        return entry
+
+    def _miss(self, peer: str) -> None:
+        entry = self._entry(peer)
         entry.misses += 1
         if entry.misses >= self.limit:
             entry.until = self._clock() + min(self.max_backoff_s, self.backoff_s * 2 ** entry.exclusions)
