@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml | sysdeps
 
 # The embedded default: a local swarm (bootstrap + 3 peers) on 127.0.0.1 with a live status view.
 run: install
-	$(PY) -m node.localswarm --peers 3 --seconds $(RUN_SECONDS)
+	$(PY) -m node.ops.localswarm --peers 3 --seconds $(RUN_SECONDS)
 
 test: install
 	$(PY) -m pytest -q -m "not long" --durations=20 $(PYTEST_ARGS)
@@ -60,8 +60,8 @@ bench-gpu:
 	$(GPU_PY) bench/gpu.py --out bench-gpu-out
 
 # ruff, then the import layers (pyproject.toml's [tool.importlinter] contracts:
-# p2p <- protocols <- node <- starling_testing), then mypy on the status schema and the modules that build
-# or read the status ([tool.mypy]).
+# p2p <- protocols <- node <- starling_testing, and node/'s rooms), then mypy on the status schema and the
+# modules that build or read the status ([tool.mypy]).
 lint: install
 	$(VENV)/bin/ruff check p2p protocols node starling_testing tests bench tools
 	$(VENV)/bin/lint-imports

@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.checkpoint import CheckpointError, read_checkpoint
-from node.sync_config import SyncConfig
+from node.config.sync import SyncConfig
+from node.worker.checkpoint import CheckpointError, read_checkpoint
 from protocols.avg import WATCH_S, TransferLimits
 from starling_testing.daemon import DaemonProc  # starts a daemon, its log in HOME
 from starling_testing.report import replace_section
@@ -85,10 +85,10 @@ TRAIN = {
 # (docs/reliability.md, "Chaos run: what did not hold").
 CLOSE_GRACE_S = 1.5  # the initiator's shielded stream close (1 s) and its short sleeps between tries
 
-# node/averager.py: "outer step K: averaged in a group of N after X s" | "outer step K: solo after X s"
+# node/averaging/averager.py: "outer step K: averaged in a group of N after X s" | "outer step K: solo after X s"
 EXCHANGE_LINE = re.compile(r"outer step (\d+): (averaged|solo)(?: in a group of \d+)? after ([0-9.]+)s")
-HARD_CAP_LINE = re.compile(r"outer exchange \d+ timed out after")  # node/supervisor.py: exchange_timeout hit
-FAILED_LINE = "exchange with "  # node/averager.py: "exchange with X failed: ..."
+HARD_CAP_LINE = re.compile(r"outer exchange \d+ timed out after")  # node/bridge/supervisor.py: exchange_timeout hit
+FAILED_LINE = "exchange with "  # node/averaging/averager.py: "exchange with X failed: ..."
 
 
 @dataclass
@@ -693,7 +693,7 @@ class ChaosRun:
 
 
 def remove_leaked_shm(kills: list[Kill]) -> int:
-    """Count, then remove, the shared-memory segments that killed daemons left in /dev/shm (node/shm.py
+    """Count, then remove, the shared-memory segments that killed daemons left in /dev/shm (node/bridge/shm.py
     names them stl<daemon pid>_...): what a SIGKILL of the whole node leaves behind."""
     pids = {k.pids[0] for k in kills}
     shm = Path("/dev/shm")
@@ -757,7 +757,7 @@ def write_docs(out: Outcome, command: str) -> None:
         "deadlines give (pairing window + 2 x handshake timeout + transfer deadline + 1.5 s), with no "
         "exchange cut by the supervisor's `train.exchange_timeout`; (b) the restarted worker's "
         "`training.resumed_step` against the newest checkpoint file on disk right after the kill; (c) "
-        "`node.checkpoint.read_checkpoint` (header, length, SHA-256, weights-only load) on every file after a "
+        "`node.worker.checkpoint.read_checkpoint` (header, length, SHA-256, weights-only load) on every file after a "
         "SIGTERM of every daemon; (d) the mean over trainers of `training.loss`, polled every second; (e) the "
         "set of `alive` members in every node's status; (f) after (e), a trainer with a fresh identity (a new "
         "HOME) starts with the same bootstrap file and must connect, be listed `alive` by every other node "

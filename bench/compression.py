@@ -1,7 +1,7 @@
 """Compression benchmark: NoLoCo in memory with what each `sync.compression` preset puts on the wire.
 
 The in-process NoLoCo simulation of bench/convergence.py (the same model, schedule, shards and pairing:
-`node.worker.Trainer`s, random pairs each outer step), with the exchange done through the real codecs: each
+`node.worker.trainer.Trainer`s, random pairs each outer step), with the exchange done through the real codecs: each
 pair's sums are those the daemon leaves (both partners' values round-tripped through the wire encoding, phi on
 the preset's fragment only), and each trainer applies them with `apply_result(compression=..., phi_range=...)`,
 so the error feedback and the fragment pull are the worker's own.
@@ -38,7 +38,7 @@ from bench.convergence import (
     relative_spread,
     replica_ids,
 )
-from node.worker import Trainer
+from node.worker.trainer import Trainer
 from protocols.codec import round_trip
 from protocols.compress import PRESETS, get_compression
 

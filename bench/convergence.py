@@ -5,11 +5,11 @@ for the same total compute in every method (N replicas x T inner steps x B seque
 
 - ddp:    one model, gradients averaged over the N replicas' batches at every step (what DDP computes);
 - diloco: H inner Adam steps per replica, then every replica applies the all-reduced mean Delta
-          (heavy-ball outer step, node/outer.py), so all replicas share one phi;
+          (heavy-ball outer step, node/worker/outer.py), so all replicas share one phi;
 - noloco: H inner steps, then random pairs (a fresh permutation each outer step, pairs (p[j], p[j+N/2])
           as in the reference code) exchange phi and Delta; each applies the NoLoCo step with its pair's means.
 
-DiLoCo and NoLoCo replicas are `node.worker.Trainer`s - the worker's own inner step, publish, outer step
+DiLoCo and NoLoCo replicas are `node.worker.trainer.Trainer`s - the worker's own inner step, publish, outer step
 and rebase - with the exchange done in memory (blocking mode). Reported per method and N: the validation
 loss (mean over replicas, and of the replicas' averaged weights), the spread of the replicas' slow weights
 (sqrt(mean_i |phi_i - mean phi|^2) / |mean phi|), and the bytes each replica would send per inner step
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from node.task import TaskContext, autocast, load_task
-from node.train_config import TrainConfig
-from node.worker import Trainer, default_optimizer, lr_at
+from node.config.train import TrainConfig
+from node.worker.task import TaskContext, autocast, load_task
+from node.worker.trainer import Trainer, default_optimizer, lr_at
 
 METHODS = ("ddp", "diloco", "noloco")
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from node.launcher import stop_all
+from node.ops.launcher import stop_all
 from starling_testing.daemon import DaemonProc
 from starling_testing.report import replace_section
 

@@ -45,8 +45,8 @@ from bench.convergence import (
     relative_spread,
     replica_ids,
 )
-from node.outer import OuterHyper, diloco_step, noloco_step
-from node.worker import Trainer
+from node.worker.outer import OuterHyper, diloco_step, noloco_step
+from node.worker.trainer import Trainer
 from protocols.codec import TensorCodec, round_trip
 from protocols.compress import Compression, get_compression
 

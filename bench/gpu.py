@@ -95,7 +95,7 @@ def run(cmd: list[str], timeout: float) -> tuple[int | None, str]:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             if code is None:  # the killed daemons' slots, once every process of the group is gone
-                from node.shm import sweep_orphans
+                from node.bridge.shm import sweep_orphans
 
                 deadline = time.monotonic() + 15
                 while time.monotonic() < deadline:
@@ -203,12 +203,12 @@ def measure_copies(path: Path) -> None:
     """Median seconds of an inner step and of the outer step's copies, for one trainer on CUDA."""
     import torch
 
-    from node.train_config import TrainConfig
-    from node.worker import Trainer
+    from node.config.train import TrainConfig
+    from node.worker.trainer import Trainer
 
     model = {k.removeprefix("train."): v for k, v in THROUGHPUT_SETS.items()}
     cfg = TrainConfig(**model, warmup=2, eval_batches=1)  # type: ignore[arg-type]
-    torch.set_num_threads(cfg.threads)  # as the worker does (node/worker.py): its host-side work runs on these
+    torch.set_num_threads(cfg.threads)  # as the worker does (node/worker/trainer.py): its host-side work runs on these
     with tempfile.TemporaryDirectory() as home:
         tr = Trainer(cfg, Path(home), "peer-a")
 
@@ -306,7 +306,7 @@ def render(results: dict[str, Any], command: str) -> str:
     if copies and "inner_step_s" in copies:
         h = copies["inner_steps_per_outer"]
         lines += ["### The outer step's copies between the GPU and the host", "",
-                  ("The third run: `theta_published` page-locked and the new finite check (node/worker.py). " if
+                  ("The third run: `theta_published` page-locked and the new finite check (node/worker/trainer.py). " if
                    results.get("copies_before_pinning") else "") +
                   f"One trainer in-process with torch threads = {copies.get('threads', 'default')} (the "
                   "worker's `train.threads`: its host-side work runs on these), "

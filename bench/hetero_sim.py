@@ -9,9 +9,9 @@ Each pair's outer step is the worker's own `apply_result` with the partner's sam
 it over.
 
 Rows (the fast members' mean validation loss, mean of 3 seeds; each seed draws other data shards):
-- random pairs: a fresh random perfect matching every outer step (the schedule of node/pairing.py when
+- random pairs: a fresh random perfect matching every outer step (the schedule of node/averaging/pairing.py when
   every trainer is one speed tier);
-- like-speed tiers: node/pairing.py's `matching` with the trainers' speeds (the landed rule);
+- like-speed tiers: node/averaging/pairing.py's `matching` with the trainers' speeds (the landed rule);
 - all four averaged: every outer step one group of all four, the sample-weighted mean of Delta (not what
   the daemon does: a reference for what complete mixing would give);
 - 2 fast alone: the two fast trainers, paired with each other every step.
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from convergence import BenchConfig  # bench/convergence.py, beside this script (run as `python bench/...`)
 
-from node.ipc import Publish
-from node.pairing import BYE, matching
-from node.worker import Trainer
+from node.averaging.pairing import BYE, matching
+from node.bridge.ipc import Publish
+from node.worker.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 

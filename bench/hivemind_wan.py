@@ -1,8 +1,8 @@
 """hivemind's side of bench/wan.py: a DHT bootstrap node, or one trainer of `hivemind.Optimizer` in local-update mode.
 
 Runs inside `bench/.venv-hivemind` (hivemind 1.1.12 and torch's CPU wheel, created by bench/sync.py), one process
-per lab namespace, started by bench/wan.py. It imports torch-only code of the repository (node.task,
-node.train_config, node.tasks.stdlib_lm: the bench model, its data shards and its validation batches), never
+per lab namespace, started by bench/wan.py. It imports torch-only code of the repository (node.worker.task,
+node.config.train, node.tasks.stdlib_lm: the bench model, its data shards and its validation batches), never
 trio or libp2p.
 
 Two roles, one JSON spec each (argv[2]):
@@ -11,9 +11,9 @@ Two roles, one JSON spec each (argv[2]):
   its trainers); prints `MADDR <multiaddr>` and serves until SIGTERM.
 - `peer`: a trainer. A DHT joined through the bootstrap node, the bench model on this trainer's shard (its
   PeerID is Starling's trainer's, so the shard is the same), and `hivemind.Optimizer(use_local_updates=True)`
-  around the trainers' inner optimizer (AdamW, decay on weight matrices only, as node.worker.default_optimizer)
+  around the trainers' inner optimizer (AdamW, decay on weight matrices only, as node.worker.trainer.default_optimizer)
   with the inner learning rate set before every local step from the schedule bench/wan.py passes
-  (node.worker.lr_at at each step). `target_batch_size` = peers x H x batch size: the collaboration starts a new
+  (node.worker.trainer.lr_at at each step). `target_batch_size` = peers x H x batch size: the collaboration starts a new
   epoch, and averages parameters (all-reduce in one group, no compression), about every H local steps of each
   peer. Once everything is built (hivemind forks its DHT and averager processes then), it prints `READY <pid>`
   and waits for the go file, so that bench/wan.py can cap this process alone (the worker's analogue: the
@@ -48,12 +48,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from node.task import TaskContext, autocast, load_task  # noqa: E402  (torch only: no trio, no libp2p)
-from node.train_config import TrainConfig  # noqa: E402
+from node.config.train import TrainConfig  # noqa: E402
+from node.worker.task import TaskContext, autocast, load_task  # noqa: E402  (torch only: no trio, no libp2p)
 
 
 def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig, lr: float) -> torch.optim.AdamW:
-    """node.worker.default_optimizer (which this venv cannot import: node.worker pulls in the daemon's wire
+    """node.worker.trainer.default_optimizer (which this venv cannot import: node.worker.trainer pulls in the daemon's wire
     codecs) at learning rate `lr`: AdamW, `cfg.weight_decay` on parameters of 2 or more dimensions, none on the
     others, the decayed group first. tests/test_bench_hivemind_wan.py checks that the two agree."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -126,7 +126,7 @@ def run_peer(spec: dict[str, Any]) -> int:
     model = task.build_model()
     params = [p for p in model.parameters() if p.requires_grad]
     stream = task.train_stream()
-    lrs: list[float] = spec["lrs"]  # node.worker.lr_at(cfg, step) for step 0..total_steps (flat after)
+    lrs: list[float] = spec["lrs"]  # node.worker.trainer.lr_at(cfg, step) for step 0..total_steps (flat after)
 
     rounds = Rounds()
     logging.getLogger("hivemind.optim.state_averager").addHandler(rounds)

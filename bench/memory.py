@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from node.shm import sweep_orphans
+from node.bridge.shm import sweep_orphans
 from starling_testing.daemon import DaemonProc
 from starling_testing.report import replace_section
 
@@ -357,12 +357,12 @@ ACCOUNTING = [
     ("worker", "theta at publish (`Trainer.theta_published`)", "4", "4"),
     ("worker", "scratch (`Trainer._scratch`): after, own Delta in the Delta slot, rebase in theta_published",
      "4", "0"),
-    ("worker", "outer momentum (node/outer.py)", "4", "4"),
-    ("worker", "NoLoCo pull temporary `sum_phi - n*phi` (node/outer.py, outer step only; grads are freed "
+    ("worker", "outer momentum (node/worker/outer.py)", "4", "4"),
+    ("worker", "NoLoCo pull temporary `sum_phi - n*phi` (node/worker/outer.py, outer step only; grads are freed "
                "by then after the cut, so it no longer adds to the peak; since issue #28 computed in the phi_out "
                "slot, for time: the measured rows above predate that)", "4", "0"),
     ("worker", "checkpoint write (torch.save streams each tensor's storage)", "~0", "~0"),
-    ("both", "shared slots phi, Delta, phi_out, Delta_out (node/shm.py), resident in both processes", "16", "16"),
+    ("both", "shared slots phi, Delta, phi_out, Delta_out (node/bridge/shm.py), resident in both processes", "16", "16"),
     ("daemon", "exchange buffers (protocols/avg.py, codec.py: one 1 MiB frame and chunk-sized scratch)", "~0", "~0"),
 ]
 
@@ -415,8 +415,8 @@ def render(rows: list[Row], before: list[Row] | None, command: str) -> str:
                  "- The gradients are freed right after the optimizer step instead of at the next one, so the "
                  "outer step, the evaluation and the checkpoint run without them.\n"
                  "- Later (issue #16), the daemon's fixed cost: the daemon process no longer loads torch (it "
-                 "averages on numpy views of the slots, node/shm.py, and reads a checkpoint's phi through "
-                 "node/ckptfile.py), about 180 MiB less per daemon, whatever the model size.\n\n"
+                 "averages on numpy views of the slots, node/bridge/shm.py, and reads a checkpoint's phi through "
+                 "node/bridge/ckptfile.py), about 180 MiB less per daemon, whatever the model size.\n\n"
                  "Why the slots may be used so: the daemon reads phi and Delta (and writes the sums) only while "
                  "an exchange is in flight, from a publish until its result, and the supervisor sends the "
                  "result only once the exchange has returned, its side-channel threads included "
@@ -470,7 +470,7 @@ def render_group(rows: list[GroupRow], before: list[GroupRow] | None, command: s
                  "rank 0 uses, and the same scratch and gradient buffer (40 B/param); a fresh start writes "
                  "phi, the scratch and the gradient buffer of those, so 32 were resident (pages never written "
                  "are not: theta at publish is never written on a follower, the outer momentum only when it "
-                 "resumes from a checkpoint). What was cut (node/worker_group.py): ranks 1.. are built "
+                 "resumes from a checkpoint). What was cut (node/worker/group.py): ranks 1.. are built "
                  "without the master copies (`Trainer(slow_weights=False)`), and gradients and weights cross "
                  "the group in buckets of `BUCKET_BYTES` (32 MiB) instead of model-sized flat buffers; the "
                  "group's Delta still equals one process's on the concatenated batch, and the ranks' weights "

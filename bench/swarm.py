@@ -4,8 +4,8 @@ bench/convergence.py measures NoLoCo in one process with an in-memory exchange. 
 same training through real daemons (separate processes: libp2p discovery, pairing, the encrypted side
 channel, the supervised torch worker) and asks whether the swarm delivers what the simulation promises.
 Every loss below comes from the same code as the simulation's: after a graceful stop (SIGTERM, so each
-worker writes a final checkpoint) each node's checkpoint is read with `node.checkpoint`, its slow weights
-`phi` are scattered into a `node.worker.Trainer` built with the identical TrainConfig, and
+worker writes a final checkpoint) each node's checkpoint is read with `node.worker.checkpoint`, its slow weights
+`phi` are scattered into a `node.worker.trainer.Trainer` built with the identical TrainConfig, and
 `Trainer.evaluate()` measures it on the shared held-out files.
 
 Scenarios (`--scenarios`, default all three):
@@ -60,9 +60,9 @@ import torch
 from convergence import QUICK as QUICK_BENCH  # bench/convergence.py, beside this script
 from convergence import BenchConfig, relative_spread, run_ddp, run_outer
 
-from node.checkpoint import CheckpointError, read_checkpoint
-from node.train_config import TrainConfig
-from node.worker import Trainer
+from node.config.train import TrainConfig
+from node.worker.checkpoint import CheckpointError, read_checkpoint
+from node.worker.trainer import Trainer
 from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
 from starling_testing.daemon import DaemonProc
 from starling_testing.report import replace_section

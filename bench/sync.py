@@ -56,8 +56,8 @@ import numpy as np
 import torch
 import trio
 
-from node.exchange import ExchangeRequest
-from node.task import layout_hash
+from node.bridge.exchange import ExchangeRequest
+from node.worker.task import layout_hash
 from starling_testing.daemon import DaemonProc
 from starling_testing.report import replace_section
 
@@ -87,11 +87,11 @@ def median(xs: list[float]) -> float:
 
 
 def make_request(numel: int, seed: int) -> ExchangeRequest:
-    """What the supervisor hands `Averager.exchange` (node/exchange.py): flat fp32 inputs and the outputs
+    """What the supervisor hands `Averager.exchange` (node/bridge/exchange.py): flat fp32 inputs and the outputs
     the group's sums land in."""
     # Replicas of one model: phis around a common point, as far apart as their Deltas are long (within
-    # the averager's bounds, node/robust.py).
-    # numpy float32, as the daemon holds them (views of the worker's shared memory, node/shm.py).
+    # the averager's bounds, node/averaging/robust.py).
+    # numpy float32, as the daemon holds them (views of the worker's shared memory, node/bridge/shm.py).
     phi = np.random.default_rng(0).standard_normal(numel, dtype=np.float32)
     g = np.random.default_rng(seed)
     phi += g.standard_normal(numel, dtype=np.float32) * np.float32(0.01)
@@ -147,8 +147,8 @@ class _PeerState:
 
     async def _configure(self, wire_dtype: str, datapath: bool) -> None:
         """A fresh Averager per mode (the side channel is set up by the constructor)."""
-        from node.averager import Averager
-        from node.sync_config import SyncConfig
+        from node.averaging.averager import Averager
+        from node.config.sync import SyncConfig
 
         if self.mode == (wire_dtype, datapath):
             return

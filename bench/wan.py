@@ -87,8 +87,8 @@ from swarm import (
     training,
 )
 
-from node.config import ConfigError, load_config
-from node.train_config import TrainConfig
+from node.config.load import ConfigError, load_config
+from node.config.train import TrainConfig
 from starling_testing import netlab
 from starling_testing.daemon import PORT, PYTHON, DaemonError, LabDaemon, spawn_daemon, start_daemon
 from starling_testing.netlab import Lab, LabError, Proc
@@ -193,7 +193,7 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 def default_variants() -> str:
     """The shipped defaults, plus one variant per other `sync.compression` value once the option exists (the
     default, `auto` now, is the `defaults` row itself)."""
-    from node import sync_config
+    from node.config import sync as sync_config
 
     presets = getattr(sync_config, "COMPRESSIONS", ())
     default = sync_config.SyncConfig().compression
@@ -504,8 +504,8 @@ def collective_rank(spec: dict[str, Any]) -> None:
     each one inner step on this rank's shard and an all-reduce of the flat fp32 gradient; prints RESULT json."""
     import torch.distributed as dist
 
-    from node.task import TaskContext, load_task
-    from node.worker import default_optimizer
+    from node.worker.task import TaskContext, load_task
+    from node.worker.trainer import default_optimizer
 
     torch.set_num_threads(1)
     rank, n = spec["rank"], spec["world"]
@@ -678,7 +678,7 @@ def run_hivemind(wl: WanLab, root: Path, python: Path, plan: Plan, peer_ids: lis
     """A hivemind DHT node on the bootstrap host and N hivemind.Optimizer peers, one per trainer host, each
     (its training process alone, not its DHT, averager and p2pd processes) in its own cpu group; `seconds`
     from a common start. BenchError with the log's tail when a part does not come up."""
-    from node.worker import lr_at
+    from node.worker.trainer import lr_at
 
     wl.shape(rates)
     bc = plan.bench

@@ -10,7 +10,7 @@ Everything a task must have is here (`name`, `build_model`, `train_stream`, `los
 constant learning rate). The data is synthetic, so there is nothing to download or ship: inputs
 x ~ N(0, 1), targets y = teacher(x) + noise, where the teacher is a random MLP fixed by `train.seed`.
 
-The rules a task must keep (node/task.py):
+The rules a task must keep (node/worker/task.py):
 - every peer builds the same initial model: seed it with `cfg.seed`, never with the PeerID;
 - each peer's data differs: seed its stream with the PeerID too;
 - the stream's position must be saved and restored exactly (here one integer: batches drawn);
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.task import TaskContext, TaskError, autocast
-from node.train_config import TrainConfig
+from node.config.train import TrainConfig
+from node.worker.task import TaskContext, TaskError, autocast
 
 DEFAULTS: dict[str, Any] = {"in_dim": 16, "hidden": 64, "layers": 2, "noise": 0.01, "optimizer": "adamw"}
 
@@ -149,7 +149,7 @@ class MLPTask:
         """SGD with momentum on request; otherwise Starling's default AdamW (weight decay on matrices)."""
         if self.opts.optimizer == "sgd":
             return torch.optim.SGD(model.parameters(), lr=self.cfg.lr, momentum=0.9)
-        from node.worker import default_optimizer
+        from node.worker.trainer import default_optimizer
 
         return default_optimizer(model, self.cfg)
 

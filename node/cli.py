@@ -30,7 +30,7 @@ log = logging.getLogger("starling.cli")
 
 
 def _die(msg: str, code: int = EXIT_USAGE) -> int:
-    from node.logs import journal_prefix  # `<3>` under systemd, so the journal shows it as an error
+    from node.ops.logs import journal_prefix  # `<3>` under systemd, so the journal shows it as an error
 
     print(f"{journal_prefix(logging.ERROR)}starling: error: {msg}", file=sys.stderr)
     return code
@@ -64,7 +64,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-EXPORT_FORMATS = ("safetensors", "torch", "hf")  # node/export.py's FORMATS, known here without importing torch
+EXPORT_FORMATS = ("safetensors", "torch", "hf")  # node/worker/export.py's FORMATS, known here without importing torch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,7 +150,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     identity the operator never meant to create, and a retry should start from the same state.
     An existing config.toml is never rewritten, so `--swarm` naming another swarm than it does is refused.
     """
-    from node.config import (
+    from node.config.load import (
         CONFIG_FILE,
         ConfigError,
         load_config,
@@ -271,9 +271,9 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from node.config import ConfigError, load_config, resolve_home, unknown_environment
-    from node.lock import HomeLock, LockError
-    from node.logs import setup_logging
+    from node.config.load import ConfigError, load_config, resolve_home, unknown_environment
+    from node.ops.lock import HomeLock, LockError
+    from node.ops.logs import setup_logging
     from p2p.fsutil import free_space_problem, unwritable_reason
     from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
 
@@ -317,7 +317,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             log.info("created a new identity in %s", home / IDENTITY_FILE)
         import trio
 
-        from node.daemon import Daemon, StartupError
+        from node.daemon import Daemon, StartupError, find_exception
 
         train = not args.no_train
         try:
@@ -329,7 +329,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         except BaseException as e:
-            startup = _find_exception(e, StartupError)
+            startup = find_exception(e, StartupError)
             if startup is None:
                 raise
             return _die(str(startup))
@@ -378,18 +378,6 @@ async def _run_until_signal(daemon: Any) -> None:
             nursery.cancel_scope.cancel()
 
 
-def _find_exception(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
-    """The first `kind` inside `exc`, looking through trio's exception groups."""
-    if isinstance(exc, kind):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _find_exception(inner, kind)
-            if found is not None:
-                return found
-    return None
-
-
 def _arm_hard_stop() -> None:
     """If a graceful stop overruns its budget (a wedged library task), exit anyway, and say so."""
 
@@ -406,9 +394,9 @@ def _arm_hard_stop() -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from node.config import resolve_home
-    from node.control import SOCKET_FILE, ControlError, request_sync
-    from node.status_view import render_status
+    from node.config.load import resolve_home
+    from node.ops.control import SOCKET_FILE, ControlError, request_sync
+    from node.ops.status_view import render_status
 
     home = resolve_home(args.home)
     if args.watch is not None:
@@ -439,7 +427,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from node.doctor import doctor_main
+    from node.ops.doctor import doctor_main
     from p2p.addrs import AddrError, parse_bootstrap
 
     overrides: dict[str, Any] = {}
@@ -456,15 +444,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from node.config import resolve_home
-    from node.plot import plot_main  # matplotlib is imported only when plotting
+    from node.config.load import resolve_home
+    from node.ops.plot import plot_main  # matplotlib is imported only when plotting
 
     return plot_main(resolve_home(args.home), Path(args.out))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """`starling export`: one line on stdout saying what was written; every failure one line, exit 2."""
-    from node.config import ConfigError, load_config, resolve_home
+    from node.config.load import ConfigError, load_config, resolve_home
 
     if args.format not in EXPORT_FORMATS:  # before anything slow is loaded (the task, torch)
         return _die(f"--format: one of {', '.join(EXPORT_FORMATS)}; got {args.format!r}")
@@ -476,8 +464,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         cfg = load_config(home, overrides=_parse_set(args.set), run_config=True)
     except (ConfigError, ValueError) as e:
         return _die(str(e))
-    from node.export import ExportError, export_weights  # imports torch: only now
-    from node.task import TaskError
+    from node.worker.export import ExportError, export_weights  # imports torch: only now
+    from node.worker.task import TaskError
 
     try:
         result = export_weights(home, Path(args.out).expanduser(), args.format, cfg, evaluate=args.evaluate)
@@ -492,8 +480,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _watch_status(home: Path, interval: float) -> int:
     """Redraw the readable status in place; a daemon that goes away is shown, not fatal."""
-    from node.control import ControlError, request_status
-    from node.status_view import render_status
+    from node.ops.control import ControlError, request_status
+    from node.ops.status_view import render_status
 
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
     try:
@@ -543,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         blamed = parser if before_command else args._parser
         blamed.error(f"unrecognized arguments: {' '.join(unknown)}{_abbreviation_hint(blamed, unknown)}")
     if hasattr(args, "home"):
-        from node.config import resolve_home
+        from node.config.load import resolve_home
 
         problem = home_problem(resolve_home(args.home))
         if problem:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import multiaddr
 import trio
@@ -32,13 +32,8 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from node import refusals
-from node.averager import Averager
-from node.config import RUN_CONFIG_FILE, Config, write_run_config
-from node.control import SOCKET_FILE, serve_control
-from node.crdt import Manifest, ManifestAuthority
-from node.history import HISTORY_FILE, HistoryError, LossHistory, series_of
-from node.latejoin import (
+from node.averaging.averager import Averager
+from node.averaging.latejoin import (
     CatchUp,
     has_checkpoint,
     join_snapshot_path,
@@ -47,10 +42,17 @@ from node.latejoin import (
     progress_view,
     snapshot_source,
 )
-from node.logs import log_summary_loop
-from node.metrics import Metrics, serve_metrics
-from node.nat import NatConfig, NatService
-from node.replicator import (
+from node.config.load import RUN_CONFIG_FILE, Config, write_run_config
+from node.ops import refusals
+from node.ops.control import SOCKET_FILE, serve_control
+from node.ops.history import HISTORY_FILE, HistoryError, LossHistory, series_of
+from node.ops.logs import log_summary_loop
+from node.ops.metrics import Metrics, serve_metrics
+from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
+from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
+from node.swarm.crdt import Manifest, ManifestAuthority
+from node.swarm.nat import NatConfig, NatService
+from node.swarm.replicator import (
     MANIFEST_PIN_FILE,
     STATE_FILE,
     ManifestPinError,
@@ -58,8 +60,6 @@ from node.replicator import (
     load_state,
     read_manifest_pin,
 )
-from node.sdnotify import Notifier, summarize_status, watchdog_loop
-from node.status_schema import JoinStatus, NodeStatus, OutOfReachStatus
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import SWARM_KEY_FILE, AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
@@ -76,15 +76,15 @@ from protocols.snapshot import ModelShape, SnapshotServer
 from protocols.state import PROTOCOL_ID as STATE_PROTOCOL
 
 if TYPE_CHECKING:
-    from node.ipc import Adopted
-    from node.supervisor import CheckedTask
+    from node.bridge.ipc import Adopted
+    from node.bridge.supervisor import CheckedTask
 
 AVG_PROTOCOL_VERSION = 1  # the major version of /starling/avg; peers on another one cannot average
 
 log = logging.getLogger("starling.daemon")
 
 # Points in the control socket's `history` answer (each member's spread over its span): ~7 MB of JSON at
-# most, well inside the client's 16 MiB (node/control.py), and plenty for a plot.
+# most, well inside the client's 16 MiB (node/ops/control.py), and plenty for a plot.
 HISTORY_ANSWER_POINTS = 100_000
 
 #: The protocols under per-subnet stream limits, as `status`'s `refusals` names their refusals.
@@ -134,13 +134,17 @@ def _why_not_listening(host: str, port: int) -> str:
     return "the listener failed to start"
 
 
-def _find_os_error(exc: BaseException) -> OSError | None:
-    """The first OSError in `exc` or the exception groups trio wraps it in (nested nurseries)."""
-    if isinstance(exc, OSError):
+_E = TypeVar("_E", bound=BaseException)
+
+
+def find_exception(exc: BaseException, kind: type[_E]) -> _E | None:
+    """The first `kind` in `exc` or in the exception groups trio wraps it in (nested nurseries): the one
+    walk the daemon (a listener's OSError) and the CLI (a StartupError under the run's nursery) share."""
+    if isinstance(exc, kind):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            if (found := _find_os_error(inner)) is not None:
+            if (found := find_exception(inner, kind)) is not None:
                 return found
     return None
 
@@ -178,7 +182,7 @@ class Daemon:
         self.access = AccessControl(keyed=psk is not None, allow=node.allow_peers)
         self.access.install(self.host)
         # Per-subnet shares of the protocols a peer can make this node work for (see p2p/netgroup.py).
-        # Averaging requests have their own per-IP share and IP bans in the averager (node/averager.py).
+        # Averaging requests have their own per-IP share and IP bans in the averager (node/averaging/averager.py).
         self.stream_limits = SubnetStreamLimits({SNAPSHOT_PROTOCOL: 1, STATE_PROTOCOL: 4, DIALBACK_PROTOCOL: 2})
         self.stream_limits.install(self.host)
         self.connmgr = ConnManager(
@@ -261,7 +265,7 @@ class Daemon:
                 anyone_else=lambda: bool(self._possible_partners()),
                 pace=lambda: float(self._training().get("period_s") or 0.0),
                 # The pace gives the swarm's fastest trainer H inner steps per outer step: no honest
-                # partner's Delta covers more (node/robust.py).
+                # partner's Delta covers more (node/averaging/robust.py).
                 max_inner_steps=cfg.train.inner_steps,
                 swarm_steps=self._trainer_steps,
                 speeds=self._trainer_speeds,
@@ -391,7 +395,7 @@ class Daemon:
         """Alive trainers with our manifest (`alive_members` checks it) and (unless the config allows bulk
         over relays) a direct or hole-punched path: bulk tensors never cross a relay. None at all makes the
         outer step solo at once. A trainer the averager says sits out (banned, or it missed round after
-        round: node/partner_misses.py) does not count: a record that claims the trainer role from a peer
+        round: node/averaging/partner_misses.py) does not count: a record that claims the trainer role from a peer
         that never averages made every outer step wait out the whole pairing window."""
         allow_relay = self.cfg.sync.allow_relay_bulk
         averager = self.averager
@@ -401,14 +405,14 @@ class Daemon:
             if m.record.role == "trainer"
             and m.record.manifest_hash  # a trainer whose task is not loaded yet can only refuse
             and m.record.peer_id != str(self.peer_id)
-            and (allow_relay or self.nat.path_of(m.record.peer_id) in ("direct", "hole-punched"))
+            and (allow_relay or self.nat.path_of(m.record.peer_id) in DIRECT_PATHS)
             and (averager is None or not averager.sits_out(m.record.peer_id))
         ]
 
     def _pace(self) -> float:
         """Seconds between two outer steps for every trainer of the swarm: H inner steps of the fastest
         trainer we know (its `samples_per_s`, measured over whole outer steps), so the fastest takes about H
-        and slower machines fewer in the same time (node/worker.py, `publish_due`). 0 (every H inner steps
+        and slower machines fewer in the same time (node/worker/trainer.py, `publish_due`). 0 (every H inner steps
         of this machine) with `sync.pace = steps` or before any speed is known. Batch sizes are assumed
         equal across the swarm (they are part of one run's settings); a worker group's inner step covers
         `local_ranks` batches, and its samples/s counts them all. With no possible partner, 0 too: a lone
@@ -432,7 +436,7 @@ class Daemon:
         return self.cfg.train.inner_steps * self.cfg.train.batch_size * self.cfg.train.local_ranks / fastest
 
     def _outer_period_s(self) -> float:
-        """Compute seconds of one of our outer steps, for `sync.compression = auto` (node/compression_choice.py):
+        """Compute seconds of one of our outer steps, for `sync.compression = auto` (node/averaging/compression_choice.py):
         the pace where there is one, else H inner steps at this machine's measured speed (`sync.pace =
         steps`); 0 before any speed is known."""
         pace = self._pace()
@@ -494,7 +498,7 @@ class Daemon:
             "authorization": authorization,
             "stream_limits": stream_limits,
             "muxer": muxer,
-            # Every limit's refusals in one place, from the sections above (node/refusals.py).
+            # Every limit's refusals in one place, from the sections above (node/ops/refusals.py).
             "refusals": refusals.collect(
                 connections=connections, muxer=muxer, authorization=authorization, stream_limits=stream_limits,
                 replication=replica["swarm_totals"]["replication"],
@@ -719,7 +723,7 @@ class Daemon:
         """The averager's start failed: if its side-channel listener could not bind (sync.datapath_port busy
         or not allowed), a one-line StartupError saying so; None for any other failure. Without this, a busy
         port was an 84-line ExceptionGroup and exit 1."""
-        error = _find_os_error(exc)
+        error = find_exception(exc, OSError)
         if error is None or self.averager is None or self.averager.listener is None:
             return None
         listener = self.averager.listener
@@ -773,7 +777,7 @@ class Daemon:
             raise StartupError(f"cannot listen on {addr}: {_why_not_listening(host, port)}")
 
     def _make_supervisor(self) -> Any:
-        from node.supervisor import WorkerSupervisor
+        from node.bridge.supervisor import WorkerSupervisor
 
         assert self.averager is not None
         return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange,
@@ -795,8 +799,8 @@ class Daemon:
     async def _check_task(self) -> None:
         """Before anything starts: can the worker load the configured device and task? A task that cannot
         be imported or built, or a GPU that is not there, is an operator's error (exit 2, one line), not a
-        worker that fails after the daemon said it was ready (node/supervisor.py, `check_task`)."""
-        from node.supervisor import TaskCheckError, check_task
+        worker that fails after the daemon said it was ready (node/bridge/supervisor.py, `check_task`)."""
+        from node.bridge.supervisor import TaskCheckError, check_task
 
         level = logging.getLevelName(logging.getLogger("starling").getEffectiveLevel()).lower()
         # A late join will run: the check builds the model too and says its size, which the donors'

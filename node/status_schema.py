@@ -1,9 +1,9 @@
 """The schema of a daemon's status: the dict `starling status --json` prints and the control socket returns.
 
-The daemon builds it (node/daemon.py `Daemon.status`, which takes sections from node/supervisor.py,
-node/averager.py, node/replicator.py, node/nat.py, node/latejoin.py and the p2p layer's managers), and
-metrics (node/metrics.py), `starling doctor` (node/doctor.py), the status view (node/status_view.py),
-sd_notify's summary (node/sdnotify.py), `make run` (node/localswarm.py), benches and tests read it by
+The daemon builds it (node/daemon.py `Daemon.status`, which takes sections from node/bridge/supervisor.py,
+node/averaging/averager.py, node/swarm/replicator.py, node/swarm/nat.py, node/averaging/latejoin.py and the p2p layer's managers), and
+metrics (node/ops/metrics.py), `starling doctor` (node/ops/doctor.py), the status view (node/ops/status_view.py),
+sd_notify's summary (node/ops/sdnotify.py), `make run` (node/ops/localswarm.py), benches and tests read it by
 key. These TypedDicts are that contract: mypy (`make lint`) checks the builders' dict literals against
 them, and the readers' subscripts (``st["training"]``) and the types of what their ``.get`` returns.
 
@@ -21,7 +21,7 @@ imports nothing heavy: `starling status` renders with it.
 
 # No `from __future__ import annotations`: Python 3.11's TypedDict reads NotRequired only from evaluated
 # annotations, and tests read __required_keys__.
-from typing import NotRequired, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 from p2p.status import (
     AuthorizationStatus,
@@ -41,7 +41,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-# --- training: the local torch worker, as its supervisor sees it (node/supervisor.py) -------------------------
+# --- training: the local torch worker, as its supervisor sees it (node/bridge/supervisor.py) -------------------------
 
 
 class ExchangeCounts(TypedDict):
@@ -79,7 +79,7 @@ class TrainingStatus(TypedDict):
     error: str | None
 
 
-# --- sync: the averager (node/averager.py) and the catch-up (node/latejoin.py) ------------------------------
+# --- sync: the averager (node/averaging/averager.py) and the catch-up (node/averaging/latejoin.py) ------------------------------
 
 
 class MixingStatus(TypedDict):
@@ -117,7 +117,7 @@ class DownloadStatus(TypedDict):
 
 
 class ProgressStatus(TypedDict, total=False):
-    """A late join's or catch-up's progress (node/latejoin.py); its keys follow its state."""
+    """A late join's or catch-up's progress (node/averaging/latejoin.py); its keys follow its state."""
 
     state: str
     error: str
@@ -149,7 +149,7 @@ class TransferStatus(TypedDict):
 
 class SittingOutStatus(TypedDict):
     """``sync.sitting_out``: trainers that missed averaging rounds in a row and are not waited for as partners
-    until their back-off ends (node/partner_misses.py)."""
+    until their back-off ends (node/averaging/partner_misses.py)."""
 
     count: int  # peers sitting out now
     exclusions: int  # times a peer was made to sit out, since start
@@ -157,7 +157,7 @@ class SittingOutStatus(TypedDict):
 
 
 class RefusalStatus(TypedDict):
-    """``sync.last_refusal``: the latest averaging request refused, either way (node/averager.py)."""
+    """``sync.last_refusal``: the latest averaging request refused, either way (node/averaging/averager.py)."""
 
     peer: str
     by: str  # partner (it refused our request) | us (we refused its request)
@@ -174,7 +174,7 @@ class OutOfReachStatus(TypedDict):
     trainers: int  # the possible partners, all out of reach
     nearest_steps: int  # outer steps between this node and the nearest of them
     behind: bool  # this node is behind the nearest of them; else ahead
-    catches_up: bool  # this node is off the swarm's position (node/latejoin.py CatchUp): it re-syncs, not them
+    catches_up: bool  # this node is off the swarm's position (node/averaging/latejoin.py CatchUp): it re-syncs, not them
     catch_up_off: bool  # sync.catch_up_after = 0: nobody catches up
     max_step_gap: int
 
@@ -204,7 +204,7 @@ class SyncStatus(TypedDict):
     mixing: MixingStatus
     state: str  # idle | pairing | exchanging
     transfer: NotRequired[TransferStatus]  # while exchanging
-    rejections: dict[str, int]  # partner updates refused, by reason (node/robust.py)
+    rejections: dict[str, int]  # partner updates refused, by reason (node/averaging/robust.py)
     clipped: dict[str, int]  # partner updates clipped, by part: delta | phi
     banned: list[str]
     sitting_out: SittingOutStatus  # partners that missed rounds in a row, sitting out a back-off
@@ -214,7 +214,7 @@ class SyncStatus(TypedDict):
     out_of_reach: NotRequired[OutOfReachStatus | None]  # set while every possible partner is beyond the gap
 
 
-# --- membership: the swarm-state replica (node/replicator.py) -----------------------------------------------
+# --- membership: the swarm-state replica (node/swarm/replicator.py) -----------------------------------------------
 
 
 class MemberStatus(TypedDict):
@@ -298,13 +298,13 @@ class SwarmTotals(TypedDict):
 
 
 class ReplicaStatus(TypedDict):
-    """The replica's part of the status (node/replicator.py), merged into its top level."""
+    """The replica's part of the status (node/swarm/replicator.py), merged into its top level."""
 
     members: list[MemberStatus]
     swarm_totals: SwarmTotals
 
 
-# --- the network: NAT traversal (node/nat.py) ------------------------------------------------------------
+# --- the network: NAT traversal (node/swarm/nat.py) ------------------------------------------------------------
 
 
 class NatStatus(TypedDict):
@@ -322,11 +322,18 @@ class NatStatus(TypedDict):
     dialbacks_served: int
 
 
+#: How we reach a peer (node/swarm/nat.py, `NatService.path_of`).
+ConnectionPath = Literal["direct", "hole-punched", "relayed", "none"]
+#: The paths bulk tensors may take (the side channel, an exchange's bytes): a connection of our own, never a
+#: relay's circuit, unless `sync.allow_relay_bulk`. The daemon, the averager and NAT traversal all ask this.
+DIRECT_PATHS: frozenset[ConnectionPath] = frozenset({"direct", "hole-punched"})
+
+
 class PeerPathStatus(TypedDict):
     """``peers[i]``: one connected peer's network path."""
 
     peer_id: str
-    path: str  # direct | hole-punched | relayed | none
+    path: ConnectionPath
     rtt_ms: float | None
     throughput_mbps: NotRequired[float]  # once a bulk transfer measured it
     note: NotRequired[str]  # why a relayed peer is not direct
@@ -340,7 +347,7 @@ class BootstrapStatus(TypedDict):
     peers: list[BootstrapPeerStatus]  # every bootstrap peer (files' too): connected, or why not
 
 
-# --- refusals: every limit's refusals in one place (node/refusals.py) ---------------------------------------
+# --- refusals: every limit's refusals in one place (node/ops/refusals.py) ---------------------------------------
 
 
 class RefusalsStatus(TypedDict):
@@ -388,7 +395,7 @@ class NodeStatus(TypedDict):
     authorization: AuthorizationStatus
     stream_limits: StreamLimitsStatus
     muxer: MuxerStatus  # peers that overran a stream's receive window (p2p/limits.py)
-    refusals: RefusalsStatus  # what every limit refused, summed by kind (node/refusals.py)
+    refusals: RefusalsStatus  # what every limit refused, summed by kind (node/ops/refusals.py)
     reachability: str  # public | private | unknown
     nat: NatStatus
     peers: list[PeerPathStatus]

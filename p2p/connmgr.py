@@ -75,7 +75,7 @@ class ConnManager:
     cap: int = 32
     dial_timeout: float = 10.0
     on_connected: Callable[[ID], None] | None = None
-    # How to dial: host.connect by default; node/nat.py supplies one that also tries relay circuits,
+    # How to dial: host.connect by default; node/swarm/nat.py supplies one that also tries relay circuits,
     # which py-libp2p's swarm never dials by itself.
     dial: Callable[[PeerInfo], Awaitable[None]] | None = None
     clock: Callable[[], float] = time.monotonic

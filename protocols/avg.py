@@ -17,10 +17,10 @@ bit-identical whatever the wire dtype. Received bytes land directly in the calle
 (shared memory) and become the group's sums there chunk by chunk as they arrive, so an exchange needs no
 model-sized buffer beyond those and no second pass over them; the caller uses the outputs only when
 `run_transfer` returns, so a failure or a rejection never leaves a half-applied update. Sums rather than
-means: the worker's outer step folds the 1/n into its own scalars for free (node/outer.py), while a
+means: the worker's outer step folds the 1/n into its own scalars for free (node/worker/outer.py), while a
 halving here was one more pass over every received byte, about a tenth of the exchange's CPU.
 
-An outer step may take two exchanges (node/pairing.py, `schedule`): in the second (`stage` 2) each side
+An outer step may take two exchanges (node/averaging/pairing.py, `schedule`): in the second (`stage` 2) each side
 sends the sample-weighted mean of the pair it averaged with in the first, and says how many trainers'
 values that mean carries (`members`) and their samples, so that two pairs become a group of four. The
 stage is part of the request, so that a second-round request never meets a first-round exchange. Version
@@ -30,7 +30,7 @@ changed and the two versions do not negotiate (the run manifest pins the version
 Version 1.2.0 added `compression` (a `sync.compression` preset, protocols/compress.py), `fragment` (the
 fragment of phi this exchange carries, chosen by the initiator from its outer step) and `phi_chunk_elems`
 (phi's chunking, which differs from Delta's once their encodings differ). A responder with a fixed preset
-refuses another one (node/averager.py): partners whose error feedback and pull expect different wires must
+refuses another one (node/averaging/averager.py): partners whose error feedback and pull expect different wires must
 not mix silently; one with `sync.compression = auto` takes the preset the request names (the wire is the
 same: the request always named its preset, so `auto` needed no new field and no new version). As for
 1.1.0, the protocol id changed, since a 1.1.0 peer refuses the new fields.
@@ -116,12 +116,12 @@ class AvgRequest:
     pubkey: bytes = spec(min_len=32, max_len=32)
     datapath: bool = spec(default=True)
     punch_port: int = spec(ge=0, le=65535, default=0)  # 0: no punched side channel offered
-    # What this Delta covers, for a pair's sample-weighted mean and the norm check (node/outer.py), and how
+    # What this Delta covers, for a pair's sample-weighted mean and the norm check (node/worker/outer.py), and how
     # long the initiator has waited for a partner since it published (the pair meets halfway in phase).
     inner_steps: int = spec(ge=0, le=1 << 30, default=0)
     samples: int = spec(ge=0, le=1 << 40, default=0)
     waited_ms: int = spec(ge=0, le=1 << 30, default=0)
-    # The round of the outer step (node/pairing.py) and how many trainers' mean the tensors carry.
+    # The round of the outer step (node/averaging/pairing.py) and how many trainers' mean the tensors carry.
     stage: int = spec(ge=1, le=2, default=1)
     members: int = spec(ge=1, le=MAX_MEMBERS, default=1)
     # What crosses the wire (protocols/compress.py): the preset, phi's fragment and phi's chunking (0: Delta's).
@@ -145,7 +145,7 @@ class AvgAnswer:
     samples: int = spec(ge=0, le=1 << 40, default=0)
     waited_ms: int = spec(ge=0, le=1 << 30, default=0)
     # Between outer steps: how long ago this trainer published (0: unknown), so that an asker whose phase
-    # is off everyone's can move towards theirs (node/averager.py).
+    # is off everyone's can move towards theirs (node/averaging/averager.py).
     since_publish_ms: int = spec(ge=0, le=1 << 31, default=0)
     paired: bool = spec(default=False)  # its last outer step was averaged: it is in phase with someone
     members: int = spec(ge=1, le=MAX_MEMBERS, default=1)  # as in AvgRequest
@@ -429,7 +429,7 @@ class Received:
 
     @property
     def delta_norms(self) -> tuple[float, float]:
-        """(our Delta's norm, the partner's), for the bounds (node/robust.py) and their history."""
+        """(our Delta's norm, the partner's), for the bounds (node/averaging/robust.py) and their history."""
         return math.sqrt(self.own_delta_sq), math.sqrt(self.their_delta_sq)
 
     @property
@@ -614,7 +614,7 @@ async def run_transfer(
     meaningful only when it returns. Nothing clipped: the sums are the exact ones both sides hold.
 
     With a phi fragment (`Plans.phi_range`) only that range of ``phi_out`` is written; the bounds
-    (``validate``, node/robust.py) see the decoded values: the partner's Delta as top-k decoded it and the
+    (``validate``, node/averaging/robust.py) see the decoded values: the partner's Delta as top-k decoded it and the
     distance of its phi from ours on the fragment, and a clip rescales exactly those."""
     began = trio.current_time()
     plans = plan if isinstance(plan, Plans) else Plans.same(plan)

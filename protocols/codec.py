@@ -10,7 +10,7 @@ Four wire dtypes, chosen per run:
   in fp32 and can accumulate straight into an fp32 sum.
 * ``topk`` -- blockwise top-k sparsification (:class:`TopKCodec`): per block, the ``k`` entries of
   largest magnitude as uint16 indices plus int8 codes with one fp32 scale; ``3k + 4`` bytes per block.
-  Lossy by design: it is meant for Delta with an error-feedback buffer in the worker (node/worker.py),
+  Lossy by design: it is meant for Delta with an error-feedback buffer in the worker (node/worker/trainer.py),
   which adds what was not sent to the next outer step's Delta.
 
 Everything works on *slices* so that neither side ever holds more than one chunk of encoded bytes:

@@ -1,17 +1,17 @@
 """`sync.compression`: what of phi and Delta crosses the wire at each outer step, by named preset.
 
 A preset fixes three things, which both partners of an exchange must share (the request names the preset
-and the responder refuses another one, node/averager.py):
+and the responder refuses another one, node/averaging/averager.py):
 
 * **Delta**: the wire dtype (``none``: ``sync.wire_dtype``, bf16 by default), or blockwise top-k
   (:class:`protocols.codec.TopKCodec`: the ``delta_keep`` largest of every 4096 entries, int8 values).
   What top-k drops is not lost: the worker keeps it in an error-feedback buffer and adds it to its next
-  Delta (node/worker.py, `Trainer.publish`).
+  Delta (node/worker/trainer.py, `Trainer.publish`).
 * **phi**, for the NoLoCo pull ``gamma * (phi_i - mean phi)``: with ``fragments`` = K > 1 only one
   fragment of the flat model (a contiguous, block-aligned range, fragment ``outer_step mod K`` of the
   initiator, named in the request) crosses the wire, in blockwise int8, and the pull applies on that
   fragment only; the Delta average applies everywhere. Every coordinate is pulled once every K outer steps.
-* nothing else: the chunking, the side channel and the bounds (node/robust.py) are those of every exchange,
+* nothing else: the chunking, the side channel and the bounds (node/averaging/robust.py) are those of every exchange,
   applied to the decoded values.
 
 numpy only: the daemon (which sends) and the worker (which reproduces what was sent, for its error feedback

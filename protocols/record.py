@@ -1,7 +1,7 @@
 """The signed record schema of the swarm state: record types, envelopes, signatures, order and digests.
 
 What travels in ``/starling/state/1.0.0`` sessions (:mod:`protocols.state`) and on the gossipsub topic;
-the replica that holds and merges these records is :class:`node.crdt.SwarmState` (see that module for the
+the replica that holds and merges these records is :class:`node.swarm.crdt.SwarmState` (see that module for the
 merge rules, failure detection and the Sybil limits). This module is the wire format only, so that the
 protocol layer does not depend on the daemon.
 
@@ -222,7 +222,7 @@ class MemberRecord:
     manifest_hash: str = ""
     heartbeat: float = 0.0  # author's wall time (seconds) when it wrote the record
     left: bool = False  # departure marker: the peer stopped gracefully
-    # Whom it averaged with over its recent outer steps (node/averager.py): every node can then see the
+    # Whom it averaged with over its recent outer steps (node/averaging/averager.py): every node can then see the
     # swarm's pairing graph, and `starling doctor` can tell when it has split into islands.
     partners: tuple[str, ...] = ()
 

@@ -9,7 +9,7 @@ convergence. Every few seconds, and as soon as a connection opens, a node runs o
     responder -> initiator   Records{records, done} ...  what the initiator lacks, in bounded batches
     initiator -> responder   Records{records, done} ...  what the responder lacks
 
-A digest is ``key -> order`` for every record held (:meth:`node.crdt.SwarmState.digest`), so each side
+A digest is ``key -> order`` for every record held (:meth:`node.swarm.crdt.SwarmState.digest`), so each side
 computes exactly which records the other lacks or holds an older version of. Records are signed by
 their authors and verified on arrival; the stream itself is only a carrier, which is why a record
 relayed by any peer is as good as one from its author.
@@ -148,7 +148,7 @@ class Error:
 
 
 class Replica(Protocol):
-    """What a session needs from the local replica (:class:`node.crdt.SwarmState` provides it)."""
+    """What a session needs from the local replica (:class:`node.swarm.crdt.SwarmState` provides it)."""
 
     def digest(self) -> Mapping[str, tuple[int, ...]]: ...
 

@@ -9,7 +9,7 @@ Files and their main names:
   :class:`Proc`; ``python -m starling_testing.netlab --sweep`` removes namespaces left by a crash);
 * ``daemon.py``: real `starling run` daemons on 127.0.0.1 or in a lab (:class:`DaemonProc`,
   :class:`DaemonGroup`, :class:`LabDaemon`, :data:`TINY`), all started by the one launcher
-  (``node.launcher.DaemonProcess``) and read through the one status client (``node.control.request_status``);
+  (``node.ops.launcher.DaemonProcess``) and read through the one status client (``node.ops.control.request_status``);
 * ``fakes.py``: transport test doubles (``ScriptedStream``, ``FakeNetStream``, ``FakeHost``, ``RefusingProber``);
 * ``conformance.py``: the :class:`p2p.wire.FrameChannel` contract as checks (``FRAME_CHANNEL_CHECKS``,
   ``check_frame_channel``);

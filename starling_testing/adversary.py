@@ -46,11 +46,11 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node.averager import Averager
-from node.exchange import ExchangeRequest
-from node.sync_config import SyncConfig
-from node.train_config import TrainConfig
-from node.worker import Trainer
+from node.averaging.averager import Averager
+from node.bridge.exchange import ExchangeRequest
+from node.config.sync import SyncConfig
+from node.config.train import TrainConfig
+from node.worker.trainer import Trainer
 from p2p.host import build_host
 from starling_testing.averaging import exchange_both
 
@@ -141,7 +141,7 @@ class Outcome:
 
 
 def _request(trainer: Trainer, outer_step: int) -> ExchangeRequest:
-    """What the supervisor hands the averager (node/exchange.py), with the worker's layout hash."""
+    """What the supervisor hands the averager (node/bridge/exchange.py), with the worker's layout hash."""
     n = trainer.numel
     return ExchangeRequest(outer_step, torch.empty(n), torch.empty(n), torch.empty(n), torch.empty(n), trainer.layout,
                            trainer.layout_hash)

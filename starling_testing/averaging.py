@@ -1,4 +1,4 @@
-"""Helpers for driving real averagers (node.averager.Averager) against each other in one trio process."""
+"""Helpers for driving real averagers (node.averaging.averager.Averager) against each other in one trio process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import trio
 
-from node.exchange import ExchangeOutcome, ExchangeRequest
+from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
 
 __all__ = ["exchange_both", "group_sizes"]
 

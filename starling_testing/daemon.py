@@ -1,7 +1,7 @@
 """Real `starling run` daemons for tests and benchmarks: on 127.0.0.1 or in network-lab namespaces.
 
-Every daemon is a :class:`node.launcher.DaemonProcess` (the one launcher, also behind `make run`), watched
-through its control socket (:func:`node.control.request_status`: the dict `starling status --json` prints).
+Every daemon is a :class:`node.ops.launcher.DaemonProcess` (the one launcher, also behind `make run`), watched
+through its control socket (:func:`node.ops.control.request_status`: the dict `starling status --json` prints).
 Here it gets what tests need on top: a failed wait is an AssertionError (:class:`DaemonError`), a
 :class:`DaemonGroup` that stops every daemon it started, tiny models that train in seconds (:data:`TINY`),
 and daemons inside a :class:`starling_testing.netlab.Lab` host (:func:`spawn_daemon`, :func:`start_daemon`).
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node import launcher
-from node.launcher import STARLING, DaemonProcess, Status
+from node.ops import launcher
+from node.ops.launcher import STARLING, DaemonProcess, Status
 
 if TYPE_CHECKING:
     from starling_testing.netlab import Host, Proc
@@ -76,7 +76,7 @@ def starling(*args: str, env: dict[str, str] | None = None, timeout: float = 60)
 
 
 class DaemonProc(DaemonProcess):
-    """A daemon for a test or a benchmark: :class:`node.launcher.DaemonProcess` whose failed waits are
+    """A daemon for a test or a benchmark: :class:`node.ops.launcher.DaemonProcess` whose failed waits are
     :class:`DaemonError` (an AssertionError)."""
 
     error = DaemonError

@@ -65,11 +65,13 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
-from node import checkpoint as ckpt
-from node.averager import Averager
-from node.config import ConfigError, load_config
-from node.control import serve_control
-from node.crdt import (
+from node.averaging.averager import Averager
+from node.bridge.exchange import ExchangeRequest
+from node.config.load import ConfigError, load_config
+from node.config.sync import SyncConfig
+from node.ops.control import serve_control
+from node.ops.history import HistoryError, LossHistory
+from node.swarm.crdt import (
     Manifest,
     RecordError,
     StateFileError,
@@ -78,10 +80,8 @@ from node.crdt import (
     decode_digest,
     encode_digest,
 )
-from node.exchange import ExchangeRequest
-from node.history import HistoryError, LossHistory
-from node.sync_config import SyncConfig
-from node.task import layout_hash
+from node.worker import checkpoint as ckpt
+from node.worker.task import layout_hash
 from p2p.datapath import (
     FRAME_HELLO,
     MAGIC,
@@ -623,8 +623,8 @@ AVG_MANIFEST = "m" * 64
 
 
 def avg_tensors(seed: int) -> avg.Tensors:
-    """Replicas of one model: phis around a common point, within the averager's bounds (node/robust.py).
-    numpy float32, as the daemon holds them (node/shm.py)."""
+    """Replicas of one model: phis around a common point, within the averager's bounds (node/averaging/robust.py).
+    numpy float32, as the daemon holds them (node/bridge/shm.py)."""
     g = np.random.default_rng(seed)
     base = np.random.default_rng(0).standard_normal(AVG_NUMEL, dtype=np.float32)
     return avg.Tensors(base + g.standard_normal(AVG_NUMEL, dtype=np.float32) * np.float32(0.01),
@@ -979,7 +979,7 @@ class DialbackTargets(Target):
         return f"accepted:{len(targets)} targets" if targets else "no targets"
 
 
-# -- node.crdt ----------------------------------------------------------------------------------------
+# -- node.swarm.crdt ----------------------------------------------------------------------------------------
 
 
 class CrdtRecord(Target):
@@ -1039,7 +1039,7 @@ class CrdtStateFile(Target):
         return "accepted" if not loaded.rejected else "accepted:records dropped"
 
 
-# -- node.history ---------------------------------------------------------------------------------
+# -- node.ops.history ---------------------------------------------------------------------------------
 
 
 class HistoryBytes(Target):
@@ -1137,7 +1137,7 @@ class DatapathListener(Target):
                     pass
 
 
-# -- node.control: the local control socket --------------------------------------------------------
+# -- node.ops.control: the local control socket --------------------------------------------------------
 
 
 async def _control_handler(request: dict[str, Any]) -> dict[str, Any]:
@@ -1229,7 +1229,7 @@ class ControlSocket(Target):
             raise Violation("the control server does not answer a ping")
 
 
-# -- node.config ------------------------------------------------------------------------------------
+# -- node.config.load ------------------------------------------------------------------------------------
 
 
 class ConfigFile(Target):
@@ -1240,7 +1240,7 @@ class ConfigFile(Target):
 
     @classmethod
     def seeds(cls) -> list[Seed]:
-        from node.config import _sections, render_config_file
+        from node.config.load import _sections, render_config_file
 
         full = {name: dataclasses.asdict(section()) for name, section in _sections().items()}
         return [
@@ -1262,7 +1262,7 @@ class ConfigFile(Target):
         return "accepted"
 
 
-# -- node.checkpoint --------------------------------------------------------------------------------
+# -- node.worker.checkpoint --------------------------------------------------------------------------------
 
 
 @cache

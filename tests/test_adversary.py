@@ -3,7 +3,7 @@
 One test (or a few) per attack of issue #13: a forged run manifest, a Sybil fill of the member table,
 concurrent snapshot requests, world-readable checkpoints; and the per-subnet limits on connections and
 on protocol streams. Each attacker is what a real one would run: its own key pairs, records signed with
-node/crdt.py, sessions of protocols/state.py, libp2p hosts from p2p/host.py. The figures these tests
+node/swarm/crdt.py, sessions of protocols/state.py, libp2p hosts from p2p/host.py. The figures these tests
 measure are recorded in docs/reliability.md (section "Authority and Sybil limits"). The hostile averaging
 partners (phi, Delta) are in tests/test_adversary_avg.py.
 """
@@ -31,9 +31,8 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node import crdt
-from node.checkpoint import CheckpointStore
-from node.crdt import (
+from node.swarm import crdt
+from node.swarm.crdt import (
     ApplyResult,
     Delivery,
     Manifest,
@@ -44,12 +43,13 @@ from node.crdt import (
     peer_id_of,
     sign_record,
 )
-from node.replicator import (
+from node.swarm.replicator import (
     DeliveredReplica,
     StateReplicator,
     read_manifest_pin,
     write_manifest_pin,
 )
+from node.worker.checkpoint import CheckpointStore
 from p2p.connmgr import ConnManager
 from p2p.fsutil import tighten_private_folders
 from p2p.host import build_host
@@ -420,7 +420,7 @@ class FakeStream:
 async def test_concurrent_state_sessions_from_one_subnet_are_limited() -> None:
     """Eight /starling/state sessions at once from one /24 (the daemon allows 4 per subnet): four are
     served, four reset at once (no check-then-await race: all arrive together); loopback and another
-    subnet still get through. (Averaging requests have their per-IP share in node/averager.py.)"""
+    subnet still get through. (Averaging requests have their per-IP share in node/averaging/averager.py.)"""
     handlers: dict[str, Any] = {}
 
     class Host:
@@ -567,7 +567,7 @@ async def test_a_joining_trainer_answers_busy_without_a_false_manifest_error(
     `ERROR refusing ...: run manifest ... differs from ours none` on every normal join. The joiner now
     compares with the swarm's manifest (answering busy: nothing to exchange yet), and members whose task
     is not loaded (no manifest in their record) are not asked at all."""
-    from node.config import load_config
+    from node.config.load import load_config
     from node.daemon import Daemon
     from protocols.avg import AvgRequest
 

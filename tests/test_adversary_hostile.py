@@ -2,7 +2,7 @@
 
 One test (or a few) per attack, each made from the project's own modules as a real attacker would run
 them: libp2p hosts from p2p/host.py, snapshot messages of protocols/snapshot.py, records signed with
-node/crdt.py. The figures are in docs/reliability.md (section "Hostile peers below the averaging layer").
+node/swarm/crdt.py. The figures are in docs/reliability.md (section "Hostile peers below the averaging layer").
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node import crdt, latejoin
-from node.ckptfile import read_phi
-from node.crdt import Manifest, MemberRecord, SwarmState, peer_id_of, sign_record
+from node.averaging import latejoin
+from node.bridge.ckptfile import read_phi
+from node.swarm import crdt
+from node.swarm.crdt import Manifest, MemberRecord, SwarmState, peer_id_of, sign_record
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, PlainFrameChannel, close_quietly, recv_as, send_msg
 from protocols import snapshot as snap
@@ -159,7 +160,7 @@ async def test_a_resumed_download_of_another_model_is_not_resumed(tmp_path: Path
 def test_late_join_donors_are_the_members_whose_record_carries_our_manifest(tmp_path: Path) -> None:
     """Donors were chosen without a manifest check: any member that claimed the trainer role and an outer
     step was asked for a snapshot. Now only members whose signed record carries our run's manifest are."""
-    from node.config import load_config
+    from node.config.load import load_config
     from node.daemon import Daemon
 
     cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
@@ -181,7 +182,7 @@ def test_late_join_donors_are_dialable_from_the_addresses_their_records_carry(tm
     from libp2p.peer.id import ID
     from libp2p.peer.peerstore import PeerStoreError
 
-    from node.config import load_config
+    from node.config.load import load_config
     from node.daemon import Daemon
 
     cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
@@ -208,9 +209,9 @@ async def test_the_start_up_check_describes_the_model_exactly_as_the_worker_will
     what the worker's hello will say, or every honest donor would be refused."""
     import torch
 
-    from node.supervisor import check_task
-    from node.train_config import TrainConfig
-    from node.worker import Trainer
+    from node.bridge.supervisor import check_task
+    from node.config.train import TrainConfig
+    from node.worker.trainer import Trainer
 
     cfg = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                       eval_batches=1)
@@ -270,10 +271,10 @@ async def test_a_fake_trainer_stops_costing_the_pairing_window_once_it_missed_it
     2.5 inner steps/s). Now it misses MISS_LIMIT rounds and sits out: the next outer step is solo at once."""
     import torch
 
-    from node.averager import Averager
-    from node.exchange import ExchangeRequest
-    from node.partner_misses import MISS_LIMIT
-    from node.sync_config import SyncConfig
+    from node.averaging.averager import Averager
+    from node.averaging.partner_misses import MISS_LIMIT
+    from node.bridge.exchange import ExchangeRequest
+    from node.config.sync import SyncConfig
 
     window = 1.0
     n = 1000
@@ -317,10 +318,10 @@ async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_afte
     of the scheduled phase."""
     import torch
 
-    from node.averager import Averager
-    from node.exchange import ExchangeRequest
-    from node.partner_misses import MISS_LIMIT, NOT_READY_GRACE
-    from node.sync_config import SyncConfig
+    from node.averaging.averager import Averager
+    from node.averaging.partner_misses import MISS_LIMIT, NOT_READY_GRACE
+    from node.bridge.exchange import ExchangeRequest
+    from node.config.sync import SyncConfig
     from protocols import avg
 
     window = 1.0
@@ -376,7 +377,7 @@ def test_a_scheduled_partner_that_says_not_ready_but_asks_us_between_our_rounds_
     """The honest side of the bound: a partner out of phase with us (or much slower) says "not ready" in
     every one of our rounds, yet it asks us when it publishes (the schedule pairs it with us too), and that
     request clears its count however long the streak; "not ready" outside the schedule never counts."""
-    from node.partner_misses import MISS_LIMIT, NOT_READY_GRACE, PartnerMisses
+    from node.averaging.partner_misses import MISS_LIMIT, NOT_READY_GRACE, PartnerMisses
 
     now = [0.0]
     misses = PartnerMisses(clock=lambda: now[0])
@@ -402,7 +403,7 @@ def test_a_scheduled_partner_that_says_not_ready_but_asks_us_between_our_rounds_
 async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> None:
     """Before, a partner banned for poisoned updates still counted as a possible partner, and the victim
     stayed at the pairing window's pace."""
-    from node.config import load_config
+    from node.config.load import load_config
     from node.daemon import Daemon
 
     cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
@@ -428,11 +429,11 @@ async def test_the_daemons_status_view_and_metrics_show_a_capped_clock_and_a_fak
     missed its rounds is in `sync.sitting_out` (the `sitting out:` line), and both reach the metrics."""
     import time
 
-    from node.config import load_config
+    from node.averaging.partner_misses import MISS_BACKOFF_S, MISS_LIMIT
+    from node.config.load import load_config
     from node.daemon import Daemon
-    from node.metrics import Metrics
-    from node.partner_misses import MISS_BACKOFF_S, MISS_LIMIT
-    from node.status_view import render_status, short
+    from node.ops.metrics import Metrics
+    from node.ops.status_view import render_status, short
     from tests.test_metrics import samples_of, value
 
     cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
@@ -465,7 +466,7 @@ async def test_the_daemons_status_view_and_metrics_show_a_capped_clock_and_a_fak
 
 
 def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_success_clears_it() -> None:
-    from node.partner_misses import PartnerMisses
+    from node.averaging.partner_misses import PartnerMisses
 
     now = [0.0]
     misses = PartnerMisses(limit=3, backoff_s=30.0, clock=lambda: now[0])
@@ -498,9 +499,9 @@ def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_succ
 
 
 def test_status_counts_the_peers_sitting_out_and_names_the_longest_back_offs_first() -> None:
-    """`sync.sitting_out` (node/partner_misses.py): how many sit out now, each named one's seconds left, the
+    """`sync.sitting_out` (node/averaging/partner_misses.py): how many sit out now, each named one's seconds left, the
     exclusions so far; a Sybil crowd of fakes is counted whole but only `shown` of them are named."""
-    from node.partner_misses import PartnerMisses
+    from node.averaging.partner_misses import PartnerMisses
     from node.status_schema import SittingOutStatus
     from tests.test_status_schema import schema_errors
 

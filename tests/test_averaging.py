@@ -15,12 +15,12 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node.averager import Averager, _Pending
-from node.exchange import ExchangeRequest
-from node.robust import Credited, UpdateBound
-from node.status_view import render_status
-from node.sync_config import SyncConfig
-from node.task import layout_hash
+from node.averaging.averager import Averager, _Pending
+from node.averaging.robust import Credited, UpdateBound
+from node.bridge.exchange import ExchangeRequest
+from node.config.sync import SyncConfig
+from node.ops.status_view import render_status
+from node.worker.task import layout_hash
 from p2p.host import build_host
 from protocols.avg import AvgRequest, Clip, Received, Tensors, make_plans
 from protocols.codec import round_trip
@@ -30,7 +30,7 @@ from starling_testing.averaging import exchange_both, group_sizes
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 LAYOUT = [("w", (1000, 300)), ("b", (300,))]
 NUMEL = 1000 * 300 + 300
-LAYOUT_HASH = layout_hash(LAYOUT)  # the worker's (node/task.py), which it sends in its hello
+LAYOUT_HASH = layout_hash(LAYOUT)  # the worker's (node/worker/task.py), which it sends in its hello
 
 
 BASE = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
@@ -38,7 +38,7 @@ BASE = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
 
 def request(seed: int, outer_step: int = 3) -> ExchangeRequest:
     """Replicas of one model: phis a little apart around a common point (as far apart as their Deltas are
-    long, well inside the bounds of node/robust.py), Deltas of the same size; outputs NaN until written."""
+    long, well inside the bounds of node/averaging/robust.py), Deltas of the same size; outputs NaN until written."""
     g = torch.Generator().manual_seed(seed)
     return ExchangeRequest(
         outer_step,
@@ -291,7 +291,7 @@ async def test_a_1000x_norm_update_is_rejected_and_repeated_offences_ban_the_par
 
 async def test_a_5x_norm_update_is_clipped_to_the_bound_and_still_averaged() -> None:
     """Between the clip and the refusal ratio a partner's Delta still counts, scaled down to the bound
-    (node/robust.py); its own side keeps the plain sum: only the victim's view is clipped."""
+    (node/averaging/robust.py); its own side keeps the plain sum: only the victim's view is clipped."""
     cfg = SyncConfig(wire_dtype="fp32", pair_window_s=5, clip_ratio=2)
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
@@ -478,7 +478,7 @@ def held_averager() -> tuple[Averager, trio.Event, list[FakeStream]]:
 
 async def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_identities() -> None:
     """One machine's Sybil identities share its IP: they cannot take all MAX_INBOUND request slots."""
-    from node.averager import MAX_INBOUND_PER_IP
+    from node.averaging.averager import MAX_INBOUND_PER_IP
 
     av, gate, served = held_averager()
     sybils = [FakeStream("10.0.0.66") for _ in range(MAX_INBOUND_PER_IP + 3)]
@@ -499,7 +499,7 @@ async def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_iden
 async def test_an_ip_whose_identities_keep_getting_banned_is_banned_itself() -> None:
     """A fresh PeerID costs nothing: after IP_BAN_AFTER identities from one IP are banned, the IP is, and
     a new identity from it is refused before it can send anything."""
-    from node.averager import IP_BAN_AFTER
+    from node.averaging.averager import IP_BAN_AFTER
 
     cfg = SyncConfig(ban_after=2)
     av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1")
@@ -514,7 +514,7 @@ async def test_an_ip_whose_identities_keep_getting_banned_is_banned_itself() -> 
 
 
 async def test_the_partner_table_is_bounded_and_keeps_its_bans() -> None:
-    from node.averager import MAX_LINKS
+    from node.averaging.averager import MAX_LINKS
 
     av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
     av._link("banned").banned_until = float("inf")
@@ -525,7 +525,7 @@ async def test_the_partner_table_is_bounded_and_keeps_its_bans() -> None:
 
 async def test_loopback_peers_are_exempt_from_per_ip_limits() -> None:
     """`make run`'s local swarm puts every peer on 127.0.0.1: they are the operator's own machine."""
-    from node.averager import MAX_INBOUND_PER_IP
+    from node.averaging.averager import MAX_INBOUND_PER_IP
 
     av, gate, served = held_averager()
     async with trio.open_nursery() as nursery:
@@ -654,7 +654,7 @@ async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured
     only); with a long period again the pair returns to `none`. Loopback is far too fast to be slow (a
     transfer of this model often flows for under the 10 ms a rate needs), so the slow link is its measured
     rate set to 1 MB/s each way, as `_learn_rate` would leave it: bf16 then takes 1.2 s, `medium` 0.13 s."""
-    from node.compression_choice import transfer_s
+    from node.averaging.compression_choice import transfer_s
 
     cfg = SyncConfig(pair_window_s=10)
     assert cfg.compression == "auto"

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import compression, fragments  # noqa: E402
 from bench.convergence import BenchConfig  # noqa: E402
-from node.outer import OuterHyper, noloco_step  # noqa: E402
-from node.worker import Trainer  # noqa: E402
+from node.worker.outer import OuterHyper, noloco_step  # noqa: E402
+from node.worker.trainer import Trainer  # noqa: E402
 from protocols.compress import BLOCK, get_compression  # noqa: E402
 
 HYPER = OuterHyper(alpha=0.5, beta=0.7, gamma=0.7)

@@ -1,5 +1,5 @@
 """bench/wan.py's hivemind contender, the parts that need no lab: bench/hivemind_wan.py's inner optimizer is the
-trainers' (node.worker.default_optimizer, which the hivemind venv cannot import), the loss curve is the mean of
+trainers' (node.worker.trainer.default_optimizer, which the hivemind venv cannot import), the loss curve is the mean of
 each peer's latest loss, and the timeouts grow with the slowest link. The run itself is covered by
 tests/test_bench_wan.py (the lab, and bench/.venv-hivemind where it exists)."""
 
@@ -23,8 +23,8 @@ def test_the_inner_optimizer_is_the_trainers(bench: None) -> None:
     import hivemind_wan
     from convergence import BenchConfig
 
-    from node.task import TaskContext, load_task
-    from node.worker import default_optimizer
+    from node.worker.task import TaskContext, load_task
+    from node.worker.trainer import default_optimizer
 
     cfg = BenchConfig().train_config("diloco")
     model = load_task(cfg.task, TaskContext(cfg, "p", torch.device("cpu"))).build_model()

@@ -18,14 +18,14 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node import latejoin
-from node.checkpoint import CheckpointError, write_checkpoint
-from node.ipc import Adopted, CheckpointSaved, Publish, Result, Stop
-from node.latejoin import CatchUp
-from node.shm import ExchangeSlots
-from node.sync_config import SyncConfig
-from node.train_config import TrainConfig
-from node.worker import Trainer, _StopFlag, _train
+from node.averaging import latejoin
+from node.averaging.latejoin import CatchUp
+from node.bridge.ipc import Adopted, CheckpointSaved, Publish, Result, Stop
+from node.bridge.shm import ExchangeSlots
+from node.config.sync import SyncConfig
+from node.config.train import TrainConfig
+from node.worker.checkpoint import CheckpointError, write_checkpoint
+from node.worker.trainer import StopFlag, Trainer, train_loop
 from p2p.host import build_host
 from protocols import snapshot as snap
 from starling_testing.daemon import TINY as TINY_DAEMON
@@ -393,7 +393,7 @@ def run_worker_loop(trainer: Trainer, first: Result, outer_steps: int = 2) -> li
     daemon = ScriptedDaemon(trainer, first, outer_steps)
     slots = ExchangeSlots.create(trainer.numel)
     try:
-        _train(daemon, trainer, slots, _StopFlag())  # type: ignore[arg-type]
+        train_loop(daemon, trainer, slots, StopFlag())  # type: ignore[arg-type]
     finally:
         slots.close()
     return daemon.sent

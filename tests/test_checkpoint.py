@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from node import ckptfile
-from node.checkpoint import CheckpointError, CheckpointStore, read_checkpoint, write_checkpoint
-from node.ckptfile import read_phi, write_phi
+from node.bridge import ckptfile
+from node.bridge.ckptfile import read_phi, write_phi
+from node.worker.checkpoint import CheckpointError, CheckpointStore, read_checkpoint, write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,7 +141,7 @@ def test_loading_never_runs_code_from_the_file(tmp_path: Path) -> None:
 
 
 def worker_state(numel: int = 1000, step: int = 120) -> dict[str, Any]:
-    """Shaped like node.worker.Trainer.state_dict(): phi beside a model, an optimizer, RNG and counters."""
+    """Shaped like node.worker.trainer.Trainer.state_dict(): phi beside a model, an optimizer, RNG and counters."""
     torch.manual_seed(step)
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -220,7 +220,7 @@ def test_the_daemon_reads_phi_and_counters_of_a_worker_checkpoint_and_writes_a_s
     script = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from node.ckptfile import read_phi, write_phi\n"
+        "from node.bridge.ckptfile import read_phi, write_phi\n"
         f"s = read_phi(Path({str(tmp_path / 'ckpt-000000000120.pt')!r}))\n"
         f"write_phi(Path({str(tmp_path / 'snapshot.pt')!r}), s.phi * 2, s.step, s.outer_step + 1, s.layout_hash,"
         " donors=['peer-a', 'peer-b'])\n"
@@ -233,7 +233,7 @@ def test_the_daemon_reads_phi_and_counters_of_a_worker_checkpoint_and_writes_a_s
     got = json.loads(r.stdout)
     assert got["dtype"] == "float32" and got["phi"] == saved["phi"].tolist()
     assert (got["step"], got["outer_step"], got["layout_hash"]) == (120, 12, "l" * 64)
-    # What the worker reads from the daemon's file (node.worker.Trainer.read_swarm_snapshot).
+    # What the worker reads from the daemon's file (node.worker.trainer.Trainer.read_swarm_snapshot).
     snapshot = read_checkpoint(tmp_path / "snapshot.pt")
     assert same(snapshot, {"step": 120, "outer_step": 13, "layout_hash": "l" * 64, "donors": ["peer-a", "peer-b"],
                            "phi": saved["phi"] * 2})

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.checkpoint import CheckpointStore, read_checkpoint
+from node.worker.checkpoint import CheckpointStore, read_checkpoint
 from starling_testing.disk import tiny_tmpfs
 
 TMPFS_SIZE = 1 << 20  # bytes: room for a few checkpoints of STATE_ELEMS floats
@@ -94,7 +94,7 @@ def test_checkpoints_are_written_again_once_space_is_freed(tiny_disk: Path) -> N
 
 
 def test_the_daemons_snapshot_write_on_a_full_disk_fails_with_enospc_and_leaves_nothing(tiny_disk: Path) -> None:
-    from node.ckptfile import write_phi  # the daemon's torch-free writer (node/latejoin.py)
+    from node.bridge.ckptfile import write_phi  # the daemon's torch-free writer (node/averaging/latejoin.py)
 
     join = tiny_disk / "join"
     join.mkdir()

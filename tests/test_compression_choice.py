@@ -1,8 +1,8 @@
-"""`sync.compression = auto` (node/compression_choice.py): which preset an initiator picks from the partner's
+"""`sync.compression = auto` (node/averaging/compression_choice.py): which preset an initiator picks from the partner's
 measured rate and the outer step's compute period.
 
 The figures: a model of 1M parameters, so one side sends 4 MB under `none` (bf16), 0.44 MB under `medium`
-and 0.08 MB under `high`; rates are bytes/s each way, as node/averager.py `_learn_rate` keeps them.
+and 0.08 MB under `high`; rates are bytes/s each way, as node/averaging/averager.py `_learn_rate` keeps them.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from node.compression_choice import RELAX_SHARE, STRETCH, choose_compression, transfer_s
+from node.averaging.compression_choice import RELAX_SHARE, STRETCH, choose_compression, transfer_s
+from node.config.sync import SyncConfig
+from node.config.train import TrainConfig
 from node.daemon import Daemon
-from node.sync_config import SyncConfig
-from node.train_config import TrainConfig
 from protocols.compress import PRESETS
 
 NUMEL = 1_000_000
@@ -64,7 +64,7 @@ def test_a_less_compressed_preset_comes_back_only_below_half_the_period() -> Non
 
 
 def test_groups_of_four_always_use_none() -> None:
-    """A lossy preset needs pairs (sync_config.py): a group's second round re-encodes the pair's mean."""
+    """A lossy preset needs pairs (node/config/sync.py): a group's second round re-encodes the pair's mean."""
     assert choose_compression(rate_bps=0.001 * MB, period_s=2.0 / STRETCH, numel=NUMEL, group_size=4) == "none"
     assert choose_compression(rate_bps=0.001 * MB, period_s=2.0 / STRETCH, numel=NUMEL, group_size=4, previous="high") == "none"
 

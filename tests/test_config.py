@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from node.config import ConfigError, load_config, render_config_file, resolve_home, unknown_environment
+from node.config.load import ConfigError, load_config, render_config_file, resolve_home, unknown_environment
 from starling_testing.daemon import starling
 
 

@@ -1,4 +1,4 @@
-"""Unit tests for the swarm-state CRDT (node/crdt.py) and its hybrid logical clock (protocols/hlc.py)."""
+"""Unit tests for the swarm-state CRDT (node/swarm/crdt.py) and its hybrid logical clock (protocols/hlc.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 
-from node import crdt
-from node.crdt import (
+from node.swarm import crdt
+from node.swarm.crdt import (
     CounterRecord,
     Manifest,
     ManifestMismatch,

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 
-from node import crdt
-from node.crdt import (
+from node.swarm import crdt
+from node.swarm.crdt import (
     CounterRecord,
     ManifestRecord,
     MemberRecord,
@@ -65,7 +65,7 @@ def _record_for(draw: st.DrawFn, kind: str, author: int) -> SignedRecord:
         record = CounterRecord(pid, hlc, samples=draw(st.integers(0, 3)), tokens=draw(st.integers(0, 3)))
     else:
         # One content, any signer: a replica adopts no manifest but the first content it held (trust on
-        # first use, node/crdt.py), and among equal contents the join must converge.
+        # first use, node/swarm/crdt.py), and among equal contents the join must converge.
         record = ManifestRecord(pid, hlc, "lm", "m" * 64, "o" * 64, 1)
     return sign_record(record, AUTHORS[author])
 

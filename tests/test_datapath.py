@@ -236,7 +236,7 @@ async def test_two_parties_swap_megabytes_of_fp32_bit_exact_over_loopback(initia
 
 @pytest.mark.parametrize("path", ["datapath", "stream"])
 async def test_an_exchange_measures_both_deltas_norms_and_the_phi_distance_and_leaves_the_exact_sums(path: str) -> None:
-    """The bounds (node/robust.py) need our Delta's norm, the partner's and the distance between the two
+    """The bounds (node/averaging/robust.py) need our Delta's norm, the partner's and the distance between the two
     phis, all measured chunk by chunk as the partner's chunks are folded into the sums, on the side
     channel and on the stream fallback; a judge that clips nothing leaves the exact sums."""
     from protocols.avg import Clip, Received, Tensors, make_plan, run_transfer

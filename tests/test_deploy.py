@@ -188,7 +188,7 @@ def test_the_bootstrap_s_metrics_listen_where_the_published_port_reaches_them() 
     """`curl localhost:9100` on the host: the container must bind the metrics on all its interfaces (its own
     127.0.0.1 is unreachable through a published port), while the host side stays on loopback."""
     from node.cli import _run_overrides, build_parser
-    from node.config import load_config
+    from node.config.load import load_config
 
     command, ports, compose_env = compose_service("bootstrap")
     command = [c.replace("${STARLING_SWARM:-starling}", "starling") for c in command]

@@ -85,7 +85,7 @@ def test_a_real_peer_id_and_the_other_peer_id_forms_are_still_accepted() -> None
     from libp2p.crypto.secp256k1 import create_new_key_pair
     from libp2p.peer.id import ID
 
-    from p2p.addrs import is_peer_id, parse_bootstrap  # was node.config's, for node.founder only
+    from p2p.addrs import is_peer_id, parse_bootstrap  # was node.config.load's, for node.founder only
 
     secp = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
     for peer in (REAL_PEER, secp, "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"):
@@ -101,7 +101,7 @@ def test_a_real_peer_id_and_the_other_peer_id_forms_are_still_accepted() -> None
 def test_export_refuses_an_unknown_format_before_loading_torch_or_the_task(tmp_path: Path) -> None:
     """It was refused only after ~10 s of loading."""
     from node.cli import EXPORT_FORMATS
-    from node.export import FORMATS
+    from node.worker.export import FORMATS
 
     assert EXPORT_FORMATS == FORMATS
     probe = ("import sys; from node.cli import main; rc = main(sys.argv[1:]); "
@@ -186,7 +186,7 @@ def test_a_peer_whose_allowlist_leaves_us_out_is_named_as_such() -> None:
 
 
 def test_status_shows_why_each_unconnected_bootstrap_peer_is_not_connected() -> None:
-    from node.status_view import render_status
+    from node.ops.status_view import render_status
 
     why = f"the peer at 127.0.0.1:4001 is {REAL_PEER}, not 12D3KooWOther: correct the PeerID after /p2p/"
     peers = [{"peer_id": "12D3KooWOtherPeerIdentity", "addrs": ["/ip4/127.0.0.1/tcp/4001"], "connected": False,
@@ -203,7 +203,7 @@ def test_status_shows_why_each_unconnected_bootstrap_peer_is_not_connected() -> 
 
 def test_status_shows_an_incompatible_peer_as_incompatible_with_what_differs() -> None:
     """It showed the connected, alive peer as `suspect ... 31s ago` and never said why."""
-    from node.status_view import render_status
+    from node.ops.status_view import render_status
 
     odd, other_swarm = "12D3KooWOddTaskPeerAAAAAAAAAAAA", "12D3KooWOtherSwarmPeerBBBBBBBBBBB"
     members = [{"peer_id": REAL_PEER, "self": True, "state": "alive"},
@@ -231,7 +231,7 @@ def test_failing_checkpoints_are_logged_once_a_minute_with_a_count(caplog: pytes
     import errno
     import logging
 
-    from node.worker import CheckpointErrorLog
+    from node.worker.trainer import CheckpointErrorLog
 
     now = [1000.0]
     errors = CheckpointErrorLog(every=60.0, clock=lambda: now[0])
@@ -252,8 +252,8 @@ def test_failing_checkpoints_are_logged_once_a_minute_with_a_count(caplog: pytes
 
 
 def test_status_and_doctor_show_failing_checkpoints() -> None:
-    from node.doctor import ERROR, check_training
-    from node.status_view import render_status
+    from node.ops.doctor import ERROR, check_training
+    from node.ops.status_view import render_status
 
     training = {"state": "training", "step": 500, "outer_step": 100, "checkpoint_step": 40,
                 "checkpoint_error": "at step 500: [Errno 28] No space left on device", "checkpoint_failures": 30}
@@ -282,9 +282,9 @@ def test_a_handshake_cause_older_than_the_failed_dial_is_not_reported() -> None:
 def test_a_lone_trainer_takes_h_inner_steps_and_the_swarms_pace_applies_once_a_partner_exists() -> None:
     """A lone trainer paced by its own smoothed speed did 25-47 inner steps per outer step at H = 50: with no
     possible partner the daemon sets no pace (the worker then publishes every H inner steps)."""
+    from node.config.sync import SyncConfig
+    from node.config.train import TrainConfig
     from node.daemon import Daemon
-    from node.sync_config import SyncConfig
-    from node.train_config import TrainConfig
 
     train = TrainConfig(inner_steps=50, batch_size=8)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from node.status_view import render_status
+from node.ops.status_view import render_status
 from starling_testing.daemon import TINY, DaemonGroup, DaemonProc, starling
 from starling_testing.disk import tiny_tmpfs
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from node.config import load_config
-from node.doctor import (
+from node.config.load import load_config
+from node.ops.doctor import (
     ERROR,
     NO_DAEMON,
     OK,
@@ -40,7 +40,7 @@ from node.doctor import (
     run_checks,
     short,
 )
-from node.lock import HomeLock
+from node.ops.lock import HomeLock
 from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
 from starling_testing.daemon import DaemonGroup, free_port, starling
 

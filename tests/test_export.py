@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from node.cli import main
-from node.config import load_config
-from node.worker import Trainer
+from node.config.load import load_config
+from node.worker.trainer import Trainer
 
 TINY_TOML = """[train]
 d_model = 32

@@ -66,8 +66,8 @@ def test_garbage_ends_in_a_documented_error_and_breaks_no_promise(
     assert not unexpected, f"{target.name}: {unexpected[0].label}"
 
 
-# --- inputs worth naming (the first four got through before the fixes in node/control.py,
-# --- node/config.py and protocols/avg.py) -----------------------------------------------------------
+# --- inputs worth naming (the first four got through before the fixes in node/ops/control.py,
+# --- node/config/load.py and protocols/avg.py) -----------------------------------------------------------
 
 
 def test_a_control_request_nested_too_deeply_for_json_is_answered_and_the_socket_keeps_serving() -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.train_config import TrainConfig
-from node.worker import Trainer
+from node.config.train import TrainConfig
+from node.worker.trainer import Trainer
 from starling_testing.daemon import TINY, TINY_TRAIN, DaemonGroup
 
 NO_CUDA = "no CUDA device is visible to torch here (run `make test-gpu` on a GPU host)"

@@ -13,9 +13,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from test_averaging import LISTEN, request
 
-import node.averager as averager_module
-from node.averager import Averager, _weighted_mean
-from node.sync_config import SyncConfig
+import node.averaging.averager as averager_module
+from node.averaging.averager import Averager, _weighted_mean
+from node.config.sync import SyncConfig
 from p2p.host import build_host
 from starling_testing.averaging import exchange_both, group_sizes
 

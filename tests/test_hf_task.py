@@ -14,10 +14,10 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]') is not installed")
 
 from node.cli import main  # noqa: E402
-from node.config import load_config  # noqa: E402
-from node.task import TaskError, load_task, task_context  # noqa: E402
-from node.train_config import TrainConfig  # noqa: E402
-from node.worker import Trainer  # noqa: E402
+from node.config.load import load_config  # noqa: E402
+from node.config.train import TrainConfig  # noqa: E402
+from node.worker.task import TaskError, load_task, task_context  # noqa: E402
+from node.worker.trainer import Trainer  # noqa: E402
 
 TASK = "node.tasks.hf_causal_lm:make_task"
 TINY = TrainConfig(task=TASK, seq_len=32, batch_size=4, data_bytes=60_000, eval_batches=1, warmup=2, lr=3e-3,

@@ -1,4 +1,4 @@
-"""Tests for the bounded per-member loss history (node/history.py)."""
+"""Tests for the bounded per-member loss history (node/ops/history.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.history import (
+from node.ops.history import (
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_POINTS,
     FORMAT_NAME,
@@ -337,9 +337,9 @@ def test_a_full_history_answers_the_control_socket_within_its_limit_and_plots() 
     the control client's 16 MiB: `starling plot` of a running daemon failed. The answer is spread thin."""
     import json
 
-    from node.control import MAX_RESPONSE
     from node.daemon import HISTORY_ANSWER_POINTS
-    from node.history import series_of
+    from node.ops.control import MAX_RESPONSE
+    from node.ops.history import series_of
 
     full = LossHistory()
     for m in range(DEFAULT_MAX_MEMBERS):

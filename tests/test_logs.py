@@ -14,8 +14,8 @@ import pytest
 import trio
 from test_averaging import pair, request
 
-from node.logs import SUMMARY_EVERY_S, JournalFormatter, Libp2pFilter, _libp2p_dir, log_summary_loop
-from node.sync_config import SyncConfig
+from node.config.sync import SyncConfig
+from node.ops.logs import SUMMARY_EVERY_S, JournalFormatter, Libp2pFilter, _libp2p_dir, log_summary_loop
 from starling_testing.averaging import exchange_both, group_sizes
 from starling_testing.daemon import STARLING
 
@@ -68,7 +68,7 @@ def test_a_journal_stream_that_is_not_our_stderr_gets_plain_lines(tmp_path: Path
 def test_under_systemd_a_traceback_is_one_journal_entry_with_error_priority() -> None:
     code = (
         "import logging\n"
-        "from node.logs import setup_logging\n"
+        "from node.ops.logs import setup_logging\n"
         "setup_logging('info')\n"
         "try:\n"
         "    1 / 0\n"
@@ -94,7 +94,7 @@ def test_py_libp2p_warnings_are_shown_only_at_debug_even_when_it_is_imported_lat
     # last-resort handler at every level. One of its modules logs through the root logger itself.
     code = (
         "import logging, os\n"
-        "from node.logs import setup_logging, _libp2p_dir\n"
+        "from node.ops.logs import setup_logging, _libp2p_dir\n"
         f"setup_logging({level!r})\n"
         "import libp2p\n"
         "logging.getLogger('libp2p.network.swarm').warning('late import warning')\n"

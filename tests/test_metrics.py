@@ -1,4 +1,4 @@
-"""node.metrics: status snapshot -> Prometheus families, round events, and the trio /metrics server."""
+"""node.ops.metrics: status snapshot -> Prometheus families, round events, and the trio /metrics server."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.metrics import MAX_REQUEST_HEAD, Metrics, serve_metrics
+from node.ops.metrics import MAX_REQUEST_HEAD, Metrics, serve_metrics
 
 SAMPLE_STATUS: dict[str, Any] = {
     "peer_id": "12D3KooWSelf",
@@ -383,7 +383,7 @@ async def test_a_scrape_shows_every_refusal_kind_muxer_offences_capped_clocks_an
     """What a node refused to peers reaches Prometheus: `refusals` as one counter family labelled by kind
     (zeros included, so an alert's rate() starts from a series), the muxer's offences, the records whose
     clock was not followed, and the trainers sitting out after missed rounds."""
-    from node.refusals import KINDS
+    from node.ops.refusals import KINDS
 
     status = json.loads(json.dumps(SAMPLE_STATUS))
     status["refusals"] = {kind: 0 for kind in KINDS} | {"state_sessions_peer_share": 12, "clocks_capped": 2}

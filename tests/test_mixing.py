@@ -1,4 +1,4 @@
-"""node.mixing: the pairing graph over alive trainers, its islands and its unpaired members."""
+"""node.ops.islands: the pairing graph over alive trainers, its islands and its unpaired members."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from node.mixing import alive_trainers, pairing_graph
+from node.ops.islands import alive_trainers, pairing_graph
 
 CAPTURED = Path(__file__).parent / "data" / "status_three_trainers.json"
 

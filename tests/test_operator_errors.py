@@ -20,15 +20,15 @@ import pytest
 import torch
 import trio
 
+from node.bridge.exchange import solo_exchange
+from node.bridge.supervisor import WorkerSupervisor
 from node.cli import main as cli_main
-from node.control import SOCKET_FILE, request_sync
-from node.exchange import solo_exchange
-from node.history import HistoryError, LossHistory
-from node.sdnotify import summarize_status
-from node.status_view import render_status
-from node.supervisor import WorkerSupervisor
-from node.task import TaskError, resolve_device
-from node.train_config import TrainConfig
+from node.config.train import TrainConfig
+from node.ops.control import SOCKET_FILE, request_sync
+from node.ops.history import HistoryError, LossHistory
+from node.ops.sdnotify import summarize_status
+from node.ops.status_view import render_status
+from node.worker.task import TaskError, resolve_device
 from starling_testing.daemon import STARLING, TINY, TINY_TRAIN, DaemonGroup, starling
 
 # Tasks that go wrong in the ways operators meet: a factory that raises, a loss() that raises, and a

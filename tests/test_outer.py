@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.outer import OuterHyper, OuterOptimizer, diloco_step, noloco_step
+from node.worker.outer import OuterHyper, OuterOptimizer, diloco_step, noloco_step
 
 HYPER = OuterHyper(alpha=0.5, beta=0.7, gamma=0.7)
 
@@ -122,7 +122,7 @@ def test_a_pair_step_from_the_sums_is_bit_identical_to_the_step_from_the_means(k
 def test_the_pull_computed_in_the_sum_phi_buffer_gives_the_same_bits(weighted: bool, phi_range) -> None:
     """The worker lets the step use its phi_out slot as the pull's scratch (no model-sized temporary): the
     same operation into another buffer, so phi and the momentum come out bit for bit as before."""
-    from node.outer import PairWeights
+    from node.worker.outer import PairWeights
 
     gen = torch.Generator().manual_seed(5)
     phi, momentum = torch.randn(10_000, generator=gen), torch.randn(10_000, generator=gen)

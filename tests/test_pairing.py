@@ -1,4 +1,4 @@
-"""The pairing schedule (node/pairing.py): every node computes the same matching, partners spread over all
+"""The pairing schedule (node/averaging/pairing.py): every node computes the same matching, partners spread over all
 members, and with an odd number of trainers the solo step rotates instead of starving one trainer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.pairing import BYE, matching, schedule, scheduled_partner, scheduled_partners
+from node.averaging.pairing import BYE, matching, schedule, scheduled_partner, scheduled_partners
 
 members_st = st.lists(st.text("abcdefghij", min_size=1, max_size=6), min_size=2, max_size=12, unique=True)
 

@@ -1,4 +1,4 @@
-"""Tests for the loss plot (node/plot.py): PNG output, one line per member, CLI exit codes."""
+"""Tests for the loss plot (node/ops/plot.py): PNG output, one line per member, CLI exit codes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,18 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 
-import node.plot
-from node.history import HISTORY_FILE, LossHistory
-from node.plot import DPI, FIGSIZE, PlotError, draw_history, plot_history, plot_homes, plot_main, short_ids
+import node.ops.plot
+from node.ops.history import HISTORY_FILE, LossHistory
+from node.ops.plot import (
+    DPI,
+    FIGSIZE,
+    PlotError,
+    draw_history,
+    plot_history,
+    plot_homes,
+    plot_main,
+    short_ids,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 T0 = 1_700_000_000.0
@@ -105,7 +114,7 @@ def test_plot_homes_merges_every_readable_home_and_skips_the_rest(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
     drawn: list[int] = []
-    monkeypatch.setattr(node.plot, "plot_history", lambda h, out: drawn.append(plot_history(h, out)))
+    monkeypatch.setattr(node.ops.plot, "plot_history", lambda h, out: drawn.append(plot_history(h, out)))
     homes = [tmp_path / n for n in ("a", "b", "missing", "corrupt")]
     for home in homes:
         home.mkdir()

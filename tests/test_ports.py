@@ -15,9 +15,8 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from node.cli import _find_exception
-from node.config import load_config
-from node.daemon import Daemon, StartupError
+from node.config.load import load_config
+from node.daemon import Daemon, StartupError, find_exception
 from p2p.host import foreign_listeners, port_in_use
 from starling_testing.daemon import TINY, DaemonGroup, free_port, starling
 
@@ -90,7 +89,7 @@ async def test_a_twin_that_bound_the_port_just_after_our_probe_stops_the_start(
         with pytest.raises(BaseException) as caught:  # noqa: PT011 (trio may wrap it in exception groups)
             with trio.fail_after(30):
                 await daemon.run()
-    error = _find_exception(caught.value, StartupError)
+    error = find_exception(caught.value, StartupError)
     assert error is not None, caught.value
     assert f"port {port} is also bound by another process" in str(error)
 

@@ -1,10 +1,10 @@
-"""node.refusals: every limit's refusals summed into `status`'s one `refusals` section."""
+"""node.ops.refusals: every limit's refusals summed into `status`'s one `refusals` section."""
 
 from __future__ import annotations
 
 from typing import get_type_hints
 
-from node.refusals import KINDS, collect
+from node.ops.refusals import KINDS, collect
 from node.status_schema import RefusalsStatus
 from tests.test_status_schema import schema_errors
 

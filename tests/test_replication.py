@@ -26,9 +26,9 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from node import crdt
-from node.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
-from node.replicator import StateReplicator, load_state
+from node.swarm import crdt
+from node.swarm.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
+from node.swarm.replicator import StateReplicator, load_state
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, send_msg
 from protocols import state as protocol

@@ -1,4 +1,4 @@
-"""The bounds on a partner's values (node/robust.py) and the clip that the transfer applies (protocols/avg.py)."""
+"""The bounds on a partner's values (node/averaging/robust.py) and the clip that the transfer applies (protocols/avg.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.robust import UpdateBound
+from node.averaging.robust import UpdateBound
 from protocols.avg import Clip, Received, Rejected, Tensors, apply_clip
 
 

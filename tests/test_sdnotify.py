@@ -1,4 +1,4 @@
-"""node.sdnotify against a fake systemd: an AF_UNIX datagram socket that records what arrives."""
+"""node.ops.sdnotify against a fake systemd: an AF_UNIX datagram socket that records what arrives."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from node.sdnotify import (
+from node.ops.sdnotify import (
     Notifier,
     parse_notify_address,
     parse_watchdog_interval,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node.shm import sweep_orphans
+from node.bridge.shm import sweep_orphans
 
 
 def test_segments_of_dead_pids_are_swept_and_live_ones_kept(tmp_path: Path) -> None:

@@ -17,12 +17,12 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node.averager import Averager, _Pending
-from node.exchange import ExchangeRequest
-from node.sync_config import SyncConfig
-from node.task import layout_hash
-from node.train_config import TrainConfig
-from node.worker import Trainer
+from node.averaging.averager import Averager, _Pending
+from node.bridge.exchange import ExchangeRequest
+from node.config.sync import SyncConfig
+from node.config.train import TrainConfig
+from node.worker.task import layout_hash
+from node.worker.trainer import Trainer
 from p2p.datapath import KeyAgreement
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg

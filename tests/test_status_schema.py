@@ -17,9 +17,10 @@ from typing import Any, Union, get_args, get_origin, get_type_hints, is_typeddic
 
 import pytest
 
-from node import doctor
-from node.metrics import Metrics
-from node.sdnotify import summarize_status
+from node.ops import doctor
+from node.ops.metrics import Metrics
+from node.ops.sdnotify import summarize_status
+from node.ops.status_view import render_status
 from node.status_schema import (
     MixingStatus,
     MuxerStatus,
@@ -30,7 +31,6 @@ from node.status_schema import (
     SyncStatus,
     TrainingStatus,
 )
-from node.status_view import render_status
 from starling_testing.daemon import TINY, DaemonGroup
 
 # --- a checker of a JSON value against the schema's types ----------------------------------------------------
@@ -141,7 +141,7 @@ def _numeric(tp: Any) -> bool:
 
 def test_every_numeric_field_of_the_schema_is_exported_or_listed_as_not() -> None:
     numeric = {(name, key) for name, td in SECTIONS.items() for key, tp in get_type_hints(td).items() if _numeric(tp)}
-    assert numeric - EXPORTED.keys() - NOT_EXPORTED == set(), "a new status field: export it in node/metrics.py"
+    assert numeric - EXPORTED.keys() - NOT_EXPORTED == set(), "a new status field: export it in node/ops/metrics.py"
     assert (EXPORTED.keys() | NOT_EXPORTED) - numeric == set(), "a field gone from the schema"
 
 

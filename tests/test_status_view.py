@@ -1,4 +1,4 @@
-"""node.status_view: the readable `starling status`, rendered from the `--json` dict."""
+"""node.ops.status_view: the readable `starling status`, rendered from the `--json` dict."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from node.status_view import render_status, short
+from node.ops.status_view import render_status, short
 
 CAPTURED = Path(__file__).parent / "data" / "status_three_trainers.json"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.task import TaskContext, TaskError, load_task, model_hash
+from node.config.train import TrainConfig
 from node.tasks import stdlib_lm
 from node.tasks.stdlib_lm import (
     WindowStream,
@@ -19,7 +19,7 @@ from node.tasks.stdlib_lm import (
     split_files,
     stdlib_root,
 )
-from node.train_config import TrainConfig
+from node.worker.task import TaskContext, TaskError, load_task, model_hash
 
 CPU = torch.device("cpu")
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from node.control import SOCKET_FILE, request_sync
+from node.ops.control import SOCKET_FILE, request_sync
 from starling_testing.daemon import TINY, DaemonGroup, DaemonProc
 
 pytestmark = pytest.mark.slow

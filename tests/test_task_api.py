@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.config import ConfigError, load_config, render_config_file, unknown_environment
-from node.task import TaskContext, TaskError, _digest, model_hash, resolve_precision
-from node.train_config import TrainConfig
-from node.worker import Trainer
+from node.config.load import ConfigError, load_config, render_config_file, unknown_environment
+from node.config.train import TrainConfig
+from node.worker.task import TaskContext, TaskError, _digest, model_hash, resolve_precision
+from node.worker.trainer import Trainer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
@@ -280,7 +280,7 @@ def test_the_default_task_refuses_task_options_it_would_ignore(tmp_path: Path) -
 
 
 def test_doctor_does_not_call_task_variables_typos() -> None:
-    from node.doctor import _check_environment
+    from node.ops.doctor import _check_environment
 
     findings = _check_environment({"STARLING_TASK_DATA": "/srv/text", "STARLING_TRAIN_LRR": "1"})
     assert [f.message for f in findings] == ["environment variable STARLING_TRAIN_LRR is not an option and is ignored"]

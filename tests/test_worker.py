@@ -18,13 +18,22 @@ import pytest
 import torch
 import trio
 
-from node.checkpoint import CheckpointError, write_checkpoint
-from node.exchange import ExchangeOutcome, ExchangeRequest, solo_exchange
-from node.ipc import MAX_FRAME, FrameBuffer, Metrics, ProtocolError, Publish, Result, Stop, encode_message
-from node.shm import ExchangeSlots, SharedTensor
-from node.supervisor import WorkerSupervisor
-from node.train_config import TrainConfig
-from node.worker import Trainer, _StopFlag, _train, lr_at
+from node.bridge.exchange import ExchangeOutcome, ExchangeRequest, solo_exchange
+from node.bridge.ipc import (
+    MAX_FRAME,
+    FrameBuffer,
+    Metrics,
+    ProtocolError,
+    Publish,
+    Result,
+    Stop,
+    encode_message,
+)
+from node.bridge.shm import ExchangeSlots, SharedTensor
+from node.bridge.supervisor import WorkerSupervisor
+from node.config.train import TrainConfig
+from node.worker.checkpoint import CheckpointError, write_checkpoint
+from node.worker.trainer import StopFlag, Trainer, lr_at, train_loop
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                    eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1,
@@ -242,7 +251,7 @@ def run_scripted(trainer: Trainer, outer_steps: int, answer_at_lag: int | None =
 
     slots = ExchangeSlots.create(trainer.numel)
     try:
-        _train(Daemon(), trainer, slots, _StopFlag())  # type: ignore[arg-type]
+        train_loop(Daemon(), trainer, slots, StopFlag())  # type: ignore[arg-type]
     finally:
         slots.close()
     return lags
@@ -467,9 +476,9 @@ FAKE_DAEMON = textwrap.dedent(
     """
     import dataclasses, json, sys, trio
     from pathlib import Path
-    from node.exchange import solo_exchange
-    from node.supervisor import WorkerSupervisor
-    from node.train_config import TrainConfig
+    from node.bridge.exchange import solo_exchange
+    from node.bridge.supervisor import WorkerSupervisor
+    from node.config.train import TrainConfig
 
     async def main():
         cfg = TrainConfig(**json.loads(sys.argv[2]))
@@ -679,19 +688,19 @@ def test_phi_in_the_slot_and_a_lent_scratch_give_the_same_bits_without_a_private
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_one_non_finite_entry_anywhere_makes_a_group_result_non_finite(bad: float) -> None:
-    from node.worker import _all_finite
+    from node.worker.trainer import all_finite
 
     x = torch.randn(100_003)
-    assert _all_finite(x) and _all_finite(x[:0])
+    assert all_finite(x) and all_finite(x[:0])
     for where in (0, 50_000, 100_002):
         y = x.clone()
         y[where] = bad
-        assert not _all_finite(y), where
+        assert not all_finite(y), where
     y = x.clone()
     y[1], y[2] = float("inf"), float("-inf")  # they would cancel in a careless check; the sum is NaN
-    assert not _all_finite(y)
+    assert not all_finite(y)
     # Finite values so large that they overflow fp32 when summed are refused as well (no usable result).
-    assert not _all_finite(torch.full((10,), 3e38))
+    assert not all_finite(torch.full((10,), 3e38))
 
 
 def test_the_reported_speed_follows_the_last_outer_steps_not_a_slow_first_one(tmp_path: Path, monkeypatch) -> None:

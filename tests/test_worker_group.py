@@ -1,4 +1,4 @@
-"""A multi-device host as one node (node/worker_group.py): a torch.distributed worker group on CPU with gloo.
+"""A multi-device host as one node (node/worker/group.py): a torch.distributed worker group on CPU with gloo.
 
 The group's Delta must be the one a single process computes on the concatenated batch, every rank must
 continue from the weights of the outer step, and the supervisor must restart the group as a unit."""
@@ -18,15 +18,15 @@ import torch.multiprocessing as mp
 import trio
 from test_worker import TINY, alive, wait_until
 
-from node import worker_group
-from node.checkpoint import read_checkpoint
-from node.exchange import ExchangeOutcome, ExchangeRequest
-from node.group_procs import Rendezvous
-from node.supervisor import WorkerSupervisor
-from node.task import TaskContext
-from node.train_config import TrainConfig
-from node.worker import Trainer
-from node.worker_group import GroupTrainer, WorkerGroup, buckets, exit_group_process
+from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
+from node.bridge.group_procs import Rendezvous
+from node.bridge.supervisor import WorkerSupervisor
+from node.config.train import TrainConfig
+from node.worker import group as worker_group
+from node.worker.checkpoint import read_checkpoint
+from node.worker.group import GroupTrainer, WorkerGroup, buckets, exit_group_process, group_store
+from node.worker.task import TaskContext
+from node.worker.trainer import Trainer
 from starling_testing.daemon import TINY as TINY_DAEMON
 from starling_testing.daemon import DaemonGroup
 
@@ -98,7 +98,7 @@ def _flat(trainer: Trainer) -> torch.Tensor:
 def _join(rank: int, directory: str, out: str) -> GroupTrainer:
     torch.set_num_threads(1)
     rendezvous = Rendezvous(Path(directory), 2)
-    group = WorkerGroup.join(rendezvous, rank, LINEAR, rendezvous.store())
+    group = WorkerGroup.join(rendezvous, rank, LINEAR, group_store(rendezvous))
     trainer = GroupTrainer(group, LINEAR, Path(out) / "home", "peer-a")
     trainer.resume()
     return trainer
@@ -129,7 +129,7 @@ def _rank(rank: int, directory: str, out: str) -> None:
             "momentum": trainer.outer.momentum.numel(), "scratch": trainer._scratch_buf is not None,
             "numel": trainer.numel}
     torch.save({"theta": theta, "kept": kept}, Path(out) / f"theta{rank}.pt")
-    exit_group_process(0)  # as node/worker.py does: no finalization race with gloo's threads
+    exit_group_process(0)  # as node/worker/trainer.py does: no finalization race with gloo's threads
 
 
 @pytest.mark.slow
@@ -186,7 +186,7 @@ def _two_heads_rank(rank: int, directory: str, out: str) -> None:
     torch.set_num_threads(1)
     cfg = dataclasses.replace(LINEAR, task=f"{__name__}:make_two_heads_task")
     rendezvous = Rendezvous(Path(directory), 2)
-    group = WorkerGroup.join(rendezvous, rank, cfg, rendezvous.store())
+    group = WorkerGroup.join(rendezvous, rank, cfg, group_store(rendezvous))
     trainer = GroupTrainer(group, cfg, Path(out) / "home", "peer-a")
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     if rank == 0:

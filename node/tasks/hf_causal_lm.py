@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.task import TaskContext, TaskError, fixed_val_batches, mean_loss
+from node.config.train import TrainConfig
 from node.tasks.stdlib_lm import WindowStream, is_validation, shard_order
-from node.train_config import TrainConfig
+from node.worker.task import TaskContext, TaskError, fixed_val_batches, mean_loss
 
 TASK_NAME = "hf-causal-lm"
 #: A fresh model when `[task] model` is not given: a 4-layer GPT-2 of width 128 (about 1M parameters

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.task import TaskContext, TaskError, fixed_val_batches, mean_loss
-from node.train_config import TrainConfig
+from node.config.train import TrainConfig
+from node.worker.task import TaskContext, TaskError, fixed_val_batches, mean_loss
 
 TASK_NAME = "stdlib-lm"
 VOCAB = 256

@@ -1,0 +1,396 @@
+"""Late join and catch-up: a trainer takes the swarm's weights instead of its own.
+
+Late join: before the worker's first inner step, a daemon with no checkpoint looks for alive trainers
+that have made outer steps, downloads the slow weights and step counters of up to `sync.join_donors` of
+them at once (chunked, hashed, resumable: `protocols/snapshot.py`), and leaves their mean in
+`HOME/join/snapshot.pt` (a hashed checkpoint file). The worker starts from it when it has no checkpoint
+of its own, keeping its own data shard and a fresh inner optimizer. Donors serve from their newest
+verified checkpoint.
+
+Catch-up (`CatchUp`): a trainer that has drifted more than `sync.max_step_gap` outer steps from the
+swarm has nobody to average with, and averaging is what would bring it back. After
+`sync.catch_up_after` outer steps in a row that were not averaged (at once when a partner refuses it as
+too far behind: `CatchUp.behind`), the daemon downloads the same
+kind of snapshot from donors near the swarm's median outer step, while training goes on, and the worker
+adopts it at its next outer step (`node.worker.trainer.Trainer.adopt_snapshot`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import trio
+from libp2p.peer.id import ID
+
+from node.bridge.ckptfile import CheckpointError, read_phi, write_phi
+from node.config.sync import SyncConfig
+from node.status_schema import ProgressStatus
+from p2p.fsutil import private_dir
+from protocols.snapshot import PROTOCOL_ID, JoinDownload, ModelShape, Snapshot, combine
+
+if TYPE_CHECKING:
+    from node.bridge.ipc import Adopted
+
+log = logging.getLogger("starling.latejoin")
+
+JOIN_DIR = "join"
+JOIN_FILE = "snapshot.pt"
+CATCH_UP_DIR = "catchup"
+CHECKPOINT_DIR = "checkpoints"
+CATCH_UP_INTERVAL_S = 30.0  # the least time between two catch-up attempts
+ALONE_GRACE_S = 1.0  # a late join's wait for donors when this node knows of no one at all
+
+
+def join_snapshot_path(home: Path) -> Path:
+    return home / JOIN_DIR / JOIN_FILE
+
+
+def _checkpoint_files(home: Path) -> list[Path]:
+    """Every checkpoint under HOME/checkpoints/<task>-<model>/, newest first (by modification time)."""
+    directory = home / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return []
+    files = [p for p in directory.glob("*/ckpt-*.pt") if p.is_file()]
+    return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def has_checkpoint(home: Path) -> bool:
+    return bool(_checkpoint_files(home))
+
+
+def snapshot_source(home: Path) -> Callable[[], Snapshot | None]:
+    """What a donor serves: its newest checkpoint's slow weights, cached until a newer one appears.
+
+    Called in a worker thread (reading and hashing a checkpoint takes a while for a large model).
+    """
+    cache: dict[str, Any] = {"path": None, "snapshot": None}
+
+    def source() -> Snapshot | None:
+        for path in _checkpoint_files(home):
+            if cache["path"] == path:
+                return cache["snapshot"]
+            try:
+                # Only phi and the counters, without torch (node/bridge/ckptfile.py): a checkpoint of an older
+                # version (format 1) is not served until the worker writes its next one.
+                state = read_phi(path)
+                snap = Snapshot.of(state.phi, state.step, state.outer_step, state.layout_hash)
+            except (CheckpointError, KeyError, TypeError, ValueError) as e:
+                log.debug("not serving %s: %s", path, e)
+                continue
+            cache.update(path=path, snapshot=snap)
+            return snap
+        return None
+
+    return source
+
+
+def near_the_swarm(steps: dict[str, int], gap: int) -> list[str]:
+    """Of the trained trainers `steps` (peer id -> outer step), those within `gap` outer steps of the upper
+    median of their outer steps: a late join's donors. The mean of donors far apart is no model anyone
+    trains (`combine` takes their low median step, so it also starts the joiner at the one behind): a
+    founder that ran ahead alone and a second node still catching up made a joiner start from the mean of
+    outer steps 179 and 22, at 22. As in the catch-up, the upper median is the majority's position, and
+    between two the one further ahead."""
+    if not steps:
+        return []
+    target = statistics.median_high(steps.values())
+    return [peer for peer, step in steps.items() if abs(step - target) <= gap]
+
+
+async def late_join(
+    host: Any,
+    home: Path,
+    donors: Callable[[], list[str]],
+    *,
+    model: ModelShape | None,
+    max_donors: int,
+    wait_s: float,
+    timeout_s: float,
+    status: dict[str, Any],
+    on_refused: Callable[[str], None] | None = None,
+    alone: Callable[[], bool] | None = None,
+) -> bool:
+    """Download a starting point from the swarm if this node has no checkpoint. True if one was written.
+
+    `alone()`: whether this node knows of no one at all (no bootstrap peer configured, no connection, no
+    member): then the wait for donors ends after `ALONE_GRACE_S` (time for a peer that dials us), not
+    `wait_s`. Every first start of a swarm's founder waited out `sync.join_wait_s` for donors that could
+    not exist.
+
+    `model`: our own model (the start-up check's); a donor's snapshot must be exactly that. None (the
+    check did not say in time) starts a fresh model: without our size, a donor's claim would decide how
+    much we write to disk. `on_refused(donor)`: a donor whose snapshot was not our model (an offence)."""
+    target = join_snapshot_path(home)
+    if has_checkpoint(home) or target.exists():
+        status["state"] = "not needed"
+        return False
+    if model is None:
+        status["state"] = "own model not known: starting a fresh model"
+        log.warning("the start-up check did not say this node's model in time: no late join, starting from a "
+                    "fresh model")
+        return False
+    status["state"] = "looking for donors"
+    deadline = trio.current_time() + wait_s
+    found: list[str] = []
+    alone_after = trio.current_time() + min(ALONE_GRACE_S, wait_s)
+    while trio.current_time() < deadline:
+        found = donors()
+        if found:
+            break
+        if alone is not None and trio.current_time() >= alone_after and alone():
+            status["state"] = "alone: starting a fresh model"
+            log.info("no bootstrap peer configured and no swarm member known: starting from a fresh model "
+                     "without waiting sync.join_wait_s for donors")
+            return False
+        await trio.sleep(0.5)
+    if not found:
+        status["state"] = "no donors: starting a fresh model"
+        log.info("no trained swarm members found within %.0fs; starting from a fresh model", wait_s)
+        return False
+    chosen = random.sample(found, min(max_donors, len(found)))
+    status.update(state="downloading", donors=chosen)
+    try:
+        state = await fetch_swarm_snapshot(host, home / JOIN_DIR / "partial", chosen, target, model=model,
+                                           timeout_s=timeout_s, status=status, on_refused=on_refused)
+    except (OSError, ValueError) as e:  # a full disk, or donors whose snapshots cannot be combined
+        status["state"] = f"download failed ({e}): starting a fresh model"
+        log.warning("late join failed: %s; starting from a fresh model", e)
+        return False
+    if state is None:
+        status["state"] = "download failed: starting a fresh model (will resume the download next start)"
+        return False
+    status.update(state="done", step=state["step"], outer_step=state["outer_step"], donors=state["donors"])
+    log.info("joined the swarm at outer step %d from the mean of %d donors", state["outer_step"], len(state["donors"]))
+    return True
+
+
+async def fetch_swarm_snapshot(
+    host: Any, directory: Path, donors: list[str], target: Path, *, model: ModelShape, timeout_s: float,
+    status: dict[str, Any], on_refused: Callable[[str], None] | None = None,
+) -> dict[str, Any] | None:
+    """Download the snapshots of `donors` at once into `directory` (resuming what is there), write their
+    robust mean (`protocols.snapshot.combine`) to `target` as a hashed checkpoint file and return it; None
+    if no download completed within `timeout_s` (the parts that arrived are kept for a resume); ValueError
+    (the downloads deleted) if what the donors sent cannot be combined.
+
+    A donor whose meta is not `model` is refused before anything of it is written (`status["refused"]`
+    names it, and `on_refused` is told); the others go on without it."""
+    download = JoinDownload(directory, model)
+    if directory.is_dir():
+        download.prune(donors)
+    status["progress"] = download.progress
+
+    async def open_stream(donor: str) -> Any:
+        return await host.new_stream(ID.from_base58(donor), [PROTOCOL_ID])
+
+    async with trio.open_nursery() as nursery:
+        for donor in donors:
+            nursery.start_soon(functools.partial(download.fetch, open_stream, donor, timeout_s=timeout_s))
+    complete = download.complete()
+    refused = [p.donor for p in download.progress.values() if p.refused]
+    if refused:
+        status["refused"] = refused
+        for donor in refused:
+            if on_refused is not None:
+                on_refused(donor)
+    for p in download.progress.values():
+        if not p.done and not p.refused:
+            log.warning("snapshot download from %s incomplete: %s", p.donor, p.error or "stopped")
+    if not complete:
+        return None
+    try:
+        state = await trio.to_thread.run_sync(combine, complete)
+    except ValueError:
+        download.clear()  # what these donors sent cannot be combined: resuming it would only fail again
+        raise
+    private_dir(target.parent)
+    # phi and the counters only, in the checkpoint format the worker reads (node/bridge/ckptfile.py), without torch.
+    await trio.to_thread.run_sync(functools.partial(
+        write_phi, target, state["phi"], state["step"], state["outer_step"], state["layout_hash"],
+        donors=state["donors"]))
+    download.clear()
+    return state
+
+
+class CatchUp:
+    """Re-syncs this trainer from the swarm once it has drifted out of every partner's reach.
+
+    Trigger: `sync.catch_up_after` outer steps in a row that were not averaged (the averager reports each
+    outer step to `note_outer_step`), or at once a partner's refusal as too far behind (`behind`), while alive trainers of our run exist outside the gap, and this
+    node's outer step is more than the gap from the swarm's median. The median (upper median, over every
+    alive trainer of the run, this node included) is the majority's position: a lone runaway node comes
+    back to the swarm, never the swarm to it; between two nodes the one further ahead is the reference.
+    A node at the median does nothing: the others come to it.
+
+    Download: the snapshots of up to `sync.join_donors` (at least one) donors whose outer step is within
+    the gap of the median, nearest first, under the `sync.join_timeout_s` deadline; training goes on
+    meanwhile. The mean goes to `HOME/catchup/snapshot.pt` and `deliver(path, swarm_outer_step)` hands it
+    to the worker for its next outer step, where it also continues from the swarm's then-current outer
+    step. A failed download is retried after another `catch_up_after` outer steps without a partner.
+    Attempts are at least `CATCH_UP_INTERVAL_S` apart: where outer steps are much shorter than a heartbeat
+    (tiny models), the member records lag behind and an eager node would download again and again; a
+    refusal as too far behind, or our own outer step going back (a worker restarted from an older
+    checkpoint), is fresh evidence and lifts that interval.
+    """
+
+    def __init__(
+        self,
+        host: Any,
+        home: Path,
+        cfg: SyncConfig,
+        *,
+        own_outer_step: Callable[[], int],
+        trainers: Callable[[], dict[str, int]],
+        deliver: Callable[[Path, Callable[[], int | None]], None],
+        model: Callable[[], ModelShape | None],
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
+        self.host = host
+        # Our worker's model (None before its hello): a donor's snapshot must be exactly that.
+        self.model = model
+        self.on_refused = on_refused  # told of a donor whose snapshot was not our model (an offence)
+        self.home = home
+        self.cfg = cfg
+        self.own_outer_step = own_outer_step
+        self.trainers = trainers  # alive trainers of our run (not us): peer id -> outer step
+        self.deliver = deliver
+        self.unpaired = 0  # outer steps in a row that were not averaged
+        self.catch_ups = 0  # snapshots the worker adopted
+        self.status: dict[str, Any] = {"state": "idle"}
+        self._wake = trio.Event()
+        self._delivered = False  # a snapshot waits for the worker's next outer step
+        self._next_allowed = -math.inf  # trio time before which no new attempt starts
+        self._refused_at: int | None = None  # a partner's outer step when it refused us as too far behind
+        self._last_own: int | None = None  # our outer step at the previous outer step (or adoption)
+
+    def note_outer_step(self, had_partner: bool) -> None:
+        """Called by the averager at the end of every outer step: `had_partner`, whether it was averaged.
+
+        Our outer step lower than at the previous call, without a catch-up in between: the worker was
+        restarted from an older checkpoint (a crash, `kill -9`). That is news about our own position, not
+        a member record's lag, so it lifts `CATCH_UP_INTERVAL_S`: a restart within 30 s of a catch-up
+        stepped solo beside its partner for the rest of those 30 s."""
+        own = self.own_outer_step()
+        if self._last_own is not None and own < self._last_own:
+            self._next_allowed = -math.inf
+        self._last_own = own
+        self.unpaired = 0 if had_partner else self.unpaired + 1
+        if self.cfg.catch_up_after and self.unpaired >= self.cfg.catch_up_after:
+            self._wake.set()
+
+    def behind(self, partner_step: int) -> None:
+        """A partner refused us as too far behind: its outer step is `partner_step`. Catch up now, without
+        waiting out `catch_up_after` more unaveraged outer steps (each a whole pairing window): a worker
+        restarted after a crash resumes from a checkpoint up to `train.checkpoint_every` outer steps back
+        while its partner went on, and one step beyond the gap is enough for every request to be refused.
+        `plan()` still decides from the member records. The refusal is fresh evidence (the records that
+        `CATCH_UP_INTERVAL_S` guards against lag a heartbeat), so it lifts that interval: a restart soon
+        after a catch-up would otherwise wait it out."""
+        if self.cfg.catch_up_after and partner_step - self.own_outer_step() > self.cfg.max_step_gap:
+            self.unpaired = max(self.unpaired, self.cfg.catch_up_after)
+            self._refused_at = partner_step
+            self._next_allowed = -math.inf
+            self._wake.set()
+
+    def _others(self) -> dict[str, int]:
+        """The other alive trainers that have made an outer step: peer id -> outer step. One at outer step
+        0 has not trained yet (a late joiner still downloading, a worker still loading its task) and is no
+        part of where the swarm is: counted, a joiner made the median of {22, 179, 0} this node's own 22,
+        and a catch-up planned towards 179 was delivered at outer step 22."""
+        return {peer: step for peer, step in self.trainers().items() if step > 0}
+
+    def swarm_outer_step(self) -> int | None:
+        """The upper median of the alive trainers' outer steps, ours included (None when we are alone)."""
+        others = list(self._others().values())
+        return statistics.median_high([self.own_outer_step(), *others]) if others else None
+
+    def plan(self) -> tuple[int, list[str]] | None:
+        """(the swarm's outer step, donors) if this node should catch up now, else None."""
+        others = self._others()
+        own = self.own_outer_step()
+        gap = self.cfg.max_step_gap
+        if not any(abs(step - own) > gap for step in others.values()):
+            return None  # alone, or only partners within reach (busy or not yet connected)
+        target = statistics.median_high([own, *others.values()])
+        if abs(own - target) <= gap:
+            return None
+        near = sorted((abs(step - target), peer) for peer, step in others.items() if abs(step - target) <= gap)
+        donors = [peer for _, peer in near[: max(1, self.cfg.join_donors)]]
+        return (target, donors) if donors else None
+
+    def adopted(self, report: Adopted) -> None:
+        """The worker's answer to a delivered snapshot: count and log the catch-up (or why it failed)."""
+        self._delivered = False
+        if report.error:
+            self.status.update(state="not adopted", error=report.error)
+            log.warning("the worker did not adopt the swarm snapshot: %s", report.error)
+            return
+        self.catch_ups += 1
+        self.unpaired = 0
+        self._last_own = report.outer_step  # a catch-up of a runaway moves back too: no restart
+        self.status.update(state="done", outer_step=report.outer_step, step=report.step, error="")
+        log.info(
+            "caught up with the swarm from %d donors: outer step %d -> %d, inner step %d -> %d",
+            len(report.donors), report.previous_outer_step, report.outer_step, report.previous_step, report.step,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            if self._delivered:
+                continue
+            if trio.current_time() < self._next_allowed:
+                continue  # right after a catch-up the swarm's records still show our old step
+            plan = self.plan()
+            if plan is None:
+                self._refused_at = None
+                continue
+            self.unpaired = 0  # a retry needs another `catch_up_after` outer steps without a partner
+            self._next_allowed = trio.current_time() + CATCH_UP_INTERVAL_S
+            await self._attempt(*plan)
+
+    async def _attempt(self, target: int, donors: list[str]) -> None:
+        model = self.model()
+        if model is None:
+            return  # the worker has not said what it trains: nothing to catch up yet
+        own = self.own_outer_step()
+        why = (f"a partner at outer step {self._refused_at} refused it as too far behind" if self._refused_at
+               is not None else f"its last {self.cfg.catch_up_after} outer steps were not averaged")
+        self._refused_at = None
+        log.info("outer step %d is %d from the swarm's %d and %s: catching up from %d donors",
+                 own, abs(own - target), target, why, len(donors))
+        self.status = {"state": "downloading", "donors": donors, "from_outer_step": own, "swarm_outer_step": target}
+        path = self.home / CATCH_UP_DIR / JOIN_FILE
+        try:
+            state = await fetch_swarm_snapshot(self.host, self.home / CATCH_UP_DIR / "partial", donors, path,
+                                               model=model, timeout_s=self.cfg.join_timeout_s, status=self.status,
+                                               on_refused=self.on_refused)
+        except (OSError, ValueError) as e:  # a full disk, or no donor's layout to combine
+            log.warning("catch-up failed: %s", e)
+            state = None
+        if state is None:
+            self.status["state"] = "download failed: will retry"
+            return
+        self.status.update(state="waiting for the next outer step", snapshot_outer_step=state["outer_step"])
+        self._delivered = True
+        self.deliver(path, self.swarm_outer_step)
+
+
+def progress_view(status: dict[str, Any]) -> ProgressStatus:
+    """The JSON-friendly `join` section of status."""
+    out = {k: v for k, v in status.items() if k != "progress"}
+    progress = status.get("progress")
+    if progress:
+        out["downloads"] = {
+            d: {"have_chunks": p.have, "done": p.done, "bytes": p.bytes, "error": p.error} for d, p in progress.items()
+        }
+    return cast("ProgressStatus", out)  # its keys follow the join's state

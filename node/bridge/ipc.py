@@ -1,0 +1,248 @@
+"""The daemon-worker control channel: its messages, their framing, and the worker's blocking end.
+
+Why a module of its own: the daemon (node/bridge/supervisor.py) and the worker (node/worker/trainer.py) both speak this
+conversation, and the daemon must not import the worker, which imports torch: the daemon process loads
+no torch at all (it averages on numpy views of the shared memory, node/bridge/shm.py). The conversation itself
+is described in node/worker/trainer.py's docstring.
+
+Frames are a 4-byte big-endian length and a msgpack map `{"v": version, "t": type, **fields}`, each at
+most MAX_FRAME bytes; a frame that breaks any of that is a `ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 8 << 20  # bytes; the largest message is `hello` with the parameter layout
+_LEN = struct.Struct(">I")
+
+
+# --- wire messages ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Init:
+    config: dict[str, Any]
+    home: str
+    peer_id: str
+    log_level: str = "info"
+    task_options: dict[str, Any] = field(default_factory=dict)  # the [task] config section
+
+
+@dataclass
+class Hello:
+    pid: int
+    numel: int
+    layout: list[list[Any]]  # [[name, [dims...]], ...]
+    task: str
+    device: str
+    model_hash: str
+    layout_hash: str
+    step: int
+    outer_step: int
+    resumed_from: str | None
+    rejected: list[str] = field(default_factory=list)  # "path: reason" for each corrupt checkpoint
+
+
+@dataclass
+class Attach:
+    names: dict[str, str]
+
+
+@dataclass
+class Publish:
+    outer_step: int
+    step: int
+    inner_steps: int = 0  # inner steps this Delta covers (since the previous publish)
+    samples: int = 0  # sequences those steps trained on: the weight of this Delta in a pair's mean
+
+
+@dataclass
+class Result:
+    outer_step: int
+    group_size: int
+    # The outer step to continue from when larger than ours: the group's largest (n >= 2), or for a solo
+    # step the largest that ready trainers showed the daemon meanwhile (node/averaging/averager.py).
+    group_outer_step: int | None = None
+    adopt: str = ""  # a swarm snapshot file to adopt instead of this outer step (a catch-up)
+    adopt_outer_step: int | None = None  # the swarm's outer step to continue from with the snapshot
+    partner_samples: int = 0  # a pair's other member's samples (0: unknown, plain mean)
+    period_s: float = 0.0  # the swarm's pace: seconds between two publishes (0: every H inner steps)
+    shift_s: float = 0.0  # move the next publish by this much, to meet the swarm's phase
+    compression: str = "none"  # the sync.compression preset the exchange's wire used (protocols/compress.py)
+    phi_range: list[int] | None = None  # [lo, hi): the phi fragment exchanged (None: all of it)
+
+
+@dataclass
+class Adopted:
+    """The answer to a result with `adopt`: the counters before and after, or why it was not adopted."""
+
+    previous_step: int
+    previous_outer_step: int
+    step: int
+    outer_step: int
+    donors: list[str] = field(default_factory=list)
+    val_loss: float | None = None
+    error: str = ""
+
+
+@dataclass
+class Metrics:
+    step: int
+    outer_step: int
+    loss: float | None
+    val_loss: float | None
+    samples_per_s: float
+    lr: float
+
+
+@dataclass
+class CheckpointSaved:
+    step: int
+    outer_step: int
+    path: str
+
+
+@dataclass
+class CheckpointFailed:
+    """A checkpoint could not be written (a full or failing disk); the previous one is kept."""
+
+    step: int
+    outer_step: int
+    error: str  # one line: the OSError
+    final: bool = False  # the one written on stop: a restart resumes from an older checkpoint
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class Stopped:
+    step: int
+    outer_step: int
+
+
+@dataclass
+class Fatal:
+    error: str
+
+
+@dataclass
+class Crashed:
+    """The worker's last words before an unexpected error ends it (a restart may help, or may not)."""
+
+    error: str  # one line: exception type and message
+
+
+Message = (
+    Init | Hello | Attach | Publish | Result | Adopted | Metrics | CheckpointSaved | CheckpointFailed | Stop
+    | Stopped | Fatal | Crashed
+)
+_TYPES: dict[str, type] = {
+    "init": Init, "hello": Hello, "attach": Attach, "publish": Publish, "result": Result, "adopted": Adopted,
+    "metrics": Metrics, "checkpoint": CheckpointSaved, "checkpoint_failed": CheckpointFailed, "stop": Stop, "stopped": Stopped, "fatal": Fatal,
+    "crashed": Crashed,
+}
+_NAMES = {cls: name for name, cls in _TYPES.items()}
+
+
+class ProtocolError(Exception):
+    """A malformed frame or message on the daemon-worker channel (a bug on one side, or a stray writer)."""
+
+
+def encode_message(msg: Message) -> bytes:
+    body = msgpack.packb({"v": PROTOCOL_VERSION, "t": _NAMES[type(msg)], **dataclasses.asdict(msg)})
+    return _LEN.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> Message:
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ProtocolError(f"undecodable frame: {e}") from None
+    if not isinstance(obj, dict) or obj.pop("v", None) != PROTOCOL_VERSION:
+        raise ProtocolError("frame is not a versioned map")
+    cls = _TYPES.get(obj.pop("t", None))
+    if cls is None:
+        raise ProtocolError("unknown message type")
+    names = {f.name for f in dataclasses.fields(cls)}
+    if not set(obj) <= names:
+        raise ProtocolError(f"unexpected fields in {cls.__name__}: {sorted(set(obj) - names)}")
+    try:
+        return cls(**obj)
+    except TypeError as e:
+        raise ProtocolError(f"bad {cls.__name__}: {e}") from None
+
+
+class FrameBuffer:
+    """Accumulates bytes and splits off complete frames (bounded by MAX_FRAME)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next_message(self) -> Message | None:
+        if len(self._buf) < _LEN.size:
+            return None
+        (size,) = _LEN.unpack_from(self._buf)
+        if size > MAX_FRAME:
+            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
+        if len(self._buf) < _LEN.size + size:
+            return None
+        body = bytes(self._buf[_LEN.size : _LEN.size + size])
+        del self._buf[: _LEN.size + size]
+        return decode_body(body)
+
+
+class DaemonGone(Exception):
+    """End of file on the control socket: the daemon died or closed it."""
+
+
+class WorkerChannel:
+    """The worker's blocking end of the control socket, with a poll for use between training steps."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        self._sock = sock
+        self._frames = FrameBuffer()
+
+    def send(self, msg: Message) -> None:
+        try:
+            self._sock.sendall(encode_message(msg))
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise DaemonGone(str(e)) from None
+
+    def receive(self, timeout: float) -> Message | None:
+        """The next message, waiting at most `timeout` seconds (0 = just poll); None if none came."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._frames.next_message()
+            if msg is not None:
+                return msg
+            remaining = max(0.0, deadline - time.monotonic())
+            readable, _, _ = select.select([self._sock], [], [], remaining)
+            if not readable:
+                return None
+            try:
+                data = self._sock.recv(1 << 16)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                raise DaemonGone("control socket closed")
+            self._frames.feed(data)
+
+    def close(self) -> None:
+        self._sock.close()

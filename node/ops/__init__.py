@@ -1,0 +1,18 @@
+"""node.ops: what the operator touches: the control socket, status views, metrics, logs, doctor, plots.
+
+    control.py      serve_control, request_status, ControlError: the local control socket
+    lock.py         HomeLock: one daemon per HOME
+    logs.py         setup_logging: levels for the journal, py-libp2p's chatter tamed (daemon and worker)
+    metrics.py      Metrics, serve_metrics: Prometheus metrics from the status
+    status_view.py  render_status: the readable `starling status`
+    refusals.py     collect: what every limit refused to peers, summed by kind (`status`: refusals)
+    islands.py      PairingGraph, pairing_graph: the swarm's pairing graph (islands), from the status
+    doctor.py       run_checks, Finding: `starling doctor`
+    sdnotify.py     Notifier, summarize_status: systemd's notify protocol and watchdog
+    history.py      LossHistory: every member's loss curve;  plot.py  plot_history: it as a PNG
+    launcher.py     DaemonProcess: starts a `starling run` process and watches its status
+    localswarm.py   main: `make run`, a local swarm with a live view
+
+These read the status (node/status_schema.py) and the config, and import nothing else of node/: the
+daemon and the CLI use them, never the other way round. `starling status` renders with them alone.
+"""

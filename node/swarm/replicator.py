@@ -1,0 +1,936 @@
+"""Replicate the swarm state (:mod:`node.swarm.crdt`) over libp2p: gossip for speed, anti-entropy for certainty.
+
+Every node holds a full replica of the swarm state. :class:`StateReplicator` keeps it in step with the
+rest of the swarm:
+
+* **Heartbeat.** Every ``heartbeat_s`` it re-signs this node's member record from ``self_fields()``
+  (progress, loss, addresses, ...). Peers judge liveness by these heartbeats (suspect, gone).
+* **Gossip.** The member records and the manifest this node writes are published on the gossipsub
+  topic ``starling/<swarm>/state``; records from peers are merged as they arrive, in the topic
+  validator, so a forged record is refused at the first honest hop instead of being forwarded through
+  the swarm. Gossip is only an accelerator: a message may be dropped anywhere, and nothing relies on it.
+  Counter entries (running totals nobody waits for) go by anti-entropy alone: in py-libp2p each gossip
+  message costs every node milliseconds of CPU per copy received, and a trainer wrote one with every
+  heartbeat, doubling the gossip a swarm of trainers spends its CPU on.
+* **Anti-entropy.** It runs ``/starling/state/1.0.0`` sessions (:mod:`protocols.state`): both digests
+  are exchanged and each side sends what the other lacks. This is what makes replicas converge, whatever
+  gossip lost; a partition heals within one session after the halves reconnect. Sessions start at once
+  on a new connection; every ``anti_entropy_s`` with the connected peer this node has not started one
+  with for longest (so every peer is reached within one round per peer, not at random); and, as a
+  probe, with any connected member not heard from for half of ``suspect_after`` (see
+  :meth:`StateReplicator._quiet_peers`). The probes are what keep the member table right when gossip is
+  not: a connected member that is alive answers before the failure detector calls it suspect.
+* **Compatibility.** The session handshake carries the swarm name and run manifest hash. A peer that
+  differs is refused, with an ERROR naming both hashes logged once per peer on both sides; it is
+  reported by :meth:`StateReplicator.incompatible_peers` and never offered to the averager. Gossip
+  relayed by a peer that has not passed the handshake yet (every peer, right after this node restarts)
+  is limited to news about members this node already holds, and makes this node start the handshake
+  with that peer; so an incompatible node cannot leak its state (or its manifest) into the swarm through
+  gossip, and a restarted node is not deaf to gossip while its first sessions are under way.
+* **Manifest.** When the swarm has no run manifest yet, a node with a local manifest founds it after its
+  first successful session (or, alone, after a short grace period), unless the configuration names
+  another founder (``node.founder``) or another hash (``node.manifest_hash``); a node whose manifest
+  differs from the swarm's reports it in :attr:`StateReplicator.manifest_error`. Which manifests are
+  adopted at all is the replica's :class:`node.swarm.crdt.ManifestAuthority`; every refused one is logged once
+  with both hashes and its signer. With no founder configured, the first manifest held is pinned to
+  ``HOME/manifest.pin`` (trust on first use), so that not even an empty state file lets another in.
+* **Sybil limits.** Every record merged carries a :class:`node.swarm.crdt.Delivery`: the peer that handed it
+  over and the network group (/24, /48) its connection comes from, for the replica's per-subnet limits.
+* **Persistence.** The replica is saved atomically every ``save_s`` and on stop; :func:`load_state`
+  restores it on start. A restarted node re-signs its record as soon as a peer shows it a newer one of
+  its own (see :meth:`node.swarm.crdt.SwarmState.own_record_superseded`).
+* **Graceful stop.** On cancellation the node publishes its departure (``left``), waits briefly for it
+  to go out, and saves. That part is shielded from the cancellation and bounded in time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import random
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from libp2p.pubsub.gossipsub import PROTOCOL_ID as MESHSUB_V10
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as MESHSUB_V11
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12 as MESHSUB_V12
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.tools.anyio_service import background_trio_service
+
+from node.status_schema import MemberStatus, ReplicaStatus, ReplicationStatus
+from node.swarm.crdt import (
+    Delivery,
+    Manifest,
+    ManifestMismatch,
+    ManifestRecord,
+    ManifestRefused,
+    MemberState,
+    MemberView,
+    RecordError,
+    SignedRecord,
+    StateFileError,
+    SwarmState,
+)
+from p2p.fsutil import atomic_write_bytes
+from p2p.gossip import send_peer_record_once
+from p2p.limits import stop_receiving
+from p2p.netgroup import group_of, peer_ip, stream_ip
+from p2p.wire import LibP2PByteStream, ProtocolError
+from protocols import state as protocol
+from protocols.state import LocalInfo, SyncRefused
+
+log = logging.getLogger("starling.replicator")
+
+#: File name of the persisted replica under the node's HOME.
+STATE_FILE = "state.msgpack"
+#: The run manifest this node trusts on first use (no node.founder configured), per swarm.
+MANIFEST_PIN_FILE = "manifest.pin"
+
+#: Gossipsub protocol versions offered, newest first. (1.3+ adds extension machinery we do not use.)
+GOSSIP_PROTOCOLS = (MESHSUB_V12, MESHSUB_V11, MESHSUB_V10)
+#: Mesh degree: enough redundancy that one slow peer does not delay a record, small enough that a
+#: record costs each node a handful of sends.
+GOSSIP_DEGREE, GOSSIP_DEGREE_LOW, GOSSIP_DEGREE_HIGH = 6, 4, 12
+
+MAX_OUTBOUND_SESSIONS = 4  # anti-entropy sessions this node initiates at once
+MAX_INBOUND_SESSIONS = 8  # sessions it serves at once; more are answered "busy"
+# Of those, one peer's: an honest peer runs one session with us at a time (two while a crossing pair of
+# sessions overlaps); a peer that kept all eight alive with empty record batches shut every other member
+# out of anti-entropy for as long as it liked (per-subnet shares, p2p/netgroup.py, exempt loopback).
+MAX_INBOUND_SESSIONS_PER_PEER = 2
+OUTBOX_SIZE = 64  # records waiting to be published; beyond it they are dropped (anti-entropy carries them)
+MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
+OPEN_TIMEOUT_S = 10.0  # opening a state stream (dial if needed, protocol negotiation)
+STARTUP_TIMEOUT_S = 10.0
+PUBLISH_TIMEOUT_S = 5.0
+GOODBYE_TIMEOUT_S = 4.0  # publishing the departure on stop (2 s was too short on a loaded machine)
+STOP_TIMEOUT_S = 6.0  # everything done on stop, goodbye included (within the CLI's 9 s hard stop)
+POLL_S = 1.0  # how often the anti-entropy loop looks for connections it was not told about
+
+
+def gossip_topic(swarm: str) -> str:
+    return f"starling/{swarm}/state"
+
+
+def load_state(path: Path, me: KeyPair, **kwargs: Any) -> SwarmState:
+    """Restore the replica saved at ``path`` (an empty one if there is none).
+
+    A file that cannot be read as a swarm state is moved aside (``<name>.corrupt``) with a warning and
+    the node starts with an empty view: the swarm will resend everything through anti-entropy, so
+    refusing to start would cost the operator more than the file is worth.
+    """
+    try:
+        return SwarmState.load(path, me, **kwargs)
+    except StateFileError as exc:
+        aside = path.with_name(path.name + ".corrupt")
+        try:
+            path.replace(aside)
+            log.warning("%s; moved it to %s and starting with an empty view", exc, aside)
+        except OSError as move_error:
+            log.warning(
+                "%s; could not move it aside (%s); starting with an empty view", exc, move_error.strerror
+            )
+        return SwarmState(me, **kwargs)
+
+
+class ManifestPinError(Exception):
+    """``HOME/manifest.pin`` cannot be read; the operator decides (the daemon exits 2 with this line)."""
+
+
+def read_manifest_pin(path: Path, swarm: str) -> str:
+    """The manifest hash pinned for ``swarm`` in ``path`` ("" when there is none, or for another swarm)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError) as exc:
+        raise ManifestPinError(
+            f"{path}: cannot read the pinned run manifest ({getattr(exc, 'strerror', None) or exc}); delete "
+            f"it to trust the next manifest this node sees, or set node.founder"
+        ) from None
+    pins = data.get("pins") if isinstance(data, dict) else None
+    value = pins.get(swarm, "") if isinstance(pins, dict) else None
+    if not isinstance(value, str) or (value and not _is_sha256_hex(value)):
+        raise ManifestPinError(f"{path}: not a manifest pin file; delete it to trust the next manifest seen")
+    return value
+
+
+def write_manifest_pin(path: Path, swarm: str, manifest_hash: str) -> None:
+    """Pin ``manifest_hash`` for ``swarm`` (other swarms' pins are kept); 0600, atomic."""
+    try:
+        data = json.loads(path.read_text())
+        pins = data["pins"] if isinstance(data, dict) and isinstance(data.get("pins"), dict) else {}
+    except (OSError, ValueError):
+        pins = {}
+    pins[swarm] = manifest_hash
+    body = json.dumps({"format": "starling-manifest-pin", "pins": pins}, indent=1, sort_keys=True) + "\n"
+    atomic_write_bytes(path, body.encode(), mode=0o600)
+
+
+def _is_sha256_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+class DeliveredReplica:
+    """The replica as one session sees it: every record it merges is attributed to that session's peer
+    and network group (see :class:`node.swarm.crdt.Delivery`)."""
+
+    def __init__(self, state: SwarmState, delivery: Delivery) -> None:
+        self.state = state
+        self.delivery = delivery
+
+    def digest(self) -> Any:
+        return self.state.digest()
+
+    def missing_for(self, their_digest: Any) -> list[bytes]:
+        return self.state.missing_for(their_digest)
+
+    def apply(self, records: Any) -> Any:
+        return self.state.apply(records, delivery=self.delivery)
+
+
+@dataclass
+class ReplicationStats:
+    """Counters of what the replicator did, for status and metrics."""
+
+    sessions_ok: int = 0
+    session_failures: Counter[str] = field(default_factory=Counter)  # by reason: timeout, malformed, ...
+    records_sent: int = 0  # through anti-entropy
+    records_received: int = 0  # through anti-entropy (changed or not)
+    records_changed: int = 0  # received through anti-entropy and new to this node
+    gossip_published: int = 0
+    gossip_received: int = 0  # gossip messages merged (any outcome)
+    gossip_refused: int = 0  # forwarded by a peer that has not passed the handshake, or invalid
+    gossip_dropped: int = 0  # own records not published because the outbox was full
+    manifest_mismatches: int = 0  # refused sessions with incompatible peers (both directions)
+    busy_refusals: int = 0  # inbound sessions answered "busy": all slots, or the peer's share, taken
+    peer_share_refusals: int = 0  # of those, refused because the peer held its share (slots were left)
+    saves: int = 0
+    save_errors: int = 0
+    last_save: float | None = None  # wall time
+
+    def as_dict(self) -> ReplicationStatus:
+        out = dataclasses.asdict(self)
+        out["session_failures"] = dict(self.session_failures)
+        return cast("ReplicationStatus", out)
+
+
+class StateReplicator:
+    """Keeps one node's :class:`SwarmState` replicated with its peers (see the module docstring).
+
+    ``self_fields`` returns the fields of this node's member record (addrs, role, version, outer_step,
+    step, loss, val_loss, samples_per_s, reachability, manifest_hash); it is called on every heartbeat.
+    ``local_manifest`` returns the run manifest this node trains with (None for a network-only node).
+    ``gossip=False`` keeps the node out of the gossip topic (it neither publishes nor receives), so it
+    relies on anti-entropy alone; tests use it to prove that anti-entropy closes every gap.
+    """
+
+    def __init__(
+        self,
+        host: IHost,
+        state: SwarmState,
+        swarm: str,
+        *,
+        path: Path | None,
+        self_fields: Callable[[], dict[str, Any]],
+        local_manifest: Callable[[], Manifest | None] = lambda: None,
+        heartbeat_s: float = 2.0,
+        anti_entropy_s: float = 5.0,
+        save_s: float = 10.0,
+        gossip: bool = True,
+        clock: Callable[[], float] = time.time,
+        pin_path: Path | None = None,
+    ) -> None:
+        for name, value in (
+            ("heartbeat_s", heartbeat_s),
+            ("anti_entropy_s", anti_entropy_s),
+            ("save_s", save_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.host = host
+        self.state = state
+        self.swarm = swarm
+        self.topic = gossip_topic(swarm)
+        self.path = path
+        self.self_fields = self_fields
+        self.local_manifest = local_manifest
+        self.heartbeat_s = heartbeat_s
+        self.anti_entropy_s = anti_entropy_s
+        self.save_s = save_s
+        self.gossip = gossip
+        self._clock = clock
+        #: Where the trusted-on-first-use manifest is pinned (None: not persisted).
+        self.pin_path = pin_path
+        self.stats = ReplicationStats()
+        #: Set when this node's manifest differs from the swarm's (it must not train with this swarm).
+        self.manifest_error: ManifestMismatch | None = None
+        #: The running pubsub service (None when not running); exposed for tests and diagnostics.
+        self.pubsub: Pubsub | None = None
+
+        self._me = host.get_id()
+        # Peers that passed the handshake (gossip is accepted from them) and peers refused as
+        # incompatible (with the reason); both bounded, oldest forgotten first.
+        self._verified: OrderedDict[str, None] = OrderedDict()
+        self._incompatible: OrderedDict[str, SyncRefused] = OrderedDict()
+        self._prompt: set[ID] = set()  # peers to sync with as soon as a session slot is free
+        self._in_flight: set[ID] = set()
+        self._known_connected: set[ID] = set()
+        #: When this node last started a session with each connected peer (trio time).
+        self._last_attempt: dict[ID, float] = {}
+        self._inbound = 0
+        self._inbound_by_peer: dict[ID, int] = {}  # bounded: at most MAX_INBOUND_SESSIONS entries
+        self._wake = trio.Event()
+        self._synced_once = False
+        self._save_failing = False
+        self._found_after = 0.0  # trio time after which a lone node founds the manifest
+        self._outbox_send, self._outbox_recv = trio.open_memory_channel[bytes](OUTBOX_SIZE)
+        # Limits derived from the replica's capacity: its digest and the records it may hold.
+        self._max_digest_entries = max(
+            protocol.DEFAULT_MAX_DIGEST_ENTRIES, 2 * state.max_members + state.max_tombstones + 1
+        )
+        self._max_records = max(protocol.DEFAULT_MAX_RECORDS, 2 * state.max_members + 1)
+
+    # ---- inputs from the daemon -----------------------------------------------------------------
+
+    def peer_connected(self, peer_id: ID) -> None:
+        """A connection to ``peer_id`` opened: sync with it now (also retries a peer refused before,
+        which may have restarted with the right configuration)."""
+        if peer_id != self._me:
+            self._prompt.add(peer_id)
+            self._wake.set()
+
+    def refresh(self) -> None:
+        """Re-sign and publish this node's member record now (e.g. right after an outer step) rather
+        than at the next heartbeat."""
+        self._heartbeat()
+
+    def add_progress(self, samples: int = 0, tokens: int = 0) -> None:
+        """Add work done by this node to the swarm-wide counter. The new entry is not gossiped:
+        anti-entropy carries it within a few rounds (see the module docstring)."""
+        self.state.add_progress(samples, tokens)
+
+    # ---- views ----------------------------------------------------------------------------------
+
+    def incompatible_peers(self) -> set[str]:
+        """Peer IDs (base58) refused as incompatible: another swarm or another run manifest."""
+        return set(self._incompatible)
+
+    def alive_members(self) -> list[MemberView]:
+        """Averaging candidates: alive members other than this node, not known to be incompatible,
+        and whose published manifest hash (when both are known) equals this node's."""
+        ours = self._manifest_hash()
+        me = self.state.peer_id
+        return [
+            view
+            for view in self.state.members(self._clock())
+            if view.state is MemberState.ALIVE
+            and view.peer_id != me
+            and view.peer_id not in self._incompatible
+            and (not ours or not view.record.manifest_hash or view.record.manifest_hash == ours)
+        ]
+
+    def status(self) -> ReplicaStatus:
+        """``{"members": [...], "swarm_totals": {...}}`` for ``starling status --json``."""
+        now = self._clock()
+        views = self.state.members(now)
+        members = [self._member_status(view, now) for view in views]
+        by_state = Counter(view.state.value for view in views)
+        totals = self.state.counters()
+        swarm_manifest = self.state.manifest
+        return {
+            "members": members,
+            "swarm_totals": {
+                "members": {s.value: by_state.get(s.value, 0) for s in MemberState},
+                "samples": totals.samples,
+                "tokens": totals.tokens,
+                "rejected": dict(self.state.rejected),
+                "manifest_hash": swarm_manifest.hash if swarm_manifest is not None else None,
+                "manifest_founder": self.state.manifest_signer(),
+                "manifest_authority": self.state.authority.describe(),
+                "manifest_error": str(self.manifest_error) if self.manifest_error is not None else None,
+                # Peers held per network group, the largest few: what the Sybil limits see.
+                "member_groups": dict(list(self.state.groups().items())[:5]),
+                "crowd_evictions": self.state.crowd_evictions,
+                "clock_capped": self.state.clock_capped,
+                "incompatible_peers": sorted(self._incompatible),
+                "incompatible": [
+                    {"peer_id": peer, "field": "swarm" if exc.code == protocol.SWARM_MISMATCH else "manifest",
+                     "theirs": exc.remote, "ours": exc.local, "version": exc.peer_version,
+                     "differs": self._manifest_differences(exc)}
+                    for peer, exc in sorted(self._incompatible.items())
+                ],
+                "our_manifest": _manifest_fields(self.local_manifest() or swarm_manifest),
+                "replication": self.stats.as_dict(),
+            },
+        }
+
+    def _manifest_differences(self, exc: SyncRefused) -> list[str]:
+        """Which manifest fields differ between this node and a refused peer, where both manifests are known
+        here: the peer runs the swarm's manifest (held in the replica) and this node its own. [] otherwise (the
+        state protocol's hello carries only the peer's manifest hash)."""
+        swarm, local = self.state.manifest, self.local_manifest()
+        if exc.code != protocol.MANIFEST_MISMATCH or swarm is None or local is None or exc.remote != swarm.hash:
+            return []
+        return list(swarm.differences(local))
+
+    def _member_status(self, view: MemberView, now: float) -> MemberStatus:
+        r = view.record
+        return {
+            "peer_id": r.peer_id,
+            "self": r.peer_id == self.state.peer_id,
+            "state": view.state.value,
+            "role": r.role,
+            "version": r.version,
+            "outer_step": r.outer_step,
+            "step": r.step,
+            "loss": r.loss,
+            "val_loss": r.val_loss,
+            "samples_per_s": r.samples_per_s,
+            "partners": list(r.partners),
+            "reachability": r.reachability,
+            "addrs": list(r.addrs),
+            "manifest_hash": r.manifest_hash,
+            "incompatible": r.peer_id in self._incompatible,
+            "last_seen": round(view.last_seen, 3),
+            "last_seen_s": round(max(0.0, now - view.last_seen), 1),
+            # The author's clock against ours, for `starling doctor`'s clock check.
+            "heartbeat": round(r.heartbeat, 3),
+            "received_at": round(view.received_at, 3),
+        }
+
+    # ---- running --------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the state protocol, run gossip and the periodic loops until cancelled.
+
+        The work lives in :meth:`_serve`, shielded from cancellation: when this task is cancelled it
+        only tells :meth:`_serve` to stop, which then says goodbye and saves within ``STOP_TIMEOUT_S``.
+        (Shielding this task's own code would not be enough: pubsub's sender tasks, which carry the
+        goodbye to the peers, would be cancelled with it.)
+        """
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            try:
+                await nursery.start(self._serve, stop)
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                stop.set()
+
+    async def _serve(
+        self, stop: trio.Event, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            with trio.CancelScope(shield=True) as scope:
+                self._found_after = trio.current_time() + 2 * self.anti_entropy_s
+                self._heartbeat()  # our own record exists before anyone asks for it
+                self.host.set_stream_handler(protocol.PROTOCOL_ID, self._handle_stream)
+                try:
+                    pubsub, router = self._make_pubsub()
+                    async with background_trio_service(pubsub), background_trio_service(router):
+                        with trio.fail_after(STARTUP_TIMEOUT_S):
+                            await pubsub.wait_until_ready()
+                        subscription = None
+                        if self.gossip:
+                            pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
+                            subscription = await pubsub.subscribe(self.topic)
+                        self.pubsub = pubsub
+                        async with trio.open_nursery() as loops:
+                            # Pubsub learns of connections from network events; peers that were already
+                            # connected before it existed must be introduced to it explicitly.
+                            for peer in self._connected():
+                                loops.start_soon(self._introduce, pubsub, peer)
+                            if subscription is not None:
+                                loops.start_soon(self._drain, subscription)
+                                loops.start_soon(self._publisher, pubsub)
+                            loops.start_soon(self._heartbeat_loop)
+                            loops.start_soon(self._anti_entropy_loop)
+                            loops.start_soon(self._save_loop)
+                            task_status.started()
+                            await stop.wait()
+                            scope.deadline = trio.current_time() + STOP_TIMEOUT_S
+                            loops.cancel_scope.cancel()
+                        await self._goodbye(pubsub)
+                finally:
+                    self.pubsub = None
+                    self.host.remove_stream_handler(protocol.PROTOCOL_ID)
+        finally:
+            self._save()
+
+    def _make_pubsub(self) -> tuple[Pubsub, GossipSub]:
+        """Gossipsub tuned per py-libp2p-notes pitfall 6: 1 s heartbeat (the default 120 s leaves the
+        mesh unbuilt for minutes) and no silent per-peer rate limit (the default drops a busy peer's
+        records without a word).
+
+        And the signed peer record sent once per stream, not with every message (p2p/gossip.py).
+
+        And sequence numbers that a restart cannot reuse. A gossip message's ID is (author, seqno), and
+        py-libp2p starts the seqno at the current time in whole seconds, adding one per message. A node
+        that published more than one message a second (heartbeats under a second, or under 2 s when
+        trainers also gossiped their counter entries) and restarts would reuse IDs its peers saw in its
+        previous life, and they would drop its new records as duplicates: for 2 minutes (seen-message
+        cache), without merging them for 5 (validation cache). Starting at the time in nanoseconds, as
+        go-libp2p does, puts every life's numbers past the previous one's.
+        """
+        router = GossipSub(
+            protocols=list(GOSSIP_PROTOCOLS),
+            degree=GOSSIP_DEGREE,
+            degree_low=GOSSIP_DEGREE_LOW,
+            degree_high=GOSSIP_DEGREE_HIGH,
+            heartbeat_initial_delay=0.1,
+            heartbeat_interval=1,
+            spam_protection_enabled=False,
+        )
+        pubsub = Pubsub(self.host, router)
+        send_peer_record_once(pubsub)
+        pubsub.counter = max(pubsub.counter, time.time_ns())
+        return pubsub, router
+
+    async def _introduce(self, pubsub: Pubsub, peer: ID) -> None:
+        with trio.move_on_after(STARTUP_TIMEOUT_S):
+            await pubsub.ensure_peer_stream(peer, timeout=STARTUP_TIMEOUT_S)
+
+    def _connected(self) -> set[ID]:
+        return {p for p in self.host.get_connected_peers() if p != self._me}
+
+    # ---- local writes and gossip ----------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await trio.sleep(self.heartbeat_s)
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        fields = self.self_fields()
+        try:
+            signed = self.state.update_self(**fields)
+        except ValueError as exc:  # a value peers would refuse: keep the previous record, say why
+            log.error("cannot publish this node's member record: %s", exc)
+        else:
+            self._publish(signed)
+        self._check_manifest()
+
+    def _check_manifest(self) -> None:
+        """Found the swarm's manifest if nobody has and the configuration lets this node, or notice that
+        ours differs from the swarm's; report refused manifests and pin the trusted one."""
+        self._report_refusals()
+        self._pin_manifest()
+        local = self.local_manifest()
+        if local is None:
+            return
+        authority = self.state.authority
+        if self.state.manifest is None:
+            # The configured hash, or the one pinned on first use: the swarm's, though not held right now.
+            expected = authority.manifest_hash or ("" if authority.configured else authority.pinned)
+            if expected and local.hash != expected:
+                exc = ManifestMismatch(expected, local.hash)
+                if self.manifest_error is None or self.manifest_error.swarm_hash != exc.swarm_hash:
+                    where = "node.manifest_hash" if authority.manifest_hash else str(self.pin_path or "manifest.pin")
+                    log.error("%s (the swarm's manifest is fixed by %s)", exc, where)
+                self.manifest_error = exc
+                return
+            if not self.state.may_found(local):
+                return  # another node (node.founder) founds; its manifest arrives by anti-entropy
+            # Wait for a first sync, so that a node joining an existing swarm adopts its manifest
+            # rather than racing it with its own; a lone node founds after a grace period.
+            if self._synced_once or trio.current_time() >= self._found_after:
+                try:
+                    signed = self.state.set_manifest(local)
+                except ManifestRefused as exc:  # may_found said yes; keep the node up whatever happens
+                    log.error("%s", exc)
+                    return
+                if signed is not None:
+                    log.info("founded the swarm's run manifest %s", local.hash)
+                    self._publish(signed)
+                    self._pin_manifest()
+            return
+        try:
+            self.state.check_manifest(local)
+        except ManifestMismatch as exc:
+            if self.manifest_error is None or self.manifest_error.swarm_hash != exc.swarm_hash:
+                log.error("%s", exc)
+            self.manifest_error = exc
+        else:
+            self.manifest_error = None
+
+    def _report_refusals(self) -> None:
+        """Log each manifest the replica refused (once per signer and hash): an attack or a misconfigured
+        node, which the operator must hear about; both hashes and the signer are named."""
+        for refusal in self.state.take_manifest_refusals():
+            log.warning("%s", refusal)
+
+    def _pin_manifest(self) -> None:
+        """Trust on first use: persist the manifest this node holds, so that a lost or deleted state file
+        does not let another one in (only when no founder or hash is configured)."""
+        authority = self.state.authority
+        swarm = self.state.manifest
+        if authority.configured or swarm is None or authority.pinned == swarm.hash:
+            return
+        if self.pin_path is not None:
+            try:
+                write_manifest_pin(self.pin_path, self.swarm, swarm.hash)
+            except OSError as exc:  # once: the replica holds it either way, for as long as this run lasts
+                log.warning("cannot pin the run manifest %s in %s: %s; it is trusted until the daemon stops",
+                            swarm.hash, self.pin_path, exc.strerror or exc)
+            else:
+                log.info("trusting run manifest %s (signed by %s) from now on; pinned in %s",
+                         swarm.hash, self.state.manifest_signer(), self.pin_path)
+        self.state.authority = dataclasses.replace(authority, pinned=swarm.hash)
+
+    def _publish(self, signed: SignedRecord) -> None:
+        if not self.gossip:
+            return
+        try:
+            self._outbox_send.send_nowait(signed.data)
+        except trio.WouldBlock:
+            self.stats.gossip_dropped += 1
+
+    async def _publisher(self, pubsub: Pubsub) -> None:
+        async for data in self._outbox_recv:
+            with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                try:
+                    await pubsub.publish(self.topic, data)
+                    self.stats.gossip_published += 1
+                except Exception as exc:  # py-libp2p raises assorted types; anti-entropy covers the loss
+                    log.debug("gossip publish failed: %s", exc)
+
+    def _validate_gossip(self, forwarder: ID, message: rpc_pb2.Message) -> bool:
+        """Gossipsub topic validator, and the point where gossip is merged into the replica.
+
+        Returning False keeps gossipsub from delivering and forwarding the message: records the replica
+        refuses (forged, malformed, too far in the future) and records a peer that has not passed the
+        handshake may not bring (see :meth:`_admit_unverified`) go no further than this node.
+        """
+        if forwarder != self._me and forwarder.to_base58() not in self._verified:
+            if not self._admit_unverified(forwarder, message.data):
+                self.stats.gossip_refused += 1
+                return False
+        self.stats.gossip_received += 1
+        delivery = None
+        if forwarder != self._me:
+            delivery = Delivery(forwarder.to_base58(), group_of(peer_ip(self.host, forwarder)))
+        result = self.state.apply([message.data], delivery=delivery)
+        if result.rejected:
+            self.stats.gossip_refused += 1
+            self._report_refusals()
+            return False
+        if result.changed:
+            self._pin_manifest()
+        self._reassert_if_superseded()
+        return True
+
+    def _admit_unverified(self, forwarder: ID, data: bytes) -> bool:
+        """Whether to merge a gossip record relayed by a peer that has not passed the handshake yet.
+
+        After a restart that is every peer until the first sessions complete, which takes long on a
+        loaded machine; refusing everything meanwhile left a restarted node deaf to gossip and showing
+        live members as suspect. What a node of another run could leak is its manifest and its own
+        members, so only member and counter records of peers this replica already holds are taken; the
+        rest waits for the handshake, which this starts (at most once per probe interval per peer).
+        """
+        peer = forwarder.to_base58()
+        if peer in self._incompatible:
+            return False
+        if trio.current_time() - self._last_attempt.get(forwarder, -math.inf) >= self._probe_spacing():
+            self._prompt.add(forwarder)
+            self._wake.set()
+        try:
+            signed = self.state.verify(data)
+        except RecordError:
+            return False  # counted in the replica's rejections
+        author = signed.peer_id
+        return signed.kind != ManifestRecord.kind and self.state.holds(author) and author not in self._incompatible
+
+    def _reassert_if_superseded(self) -> None:
+        """Re-sign this node's record at once if a peer just showed it a newer one of its own (a record
+        of its previous life, signed before a restart with a clock ahead of today's), rather than leave
+        that old record in every table until the next heartbeat."""
+        if self.state.own_record_superseded():
+            self._heartbeat()
+
+    async def _drain(self, subscription: Any) -> None:
+        """Keep the subscription queue empty (it holds 32 messages and drops the rest with a warning);
+        the records were already merged by the validator."""
+        async for _message in subscription:
+            pass
+
+    async def _goodbye(self, pubsub: Pubsub) -> None:
+        """Tell the swarm we are leaving, within GOODBYE_TIMEOUT_S: publish the departure marker and wait
+        until pubsub's per-peer queues are empty (publish() only enqueues, and the queues die with the
+        service), and at the same time hand it to every connected peer in an anti-entropy session, so that
+        a gossip message lost on a busy machine does not leave peers to find out by suspicion."""
+        signed = self.state.depart()
+        with trio.move_on_after(GOODBYE_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                if self.gossip:
+                    nursery.start_soon(self._publish_departure, pubsub, signed.data)
+                # Every connected peer, even one with a session in flight: that session may have sent our
+                # record before the departure was signed, and then neither carrier would bring it.
+                for peer in self._connected():
+                    self._in_flight.add(peer)
+                    nursery.start_soon(self._sync_with, peer)
+
+    async def _publish_departure(self, pubsub: Pubsub, data: bytes) -> None:
+        try:
+            await pubsub.publish(self.topic, data)
+        except Exception as exc:  # best effort: the anti-entropy sessions carry it too
+            log.debug("publishing the departure failed: %s", exc)
+            return
+        while any(len(queue) for queue in pubsub.peer_queues.values()):
+            await trio.sleep(0.02)
+        await trio.sleep(0.05)  # the sender tasks have popped the message; let them write it
+
+    # ---- anti-entropy ---------------------------------------------------------------------------
+
+    def _manifest_hash(self) -> str:
+        local = self.local_manifest()
+        if local is not None:
+            return local.hash
+        swarm = self.state.manifest
+        return swarm.hash if swarm is not None else ""
+
+    def _local_info(self) -> LocalInfo:
+        me = self.state.member(self.state.peer_id)
+        return LocalInfo(me.record.version if me else "", self.swarm, self._manifest_hash())
+
+    async def _anti_entropy_loop(self) -> None:
+        async with trio.open_nursery() as sessions:
+            next_round = trio.current_time()
+            while True:
+                connected = self._connected()
+                # Connections nobody told us about (e.g. inbound ones) are synced with promptly too.
+                self._prompt |= connected - self._known_connected
+                self._known_connected = connected
+                self._last_attempt = {p: t for p, t in self._last_attempt.items() if p in connected}
+                now = trio.current_time()
+                self._prompt |= self._quiet_peers(connected, now)
+                if now >= next_round:
+                    peer = self._least_recently_synced(connected)
+                    if peer is not None:
+                        self._prompt.add(peer)
+                    next_round = now + self.anti_entropy_s * random.uniform(0.8, 1.2)
+                for peer in list(self._prompt):
+                    if len(self._in_flight) >= MAX_OUTBOUND_SESSIONS:
+                        break
+                    self._prompt.discard(peer)
+                    if peer in connected and peer not in self._in_flight:
+                        self._in_flight.add(peer)
+                        self._last_attempt[peer] = now
+                        sessions.start_soon(self._sync_with, peer)
+                self._prompt &= connected
+                with trio.move_on_at(min(next_round, now + POLL_S)):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    def _candidates(self, connected: set[ID]) -> list[ID]:
+        return [p for p in connected if p not in self._in_flight and p.to_base58() not in self._incompatible]
+
+    def _least_recently_synced(self, connected: set[ID]) -> ID | None:
+        """The peer for this round: the one this node started a session with longest ago (never comes
+        first; ties at random). With random picks a given one of six peers went six rounds unvisited a
+        third of the time; this reaches each within one round per peer."""
+        candidates = self._candidates(connected)
+        if not candidates:
+            return None
+        random.shuffle(candidates)
+        return min(candidates, key=lambda p: self._last_attempt.get(p, -math.inf))
+
+    def _probe_spacing(self) -> float:
+        """The least time between two sessions this node starts with the same peer outside the rounds."""
+        return min(self.anti_entropy_s, self.state.suspect_after / 4)
+
+    def _quiet_peers(self, connected: set[ID], now: float) -> set[ID]:
+        """Connected members to probe: not heard from for half of ``suspect_after`` and no new record of
+        theirs received for a quarter of it, and not tried within the probe spacing.
+
+        Without probes, a member's liveness rests on gossip; anti-entropy with one peer per round brings
+        news of everyone too slowly for the failure detector (with gossip lost and the defaults' ratio of
+        5 s rounds to a 15 s suspect time, some node listed a live member as not alive in a fifth of the
+        polls: docs/reliability.md). A probe asks the quiet member itself, whose record is never more
+        than a heartbeat old. The receipt condition spares members whose records keep arriving, only
+        late (an overloaded machine): probing them would add sessions where they cost the most.
+        """
+        wall = self._clock()
+        suspect_after = self.state.suspect_after
+        spacing = self._probe_spacing()
+        quiet = set()
+        for peer in self._candidates(connected):
+            if now - self._last_attempt.get(peer, -math.inf) < spacing:
+                continue
+            view = self.state.member(peer.to_base58(), wall)  # not a member yet: the rounds reach it
+            if (
+                view is not None
+                and view.state is not MemberState.LEFT
+                and wall - view.last_seen > suspect_after / 2
+                and wall - view.received_at > suspect_after / 4
+            ):
+                quiet.add(peer)
+        return quiet
+
+    async def _sync_with(self, peer: ID) -> None:
+        try:
+            with trio.move_on_after(OPEN_TIMEOUT_S) as open_scope:
+                try:
+                    stream = await self.host.new_stream(peer, [protocol.PROTOCOL_ID])
+                except Exception as exc:  # py-libp2p raises many types for a peer it cannot reach
+                    self.stats.session_failures["open"] += 1
+                    log.debug("cannot open a state stream to %s: %s", peer, exc)
+                    return
+            if open_scope.cancelled_caught:
+                self.stats.session_failures["timeout"] += 1
+                return
+            await self._session(peer, stream, initiator=True)  # under the protocol's own deadlines
+        finally:
+            self._in_flight.discard(peer)
+            self._wake.set()
+
+    async def _handle_stream(self, stream: INetStream) -> None:
+        """Stream handler of ``/starling/state/1.0.0`` (runs in libp2p's task, one per session)."""
+        peer = stream.muxed_conn.peer_id
+        if self._inbound >= MAX_INBOUND_SESSIONS or self._inbound_by_peer.get(peer, 0) >= MAX_INBOUND_SESSIONS_PER_PEER:
+            self.stats.busy_refusals += 1
+            self.stats.peer_share_refusals += self._inbound < MAX_INBOUND_SESSIONS
+            byte_stream = LibP2PByteStream(stream)
+            try:
+                await protocol.refuse_busy(byte_stream, self._local_info())
+            except ProtocolError:
+                pass
+            await _close(byte_stream, graceful=True)
+            return
+        self._inbound += 1
+        self._inbound_by_peer[peer] = self._inbound_by_peer.get(peer, 0) + 1
+        try:
+            await self._session(peer, stream, initiator=False)
+        finally:
+            self._inbound -= 1
+            left = self._inbound_by_peer.pop(peer) - 1
+            if left:
+                self._inbound_by_peer[peer] = left
+
+    async def _session(self, peer: ID, stream: INetStream, *, initiator: bool) -> None:
+        """One session on an open stream, either side; records the outcome, never raises for the peer's
+        failures."""
+        byte_stream = LibP2PByteStream(stream)
+        side = protocol.initiate if initiator else protocol.respond
+        graceful = False
+        replica = DeliveredReplica(self.state, Delivery(peer.to_base58(), group_of(stream_ip(stream))))
+        try:
+            result = await side(
+                byte_stream,
+                replica,
+                self._local_info(),
+                max_records=self._max_records,
+                max_digest_entries=self._max_digest_entries,
+            )
+        except SyncRefused as exc:
+            graceful = True  # the Error message must reach the initiator before the stream closes
+            self._refused(peer.to_base58(), exc)
+        except ProtocolError as exc:
+            self.stats.session_failures[exc.reason.value] += 1
+            log.debug("state session with %s failed: %s", peer, exc)
+        except trio.TooSlowError:
+            self.stats.session_failures["timeout"] += 1
+            log.debug("state session with %s timed out", peer)
+        except Exception as exc:
+            # py-libp2p's muxers occasionally raise outside the IOException tree that LibP2PByteStream
+            # normalises; whatever a peer or its transport does must not take the replicator down.
+            self.stats.session_failures["error"] += 1
+            log.warning("unexpected error in a state session with %s: %r", peer, exc, exc_info=True)
+        else:
+            graceful = True
+            self._synced(peer.to_base58(), result)
+        finally:
+            self._report_refusals()
+            self._pin_manifest()
+            await _close(byte_stream, graceful=graceful)
+
+    def _synced(self, peer: str, result: protocol.SessionResult) -> None:
+        self.stats.sessions_ok += 1
+        self.stats.records_sent += result.sent
+        self.stats.records_received += result.received
+        self.stats.records_changed += result.changed
+        _remember(self._verified, peer, None)
+        self._reassert_if_superseded()
+        if self._incompatible.pop(peer, None) is not None:
+            log.info(
+                "peer %s is compatible again (manifest %s)", peer, result.peer_manifest_hash or "unknown"
+            )
+        if not self._synced_once:
+            self._synced_once = True
+            self._check_manifest()
+
+    def _refused(self, peer: str, exc: SyncRefused) -> None:
+        if not exc.incompatible:
+            self.stats.session_failures[exc.code] += 1
+            return
+        self.stats.manifest_mismatches += 1
+        self._verified.pop(peer, None)
+        previous = self._incompatible.get(peer)
+        if previous is None or (previous.code, previous.remote) != (exc.code, exc.remote):
+            log.error("peer %s: %s; it is excluded from state sync and averaging", peer, exc)
+        _remember(self._incompatible, peer, exc)
+
+    # ---- persistence ----------------------------------------------------------------------------
+
+    async def _save_loop(self) -> None:
+        while True:
+            await trio.sleep(self.save_s)
+            self._save()
+
+    def _save(self) -> None:
+        """Save the replica (synchronously: it is small, and a snapshot must not see concurrent merges)."""
+        if self.path is None:
+            return
+        try:
+            self.state.save(self.path)
+        except OSError as exc:
+            self.stats.save_errors += 1
+            if not self._save_failing:  # once per streak of failures, not every save_s
+                log.warning("cannot save the swarm state to %s: %s", self.path, exc.strerror or exc)
+            self._save_failing = True
+        else:
+            self._save_failing = False
+            self.stats.saves += 1
+            self.stats.last_save = self._clock()
+
+
+def _manifest_fields(manifest: Manifest | None) -> dict[str, str | int] | None:
+    if manifest is None:
+        return None
+    return {"task": manifest.task, "model_hash": manifest.model_hash, "optimizer_hash": manifest.optimizer_hash,
+            "protocol_version": manifest.protocol_version}
+
+
+def _remember(table: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """Insert or refresh ``key`` in a bounded LRU table."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > MAX_TRACKED_PEERS:
+        table.popitem(last=False)
+
+
+async def _close(stream: LibP2PByteStream, *, graceful: bool) -> None:
+    """Close a session's stream (reset it after a failure); bounded, and done even when cancelled. Nothing
+    is read from it afterwards: what the peer still sends is dropped, not buffered."""
+    stop_receiving(stream.stream)
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            if graceful:
+                await stream.aclose()
+            else:
+                await stream.reset()
+        except Exception as exc:  # the stream is finished either way
+            log.debug("closing a state stream: %s", exc)

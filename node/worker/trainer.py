@@ -1,0 +1,1049 @@
+"""The local torch worker: inner optimizer steps, the outer step, checkpoints; one OS process per node.
+
+Started by `node.bridge.supervisor.WorkerSupervisor` as `python -m node.worker --fd N`, where N is this end of a
+socketpair. Why a separate process: the trio daemon never competes with torch for the GIL, so networking
+never waits on training and training never waits on networking; and a crashed or OOM-killed worker does
+not take the node off the network.
+
+Conversation with the daemon (msgpack maps, length-prefixed, over the socketpair):
+
+    daemon -> worker   init      config, HOME, PeerID
+    worker -> daemon   hello     parameter count and layout, task, device, hashes, resumed counters
+    daemon -> worker   attach    names of the four shared-memory slots (node/bridge/shm.py)
+    worker -> daemon   publish   phi and Delta are in the slots for outer step k (and the inner steps and
+                                 samples that Delta covers)
+    daemon -> worker   result    group size n for outer step k (sums over the group in phi_out/delta_out
+                                 when n >= 2), the outer step to continue from, the partner's samples,
+                                 the swarm's pace and a phase shift, or a swarm snapshot to adopt instead
+    worker -> daemon   adopted   the snapshot was adopted (counters before and after) or why not
+    worker -> daemon   metrics   step, loss, val_loss, samples/s ... about once a second
+    worker -> daemon   checkpoint  a checkpoint was written
+    daemon -> worker   stop      checkpoint and exit
+    worker -> daemon   stopped   the final checkpoint is on disk
+    worker -> daemon   fatal     a start-up error that a restart cannot fix (bad task, bad config)
+    worker -> daemon   crashed   an unexpected error (e.g. the task's loss() raised), sent just before
+                                 exiting, so that status can say why the worker is being restarted
+
+`python -m node.worker --check` (no socket) only loads the configured device and task from a JSON request
+on stdin and exits 0, or 2 with the reason on one line: the daemon runs it before it reports ready, so a
+task that cannot be imported or built, or a missing GPU, stops the start-up with exit code 2.
+
+With `train.local_ranks > 1` this process is rank 0 of a worker group (`--fd N --group DIR`), and ranks
+1.. run as `python -m node.worker --follow DIR --rank R`: node/worker/group.py says how they train as one.
+
+The inner/outer loop (overlap mode, the default): after H inner steps the worker writes `phi` and
+`Delta = theta - phi` into shared memory, says `publish`, and keeps training. When the result arrives it
+applies the outer step to `phi` and keeps the progress made meanwhile:
+`theta <- phi_new + (theta_now - theta_published)`, however late it comes: by default (`max_lag` = 0)
+training never waits for it. Why: on a slow link one exchange can take many times H inner steps (a
+1B-parameter model's outer step moves GBs), and a worker that waited idled for most of its time (3-6% of
+its compute on 0.4-2 Mbit/s links). Instead the outer step stretches: the next publish comes only once
+the result is applied (one exchange in flight), so its Delta covers the steps taken meanwhile and the
+outer steps go at the pace the wire allows; the delayed result is applied with the same rebase (the
+"eager"/overlapped outer step of Streaming DiLoCo, here one outer step or more late). A `max_lag` > 0
+makes training wait once the result lags that many inner steps; `overlap = false` waits right away (the
+blocking baseline).
+
+Outer-step counters. After an exchange the worker continues from the larger of the two partners' outer
+steps, so paired nodes keep the same counter. A node that fell too far from the swarm to pair gets a
+catch-up instead of a result: the daemon downloaded the swarm's weights (node/averaging/latejoin.py, `CatchUp`) and
+the worker adopts them at that outer step (`Trainer.adopt_snapshot`). The learning-rate schedule follows
+the inner `step`, which only a snapshot changes.
+
+The worker dies with the daemon: end-of-file on the socket means the daemon is gone, and the worker then
+writes a checkpoint and exits. SIGTERM/SIGINT mean the same (it runs in its own session, so a Ctrl+C
+meant for the daemon does not interrupt it mid-step; the daemon asks it to stop instead).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from node.bridge.ipc import (
+    Adopted,
+    Attach,
+    CheckpointFailed,
+    CheckpointSaved,
+    DaemonGone,
+    Fatal,
+    Hello,
+    Init,
+    Metrics,
+    ProtocolError,
+    Publish,
+    Result,
+    Stop,
+    Stopped,
+    WorkerChannel,
+)
+from node.bridge.shm import ExchangeSlots, SharedTensor
+from node.config.train import TrainConfig
+from node.worker.checkpoint import CheckpointError, CheckpointStore, read_checkpoint
+from node.worker.outer import OuterHyper, OuterOptimizer
+from node.worker.task import (
+    Layout,
+    TaskError,
+    autocast,
+    layout_hash,
+    load_task,
+    model_hash,
+    param_layout,
+    resolve_device,
+    resolve_precision,
+    task_context,
+)
+from protocols.codec import round_trip
+from protocols.compress import Compression, get_compression
+
+log = logging.getLogger("starling.worker")
+
+# 2: the inner optimizer became AdamW with two param groups (weight decay on matrices only) and an fp16
+# run's GradScaler state is kept; format-1 checkpoints (plain Adam, one group) still load.
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, 2)
+METRICS_INTERVAL = 1.0  # seconds between metrics messages (also the worker's heartbeat)
+PHASE_WINDOW = 5  # outer steps whose median is this machine's speed (Trainer.samples_per_s)
+
+
+# --- the training core ------------------------------------------------------------------------------------
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to `lr`, then cosine down to `min_lr_ratio * lr` at `total_steps`, flat after."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.total_steps - cfg.warmup))
+    floor = cfg.min_lr_ratio
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def default_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay `cfg.weight_decay` on weight matrices (parameters of 2 or more
+    dimensions) and none on biases, norm gains and other vectors, as GPT-style training does: decaying a
+    LayerNorm gain or a bias towards 0 only fights the normalisation. The decayed group comes first.
+    With `weight_decay = 0` this is plain Adam, the NoLoCo paper's inner optimizer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    plain = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds no NaN and no infinity, in one read-only pass: any of them makes the sum non-finite.
+
+    Why not ``torch.isfinite(t).all()``: that writes a model-sized bool tensor and reads it again, and this
+    check runs on every group result in the worker's own thread (train.threads, 1 by default): on 25M
+    elements and one thread the sum took 9 ms where isfinite + all took 224 ms, and at 100M parameters the two
+    checks were most of the outer step's host time on a GPU host (bench/gpu.py). A sum beyond fp32's range
+    (finite values near 1e38) reads as non-finite too: such a result is as unusable, refused the same way."""
+    return math.isfinite(float(t.sum()))
+
+
+class Trainer:
+    """Model, inner optimizer, slow weights, outer optimizer and counters of one replica; no I/O policy.
+
+    The process loop (`run_worker`) decides *when* to step, publish, apply and checkpoint; this class only
+    does each of those correctly, which keeps it testable in-process.
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, home: Path, peer_id: str, task_options: Mapping[str, Any] | None = None,
+        *, rank: int = 0, world_size: int = 1, slow_weights: bool = True,
+    ) -> None:
+        """`slow_weights=False`: this process takes no outer step and keeps none of the fp32 master copies
+        (phi, theta at publish, outer momentum: 12 bytes per parameter). A worker group's ranks 1.. are
+        built so; only rank 0 publishes and applies results (node/worker/group.py)."""
+        self.cfg = cfg
+        self.home = home
+        self.device = resolve_device(cfg.device)
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self.task_options = dict(task_options or {})
+        # The task sees the micro-batch as its batch size (TaskContext): accumulation is the trainer's.
+        self.task = load_task(cfg.task, task_context(cfg, peer_id, self.device, self.task_options,
+                                                     rank=rank, world_size=world_size))
+        self.model = self.task.build_model()
+        self.model.train()
+        self.params = [p for _, p in self.model.named_parameters() if p.requires_grad]
+        self.layout: Layout = param_layout(self.model)
+        self.numel = sum(p.numel() for p in self.params)
+        self.model_hash = model_hash(self.task, self.task_options)
+        self.layout_hash = layout_hash(self.layout)
+        # The inner optimizer's state is never averaged nor reset (see adopt_snapshot).
+        self.optimizer = self._build_optimizer()
+        # fp16 needs loss scaling (its range underflows small gradients); bf16 has fp32's range and does not.
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        self.stream = self.task.train_stream()
+        self.slow_weights = slow_weights
+        masters = self.numel if slow_weights else 0
+        self.outer = OuterOptimizer(cfg.outer, OuterHyper(cfg.alpha, cfg.beta, cfg.gamma), masters)
+        # fp32 CPU master copies: slow weights and the fast weights at publish time. The worker moves phi
+        # into its shared phi slot (`share_phi`) and lends its Delta slot to the outer step (`apply_result`),
+        # so a single worker keeps no model-sized scratch; `_scratch` is allocated only where it is used
+        # without one (in-process trainers). See bench/memory.py.
+        self.phi = torch.empty(masters, dtype=torch.float32)
+        # Page-locked on a GPU host: the publish gathers theta from the device into it, and the rebase writes
+        # it back, at about 4x the speed of pageable memory (bench/gpu.py, docs/benchmarks.md "On a GPU").
+        self.theta_published = torch.empty(masters, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        self._scratch_buf: torch.Tensor | None = None
+        # Error feedback (`sync.compression` other than none): what the wire has not yet carried of our own
+        # Deltas, added to the next one at publish. Model-sized fp32, allocated by the first lossy result.
+        self.residual: torch.Tensor | None = None
+        if slow_weights:
+            self.gather_theta(self.phi)
+
+        self.step = 0  # inner steps taken, ever (the lr schedule and checkpoint names use it)
+        self.outer_step = 0  # outer steps applied
+        self.last_publish_step = 0  # inner step of the latest publish (the next one is H later)
+        # Pacing by the swarm (see publish_due): the daemon's period, when the next publish is due on this
+        # process's monotonic clock, and this machine's measured seconds per inner step.
+        self.period_s = 0.0
+        self.next_publish_at: float | None = None
+        self.step_time_s: float | None = None
+        self.published_samples = 0
+        # Seconds per inner step over whole outer steps, the outer step's own work (evaluation, publish,
+        # apply) included and the time blocked on a lagging result excluded: what this machine reports
+        # as its speed, so that the swarm's pace gives the fastest machine time for H steps in full.
+        # The median of the last PHASE_WINDOW outer steps: one-off costs (the first outer step's
+        # allocations and, on a GPU, its pinned buffers and kernel warm-up; a checkpoint) are outliers that
+        # an average kept for many outer steps (an EMA from the first phase read 65 samples/s on an H200
+        # whose step counter made 536), and the pace derived from a stale speed is stale too.
+        self._phase_steps: collections.deque[float] = collections.deque(maxlen=PHASE_WINDOW)
+        self.phase_step_s: float | None = None
+        self.blocked_s = 0.0
+        self._last_publish_time: float | None = None
+        self.pending: int | None = None  # outer step of the publish awaiting its result
+        self._publish_before_pending = 0
+        self.val_loss: float | None = None
+        self.skipped_steps = 0  # inner steps skipped because the loss was not finite
+
+        # One directory per model: a changed architecture starts fresh instead of tripping over old files.
+        ckpt_dir = home / "checkpoints" / f"{self.task.name}-{self.model_hash[:12]}"
+        self.checkpoints = CheckpointStore(ckpt_dir, cfg.checkpoints_keep)
+        # The latest checkpoint tried (written or failed): the next one is due `checkpoint_every` outer steps
+        # and `checkpoint_min_s` seconds later (`checkpoint_due`). None: none yet in this process.
+        self._checkpoint_tried: tuple[int, float] | None = None  # (outer step, monotonic time)
+
+    # -- flat views --
+
+    @property
+    def _scratch(self) -> torch.Tensor:
+        """A model-sized fp32 scratch tensor, allocated on first use (a single worker never uses it)."""
+        if self._scratch_buf is None:
+            self._scratch_buf = torch.empty(self.numel, dtype=torch.float32)
+        return self._scratch_buf
+
+    def share_phi(self, buf: torch.Tensor) -> None:
+        """Keep the slow weights in `buf` (the worker's shared phi slot) instead of a private copy.
+
+        Why it is safe: the daemon only reads the phi slot, and only while an exchange is in flight, which
+        lasts from a publish until its result (the supervisor answers only once the exchange has returned,
+        its side-channel threads included); the worker changes phi only when no exchange is in flight
+        (applying a result, adopting a snapshot). The publish's copy of phi into the slot then is a no-op."""
+        if buf.shape != self.phi.shape or buf.dtype != self.phi.dtype:
+            raise ValueError("the phi buffer must be a flat fp32 tensor of the model's size")
+        if buf.data_ptr() != self.phi.data_ptr():
+            buf.copy_(self.phi)
+            self.phi = buf
+
+    def gather_theta(self, out: torch.Tensor) -> None:
+        """Copy the model's parameters into the flat fp32 CPU tensor `out`."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            out[offset : offset + n].copy_(p.detach().reshape(-1))
+            offset += n
+
+    def scatter_theta(self, src: torch.Tensor) -> None:
+        """Copy the flat tensor `src` into the model's parameters."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.copy_(src[offset : offset + n].view_as(p))
+                offset += n
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """The task's `configure_optimizer(model)` if it has one, else `default_optimizer`; TaskError if the
+        hook fails or returns something else than a torch optimizer."""
+        hook = getattr(self.task, "configure_optimizer", None)
+        if hook is None:
+            return default_optimizer(self.model, self.cfg)
+        try:
+            optimizer = hook(self.model)
+        except Exception as e:
+            raise TaskError(f"train.task: {self.task.name}.configure_optimizer failed: {type(e).__name__}: {e}") from e
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TaskError(f"train.task: {self.task.name}.configure_optimizer returned {type(optimizer).__name__},"
+                            " not a torch.optim.Optimizer")
+        return optimizer
+
+    def lr_at(self, step: int) -> float:
+        """The inner learning rate at `step`: the task's `lr_at` hook if it has one, else warm-up + cosine."""
+        hook = getattr(self.task, "lr_at", None)
+        if hook is None:
+            return lr_at(self.cfg, step)
+        lr = float(hook(step))
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"{self.task.name}.lr_at({step}) returned {lr}, not a learning rate >= 0")
+        return lr
+
+    # -- the inner step --
+
+    def inner_step(self) -> float:
+        """One optimizer step over `accum_steps` micro-batches; returns the mean loss (a non-finite loss
+        skips the update)."""
+        began = time.perf_counter()
+        try:
+            return self._inner_step()
+        finally:
+            took = time.perf_counter() - began
+            self.step_time_s = took if self.step_time_s is None else 0.9 * self.step_time_s + 0.1 * took
+
+    def _inner_step(self) -> float:
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = self.cfg.accum_steps
+        total = 0.0
+        for _ in range(micro):
+            batch = self.stream.next_batch()
+            with autocast(self.device, self.precision):
+                loss = self.task.loss(self.model, batch)
+            value = float(loss.detach())
+            total += value
+            if not math.isfinite(value):
+                break
+            # Each micro-batch's graph is freed by its backward: memory is that of one micro-batch. The
+            # 1/micro makes the summed gradients those of the mean loss over the whole batch.
+            scaled = loss / micro if micro > 1 else loss
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        total = self.reduce_gradients(total)
+        self.step += 1
+        if not math.isfinite(total):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            log.warning("inner step %d: loss is %s; update skipped", self.step, total)
+            return total
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed; the scale backs off
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        # Free the gradients now rather than at the next step: the outer step, evaluation and checkpoint
+        # that may come in between then run without them (4 bytes per parameter less at their peak).
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / micro
+
+    def reduce_gradients(self, loss_sum: float) -> float:
+        """Hook between backward and the update: a worker group (node/worker/group.py) averages the
+        gradients and the loss over its ranks here, so that every rank takes the same step. A single
+        process has nothing to do."""
+        return loss_sum
+
+    def close(self) -> None:
+        """Release what outlives the process loop: a worker group's rank 0 tells the other ranks to stop."""
+
+    # -- the outer step --
+
+    def publish_due(self, now: float | None = None) -> bool:
+        """Whether to publish now: after H inner steps, or, when the daemon sets a pace (`period_s`), when
+        the period since the last publish is up, whichever machine this is.
+
+        Why pace by time: with a fixed H a machine k times slower makes k times fewer outer steps, falls out
+        of every faster partner's step gap and forms an island of its own. Paced by the swarm (the period is
+        H inner steps of the swarm's fastest trainer, node/daemon.py), every trainer makes outer steps at
+        the same rate and a slower one simply covers fewer inner steps in each (dynamic local updates, Liu
+        et al. 2024, "Asynchronous Local-SGD Training for Language Modeling"); its Delta then counts in
+        proportion to its samples (node/worker/outer.py, `PairWeights`). The fastest trainer still takes about H.
+        A step is taken only if it ends nearer the deadline than not (half a step's time early is on time),
+        and never more than 2H steps go into one outer step (a stale pace after the fastest trainer left)."""
+        if self.pending is not None:
+            return False
+        done = self.step - self.last_publish_step
+        if self.period_s <= 0 or self.next_publish_at is None:
+            return done >= self.cfg.inner_steps
+        if done < 1:
+            return False
+        if done >= 2 * self.cfg.inner_steps:
+            return True
+        now = time.monotonic() if now is None else now
+        return now + (self.step_time_s or 0.0) / 2 >= self.next_publish_at
+
+    def _require_slow_weights(self, what: str) -> None:
+        if not self.slow_weights:
+            raise RuntimeError(f"{what}: this trainer keeps no slow weights (a worker group's rank > 0)")
+
+    def lag(self) -> int:
+        """Inner steps taken since the pending publish (0 when nothing is pending)."""
+        return 0 if self.pending is None else self.step - self.last_publish_step
+
+    def publish(self, phi_out: torch.Tensor, delta_out: torch.Tensor) -> Publish:
+        """Write phi and Delta = theta - phi (into the shared slots) and remember theta for the rebase."""
+        self._require_slow_weights("publish")
+        self.gather_theta(self.theta_published)
+        if phi_out.data_ptr() != self.phi.data_ptr():  # equal when phi lives in the slot (share_phi)
+            phi_out.copy_(self.phi)
+        self._own_delta(delta_out)
+        inner_steps = self.step - self.last_publish_step
+        self._publish_before_pending = self.last_publish_step
+        self.last_publish_step = self.step
+        self.pending = self.outer_step
+        self.published_samples = inner_steps * self.cfg.batch_size
+        now = time.monotonic()
+        if self._last_publish_time is not None and inner_steps > 0:
+            self._phase_steps.append(max(now - self._last_publish_time - self.blocked_s, 1e-6) / inner_steps)
+            self.phase_step_s = statistics.median(self._phase_steps)
+        self._last_publish_time, self.blocked_s = now, 0.0
+        if self.period_s > 0:
+            self.next_publish_at = now + self.period_s
+        return Publish(outer_step=self.outer_step, step=self.step, inner_steps=inner_steps,
+                       samples=self.published_samples)
+
+    def _own_delta(self, out: torch.Tensor) -> torch.Tensor:
+        """What this replica publishes as its Delta: ``theta_published - phi``, plus the error-feedback
+        residual where there is one (D = Delta + e). The same operations at publish and at the result, so
+        the result's recomputation has the bits that were published."""
+        torch.sub(self.theta_published, self.phi, out=out)
+        if self.residual is not None:
+            out.add_(self.residual)
+        return out
+
+    def _feed_back(self, own: torch.Tensor, group_size: int, compression: Compression) -> None:
+        """Update the residual after an outer step on D = `own` (rewritten in place to what was applied).
+
+        A lossy group step: the wire carried Q(D) (top-k), so ``e = D - Q(D)`` and ``own`` becomes Q(D), the
+        value in the group's sum (a pair's sample-weighted mean needs our own term as the sum has it). Why
+        here and not in the daemon: the worker holds D and e, and the codec is deterministic numpy, so the
+        same ``round_trip`` gives bit for bit what the daemon's transfer carried, with no model-sized buffer
+        in the daemon and no race with its sending thread, which reads the Delta slot while the sums form.
+        A solo step, or a group over an uncompressed wire: D was applied in full, so ``e = 0``."""
+        if group_size >= 2 and compression.lossy:
+            if self.residual is None:
+                self.residual = torch.zeros(self.numel, dtype=torch.float32)
+            self.residual.copy_(own)
+            round_trip(compression.delta_codec("bf16"), own, own)
+            self.residual.sub_(own)
+        elif self.residual is not None:
+            self.residual.zero_()
+
+    def _own_phi_on_wire(self, sum_phi: torch.Tensor, phi_range: tuple[int, int], compression: Compression) -> None:
+        """Rewrite the fragment's sum ``S = Q(phi_p) + Q(phi)`` (both phis as int8 carried them) as
+        ``S + 2 * (phi - Q(phi))``, so that the outer step's pull ``gamma/2 * (S - 2*phi)`` becomes
+        ``gamma/2 * (Q(phi_p) - Q(phi))``.
+
+        Why: unrewritten, the pull is ``gamma/2 * (Q(phi_p) - Q(phi)) + gamma * (Q(phi) - phi)``, whose second
+        term drags every replica towards the int8 grid by up to half a step of its block's absmax at every
+        outer step, whatever the spread. Rewritten, it is zero for equal replicas and equal and opposite on
+        the two partners (the pair's mean is kept). Only for lossy presets: ``none`` stays bit for bit as it
+        was."""
+        lo, hi = phi_range
+        if hi <= lo:
+            return
+        mine = self.phi[lo:hi]
+        wire = torch.empty(hi - lo, dtype=torch.float32)
+        round_trip(compression.phi_codec("bf16"), mine, wire)
+        torch.sub(mine, wire, out=wire)
+        sum_phi[lo:hi].add_(wire, alpha=2)
+
+    def samples_per_s(self) -> float:
+        """This machine's training speed: sequences per second over whole outer steps (`phase_step_s`),
+        or of the inner steps alone before the first outer step has been timed."""
+        per_step = self.phase_step_s or self.step_time_s
+        return self.cfg.batch_size / per_step if per_step else 0.0
+
+    def set_pace(self, period_s: float, shift_s: float = 0.0) -> None:
+        """Take the daemon's pace for the next outer steps (0: every H inner steps) and move the pending
+        deadline by `shift_s` (towards the partner's phase, node/averaging/averager.py)."""
+        if period_s <= 0 or not math.isfinite(period_s):
+            self.period_s, self.next_publish_at = 0.0, None
+            return
+        if self.next_publish_at is None:
+            # The first pace: the current phase began at the last publish (not now: a result that came after
+            # a whole pairing window would otherwise push this node's phase that much behind its partners').
+            began = self._last_publish_time if self._last_publish_time is not None else time.monotonic()
+            self.next_publish_at = began + period_s
+        elif self.period_s > 0 and period_s != self.period_s:
+            self.next_publish_at += period_s - self.period_s
+        self.period_s = period_s
+        if math.isfinite(shift_s):
+            self.next_publish_at += max(-period_s / 2, min(period_s / 2, shift_s))
+
+    def apply_result(
+        self,
+        group_size: int,
+        sum_phi: torch.Tensor | None = None,
+        sum_delta: torch.Tensor | None = None,
+        group_outer_step: int | None = None,
+        partner_samples: int = 0,
+        scratch: torch.Tensor | None = None,
+        compression: str = "none",
+        phi_range: tuple[int, int] | None = None,
+        sum_phi_is_scratch: bool = False,
+    ) -> int:
+        """Apply the outer step for the pending publish and rebase the fast weights; returns the group
+        size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
+        `sum_delta` are the group's sums over its `group_size` members, this one included.
+
+        `scratch`: a flat fp32 tensor of `numel` elements that the caller lends for our own Delta (the
+        worker lends its Delta slot, which holds that very Delta since the publish and which the daemon
+        no longer reads once the result came); without it, the trainer's own `_scratch`. Afterwards
+        `theta_published` holds the rebased theta (it is rewritten at the next publish).
+
+        After a group step the outer-step counter continues from the group's largest one
+        (`group_outer_step`), as the partner's does: counters of paired nodes stay together. A solo step
+        follows a `group_outer_step` too (the largest the daemon saw among ready trainers), so that a node
+        that sat out keeps the counter that keys the pairing schedule. The inner
+        `step` (and so the learning rate) is this node's own and does not change.
+
+        `compression` (a `sync.compression` preset) says what the wire carried: with a lossy one the
+        error-feedback residual is updated (`_feed_back`), and `phi_range` = [lo, hi) is the fragment whose
+        phi was exchanged: the pull applies there only (`sum_phi` outside it is not read).
+
+        `sum_phi_is_scratch`: `sum_phi` may be overwritten (the worker's phi_out slot, which nobody reads once
+        the exchange is over): the NoLoCo pull then needs no model-sized temporary (node/worker/outer.py)."""
+        if self.pending is None:
+            raise RuntimeError("apply_result without a pending publish")
+        if group_size >= 2:
+            if sum_phi is None or sum_delta is None:
+                raise ValueError("a group result needs sum_phi and sum_delta")
+            lo, hi = phi_range if phi_range is not None else (0, self.numel)
+            if not (all_finite(sum_phi[lo:hi]) and all_finite(sum_delta)):
+                log.warning("outer step %d: group sums are not finite; taking a solo step", self.outer_step)
+                group_size = 1
+        preset = get_compression(compression)
+        own_delta = self._own_delta(self._scratch if scratch is None else scratch)
+        self._feed_back(own_delta, group_size, preset)
+        if group_size >= 2 and preset.lossy and sum_phi is not None:
+            phi_range = phi_range if phi_range is not None else (0, self.numel)
+            self._own_phi_on_wire(sum_phi, phi_range, preset)
+        samples = (self.published_samples, partner_samples) if group_size == 2 and partner_samples > 0 else None
+        self.outer.step(self.phi, own_delta, group_size=group_size, sum_phi=sum_phi, sum_delta=sum_delta,
+                        samples=samples, phi_range=phi_range if group_size >= 2 else None,
+                        overwrite_sum_phi=sum_phi_is_scratch)
+        self._rebase()
+        published_at = self.pending
+        self.pending = None
+        if group_outer_step is not None:
+            published_at = max(published_at, group_outer_step)
+        self.outer_step = published_at + 1
+        return group_size
+
+    def _rebase(self) -> None:
+        """theta <- (theta_now - theta_published) + phi_new: keep what was learnt while the exchange ran.
+
+        Parameter by parameter, in `theta_published` (not needed once the outer step is taken): no
+        model-sized scratch, and the same bits as the flat form."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                theta = self.theta_published[offset : offset + n]
+                torch.sub(p.detach().reshape(-1).to(device="cpu", dtype=torch.float32), theta, out=theta)
+                theta.add_(self.phi[offset : offset + n])
+                p.copy_(theta.view_as(p))
+                offset += n
+
+    def evaluate(self) -> float:
+        self.val_loss = self.task.evaluate(self.model)
+        return self.val_loss
+
+    # -- checkpoints --
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly; a publish still in flight is treated as not made
+        (phi is the pre-exchange one and theta has all progress, so the next publish carries it)."""
+        self._require_slow_weights("checkpoint")
+        last_publish = self._publish_before_pending if self.pending is not None else self.last_publish_step
+        rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "task": self.task.name,
+            "model_hash": self.model_hash,
+            "layout_hash": self.layout_hash,
+            "step": self.step,
+            "outer_step": self.outer_step,
+            "last_publish_step": last_publish,
+            "model": self.model.state_dict(),
+            "phi": self.phi,
+            "outer": self.outer.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "data": self.stream.state_dict(),
+            "rng": rng,
+            "val_loss": self.val_loss,
+        }
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Reject (with CheckpointError) a checkpoint that verifies but does not belong to this model."""
+        if state.get("format") not in READABLE_FORMATS:
+            raise CheckpointError(f"unknown checkpoint format {state.get('format')!r}")
+        if state.get("model_hash") != self.model_hash or state.get("layout_hash") != self.layout_hash:
+            raise CheckpointError("checkpoint is for a different model")
+        phi = state.get("phi")
+        if not isinstance(phi, torch.Tensor) or phi.shape != (self.numel,):
+            raise CheckpointError("slow weights have the wrong size")
+        for key in ("model", "outer", "optimizer", "data", "rng"):
+            if not isinstance(state.get(key), dict):
+                raise CheckpointError(f"checkpoint lacks {key}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.slow_weights:
+            self.phi.copy_(state["phi"])
+            self.outer.load_state_dict(state["outer"])
+        self._load_optimizer(state["optimizer"], int(state["format"]))
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.stream.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if self.device.type == "cuda" and "cuda" in state["rng"]:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        self.step = int(state["step"])
+        self.outer_step = int(state["outer_step"])
+        self.last_publish_step = int(state["last_publish_step"])
+        self.pending = None
+        self.val_loss = state.get("val_loss")
+
+    def _load_optimizer(self, saved: dict[str, Any], fmt: int) -> None:
+        """Load the inner optimizer's state (its moments) and keep the configured hyperparameters: torch
+        would take the checkpoint's, so a changed `train.weight_decay` would be ignored after a restart.
+        A format-1 checkpoint (plain Adam over all parameters in one group) has its per-parameter state
+        moved into the default optimizer's groups; raises (ValueError, KeyError) if it does not fit."""
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        if fmt == 1 and len(saved["param_groups"]) == 1 and len(self.optimizer.param_groups) > 1:
+            saved = self._regroup_format1(saved)
+        self.optimizer.load_state_dict(saved)
+        for group, hyper in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(hyper)
+
+    def _regroup_format1(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A one-group optimizer state (indices in model parameter order) re-indexed for our groups."""
+        if len(saved["param_groups"][0]["params"]) != len(self.params):
+            raise ValueError("the checkpoint's optimizer covers a different number of parameters")
+        position = {id(p): i for i, p in enumerate(self.params)}
+        old_state = saved["state"]
+        state, groups, index = {}, [], 0
+        for group in self.optimizer.param_groups:
+            ids = []
+            for p in group["params"]:
+                if position[id(p)] in old_state:
+                    state[index] = old_state[position[id(p)]]
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def checkpoint_due(self, now: float | None = None) -> bool:
+        """Whether the outer step just applied should be checkpointed: every `checkpoint_every` outer steps,
+        but never sooner than `checkpoint_min_s` seconds after the previous one tried.
+
+        Why a time floor: with a tiny model and the swarm's pace, outer steps come several a second, and
+        `checkpoint_every` alone wrote about one checkpoint a second (disk wear and I/O for nothing: a
+        crash costs at most the floor's seconds). The first one of a process follows the step rule alone."""
+        if self._checkpoint_tried is None:
+            return self.outer_step % self.cfg.checkpoint_every == 0
+        outer, at = self._checkpoint_tried
+        now = time.monotonic() if now is None else now
+        return self.outer_step - outer >= self.cfg.checkpoint_every and now - at >= self.cfg.checkpoint_min_s
+
+    def save_checkpoint(self, now: float | None = None) -> Path:
+        self._checkpoint_tried = (self.outer_step, time.monotonic() if now is None else now)
+        return self.checkpoints.save(self.state_dict(), self.step)
+
+    def read_swarm_snapshot(self, path: Path) -> dict[str, Any]:
+        """A snapshot the daemon downloaded from the swarm (node/averaging/latejoin.py), checked to be of this model;
+        CheckpointError otherwise."""
+        state = read_checkpoint(path)
+        phi = state.get("phi")
+        if state.get("layout_hash") != self.layout_hash or not isinstance(phi, torch.Tensor) or phi.numel() != self.numel:
+            raise CheckpointError("the swarm snapshot is for a different model")
+        if not bool(torch.isfinite(phi).all()):  # the daemon's combine leaves such donors out; never start from one
+            raise CheckpointError("the swarm snapshot's slow weights are not finite")
+        for key in ("step", "outer_step"):
+            if not isinstance(state.get(key), int) or state[key] < 0:
+                raise CheckpointError(f"the swarm snapshot has no valid {key}")
+        return state
+
+    def _take_swarm_weights(self, state: dict[str, Any], outer_step: int) -> None:
+        """phi and theta = the snapshot's slow weights, counters from the snapshot, nothing pending."""
+        self.phi.copy_(state["phi"].reshape(-1))
+        self.scatter_theta(self.phi)
+        self.step = int(state["step"])
+        self.outer_step = outer_step
+        self.last_publish_step = self.step
+        self.pending = None
+
+    def start_from_join_snapshot(self) -> Path | None:
+        """A late joiner's first start: slow and fast weights and step counters from the swarm snapshot the
+        daemon downloaded (node/averaging/latejoin.py); its own data shard, RNG and a fresh inner optimizer. The
+        snapshot is consumed (renamed) so that later restarts use this node's own checkpoints."""
+        path = self.home / "join" / "snapshot.pt"
+        if not path.exists():
+            return None
+        try:
+            state = self.read_swarm_snapshot(path)
+        except CheckpointError as e:
+            log.warning("not starting from %s: %s", path, e)
+            path.rename(path.with_name(path.name + ".rejected"))
+            return None
+        self._take_swarm_weights(state, int(state["outer_step"]))
+        path.rename(path.with_name(path.name + ".used"))
+        # Measure the downloaded weights before the first inner step: the first validation loss this node
+        # reports is then the swarm's (what the user checks a late join by), not a figure taken after H
+        # steps of a fresh inner optimizer.
+        self.evaluate()
+        log.info("starting from the swarm snapshot of %d donors at step %d (outer step %d): validation loss %.3f",
+                 len(state.get("donors", [])), self.step, self.outer_step, self.val_loss)
+        return path
+
+    def adopt_snapshot(self, path: Path, outer_step: int | None = None) -> Adopted:
+        """A catch-up: continue from the swarm's weights instead of this node's own (which drifted too far
+        from everyone else's to average with). Replaces the pending outer step; the file is consumed.
+
+        Taken: the slow weights as both phi and theta, the snapshot's inner `step` (so the learning-rate
+        schedule is the swarm's) and `outer_step` (the swarm's current one when the daemon knows it, so
+        that the node pairs again at once; the weights are at most a checkpoint interval older, which the
+        next averaging's pull closes; never below the snapshot's own). Reset: the outer momentum, because it is the direction of this
+        node's own solo trajectory, which is abandoned; carrying it would push the swarm's weights along
+        it. Kept: the inner Adam state, because a fresh Adam at the (post warm-up) learning rate takes
+        sign-sized steps on every parameter in its first iterations, while the kept moments are those of
+        the same model on the same task and decay within their own horizons (about 10 and 1000 steps).
+        Also kept: this node's data shard and RNG. Checkpoints of later inner steps than the snapshot's (a
+        node that ran ahead) are deleted, or a restart would resume from them and undo the catch-up.
+
+        Raises CheckpointError (nothing changed) if the snapshot is unreadable or of another model.
+        """
+        state = self.read_swarm_snapshot(path)
+        before = (self.step, self.outer_step)
+        # Never below the snapshot's own outer step: the daemon's swarm median counts every alive trainer,
+        # and a third one that has barely started (a late joiner) made it this node's own old step, so a
+        # catch-up took weights 157 outer steps ahead and kept the counter ("outer step 22 -> 22"): out of
+        # every partner's reach again, and a donor of a step its weights are not.
+        snapshot_outer_step = int(state["outer_step"])
+        self._take_swarm_weights(state, snapshot_outer_step if outer_step is None
+                                 else max(outer_step, snapshot_outer_step))
+        self.outer.momentum.zero_()
+        if self.residual is not None:
+            self.residual.zero_()  # the residual of an abandoned trajectory
+        # From here on the adoption has happened: a file that cannot be removed is worth a warning only.
+        try:
+            path.unlink(missing_ok=True)
+            for step, old in self.checkpoints.checkpoints():
+                if step > self.step:
+                    old.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("after the catch-up: %s", e)
+        self.evaluate()
+        log.info("caught up with the swarm from the mean of %d donors: outer step %d -> %d, step %d -> %d, "
+                 "validation loss %.3f", len(state.get("donors", [])), before[1], self.outer_step, before[0],
+                 self.step, self.val_loss)
+        return Adopted(previous_step=before[0], previous_outer_step=before[1], step=self.step,
+                       outer_step=self.outer_step, donors=[str(d) for d in state.get("donors", [])],
+                       val_loss=self.val_loss)
+
+    def resume(self) -> tuple[Path | None, list[str]]:
+        """Load the newest good checkpoint, if any: (its path, ["path: reason" for rejected ones])."""
+        result = self.checkpoints.load_latest(check=self.check_state)
+        rejected = [f"{path}: {why}" for path, why in result.rejected]
+        loaded = result.checkpoint
+        if loaded is None:
+            return self.start_from_join_snapshot(), rejected
+        try:
+            self.load_state_dict(loaded.state)
+        except Exception as e:
+            # The state is half-applied now, so this process cannot go on; set the file aside so that
+            # the restarted worker falls back to the previous checkpoint instead of failing again.
+            self.checkpoints.discard(loaded.path, f"does not load into the model: {type(e).__name__}: {e}")
+            raise CheckpointError(f"checkpoint {loaded.path} does not load; restarting without it") from e
+        return loaded.path, rejected
+
+
+# --- the process loop -------------------------------------------------------------------------------------
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; checked between steps so a signal never interrupts a step half-way."""
+
+    def __init__(self) -> None:
+        self.set = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.set = True
+
+
+class _Meter:
+    """Loss and throughput over the interval since the last metrics message."""
+
+    def __init__(self) -> None:
+        self.reset()
+        self.first = True
+
+    def reset(self) -> None:
+        self.started = time.monotonic()
+        self.losses: list[float] = []
+        self.first = False
+
+    def due(self) -> bool:
+        # The first report goes out right after the first inner step: the loss curve (`starling plot`)
+        # starts where training starts instead of a second and some hundred steps in.
+        return (self.first and bool(self.losses)) or time.monotonic() - self.started >= METRICS_INTERVAL
+
+
+def run_worker(chan: WorkerChannel, init: Init, stop: StopFlag,
+               build: Callable[[TrainConfig, Init], Trainer] | None = None) -> int:
+    """Build the trainer, resume, and train until told to stop; returns the process exit code. `build`
+    makes the trainer from the config and the daemon's init (default: a plain `Trainer`); rank 0 of a
+    worker group passes node/worker/group.py's (node/worker/main.py does), so that this module, which the
+    group's trainer subclasses, never imports the group."""
+    try:
+        cfg = TrainConfig(**init.config)
+        cfg.validate()
+    except (TypeError, ValueError) as e:
+        chan.send(Fatal(f"bad train config: {e}"))
+        return 2
+    torch.set_num_threads(cfg.threads)
+    try:
+        if build is None:
+            trainer = Trainer(cfg, Path(init.home), init.peer_id, init.task_options)
+        else:
+            trainer = build(cfg, init)
+    except TaskError as e:
+        # One line for the operator; the task's own traceback only at debug (it is the task author's).
+        log.error("%s", e)
+        log.debug("the task failed with", exc_info=e.__cause__)
+        chan.send(Fatal(str(e)))
+        return 2
+    resumed_from, rejected = trainer.resume()
+    if resumed_from is not None:
+        log.info("resumed from %s at step %d (outer step %d)", resumed_from, trainer.step, trainer.outer_step)
+    chan.send(
+        Hello(
+            pid=os.getpid(),
+            numel=trainer.numel,
+            layout=[[name, list(shape)] for name, shape in trainer.layout],
+            task=trainer.task.name,
+            device=str(trainer.device),
+            model_hash=trainer.model_hash,
+            layout_hash=trainer.layout_hash,
+            step=trainer.step,
+            outer_step=trainer.outer_step,
+            resumed_from=None if resumed_from is None else str(resumed_from),
+            rejected=rejected,
+        )
+    )
+    attach = _wait_for(chan, Attach, timeout=60.0, stop=stop)
+    if attach is None:
+        trainer.close()
+        return 0
+    slots = ExchangeSlots.attach(attach.names, trainer.numel)
+    try:
+        code = train_loop(chan, trainer, slots, stop)
+    finally:
+        slots.close()
+    trainer.close()  # not after an exception: the other ranks may be mid-collective; the supervisor kills them
+    return code
+
+
+def _wait_for(chan: WorkerChannel, kind: type, *, timeout: float, stop: StopFlag) -> Any:
+    """Block for a message of `kind` (the daemon is local and answers at once; the timeout is a bug
+    guard). None if told to stop meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop.set:
+        msg = chan.receive(timeout=0.5)
+        if isinstance(msg, Stop):
+            return None
+        if isinstance(msg, kind):
+            return msg
+        if msg is not None:
+            raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
+    if stop.set:
+        return None
+    raise ProtocolError(f"no {kind.__name__} from the daemon within {timeout:.0f}s")
+
+
+def _view(slot: SharedTensor) -> torch.Tensor:
+    """A shared-memory slot as a torch tensor over the same pages (no copy; the daemon sees numpy)."""
+    return torch.from_numpy(slot.array)
+
+
+def train_loop(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: StopFlag) -> int:
+    """The worker's loop once attached to its slots: train, publish, apply results and snapshots, report
+    metrics and checkpoint, until `stop` or the daemon says stop; returns the exit code. Public because the
+    tests drive it with a scripted daemon on the channel's other end."""
+    cfg = trainer.cfg
+    trainer.share_phi(_view(slots.phi))  # one copy of phi, in the slot the daemon sends it from
+    meter = _Meter()
+    try:
+        while not stop.set:
+            # 1. Take in whatever the daemon said; block for the outer result if it lags too far behind.
+            must_wait = trainer.pending is not None and (
+                not cfg.overlap or (cfg.max_lag > 0 and trainer.lag() >= cfg.max_lag))
+            waiting_since = time.monotonic()
+            msg = chan.receive(timeout=0.5 if must_wait else 0.0)
+            if must_wait:
+                trainer.blocked_s += time.monotonic() - waiting_since
+            if isinstance(msg, Stop):
+                break
+            if isinstance(msg, Result):
+                _on_result(chan, trainer, slots, msg)
+            elif msg is not None:
+                log.warning("ignoring unexpected %s from the daemon", type(msg).__name__)
+            elif trainer.publish_due():
+                # 2. Publish every H inner steps (only one outer exchange in flight at a time).
+                chan.send(trainer.publish(_view(slots.phi), _view(slots.delta)))
+            elif not must_wait:
+                # 3. One inner step.
+                meter.losses.append(trainer.inner_step())
+            # Metrics double as the heartbeat, so they go out while waiting for a result too.
+            if meter.due():
+                _send_metrics(chan, trainer, meter)
+    except DaemonGone:
+        log.warning("the daemon is gone; checkpointing and exiting")
+        _final_checkpoint(None, trainer)
+        return 0
+    _final_checkpoint(chan, trainer)
+    return 0
+
+
+def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg: Result) -> None:
+    if msg.outer_step != trainer.pending:
+        log.warning("ignoring a result for outer step %s (pending: %s)", msg.outer_step, trainer.pending)
+        return
+    if msg.adopt:
+        _adopt(chan, trainer, msg)
+        return
+    # The Delta slot is lent for our own Delta: the exchange is over (see Trainer.apply_result).
+    phi_range = (int(msg.phi_range[0]), int(msg.phi_range[1])) if msg.phi_range else None
+    used = trainer.apply_result(msg.group_size, _view(slots.phi_out), _view(slots.delta_out), msg.group_outer_step,
+                                partner_samples=msg.partner_samples, scratch=_view(slots.delta),
+                                compression=msg.compression, phi_range=phi_range, sum_phi_is_scratch=True)
+    trainer.set_pace(msg.period_s, msg.shift_s)
+    log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
+    if trainer.outer_step % trainer.cfg.eval_every == 0:
+        trainer.evaluate()
+    if trainer.checkpoint_due():
+        _checkpoint(chan, trainer)
+
+
+def _adopt(chan: WorkerChannel, trainer: Trainer, msg: Result) -> None:
+    """A catch-up instead of this outer step; a snapshot that cannot be used means a solo step."""
+    previous = (trainer.step, trainer.outer_step)
+    try:
+        adopted = trainer.adopt_snapshot(Path(msg.adopt), msg.adopt_outer_step)
+    except CheckpointError as e:
+        log.warning("not adopting the swarm snapshot %s: %s; taking a solo step", msg.adopt, e)
+        trainer.apply_result(1)
+        chan.send(Adopted(previous_step=previous[0], previous_outer_step=previous[1], step=trainer.step,
+                          outer_step=trainer.outer_step, error=str(e)[:300]))
+        return
+    chan.send(adopted)
+    # At once, not at the next interval: a restart must not resume from the abandoned weights.
+    _checkpoint(chan, trainer)
+
+
+CHECKPOINT_ERROR_LOG_S = 60.0  # at most one line per this many seconds about failing checkpoints
+
+
+class CheckpointErrorLog:
+    """Rate-limits the log of failing checkpoints: the first failure at once, then at most one line per
+    `every` seconds, counting the failures it stands for. A full disk fails every checkpoint (one per outer
+    step: 124 lines in 40 s with a tiny model), and the lines would bury everything else."""
+
+    def __init__(self, every: float = CHECKPOINT_ERROR_LOG_S, clock: Any = time.monotonic) -> None:
+        self.every = every
+        self.clock = clock
+        self.unlogged = 0  # failures since the last line
+        self.failures = 0  # in a row, since the last checkpoint that was written
+        self._last: float | None = None
+
+    def failed(self, step: int, error: OSError) -> None:
+        self.failures += 1
+        now = self.clock()
+        if self._last is not None and now - self._last < self.every:
+            self.unlogged += 1
+            return
+        more = f" ({self.unlogged} more failures since the last such line)" if self.unlogged else ""
+        log.error("checkpoint at step %d failed: %s%s; the previous checkpoint is kept, training goes on: free "
+                  "space on the file system of HOME (`starling status` shows the error while it lasts)",
+                  step, error, more)
+        self._last, self.unlogged = now, 0
+
+    def written(self, step: int) -> None:
+        if self.failures:
+            log.info("checkpoint written again at step %d, after %d failed ones", step, self.failures)
+        self.failures, self.unlogged, self._last = 0, 0, None
+
+
+_checkpoint_errors = CheckpointErrorLog()
+
+
+def _checkpoint(chan: WorkerChannel, trainer: Trainer) -> None:
+    try:
+        path = trainer.save_checkpoint()
+    except OSError as e:
+        # A full or failing disk: the previous checkpoint is intact (atomic write). Crashing would
+        # only restart from it, lose the progress since, and fail again: keep training instead.
+        _checkpoint_errors.failed(trainer.step, e)
+        chan.send(CheckpointFailed(step=trainer.step, outer_step=trainer.outer_step, error=_one_line(e)))
+        return
+    _checkpoint_errors.written(trainer.step)
+    chan.send(CheckpointSaved(step=trainer.step, outer_step=trainer.outer_step, path=str(path)))
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def _send_metrics(chan: WorkerChannel, trainer: Trainer, meter: _Meter) -> None:
+    finite = [x for x in meter.losses if math.isfinite(x)]
+    chan.send(
+        Metrics(
+            step=trainer.step,
+            outer_step=trainer.outer_step,
+            loss=sum(finite) / len(finite) if finite else None,
+            val_loss=trainer.val_loss,
+            # The machine's training speed, smoothed (steady whatever this interval holds): what the swarm
+            # paces outer steps by (node/daemon.py).
+            samples_per_s=trainer.samples_per_s(),
+            lr=trainer.lr_at(trainer.step),
+        )
+    )
+    meter.reset()
+
+
+def _final_checkpoint(chan: WorkerChannel | None, trainer: Trainer) -> None:
+    error = ""
+    try:
+        path: Path | None = trainer.save_checkpoint()
+        log.info("checkpoint %s written at step %d (outer step %d)", path, trainer.step, trainer.outer_step)
+    except OSError as e:
+        path, error = None, _one_line(e)
+        log.error("final checkpoint at step %d failed: %s; the previous checkpoint is kept (a restart resumes "
+                  "from it): free space on the file system of HOME", trainer.step, e)
+    if chan is not None:
+        try:
+            if path is not None:
+                chan.send(CheckpointSaved(step=trainer.step, outer_step=trainer.outer_step, path=str(path)))
+            else:
+                chan.send(CheckpointFailed(step=trainer.step, outer_step=trainer.outer_step, error=error, final=True))
+            chan.send(Stopped(step=trainer.step, outer_step=trainer.outer_step))
+        except DaemonGone:
+            pass
