@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import types
-from typing import Any, Union, get_args, get_origin, get_type_hints, is_typeddict
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints, is_typeddict
 
 import pytest
 
@@ -22,6 +22,7 @@ from node.ops.metrics import Metrics
 from node.ops.sdnotify import summarize_status
 from node.ops.status_view import render_status
 from node.status_schema import (
+    ConnectionPath,
     MixingStatus,
     MuxerStatus,
     NodeStatus,
@@ -50,6 +51,8 @@ def schema_errors(value: Any, tp: Any, path: str = "status") -> list[str]:
             errors += schema_errors(value[key], hints[key], f"{path}.{key}")
         return errors
     origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:  # a closed set of strings (e.g. a peer's path)
+        return [] if value in args else [f"{path}: {value!r} is not one of {', '.join(map(repr, args))}"]
     if origin in (Union, types.UnionType):
         tried = [schema_errors(value, option, path) for option in args]
         return [] if any(not errors for errors in tried) else min(tried, key=len)
@@ -86,6 +89,9 @@ def test_the_checker_finds_a_missing_key_an_unknown_key_and_a_mistyped_value() -
     assert schema_errors(mixing, MixingStatus, "mixing") == [
         "mixing.solo: missing", "mixing.extra: not in MixingStatus", "mixing.partners['QmA']: 'one' is not int",
     ]
+    assert schema_errors("direct", ConnectionPath) == []
+    assert schema_errors("carrier pigeon", ConnectionPath, "path") == [
+        "path: 'carrier pigeon' is not one of 'direct', 'hole-punched', 'relayed', 'none'"]
 
 
 # --- metrics: every numeric field of these sections is exported, or deliberately not --------------------------
