@@ -271,10 +271,8 @@ async def test_a_fake_trainer_stops_costing_the_pairing_window_once_it_missed_it
     2.5 inner steps/s). Now it misses MISS_LIMIT rounds and sits out: the next outer step is solo at once."""
     import torch
 
-    from node.averaging.averager import Averager
     from node.averaging.partner_misses import MISS_LIMIT
     from node.bridge.exchange import ExchangeRequest
-    from node.config.sync import SyncConfig
 
     window = 1.0
     n = 1000
@@ -282,17 +280,8 @@ async def test_a_fake_trainer_stops_costing_the_pairing_window_once_it_missed_it
         honest, fake = build_host(create_new_key_pair()), build_host(create_new_key_pair())
         for h in (honest, fake):
             await stack.enter_async_context(h.run(LOOPBACK))
-        await honest.connect(info_from_p2p_addr(fake.get_addrs()[0]))  # fake: a host that never averages
+        averager, nursery = await _victim_of(stack, honest, fake, window)  # fake: a host that never averages
         fake_id = str(fake.get_id())
-        averager: Averager | None = None
-
-        def possible() -> list[str]:  # as the daemon's _possible_partners filters its member records
-            return [p for p in [fake_id] if averager is None or not averager.sits_out(p)]
-
-        averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False), manifest_hash=lambda: "m",
-                            eligible_peers=possible, anyone_else=lambda: bool(possible()))
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        await nursery.start(averager.run)
         took = []
         for step in range(MISS_LIMIT + 2):
             request = ExchangeRequest(step, torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n),
@@ -318,10 +307,8 @@ async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_afte
     of the scheduled phase."""
     import torch
 
-    from node.averaging.averager import Averager
     from node.averaging.partner_misses import MISS_LIMIT, NOT_READY_GRACE
     from node.bridge.exchange import ExchangeRequest
-    from node.config.sync import SyncConfig
     from protocols import avg
 
     window = 1.0
@@ -345,17 +332,8 @@ async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_afte
             await stack.enter_async_context(h.run(LOOPBACK))
         assert (str(fake.get_id()) < str(honest.get_id())) == fake_asks_first
         fake.set_stream_handler(avg.PROTOCOL_ID, never_ready)
-        await honest.connect(info_from_p2p_addr(fake.get_addrs()[0]))
+        averager, nursery = await _victim_of(stack, honest, fake, window)
         fake_id = str(fake.get_id())
-        averager: Averager | None = None
-
-        def possible() -> list[str]:  # as the daemon's _possible_partners filters its member records
-            return [p for p in [fake_id] if averager is None or not averager.sits_out(p)]
-
-        averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False), manifest_hash=lambda: "m",
-                            eligible_peers=possible, anyone_else=lambda: bool(possible()))
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        await nursery.start(averager.run)
         bound = NOT_READY_GRACE + MISS_LIMIT
         took = []
         for step in range(bound + 2):
@@ -524,3 +502,24 @@ def test_status_counts_the_peers_sitting_out_and_names_the_longest_back_offs_fir
     assert misses.status() == {"count": 1, "exclusions": 3, "peers": {"b": 3.0}}
     now[0] = 36.0
     assert misses.status() == {"count": 0, "exclusions": 3, "peers": {}}
+
+
+async def _victim_of(stack: AsyncExitStack, honest: Any, fake: Any, window: float) -> tuple[Any, trio.Nursery]:
+    """An honest averager on `honest`, connected to `fake`, whose only possible partner is the fake until it
+    sits out (as the daemon's _possible_partners filters its member records); running in a nursery of
+    `stack` (returned, to cancel)."""
+    from node.averaging.averager import Averager
+    from node.config.sync import SyncConfig
+
+    await honest.connect(info_from_p2p_addr(fake.get_addrs()[0]))
+    fake_id = str(fake.get_id())
+    averager: Averager | None = None
+
+    def possible() -> list[str]:
+        return [p for p in [fake_id] if averager is None or not averager.sits_out(p)]
+
+    averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False), manifest_hash=lambda: "m",
+                        eligible_peers=possible, anyone_else=lambda: bool(possible()))
+    nursery = await stack.enter_async_context(trio.open_nursery())
+    await nursery.start(averager.run)
+    return averager, nursery

@@ -120,10 +120,11 @@ class SlowWrites:
 
 
 async def _with_scripted_partner(partner, cfg: SyncConfig, *, pieces: int = 1, pause_s: float = 0.0,
-                                 seen: list | None = None) -> tuple[int, dict]:
+                                 seen: list | None = None, raw_handler=None) -> tuple[int, dict]:
     """Our averager (`cfg`) exchanges with a host whose avg handler runs `partner(channel, request)` after
     the handshake, its writes slowed to `pieces` slices `pause_s` apart; returns our group size and status
-    (and appends our status's sync state and transfer to `seen` every half second meanwhile)."""
+    (and appends our status's sync state and transfer to `seen` every half second meanwhile). With
+    `raw_handler` the host's handler is that instead, handshake included."""
     hosts = [build_host(create_new_key_pair()) for _ in range(2)]
     async with AsyncExitStack() as stack:
         for h in hosts:
@@ -142,7 +143,7 @@ async def _with_scripted_partner(partner, cfg: SyncConfig, *, pieces: int = 1, p
             await partner(PlainFrameChannel(slow, max_frame_size=avg.MAX_FRAME), req)  # type: ignore[arg-type]
             await stream.close()
 
-        hosts[1].set_stream_handler(avg.PROTOCOL_ID, handler)
+        hosts[1].set_stream_handler(avg.PROTOCOL_ID, raw_handler or handler)
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
         async def sample() -> None:
             while seen is not None:
@@ -297,24 +298,12 @@ async def test_a_partner_that_never_answers_the_pairing_request_fails_with_a_rea
     """A bare `TooSlowError:` was all an operator saw for every exchange of a trainer whose saturated link
     delayed each answer past the deadline (bench/wan.py one-slow, docs/benchmarks.md)."""
     cfg = dataclasses.replace(_slow_cfg(), handshake_timeout_s=0.5, pair_window_s=2)
-    hosts = [build_host(create_new_key_pair()) for _ in range(2)]
-    async with AsyncExitStack() as stack:
-        for h in hosts:
-            await stack.enter_async_context(h.run(LISTEN))
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        ours = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
-        await nursery.start(ours.run)
 
-        async def never_answers(stream) -> None:
-            await recv_as(LibP2PByteStream(stream), avg.AvgRequest)
-            await trio.sleep_forever()
+    async def never_answers(stream) -> None:
+        await recv_as(LibP2PByteStream(stream), avg.AvgRequest)
+        await trio.sleep_forever()
 
-        hosts[1].set_stream_handler(avg.PROTOCOL_ID, never_answers)
-        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
-        with trio.fail_after(30):
-            outcome = await ours.exchange(small_request(1))
-        status = dict(ours.status())
-        nursery.cancel_scope.cancel()
-    assert outcome.group_size == 1
+    size, status = await _with_scripted_partner(None, cfg, raw_handler=never_answers)
+    assert size == 1
     assert status["last_error"].endswith(
         "TooSlowError: no answer to the pairing request within 0.5s (sync.handshake_timeout_s)")
