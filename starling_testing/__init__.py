@@ -18,7 +18,8 @@ Files and their main names:
   targets with hypothesis);
 * ``adversary.py``: hostile averaging partners against a real victim (``make bench-adversary``);
 * ``report.py``: ``replace_section``, how benchmarks write their figures into docs/;
-* ``disk.py``: ``tiny_tmpfs``, a small tmpfs for tests of a full disk.
+* ``disk.py``: ``tiny_tmpfs``, a small tmpfs for tests of a full disk;
+* ``swim_sim.py``: :class:`SimNet`, an in-process network (latency, loss, cuts) of SWIM membership cores.
 
 Only the network lab and the daemon helpers are imported here (they need neither torch nor libp2p); import
 the other modules by name.

@@ -3,6 +3,8 @@
     crdt.py        SwarmState, MemberState, ManifestAuthority: the swarm state as signed CRDTs
     replicator.py  StateReplicator: that state replicated by gossip and anti-entropy
     nat.py         NatService: reachability, circuit relays, hole punching, the path to each peer
+    membership.py  Membership: SWIM failure detection and piggy-backed dissemination, sans-io (issue #24;
+                   not wired into the daemon yet)
 
 Imports the status contract (node/status_schema.py) and nothing else of node/.
 """

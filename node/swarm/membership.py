@@ -1,0 +1,963 @@
+"""SWIM membership, sans-io: liveness by probing a few peers, news piggy-backed on the probes (issue #24).
+
+Why: today every node re-signs its member record every ``heartbeat_s`` and every other node receives and
+checks it (:mod:`node.swarm.replicator`), so each node's membership cost grows with N and the swarm's with
+N squared. Here each node does a *fixed* amount of work per protocol period whatever N is:
+
+* **Probing** (SWIM, Das et al. 2002). Every ``period_s`` a node pings one member, taken in a round-robin
+  over its member table whose order is redrawn every round (so every member is probed by someone about
+  once a period, and a dead one is found within two rounds of this node at worst). No ack within
+  ``ack_timeout_s``: it asks ``indirect_k`` other members to ping the target for it (``PingReq``), so that
+  one bad path (a lossy link, a NAT between the two) does not make a live member suspect. No ack by
+  ``probe_timeout_s``: the target becomes *suspect*.
+* **Suspicion with incarnations.** A suspect is not dead yet: the claim spreads, and the suspect, hearing
+  it, *refutes* by raising its incarnation number (only a member ever raises its own) and spreading that.
+  A live member's newer incarnation beats any suspect or dead claim about an older one; a dead member may
+  only come back with a higher incarnation than the one it died at.
+* **Lifeguard suspicion timeout** (HashiCorp memberlist, Lifeguard paper). A suspicion turns into death
+  after a timeout that starts at ``suspicion_max_mult`` x the minimum and shrinks, as other members
+  independently suspect the same incarnation, towards the minimum ``suspicion_mult x max(1, log10 N) x
+  period_s`` (reached at ``suspicion_mult - 2`` confirmations). Why: one node with a bad link alone takes
+  long to kill anyone; several agreeing take little; and the time grows with log N because the refutation
+  needs log N periods to reach the suspect and come back.
+* **Dissemination.** Every state change (alive / suspect / dead claims) enters a bounded broadcast queue
+  and rides on the probe traffic (pings, ping-reqs and acks) already being sent, the least transmitted
+  first, each retransmitted ``retransmit_mult x ceil(log10(N + 1))`` times, at most ``max_updates`` updates
+  and ``max_piggyback_bytes`` per message. A node that learns something new queues it in turn (infection
+  style), so news reaches everyone in O(log N) periods while no message grows.
+* **Progress** (outer step, loss, samples/s) is a small signed, versioned per-member payload on a second
+  queue that only fills what room the membership news leaves, at most ``progress_bytes`` per message. A
+  node republishes its own at most every ``progress_interval_s``. So a node's progress traffic is bounded
+  per node, not per member; the price is that, where N members' progress no longer fits into that room,
+  each node sees a sample of the others' progress, older as N grows (bench/scale_sim.py measures it).
+* **Joins** go through a seed: the joiner pulls the seed's table in pages (``SyncRequest`` with a cursor
+  into the seed's table, one page per ``join_page_s``), while its own ``Alive`` spreads by gossip from the
+  seed. A full view costs the joiner O(N) once; the seed serves at most ``sync_serve_per_s`` pages a
+  second (excess is answered "busy", to retry), so joiners cannot make a member's load grow with N.
+* **Push-pull** for convergence after partitions (what gossip alone cannot heal: each half has declared
+  the other dead and no longer probes it). Every ``pushpull_s`` a node exchanges a *slice* of its table
+  (``pushpull_entries`` entries from a cursor that walks its table) with one random member, in one try
+  out of ``pushpull_dead_every`` with a member it holds dead (the other side of a partition). Both
+  messages also carry the sender's view of the receiver, so a member wrongly held suspect or dead
+  refutes it at once. Bounded slices (not memberlist's full-state push-pull, whose bytes per node grow
+  with N even with its interval scaled by log N) keep each node's push-pull bytes per minute constant;
+  the cost is that a full sweep of a table takes N / pushpull_entries exchanges, so a partition heals by
+  refutation (fast) and gossip of what the slices find (slower as N grows), not in one exchange.
+
+Everything a peer sends is hostile until bounded: updates past ``max_updates`` in a message are dropped;
+the member table holds at most ``max_members`` (dead ones evicted first, else newcomers refused); an
+incarnation may jump at most ``MAX_INCARNATION_JUMP`` past what is held; suspect and dead claims count
+only when their accuser is a member (or, for a departure, the member itself) and are ignored about unknown
+members; a sender that is not a member may only announce itself; a suspect or dead claim about ourselves
+is refuted, never adopted. Signatures are the wire codec's: each claim is signed by its author (``Alive``
+and ``Progress`` by the member, ``Suspect`` / ``Dead`` by the accuser) and a claim whose signature fails is
+dropped before it reaches this core; the message sizes here count the 64 signature bytes.
+
+Memory: the simulation holds 10,000 nodes with a full view each in one process, so the table is columns
+(``bytearray`` / ``array``) indexed by small ints that a :class:`Registry` assigns to peer names (the
+simulation shares one registry across its nodes; a daemon holds its own and its codec maps names to ids),
+and the probe order is an affine permutation of the id space redrawn each round (offset, stride) rather
+than a materialised shuffled list: about 21 bytes per member held, and no Python object per member.
+
+The core is plain synchronous code: no trio, no libp2p, no clock (``now`` is passed in), randomness from
+an injected ``random.Random``. ``tick(now)`` and ``receive(now, message)`` return the messages to send as
+``(destination id, message)`` pairs; ``next_wakeup()`` says when ``tick`` must run next.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ALIVE",
+    "DEAD",
+    "SUSPECT",
+    "UNKNOWN",
+    "Ack",
+    "Alive",
+    "Dead",
+    "Membership",
+    "MembershipConfig",
+    "Message",
+    "Ping",
+    "PingReq",
+    "Progress",
+    "Registry",
+    "Suspect",
+    "SyncReply",
+    "SyncRequest",
+    "Update",
+    "message_size",
+]
+
+UNKNOWN, ALIVE, SUSPECT, DEAD = 0, 1, 2, 3
+STATE_NAMES = {UNKNOWN: "unknown", ALIVE: "alive", SUSPECT: "suspect", DEAD: "dead"}
+
+# What the wire carries (protocols' msgpack framing), for honest byte counts.
+PEER_ID_BYTES = 38  # an ed25519 peer ID (identity multihash of the public key)
+SIG_BYTES = 64  # an ed25519 signature
+FRAME_BYTES = 8  # msgpack map header, message type, protocol version
+SEQ_BYTES = 4
+INC_BYTES = 4
+MAX_UINT32 = 2**32 - 1
+#: Most an incarnation (or progress version) may run ahead of what this node holds: an honest member raises
+#: its own by one per refutation; a claim far ahead is a replay from another life or a game, and adopting it
+#: would let one sender burn the counter.
+MAX_INCARNATION_JUMP = 1 << 16
+
+
+class Registry:
+    """Peer names interned to small ints, so that tables are columns and messages carry ints in-process.
+
+    The simulation shares one registry across all its nodes (one copy of each name); a daemon holds its own,
+    bounded by its member table, and its codec maps names on the wire to ids and back."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._names: list[str] = []
+
+    def intern(self, name: str) -> int:
+        pid = self._ids.get(name)
+        if pid is None:
+            pid = self._ids[name] = len(self._names)
+            self._names.append(name)
+        return pid
+
+    def name(self, pid: int) -> str:
+        return self._names[pid]
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+# ---------------------------------------------------------------------------------------------- updates
+
+
+@dataclass(frozen=True, slots=True)
+class Alive:
+    """``member`` is alive at ``incarnation``: signed by the member (only it raises its incarnation)."""
+
+    member: int
+    incarnation: int
+
+    @property
+    def size(self) -> int:
+        return 1 + PEER_ID_BYTES + INC_BYTES + SIG_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    """``accuser`` suspects ``member`` at ``incarnation``: signed by the accuser (confirmations are counted
+    per accuser, so they must not be forgeable)."""
+
+    member: int
+    incarnation: int
+    accuser: int
+
+    @property
+    def size(self) -> int:
+        return 1 + 2 * PEER_ID_BYTES + INC_BYTES + SIG_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Dead:
+    """``accuser`` declares ``member`` dead at ``incarnation``; ``accuser == member``: a graceful leave."""
+
+    member: int
+    incarnation: int
+    accuser: int
+
+    @property
+    def size(self) -> int:
+        return 1 + 2 * PEER_ID_BYTES + INC_BYTES + SIG_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """``member``'s training progress, version ``version`` (newer replaces older): signed by the member."""
+
+    member: int
+    version: int
+    outer_step: int
+    loss: float
+    samples_per_s: float
+
+    @property
+    def size(self) -> int:
+        return 1 + PEER_ID_BYTES + INC_BYTES + 8 + 4 + 4 + SIG_BYTES
+
+
+Update = Alive | Suspect | Dead | Progress
+_SMALLEST = Alive(0, 0).size
+
+
+# --------------------------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """A probe; ``target`` is who the sender means (a ping that reaches someone else is not acked)."""
+
+    sender: int
+    seq: int
+    target: int
+    updates: tuple[Update, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return FRAME_BYTES + SEQ_BYTES + PEER_ID_BYTES + sum(u.size for u in self.updates)
+
+
+@dataclass(frozen=True, slots=True)
+class PingReq:
+    """Please ping ``target`` for me and pass its ack on (SWIM's indirect probe)."""
+
+    sender: int
+    seq: int
+    target: int
+    updates: tuple[Update, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return FRAME_BYTES + SEQ_BYTES + PEER_ID_BYTES + sum(u.size for u in self.updates)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The answer to a ping (or, from an intermediary, the news that the target answered)."""
+
+    sender: int
+    seq: int
+    updates: tuple[Update, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return FRAME_BYTES + SEQ_BYTES + sum(u.size for u in self.updates)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRequest:
+    """A push-pull (``cursor`` -1: answer with a slice from your own walking cursor) or a joiner's page
+    request (``cursor`` >= 0: the page of your table from there). Carries a slice of the sender's table and
+    the sender's view of the receiver (so that a member held suspect or dead refutes at once)."""
+
+    sender: int
+    seq: int
+    cursor: int
+    entries: tuple[Alive | Suspect | Dead, ...] = ()
+    view_of_you: Alive | Suspect | Dead | None = None
+
+    @property
+    def size(self) -> int:
+        you = self.view_of_you.size if self.view_of_you is not None else 1
+        return FRAME_BYTES + SEQ_BYTES + 8 + you + sum(u.size for u in self.entries)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReply:
+    """The answer: a slice of the table, where to continue (-1: the end), ``busy`` if refused for now."""
+
+    sender: int
+    seq: int
+    next_cursor: int
+    entries: tuple[Alive | Suspect | Dead, ...] = ()
+    view_of_you: Alive | Suspect | Dead | None = None
+    busy: bool = False
+
+    @property
+    def size(self) -> int:
+        you = self.view_of_you.size if self.view_of_you is not None else 1
+        return FRAME_BYTES + SEQ_BYTES + 8 + 1 + you + sum(u.size for u in self.entries)
+
+
+Message = Ping | PingReq | Ack | SyncRequest | SyncReply
+
+
+def message_size(message: Message) -> int:
+    """Bytes the message's payload takes on the wire (stream framing and transport headers not counted)."""
+    return message.size
+
+
+# ------------------------------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    period_s: float = 1.0  # one probe per period
+    ack_timeout_s: float = 0.5  # a direct ack later than this: ask others (WAN round trips reach 400 ms)
+    probe_timeout_s: float = 2.0  # no ack, direct or indirect, by then: suspect
+    indirect_k: int = 3  # members asked to probe for us
+    suspicion_mult: int = 4  # minimum suspicion timeout = mult x max(1, log10 N) x period_s
+    suspicion_max_mult: int = 6  # the timeout starts at this times the minimum
+    retransmit_mult: int = 4  # each update is sent mult x ceil(log10(N + 1)) times by each node
+    max_updates: int = 8  # updates piggy-backed on one message (sent and accepted)
+    max_piggyback_bytes: int = 1024  # bytes of updates piggy-backed on one message
+    progress_bytes: int = 384  # of those, at most this much progress
+    progress_interval_s: float = 30.0  # this node republishes its progress at most this often
+    max_queue: int = 1024  # membership updates waiting to be (re)sent; the most sent are dropped first
+    max_progress_queue: int = 256  # progress updates waiting to be (re)sent
+    max_members: int = 16384  # the member table, dead members included
+    dead_retention_s: float = 600.0  # a dead member is remembered this long (stale alive claims stay out)
+    pushpull_s: float = 30.0  # one push-pull exchange per this many seconds
+    pushpull_entries: int = 32  # table entries in one push-pull message
+    pushpull_dead_every: int = 4  # one push-pull out of this many goes to a member held dead, if any
+    join_page_entries: int = 256  # table entries per page of a joiner's sync
+    join_page_s: float = 0.5  # one page request per this many seconds while joining
+    sync_timeout_s: float = 3.0  # a sync request unanswered this long is sent again (joining)
+    sync_serve_per_s: float = 4.0  # pages this node serves per second at most (token bucket)
+    max_relays: int = 32  # indirect probes this node runs for others at once
+
+
+@dataclass(slots=True)
+class _Probe:
+    target: int
+    deadline_direct: float
+    deadline: float
+    indirect: bool = False
+
+
+@dataclass(slots=True)
+class _Suspicion:
+    incarnation: int
+    start: float
+    deadline: float
+    accusers: set[int] = field(default_factory=set)
+
+
+class _Queue:
+    """A transmit-limited broadcast queue (memberlist's TransmitLimitedQueue, in tiers of transmit count):
+    one entry per member (a newer claim replaces an older one), least transmitted first, newest first
+    within a tier; the most transmitted entries are dropped first when it is full."""
+
+    __slots__ = ("tiers", "where", "cap")
+
+    def __init__(self, cap: int) -> None:
+        self.tiers: list[dict[int, Update]] = [{}]
+        self.where: dict[int, int] = {}  # member -> tier
+        self.cap = cap
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def put(self, update: Update) -> None:
+        member = update.member
+        tier = self.where.pop(member, None)
+        if tier is not None:
+            del self.tiers[tier][member]
+        self.tiers[0][member] = update
+        self.where[member] = 0
+        while len(self.where) > self.cap:
+            for t in range(len(self.tiers) - 1, -1, -1):
+                if self.tiers[t]:
+                    dropped, _ = self.tiers[t].popitem()
+                    del self.where[dropped]
+                    break
+
+    def take(self, limit: int, max_count: int, max_bytes: int) -> list[Update]:
+        """Up to ``max_count`` updates of at most ``max_bytes`` together; each taken is sent once more, and
+        dropped after its ``limit``-th transmission. Scans a few entries past what fits, no more: the cost
+        per message stays constant however long the queue."""
+        out: list[Update] = []
+        used = 0
+        moved: list[tuple[int, Update]] = []
+        for t, tier in enumerate(self.tiers):
+            if len(out) >= max_count or max_bytes - used < _SMALLEST:
+                break
+            if not tier:
+                continue
+            picked: list[int] = []
+            misses = 0
+            for member in reversed(tier):
+                update = tier[member]
+                if used + update.size > max_bytes:
+                    misses += 1
+                    if misses > 4:
+                        break
+                    continue
+                used += update.size
+                out.append(update)
+                picked.append(member)
+                if len(out) >= max_count:
+                    break
+            for member in picked:
+                update = tier.pop(member)
+                del self.where[member]
+                if t + 1 < limit:
+                    moved.append((t + 1, update))
+        for t, update in moved:
+            while len(self.tiers) <= t:
+                self.tiers.append({})
+            self.tiers[t][update.member] = update
+            self.where[update.member] = t
+        return out
+
+    def drop(self, member: int) -> None:
+        tier = self.where.pop(member, None)
+        if tier is not None:
+            del self.tiers[tier][member]
+
+
+Sends = list[tuple[int, Message]]
+ChangeHook = Callable[[int, int, int, float], None]  # (member, old state, new state, now)
+
+
+class Membership:
+    """One node's SWIM membership: its member table, probes, suspicions and broadcast queues."""
+
+    def __init__(self, me: int, now: float, rng: random.Random, config: MembershipConfig | None = None,
+                 on_change: ChangeHook | None = None) -> None:
+        self.me = me
+        self.config = config or MembershipConfig()
+        self.rng = rng
+        self.on_change = on_change
+        self.incarnation = 0
+        self.counters: Counter[str] = Counter()
+        # The table, as columns indexed by member id (grown on demand).
+        self._state = bytearray()
+        self._inc = array("I")
+        self._pver = array("I")
+        self._pstep = array("I")
+        self._ploss = array("f")
+        self._psps = array("f")
+        self._live = 0  # alive + suspect, me excluded
+        self._held = 0  # any state but UNKNOWN, me excluded
+        self._dead_t = array("d")  # when members died, in order (for retention), with _dead_id, from _dead_head
+        self._dead_id = array("I")
+        self._dead_head = 0
+        self._suspicions: dict[int, _Suspicion] = {}
+        self._probes: dict[int, _Probe] = {}
+        self._relays: dict[int, tuple[int, int, float]] = {}  # our seq -> (requester, its seq, deadline)
+        self._seq = 0
+        self._queue = _Queue(self.config.max_queue)
+        self._progress_queue = _Queue(self.config.max_progress_queue)
+        # Probe order: an affine permutation (offset + i * stride) mod size of the id space, redrawn each round.
+        self._round_size = 0
+        self._round_pos = 0
+        self._round_offset = 0
+        self._round_stride = 1
+        self._next_probe = now + rng.random() * self.config.period_s
+        self._next_pushpull = now + rng.random() * self.config.pushpull_s
+        self._pushpulls = 0
+        self._pp_cursor = 0
+        # Joining: the seed, the cursor into its table, when to ask next, the request outstanding.
+        self._join_seed: int | None = None
+        self._join_cursor = 0
+        self._join_next = math.inf
+        self._join_seq = -1
+        self._sync_tokens = self.config.sync_serve_per_s
+        self._sync_tokens_t = now
+        self._my_progress: Progress | None = None
+        self._progress_due = now
+        self._progress_pending: tuple[int, float, float] | None = None
+        self._left = False
+        self._grow(me)
+        self._set(me, ALIVE, 0, now)
+        self._queue.put(Alive(me, 0))
+
+    # ------------------------------------------------------------------------------------------ the table
+
+    def _grow(self, pid: int) -> None:
+        if pid < len(self._state):
+            return
+        extra = max(pid + 1 - len(self._state), len(self._state) // 4, 16)
+        self._state.extend(bytes(extra))
+        zeros = bytes(4 * extra)
+        self._inc.frombytes(zeros)
+        self._pver.frombytes(zeros)
+        self._pstep.frombytes(zeros)
+        self._ploss.frombytes(zeros)
+        self._psps.frombytes(zeros)
+
+    def _set(self, pid: int, state: int, inc: int, now: float) -> None:
+        old = self._state[pid]
+        if pid != self.me:
+            self._live += (state in (ALIVE, SUSPECT)) - (old in (ALIVE, SUSPECT))
+            self._held += (state != UNKNOWN) - (old != UNKNOWN)
+        self._state[pid] = state
+        self._inc[pid] = inc
+        if state == DEAD and old != DEAD:
+            self._dead_t.append(now)
+            self._dead_id.append(pid)
+        if state != SUSPECT:
+            self._suspicions.pop(pid, None)
+        if old != state and self.on_change is not None:
+            self.on_change(pid, old, state, now)
+
+    def preload(self, members: Iterable[int], now: float) -> None:
+        """Hold ``members`` alive at incarnation 0 without announcing them (a simulation's converged start).
+        ``range(0, n)`` takes a fast path: columns filled in bulk, no per-member work."""
+        if isinstance(members, range) and members.start == 0 and members.step == 1:
+            n = members.stop
+            self._grow(n - 1)
+            self._state[:n] = bytes([ALIVE]) * n
+            self._live = self._held = n - (1 if self.me < n else 0)
+            return
+        for pid in members:
+            if pid != self.me:
+                self._grow(pid)
+                if self._state[pid] == UNKNOWN:
+                    self._set(pid, ALIVE, 0, now)
+
+    def state_of(self, pid: int) -> int:
+        return self._state[pid] if pid < len(self._state) else UNKNOWN
+
+    def incarnation_of(self, pid: int) -> int:
+        return self._inc[pid] if pid < len(self._state) else 0
+
+    def members(self) -> list[int]:
+        """Members this node holds alive or suspect (SWIM: a suspect is still a member), itself included."""
+        if self._left:
+            return []
+        state = self._state
+        out = [i for i in range(len(state)) if state[i] == ALIVE or state[i] == SUSPECT]
+        return out
+
+    def progress_of(self, pid: int) -> Progress | None:
+        if pid >= len(self._state) or self._pver[pid] == 0:
+            return None
+        return Progress(pid, self._pver[pid], self._pstep[pid], self._ploss[pid], self._psps[pid])
+
+    @property
+    def size(self) -> int:
+        """Members held (alive, suspect or dead), this node included."""
+        return self._held + 1
+
+    @property
+    def live_count(self) -> int:
+        return self._live + 1
+
+    def _retransmit_limit(self) -> int:
+        return self.config.retransmit_mult * max(1, math.ceil(math.log10(self._live + 2)))
+
+    def _suspicion_bounds(self) -> tuple[float, float, int]:
+        n = self._live + 1
+        lo = self.config.suspicion_mult * max(1.0, math.log10(max(n, 1))) * self.config.period_s
+        k = self.config.suspicion_mult - 2
+        if n - 2 < k:
+            k = 0
+        return lo, lo * self.config.suspicion_max_mult, k
+
+    def _suspicion_deadline(self, s: _Suspicion) -> float:
+        lo, hi, k = self._suspicion_bounds()
+        confirmations = len(s.accusers) - 1
+        if k <= 0:
+            return s.start + lo
+        frac = math.log(confirmations + 1) / math.log(k + 1)
+        return s.start + max(lo, hi - frac * (hi - lo))
+
+    # ------------------------------------------------------------------------------------ local actions
+
+    def set_progress(self, outer_step: int, loss: float, samples_per_s: float, now: float) -> None:
+        """This node's progress; published now if ``progress_interval_s`` has passed since the last, else at
+        the next tick after it (the newest values then)."""
+        self._progress_pending = (outer_step, loss, samples_per_s)
+        if now >= self._progress_due:
+            self._publish_progress(now)
+
+    def _publish_progress(self, now: float) -> None:
+        if self._progress_pending is None:
+            return
+        step, loss, sps = self._progress_pending
+        self._progress_pending = None
+        version = (self._my_progress.version if self._my_progress else 0) + 1
+        self._my_progress = Progress(self.me, version, min(max(step, 0), MAX_UINT32), loss, sps)
+        self._store_progress(self._my_progress)
+        self._progress_queue.put(self._my_progress)
+        self._progress_due = now + self.config.progress_interval_s
+
+    def join(self, seed: int, now: float) -> Sends:
+        """Join through ``seed``: announce ourselves to it and pull its table, page by page."""
+        if seed == self.me:
+            return []
+        self._grow(seed)
+        if self._state[seed] == UNKNOWN:
+            self._set(seed, ALIVE, 0, now)
+        self._join_seed, self._join_cursor = seed, 0
+        return self._join_request(now)
+
+    def _join_request(self, now: float) -> Sends:
+        assert self._join_seed is not None
+        self._seq += 1
+        self._join_seq = self._seq
+        self._join_next = now + self.config.sync_timeout_s  # resent if unanswered
+        self.counters["join_pages_asked"] += 1
+        return [(self._join_seed, SyncRequest(self.me, self._seq, self._join_cursor,
+                                              (Alive(self.me, self.incarnation),)))]
+
+    def leave(self, now: float) -> None:
+        """A graceful departure: our own dead claim goes out on the next messages; we probe no more."""
+        self._queue.put(Dead(self.me, self.incarnation, self.me))
+        self._left = True
+
+    # ----------------------------------------------------------------------------------------- timers
+
+    def next_wakeup(self) -> float:
+        t = min(self._next_probe, self._next_pushpull, self._join_next)
+        for p in self._probes.values():
+            t = min(t, p.deadline if p.indirect else p.deadline_direct)
+        for s in self._suspicions.values():
+            t = min(t, s.deadline)
+        if self._relays:
+            t = min(t, min(r[2] for r in self._relays.values()))
+        if self._progress_pending is not None:
+            t = min(t, self._progress_due)
+        return t
+
+    def tick(self, now: float) -> Sends:
+        out: Sends = []
+        if self._left:
+            return out
+        # Probes: the direct deadline passed -> indirect; the final one -> suspect.
+        for seq, p in list(self._probes.items()):
+            if not p.indirect and now >= p.deadline_direct:
+                p.indirect = True
+                out.extend(self._indirect(seq, p))
+            if p.indirect and now >= p.deadline:
+                del self._probes[seq]
+                self._suspect(p.target, now)
+        for seq, (_, _, deadline) in list(self._relays.items()):
+            if now >= deadline:
+                del self._relays[seq]
+        for pid, s in list(self._suspicions.items()):
+            if now >= s.deadline:
+                self.counters["declared_dead"] += 1
+                self._set(pid, DEAD, s.incarnation, now)
+                self._queue.put(Dead(pid, s.incarnation, self.me))
+        self._reap(now)
+        if self._progress_pending is not None and now >= self._progress_due:
+            self._publish_progress(now)
+        if now >= self._join_next and self._join_seed is not None:
+            out.extend(self._join_request(now))
+        if now >= self._next_probe:
+            self._next_probe = max(self._next_probe + self.config.period_s, now)
+            target = self._next_target()
+            if target is not None:
+                self._seq += 1
+                self._probes[self._seq] = _Probe(target, now + self.config.ack_timeout_s,
+                                                 now + self.config.probe_timeout_s)
+                out.append((target, Ping(self.me, self._seq, target, self._piggyback())))
+        if now >= self._next_pushpull:
+            self._next_pushpull = now + self.config.pushpull_s
+            out.extend(self._pushpull())
+        return out
+
+    def _next_target(self) -> int | None:
+        state, size = self._state, len(self._state)
+        for _ in range(2):  # the rest of this round, then one fresh round
+            while self._round_pos < self._round_size:
+                pid = (self._round_offset + self._round_pos * self._round_stride) % self._round_size
+                self._round_pos += 1
+                if pid != self.me and pid < size and (state[pid] == ALIVE or state[pid] == SUSPECT):
+                    return pid
+            self._new_round()
+        return None
+
+    def _new_round(self) -> None:
+        size = len(self._state)
+        self._round_size, self._round_pos = size, 0
+        self._round_offset = self.rng.randrange(size)
+        stride = self.rng.randrange(1, size) if size > 1 else 1
+        while math.gcd(stride, size) != 1:
+            stride += 1
+        self._round_stride = stride
+
+    def _random_members(self, k: int, exclude: set[int]) -> list[int]:
+        """Up to k distinct random members held alive (rejection sampling: cheap while most are alive)."""
+        state, size = self._state, len(self._state)
+        out: list[int] = []
+        if self._live <= len(exclude):
+            return out
+        for _ in range(8 * k + 8):
+            pid = self.rng.randrange(size)
+            if state[pid] == ALIVE and pid != self.me and pid not in exclude and pid not in out:
+                out.append(pid)
+                if len(out) == k:
+                    break
+        return out
+
+    def _indirect(self, seq: int, p: _Probe) -> Sends:
+        helpers = self._random_members(self.config.indirect_k, {p.target})
+        self.counters["indirect_probes"] += 1
+        return [(h, PingReq(self.me, seq, p.target, self._piggyback())) for h in helpers]
+
+    def _suspect(self, pid: int, now: float) -> None:
+        if self._state[pid] not in (ALIVE, SUSPECT):
+            return
+        inc = self._inc[pid]
+        self.counters["suspected"] += 1
+        self._apply(Suspect(pid, inc, self.me), self.me, now)
+
+    def _reap(self, now: float) -> None:
+        """Forget members dead for longer than ``dead_retention_s``."""
+        horizon = now - self.config.dead_retention_s
+        t, ids = self._dead_t, self._dead_id
+        while self._dead_head < len(t) and t[self._dead_head] < horizon:
+            pid = ids[self._dead_head]
+            self._dead_head += 1
+            if self._state[pid] == DEAD:
+                self._set(pid, UNKNOWN, 0, now)
+        if self._dead_head > 1024 and self._dead_head * 2 > len(t):
+            del t[:self._dead_head]
+            del ids[:self._dead_head]
+            self._dead_head = 0
+
+    def _evict_one_dead(self, now: float) -> bool:
+        t, ids = self._dead_t, self._dead_id
+        while self._dead_head < len(t):
+            pid = ids[self._dead_head]
+            self._dead_head += 1
+            if self._state[pid] == DEAD:
+                self._set(pid, UNKNOWN, 0, now)
+                return True
+        return False
+
+    # --------------------------------------------------------------------------------- dissemination
+
+    def _piggyback(self) -> tuple[Update, ...]:
+        c = self.config
+        limit = self._retransmit_limit()
+        ups = self._queue.take(limit, c.max_updates, c.max_piggyback_bytes)
+        room = min(c.max_piggyback_bytes - sum(u.size for u in ups), c.progress_bytes)
+        if len(ups) < c.max_updates and room > 0 and self._progress_queue:
+            ups.extend(self._progress_queue.take(limit, c.max_updates - len(ups), room))
+        return tuple(ups)
+
+    def _entry(self, pid: int) -> Alive | Suspect | Dead | None:
+        state = self._state[pid] if pid < len(self._state) else UNKNOWN
+        if state == ALIVE:
+            return Alive(pid, self._inc[pid] if pid != self.me else self.incarnation)
+        if state == SUSPECT:
+            return Suspect(pid, self._inc[pid], self.me)
+        if state == DEAD:
+            return Dead(pid, self._inc[pid], self.me)
+        return None
+
+    def _slice(self, start: int, count: int) -> tuple[list[Alive | Suspect | Dead], int]:
+        """Up to ``count`` entries of this table from id ``start`` on; and where to continue (-1: the end)."""
+        out: list[Alive | Suspect | Dead] = []
+        state, size = self._state, len(self._state)
+        pid = max(start, 0)
+        while pid < size and len(out) < count:
+            if state[pid] != UNKNOWN:
+                entry = self._entry(pid)
+                if entry is not None:
+                    out.append(entry)
+            pid += 1
+        return out, (pid if pid < size else -1)
+
+    def _pushpull(self) -> Sends:
+        self._pushpulls += 1
+        partner: int | None = None
+        if self._pushpulls % self.config.pushpull_dead_every == 0:
+            dead = [pid for pid in self._dead_id[self._dead_head:][-64:] if self._state[pid] == DEAD]
+            if dead:
+                partner = self.rng.choice(dead)
+        if partner is None:
+            members = self._random_members(1, set())
+            partner = members[0] if members else None
+        if partner is None:
+            return []
+        entries, nxt = self._slice(self._pp_cursor, self.config.pushpull_entries)
+        self._pp_cursor = 0 if nxt < 0 else nxt
+        self._seq += 1
+        self.counters["pushpulls"] += 1
+        return [(partner, SyncRequest(self.me, self._seq, -1, (Alive(self.me, self.incarnation), *entries),
+                                      self._entry(partner)))]
+
+    # ---------------------------------------------------------------------------------------- receive
+
+    def _is_member(self, pid: int) -> bool:
+        return pid == self.me or (pid < len(self._state) and self._state[pid] in (ALIVE, SUSPECT))
+
+    def receive(self, now: float, message: Message) -> Sends:
+        """Handle one message from ``message.sender`` (authenticated by the transport)."""
+        if self._left:
+            return []
+        sender = message.sender
+        if sender == self.me:
+            return []
+        out: Sends = []
+        if isinstance(message, SyncRequest | SyncReply):
+            return self._receive_sync(now, message)
+        self._absorb(message.updates, sender, now)
+        if isinstance(message, Ping):
+            if message.target == self.me:
+                updates = self._piggyback()
+                if self.state_of(sender) in (SUSPECT, DEAD):
+                    # It probes us, so it lives: tell it what we hold, so that it refutes at once.
+                    view = self._entry(sender)
+                    assert view is not None
+                    updates = (view, *updates[:self.config.max_updates - 1])
+                out.append((sender, Ack(self.me, message.seq, updates)))
+        elif isinstance(message, PingReq):
+            if len(self._relays) >= self.config.max_relays or message.target == self.me:
+                self.counters["relays_refused"] += 1
+            elif self._is_member(sender):
+                self._seq += 1
+                self._relays[self._seq] = (sender, message.seq, now + self.config.probe_timeout_s)
+                out.append((message.target, Ping(self.me, self._seq, message.target, self._piggyback())))
+        elif isinstance(message, Ack):
+            probe = self._probes.get(message.seq)
+            if probe is not None and (sender == probe.target or probe.indirect):
+                del self._probes[message.seq]
+            relay = self._relays.pop(message.seq, None)
+            if relay is not None:
+                requester, seq, _ = relay
+                out.append((requester, Ack(self.me, seq, self._piggyback())))
+        return out
+
+    def _receive_sync(self, now: float, message: SyncRequest | SyncReply) -> Sends:
+        sender = message.sender
+        entries = message.entries
+        cap = max(self.config.join_page_entries, self.config.pushpull_entries) + 1
+        if len(entries) > cap:
+            self.counters["updates_over_cap"] += len(entries) - cap
+            entries = entries[:cap]
+        self._absorb(entries, sender, now, limit=cap)
+        you = message.view_of_you
+        if you is not None and you.member == self.me and not isinstance(you, Progress) and (
+                self.state_of(sender) != UNKNOWN):
+            # From a member, or from one held dead (the other side of a partition, whose claim about us is
+            # how the halves find out): refute. A stranger's claims about us are not worth an incarnation.
+            self._about_me(you, now)
+        if isinstance(message, SyncReply):
+            if message.seq == self._join_seq and sender == self._join_seed:
+                if message.busy:
+                    self._join_next = now + self.config.sync_timeout_s
+                elif message.next_cursor < 0:
+                    self._join_seed, self._join_next, self._join_seq = None, math.inf, -1
+                    self.counters["joined"] += 1
+                else:
+                    self._join_cursor = message.next_cursor
+                    self._join_next = now + self.config.join_page_s
+            return []
+        # A request: serve a page (a joiner's cursor, or our own walking cursor for a push-pull).
+        self._sync_tokens = min(self.config.sync_serve_per_s,
+                                self._sync_tokens + (now - self._sync_tokens_t) * self.config.sync_serve_per_s)
+        self._sync_tokens_t = now
+        if self._sync_tokens < 1:
+            self.counters["sync_busy"] += 1
+            return [(sender, SyncReply(self.me, message.seq, message.cursor, (), self._entry(sender), busy=True))]
+        self._sync_tokens -= 1
+        if message.cursor >= 0:
+            entries_out, nxt = self._slice(message.cursor, self.config.join_page_entries)
+        else:
+            entries_out, nxt = self._slice(self._pp_cursor, self.config.pushpull_entries)
+            self._pp_cursor = 0 if nxt < 0 else nxt
+        return [(sender, SyncReply(self.me, message.seq, nxt, (Alive(self.me, self.incarnation), *entries_out),
+                                   self._entry(sender)))]
+
+    def _absorb(self, updates: Iterable[Update], sender: int, now: float, limit: int | None = None) -> None:
+        cap = self.config.max_updates if limit is None else limit
+        member = self._is_member(sender)
+        for i, update in enumerate(updates):
+            if i >= cap:
+                self.counters["updates_over_cap"] += 1
+                continue
+            if not member and not (isinstance(update, Alive) and update.member == sender):
+                # A non-member may only announce itself (a joiner); the rest waits until it is one.
+                self.counters["from_non_member"] += 1
+                continue
+            self._apply(update, sender, now)
+            if not member:
+                member = self._is_member(sender)
+
+    def _apply(self, update: Update, sender: int, now: float) -> None:
+        pid = update.member
+        if isinstance(update, Progress):
+            self._apply_progress(update)
+            return
+        inc = update.incarnation
+        if pid < 0 or inc < 0 or inc > MAX_UINT32 - 1:
+            self.counters["malformed"] += 1
+            return
+        if pid == self.me:
+            self._about_me(update, now)
+            return
+        self._grow(pid)
+        state, held = self._state[pid], self._inc[pid]
+        if inc > held + MAX_INCARNATION_JUMP:
+            self.counters["incarnation_jump"] += 1
+            return
+        if isinstance(update, Alive):
+            if state == UNKNOWN:
+                if self._held + 1 >= self.config.max_members and not self._evict_one_dead(now):
+                    self.counters["table_full"] += 1
+                    return
+            elif inc <= held:
+                return  # old news (an alive claim never beats a suspicion of the same incarnation)
+            self._set(pid, ALIVE, inc, now)
+            self._queue.put(update)
+            return
+        accuser = update.accuser
+        if isinstance(update, Dead) and accuser == pid:
+            pass  # a member's own departure
+        elif not self._is_member(accuser):
+            self.counters["accuser_not_member"] += 1
+            return
+        if state == UNKNOWN or state == DEAD or inc < held:
+            return
+        if isinstance(update, Suspect):
+            if state == SUSPECT and inc == held:
+                s = self._suspicions.get(pid)
+                if s is not None and accuser not in s.accusers:
+                    s.accusers.add(accuser)
+                    s.deadline = self._suspicion_deadline(s)
+                    self._queue.put(update)  # the confirmation travels on
+                return
+            self._set(pid, SUSPECT, inc, now)
+            s = _Suspicion(inc, now, now, {accuser})
+            s.deadline = self._suspicion_deadline(s)
+            self._suspicions[pid] = s
+            self._queue.put(update)
+            return
+        # Dead
+        self._set(pid, DEAD, inc, now)
+        self._queue.put(update)
+        self._progress_queue.drop(pid)
+
+    def _about_me(self, update: Alive | Suspect | Dead, now: float) -> None:
+        if isinstance(update, Alive):
+            if update.incarnation > self.incarnation:
+                # Our own alive claim from an earlier life (a restart that lost its counter): go past it.
+                self._refute(update.incarnation, now)
+            return
+        if isinstance(update, Dead) and update.accuser == self.me:
+            return
+        if update.incarnation >= self.incarnation:
+            self.counters["refuted"] += 1
+            self._refute(update.incarnation, now)
+
+    def _refute(self, incarnation: int, now: float) -> None:
+        self.incarnation = min(incarnation + 1, MAX_UINT32 - 1)
+        self._inc[self.me] = self.incarnation
+        self._queue.put(Alive(self.me, self.incarnation))
+
+    def _apply_progress(self, update: Progress) -> None:
+        pid = update.member
+        if pid == self.me or not self._is_member(pid):
+            if pid != self.me:
+                self.counters["progress_of_non_member"] += 1
+            return
+        held = self._pver[pid]
+        if update.version <= held:
+            return
+        if update.version > held + MAX_INCARNATION_JUMP or update.version > MAX_UINT32 or not (
+                0 <= update.outer_step <= MAX_UINT32) or not (math.isfinite(update.loss)
+                                                              and math.isfinite(update.samples_per_s)):
+            self.counters["malformed"] += 1
+            return
+        self._store_progress(update)
+        self._progress_queue.put(update)
+
+    def _store_progress(self, p: Progress) -> None:
+        pid = p.member
+        self._pver[pid] = p.version
+        self._pstep[pid] = p.outer_step
+        self._ploss[pid] = p.loss
+        self._psps[pid] = p.samples_per_s
