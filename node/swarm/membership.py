@@ -670,7 +670,7 @@ class Membership:
         """Up to k distinct random members held alive (rejection sampling: cheap while most are alive)."""
         state, size = self._state, len(self._state)
         out: list[int] = []
-        if self._live <= len(exclude):
+        if k <= 0 or self._live <= len(exclude):
             return out
         for _ in range(8 * k + 8):
             pid = self.rng.randrange(size)

@@ -1,0 +1,261 @@
+"""The SWIM membership core (node/swarm/membership.py) on small in-process networks (starling_testing/swim_sim.py):
+failure detection, refutation, indirect probes, dissemination, joins, partitions, and its bounds against a
+hostile sender. Deterministic seeds; simulated time only."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from node.swarm.membership import (
+    ALIVE,
+    DEAD,
+    MAX_INCARNATION_JUMP,
+    SUSPECT,
+    UNKNOWN,
+    Ack,
+    Alive,
+    Dead,
+    Membership,
+    MembershipConfig,
+    Ping,
+    Progress,
+    Suspect,
+    SyncReply,
+    SyncRequest,
+    _Queue,
+)
+from starling_testing.swim_sim import SimNet
+
+QUIET = {"loss": 0.0, "latency": (0.01, 0.05)}
+
+
+def _recorder() -> tuple[list[tuple[int, int, int, int, float]], object]:
+    events: list[tuple[int, int, int, int, float]] = []
+    return events, lambda *e: events.append(e)
+
+
+def test_a_dead_member_is_suspected_then_confirmed_dead_everywhere() -> None:
+    events, hook = _recorder()
+    net = SimNet(seed=1, hook=hook, **QUIET)
+    ids = net.start(20)
+    net.run_for(10)
+    victim, killed_at = ids[5], net.now
+    net.kill(victim)
+    net.run_for(120)
+    assert all(node.state_of(victim) == DEAD for node in net.nodes.values())
+    # Every node held it suspect before dead, or was told of the death by others; at least its detector
+    # went through suspicion (SWIM never kills on one missed probe).
+    about = [(obs, new) for obs, member, _, new, t in events if member == victim and t > killed_at]
+    first = {}
+    for obs, new in about:
+        first.setdefault(obs, new)
+    assert SUSPECT in first.values()
+    assert all(state in (SUSPECT, DEAD) for state in first.values())
+    assert sum(n.counters["declared_dead"] for n in net.nodes.values()) >= 1
+
+
+def test_a_live_member_refutes_a_false_suspicion_with_a_higher_incarnation() -> None:
+    net = SimNet(seed=2, **QUIET)
+    ids = net.start(12)
+    net.run_for(5)
+    victim, accuser, listener = ids[3], ids[4], ids[6]
+    # The accuser (a member) tells a third node that the victim is suspect.
+    net.send(accuser, [(listener, Ping(accuser, 999, listener, (Suspect(victim, 0, accuser),)))])
+    net.run_for(1)
+    assert net.nodes[listener].state_of(victim) == SUSPECT
+    net.run_for(60)
+    assert net.nodes[victim].incarnation == 1
+    assert net.nodes[victim].counters["refuted"] >= 1
+    assert all(n.state_of(victim) == ALIVE and n.incarnation_of(victim) == 1
+               for pid, n in net.nodes.items() if pid != victim)
+
+
+def test_indirect_probes_keep_a_member_whose_direct_path_drops_alive() -> None:
+    def run(k: int) -> tuple[set[int], int]:
+        events, hook = _recorder()
+        net = SimNet(seed=3, hook=hook, config=MembershipConfig(indirect_k=k), **QUIET)
+        ids = net.start(10)
+        a, b = ids[0], ids[1]
+        net.cut = lambda src, dst: {src, dst} == {a, b}
+        net.run_for(120)
+        suspected = {obs for obs, member, _, new, _ in events if member == b and new == SUSPECT}
+        return suspected, net.nodes[a].counters["indirect_probes"]
+
+    suspected, indirect = run(3)
+    assert indirect > 0 and suspected == set()
+    # Without indirect probes the same cut link makes b suspect: the indirect path is what saved it.
+    suspected, _ = run(0)
+    assert suspected
+
+
+def test_a_join_through_a_seed_reaches_everyone_and_the_joiner_learns_everyone() -> None:
+    net = SimNet(seed=4, config=MembershipConfig(join_page_entries=8), **QUIET)
+    ids = net.start(40)
+    net.run_for(5)
+    joiner = net.join("newcomer", ids[17])
+    net.run_for(60)
+    assert all(n.state_of(joiner) == ALIVE for pid, n in net.nodes.items() if pid != joiner)
+    assert sorted(net.nodes[joiner].members()) == sorted(net.nodes)
+    assert net.nodes[joiner].counters["join_pages_asked"] >= 40 // 8  # paged, not one unbounded reply
+
+
+def test_progress_reaches_every_member_and_a_newer_version_replaces_it() -> None:
+    net = SimNet(seed=5, **QUIET)
+    ids = net.start(30)
+    author = net.nodes[ids[2]]
+    author.set_progress(7, 2.5, 100.0, net.now)
+    net.run_for(30)
+    seen = [n.progress_of(ids[2]) for pid, n in net.nodes.items() if pid != ids[2]]
+    assert all(p is not None and p.outer_step == 7 for p in seen)
+    author.set_progress(8, 2.4, 100.0, net.now)  # within progress_interval_s: held back, then published
+    net.run_for(60)
+    assert all(n.progress_of(ids[2]).outer_step == 8 for pid, n in net.nodes.items() if pid != ids[2])
+
+
+def test_progress_is_published_at_most_once_per_interval() -> None:
+    node = Membership(0, 0.0, random.Random(0), MembershipConfig(progress_interval_s=30.0))
+    for i in range(100):
+        node.set_progress(i, 1.0, 1.0, i * 0.1)
+    assert node.progress_of(0).version == 1
+    node.tick(31.0)
+    assert node.progress_of(0).version == 2 and node.progress_of(0).outer_step == 99
+
+
+def test_halves_of_a_partition_find_each_other_again() -> None:
+    config = MembershipConfig(pushpull_s=5.0)
+    net = SimNet(seed=6, config=config, **QUIET)
+    ids = net.start(16)
+    left = set(ids[:8])
+    net.cut = lambda src, dst: (src in left) != (dst in left)
+    net.run_for(200)
+    assert all(net.nodes[a].state_of(b) == DEAD for a in ids[:8] for b in ids[8:])
+    net.cut = None
+    net.run_for(300)
+    assert all(net.nodes[a].state_of(b) == ALIVE for a in ids for b in ids if a != b)
+
+
+# ------------------------------------------------------------------------------------- hostile senders
+
+
+def _node(members: int = 5, **config: object) -> Membership:
+    node = Membership(0, 0.0, random.Random(0), MembershipConfig(**config))  # type: ignore[arg-type]
+    node.preload(range(members), 0.0)
+    return node
+
+
+def test_updates_past_the_cap_of_one_message_are_dropped() -> None:
+    node = _node(members=5, max_updates=8)
+    flood = tuple(Alive(100 + i, 0) for i in range(50))
+    node.receive(1.0, Ping(1, 1, 0, flood))
+    assert node.size == 5 + 8
+    assert node.counters["updates_over_cap"] == 42
+
+
+def test_claims_about_unknown_members_and_from_non_members_are_ignored() -> None:
+    node = _node()
+    node.receive(1.0, Ping(1, 1, 0, (Suspect(77, 0, 1), Dead(78, 0, 1))))
+    assert node.state_of(77) == UNKNOWN and node.state_of(78) == UNKNOWN and node.size == 5
+    # A stranger may announce itself, nothing else.
+    node.receive(1.0, Ping(50, 2, 0, (Suspect(2, 0, 50), Alive(51, 0), Alive(50, 0))))
+    assert node.state_of(2) == ALIVE and node.state_of(51) == UNKNOWN
+    assert node.state_of(50) == ALIVE
+    assert node.counters["from_non_member"] == 2
+    # An accuser that is not a member does not count, even relayed by a member.
+    node.receive(1.0, Ping(1, 3, 0, (Suspect(3, 0, 60),)))
+    assert node.state_of(3) == ALIVE and node.counters["accuser_not_member"] == 1
+
+
+def test_a_suspect_or_dead_claim_about_ourselves_is_refuted_never_adopted() -> None:
+    node = _node()
+    out = node.receive(1.0, Ping(1, 1, 0, (Suspect(0, 0, 1),)))
+    assert node.incarnation == 1 and node.state_of(0) == ALIVE
+    ack = out[0][1]
+    assert isinstance(ack, Ack) and Alive(0, 1) in ack.updates
+    node.receive(2.0, Ping(1, 2, 0, (Dead(0, 1, 1),)))
+    assert node.incarnation == 2
+    node.receive(3.0, Ping(1, 3, 0, (Suspect(0, 1, 1),)))  # an old incarnation: nothing to refute
+    assert node.incarnation == 2
+
+
+def test_a_dead_member_comes_back_only_with_a_higher_incarnation() -> None:
+    node = _node()
+    node.receive(1.0, Ping(1, 1, 0, (Dead(2, 3, 1),)))
+    assert node.state_of(2) == DEAD
+    node.receive(2.0, Ping(1, 2, 0, (Alive(2, 3),)))
+    assert node.state_of(2) == DEAD
+    node.receive(3.0, Ping(1, 3, 0, (Alive(2, 4),)))
+    assert node.state_of(2) == ALIVE and node.incarnation_of(2) == 4
+
+
+def test_incarnation_games_are_bounded() -> None:
+    node = _node()
+    node.receive(1.0, Ping(1, 1, 0, (Alive(2, MAX_INCARNATION_JUMP + 5), Dead(3, 2**40, 1), Alive(4, -1))))
+    assert node.incarnation_of(2) == 0 and node.state_of(3) == ALIVE and node.state_of(4) == ALIVE
+    assert node.counters["incarnation_jump"] == 1 and node.counters["malformed"] == 2
+
+
+def test_the_member_table_is_capped_and_dead_members_make_room_first() -> None:
+    node = _node(members=5, max_members=10, max_updates=100)
+    node.receive(1.0, Ping(1, 1, 0, tuple(Alive(100 + i, 0) for i in range(50))))
+    assert node.size == 10 and node.counters["table_full"] == 45
+    node.receive(2.0, Ping(1, 2, 0, (Dead(100, 0, 1),)))
+    node.receive(3.0, Ping(1, 3, 0, (Alive(500, 0),)))
+    assert node.size == 10 and node.state_of(500) == ALIVE and node.state_of(100) == UNKNOWN
+
+
+def test_a_sync_reply_is_capped_and_a_strangers_view_of_us_costs_no_incarnation() -> None:
+    node = _node(members=5, join_page_entries=16, pushpull_entries=8)
+    node.receive(1.0, SyncReply(1, 1, -1, tuple(Alive(100 + i, 0) for i in range(500))))
+    assert node.size <= 5 + 17
+    node.receive(2.0, SyncRequest(999, 2, -1, (), Suspect(0, 0, 999)))
+    assert node.incarnation == 0
+
+
+def test_progress_claims_are_bounded() -> None:
+    node = _node()
+    node.receive(1.0, Ping(1, 1, 0, (Progress(2, 5, 10, 1.0, 3.0), Progress(77, 1, 1, 1.0, 1.0),
+                                     Progress(3, 1, 1, float("nan"), 1.0), Progress(4, 2**33, 1, 1.0, 1.0))))
+    assert node.progress_of(2).outer_step == 10
+    assert node.progress_of(77) is None and node.progress_of(3) is None and node.progress_of(4) is None
+    node.receive(2.0, Ping(1, 2, 0, (Progress(2, 4, 99, 1.0, 3.0),)))  # older version
+    assert node.progress_of(2).outer_step == 10
+
+
+def test_the_broadcast_queue_is_bounded_and_each_update_is_sent_a_limited_number_of_times() -> None:
+    queue = _Queue(cap=10)
+    for i in range(100):
+        queue.put(Alive(i, 0))
+    assert len(queue) == 10
+    sent: dict[int, int] = {}
+    for _ in range(100):
+        batch = queue.take(limit=3, max_count=4, max_bytes=400)
+        assert len(batch) <= 4 and sum(u.size for u in batch) <= 400
+        for u in batch:
+            sent[u.member] = sent.get(u.member, 0) + 1
+    assert len(queue) == 0 and set(sent.values()) == {3}
+
+
+_updates = st.one_of(
+    st.builds(Alive, st.integers(0, 12), st.integers(-2, 2**33)),
+    st.builds(Suspect, st.integers(0, 12), st.integers(-2, 2**33), st.integers(0, 12)),
+    st.builds(Dead, st.integers(0, 12), st.integers(-2, 2**33), st.integers(0, 12)),
+    st.builds(Progress, st.integers(0, 12), st.integers(0, 2**33), st.integers(-5, 2**33),
+              st.floats(allow_nan=True), st.floats(allow_nan=True)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 12), st.lists(_updates, max_size=20)), max_size=30))
+def test_whatever_peers_send_the_bounds_hold(batches: list[tuple[int, list]]) -> None:
+    node = _node(members=4, max_members=8, max_updates=6)
+    incarnation = 0
+    for i, (sender, updates) in enumerate(batches):
+        node.receive(float(i), Ping(sender, i, 0, tuple(updates)))
+        node.tick(float(i) + 0.5)
+        assert node.size <= 8
+        assert node.state_of(0) == ALIVE and node.incarnation >= incarnation
+        incarnation = node.incarnation
+        assert all(0 <= node.incarnation_of(m) < 2**32 for m in range(13))
