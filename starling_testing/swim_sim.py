@@ -39,6 +39,7 @@ class SimNet:
         self._scheduled: dict[int, float] = {}
         self.sent_msgs: dict[int, int] = {}
         self.sent_bytes: dict[int, int] = {}
+        self.bytes_by_type: dict[str, int] = {}
         self.delivered = 0
 
     # ----------------------------------------------------------------------------------------- nodes
@@ -74,6 +75,10 @@ class SimNet:
         self._wake(pid)
         return pid
 
+    def poke(self, pid: int) -> None:
+        """Tell the network that ``pid``'s timers may have moved (after calling the node from outside)."""
+        self._wake(pid)
+
     def kill(self, pid: int) -> None:
         """A crash: the node stops, silently; messages to it are lost."""
         self.nodes.pop(pid, None)
@@ -84,7 +89,10 @@ class SimNet:
     def send(self, src: int, sends: list[tuple[int, Message]]) -> None:
         for dst, message in sends:
             self.sent_msgs[src] += 1
-            self.sent_bytes[src] += message.size
+            size = message.size
+            self.sent_bytes[src] += size
+            kind = type(message).__name__
+            self.bytes_by_type[kind] = self.bytes_by_type.get(kind, 0) + size
             if self.rng.random() < self.loss or (self.cut is not None and self.cut(src, dst)):
                 continue
             self._order += 1

@@ -464,7 +464,7 @@ class Membership:
     def _grow(self, pid: int) -> None:
         if pid < len(self._state):
             return
-        extra = max(pid + 1 - len(self._state), len(self._state) // 4, 16)
+        extra = max(pid + 1 - len(self._state), min(len(self._state) // 4, 1024), 16)
         self._state.extend(bytes(extra))
         zeros = bytes(4 * extra)
         self._inc.frombytes(zeros)
