@@ -72,6 +72,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 __all__ = [
     "ALIVE",
@@ -145,9 +146,7 @@ class Alive:
     member: int
     incarnation: int
 
-    @property
-    def size(self) -> int:
-        return 1 + PEER_ID_BYTES + INC_BYTES + SIG_BYTES
+    size: ClassVar[int] = 1 + PEER_ID_BYTES + INC_BYTES + SIG_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +158,7 @@ class Suspect:
     incarnation: int
     accuser: int
 
-    @property
-    def size(self) -> int:
-        return 1 + 2 * PEER_ID_BYTES + INC_BYTES + SIG_BYTES
+    size: ClassVar[int] = 1 + 2 * PEER_ID_BYTES + INC_BYTES + SIG_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +169,7 @@ class Dead:
     incarnation: int
     accuser: int
 
-    @property
-    def size(self) -> int:
-        return 1 + 2 * PEER_ID_BYTES + INC_BYTES + SIG_BYTES
+    size: ClassVar[int] = 1 + 2 * PEER_ID_BYTES + INC_BYTES + SIG_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,13 +182,11 @@ class Progress:
     loss: float
     samples_per_s: float
 
-    @property
-    def size(self) -> int:
-        return 1 + PEER_ID_BYTES + INC_BYTES + 8 + 4 + 4 + SIG_BYTES
+    size: ClassVar[int] = 1 + PEER_ID_BYTES + INC_BYTES + 8 + 4 + 4 + SIG_BYTES  # wire bytes: a constant, so a class attribute
 
 
 Update = Alive | Suspect | Dead | Progress
-_SMALLEST = Alive(0, 0).size
+_SMALLEST = Alive.size
 
 
 # --------------------------------------------------------------------------------------------- messages
@@ -364,36 +357,42 @@ class _Queue:
         per message stays constant however long the queue."""
         out: list[Update] = []
         used = 0
-        moved: list[tuple[int, Update]] = []
-        for t, tier in enumerate(self.tiers):
-            if len(out) >= max_count or max_bytes - used < _SMALLEST:
-                break
+        moved: list[tuple[int, Update]] = []  # reinserted after the walk, so none is taken twice
+        where = self.where
+        tiers = self.tiers
+        for t in range(len(tiers)):
+            tier = tiers[t]
             if not tier:
                 continue
             picked: list[int] = []
             misses = 0
             for member in reversed(tier):
                 update = tier[member]
-                if used + update.size > max_bytes:
+                size = update.size
+                if used + size > max_bytes:
                     misses += 1
                     if misses > 4:
                         break
                     continue
-                used += update.size
+                used += size
                 out.append(update)
                 picked.append(member)
                 if len(out) >= max_count:
                     break
+            nxt = t + 1
             for member in picked:
                 update = tier.pop(member)
-                del self.where[member]
-                if t + 1 < limit:
-                    moved.append((t + 1, update))
-        for t, update in moved:
-            while len(self.tiers) <= t:
-                self.tiers.append({})
-            self.tiers[t][update.member] = update
-            self.where[update.member] = t
+                if nxt < limit:
+                    moved.append((nxt, update))
+                    where[member] = nxt
+                else:
+                    del where[member]
+            if len(out) >= max_count or max_bytes - used < _SMALLEST:
+                break
+        for nxt, update in moved:
+            if len(tiers) <= nxt:
+                tiers.append({})
+            tiers[nxt][update.member] = update
         return out
 
     def drop(self, member: int) -> None:
