@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-scale-sim bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -99,6 +99,11 @@ bench-wan: install
 # "The swarm's own traffic"); about 2 min.
 bench-membership: install
 	$(PY) bench/membership.py --write-docs
+
+# Membership and pairing at 1,000 and 10,000 nodes, in-process (issue #24; section "Scale: simulation"): the
+# SWIM core of node/swarm/membership.py on a simulated network with churn; about 10 min on one core, ~3 GB of RAM.
+bench-scale-sim: install
+	$(PY) bench/scale_sim.py --write-docs
 
 # Hostile averaging partners against a real victim, then 1 GiB pushed past a stream's receive window into a
 # real daemon (docs/reliability.md); about 3 min.
