@@ -11,6 +11,7 @@ used as a module (``from protocols import avg``; ``avg.initiate``, ``avg.respond
     hlc.py       HybridLogicalClock, Timestamp: the order of those records
     snapshot.py  /starling/snapshot: a late joiner downloads a donor's weights; SnapshotServer, JoinDownload
     dialback.py  /starling/dialback: reachability checked by peers dialling back; DialbackService, Verdict
+    swim.py      /starling/swim: SWIM membership messages (Ping, Ack, Alive, Suspect, ...) and their codec
 
 The names below are importable from the package itself (``from protocols import MemberRecord``); each
 module is imported on first use, so ``import protocols`` loads neither numpy (avg, codec, snapshot) nor

@@ -72,7 +72,23 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+
+# The messages are the protocol layer's (protocols/swim.py, with their wire codec); re-exported here.
+from protocols.swim import (
+    MAX_UINT32,
+    Ack,
+    Alive,
+    Dead,
+    Message,
+    Ping,
+    PingReq,
+    Progress,
+    Suspect,
+    SyncReply,
+    SyncRequest,
+    Update,
+    message_size,
+)
 
 __all__ = [
     "ALIVE",
@@ -99,14 +115,7 @@ __all__ = [
 UNKNOWN, ALIVE, SUSPECT, DEAD = 0, 1, 2, 3
 STATE_NAMES = {UNKNOWN: "unknown", ALIVE: "alive", SUSPECT: "suspect", DEAD: "dead"}
 
-# What the wire carries (protocols' msgpack framing), for honest byte counts.
-PEER_ID_BYTES = 38  # an ed25519 peer ID (identity multihash of the public key)
-SIG_BYTES = 64  # an ed25519 signature
-FRAME_BYTES = 8  # msgpack map header, message type, protocol version
-SEQ_BYTES = 4
-INC_BYTES = 4
-MAX_UINT32 = 2**32 - 1
-#: Most an incarnation (or progress version) may run ahead of what this node holds: an honest member raises
+#: Most an incarnation#: Most an incarnation (or progress version) may run ahead of what this node holds: an honest member raises
 #: its own by one per refutation; a claim far ahead is a replay from another life or a game, and adopting it
 #: would let one sender burn the counter.
 MAX_INCARNATION_JUMP = 1 << 16
@@ -135,145 +144,6 @@ class Registry:
     def __len__(self) -> int:
         return len(self._names)
 
-
-# ---------------------------------------------------------------------------------------------- updates
-
-
-@dataclass(frozen=True, slots=True)
-class Alive:
-    """``member`` is alive at ``incarnation``: signed by the member (only it raises its incarnation)."""
-
-    member: int
-    incarnation: int
-
-    size: ClassVar[int] = 1 + PEER_ID_BYTES + INC_BYTES + SIG_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class Suspect:
-    """``accuser`` suspects ``member`` at ``incarnation``: signed by the accuser (confirmations are counted
-    per accuser, so they must not be forgeable)."""
-
-    member: int
-    incarnation: int
-    accuser: int
-
-    size: ClassVar[int] = 1 + 2 * PEER_ID_BYTES + INC_BYTES + SIG_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class Dead:
-    """``accuser`` declares ``member`` dead at ``incarnation``; ``accuser == member``: a graceful leave."""
-
-    member: int
-    incarnation: int
-    accuser: int
-
-    size: ClassVar[int] = 1 + 2 * PEER_ID_BYTES + INC_BYTES + SIG_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class Progress:
-    """``member``'s training progress, version ``version`` (newer replaces older): signed by the member."""
-
-    member: int
-    version: int
-    outer_step: int
-    loss: float
-    samples_per_s: float
-
-    size: ClassVar[int] = 1 + PEER_ID_BYTES + INC_BYTES + 8 + 4 + 4 + SIG_BYTES  # wire bytes: a constant, so a class attribute
-
-
-Update = Alive | Suspect | Dead | Progress
-_SMALLEST = Alive.size
-
-
-# --------------------------------------------------------------------------------------------- messages
-
-
-@dataclass(frozen=True, slots=True)
-class Ping:
-    """A probe; ``target`` is who the sender means (a ping that reaches someone else is not acked)."""
-
-    sender: int
-    seq: int
-    target: int
-    updates: tuple[Update, ...] = ()
-
-    @property
-    def size(self) -> int:
-        return FRAME_BYTES + SEQ_BYTES + PEER_ID_BYTES + sum(u.size for u in self.updates)
-
-
-@dataclass(frozen=True, slots=True)
-class PingReq:
-    """Please ping ``target`` for me and pass its ack on (SWIM's indirect probe)."""
-
-    sender: int
-    seq: int
-    target: int
-    updates: tuple[Update, ...] = ()
-
-    @property
-    def size(self) -> int:
-        return FRAME_BYTES + SEQ_BYTES + PEER_ID_BYTES + sum(u.size for u in self.updates)
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    """The answer to a ping (or, from an intermediary, the news that the target answered)."""
-
-    sender: int
-    seq: int
-    updates: tuple[Update, ...] = ()
-
-    @property
-    def size(self) -> int:
-        return FRAME_BYTES + SEQ_BYTES + sum(u.size for u in self.updates)
-
-
-@dataclass(frozen=True, slots=True)
-class SyncRequest:
-    """A push-pull (``cursor`` -1: answer with a slice from your own walking cursor) or a joiner's page
-    request (``cursor`` >= 0: the page of your table from there). Carries a slice of the sender's table and
-    the sender's view of the receiver (so that a member held suspect or dead refutes at once)."""
-
-    sender: int
-    seq: int
-    cursor: int
-    entries: tuple[Alive | Suspect | Dead, ...] = ()
-    view_of_you: Alive | Suspect | Dead | None = None
-
-    @property
-    def size(self) -> int:
-        you = self.view_of_you.size if self.view_of_you is not None else 1
-        return FRAME_BYTES + SEQ_BYTES + 8 + you + sum(u.size for u in self.entries)
-
-
-@dataclass(frozen=True, slots=True)
-class SyncReply:
-    """The answer: a slice of the table, where to continue (-1: the end), ``busy`` if refused for now."""
-
-    sender: int
-    seq: int
-    next_cursor: int
-    entries: tuple[Alive | Suspect | Dead, ...] = ()
-    view_of_you: Alive | Suspect | Dead | None = None
-    busy: bool = False
-
-    @property
-    def size(self) -> int:
-        you = self.view_of_you.size if self.view_of_you is not None else 1
-        return FRAME_BYTES + SEQ_BYTES + 8 + 1 + you + sum(u.size for u in self.entries)
-
-
-Message = Ping | PingReq | Ack | SyncRequest | SyncReply
-
-
-def message_size(message: Message) -> int:
-    """Bytes the message's payload takes on the wire (stream framing and transport headers not counted)."""
-    return message.size
 
 
 # ------------------------------------------------------------------------------------------ configuration
@@ -320,6 +190,9 @@ class _Suspicion:
     start: float
     deadline: float
     accusers: set[int] = field(default_factory=set)
+
+
+_SMALLEST = Alive.size
 
 
 class _Queue:
