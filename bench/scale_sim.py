@@ -146,6 +146,9 @@ def run(n: int, minutes: float, seed: int, churn: float, outer_s: float, sample:
     while t < end:
         t = min(t + 1.0, end)
         net.run_until(t)
+        if t % 60 == 0:
+            print(f"  {n} nodes: {t:.0f} of {end:.0f} simulated s after {time.time() - wall0:.0f} s",
+                  file=sys.stderr, flush=True)
         # Trainers whose outer step falls in this second publish their progress.
         for pid in list(live):
             if int(t) % int(outer_s) == phase[pid]:

@@ -172,7 +172,8 @@ class Ack:
 @dataclass(frozen=True, slots=True)
 class SyncRequest:
     """A push-pull (``cursor`` -1: answer with a slice from your own walking cursor) or a joiner's page
-    request (``cursor`` >= 0: the page of your table from there). Carries a slice of the sender's table and
+    request (``cursor`` >= 0: the entries of your table whose peers hash into buckets [cursor, until); every
+    node computes the buckets alike, so a joiner asks a different member for each page). Carries a slice of the sender's table and
     the sender's view of the receiver (so that a member held suspect or dead refutes at once)."""
 
     sender: int
@@ -180,11 +181,12 @@ class SyncRequest:
     cursor: int
     entries: tuple[Alive | Suspect | Dead, ...] = ()
     view_of_you: Alive | Suspect | Dead | None = None
+    until: int = 0  # a page request: the end of the hash-bucket range [cursor, until) asked for
 
     @property
     def size(self) -> int:
         you = self.view_of_you.size if self.view_of_you is not None else 1
-        return FRAME_BYTES + SEQ_BYTES + 8 + you + sum(u.size for u in self.entries)
+        return FRAME_BYTES + SEQ_BYTES + 8 + 4 + you + sum(u.size for u in self.entries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +256,8 @@ def encode(message: Message, name_of: NameOf) -> bytes:
     else:
         m["t"] = _SYNC_REQUEST if isinstance(message, SyncRequest) else _SYNC_REPLY
         m["c"] = message.cursor if isinstance(message, SyncRequest) else message.next_cursor
+        if isinstance(message, SyncRequest):
+            m["w"] = message.until
         m["e"] = [_encode_claim(u, name_of) for u in message.entries]
         m["y"] = _encode_claim(message.view_of_you, name_of) if message.view_of_you is not None else None
         if isinstance(message, SyncReply):
@@ -330,7 +334,7 @@ def _claims(raw: object, cap: int, id_of: IdOf, verify: Verify | None, what: str
 
 _KEYS = {
     _PING: {"v", "t", "s", "g", "u"}, _PING_REQ: {"v", "t", "s", "g", "u"}, _ACK: {"v", "t", "s", "u"},
-    _SYNC_REQUEST: {"v", "t", "s", "c", "e", "y"}, _SYNC_REPLY: {"v", "t", "s", "c", "e", "y", "b"},
+    _SYNC_REQUEST: {"v", "t", "s", "c", "e", "y", "w"}, _SYNC_REPLY: {"v", "t", "s", "c", "e", "y", "b"},
 }
 
 
@@ -372,7 +376,7 @@ def decode(data: bytes, sender: int, id_of: IdOf, verify: Verify | None = None) 
     if isinstance(you, Progress):
         raise _bad("a view of the receiver is a membership claim")
     if kind == _SYNC_REQUEST:
-        return SyncRequest(sender, seq, cursor, entries, you)
+        return SyncRequest(sender, seq, cursor, entries, you, _int(m["w"], 0, MAX_CURSOR, "until"))
     busy = m["b"]
     if type(busy) is not bool:
         raise _bad("busy must be a boolean")

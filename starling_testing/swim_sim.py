@@ -53,7 +53,8 @@ class SimNet:
 
             def hook(member: int, old: int, new: int, now: float, me: int = pid) -> None:
                 outer(me, member, old, new, now)
-        node = Membership(pid, self.now, random.Random(self.rng.getrandbits(64)), self.config, on_change=hook)
+        node = Membership(pid, self.now, random.Random(self.rng.getrandbits(64)), self.config, on_change=hook,
+                          registry=self.registry)
         if preload is not None:
             node.preload(preload, self.now)
         self.nodes[pid] = node

@@ -66,6 +66,7 @@ an injected ``random.Random``. ``tick(now)`` and ``receive(now, message)`` retur
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from array import array
@@ -121,6 +122,14 @@ STATE_NAMES = {UNKNOWN: "unknown", ALIVE: "alive", SUSPECT: "suspect", DEAD: "de
 MAX_INCARNATION_JUMP = 1 << 16
 
 
+#: The hash space joiners page through (see :class:`Registry`).
+BUCKETS = 1 << 16
+
+
+def bucket_of(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
+
+
 class Registry:
     """Peer names interned to small ints, so that tables are columns and messages carry ints in-process.
 
@@ -130,12 +139,16 @@ class Registry:
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
         self._names: list[str] = []
+        #: Each peer's place in a hash space every node computes alike (``BUCKETS`` buckets of the sha256
+        #: of its name): a joiner pages through the swarm's tables by it, asking a different member each page.
+        self.buckets = array("H")
 
     def intern(self, name: str) -> int:
         pid = self._ids.get(name)
         if pid is None:
             pid = self._ids[name] = len(self._names)
             self._names.append(name)
+            self.buckets.append(bucket_of(name))
         return pid
 
     def name(self, pid: int) -> str:
@@ -158,9 +171,9 @@ class MembershipConfig:
     suspicion_mult: int = 4  # minimum suspicion timeout = mult x max(1, log10 N) x period_s
     suspicion_max_mult: int = 6  # the timeout starts at this times the minimum
     retransmit_mult: int = 4  # each update is sent mult x ceil(log10(N + 1)) times by each node
-    max_updates: int = 8  # updates piggy-backed on one message (sent and accepted)
-    max_piggyback_bytes: int = 1024  # bytes of updates piggy-backed on one message
-    progress_bytes: int = 384  # of those, at most this much progress
+    max_updates: int = 16  # updates piggy-backed on one message (sent and accepted)
+    max_piggyback_bytes: int = 2048  # bytes of updates piggy-backed on one message
+    progress_bytes: int = 2048  # of those, at most this much progress (it fills what membership news leaves)
     progress_interval_s: float = 30.0  # this node republishes its progress at most this often
     max_queue: int = 1024  # membership updates waiting to be (re)sent; the most sent are dropped first
     max_progress_queue: int = 256  # progress updates waiting to be (re)sent
@@ -171,6 +184,7 @@ class MembershipConfig:
     pushpull_dead_every: int = 4  # one push-pull out of this many goes to a member held dead, if any
     join_page_entries: int = 256  # table entries per page of a joiner's sync
     join_page_s: float = 0.5  # one page request per this many seconds while joining
+    join_span: int = BUCKETS // 64  # hash buckets a joiner's first page request covers (then adapted)
     sync_timeout_s: float = 3.0  # a sync request unanswered this long is sent again (joining)
     sync_serve_per_s: float = 4.0  # pages this node serves per second at most (token bucket)
     max_relays: int = 32  # indirect probes this node runs for others at once
@@ -282,8 +296,9 @@ class Membership:
     """One node's SWIM membership: its member table, probes, suspicions and broadcast queues."""
 
     def __init__(self, me: int, now: float, rng: random.Random, config: MembershipConfig | None = None,
-                 on_change: ChangeHook | None = None) -> None:
+                 on_change: ChangeHook | None = None, registry: Registry | None = None) -> None:
         self.me = me
+        self._buckets = registry.buckets if registry is not None else None
         self.config = config or MembershipConfig()
         self.rng = rng
         self.on_change = on_change
@@ -316,9 +331,10 @@ class Membership:
         self._next_pushpull = now + rng.random() * self.config.pushpull_s
         self._pushpulls = 0
         self._pp_cursor = 0
-        # Joining: the seed, the cursor into its table, when to ask next, the request outstanding.
-        self._join_seed: int | None = None
+        # Joining: who serves the page asked for, the hash-space cursor and span, when to ask (again).
+        self._join_server: int | None = None
         self._join_cursor = 0
+        self._join_span = self.config.join_span
         self._join_next = math.inf
         self._join_seq = -1
         self._sync_tokens = self.config.sync_serve_per_s
@@ -449,17 +465,25 @@ class Membership:
         self._grow(seed)
         if self._state[seed] == UNKNOWN:
             self._set(seed, ALIVE, 0, now)
-        self._join_seed, self._join_cursor = seed, 0
-        return self._join_request(now)
+        self._join_server, self._join_cursor = seed, 0
+        return self._join_request(now, seed)
 
-    def _join_request(self, now: float) -> Sends:
-        assert self._join_seed is not None
+    def _join_request(self, now: float, server: int | None = None) -> Sends:
+        """Ask for the next page of the swarm's table: the seed first, then a random member each page (so
+        that no member serves a joiner's whole O(N) view), resent to another one if unanswered."""
+        if server is None:
+            picked = self._random_members(1, set())
+            server = picked[0] if picked else self._join_server
+        if server is None:
+            return []
+        self._join_server = server
         self._seq += 1
         self._join_seq = self._seq
         self._join_next = now + self.config.sync_timeout_s  # resent if unanswered
         self.counters["join_pages_asked"] += 1
-        return [(self._join_seed, SyncRequest(self.me, self._seq, self._join_cursor,
-                                              (Alive(self.me, self.incarnation),)))]
+        until = min(self._join_cursor + self._join_span, BUCKETS)
+        return [(server, SyncRequest(self.me, self._seq, self._join_cursor, (Alive(self.me, self.incarnation),),
+                                     until=until))]
 
     def leave(self, now: float) -> None:
         """A graceful departure: our own dead claim goes out on the next messages; we probe no more."""
@@ -503,7 +527,7 @@ class Membership:
         self._reap(now)
         if self._progress_pending is not None and now >= self._progress_due:
             self._publish_progress(now)
-        if now >= self._join_next and self._join_seed is not None:
+        if now >= self._join_next and self._join_server is not None:
             out.extend(self._join_request(now))
         if now >= self._next_probe:
             self._next_probe = max(self._next_probe + self.config.period_s, now)
@@ -622,6 +646,33 @@ class Membership:
             pid += 1
         return out, (pid if pid < size else -1)
 
+    def _bucket(self, pid: int) -> int:
+        if self._buckets is not None:
+            return self._buckets[pid]
+        return bucket_of(str(pid))
+
+    def _page(self, lo: int, hi: int, count: int) -> tuple[list[Alive | Suspect | Dead], int]:
+        """The entries whose hash bucket is in [lo, hi), at most ``count`` (the lowest buckets, whole
+        buckets only); and the bucket to continue from (-1: the end of the hash space)."""
+        state = self._state
+        lo, hi = max(lo, 0), min(hi, BUCKETS)
+        if self._buckets is not None:
+            b = self._buckets
+            found = [(b[pid], pid) for pid in range(len(state)) if state[pid] != UNKNOWN and lo <= b[pid] < hi]
+        else:
+            found = [(self._bucket(pid), pid) for pid in range(len(state))
+                     if state[pid] != UNKNOWN and lo <= self._bucket(pid) < hi]
+        nxt = hi
+        if len(found) > count:
+            found.sort()
+            cut = found[count][0]
+            if cut == lo:  # one bucket holds more than a page: send a page of it and move on
+                cut = lo + 1
+            found = [f for f in found[:count] if f[0] < cut]
+            nxt = cut
+        entries = [e for e in (self._entry(pid) for _, pid in found) if e is not None]
+        return entries, (-1 if nxt >= BUCKETS else nxt)
+
     def _pushpull(self) -> Sends:
         self._pushpulls += 1
         partner: int | None = None
@@ -690,7 +741,7 @@ class Membership:
         if len(entries) > cap:
             self.counters["updates_over_cap"] += len(entries) - cap
             entries = entries[:cap]
-        self._absorb(entries, sender, now, limit=cap)
+        self._absorb(entries, sender, now, limit=cap, transfer=True)
         you = message.view_of_you
         if you is not None and you.member == self.me and not isinstance(you, Progress) and (
                 self.state_of(sender) != UNKNOWN):
@@ -698,14 +749,24 @@ class Membership:
             # how the halves find out): refute. A stranger's claims about us are not worth an incarnation.
             self._about_me(you, now)
         if isinstance(message, SyncReply):
-            if message.seq == self._join_seq and sender == self._join_seed:
+            if message.seq == self._join_seq and sender == self._join_server:
                 if message.busy:
-                    self._join_next = now + self.config.sync_timeout_s
-                elif message.next_cursor < 0:
-                    self._join_seed, self._join_next, self._join_seq = None, math.inf, -1
+                    self._join_next = now + self.config.join_page_s  # another member, soon
+                elif message.next_cursor < 0 or message.next_cursor >= BUCKETS:
+                    self._join_server, self._join_next, self._join_seq = None, math.inf, -1
                     self.counters["joined"] += 1
                 else:
-                    self._join_cursor = message.next_cursor
+                    if message.next_cursor <= self._join_cursor:
+                        self.counters["join_page_stuck"] += 1
+                        self._join_cursor += 1
+                    else:
+                        # Adapt the span so that a page comes about half full: fewer requests, none cut.
+                        n = len(message.entries)
+                        if n < self.config.join_page_entries // 4:
+                            self._join_span = min(BUCKETS, self._join_span * 2)
+                        elif n > self.config.join_page_entries // 2:
+                            self._join_span = max(1, self._join_span // 2)
+                        self._join_cursor = message.next_cursor
                     self._join_next = now + self.config.join_page_s
             return []
         # A request: serve a page (a joiner's cursor, or our own walking cursor for a push-pull).
@@ -717,29 +778,47 @@ class Membership:
             return [(sender, SyncReply(self.me, message.seq, message.cursor, (), self._entry(sender), busy=True))]
         self._sync_tokens -= 1
         if message.cursor >= 0:
-            entries_out, nxt = self._slice(message.cursor, self.config.join_page_entries)
+            self.counters["pages_served"] += 1
+            entries_out, nxt = self._page(message.cursor, message.until, self.config.join_page_entries)
         else:
             entries_out, nxt = self._slice(self._pp_cursor, self.config.pushpull_entries)
             self._pp_cursor = 0 if nxt < 0 else nxt
         return [(sender, SyncReply(self.me, message.seq, nxt, (Alive(self.me, self.incarnation), *entries_out),
                                    self._entry(sender)))]
 
-    def _absorb(self, updates: Iterable[Update], sender: int, now: float, limit: int | None = None) -> None:
+    def _absorb(self, updates: Iterable[Update], sender: int, now: float, limit: int | None = None,
+                transfer: bool = False) -> None:
+        """Apply what a peer sent, within the caps. ``transfer``: table entries from a sync, whose members
+        new to us are not news to the swarm (not gossiped on: a joiner would flood its queue with the whole
+        table and crowd out its own announcement)."""
         cap = self.config.max_updates if limit is None else limit
         member = self._is_member(sender)
+        state, incs, pver = self._state, self._inc, self._pver
+        size = len(state)
         for i, update in enumerate(updates):
             if i >= cap:
                 self.counters["updates_over_cap"] += 1
                 continue
+            pid = update.member
+            # Fast path: old news (most of what arrives once a swarm is settled).
+            if 0 <= pid < size and pid != self.me:
+                if isinstance(update, Progress):
+                    if update.version <= pver[pid] and member:
+                        continue
+                elif isinstance(update, Alive):
+                    if update.incarnation <= incs[pid] and state[pid] != UNKNOWN:
+                        continue
+                elif state[pid] == DEAD and update.incarnation <= incs[pid]:
+                    continue
             if not member and not (isinstance(update, Alive) and update.member == sender):
                 # A non-member may only announce itself (a joiner); the rest waits until it is one.
                 self.counters["from_non_member"] += 1
                 continue
-            self._apply(update, sender, now)
+            self._apply(update, sender, now, gossip=not transfer or self.state_of(pid) != UNKNOWN)
             if not member:
                 member = self._is_member(sender)
 
-    def _apply(self, update: Update, sender: int, now: float) -> None:
+    def _apply(self, update: Update, sender: int, now: float, gossip: bool = True) -> None:
         pid = update.member
         if isinstance(update, Progress):
             self._apply_progress(update)
@@ -764,7 +843,8 @@ class Membership:
             elif inc <= held:
                 return  # old news (an alive claim never beats a suspicion of the same incarnation)
             self._set(pid, ALIVE, inc, now)
-            self._queue.put(update)
+            if gossip:
+                self._queue.put(update)
             return
         accuser = update.accuser
         if isinstance(update, Dead) and accuser == pid:
@@ -777,10 +857,12 @@ class Membership:
         if isinstance(update, Suspect):
             if state == SUSPECT and inc == held:
                 s = self._suspicions.get(pid)
-                if s is not None and accuser not in s.accusers:
+                if s is not None and accuser not in s.accusers and len(s.accusers) <= self._suspicion_bounds()[2]:
+                    # Up to k independent confirmations count and travel on (memberlist's rule): more would
+                    # shorten nothing, and each one re-sent costs every node a slot per message.
                     s.accusers.add(accuser)
                     s.deadline = self._suspicion_deadline(s)
-                    self._queue.put(update)  # the confirmation travels on
+                    self._queue.put(update)
                 return
             self._set(pid, SUSPECT, inc, now)
             s = _Suspicion(inc, now, now, {accuser})
