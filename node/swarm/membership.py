@@ -243,18 +243,18 @@ class _Queue:
         dropped after its ``limit``-th transmission. Scans a few entries past what fits, no more: the cost
         per message stays constant however long the queue."""
         out: list[Update] = []
-        used = 0
-        moved: list[tuple[int, Update]] = []  # reinserted after the walk, so none is taken twice
         where = self.where
+        if not where:
+            return out
+        used = taken = 0
+        moved: list[tuple[int, Update]] = []  # reinserted after the walk, so none is taken twice
         tiers = self.tiers
-        for t in range(len(tiers)):
-            tier = tiers[t]
+        for t, tier in enumerate(tiers):
             if not tier:
                 continue
             picked: list[int] = []
             misses = 0
-            for member in reversed(tier):
-                update = tier[member]
+            for member, update in reversed(tier.items()):
                 size = update.size
                 if used + size > max_bytes:
                     misses += 1
@@ -264,7 +264,8 @@ class _Queue:
                 used += size
                 out.append(update)
                 picked.append(member)
-                if len(out) >= max_count:
+                taken += 1
+                if taken >= max_count:
                     break
             nxt = t + 1
             for member in picked:
@@ -274,7 +275,7 @@ class _Queue:
                     where[member] = nxt
                 else:
                     del where[member]
-            if len(out) >= max_count or max_bytes - used < _SMALLEST:
+            if taken >= max_count or max_bytes - used < _SMALLEST:
                 break
         for nxt, update in moved:
             if len(tiers) <= nxt:
