@@ -17,23 +17,28 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
 * **Lifeguard suspicion timeout** (HashiCorp memberlist, Lifeguard paper). A suspicion turns into death
   after a timeout that starts at ``suspicion_max_mult`` x the minimum and shrinks, as other members
   independently suspect the same incarnation, towards the minimum ``suspicion_mult x max(1, log10 N) x
-  period_s`` (reached at ``suspicion_mult - 2`` confirmations). Why: one node with a bad link alone takes
-  long to kill anyone; several agreeing take little; and the time grows with log N because the refutation
-  needs log N periods to reach the suspect and come back.
+  period_s`` (reached at ``suspicion_mult - 2`` confirmations; only that many travel on, as in memberlist,
+  since more would shorten nothing and each costs every node slots). Why: one node with a bad link alone
+  takes long to kill anyone; several agreeing take little; and the time grows with log N because the
+  refutation needs log N periods to reach the suspect and come back.
 * **Dissemination.** Every state change (alive / suspect / dead claims) enters a bounded broadcast queue
   and rides on the probe traffic (pings, ping-reqs and acks) already being sent, the least transmitted
   first, each retransmitted ``retransmit_mult x ceil(log10(N + 1))`` times, at most ``max_updates`` updates
   and ``max_piggyback_bytes`` per message. A node that learns something new queues it in turn (infection
   style), so news reaches everyone in O(log N) periods while no message grows.
 * **Progress** (outer step, loss, samples/s) is a small signed, versioned per-member payload on a second
-  queue that only fills what room the membership news leaves, at most ``progress_bytes`` per message. A
-  node republishes its own at most every ``progress_interval_s``. So a node's progress traffic is bounded
-  per node, not per member; the price is that, where N members' progress no longer fits into that room,
-  each node sees a sample of the others' progress, older as N grows (bench/scale_sim.py measures it).
-* **Joins** go through a seed: the joiner pulls the seed's table in pages (``SyncRequest`` with a cursor
-  into the seed's table, one page per ``join_page_s``), while its own ``Alive`` spreads by gossip from the
-  seed. A full view costs the joiner O(N) once; the seed serves at most ``sync_serve_per_s`` pages a
-  second (excess is answered "busy", to retry), so joiners cannot make a member's load grow with N.
+  queue that fills only the room the membership news leaves in each message (at most ``progress_bytes``). A
+  node republishes its own at most every ``progress_interval_s``. So a node's traffic is bounded per node,
+  not per member: every message is about as full at 1,000 members as at 10,000; what N changes is how much
+  of the others' progress each node holds and how old it is (bench/scale_sim.py measures both).
+* **Joins** go through a seed: the joiner announces itself to the seed (whose ``Alive`` news spreads by
+  gossip) and pulls the swarm's table in pages, by hash bucket of the peer names (:class:`Registry`), which
+  every node computes alike: page k is asked of a random member already known, one page per
+  ``join_page_s``, each at most ``join_page_entries`` entries, the bucket span adapted so that pages come
+  about half full. A full view costs the joiner O(N) once; each member serves at most ``sync_serve_per_s``
+  pages a second (excess answered "busy", asked elsewhere) and, spread this way, a handful per join swarm-
+  wide rather than the seed serving all N. Entries a sync hands over are applied but not gossiped on (the
+  swarm knows them; a joiner re-sending its whole table would crowd out its own announcement).
 * **Push-pull** for convergence after partitions (what gossip alone cannot heal: each half has declared
   the other dead and no longer probes it). Every ``pushpull_s`` a node exchanges a *slice* of its table
   (``pushpull_entries`` entries from a cursor that walks its table) with one random member, in one try
