@@ -2,7 +2,8 @@
 
     averager.py            Averager: the round state machine (pair and average, or step solo), admission
                            (per-IP caps, bans, the link table), group arithmetic, the outer-step counter
-    pairing.py             schedule, scheduled_partners: who averages with whom at each outer step
+    pairing.py             schedule, scheduled_partners: who averages with whom at each outer step, from each
+                           node's own member list (local: views a few members apart still agree); agreement
     partner_misses.py      PartnerMisses: trainers that miss round after round stop counting as partners
     robust.py              UpdateBound: how far one partner's values may move us
     compression_choice.py  choose_compression: `sync.compression = auto`'s preset for each exchange

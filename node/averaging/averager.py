@@ -1,9 +1,9 @@
 """The daemon's side of an outer step: pair with one partner and average, or step solo.
 
 The worker publishes `(phi, Delta)` in shared memory and the supervisor calls `Averager.exchange`. Who
-pairs with whom comes from a schedule that every trainer computes alike from the outer step and the
+pairs with whom comes from a schedule that every trainer computes from the outer step and the
 trainers it knows (node/averaging/pairing.py: a fresh random matching per outer step, the solo step rotating
-when their number is odd), because "whoever asks first" phase-locks equal machines into fixed pairs and
+when their number is odd, and local: views a few members apart still give nearly everyone the same partner), because "whoever asks first" phase-locks equal machines into fixed pairs and
 starves an odd one out. For up to `sync.pair_window_s`:
 
 1. *Scheduled phase* (the first half of the window): only the scheduled partner counts. The smaller
@@ -621,8 +621,9 @@ class Averager:
         return statistics.median(moves)
 
     def _schedule_members(self) -> list[str]:
-        """The other trainers the schedule pairs us among: the eligible ones (the swarm state's view, the
-        same on every node), or the connected peers where no such view is given (tests, benchmarks)."""
+        """The other trainers the schedule pairs us among: the eligible ones (the swarm state's view; other
+        nodes' views may differ by a few members, which moves only a few partners), or the connected peers
+        where no such view is given (tests, benchmarks)."""
         if self.eligible_peers is not None:
             members = set(self.eligible_peers())
         else:
