@@ -22,25 +22,28 @@ nobody's scheduled partner names them back. The matching here is built so that i
   own list alone.
 - Adding or removing a member flips the parity of the subtrees on its root path only, so only the pairs
   formed along that path change: the matching of a node whose view lacks or has one member more differs in
-  the partners of O(log2 N) nodes (measured: at most about 1.2 x log2 N, mean about 0.5 x log2 N at 64 to
-  10,000 members; tests/test_pairing.py, docs/benchmarks.md "Tolerating different member lists"), and d
-  differences cost at most d times that.
+  the partners of O(log2 N) nodes: about 0.55 x log2 N on average at 64 to 10,000 members, rarely more
+  than 2.5 x log2 N (tests/test_pairing.py gives the analysis; docs/benchmarks.md "Tolerating different
+  member lists" the agreement it buys). d differences cost about d times one at most.
 - Keys are fresh at every outer step and independent of each other, so each member's partner is uniform
   over the others (the members are exchangeable under i.i.d. keys) and drawn afresh: partners spread over
   the whole swarm and no pairs stay fixed, as with the reference's permutation.
 
 Byes. With an odd number of trainers one trainer sits out (a *bye*: a solo step). In a small swarm byes go
-round the trainers in a fixed order (by a hash of each PeerID, so a join changes it locally too): each
-sits out exactly once every N outer steps, and with three trainers each averages in two of every three (a
-bye drawn at random instead can hit the same trainer several times in a row; over the ten or twenty outer
-steps of a few minutes that starves one trainer visibly). Above `BYE_ROTATION_MAX` trainers the bye is the
-trie's root leftover: uniform at random, so fair on average, and a random bye no longer starves anyone (at
-33 trainers the unluckiest of them sits out 4 or more of 20 outer steps in 9% of windows, and the 60%
-averaged of issue #12 needs 9), while the rotation costs locality: `round mod N` picks another trainer for
-every N, so two views of different odd counts disagree on the bye, which perturbs the trie as two more
-differing members would. In small swarms every node holds every member and views agree but for seconds
-after a join, so there exact fairness wins; in large ones locality does. The threshold is even, so views one
-member apart never straddle it with both counts odd (31 and 32, 32 and 33: one side has no bye at all).
+round the trainers in a fixed order (by a hash of each PeerID, so a join moves it locally too): each sits
+out exactly once every N outer steps, and with three trainers each averages in two of every three (a bye
+drawn at random instead can hit the same trainer several times in a row; over the ten or twenty outer steps
+of a few minutes that starves one trainer visibly). The rotating bye steps out of its trie pair and the
+trie's leftover takes its place, so the rotation moves three partners, not a root path. Above
+`BYE_ROTATION_MAX` trainers the bye is simply the trie's root leftover: uniform at random, so fair on
+average, and at that size a random bye starves nobody (at 33 trainers the unluckiest of them sits out 4 or
+more of 20 outer steps in 9% of windows, while falling below issue #12's 60% averaged would take 9). The
+rotation costs locality: `round mod N` names another trainer for every N, so views of different odd counts
+disagree on the bye and on the three partners around it (measured at 16 and 17 members: 4.1 nodes' partners
+differ on average, against 2.7 from the trie alone). Small swarms hold every member and their views agree
+but for seconds after a join, so there exact fairness wins; in large ones locality does. The threshold is
+even, so views one member apart never straddle it with both counts odd (31 and 32, 32 and 33: one side has
+no bye at all).
 
 Machines of different speeds. Where the member records show trainers in more than one speed tier (factor-2
 buckets of their `samples_per_s`), a share `TIER_SHARE` of the outer steps (drawn from the outer step
@@ -178,17 +181,20 @@ def schedule(members: Iterable[str], round_no: int,
     it (docs/benchmarks.md, "Heterogeneous machines, in-process"): the pairs' consensus error ate what the
     slow machines' samples brought."""
     names = set(members)
-    bye: str | None = None
-    if len(names) % 2 and len(names) <= BYE_ROTATION_MAX:
-        order = sorted(names, key=lambda n: (_keys([n], "byes")[n], n))
-        bye = order[round_no % len(order)]
-        names.discard(bye)
     keys = _keys(names, "round", round_no)
     if _tiered(round_no):
         keys = {n: (_tier_code(speed_tier((speeds or {}).get(n))) << KEY_BITS) | k for n, k in keys.items()}
-    pairs, leftover = trie_matching((k, n) for n, k in keys.items())
-    if leftover is not None:
-        bye = leftover
+    pairs, bye = trie_matching((k, n) for n, k in keys.items())
+    if bye is not None and len(names) <= BYE_ROTATION_MAX:
+        # The rotation's bye steps out of its pair, and the trie's leftover takes its place: three
+        # partners move, not the whole trie (as leaving the bye out of the trie would move its root path).
+        rank = _keys(names, "byes")
+        rotating = sorted(names, key=lambda n: (rank[n], n))[round_no % len(names)]
+        if rotating != bye:
+            i = next(i for i, pair in enumerate(pairs) if rotating in pair)
+            other = pairs[i][1] if pairs[i][0] == rotating else pairs[i][0]
+            pairs[i] = (bye, other) if keys[bye] < keys[other] else (other, bye)
+            bye = rotating
     first: dict[str, str | None] = {}
     second: dict[str, str | None] = {}
     if bye is not None:
