@@ -25,9 +25,11 @@ nobody's scheduled partner names them back. The matching here is built so that i
   the partners of O(log2 N) nodes: about 0.55 x log2 N on average at 64 to 10,000 members, rarely more
   than 2.5 x log2 N (tests/test_pairing.py gives the analysis; docs/benchmarks.md "Tolerating different
   member lists" the agreement it buys). d differences cost about d times one at most.
-- Keys are fresh at every outer step and independent of each other, so each member's partner is uniform
-  over the others (the members are exchangeable under i.i.d. keys) and drawn afresh: partners spread over
-  the whole swarm and no pairs stay fixed, as with the reference's permutation.
+- Keys are fresh at every outer step and independent of each other, so (outside the like-speed steps
+  below) each member's partner is uniform over the others, the members being exchangeable under i.i.d.
+  keys, and drawn afresh: partners spread over the whole swarm and no pairs stay fixed, as with the
+  reference's permutation. (The matching is not uniform over all perfect matchings: pairs never cross in
+  key order. Per member and over a window it mixes as a uniform one does: docs/benchmarks.md.)
 
 Byes. With an odd number of trainers one trainer sits out (a *bye*: a solo step). In a small swarm byes go
 round the trainers in a fixed order (by a hash of each PeerID, so a join moves it locally too): each sits
