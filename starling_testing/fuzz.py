@@ -653,6 +653,7 @@ def avg_messages() -> list[Any]:
         avg.AvgAnswer(verdict="accept", outer_step=3, pubkey=bytes(range(32)), session_id=bytes(16),
                       datapath_port=4242),
         avg.AvgAnswer(verdict="busy", reason="not ready"),
+        avg.AvgAnswer(verdict="busy", reason="not ready", code=avg.AnswerCode.NOT_READY.value),
         avg.AvgAnswer(verdict="refuse", reason="manifest mismatch", outer_step=9),
         avg.AvgPath("stream"),
         avg.AvgPath("datapath"),
@@ -1071,9 +1072,9 @@ def _datapath_keys() -> tuple[Any, Any]:
     """Matching initiator and responder keys for one fixed session (re-registered for every input)."""
     initiator, responder = KeyAgreement(), KeyAgreement()
     ki = initiator.derive(role=Role.INITIATOR, peer_public_key=responder.public_key, session_id=_SESSION_ID,
-                          local_peer_id=b"i", remote_peer_id=b"r", protocol_id=avg.PROTOCOL_ID)
+                          local_peer_id=b"i", remote_peer_id=b"r", protocol_id=avg.KEYS_PROTOCOL_ID)
     kr = responder.derive(role=Role.RESPONDER, peer_public_key=initiator.public_key, session_id=_SESSION_ID,
-                          local_peer_id=b"r", remote_peer_id=b"i", protocol_id=avg.PROTOCOL_ID)
+                          local_peer_id=b"r", remote_peer_id=b"i", protocol_id=avg.KEYS_PROTOCOL_ID)
     return ki, kr
 
 

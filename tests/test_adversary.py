@@ -581,7 +581,7 @@ async def test_a_joining_trainer_answers_busy_without_a_false_manifest_error(
     daemon.averager.path_of = lambda peer: "direct"
     caplog.set_level(logging.INFO)
     verdict = daemon.averager._judge(request, None, founder.peer_id)
-    assert verdict is not None and verdict[0] == "busy"
+    assert verdict is not None and verdict[0].busy
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
     loading, ready = SwarmState(create_new_key_pair()), SwarmState(create_new_key_pair())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import AsyncExitStack
 
@@ -22,7 +23,9 @@ from node.config.sync import SyncConfig
 from node.ops.status_view import render_status
 from node.worker.task import layout_hash
 from p2p.host import build_host
-from protocols.avg import AvgRequest, Clip, Received, Tensors, make_plans
+from p2p.wire import LibP2PByteStream, ProtocolError, from_map, recv_msg, send_msg, to_map
+from protocols import avg
+from protocols.avg import AnswerCode, AvgAnswer, AvgRequest, Clip, Received, Tensors, make_plans
 from protocols.codec import round_trip
 from protocols.compress import get_compression
 from starling_testing.averaging import exchange_both, group_sizes
@@ -468,7 +471,7 @@ def held_averager() -> tuple[Averager, trio.Event, list[FakeStream]]:
     av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
     gate, served = trio.Event(), []
 
-    async def serve(stream: FakeStream) -> None:
+    async def serve(stream: FakeStream, *, coded: bool = True) -> None:
         served.append(stream)
         await gate.wait()
 
@@ -609,7 +612,7 @@ async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason()
                           int8_block=4096, chunk_elems=4096, pubkey=bytes(32), compression=compression)
 
     verdict = av._judge(asking("medium"), pending, "peer")
-    assert verdict is not None and verdict[0] == "refuse"
+    assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
     assert "compression mismatch" in verdict[1] and "set the same sync.compression on every trainer" in verdict[1]
     assert av._judge(asking("high"), pending, "peer") is None
 
@@ -619,7 +622,7 @@ def asking_with(compression: str) -> AvgRequest:
                       int8_block=4096, chunk_elems=4096, pubkey=bytes(32), compression=compression)
 
 
-def judged(cfg: SyncConfig, compression: str) -> tuple[str, str] | None:
+def judged(cfg: SyncConfig, compression: str) -> tuple[AnswerCode, str] | None:
     av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1")
     pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
     return av._judge(asking_with(compression), pending, "peer")
@@ -631,12 +634,12 @@ async def test_a_responder_on_auto_takes_the_preset_the_initiator_chose_and_one_
     for preset in ("none", "medium", "high"):
         assert judged(SyncConfig(compression="auto"), preset) is None
     verdict = judged(SyncConfig(compression="none"), "medium")
-    assert verdict is not None and verdict[0] == "refuse"
+    assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
     assert verdict[1] == ("compression mismatch: yours 'medium', ours 'none': set the same sync.compression "
                           "on every trainer")
     for unknown in ("auto", "huge"):  # a request names the preset its wire uses, never `auto`
         refused = judged(SyncConfig(compression="auto"), unknown)
-        assert refused is not None and refused[0] == "refuse" and "compression mismatch" in refused[1]
+        assert refused is not None and refused[0] is AnswerCode.COMPRESSION and "compression mismatch" in refused[1]
 
 
 async def test_a_responder_on_auto_in_groups_of_four_takes_none_only() -> None:
@@ -644,7 +647,7 @@ async def test_a_responder_on_auto_in_groups_of_four_takes_none_only() -> None:
     cfg = SyncConfig(compression="auto", group_size=4)
     assert judged(cfg, "none") is None
     verdict = judged(cfg, "medium")
-    assert verdict is not None and verdict[0] == "refuse" and "sync.group_size = 4" in verdict[1]
+    assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION and "sync.group_size = 4" in verdict[1]
 
 
 async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured_link_calls_for() -> None:
@@ -740,3 +743,54 @@ def test_auto_guesses_a_new_partners_link_from_our_typical_rate_and_keeps_second
     fours = Averager(LoneHost(), SyncConfig(group_size=4), manifest_hash=lambda: "m1", outer_period=lambda: 0.5)
     fours._rate_bps = 1e3  # hopeless for bf16, yet groups of four never get a lossy preset from auto
     assert fours._compression_for("new", pending) == "none"
+
+
+# --- why a partner said no: a code beside the words (protocols/avg.py, `/starling/avg/1.3.0`) ----------------
+
+
+def test_an_answer_is_read_by_its_code_a_1_2_peers_by_its_words_and_an_unknown_code_as_a_plain_no() -> None:
+    """The asker acts on `AnswerCode`, never on the words a 1.3.0 peer sends; a 1.2.0 peer sends only the
+    words, which map to the codes they meant; a code added after 1.3.0, or one that contradicts the
+    verdict, is a plain busy or refusal (not a malformed answer: swarms upgrade node by node)."""
+    assert AnswerCode.of("busy", "not_ready", "whatever it says") is AnswerCode.NOT_READY
+    assert AnswerCode.of("busy", "exchanging", "not ready (training between outer steps)") is AnswerCode.EXCHANGING
+    assert AnswerCode.of("busy", "", "not ready (training between outer steps)") is AnswerCode.NOT_READY
+    assert AnswerCode.of("busy", "", "not ready (in the first round of its outer step)") is AnswerCode.NOT_IN_ROUND
+    assert AnswerCode.of("busy", "", "already exchanging") is AnswerCode.EXCHANGING
+    assert AnswerCode.of("refuse", "", "outer steps too far apart: yours 3, ours 10") is AnswerCode.STEP_GAP
+    assert AnswerCode.of("refuse", "", "not ready") is AnswerCode.REFUSED  # words of a busy answer, refused
+    assert AnswerCode.of("busy", "", "something new") is AnswerCode.BUSY
+    assert AnswerCode.of("busy", "from_the_future", "not ready") is AnswerCode.BUSY
+    assert AnswerCode.of("refuse", "not_ready", "") is AnswerCode.REFUSED  # the code contradicts the verdict
+    assert all(code.asks_again == (code in (AnswerCode.NOT_READY, AnswerCode.NOT_IN_ROUND)) for code in AnswerCode)
+    with pytest.raises(ProtocolError):  # the field's limit
+        from_map(AvgAnswer, {**to_map(AvgAnswer(verdict="busy")), "code": "x" * (avg.MAX_CODE_LEN + 1)})
+
+
+@pytest.mark.parametrize("version", [avg.PROTOCOL_ID, avg.PROTOCOL_ID_1_2])
+async def test_an_averager_answers_each_protocol_version_in_the_fields_that_version_reads(version: str) -> None:
+    """A 1.3.0 averager serves 1.2.0 askers too (nodes not upgraded yet): asked on the 1.2.0 id, its answer
+    has no `code`, which a 1.2.0 node's strict decoder would refuse as an unknown field (and count as a
+    malformed answer, an offence); asked on the 1.3.0 id, the answer carries the code."""
+    legacy_fields = {f.name for f in dataclasses.fields(AvgAnswer)} - {"code"}
+    async with AsyncExitStack() as stack:
+        hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+        for h in hosts:
+            await stack.enter_async_context(h.run(LISTEN))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(Averager(hosts[1], SyncConfig(), manifest_hash=lambda: "m1").run)
+        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+        asking = AvgRequest(outer_step=3, manifest_hash="m1", layout_hash=LAYOUT_HASH, numel=NUMEL,
+                            wire_dtype="bf16", int8_block=4096, chunk_elems=4096, pubkey=bytes(32))
+        with trio.fail_after(10):
+            stream = await hosts[0].new_stream(hosts[1].get_id(), [version])
+            await send_msg(LibP2PByteStream(stream), asking)
+            raw = await recv_msg(LibP2PByteStream(stream))
+        answer = from_map(AvgAnswer, raw)
+        assert answer.verdict == "busy" and answer.reason == "not ready (training between outer steps)"
+        if version == avg.PROTOCOL_ID:
+            assert raw["code"] == "not_ready"
+        else:
+            assert set(raw) - {"t", "v"} <= legacy_fields  # what a 1.2.0 decoder accepts
+            assert AnswerCode.of(answer.verdict, answer.code, answer.reason) is AnswerCode.NOT_READY
+        nursery.cancel_scope.cancel()

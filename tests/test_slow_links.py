@@ -18,6 +18,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averaging.averager import Averager, _Pending
+from node.averaging.partner_misses import Attempt
 from node.bridge.exchange import ExchangeRequest
 from node.config.sync import SyncConfig
 from node.config.train import TrainConfig
@@ -262,14 +263,14 @@ async def test_a_scheduled_partner_still_transferring_over_a_slow_link_is_waited
     typical transfer time."""
     averager = Averager(_NoHost(), SyncConfig(pair_window_s=1.0, datapath=False), manifest_hash=lambda: "m1")
     averager._transfer_s = 8.0  # our exchanges take ~8 s: a slow link
-    answers = iter(["exchanging"] * 6 + ["paired"])
+    answers = iter([Attempt.EXCHANGING] * 6 + [Attempt.PAIRED])
     asked: list[float] = []
 
-    async def try_partner(pending, partner, *, scheduled=False) -> str:
+    async def try_partner(pending, partner, *, scheduled=False) -> Attempt:
         assert scheduled and partner == "12D3KooWZz"  # never anyone else: no open phase meanwhile
         asked.append(trio.current_time() - pending.began)
         outcome = next(answers)
-        if outcome == "paired":
+        if outcome is Attempt.PAIRED:
             pending.claimed_by, pending.result = partner, 2
             pending.done.set()
         return outcome

@@ -74,6 +74,7 @@ Two rules keep heterogeneous machines from drifting apart for good:
 from __future__ import annotations
 
 import collections
+import functools
 import ipaddress
 import logging
 import math
@@ -89,7 +90,7 @@ from libp2p.peer.id import ID
 
 from node.averaging.compression_choice import AUTO, choose_compression
 from node.averaging.pairing import scheduled_partners
-from node.averaging.partner_misses import PartnerMisses
+from node.averaging.partner_misses import Attempt, PartnerMisses
 from node.averaging.robust import UpdateBound
 from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
 from node.config.sync import SyncConfig
@@ -97,7 +98,7 @@ from node.status_schema import DIRECT_PATHS, MixingStatus, SyncStatus
 from p2p.datapath import DataPathListener
 from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
-from protocols.avg import Declined, Rejected, Tensors
+from protocols.avg import AnswerCode, Declined, Rejected, Tensors
 from protocols.compress import PRESETS, get_compression
 
 log = logging.getLogger("starling.averager")
@@ -115,12 +116,8 @@ SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still trai
 # A second-round request that arrives during our first round is held for at most this share of the
 # handshake deadline (the asker's wait for our answer; past it the asker counts a failure against us).
 HOLD_SHARE = 0.5
-# The answer to a second-round request during our first round (the one request that may be held).
-NOT_IN_ROUND = "not ready (in the first round of its outer step)"
-ALREADY_EXCHANGING = "already exchanging"  # the answer of a trainer whose outer step is paired and transferring
-HOLD_MARGIN_S = 0.5
-GAP_REFUSAL = "outer steps too far apart"  # the start of `_judge`'s refusal for `sync.max_step_gap`
-REFUSAL_LOG_S = 60.0  # a refusal is logged at INFO at most this often per peer and kind of reason  # past our first round's window: the second round begins right after it ends
+HOLD_MARGIN_S = 0.5  # past our first round's window: the second round begins right after it ends
+REFUSAL_LOG_S = 60.0  # a refusal is logged at INFO at most this often per peer and kind of reason
 # How long a scheduled partner that is busy *transferring* is waited for: this many times our own typical
 # transfer (an EWMA of our exchanges' durations), when that is longer than the pairing window.
 BUSY_WAIT_FACTOR = 1.5
@@ -249,7 +246,7 @@ class Averager:
         # not after `sync.catch_up_after` more outer steps (a restarted worker resumes from a checkpoint
         # up to `train.checkpoint_every` outer steps back, while its partner went on).
         self.on_behind = on_behind
-        self._refusal_logged: dict[tuple[str, str], float] = {}  # (peer, reason kind) -> trio time logged
+        self._refusal_logged: dict[tuple[str, AnswerCode], float] = {}  # (peer, reason) -> trio time logged
         # Whether any other trainer of our run could pair at all, whatever its outer step: when none can,
         # the outer step is solo at once. Trainers that the records show outside the step gap still get the
         # pairing window: records lag (a heartbeat old), the gap is judged on the actual request, and where
@@ -319,6 +316,8 @@ class Averager:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.host.set_stream_handler(avg.PROTOCOL_ID, self._handle_stream)
+        # A 1.2.0 asker (a node not upgraded yet) is answered without the reason code (protocols/avg.py).
+        self.host.set_stream_handler(avg.PROTOCOL_ID_1_2, functools.partial(self._handle_stream, coded=False))
         async with trio.open_nursery() as nursery:
             if self.listener is not None:
                 await nursery.start(self.listener.serve)
@@ -359,19 +358,19 @@ class Averager:
                                   "seconds_ago": round(now - at, 1), "averaged_since": self._last_success_at > at}
         return st
 
-    def _note_refusal(self, peer: str, by: str, reason: str, ours: int, theirs: int) -> None:
-        """Record a refusal for status and log it at INFO, once a minute per peer and kind of reason: a
-        node that steps solo beside an alive partner must say why (`by`: "partner" refused us, "us")."""
+    def _note_refusal(self, peer: str, by: str, code: AnswerCode, reason: str, ours: int, theirs: int) -> None:
+        """Record a refusal for status and log it at INFO, once a minute per peer and kind of reason
+        (`code`): a node that steps solo beside an alive partner must say why (`by`: "partner" refused us,
+        "us")."""
         now = trio.current_time()
-        kind = reason.split(":", 1)[0]
         hint = ""
-        if kind == GAP_REFUSAL:
+        if code is AnswerCode.STEP_GAP:
             behind = theirs - ours
             hint = (f"{'this node' if behind > 0 else 'the partner'} is {abs(behind)} outer steps behind "
                     f"(sync.max_step_gap {self.cfg.max_step_gap}): "
                     f"{'it' if behind > 0 else 'the partner'} catches up from the swarm")
         self._last_refusal = (peer, by, reason, hint, now)
-        key = (peer, kind)
+        key = (peer, code)
         if now < self._refusal_logged.get(key, -math.inf):
             return
         self._refusal_logged[key] = now + REFUSAL_LOG_S
@@ -685,17 +684,17 @@ class Averager:
         self.misses.note(partner, outcome, scheduled=True)
         if pending.claimed_by is not None:
             return
-        if partner < self.me and outcome in ("not ready", "busy"):
+        if partner < self.me and outcome in (Attempt.NOT_READY, Attempt.BUSY):
             await trio.sleep(0.1)  # the probe: it will ask us (or its crossing request is on its way)
             return
-        if outcome == "exchanging" and pending.window_s is None:
+        if outcome is Attempt.EXCHANGING and pending.window_s is None:
             # Still moving its previous outer step over a slow link: keep the schedule's pairing and wait
             # for it (`_busy_wait_s`), asking again at a pace that costs nothing next to such a transfer.
             pending.scheduled_until = max(pending.scheduled_until, pending.began + self._busy_wait_s())
             if trio.current_time() < pending.scheduled_until:
                 await trio.sleep(random.uniform(*SCHEDULED_RETRY_S) * 3)
                 return
-        if outcome == "not ready":
+        if outcome is Attempt.NOT_READY:
             await trio.sleep(random.uniform(*SCHEDULED_RETRY_S))
         else:
             pending.scheduled_until = 0.0  # it refused, failed, or pairs with someone else: open phase
@@ -848,10 +847,9 @@ class Averager:
         # A partner cannot have waited longer than our window allows (its figure only moves our phase).
         pending.partner_waited_s = min(message.waited_ms / 1000, self.cfg.pair_window_s)
 
-    async def _try_partner(self, pending: _Pending, partner: str, *, scheduled: bool = False) -> str:
-        """Ask `partner`; returns "paired", "not ready" (it is still training), "exchanging" (busy with
-        another partner's transfer), "busy", "apart" (refused: outer steps beyond `sync.max_step_gap`), "refused"
-        or "failed"."""
+    async def _try_partner(self, pending: _Pending, partner: str, *, scheduled: bool = False) -> Attempt:
+        """Ask `partner` (`Attempt` says what came of it); the partner's answer is acted on by its code
+        (protocols/avg.py, `AnswerCode`), never by its words."""
         pending.initiating_to = partner
         began = trio.current_time()
         claimed_here = False
@@ -864,7 +862,7 @@ class Averager:
         try:
             stream = None
             with trio.fail_after(self.cfg.handshake_timeout_s):
-                stream = await self.host.new_stream(ID.from_base58(partner), [avg.PROTOCOL_ID])
+                stream = await self.host.new_stream(ID.from_base58(partner), list(avg.PROTOCOL_IDS))
             self._link(partner).ip = _per_ip_key(avg.partner_ip(stream))
 
             def claim(answer: avg.AvgAnswer) -> bool:
@@ -898,8 +896,8 @@ class Averager:
                 await close_quietly(stream)
         except Declined as e:
             self.stats["declined"] += 1
-            not_ready = e.verdict == "busy" and e.reason.startswith("not ready")
-            if e.verdict == "busy":
+            not_ready = e.code.asks_again
+            if e.code.busy:
                 # Busy or between outer steps, it shows where its count is (a refusal's may be far off).
                 pending.largest_seen = max(pending.largest_seen, e.outer_step)
                 pending.saw_ready = pending.saw_ready or not not_ready
@@ -910,16 +908,16 @@ class Averager:
                 self._back_off(partner, soft=True)
             log.debug("partner %s declined: %s", partner, e)
             if not_ready:
-                return "not ready"
-            if e.verdict == "busy":
-                return "exchanging" if e.reason == ALREADY_EXCHANGING else "busy"
+                return Attempt.NOT_READY
+            if e.code.busy:
+                return Attempt.EXCHANGING if e.code is AnswerCode.EXCHANGING else Attempt.BUSY
             ours = pending.request.outer_step
-            self._note_refusal(partner, "partner", e.reason, ours, e.outer_step)
-            if e.reason.startswith(GAP_REFUSAL):
+            self._note_refusal(partner, "partner", e.code, e.reason, ours, e.outer_step)
+            if e.code is AnswerCode.STEP_GAP:
                 if e.outer_step > ours and self.on_behind is not None:
                     self.on_behind(e.outer_step)
-                return "apart"  # an honest state the catch-up ends: no missed round (node/averaging/partner_misses.py)
-            return "refused"
+                return Attempt.APART  # an honest state the catch-up ends: no missed round (partner_misses.py)
+            return Attempt.REFUSED
         except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
             self._learn_rate(partner, progress)
             if isinstance(e, trio.TooSlowError) and not answered:  # it said nothing: say which deadline
@@ -929,20 +927,21 @@ class Averager:
             if claimed_here:  # our exchange owned this step and failed: solo, nothing applied
                 pending.result = 1
                 pending.done.set()
-            return "failed"
+            return Attempt.FAILED
         finally:
             pending.initiating_to = None
         self._learn_rate(partner, progress)
         self._succeed(partner, result, numel, pending.compression)
         pending.result = 2
         pending.done.set()
-        return "paired"
+        return Attempt.PAIRED
 
     # --- the responder -----------------------------------------------------------------------------------
 
-    async def _handle_stream(self, stream: Any) -> None:
+    async def _handle_stream(self, stream: Any, *, coded: bool = True) -> None:
         """Inbound requests: at most MAX_INBOUND read at once (each under the handshake deadline), so
-        silent or slow peers cannot pile up tasks and buffers; extra ones are reset at once."""
+        silent or slow peers cannot pile up tasks and buffers; extra ones are reset at once. `coded`: the
+        asker speaks 1.3.0, whose answers carry a reason code (protocols/avg.py)."""
         ip = _per_ip_key(avg.partner_ip(stream))
         refusal = None
         if self._inbound >= MAX_INBOUND:
@@ -959,7 +958,7 @@ class Averager:
         if ip is not None:
             self._inbound_by_ip[ip] = self._inbound_by_ip.get(ip, 0) + 1
         try:
-            await self._serve_request(stream)
+            await self._serve_request(stream, coded=coded)
         finally:
             self._inbound -= 1
             if ip is not None:
@@ -967,7 +966,7 @@ class Averager:
                 if left > 0:
                     self._inbound_by_ip[ip] = left
 
-    async def _serve_request(self, stream: Any) -> None:
+    async def _serve_request(self, stream: Any, *, coded: bool = True) -> None:
         arrived = trio.current_time()
         partner = str(stream.muxed_conn.peer_id)
         self._link(partner).ip = _per_ip_key(avg.partner_ip(stream))
@@ -982,17 +981,18 @@ class Averager:
             pending.saw_ready = True  # whoever asks has published: our phase is not off everyone's
             pending.largest_seen = max(pending.largest_seen, request.outer_step)
         verdict = self._judge(request, pending, partner)
-        if verdict == ("busy", NOT_IN_ROUND) and pending is not None and partner == pending.next_partner:
+        if (verdict is not None and verdict[0] is AnswerCode.NOT_IN_ROUND and pending is not None
+                and partner == pending.next_partner):
             # Held only when nothing but our stage stands between the request and a yes: a banned, relayed
             # or foreign-run partner is answered at once.
             pending = await self._await_round(request.stage, pending, arrived)
             verdict = self._judge(request, pending, partner)
-        if verdict is None or verdict[0] == "busy":
+        if verdict is None or verdict[0].busy:
             self.misses.heard(partner)  # it asks us as a partner of our run would: it takes part
-        if verdict is not None and verdict[0] == "refuse":
+        if verdict is not None and not verdict[0].busy:
             ours = pending.request.outer_step if pending is not None else self._last_outer_step
-            self._note_refusal(partner, "us", verdict[1], ours, request.outer_step)
-            if verdict[1].startswith(GAP_REFUSAL) and request.outer_step > ours and self.on_behind is not None:
+            self._note_refusal(partner, "us", verdict[0], verdict[1], ours, request.outer_step)
+            if verdict[0] is AnswerCode.STEP_GAP and request.outer_step > ours and self.on_behind is not None:
                 self.on_behind(request.outer_step)  # the asker is ahead of us beyond the gap: we are behind
         if verdict is not None:
             # Between outer steps we say the last one we took: an asker that is behind learns the count.
@@ -1001,7 +1001,7 @@ class Averager:
                 since = max(1, min(int((trio.current_time() - self._last_publish_at) * 1000), 1 << 31))
             await avg.answer(stream, verdict[0], verdict[1],
                              pending.request.outer_step if pending else self._last_outer_step, since,
-                             paired=pending is None and bool(self._recent) and bool(self._recent[-1][1]))
+                             paired=pending is None and bool(self._recent) and bool(self._recent[-1][1]), coded=coded)
             await close_quietly(stream)
             return
         assert pending is not None
@@ -1066,47 +1066,55 @@ class Averager:
                 await self._round_begun.wait()
         return self._pending
 
-    def _judge(self, req: avg.AvgRequest, pending: _Pending | None, partner: str) -> tuple[str, str] | None:
-        """None to accept, else (verdict, reason)."""
+    def _judge(self, req: avg.AvgRequest, pending: _Pending | None, partner: str) -> tuple[AnswerCode, str] | None:
+        """None to accept, else why not: the code the asker acts on (its verdict, busy or refuse, goes with
+        it) and the words it logs and shows."""
         if (
             self.path_of is not None
             and not self.cfg.allow_relay_bulk
             and self.path_of(partner) not in DIRECT_PATHS
         ):
-            return ("refuse", "no direct path between us: bulk tensors do not go through relays")
+            return (AnswerCode.NO_DIRECT_PATH, "no direct path between us: bulk tensors do not go through relays")
         if self._link(partner).banned_until > trio.current_time():
-            return ("refuse", "banned for repeated invalid updates")
+            return (AnswerCode.BANNED, "banned for repeated invalid updates")
         ours = self.manifest_hash() or "none"
         if req.manifest_hash != ours:
             log.error("refusing %s: run manifest %s differs from ours %s", partner, req.manifest_hash[:12], ours[:12])
-            return ("refuse", f"manifest mismatch: yours {req.manifest_hash}, ours {ours}")
+            return (AnswerCode.MANIFEST, f"manifest mismatch: yours {req.manifest_hash}, ours {ours}")
         if pending is None:
-            return ("busy", "not ready (training between outer steps)")
+            return (AnswerCode.NOT_READY, "not ready (training between outer steps)")
         if req.stage != pending.stage:
             # A second-round request while we are still in our first round: the asker retries ("not
             # ready"); a first-round request while we are in our second: we are busy with our group.
-            return ("busy", NOT_IN_ROUND if req.stage > pending.stage else "in the second round of its outer step")
+            if req.stage > pending.stage:
+                return (AnswerCode.NOT_IN_ROUND, "not ready (in the first round of its outer step)")
+            return (AnswerCode.SECOND_ROUND, "in the second round of its outer step")
         ours_layout = pending.request.layout_hash
         if req.layout_hash != ours_layout or req.numel != pending.tensors.phi.size:
-            return ("refuse", f"parameter layout mismatch: yours {req.layout_hash[:12]}, ours {ours_layout[:12]}")
+            return (AnswerCode.LAYOUT,
+                    f"parameter layout mismatch: yours {req.layout_hash[:12]}, ours {ours_layout[:12]}")
         gap = abs(req.outer_step - pending.request.outer_step)
         if gap > self.cfg.max_step_gap:
-            return ("refuse", f"{GAP_REFUSAL}: yours {req.outer_step}, ours {pending.request.outer_step}")
+            return (AnswerCode.STEP_GAP,
+                    f"outer steps too far apart: yours {req.outer_step}, ours {pending.request.outer_step}")
         if req.wire_dtype not in ("fp32", "bf16", "int8"):
-            return ("refuse", f"unknown wire dtype {req.wire_dtype!r}")
+            return (AnswerCode.WIRE_DTYPE, f"unknown wire dtype {req.wire_dtype!r}")
         if not self._accepts_compression(req.compression):
             # Error feedback and the fragment pull assume what the wire carried: a mix would be silently wrong.
             groups = f" with sync.group_size = {self.cfg.group_size}" if self.cfg.compression == AUTO else ""
-            return ("refuse", f"compression mismatch: yours {req.compression[:16]!r}, ours {self.cfg.compression!r}"
-                              f"{groups}: set the same sync.compression on every trainer")
+            return (AnswerCode.COMPRESSION,
+                    f"compression mismatch: yours {req.compression[:16]!r}, ours {self.cfg.compression!r}"
+                    f"{groups}: set the same sync.compression on every trainer")
         if pending.claimed_by is not None:
-            return ("busy", ALREADY_EXCHANGING)
+            return (AnswerCode.EXCHANGING, "already exchanging")
         if pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled:
-            return ("busy", "waiting for the partner the schedule gives it")
+            return (AnswerCode.SCHEDULED, "waiting for the partner the schedule gives it")
         if pending.initiating_to is not None:
             if pending.initiating_to == partner and partner < self.me:
                 return None  # crossing requests: the smaller PeerID's request wins
-            return ("busy", "crossing request" if pending.initiating_to == partner else "asking someone else")
+            if pending.initiating_to == partner:
+                return (AnswerCode.CROSSING, "crossing request")
+            return (AnswerCode.ASKING_OTHER, "asking someone else")
         return None
 
     # --- bookkeeping -------------------------------------------------------------------------------------
