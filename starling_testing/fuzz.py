@@ -103,6 +103,7 @@ from p2p.wire import (
 )
 from protocols import avg, dialback, state
 from protocols.codec import ChunkPlan, get_codec, recv_tensor
+from starling_testing.averaging import FakeSwarm
 from starling_testing.fakes import FakeHost, FakeNetStream, RefusingProber, ScriptedStream
 
 #: Longest any single input may take before it counts as a hang (every input ends in EOF, so no
@@ -698,19 +699,21 @@ class AvgResponder(Target):
 
     async def feed(self, data: bytes) -> str:
         cfg = SyncConfig(wire_dtype="fp32", datapath=False, pair_window_s=600, handshake_timeout_s=5)
-        averager = Averager(FakeHost(KEYS[0]), cfg, manifest_hash=lambda: AVG_MANIFEST)
+        host = FakeHost(KEYS[0])
+        averager = Averager(host, cfg, FakeSwarm(host, manifest=AVG_MANIFEST))
         t = avg_tensors(1)
         stream = FakeNetStream(data, PEERS[1])
         async with trio.open_nursery() as nursery:
+            await nursery.start(averager.run)
             nursery.start_soon(averager.exchange, ExchangeRequest(3, t.phi, t.delta, t.phi_out, t.delta_out,
                                                                   AVG_LAYOUT, layout_hash(AVG_LAYOUT)))
             while averager.status()["state"] != "pairing":
                 await trio.sleep(0)
-            await averager._handle_stream(stream)
+            await host.handlers[avg.PROTOCOL_ID](stream)  # as the host hands an inbound stream over
             nursery.cancel_scope.cancel()
         if not (stream.closed or stream.was_reset):
             raise Violation("the responder left the stream open")
-        stats = averager.stats
+        stats = averager.status()
         if stats["rounds"]:
             return "accepted:averaged"
         if stats["failures"]:

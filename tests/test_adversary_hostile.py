@@ -407,7 +407,7 @@ async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> Non
     daemon.nat.path_of = lambda peer: "direct"  # type: ignore[method-assign]
     assert [m.peer_id for m in daemon._possible_partners()] == [poisoner.peer_id]
     for _ in range(cfg.sync.ban_after):
-        daemon.averager._offence(poisoner.peer_id, "delta_too_large")
+        daemon.averager.note_offence(poisoner.peer_id, "delta_too_large")
     assert daemon.averager.status()["banned"] == [poisoner.peer_id]
     assert daemon._possible_partners() == [] and daemon._eligible_partners() == []
 
@@ -523,6 +523,7 @@ async def _victim_of(stack: AsyncExitStack, honest: Any, fake: Any, window: floa
     `stack` (returned, to cancel)."""
     from node.averaging.averager import Averager
     from node.config.sync import SyncConfig
+    from starling_testing.averaging import FakeSwarm
 
     await honest.connect(info_from_p2p_addr(fake.get_addrs()[0]))
     fake_id = str(fake.get_id())
@@ -531,8 +532,8 @@ async def _victim_of(stack: AsyncExitStack, honest: Any, fake: Any, window: floa
     def possible() -> list[str]:
         return [p for p in [fake_id] if averager is None or not averager.sits_out(p)]
 
-    averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False), manifest_hash=lambda: "m",
-                        eligible_peers=possible, anyone_else=lambda: bool(possible()))
+    averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False),
+                        FakeSwarm(honest, manifest="m", partners=possible, others=lambda: bool(possible())))
     nursery = await stack.enter_async_context(trio.open_nursery())
     await nursery.start(averager.run)
     return averager, nursery

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, ExitStack
 
 import multiaddr
 import numpy as np
@@ -18,6 +18,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averaging.averager import Averager, _Pending
 from node.averaging.robust import Credited, UpdateBound
+from node.averaging.swarm_view import AveragerHooks
 from node.bridge.exchange import ExchangeRequest
 from node.config.sync import SyncConfig
 from node.ops.status_view import render_status
@@ -28,7 +29,8 @@ from protocols import avg
 from protocols.avg import AnswerCode, AvgAnswer, AvgRequest, Clip, Received, Tensors, make_plans
 from protocols.codec import round_trip
 from protocols.compress import get_compression
-from starling_testing.averaging import exchange_both, group_sizes
+from starling_testing.averaging import FakeSwarm, exchange_both, group_sizes
+from starling_testing.fakes import FakeHost
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 LAYOUT = [("w", (1000, 300)), ("b", (300,))]
@@ -60,8 +62,8 @@ async def pair(stack: AsyncExitStack, cfg_a: SyncConfig, cfg_b: SyncConfig, *, m
         await stack.enter_async_context(h.run(LISTEN))
     nursery = await stack.enter_async_context(trio.open_nursery())
     avs = [
-        Averager(hosts[0], cfg_a, manifest_hash=lambda: "m1"),
-        Averager(hosts[1], cfg_b, manifest_hash=lambda: manifest_b),
+        Averager(hosts[0], cfg_a, FakeSwarm(hosts[0])),
+        Averager(hosts[1], cfg_b, FakeSwarm(hosts[1], manifest=manifest_b)),
     ]
     for a in avs:
         await nursery.start(a.run)
@@ -138,8 +140,8 @@ async def test_one_step_beyond_the_gap_says_why_in_status_and_log_wakes_the_catc
         nursery = await stack.enter_async_context(trio.open_nursery())
         ids = [str(h.get_id()) for h in hosts]
         avs = [
-            Averager(hosts[i], cfg, manifest_hash=lambda: "m1", eligible_peers=lambda i=i: [ids[1 - i]],
-                     anyone_else=lambda: True, on_behind=behind_calls[i].append, on_outer_step=averaged[i].append)
+            Averager(hosts[i], cfg, FakeSwarm(hosts[i], partners=[ids[1 - i]]),
+                     hooks=AveragerHooks(on_behind=behind_calls[i].append, on_outer_step=averaged[i].append))
             for i in range(2)
         ]
         for a in avs:
@@ -200,8 +202,8 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
     # Virtual time (autojump): any wait shows up as elapsed time, and none passes unless something waits.
     cfg = SyncConfig(pair_window_s=600, datapath=False)
     seen: list[bool] = []
-    alone = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [],
-                     on_outer_step=seen.append, anyone_else=lambda: False)
+    alone = Averager(LoneHost(), cfg, FakeSwarm(partners=[], others=False),
+                     hooks=AveragerHooks(on_outer_step=seen.append))
     began = trio.current_time()
     assert (await alone.exchange(request(1))).group_size == 1
     assert trio.current_time() == began
@@ -211,8 +213,8 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
 
     # Trainers whose records put them outside the step gap: the window still applies (they may ask us:
     # records lag, and the gap is judged on the actual request); the catch-up counts the step as unpaired.
-    distant = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [],
-                       on_outer_step=seen.append, anyone_else=lambda: True)
+    distant = Averager(LoneHost(), cfg, FakeSwarm(partners=[], others=True),
+                       hooks=AveragerHooks(on_outer_step=seen.append))
     began = trio.current_time()
     assert (await distant.exchange(request(1))).group_size == 1
     assert trio.current_time() - began >= 600
@@ -222,8 +224,8 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
     # not averaged, which the catch-up counts (it starts only where the records show someone beyond the
     # gap: a partner one step beyond it looked eligible and refused every request, issue #27).
     partner = str(ID.from_pubkey(create_new_key_pair().public_key))
-    hopeful = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [partner],
-                       on_outer_step=seen.append, anyone_else=lambda: True)
+    hopeful = Averager(LoneHost(), cfg, FakeSwarm(partners=[partner], others=True),
+                       hooks=AveragerHooks(on_outer_step=seen.append))
     began = trio.current_time()
     assert (await hopeful.exchange(request(1))).group_size == 1
     assert trio.current_time() - began >= 600
@@ -241,8 +243,8 @@ async def test_after_an_exchange_both_partners_hold_the_larger_outer_step(steps:
         # The responder's only eligible partner is one it is not connected to, so it never asks anyone:
         # the initiator is always hosts[0], and both directions of the counter adoption are exercised.
         elsewhere = str(ID.from_pubkey(create_new_key_pair().public_key))
-        initiator = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
-        responder = Averager(hosts[1], cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [elsewhere])
+        initiator = Averager(hosts[0], cfg, FakeSwarm(hosts[0]))
+        responder = Averager(hosts[1], cfg, FakeSwarm(hosts[1], partners=[elsewhere]))
         for a in (initiator, responder):
             await nursery.start(a.run)
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
@@ -320,7 +322,7 @@ async def test_a_partner_that_stops_mid_transfer_costs_one_solo_step_and_no_upda
         for h in hosts:
             await stack.enter_async_context(h.run(LISTEN))
         nursery = await stack.enter_async_context(trio.open_nursery())
-        honest = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
+        honest = Averager(hosts[0], cfg, FakeSwarm(hosts[0]))
         await nursery.start(honest.run)
 
         async def quitter(stream) -> None:  # accepts, sends two valid chunks of phi, then vanishes
@@ -349,7 +351,7 @@ async def three_connected(stack: AsyncExitStack, cfg: SyncConfig) -> tuple[list[
     for h in hosts:
         await stack.enter_async_context(h.run(LISTEN))
     nursery = await stack.enter_async_context(trio.open_nursery())
-    avs = [Averager(h, cfg, manifest_hash=lambda: "m1") for h in hosts]
+    avs = [Averager(h, cfg, FakeSwarm(h)) for h in hosts]
     for a in avs:
         await nursery.start(a.run)
     for i in range(3):
@@ -440,14 +442,15 @@ def test_a_node_that_found_nobody_ready_moves_towards_the_others_phase() -> None
     by 4 s of a 15 s pace moves its next publish 4 s earlier towards trainers that averaged (they keep their
     phase), 2 s towards solo ones (they move too); an early one (the others published 11 s before it, i.e.
     they are due 4 s after it) moves later; without a pace nothing moves."""
-    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1", pace=lambda: 15.0)
-    assert av._phase_shift([(-4.0, True)]) == pytest.approx(-4.0)
-    assert av._phase_shift([(-4.0, False)]) == pytest.approx(-2.0)
-    assert av._phase_shift([(-11.0, True)]) == pytest.approx(4.0)
+    from node.averaging.stepping import phase_shift
+
+    assert phase_shift([(-4.0, True)], 15.0) == pytest.approx(-4.0)
+    assert phase_shift([(-4.0, False)], 15.0) == pytest.approx(-2.0)
+    assert phase_shift([(-11.0, True)], 15.0) == pytest.approx(4.0)
     # The median of the moves, each wrapped: -4, -3 and 4.5 (= -30 + 4.5, two periods earlier).
-    assert av._phase_shift([(-4.0, True), (-3.0, True), (-25.5, True)]) == pytest.approx(-3.0)
-    assert av._phase_shift([]) == 0.0
-    assert Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")._phase_shift([(-4.0, True)]) == 0.0
+    assert phase_shift([(-4.0, True), (-3.0, True), (-25.5, True)], 15.0) == pytest.approx(-3.0)
+    assert phase_shift([], 15.0) == 0.0
+    assert phase_shift([(-4.0, True)], 0.0) == 0.0
 
 
 class FakeStream:
@@ -466,77 +469,64 @@ class FakeStream:
         pass
 
 
-def held_averager() -> tuple[Averager, trio.Event, list[FakeStream]]:
-    """An averager whose admitted requests are held (until the event is set) and listed as they come."""
-    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
-    gate, served = trio.Event(), []
+def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_identities() -> None:
+    """One machine's Sybil identities share its IP: they cannot take all MAX_INBOUND request slots, and
+    the slots come back when the requests are done."""
+    from node.averaging.admission import MAX_INBOUND_PER_IP, Admission
 
-    async def serve(stream: FakeStream, *, coded: bool = True) -> None:
-        served.append(stream)
-        await gate.wait()
-
-    av._serve_request = serve  # type: ignore[method-assign]
-    return av, gate, served
-
-
-async def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_identities() -> None:
-    """One machine's Sybil identities share its IP: they cannot take all MAX_INBOUND request slots."""
-    from node.averaging.averager import MAX_INBOUND_PER_IP
-
-    av, gate, served = held_averager()
-    sybils = [FakeStream("10.0.0.66") for _ in range(MAX_INBOUND_PER_IP + 3)]
-    honest = FakeStream("10.0.0.7")
-    async with trio.open_nursery() as nursery:
-        for s in sybils:
-            nursery.start_soon(av._handle_stream, s)
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(av._handle_stream, honest)
-        await trio.testing.wait_all_tasks_blocked()
-        assert len(served) == MAX_INBOUND_PER_IP + 1 and honest in served
-        assert sum(s.was_reset for s in sybils) == 3
-        assert av.status()["rejections"] == {"too_many_requests_from_ip": 3}
-        gate.set()
-    assert av._inbound == 0 and av._inbound_by_ip == {}
+    admission = Admission(SyncConfig(), clock=lambda: 0.0)
+    with ExitStack() as held:
+        sybils = [held.enter_context(admission.inbound("10.0.0.66")) for _ in range(MAX_INBOUND_PER_IP + 3)]
+        honest = held.enter_context(admission.inbound("10.0.0.7"))
+        assert sybils.count(True) == MAX_INBOUND_PER_IP and honest
+        assert admission.rejections == {"too_many_requests_from_ip": 3}
+        assert admission.inbound_held() == (MAX_INBOUND_PER_IP + 1, {"10.0.0.66": MAX_INBOUND_PER_IP, "10.0.0.7": 1})
+    assert admission.inbound_held() == (0, {})
 
 
 async def test_an_ip_whose_identities_keep_getting_banned_is_banned_itself() -> None:
     """A fresh PeerID costs nothing: after IP_BAN_AFTER identities from one IP are banned, the IP is, and
-    a new identity from it is refused before it can send anything."""
-    from node.averaging.averager import IP_BAN_AFTER
+    a request from a new identity behind it is reset before a byte of it is read."""
+    from node.averaging.admission import IP_BAN_AFTER
 
-    cfg = SyncConfig(ban_after=2)
-    av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1")
-    for i in range(IP_BAN_AFTER):
-        av._link(f"sybil-{i}").ip = "10.0.0.66"
-        for _ in range(cfg.ban_after):
-            av._offence(f"sybil-{i}", "delta_norm")
-    assert av._ip_banned("10.0.0.66") and not av._ip_banned("10.0.0.7")
-    fresh = FakeStream("10.0.0.66")
-    await av._handle_stream(fresh)
-    assert fresh.was_reset and av.status()["rejections"]["banned_ip"] == 1
-
-
-async def test_the_partner_table_is_bounded_and_keeps_its_bans() -> None:
-    from node.averaging.averager import MAX_LINKS
-
-    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
-    av._link("banned").banned_until = float("inf")
-    for i in range(MAX_LINKS + 50):
-        av._link(f"fresh-{i}")
-    assert len(av._links) == MAX_LINKS and "banned" in av._links
-
-
-async def test_loopback_peers_are_exempt_from_per_ip_limits() -> None:
-    """`make run`'s local swarm puts every peer on 127.0.0.1: they are the operator's own machine."""
-    from node.averaging.averager import MAX_INBOUND_PER_IP
-
-    av, gate, served = held_averager()
+    cfg = SyncConfig(ban_after=2, datapath=False)
+    host = FakeHost()
+    av = Averager(host, cfg, FakeSwarm())
     async with trio.open_nursery() as nursery:
-        for _ in range(MAX_INBOUND_PER_IP + 3):
-            nursery.start_soon(av._handle_stream, FakeStream("127.0.0.1"))
-        await trio.testing.wait_all_tasks_blocked()
-        assert len(served) == MAX_INBOUND_PER_IP + 3
-        gate.set()
+        await nursery.start(av.run)
+        for i in range(IP_BAN_AFTER):
+            av.admission.saw(f"sybil-{i}", "10.0.0.66")  # where its requests came from
+            for _ in range(cfg.ban_after):
+                av.note_offence(f"sybil-{i}", "delta_norm")
+        assert av.admission.ip_banned("10.0.0.66") and not av.admission.ip_banned("10.0.0.7")
+        assert av.status()["banned"] == ["sybil-0", "sybil-1"]
+        fresh = FakeStream("10.0.0.66")
+        await host.handlers[avg.PROTOCOL_ID](fresh)
+        assert fresh.was_reset and av.status()["rejections"]["banned_ip"] == 1
+        assert av.sits_out("sybil-0") and not av.sits_out("someone-else")
+        nursery.cancel_scope.cancel()
+
+
+def test_the_partner_table_is_bounded_and_keeps_its_bans() -> None:
+    from node.averaging.admission import MAX_LINKS, Admission
+
+    admission = Admission(SyncConfig(), clock=lambda: 0.0)
+    admission.link("banned").banned_until = float("inf")
+    for i in range(MAX_LINKS + 50):
+        admission.link(f"fresh-{i}")
+    assert len(admission.links) == MAX_LINKS and "banned" in admission.links
+
+
+def test_loopback_peers_are_exempt_from_per_ip_limits() -> None:
+    """`make run`'s local swarm puts every peer on 127.0.0.1: they are the operator's own machine."""
+    from node.averaging.admission import MAX_INBOUND_PER_IP, Admission, per_ip_key
+
+    assert per_ip_key("127.0.0.1") is None and per_ip_key("::1") is None and per_ip_key("10.0.0.7") == "10.0.0.7"
+    admission = Admission(SyncConfig(), clock=lambda: 0.0)
+    with ExitStack() as held:
+        assert all(held.enter_context(admission.inbound(per_ip_key("127.0.0.1")))
+                   for _ in range(MAX_INBOUND_PER_IP + 3))
+    assert admission.rejections == {}
 
 
 async def test_a_trainer_far_behind_the_swarms_outer_step_follows_it_and_one_liar_cannot_move_it() -> None:
@@ -545,8 +535,7 @@ async def test_a_trainer_far_behind_the_swarms_outer_step_follows_it_and_one_lia
     swarm's second largest outer step jumps to it; a single record claiming a huge step moves nobody."""
     cfg = SyncConfig(max_step_gap=10)
     steps = {"a": 200, "b": 198, "c": 12}
-    av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [], anyone_else=lambda: False,
-                  swarm_steps=lambda: steps)
+    av = Averager(LoneHost(), cfg, FakeSwarm(partners=[], others=False, steps=lambda: steps))
     behind = request(1, outer_step=12)
     outcome = await av.exchange(behind)
     assert outcome.group_size == 1 and outcome.group_outer_step == 198
@@ -604,7 +593,7 @@ async def test_partners_with_different_compression_refuse_each_other() -> None:
 
 
 async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:
-    av = Averager(LoneHost(), SyncConfig(compression="high"), manifest_hash=lambda: "m1")
+    av = Averager(LoneHost(), SyncConfig(compression="high"), FakeSwarm())
     pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
 
     def asking(compression: str) -> AvgRequest:
@@ -623,7 +612,7 @@ def asking_with(compression: str) -> AvgRequest:
 
 
 def judged(cfg: SyncConfig, compression: str) -> tuple[AnswerCode, str] | None:
-    av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1")
+    av = Averager(LoneHost(), cfg, FakeSwarm())
     pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
     return av._judge(asking_with(compression), pending, "peer")
 
@@ -677,8 +666,8 @@ async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured
             assert st["last_bytes_per_param"] == pytest.approx(4.0, abs=0.01)
 
         for av, other in zip(avs, others, strict=True):
-            av._links[other].rate_bps = 1e6
-            av.outer_period = lambda: period
+            av.admission.link(other).rate_bps = 1e6
+            av.swarm.period = period  # a FakeSwarm's compute period of an outer step
         comp = get_compression("medium")
         reqs = [request(3, outer_step=5), request(4, outer_step=5)]
         outcomes = await exchange_both(avs, reqs)
@@ -693,7 +682,7 @@ async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured
             assert st["last_bytes_per_param"] <= 0.5
 
         for av in avs:
-            av.outer_period = lambda: 1e9
+            av.swarm.period = 1e9
         outcomes = await exchange_both(avs, [request(5, outer_step=6), request(6, outer_step=6)])
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]
         nursery.cancel_scope.cancel()
@@ -729,18 +718,18 @@ def test_lossy_compression_needs_pairs_and_a_known_preset() -> None:
 def test_auto_guesses_a_new_partners_link_from_our_typical_rate_and_keeps_second_rounds_uncompressed() -> None:
     """A partner never measured gets our typical rate (over all partners) until its own is known; without
     either it is `none`. A group's second round is always `none`, whatever the link."""
-    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1", outer_period=lambda: 0.5)
+    av = Averager(LoneHost(), SyncConfig(), FakeSwarm(period=0.5))
     pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
     assert av._compression_for("new", pending) == "none"
     av._rate_bps = 1e6  # 1 MB/s each way: bf16 takes 1.2 s, medium 0.13 s, against 0.5 s
     assert av._compression_for("new", pending) == "medium"
-    av._link("known").rate_bps = 1e9
+    av.admission.link("known").rate_bps = 1e9
     assert av._compression_for("known", pending) == "none"
     second = _Pending(request(1), pending.tensors, stage=2)
     assert av._compression_for("new", second) == "none"
-    fixed = Averager(LoneHost(), SyncConfig(compression="high"), manifest_hash=lambda: "m1")
+    fixed = Averager(LoneHost(), SyncConfig(compression="high"), FakeSwarm())
     assert fixed._compression_for("new", pending) == "high"
-    fours = Averager(LoneHost(), SyncConfig(group_size=4), manifest_hash=lambda: "m1", outer_period=lambda: 0.5)
+    fours = Averager(LoneHost(), SyncConfig(group_size=4), FakeSwarm(period=0.5))
     fours._rate_bps = 1e3  # hopeless for bf16, yet groups of four never get a lossy preset from auto
     assert fours._compression_for("new", pending) == "none"
 
@@ -778,7 +767,7 @@ async def test_an_averager_answers_each_protocol_version_in_the_fields_that_vers
         for h in hosts:
             await stack.enter_async_context(h.run(LISTEN))
         nursery = await stack.enter_async_context(trio.open_nursery())
-        await nursery.start(Averager(hosts[1], SyncConfig(), manifest_hash=lambda: "m1").run)
+        await nursery.start(Averager(hosts[1], SyncConfig(), FakeSwarm(hosts[1])).run)
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
         asking = AvgRequest(outer_step=3, manifest_hash="m1", layout_hash=LAYOUT_HASH, numel=NUMEL,
                             wire_dtype="bf16", int8_block=4096, chunk_elems=4096, pubkey=bytes(32))

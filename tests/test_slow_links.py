@@ -29,6 +29,7 @@ from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
 from protocols import avg
 from protocols.avg import Progress, TransferLimits
+from starling_testing.averaging import FakeSwarm
 from tests.test_averaging import LISTEN
 from tests.test_worker import run_scripted
 
@@ -131,7 +132,7 @@ async def _with_scripted_partner(partner, cfg: SyncConfig, *, pieces: int = 1, p
         for h in hosts:
             await stack.enter_async_context(h.run(LISTEN))
         nursery = await stack.enter_async_context(trio.open_nursery())
-        ours = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
+        ours = Averager(hosts[0], cfg, FakeSwarm(hosts[0]))
         await nursery.start(ours.run)
 
         async def handler(stream) -> None:
@@ -261,7 +262,7 @@ async def test_a_scheduled_partner_still_transferring_over_a_slow_link_is_waited
     scheduled partner after the pairing window and pair again with its old partner in the open phase
     (fixed pairs, islands); now it waits while that partner says it is exchanging, up to 1.5x our own
     typical transfer time."""
-    averager = Averager(_NoHost(), SyncConfig(pair_window_s=1.0, datapath=False), manifest_hash=lambda: "m1")
+    averager = Averager(_NoHost(), SyncConfig(pair_window_s=1.0, datapath=False), FakeSwarm())
     averager._transfer_s = 8.0  # our exchanges take ~8 s: a slow link
     answers = iter([Attempt.EXCHANGING] * 6 + [Attempt.PAIRED])
     asked: list[float] = []
@@ -287,7 +288,7 @@ async def test_a_scheduled_partner_still_transferring_over_a_slow_link_is_waited
 
 
 def test_the_wait_for_a_busy_partner_follows_our_own_transfer_time_and_never_drops_below_the_window() -> None:
-    averager = Averager(_NoHost(), SyncConfig(pair_window_s=5.0, datapath=False), manifest_hash=lambda: "m1")
+    averager = Averager(_NoHost(), SyncConfig(pair_window_s=5.0, datapath=False), FakeSwarm())
     assert averager._busy_wait_s() == 5.0  # no transfer measured yet
     averager._transfer_s = 0.05  # loopback
     assert averager._busy_wait_s() == 5.0
