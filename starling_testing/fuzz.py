@@ -678,9 +678,9 @@ class AvgMessages(Target):
 
 
 class AvgResponder(Target):
-    """``Averager._handle_stream``: a partner's whole conversation (request, path, frames) against a
-    node that is pairing. Every input must end in a completed exchange, a busy/refuse answer or a
-    *counted* failure, with the stream closed or reset, and never raise."""
+    """The averager's stream handler (``Averager.run`` sets it on the host): a partner's whole conversation
+    (request, path, frames) against a node that is pairing. Every input must end in a completed exchange, a
+    busy/refuse answer or a *counted* failure, with the stream closed or reset, and never raise."""
 
     name = "avg.respond"
 

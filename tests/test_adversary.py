@@ -580,7 +580,7 @@ async def test_a_joining_trainer_answers_busy_without_a_false_manifest_error(
                          int8_block=4096, chunk_elems=1024, pubkey=b"k" * 32)
     daemon.nat.path_of = lambda peer: "direct"  # type: ignore[method-assign]
     caplog.set_level(logging.INFO)
-    verdict = daemon.averager._judge(request, None, founder.peer_id)
+    verdict = daemon.averager.answer_for(request, founder.peer_id)  # between outer steps
     assert verdict is not None and verdict[0].busy
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 

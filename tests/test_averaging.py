@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import AsyncExitStack, ExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 
 import multiaddr
-import numpy as np
 import pytest
 import torch
 import trio
@@ -16,7 +16,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node.averaging.averager import Averager, _Pending
+from node.averaging.averager import Averager
 from node.averaging.robust import Credited, UpdateBound
 from node.averaging.swarm_view import AveragerHooks
 from node.bridge.exchange import ExchangeRequest
@@ -26,7 +26,7 @@ from node.worker.task import layout_hash
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, ProtocolError, from_map, recv_msg, send_msg, to_map
 from protocols import avg
-from protocols.avg import AnswerCode, AvgAnswer, AvgRequest, Clip, Received, Tensors, make_plans
+from protocols.avg import AnswerCode, AvgAnswer, AvgRequest, Clip, Received, make_plans
 from protocols.codec import round_trip
 from protocols.compress import get_compression
 from starling_testing.averaging import FakeSwarm, exchange_both, group_sizes
@@ -592,18 +592,15 @@ async def test_partners_with_different_compression_refuse_each_other() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:
-    av = Averager(LoneHost(), SyncConfig(compression="high"), FakeSwarm())
-    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
-
-    def asking(compression: str) -> AvgRequest:
-        return AvgRequest(outer_step=3, manifest_hash="m1", layout_hash=LAYOUT_HASH, numel=NUMEL, wire_dtype="bf16",
-                          int8_block=4096, chunk_elems=4096, pubkey=bytes(32), compression=compression)
-
-    verdict = av._judge(asking("medium"), pending, "peer")
-    assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
-    assert "compression mismatch" in verdict[1] and "set the same sync.compression on every trainer" in verdict[1]
-    assert av._judge(asking("high"), pending, "peer") is None
+@asynccontextmanager
+async def in_a_round(av: Averager) -> AsyncIterator[None]:
+    """`av` looking for a partner for outer step 3 (there is none) while the block runs."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(av.exchange, request(1))
+        await trio.testing.wait_all_tasks_blocked()
+        assert av.status()["state"] == "pairing"
+        yield
+        nursery.cancel_scope.cancel()
 
 
 def asking_with(compression: str) -> AvgRequest:
@@ -611,31 +608,39 @@ def asking_with(compression: str) -> AvgRequest:
                       int8_block=4096, chunk_elems=4096, pubkey=bytes(32), compression=compression)
 
 
-def judged(cfg: SyncConfig, compression: str) -> tuple[AnswerCode, str] | None:
+async def judged(cfg: SyncConfig, compression: str) -> tuple[AnswerCode, str] | None:
+    """How an averager on `cfg` in a round answers a request for preset `compression`."""
     av = Averager(LoneHost(), cfg, FakeSwarm())
-    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
-    return av._judge(asking_with(compression), pending, "peer")
+    async with in_a_round(av):
+        return av.answer_for(asking_with(compression), "peer")
+
+
+async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:
+    verdict = await judged(SyncConfig(compression="high"), "medium")
+    assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
+    assert "compression mismatch" in verdict[1] and "set the same sync.compression on every trainer" in verdict[1]
+    assert await judged(SyncConfig(compression="high"), "high") is None
 
 
 async def test_a_responder_on_auto_takes_the_preset_the_initiator_chose_and_one_on_none_refuses_it() -> None:
     """With `auto` the initiator picks the preset from the link it measured, the pair's bottleneck, so an
     `auto` responder follows it; a fixed setting still refuses another preset, telling the operator what to do."""
     for preset in ("none", "medium", "high"):
-        assert judged(SyncConfig(compression="auto"), preset) is None
-    verdict = judged(SyncConfig(compression="none"), "medium")
+        assert await judged(SyncConfig(compression="auto"), preset) is None
+    verdict = await judged(SyncConfig(compression="none"), "medium")
     assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
     assert verdict[1] == ("compression mismatch: yours 'medium', ours 'none': set the same sync.compression "
                           "on every trainer")
     for unknown in ("auto", "huge"):  # a request names the preset its wire uses, never `auto`
-        refused = judged(SyncConfig(compression="auto"), unknown)
+        refused = await judged(SyncConfig(compression="auto"), unknown)
         assert refused is not None and refused[0] is AnswerCode.COMPRESSION and "compression mismatch" in refused[1]
 
 
 async def test_a_responder_on_auto_in_groups_of_four_takes_none_only() -> None:
     """A lossy preset needs pairs (`SyncConfig.validate`): `auto` with groups of four never takes one."""
     cfg = SyncConfig(compression="auto", group_size=4)
-    assert judged(cfg, "none") is None
-    verdict = judged(cfg, "medium")
+    assert await judged(cfg, "none") is None
+    verdict = await judged(cfg, "medium")
     assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION and "sync.group_size = 4" in verdict[1]
 
 
@@ -718,20 +723,19 @@ def test_lossy_compression_needs_pairs_and_a_known_preset() -> None:
 def test_auto_guesses_a_new_partners_link_from_our_typical_rate_and_keeps_second_rounds_uncompressed() -> None:
     """A partner never measured gets our typical rate (over all partners) until its own is known; without
     either it is `none`. A group's second round is always `none`, whatever the link."""
-    av = Averager(LoneHost(), SyncConfig(), FakeSwarm(period=0.5))
-    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
-    assert av._compression_for("new", pending) == "none"
-    av._rate_bps = 1e6  # 1 MB/s each way: bf16 takes 1.2 s, medium 0.13 s, against 0.5 s
-    assert av._compression_for("new", pending) == "medium"
-    av.admission.link("known").rate_bps = 1e9
-    assert av._compression_for("known", pending) == "none"
-    second = _Pending(request(1), pending.tensors, stage=2)
-    assert av._compression_for("new", second) == "none"
-    fixed = Averager(LoneHost(), SyncConfig(compression="high"), FakeSwarm())
-    assert fixed._compression_for("new", pending) == "high"
-    fours = Averager(LoneHost(), SyncConfig(group_size=4), FakeSwarm(period=0.5))
-    fours._rate_bps = 1e3  # hopeless for bf16, yet groups of four never get a lossy preset from auto
-    assert fours._compression_for("new", pending) == "none"
+    from node.averaging.compression_choice import preset_for
+
+    def asked(compression: str = "auto", *, stage: int = 1, link: float | None = None, typical: float | None = None,
+              group_size: int = 2) -> str:
+        return preset_for(compression, stage=stage, link_rate_bps=link, typical_rate_bps=typical, period_s=0.5,
+                          numel=NUMEL, previous=None, group_size=group_size, wire_dtype="bf16")
+
+    assert asked() == "none"
+    assert asked(typical=1e6) == "medium"  # 1 MB/s each way: bf16 takes 1.2 s, medium 0.13 s, against 0.5 s
+    assert asked(link=1e9, typical=1e6) == "none"  # the partner's own rate, once measured
+    assert asked(stage=2, typical=1e6) == "none"
+    assert asked("high") == "high"
+    assert asked(typical=1e3, group_size=4) == "none"  # hopeless for bf16, yet groups of four stay `none`
 
 
 # --- why a partner said no: a code beside the words (protocols/avg.py, `/starling/avg/1.3.0`) ----------------

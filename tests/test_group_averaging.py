@@ -17,6 +17,7 @@ import node.averaging.averager as averager_module
 import node.averaging.group_mean as group_mean_module
 from node.averaging.averager import Averager
 from node.averaging.group_mean import weighted_mean
+from node.averaging.swarm_view import AveragerHooks
 from node.config.sync import SyncConfig
 from p2p.host import build_host
 from starling_testing.averaging import FakeSwarm, exchange_both, group_sizes
@@ -159,24 +160,21 @@ async def test_a_second_round_request_that_arrives_during_the_first_round_is_hel
 async def test_a_scheduled_partner_refused_for_another_reason_is_answered_at_once_not_held(monkeypatch) -> None:
     """The same three trainers, but A has banned C: C's second-round request is refused on arrival, though
     C is the partner A's schedule gives it and A is still in its first round. A hold would keep a refused
-    request (and one of A's inbound slots) for up to half of C's deadline for nothing."""
+    request (and one of A's inbound slots) for up to half of C's deadline for nothing: C would hear only
+    once A's first round with B had ended."""
     async with AsyncExitStack() as stack:
         a, b, c = bye_joins_in_the_second_round(await connected(stack, 3), monkeypatch)
         for _ in range(a.cfg.ban_after):
             a.note_offence(c.me, "delta_norm")
         assert a.status()["banned"] == [c.me]
-        held: list[str] = []
-        await_round = a._await_round
-
-        async def spy(stage: int, current: Any, arrived: float) -> Any:
-            held.append(current.next_partner)
-            return await await_round(stage, current, arrived)
-
-        monkeypatch.setattr(a, "_await_round", spy)
+        a_rounds_when_c_was_answered: list[int] = []
+        c.hooks = AveragerHooks(on_outer_step=lambda averaged: a_rounds_when_c_was_answered.append(a.status()["rounds"]))
         reqs = {av.me: request(i + 1) for i, av in enumerate((a, b, c))}
         sizes = await exchange_c_early_b_late(a, b, c, reqs)
-        assert held == []
+        assert a_rounds_when_c_was_answered == [0]  # answered while A still waited for B
         assert [sizes[a.me], sizes[b.me], sizes[c.me]] == [2, 2, 1]  # A and B pair; C is refused, steps solo
+        refusal = c.status()["last_refusal"]
+        assert refusal is not None and refusal["by"] == "partner" and refusal["peer"] == a.me
 
 
 async def test_group_size_2_keeps_one_partner_per_outer_step() -> None:

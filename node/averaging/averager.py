@@ -92,7 +92,7 @@ from libp2p.peer.id import ID
 
 from node.averaging import stepping
 from node.averaging.admission import Admission, per_ip_key
-from node.averaging.compression_choice import AUTO, choose_compression
+from node.averaging.compression_choice import AUTO, accepts, preset_for
 from node.averaging.group_mean import GroupMean, group_sums, restore_pair
 from node.averaging.pairing import scheduled_partners
 from node.averaging.partner_misses import Attempt, PartnerMisses
@@ -106,7 +106,7 @@ from p2p.datapath import DataPathListener
 from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
 from protocols.avg import AnswerCode, Declined, Tensors
-from protocols.compress import PRESETS, get_compression
+from protocols.compress import get_compression
 
 log = logging.getLogger("starling.averager")
 
@@ -120,6 +120,21 @@ HOLD_MARGIN_S = 0.5  # past our first round's window: the second round begins ri
 # How long a scheduled partner that is busy *transferring* is waited for: this many times our own typical
 # transfer (an EWMA of our exchanges' durations), when that is longer than the pairing window.
 BUSY_WAIT_FACTOR = 1.5
+
+
+def busy_wait_s(window_s: float, transfer_s: float | None, max_transfer_s: float) -> float:
+    """How long a round may wait for a scheduled partner that is still transferring its previous outer step
+    (it answers "already exchanging"): `BUSY_WAIT_FACTOR` times our own typical transfer (`transfer_s`, None:
+    none measured yet), up to `sync.max_transfer_s`, and never less than the pairing window.
+
+    Why wait at all: on a slow link an exchange lasts minutes, the worker trains on meanwhile (so the wait
+    costs no compute), and pairs end their transfers seconds apart. Giving up after the pairing window sent
+    the pair that finished first back to each other in the open phase, step after step: fixed pairs, the
+    islands the schedule exists to prevent. The bound is our own typical transfer time (partners' links are
+    alike or the schedule pairs like with like)."""
+    if transfer_s is None:
+        return window_s
+    return max(window_s, min(BUSY_WAIT_FACTOR * transfer_s, max_transfer_s))
 
 
 @dataclass
@@ -275,6 +290,11 @@ class Averager:
         too many rounds in a row (node/averaging/partner_misses.py). A peer that counts costs every outer step the
         whole pairing window when it never pairs."""
         return self.admission.barred(peer) or self.misses.sits_out(peer)
+
+    def answer_for(self, request: avg.AvgRequest, partner: str) -> tuple[AnswerCode, str] | None:
+        """How we would answer `request` from `partner` now (None: accept), without answering: the
+        responder's judgement (`_judge`) against the round in progress, or between outer steps."""
+        return self._judge(request, self._pending, partner)
 
     def note_offence(self, peer: str, reason: str) -> None:
         """An offence seen outside an exchange (a Yamux window overrun, p2p/limits.py; a snapshot donor that
@@ -451,18 +471,7 @@ class Averager:
         return sorted(set(self.swarm.eligible_partners()) - {self.me})
 
     def _busy_wait_s(self) -> float:
-        """How long a round may wait for a scheduled partner that is still transferring its previous
-        outer step (it answers "already exchanging").
-
-        Why wait at all: on a slow link an exchange lasts minutes, the worker trains on meanwhile (so the
-        wait costs no compute), and pairs end their transfers seconds apart. Giving up after the pairing
-        window sent the pair that finished first back to each other in the open phase, step after step:
-        fixed pairs, the islands the schedule exists to prevent. The bound is our own typical transfer time
-        (partners' links are alike or the schedule pairs like with like), and never below the window."""
-        window = self.cfg.pair_window_s
-        if self._transfer_s is None:
-            return window
-        return max(window, min(BUSY_WAIT_FACTOR * self._transfer_s, self.cfg.max_transfer_s))
+        return busy_wait_s(self.cfg.pair_window_s, self._transfer_s, self.cfg.max_transfer_s)
 
     async def _pair(self, pending: _Pending) -> None:
         deadline = pending.began + (self.cfg.pair_window_s if pending.window_s is None else pending.window_s)
@@ -561,30 +570,12 @@ class Averager:
         return period if period > 0 and period != float("inf") else 0.0
 
     def _compression_for(self, partner: str, pending: _Pending) -> str:
-        """The preset we ask `partner` to exchange this round with: `sync.compression`, or with `auto` the
-        least compressed one whose transfer the measured rate fits in an outer step
-        (node/averaging/compression_choice.py). A second round (groups of four) is always `none`."""
-        if self.cfg.compression != AUTO:
-            return self.cfg.compression
-        if pending.stage != 1:
-            return "none"
+        """The preset we ask `partner` to exchange this round with (node/averaging/compression_choice.py)."""
         link = self.admission.link(partner)
-        return choose_compression(
-            rate_bps=link.rate_bps if link.rate_bps is not None else self._rate_bps,
-            period_s=self._outer_period_s(),
-            numel=pending.tensors.phi.size,
-            previous=link.compression,
-            group_size=self.cfg.group_size,
-            wire_dtype=self.cfg.wire_dtype,
-        )
-
-    def _accepts_compression(self, name: str) -> bool:
-        """Whether we take a request for preset `name`: our own fixed `sync.compression` only; with `auto`
-        any known preset the initiator chose (it measured the same link: the pair's bottleneck), lossy ones
-        only where our groups are pairs (`SyncConfig.validate` says why)."""
-        if self.cfg.compression != AUTO:
-            return name == self.cfg.compression
-        return name in PRESETS and (self.cfg.group_size == 2 or not PRESETS[name].lossy)
+        return preset_for(self.cfg.compression, stage=pending.stage, link_rate_bps=link.rate_bps,
+                          typical_rate_bps=self._rate_bps, period_s=self._outer_period_s(),
+                          numel=pending.tensors.phi.size, previous=link.compression,
+                          group_size=self.cfg.group_size, wire_dtype=self.cfg.wire_dtype)
 
     def _request_fields(self, pending: _Pending, compression: str, fragment: int) -> dict[str, Any]:
         return {
@@ -855,7 +846,7 @@ class Averager:
                     f"outer steps too far apart: yours {req.outer_step}, ours {pending.request.outer_step}")
         if req.wire_dtype not in ("fp32", "bf16", "int8"):
             return (AnswerCode.WIRE_DTYPE, f"unknown wire dtype {req.wire_dtype!r}")
-        if not self._accepts_compression(req.compression):
+        if not accepts(self.cfg.compression, self.cfg.group_size, req.compression):
             # Error feedback and the fragment pull assume what the wire carried: a mix would be silently wrong.
             groups = f" with sync.group_size = {self.cfg.group_size}" if self.cfg.compression == AUTO else ""
             return (AnswerCode.COMPRESSION,
