@@ -7,7 +7,8 @@
     group_mean.py          weighted_mean: a group of four's sample-weighted means from a pair's sums
     stepping.py            group_outer_step, follow_the_swarm, phase_shift: the counter and the phase after a round
     pairing.py             schedule, scheduled_partners: who averages with whom at each outer step, from each
-                           node's own member list (local: views a few members apart still agree); agreement
+                           node's own member list (local: views a few members apart still agree); agreement: how
+                           many nodes' partners name them back
     partner_misses.py      PartnerMisses, Attempt: trainers that miss round after round stop counting as partners
     robust.py              UpdateBound: how far one partner's values may move us
     compression_choice.py  choose_compression: `sync.compression = auto`'s preset for each exchange
