@@ -149,6 +149,7 @@ class _PeerState:
         """A fresh Averager per mode (the side channel is set up by the constructor)."""
         from node.averaging.averager import Averager
         from node.config.sync import SyncConfig
+        from starling_testing.averaging import FakeSwarm
 
         if self.mode == (wire_dtype, datapath):
             return
@@ -157,7 +158,7 @@ class _PeerState:
         cfg = SyncConfig(wire_dtype=wire_dtype, datapath=datapath, pair_window_s=60.0, handshake_timeout_s=30.0,
                          assumed_rate_mbps=100.0)
         cfg.validate()
-        self.averager = Averager(self.host, cfg, manifest_hash=lambda: "bench", eligible_peers=self._eligible)
+        self.averager = Averager(self.host, cfg, FakeSwarm(self.host, manifest="bench", partners=self._eligible))
         self.mode = (wire_dtype, datapath)
         await self.nursery.start(self._run_averager, self.averager)
 

@@ -42,6 +42,7 @@ from node.averaging.latejoin import (
     progress_view,
     snapshot_source,
 )
+from node.averaging.swarm_view import AveragerHooks
 from node.config.load import RUN_CONFIG_FILE, Config, write_run_config
 from node.ops import refusals
 from node.ops.control import SOCKET_FILE, serve_control
@@ -182,7 +183,7 @@ class Daemon:
         self.access = AccessControl(keyed=psk is not None, allow=node.allow_peers)
         self.access.install(self.host)
         # Per-subnet shares of the protocols a peer can make this node work for (see p2p/netgroup.py).
-        # Averaging requests have their own per-IP share and IP bans in the averager (node/averaging/averager.py).
+        # Averaging requests have their own per-IP share and IP bans in the averager (node/averaging/admission.py).
         self.stream_limits = SubnetStreamLimits({SNAPSHOT_PROTOCOL: 1, STATE_PROTOCOL: 4, DIALBACK_PROTOCOL: 2})
         self.stream_limits.install(self.host)
         self.connmgr = ConnManager(
@@ -253,23 +254,17 @@ class Daemon:
             self.averager = Averager(
                 self.host,
                 cfg.sync,
-                manifest_hash=self._averaging_manifest_hash,
-                eligible_peers=self._eligible_partners,
+                AveragerSwarm(self),
+                hooks=AveragerHooks(
+                    on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
+                    on_outer_step=self.catch_up.note_outer_step,
+                    on_behind=self.catch_up.behind,
+                ),
                 metrics=self.metrics,
                 listen_host=bind,
-                path_of=lambda peer: self.nat.path_of(peer),
-                on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
-                reachable=lambda: self.nat.reachability != "private",
-                on_outer_step=self.catch_up.note_outer_step,
-                on_behind=self.catch_up.behind,
-                anyone_else=lambda: bool(self._possible_partners()),
-                pace=lambda: float(self._training().get("period_s") or 0.0),
                 # The pace gives the swarm's fastest trainer H inner steps per outer step: no honest
                 # partner's Delta covers more (node/averaging/robust.py).
                 max_inner_steps=cfg.train.inner_steps,
-                swarm_steps=self._trainer_steps,
-                speeds=self._trainer_speeds,
-                outer_period=self._outer_period_s,
             )
             self.muxer_offences.on_offence = self.averager.note_offence
         self.ready = trio.Event()
@@ -819,3 +814,39 @@ class Daemon:
             write_run_config(self.home, self.cfg)  # what `export` rebuilds the model from
         except OSError as e:  # a full disk is reported by the checkpoints; export then needs `--set` again
             log.warning("cannot record the run's options in %s: %s", self.home / RUN_CONFIG_FILE, e)
+
+
+class AveragerSwarm:
+    """The swarm as this daemon's averager sees it (node/averaging/swarm_view.py, `SwarmView`): each answer
+    computed from the daemon's state when the averager asks (the member records, the NAT service, the
+    supervisor's status)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+
+    def manifest_hash(self) -> str | None:
+        return self._daemon._averaging_manifest_hash()
+
+    def eligible_partners(self) -> list[str]:
+        return self._daemon._eligible_partners()
+
+    def anyone_else(self) -> bool:
+        return bool(self._daemon._possible_partners())
+
+    def path_of(self, peer: str) -> str:
+        return self._daemon.nat.path_of(peer)
+
+    def reachable(self) -> bool:
+        return self._daemon.nat.reachability != "private"
+
+    def pace(self) -> float:
+        return float(self._daemon._training().get("period_s") or 0.0)
+
+    def outer_period(self) -> float:
+        return self._daemon._outer_period_s()
+
+    def swarm_steps(self) -> dict[str, int]:
+        return self._daemon._trainer_steps()
+
+    def speeds(self) -> dict[str, float]:
+        return self._daemon._trainer_speeds()

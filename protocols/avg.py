@@ -1,4 +1,4 @@
-"""`/starling/avg/1.2.0`: one pairwise averaging exchange of `(phi, Delta)` between two trainers.
+"""`/starling/avg/1.3.0`: one pairwise averaging exchange of `(phi, Delta)` between two trainers.
 
 Control flow on the libp2p stream (Noise-authenticated, so both PeerIDs are proven):
 
@@ -34,11 +34,22 @@ refuses another one (node/averaging/averager.py): partners whose error feedback 
 not mix silently; one with `sync.compression = auto` takes the preset the request names (the wire is the
 same: the request always named its preset, so `auto` needed no new field and no new version). As for
 1.1.0, the protocol id changed, since a 1.1.0 peer refuses the new fields.
+
+Version 1.3.0 added `AvgAnswer.code`: why a busy or refuse answer says no, as a machine-readable
+`AnswerCode` beside the human-readable `reason`, so that no node decides what to do next by reading prose
+(a partner that is "not ready" is asked again; one that refused for the step gap starts the catch-up).
+Swarms upgrade node by node, so this version talks to 1.2.0 as well, without a new manifest: a node
+serves both protocol ids and asks for 1.3.0 first (multistream falls back to 1.2.0 on an older peer, one
+round trip more). On a 1.2.0 stream it leaves `code` out (a 1.2.0 peer refuses unknown fields, and would
+count our answer as malformed), and a 1.2.0 peer's answer, which has only the text, gets its code from the
+texts 1.2.0 sends (`LEGACY_REASONS`: the one place a reason's text is read, to go when 1.2.0 is gone). The
+session keys stay bound to the 1.2.0 id (`KEYS_PROTOCOL_ID`): the key schedule did not change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import math
 import time
@@ -72,6 +83,7 @@ from p2p.wire import (
     recv_as,
     send_msg,
     spec,
+    to_map,
 )
 from protocols.codec import (
     PASS_ELEMS,
@@ -91,7 +103,11 @@ from protocols.compress import get_compression
 
 log = logging.getLogger("starling.avg")
 
-PROTOCOL_ID = "/starling/avg/1.2.0"
+PROTOCOL_ID = "/starling/avg/1.3.0"
+PROTOCOL_ID_1_2 = "/starling/avg/1.2.0"  # the previous version, still served and spoken (module docstring)
+PROTOCOL_IDS = (PROTOCOL_ID, PROTOCOL_ID_1_2)  # what an initiator asks for, preferred first
+KEYS_PROTOCOL_ID = PROTOCOL_ID_1_2  # what the session keys are bound to, in both versions
+MAX_CODE_LEN = 24
 MAX_MEMBERS = 2  # trainers whose mean one side of an exchange may carry (a pair's, in the second round)
 MAX_CONTROL_BYTES = 16 * 1024
 MAX_NUMEL = 1 << 34  # 16 G parameters: refuse anything a real model could not be
@@ -100,6 +116,89 @@ DATAPATH_CONNECT_S = 5.0
 PUNCH_S = 5.0  # for a punched side channel; on failure the exchange falls back to the libp2p stream
 
 HASH_LEN = 64  # sha256 hex
+
+
+class AnswerCode(enum.Enum):
+    """Why a partner said no (`AvgAnswer.code`), each code belonging to one verdict (`busy` or `refuse`).
+
+    The asker acts on the code only: `asks_again` codes (the partner has not published yet) are asked again
+    soon and are no miss; `EXCHANGING` is waited for (a slow link's transfer); `STEP_GAP` starts the
+    catch-up of whichever side is behind. `BUSY` and `REFUSED` stand for any other reason, including a code
+    this version does not know (a newer peer's)."""
+
+    # busy: no now, maybe later
+    NOT_READY = "not_ready"  # training between outer steps
+    NOT_IN_ROUND = "not_in_round"  # a second-round request while it is still in its first round
+    SECOND_ROUND = "second_round"  # a first-round request while it is in its second round
+    EXCHANGING = "exchanging"  # its outer step is paired and transferring
+    SCHEDULED = "scheduled"  # waiting for the partner the schedule gives it
+    CROSSING = "crossing"  # it is asking us at the same time, and its request wins
+    ASKING_OTHER = "asking_other"  # it is asking someone else
+    CLAIMED = "claimed"  # (never on the wire) a crossing request claimed our outer step meanwhile
+    BUSY = "busy"  # any other busy answer
+    # refuse: no, for reasons a retry does not change
+    NO_DIRECT_PATH = "no_direct_path"
+    BANNED = "banned"
+    MANIFEST = "manifest"
+    LAYOUT = "layout"
+    STEP_GAP = "step_gap"  # outer steps further apart than `sync.max_step_gap`
+    WIRE_DTYPE = "wire_dtype"
+    COMPRESSION = "compression"
+    REFUSED = "refused"  # any other refusal
+
+    @property
+    def busy(self) -> bool:
+        """No for now (verdict "busy"), as opposed to a refusal."""
+        return self in _BUSY_CODES
+
+    @property
+    def verdict(self) -> str:
+        """The `AvgAnswer.verdict` this code goes with: "busy" or "refuse"."""
+        return "busy" if self.busy else "refuse"
+
+    @property
+    def asks_again(self) -> bool:
+        """The partner has not begun the round we asked for (it is "not ready"): ask again soon."""
+        return self in (AnswerCode.NOT_READY, AnswerCode.NOT_IN_ROUND)
+
+    @classmethod
+    def of(cls, verdict: str, code: str, reason: str) -> AnswerCode:
+        """The code of a busy or refuse answer: its `code` where this version knows it and it goes with the
+        verdict; a 1.2.0 peer's (no code) from its text (`LEGACY_REASONS`); else `BUSY` or `REFUSED`."""
+        generic = cls.BUSY if verdict == "busy" else cls.REFUSED
+        if code:
+            try:
+                known = cls(code)
+            except ValueError:
+                return generic  # a newer peer's code
+            return known if known.verdict == verdict else generic
+        for prefix, legacy in LEGACY_REASONS:
+            if legacy.verdict == verdict and reason.startswith(prefix):
+                return legacy
+        return generic
+
+
+_BUSY_CODES = frozenset({AnswerCode.NOT_READY, AnswerCode.NOT_IN_ROUND, AnswerCode.SECOND_ROUND,
+                         AnswerCode.EXCHANGING, AnswerCode.SCHEDULED, AnswerCode.CROSSING, AnswerCode.ASKING_OTHER,
+                         AnswerCode.CLAIMED, AnswerCode.BUSY})
+
+# The reasons a 1.2.0 node sends (node/averaging/averager.py's `_judge` as it was), by prefix, and their codes.
+LEGACY_REASONS: tuple[tuple[str, AnswerCode], ...] = (
+    ("not ready (in the first round", AnswerCode.NOT_IN_ROUND),
+    ("not ready", AnswerCode.NOT_READY),
+    ("in the second round", AnswerCode.SECOND_ROUND),
+    ("already exchanging", AnswerCode.EXCHANGING),
+    ("waiting for the partner the schedule gives it", AnswerCode.SCHEDULED),
+    ("crossing request", AnswerCode.CROSSING),
+    ("asking someone else", AnswerCode.ASKING_OTHER),
+    ("no direct path", AnswerCode.NO_DIRECT_PATH),
+    ("banned", AnswerCode.BANNED),
+    ("manifest mismatch", AnswerCode.MANIFEST),
+    ("parameter layout mismatch", AnswerCode.LAYOUT),
+    ("outer steps too far apart", AnswerCode.STEP_GAP),
+    ("unknown wire dtype", AnswerCode.WIRE_DTYPE),
+    ("compression mismatch", AnswerCode.COMPRESSION),
+)
 
 
 @dataclass(frozen=True)
@@ -149,6 +248,9 @@ class AvgAnswer:
     since_publish_ms: int = spec(ge=0, le=1 << 31, default=0)
     paired: bool = spec(default=False)  # its last outer step was averaged: it is in phase with someone
     members: int = spec(ge=1, le=MAX_MEMBERS, default=1)  # as in AvgRequest
+    # 1.3.0: why a busy or refuse answer says no (`AnswerCode`'s value; absent in 1.2.0 and in an accept).
+    # A plain string, so that a code added later reads as `BUSY` / `REFUSED` here instead of a malformed answer.
+    code: str = spec(max_len=MAX_CODE_LEN, default="")
 
     def __post_init__(self) -> None:
         if self.verdict not in ("accept", "busy", "refuse"):
@@ -177,13 +279,15 @@ class Rejected(Exception):
 
 
 class Declined(Exception):
-    """The partner answered busy or refuse; not a failure of the partner."""
+    """The partner answered busy or refuse; not a failure of the partner. `code` says why (what the asker
+    acts on), `reason` in words (what it logs and shows)."""
 
     def __init__(
-        self, verdict: str, reason: str, outer_step: int = 0, since_publish_ms: int = 0, paired: bool = False
+        self, code: AnswerCode, reason: str, outer_step: int = 0, since_publish_ms: int = 0, paired: bool = False
     ) -> None:
-        super().__init__(f"{verdict}: {reason}")
-        self.verdict = verdict
+        super().__init__(f"{code.verdict}: {reason}")
+        self.code = code
+        self.verdict = code.verdict
         self.reason = reason
         self.outer_step = outer_step  # the partner's, where it said (0: unknown)
         self.since_publish_ms = since_publish_ms  # how long ago it published, where it said (0: unknown)
@@ -671,16 +775,17 @@ async def initiate(
             await send_msg(control, request, max_bytes=MAX_CONTROL_BYTES)
             answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
         if answer.verdict != "accept":
-            raise Declined(answer.verdict, answer.reason, answer.outer_step, answer.since_publish_ms, answer.paired)
+            raise Declined(AnswerCode.of(answer.verdict, answer.code, answer.reason), answer.reason,
+                           answer.outer_step, answer.since_publish_ms, answer.paired)
         if on_accept is not None and not on_accept(answer):
-            raise Declined("busy", "we were claimed by a crossing request meanwhile")
+            raise Declined(AnswerCode.CLAIMED, "we were claimed by a crossing request meanwhile")
         keys = mine.derive(
             role=Role.INITIATOR,
             peer_public_key=answer.pubkey,
             session_id=answer.session_id,
             local_peer_id=local_peer_id,
             remote_peer_id=remote_peer_id,
-            protocol_id=PROTOCOL_ID,
+            protocol_id=KEYS_PROTOCOL_ID,
         )
         async with watched(limits, progress):
             channel: FrameChannel | None = None
@@ -721,21 +826,34 @@ async def read_request(stream: object, timeout: float) -> AvgRequest:
         return await recv_as(LibP2PByteStream(stream), AvgRequest, max_bytes=MAX_CONTROL_BYTES)
 
 
+def _on_the_wire(answer: AvgAnswer, coded: bool) -> dict[str, object]:
+    """`answer` as the asker's version reads it: without `code` on a 1.2.0 stream (`coded` False), whose
+    peers refuse unknown fields, and without an empty one (an accept's) in either version."""
+    fields = to_map(answer)
+    if not coded or not answer.code:
+        fields.pop("code")
+    return fields
+
+
 async def answer(
     stream: object,
-    verdict: str,
+    code: AnswerCode,
     reason: str = "",
     outer_step: int = 0,
     since_publish_ms: int = 0,
     paired: bool = False,
+    *,
+    coded: bool = True,
 ) -> None:
-    """Send a busy/refuse answer (best effort: the asker may already be gone)."""
+    """Send a busy/refuse answer (best effort: the asker may already be gone); `coded`: the stream speaks
+    1.3.0 (`PROTOCOL_ID`), so the answer carries `code` beside the text."""
+    if code is AnswerCode.CLAIMED:
+        code = AnswerCode.BUSY  # ours alone: a peer need not know it
+    message = AvgAnswer(verdict=code.verdict, reason=reason[:300], outer_step=outer_step,
+                        since_publish_ms=since_publish_ms, paired=paired, code=code.value)
     with trio.move_on_after(2):
         try:
-            await send_msg(LibP2PByteStream(stream), AvgAnswer(verdict=verdict, reason=reason[:300],
-                                                               outer_step=outer_step,
-                                                               since_publish_ms=since_publish_ms, paired=paired),
-                           max_bytes=MAX_CONTROL_BYTES)
+            await send_msg(LibP2PByteStream(stream), _on_the_wire(message, coded), max_bytes=MAX_CONTROL_BYTES)
         except ProtocolError:
             pass
 
@@ -782,7 +900,7 @@ async def respond(
         session_id=session_id,
         local_peer_id=local_peer_id,
         remote_peer_id=remote_peer_id,
-        protocol_id=PROTOCOL_ID,
+        protocol_id=KEYS_PROTOCOL_ID,
     )
     offer_listener = listener is not None and request.datapath
     remote_ip = partner_ip(stream)
@@ -802,23 +920,24 @@ async def respond(
             waited_ms=waited_ms,
             members=members,
         )
+        accept_fields = _on_the_wire(accept, coded=False)  # an accept carries no code, in either version
         async with watched(limits, progress):
             if accept.datapath_port and listener is not None:
                 async with listener.expect(keys, timeout=handshake_timeout + DATAPATH_CONNECT_S) as pending:
-                    await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
+                    await send_msg(control, accept_fields, max_bytes=MAX_CONTROL_BYTES)
                     path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
                     if path.path == "datapath":
                         async with await pending.wait() as channel:
                             return await run_transfer(_counted(channel, progress), tensors, plan, "datapath",
                                                       validate)
             elif punch is not None and remote_ip:
-                await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
+                await send_msg(control, accept_fields, max_bytes=MAX_CONTROL_BYTES)
                 channel = await _punched_or_stream(control, punch, (remote_ip, request.punch_port), keys)
                 if channel is not None:
                     async with channel:
                         return await run_transfer(_counted(channel, progress), tensors, plan, "datapath", validate)
             else:
-                await send_msg(control, accept, max_bytes=MAX_CONTROL_BYTES)
+                await send_msg(control, accept_fields, max_bytes=MAX_CONTROL_BYTES)
                 path = await recv_as(control, AvgPath, max_bytes=MAX_CONTROL_BYTES)
                 if path.path == "datapath":
                     raise ProtocolError(Reason.BAD_FIELD, "partner chose a side channel we did not offer")

@@ -13,7 +13,8 @@ Files and their main names:
 * ``fakes.py``: transport test doubles (``ScriptedStream``, ``FakeNetStream``, ``FakeHost``, ``RefusingProber``);
 * ``conformance.py``: the :class:`p2p.wire.FrameChannel` contract as checks (``FRAME_CHANNEL_CHECKS``,
   ``check_frame_channel``);
-* ``averaging.py``: ``exchange_both``, two real averagers' exchanges at once, and ``group_sizes``;
+* ``averaging.py``: ``FakeSwarm``, the swarm an averager sees outside a daemon; ``exchange_both``, two real
+  averagers' exchanges at once, and ``group_sizes``;
 * ``fuzz.py``: the fuzzer's targets, mutator and runner (``make fuzz``; tests/test_fuzz.py drives the same
   targets with hypothesis);
 * ``adversary.py``: hostile averaging partners against a real victim (``make bench-adversary``);

@@ -52,7 +52,7 @@ from node.config.sync import SyncConfig
 from node.config.train import TrainConfig
 from node.worker.trainer import Trainer
 from p2p.host import build_host
-from starling_testing.averaging import exchange_both
+from starling_testing.averaging import FakeSwarm, exchange_both
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 
@@ -196,10 +196,11 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
         # Each side's only possible partner is the other, until the victim bans the attacker: from then on
         # both step solo at once instead of waiting out every pairing window (the attacker is told, as it
         # would learn from the refusals).
-        avs += [Averager(hosts[0], sync, manifest_hash=lambda: "m", max_inner_steps=cfg.inner_steps,
-                         eligible_peers=lambda: [] if banned() else [ids[1]], anyone_else=lambda: not banned()),
-                Averager(hosts[1], sync if attack is None else lax, manifest_hash=lambda: "m",
-                         eligible_peers=lambda: [] if banned() else [ids[0]], anyone_else=lambda: not banned())]
+        avs += [Averager(hosts[0], sync, FakeSwarm(hosts[0], manifest="m", partners=lambda: [] if banned() else [ids[1]],
+                                                   others=lambda: not banned()), max_inner_steps=cfg.inner_steps),
+                Averager(hosts[1], sync if attack is None else lax,
+                         FakeSwarm(hosts[1], manifest="m", partners=lambda: [] if banned() else [ids[0]],
+                                   others=lambda: not banned()))]
         for a in avs:
             await nursery.start(a.run)
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
@@ -219,10 +220,11 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
             if attack is not None:
                 attack(reqs[1], u, r, float(honest_delta.norm()))
             sent = (reqs[1].delta.clone(), reqs[1].phi - reqs[0].phi)  # what the victim is sent, its phi offset
-            clipped = dict(avs[0].clipped)
+            clipped = avs[0].status()["clipped"]
             results = await exchange_both(avs, reqs)
             if before is not None:
-                directions.append((avs[0].clipped["delta"] > clipped["delta"], avs[0].clipped["phi"] > clipped["phi"],
+                now_clipped = avs[0].status()["clipped"]
+                directions.append((now_clipped["delta"] > clipped["delta"], now_clipped["phi"] > clipped["phi"],
                                    _cos(sent[0], before[0]), _cos(sent[1], before[1])))
             before = sent
             v = reqs[0]

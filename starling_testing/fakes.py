@@ -123,7 +123,8 @@ class FakeHost:
 
     ``key``: its identity (else a fixed test ID); ``streams``: makes the stream that ``new_stream``
     returns; ``peers``: the connected peers and their IPs (``disconnect`` drops one and lists it in
-    ``disconnected``).
+    ``disconnected``); ``handlers``: the stream handler set for each protocol id, for a test to hand
+    inbound streams to as the host would.
     """
 
     def __init__(
@@ -137,6 +138,7 @@ class FakeHost:
         self._streams = streams
         self.peers = dict(peers or {})
         self.disconnected: list[ID] = []
+        self.handlers: dict[str, Any] = {}
 
     def get_id(self) -> ID:
         return self._id
@@ -145,7 +147,7 @@ class FakeHost:
         return list(self.peers)
 
     def set_stream_handler(self, protocol_id: str, handler: Any) -> None:
-        pass
+        self.handlers[protocol_id] = handler
 
     async def new_stream(self, peer: ID, protocols: Sequence[str]) -> Any:
         assert self._streams is not None, "this FakeHost opens no streams (give it `streams`)"

@@ -103,6 +103,7 @@ from p2p.wire import (
 )
 from protocols import avg, dialback, state
 from protocols.codec import ChunkPlan, get_codec, recv_tensor
+from starling_testing.averaging import FakeSwarm
 from starling_testing.fakes import FakeHost, FakeNetStream, RefusingProber, ScriptedStream
 
 #: Longest any single input may take before it counts as a hang (every input ends in EOF, so no
@@ -653,6 +654,7 @@ def avg_messages() -> list[Any]:
         avg.AvgAnswer(verdict="accept", outer_step=3, pubkey=bytes(range(32)), session_id=bytes(16),
                       datapath_port=4242),
         avg.AvgAnswer(verdict="busy", reason="not ready"),
+        avg.AvgAnswer(verdict="busy", reason="not ready", code=avg.AnswerCode.NOT_READY.value),
         avg.AvgAnswer(verdict="refuse", reason="manifest mismatch", outer_step=9),
         avg.AvgPath("stream"),
         avg.AvgPath("datapath"),
@@ -676,9 +678,9 @@ class AvgMessages(Target):
 
 
 class AvgResponder(Target):
-    """``Averager._handle_stream``: a partner's whole conversation (request, path, frames) against a
-    node that is pairing. Every input must end in a completed exchange, a busy/refuse answer or a
-    *counted* failure, with the stream closed or reset, and never raise."""
+    """The averager's stream handler (``Averager.run`` sets it on the host): a partner's whole conversation
+    (request, path, frames) against a node that is pairing. Every input must end in a completed exchange, a
+    busy/refuse answer or a *counted* failure, with the stream closed or reset, and never raise."""
 
     name = "avg.respond"
 
@@ -697,19 +699,21 @@ class AvgResponder(Target):
 
     async def feed(self, data: bytes) -> str:
         cfg = SyncConfig(wire_dtype="fp32", datapath=False, pair_window_s=600, handshake_timeout_s=5)
-        averager = Averager(FakeHost(KEYS[0]), cfg, manifest_hash=lambda: AVG_MANIFEST)
+        host = FakeHost(KEYS[0])
+        averager = Averager(host, cfg, FakeSwarm(host, manifest=AVG_MANIFEST))
         t = avg_tensors(1)
         stream = FakeNetStream(data, PEERS[1])
         async with trio.open_nursery() as nursery:
+            await nursery.start(averager.run)
             nursery.start_soon(averager.exchange, ExchangeRequest(3, t.phi, t.delta, t.phi_out, t.delta_out,
                                                                   AVG_LAYOUT, layout_hash(AVG_LAYOUT)))
             while averager.status()["state"] != "pairing":
                 await trio.sleep(0)
-            await averager._handle_stream(stream)
+            await host.handlers[avg.PROTOCOL_ID](stream)  # as the host hands an inbound stream over
             nursery.cancel_scope.cancel()
         if not (stream.closed or stream.was_reset):
             raise Violation("the responder left the stream open")
-        stats = averager.stats
+        stats = averager.status()
         if stats["rounds"]:
             return "accepted:averaged"
         if stats["failures"]:
@@ -1071,9 +1075,9 @@ def _datapath_keys() -> tuple[Any, Any]:
     """Matching initiator and responder keys for one fixed session (re-registered for every input)."""
     initiator, responder = KeyAgreement(), KeyAgreement()
     ki = initiator.derive(role=Role.INITIATOR, peer_public_key=responder.public_key, session_id=_SESSION_ID,
-                          local_peer_id=b"i", remote_peer_id=b"r", protocol_id=avg.PROTOCOL_ID)
+                          local_peer_id=b"i", remote_peer_id=b"r", protocol_id=avg.KEYS_PROTOCOL_ID)
     kr = responder.derive(role=Role.RESPONDER, peer_public_key=initiator.public_key, session_id=_SESSION_ID,
-                          local_peer_id=b"r", remote_peer_id=b"i", protocol_id=avg.PROTOCOL_ID)
+                          local_peer_id=b"r", remote_peer_id=b"i", protocol_id=avg.KEYS_PROTOCOL_ID)
     return ki, kr
 
 

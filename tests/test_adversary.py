@@ -578,10 +578,10 @@ async def test_a_joining_trainer_answers_busy_without_a_false_manifest_error(
     daemon.replicator.state.merge(founder.set_manifest(MANIFEST) or b"")
     request = AvgRequest(outer_step=3, manifest_hash=MANIFEST.hash, layout_hash="L", numel=10, wire_dtype="bf16",
                          int8_block=4096, chunk_elems=1024, pubkey=b"k" * 32)
-    daemon.averager.path_of = lambda peer: "direct"
+    daemon.nat.path_of = lambda peer: "direct"  # type: ignore[method-assign]
     caplog.set_level(logging.INFO)
-    verdict = daemon.averager._judge(request, None, founder.peer_id)
-    assert verdict is not None and verdict[0] == "busy"
+    verdict = daemon.averager.answer_for(request, founder.peer_id)  # between outer steps
+    assert verdict is not None and verdict[0].busy
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
     loading, ready = SwarmState(create_new_key_pair()), SwarmState(create_new_key_pair())

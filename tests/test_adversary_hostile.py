@@ -20,6 +20,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averaging import latejoin
+from node.averaging.partner_misses import Attempt
 from node.bridge.ckptfile import read_phi
 from node.swarm import crdt
 from node.swarm.crdt import Manifest, MemberRecord, SwarmState, peer_id_of, sign_record
@@ -296,15 +297,23 @@ async def test_a_fake_trainer_stops_costing_the_pairing_window_once_it_missed_it
     assert averager.sits_out(fake_id) and averager.status()["unpaired_rounds"] == 2
 
 
+@pytest.mark.parametrize("wire", ["1.3.0", "1.2.0"], ids=["coded", "words-only"])
 @pytest.mark.parametrize("fake_asks_first", [True, False], ids=["fake-has-the-smaller-id", "victim-has-the-smaller-id"])
-async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_after_its_bound(fake_asks_first: bool) -> None:
+async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_after_its_bound(
+    fake_asks_first: bool, wire: str
+) -> None:
     """Before, a fake with an averaging handler that answers "not ready" to every request (as an honest
     trainer between outer steps does) was never a miss, so it counted as a possible partner for good and
     every outer step waited out the whole window for it. An honest partner that says "not ready" asks us
     when it publishes (the schedule pairs it with us too); this one never does, so after NOT_READY_GRACE
     rounds its "not ready" counts as a miss and after MISS_LIMIT misses it sits out: solo at once. Both
     sides of the schedule: the victim asks the fake itself, or waits for it to ask and asks once at the end
-    of the scheduled phase."""
+    of the scheduled phase.
+
+    "Not ready" is its code (protocols/avg.py, `AnswerCode`): a 1.3.0 fake whose words say something else
+    is not ready all the same (the asker used to read the words, and took this one for a busy partner, a
+    miss at once); a 1.2.0 fake, which serves only the old protocol id and sends only the words, is read
+    by its words, as 1.2.0 nodes were."""
     import torch
 
     from node.averaging.partner_misses import MISS_LIMIT, NOT_READY_GRACE
@@ -319,8 +328,12 @@ async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_afte
         try:
             request = await avg.read_request(stream, 5.0)
             asked[0] += 1
-            await avg.answer(stream, "busy", "not ready (training between outer steps)", request.outer_step,
-                             since_publish_ms=1, paired=True)
+            if wire == "1.3.0":
+                await avg.answer(stream, avg.AnswerCode.NOT_READY, "training, come back later", request.outer_step,
+                                 since_publish_ms=1, paired=True)
+            else:
+                await avg.answer(stream, avg.AnswerCode.NOT_READY, "not ready (training between outer steps)",
+                                 request.outer_step, since_publish_ms=1, paired=True, coded=False)
         finally:
             await close_quietly(stream)
 
@@ -331,7 +344,7 @@ async def test_a_fake_trainer_that_answers_not_ready_to_everything_sits_out_afte
         for h in (honest, fake):
             await stack.enter_async_context(h.run(LOOPBACK))
         assert (str(fake.get_id()) < str(honest.get_id())) == fake_asks_first
-        fake.set_stream_handler(avg.PROTOCOL_ID, never_ready)
+        fake.set_stream_handler(avg.PROTOCOL_ID if wire == "1.3.0" else avg.PROTOCOL_ID_1_2, never_ready)
         averager, nursery = await _victim_of(stack, honest, fake, window)
         fake_id = str(fake.get_id())
         bound = NOT_READY_GRACE + MISS_LIMIT
@@ -362,10 +375,10 @@ def test_a_scheduled_partner_that_says_not_ready_but_asks_us_between_our_rounds_
     for _ in range(10 * (NOT_READY_GRACE + MISS_LIMIT)):
         for _ in range(NOT_READY_GRACE + MISS_LIMIT - 1):  # our rounds between two of its publishes
             misses.begin_round()
-            misses.note("slow", "not ready", scheduled=True)
+            misses.note("slow", Attempt.NOT_READY, scheduled=True)
             misses.end_round("slow")
             misses.begin_round()
-            misses.note("other", "not ready")  # asked in the open phase only
+            misses.note("other", Attempt.NOT_READY)  # asked in the open phase only
             misses.end_round(None)
         misses.heard("slow")  # it published and asked us (we answered "not ready": no refusal)
         now[0] += 1.0
@@ -373,7 +386,7 @@ def test_a_scheduled_partner_that_says_not_ready_but_asks_us_between_our_rounds_
     assert misses.status()["exclusions"] == 0
     for _ in range(NOT_READY_GRACE + MISS_LIMIT):  # the same partner, never asking: the bound
         misses.begin_round()
-        misses.note("slow", "not ready", scheduled=True)
+        misses.note("slow", Attempt.NOT_READY, scheduled=True)
         misses.end_round("slow")
     assert misses.sits_out("slow")
 
@@ -394,7 +407,7 @@ async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> Non
     daemon.nat.path_of = lambda peer: "direct"  # type: ignore[method-assign]
     assert [m.peer_id for m in daemon._possible_partners()] == [poisoner.peer_id]
     for _ in range(cfg.sync.ban_after):
-        daemon.averager._offence(poisoner.peer_id, "delta_too_large")
+        daemon.averager.note_offence(poisoner.peer_id, "delta_too_large")
     assert daemon.averager.status()["banned"] == [poisoner.peer_id]
     assert daemon._possible_partners() == [] and daemon._eligible_partners() == []
 
@@ -423,7 +436,7 @@ async def test_the_daemons_status_view_and_metrics_show_a_capped_clock_and_a_fak
     fake = peer_id_of(create_new_key_pair().public_key)
     for _ in range(MISS_LIMIT):
         daemon.averager.misses.begin_round()
-        daemon.averager.misses.note(fake, "failed")
+        daemon.averager.misses.note(fake, Attempt.FAILED)
         daemon.averager.misses.end_round(None)
 
     st = daemon.status()
@@ -449,19 +462,19 @@ def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_succ
     now = [0.0]
     misses = PartnerMisses(limit=3, backoff_s=30.0, clock=lambda: now[0])
 
-    def round_(outcome: str | None, scheduled: str | None = None) -> None:
+    def round_(outcome: Attempt | None, scheduled: str | None = None) -> None:
         misses.begin_round()
         if outcome is not None:
             misses.note("p", outcome)
         misses.end_round(scheduled)
 
     # "Not ready" (a phase question) is no miss, nor "busy" outside the schedule (busy with its own partner).
-    for outcome in ("failed", "busy", "not ready", "refused"):
+    for outcome in (Attempt.FAILED, Attempt.BUSY, Attempt.NOT_READY, Attempt.REFUSED):
         assert not misses.sits_out("p")
         round_(outcome)
     assert not misses.sits_out("p")
     misses.begin_round()
-    misses.note("p", "busy", scheduled=True)  # the partner the schedule gave us: it should be waiting for us
+    misses.note("p", Attempt.BUSY, scheduled=True)  # the partner the schedule gave us: it should be waiting for us
     misses.end_round(None)
     assert misses.sits_out("p")
     now[0] = 31.0
@@ -470,9 +483,9 @@ def test_a_peer_that_missed_sits_out_for_a_back_off_then_gets_one_try_and_a_succ
     assert misses.sits_out("p") and not misses.sits_out("q")
     now[0] = 31.0 + 61.0  # the back-off doubled
     assert not misses.sits_out("p")
-    round_("paired")
-    round_("failed")
-    round_("failed")
+    round_(Attempt.PAIRED)
+    round_(Attempt.FAILED)
+    round_(Attempt.FAILED)
     assert not misses.sits_out("p")  # a success cleared its count
 
 
@@ -488,11 +501,11 @@ def test_status_counts_the_peers_sitting_out_and_names_the_longest_back_offs_fir
     assert misses.status() == {"count": 0, "exclusions": 0, "peers": {}}
     for peer in ("a", "b", "c"):
         misses.begin_round()
-        misses.note(peer, "failed")
+        misses.note(peer, Attempt.FAILED)
         misses.end_round(None)
         now[0] += 5.0  # a sits out until 30, b until 35, c until 40
     misses.begin_round()
-    misses.note("c", "paired")  # c took part after all: cleared
+    misses.note("c", Attempt.PAIRED)  # c took part after all: cleared
     misses.end_round(None)
     st = misses.status()
     assert schema_errors(st, SittingOutStatus) == []
@@ -510,6 +523,7 @@ async def _victim_of(stack: AsyncExitStack, honest: Any, fake: Any, window: floa
     `stack` (returned, to cancel)."""
     from node.averaging.averager import Averager
     from node.config.sync import SyncConfig
+    from starling_testing.averaging import FakeSwarm
 
     await honest.connect(info_from_p2p_addr(fake.get_addrs()[0]))
     fake_id = str(fake.get_id())
@@ -518,8 +532,8 @@ async def _victim_of(stack: AsyncExitStack, honest: Any, fake: Any, window: floa
     def possible() -> list[str]:
         return [p for p in [fake_id] if averager is None or not averager.sits_out(p)]
 
-    averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False), manifest_hash=lambda: "m",
-                        eligible_peers=possible, anyone_else=lambda: bool(possible()))
+    averager = Averager(honest, SyncConfig(pair_window_s=window, datapath=False),
+                        FakeSwarm(honest, manifest="m", partners=possible, others=lambda: bool(possible())))
     nursery = await stack.enter_async_context(trio.open_nursery())
     await nursery.start(averager.run)
     return averager, nursery

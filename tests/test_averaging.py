@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 
 import multiaddr
-import numpy as np
 import pytest
 import torch
 import trio
@@ -15,17 +16,21 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node.averaging.averager import Averager, _Pending
+from node.averaging.averager import Averager
 from node.averaging.robust import Credited, UpdateBound
+from node.averaging.swarm_view import AveragerHooks
 from node.bridge.exchange import ExchangeRequest
 from node.config.sync import SyncConfig
 from node.ops.status_view import render_status
 from node.worker.task import layout_hash
 from p2p.host import build_host
-from protocols.avg import AvgRequest, Clip, Received, Tensors, make_plans
+from p2p.wire import LibP2PByteStream, ProtocolError, from_map, recv_msg, send_msg, to_map
+from protocols import avg
+from protocols.avg import AnswerCode, AvgAnswer, AvgRequest, Clip, Received, make_plans
 from protocols.codec import round_trip
 from protocols.compress import get_compression
-from starling_testing.averaging import exchange_both, group_sizes
+from starling_testing.averaging import FakeSwarm, exchange_both, group_sizes
+from starling_testing.fakes import FakeHost
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 LAYOUT = [("w", (1000, 300)), ("b", (300,))]
@@ -57,8 +62,8 @@ async def pair(stack: AsyncExitStack, cfg_a: SyncConfig, cfg_b: SyncConfig, *, m
         await stack.enter_async_context(h.run(LISTEN))
     nursery = await stack.enter_async_context(trio.open_nursery())
     avs = [
-        Averager(hosts[0], cfg_a, manifest_hash=lambda: "m1"),
-        Averager(hosts[1], cfg_b, manifest_hash=lambda: manifest_b),
+        Averager(hosts[0], cfg_a, FakeSwarm(hosts[0])),
+        Averager(hosts[1], cfg_b, FakeSwarm(hosts[1], manifest=manifest_b)),
     ]
     for a in avs:
         await nursery.start(a.run)
@@ -135,8 +140,8 @@ async def test_one_step_beyond_the_gap_says_why_in_status_and_log_wakes_the_catc
         nursery = await stack.enter_async_context(trio.open_nursery())
         ids = [str(h.get_id()) for h in hosts]
         avs = [
-            Averager(hosts[i], cfg, manifest_hash=lambda: "m1", eligible_peers=lambda i=i: [ids[1 - i]],
-                     anyone_else=lambda: True, on_behind=behind_calls[i].append, on_outer_step=averaged[i].append)
+            Averager(hosts[i], cfg, FakeSwarm(hosts[i], partners=[ids[1 - i]]),
+                     hooks=AveragerHooks(on_behind=behind_calls[i].append, on_outer_step=averaged[i].append))
             for i in range(2)
         ]
         for a in avs:
@@ -197,8 +202,8 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
     # Virtual time (autojump): any wait shows up as elapsed time, and none passes unless something waits.
     cfg = SyncConfig(pair_window_s=600, datapath=False)
     seen: list[bool] = []
-    alone = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [],
-                     on_outer_step=seen.append, anyone_else=lambda: False)
+    alone = Averager(LoneHost(), cfg, FakeSwarm(partners=[], others=False),
+                     hooks=AveragerHooks(on_outer_step=seen.append))
     began = trio.current_time()
     assert (await alone.exchange(request(1))).group_size == 1
     assert trio.current_time() == began
@@ -208,8 +213,8 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
 
     # Trainers whose records put them outside the step gap: the window still applies (they may ask us:
     # records lag, and the gap is judged on the actual request); the catch-up counts the step as unpaired.
-    distant = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [],
-                       on_outer_step=seen.append, anyone_else=lambda: True)
+    distant = Averager(LoneHost(), cfg, FakeSwarm(partners=[], others=True),
+                       hooks=AveragerHooks(on_outer_step=seen.append))
     began = trio.current_time()
     assert (await distant.exchange(request(1))).group_size == 1
     assert trio.current_time() - began >= 600
@@ -219,8 +224,8 @@ async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_a
     # not averaged, which the catch-up counts (it starts only where the records show someone beyond the
     # gap: a partner one step beyond it looked eligible and refused every request, issue #27).
     partner = str(ID.from_pubkey(create_new_key_pair().public_key))
-    hopeful = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [partner],
-                       on_outer_step=seen.append, anyone_else=lambda: True)
+    hopeful = Averager(LoneHost(), cfg, FakeSwarm(partners=[partner], others=True),
+                       hooks=AveragerHooks(on_outer_step=seen.append))
     began = trio.current_time()
     assert (await hopeful.exchange(request(1))).group_size == 1
     assert trio.current_time() - began >= 600
@@ -238,8 +243,8 @@ async def test_after_an_exchange_both_partners_hold_the_larger_outer_step(steps:
         # The responder's only eligible partner is one it is not connected to, so it never asks anyone:
         # the initiator is always hosts[0], and both directions of the counter adoption are exercised.
         elsewhere = str(ID.from_pubkey(create_new_key_pair().public_key))
-        initiator = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
-        responder = Averager(hosts[1], cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [elsewhere])
+        initiator = Averager(hosts[0], cfg, FakeSwarm(hosts[0]))
+        responder = Averager(hosts[1], cfg, FakeSwarm(hosts[1], partners=[elsewhere]))
         for a in (initiator, responder):
             await nursery.start(a.run)
         await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
@@ -317,7 +322,7 @@ async def test_a_partner_that_stops_mid_transfer_costs_one_solo_step_and_no_upda
         for h in hosts:
             await stack.enter_async_context(h.run(LISTEN))
         nursery = await stack.enter_async_context(trio.open_nursery())
-        honest = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
+        honest = Averager(hosts[0], cfg, FakeSwarm(hosts[0]))
         await nursery.start(honest.run)
 
         async def quitter(stream) -> None:  # accepts, sends two valid chunks of phi, then vanishes
@@ -346,7 +351,7 @@ async def three_connected(stack: AsyncExitStack, cfg: SyncConfig) -> tuple[list[
     for h in hosts:
         await stack.enter_async_context(h.run(LISTEN))
     nursery = await stack.enter_async_context(trio.open_nursery())
-    avs = [Averager(h, cfg, manifest_hash=lambda: "m1") for h in hosts]
+    avs = [Averager(h, cfg, FakeSwarm(h)) for h in hosts]
     for a in avs:
         await nursery.start(a.run)
     for i in range(3):
@@ -437,14 +442,15 @@ def test_a_node_that_found_nobody_ready_moves_towards_the_others_phase() -> None
     by 4 s of a 15 s pace moves its next publish 4 s earlier towards trainers that averaged (they keep their
     phase), 2 s towards solo ones (they move too); an early one (the others published 11 s before it, i.e.
     they are due 4 s after it) moves later; without a pace nothing moves."""
-    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1", pace=lambda: 15.0)
-    assert av._phase_shift([(-4.0, True)]) == pytest.approx(-4.0)
-    assert av._phase_shift([(-4.0, False)]) == pytest.approx(-2.0)
-    assert av._phase_shift([(-11.0, True)]) == pytest.approx(4.0)
+    from node.averaging.stepping import phase_shift
+
+    assert phase_shift([(-4.0, True)], 15.0) == pytest.approx(-4.0)
+    assert phase_shift([(-4.0, False)], 15.0) == pytest.approx(-2.0)
+    assert phase_shift([(-11.0, True)], 15.0) == pytest.approx(4.0)
     # The median of the moves, each wrapped: -4, -3 and 4.5 (= -30 + 4.5, two periods earlier).
-    assert av._phase_shift([(-4.0, True), (-3.0, True), (-25.5, True)]) == pytest.approx(-3.0)
-    assert av._phase_shift([]) == 0.0
-    assert Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")._phase_shift([(-4.0, True)]) == 0.0
+    assert phase_shift([(-4.0, True), (-3.0, True), (-25.5, True)], 15.0) == pytest.approx(-3.0)
+    assert phase_shift([], 15.0) == 0.0
+    assert phase_shift([(-4.0, True)], 0.0) == 0.0
 
 
 class FakeStream:
@@ -463,77 +469,64 @@ class FakeStream:
         pass
 
 
-def held_averager() -> tuple[Averager, trio.Event, list[FakeStream]]:
-    """An averager whose admitted requests are held (until the event is set) and listed as they come."""
-    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
-    gate, served = trio.Event(), []
+def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_identities() -> None:
+    """One machine's Sybil identities share its IP: they cannot take all MAX_INBOUND request slots, and
+    the slots come back when the requests are done."""
+    from node.averaging.admission import MAX_INBOUND_PER_IP, Admission
 
-    async def serve(stream: FakeStream) -> None:
-        served.append(stream)
-        await gate.wait()
-
-    av._serve_request = serve  # type: ignore[method-assign]
-    return av, gate, served
-
-
-async def test_one_ip_holds_at_most_4_pairing_requests_at_once_whatever_its_identities() -> None:
-    """One machine's Sybil identities share its IP: they cannot take all MAX_INBOUND request slots."""
-    from node.averaging.averager import MAX_INBOUND_PER_IP
-
-    av, gate, served = held_averager()
-    sybils = [FakeStream("10.0.0.66") for _ in range(MAX_INBOUND_PER_IP + 3)]
-    honest = FakeStream("10.0.0.7")
-    async with trio.open_nursery() as nursery:
-        for s in sybils:
-            nursery.start_soon(av._handle_stream, s)
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(av._handle_stream, honest)
-        await trio.testing.wait_all_tasks_blocked()
-        assert len(served) == MAX_INBOUND_PER_IP + 1 and honest in served
-        assert sum(s.was_reset for s in sybils) == 3
-        assert av.status()["rejections"] == {"too_many_requests_from_ip": 3}
-        gate.set()
-    assert av._inbound == 0 and av._inbound_by_ip == {}
+    admission = Admission(SyncConfig(), clock=lambda: 0.0)
+    with ExitStack() as held:
+        sybils = [held.enter_context(admission.inbound("10.0.0.66")) for _ in range(MAX_INBOUND_PER_IP + 3)]
+        honest = held.enter_context(admission.inbound("10.0.0.7"))
+        assert sybils.count(True) == MAX_INBOUND_PER_IP and honest
+        assert admission.rejections == {"too_many_requests_from_ip": 3}
+        assert admission.inbound_held() == (MAX_INBOUND_PER_IP + 1, {"10.0.0.66": MAX_INBOUND_PER_IP, "10.0.0.7": 1})
+    assert admission.inbound_held() == (0, {})
 
 
 async def test_an_ip_whose_identities_keep_getting_banned_is_banned_itself() -> None:
     """A fresh PeerID costs nothing: after IP_BAN_AFTER identities from one IP are banned, the IP is, and
-    a new identity from it is refused before it can send anything."""
-    from node.averaging.averager import IP_BAN_AFTER
+    a request from a new identity behind it is reset before a byte of it is read."""
+    from node.averaging.admission import IP_BAN_AFTER
 
-    cfg = SyncConfig(ban_after=2)
-    av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1")
-    for i in range(IP_BAN_AFTER):
-        av._link(f"sybil-{i}").ip = "10.0.0.66"
-        for _ in range(cfg.ban_after):
-            av._offence(f"sybil-{i}", "delta_norm")
-    assert av._ip_banned("10.0.0.66") and not av._ip_banned("10.0.0.7")
-    fresh = FakeStream("10.0.0.66")
-    await av._handle_stream(fresh)
-    assert fresh.was_reset and av.status()["rejections"]["banned_ip"] == 1
-
-
-async def test_the_partner_table_is_bounded_and_keeps_its_bans() -> None:
-    from node.averaging.averager import MAX_LINKS
-
-    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1")
-    av._link("banned").banned_until = float("inf")
-    for i in range(MAX_LINKS + 50):
-        av._link(f"fresh-{i}")
-    assert len(av._links) == MAX_LINKS and "banned" in av._links
-
-
-async def test_loopback_peers_are_exempt_from_per_ip_limits() -> None:
-    """`make run`'s local swarm puts every peer on 127.0.0.1: they are the operator's own machine."""
-    from node.averaging.averager import MAX_INBOUND_PER_IP
-
-    av, gate, served = held_averager()
+    cfg = SyncConfig(ban_after=2, datapath=False)
+    host = FakeHost()
+    av = Averager(host, cfg, FakeSwarm())
     async with trio.open_nursery() as nursery:
-        for _ in range(MAX_INBOUND_PER_IP + 3):
-            nursery.start_soon(av._handle_stream, FakeStream("127.0.0.1"))
-        await trio.testing.wait_all_tasks_blocked()
-        assert len(served) == MAX_INBOUND_PER_IP + 3
-        gate.set()
+        await nursery.start(av.run)
+        for i in range(IP_BAN_AFTER):
+            av.admission.saw(f"sybil-{i}", "10.0.0.66")  # where its requests came from
+            for _ in range(cfg.ban_after):
+                av.note_offence(f"sybil-{i}", "delta_norm")
+        assert av.admission.ip_banned("10.0.0.66") and not av.admission.ip_banned("10.0.0.7")
+        assert av.status()["banned"] == ["sybil-0", "sybil-1"]
+        fresh = FakeStream("10.0.0.66")
+        await host.handlers[avg.PROTOCOL_ID](fresh)
+        assert fresh.was_reset and av.status()["rejections"]["banned_ip"] == 1
+        assert av.sits_out("sybil-0") and not av.sits_out("someone-else")
+        nursery.cancel_scope.cancel()
+
+
+def test_the_partner_table_is_bounded_and_keeps_its_bans() -> None:
+    from node.averaging.admission import MAX_LINKS, Admission
+
+    admission = Admission(SyncConfig(), clock=lambda: 0.0)
+    admission.link("banned").banned_until = float("inf")
+    for i in range(MAX_LINKS + 50):
+        admission.link(f"fresh-{i}")
+    assert len(admission.links) == MAX_LINKS and "banned" in admission.links
+
+
+def test_loopback_peers_are_exempt_from_per_ip_limits() -> None:
+    """`make run`'s local swarm puts every peer on 127.0.0.1: they are the operator's own machine."""
+    from node.averaging.admission import MAX_INBOUND_PER_IP, Admission, per_ip_key
+
+    assert per_ip_key("127.0.0.1") is None and per_ip_key("::1") is None and per_ip_key("10.0.0.7") == "10.0.0.7"
+    admission = Admission(SyncConfig(), clock=lambda: 0.0)
+    with ExitStack() as held:
+        assert all(held.enter_context(admission.inbound(per_ip_key("127.0.0.1")))
+                   for _ in range(MAX_INBOUND_PER_IP + 3))
+    assert admission.rejections == {}
 
 
 async def test_a_trainer_far_behind_the_swarms_outer_step_follows_it_and_one_liar_cannot_move_it() -> None:
@@ -542,8 +535,7 @@ async def test_a_trainer_far_behind_the_swarms_outer_step_follows_it_and_one_lia
     swarm's second largest outer step jumps to it; a single record claiming a huge step moves nobody."""
     cfg = SyncConfig(max_step_gap=10)
     steps = {"a": 200, "b": 198, "c": 12}
-    av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1", eligible_peers=lambda: [], anyone_else=lambda: False,
-                  swarm_steps=lambda: steps)
+    av = Averager(LoneHost(), cfg, FakeSwarm(partners=[], others=False, steps=lambda: steps))
     behind = request(1, outer_step=12)
     outcome = await av.exchange(behind)
     assert outcome.group_size == 1 and outcome.group_outer_step == 198
@@ -600,18 +592,15 @@ async def test_partners_with_different_compression_refuse_each_other() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:
-    av = Averager(LoneHost(), SyncConfig(compression="high"), manifest_hash=lambda: "m1")
-    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
-
-    def asking(compression: str) -> AvgRequest:
-        return AvgRequest(outer_step=3, manifest_hash="m1", layout_hash=LAYOUT_HASH, numel=NUMEL, wire_dtype="bf16",
-                          int8_block=4096, chunk_elems=4096, pubkey=bytes(32), compression=compression)
-
-    verdict = av._judge(asking("medium"), pending, "peer")
-    assert verdict is not None and verdict[0] == "refuse"
-    assert "compression mismatch" in verdict[1] and "set the same sync.compression on every trainer" in verdict[1]
-    assert av._judge(asking("high"), pending, "peer") is None
+@asynccontextmanager
+async def in_a_round(av: Averager) -> AsyncIterator[None]:
+    """`av` looking for a partner for outer step 3 (there is none) while the block runs."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(av.exchange, request(1))
+        await trio.testing.wait_all_tasks_blocked()
+        assert av.status()["state"] == "pairing"
+        yield
+        nursery.cancel_scope.cancel()
 
 
 def asking_with(compression: str) -> AvgRequest:
@@ -619,32 +608,40 @@ def asking_with(compression: str) -> AvgRequest:
                       int8_block=4096, chunk_elems=4096, pubkey=bytes(32), compression=compression)
 
 
-def judged(cfg: SyncConfig, compression: str) -> tuple[str, str] | None:
-    av = Averager(LoneHost(), cfg, manifest_hash=lambda: "m1")
-    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
-    return av._judge(asking_with(compression), pending, "peer")
+async def judged(cfg: SyncConfig, compression: str) -> tuple[AnswerCode, str] | None:
+    """How an averager on `cfg` in a round answers a request for preset `compression`."""
+    av = Averager(LoneHost(), cfg, FakeSwarm())
+    async with in_a_round(av):
+        return av.answer_for(asking_with(compression), "peer")
+
+
+async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:
+    verdict = await judged(SyncConfig(compression="high"), "medium")
+    assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
+    assert "compression mismatch" in verdict[1] and "set the same sync.compression on every trainer" in verdict[1]
+    assert await judged(SyncConfig(compression="high"), "high") is None
 
 
 async def test_a_responder_on_auto_takes_the_preset_the_initiator_chose_and_one_on_none_refuses_it() -> None:
     """With `auto` the initiator picks the preset from the link it measured, the pair's bottleneck, so an
     `auto` responder follows it; a fixed setting still refuses another preset, telling the operator what to do."""
     for preset in ("none", "medium", "high"):
-        assert judged(SyncConfig(compression="auto"), preset) is None
-    verdict = judged(SyncConfig(compression="none"), "medium")
-    assert verdict is not None and verdict[0] == "refuse"
+        assert await judged(SyncConfig(compression="auto"), preset) is None
+    verdict = await judged(SyncConfig(compression="none"), "medium")
+    assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
     assert verdict[1] == ("compression mismatch: yours 'medium', ours 'none': set the same sync.compression "
                           "on every trainer")
     for unknown in ("auto", "huge"):  # a request names the preset its wire uses, never `auto`
-        refused = judged(SyncConfig(compression="auto"), unknown)
-        assert refused is not None and refused[0] == "refuse" and "compression mismatch" in refused[1]
+        refused = await judged(SyncConfig(compression="auto"), unknown)
+        assert refused is not None and refused[0] is AnswerCode.COMPRESSION and "compression mismatch" in refused[1]
 
 
 async def test_a_responder_on_auto_in_groups_of_four_takes_none_only() -> None:
     """A lossy preset needs pairs (`SyncConfig.validate`): `auto` with groups of four never takes one."""
     cfg = SyncConfig(compression="auto", group_size=4)
-    assert judged(cfg, "none") is None
-    verdict = judged(cfg, "medium")
-    assert verdict is not None and verdict[0] == "refuse" and "sync.group_size = 4" in verdict[1]
+    assert await judged(cfg, "none") is None
+    verdict = await judged(cfg, "medium")
+    assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION and "sync.group_size = 4" in verdict[1]
 
 
 async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured_link_calls_for() -> None:
@@ -674,8 +671,8 @@ async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured
             assert st["last_bytes_per_param"] == pytest.approx(4.0, abs=0.01)
 
         for av, other in zip(avs, others, strict=True):
-            av._links[other].rate_bps = 1e6
-            av.outer_period = lambda: period
+            av.admission.link(other).rate_bps = 1e6
+            av.swarm.period = period  # a FakeSwarm's compute period of an outer step
         comp = get_compression("medium")
         reqs = [request(3, outer_step=5), request(4, outer_step=5)]
         outcomes = await exchange_both(avs, reqs)
@@ -690,7 +687,7 @@ async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured
             assert st["last_bytes_per_param"] <= 0.5
 
         for av in avs:
-            av.outer_period = lambda: 1e9
+            av.swarm.period = 1e9
         outcomes = await exchange_both(avs, [request(5, outer_step=6), request(6, outer_step=6)])
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]
         nursery.cancel_scope.cancel()
@@ -726,17 +723,67 @@ def test_lossy_compression_needs_pairs_and_a_known_preset() -> None:
 def test_auto_guesses_a_new_partners_link_from_our_typical_rate_and_keeps_second_rounds_uncompressed() -> None:
     """A partner never measured gets our typical rate (over all partners) until its own is known; without
     either it is `none`. A group's second round is always `none`, whatever the link."""
-    av = Averager(LoneHost(), SyncConfig(), manifest_hash=lambda: "m1", outer_period=lambda: 0.5)
-    pending = _Pending(request(1), Tensors(*(np.zeros(NUMEL, np.float32) for _ in range(4))))
-    assert av._compression_for("new", pending) == "none"
-    av._rate_bps = 1e6  # 1 MB/s each way: bf16 takes 1.2 s, medium 0.13 s, against 0.5 s
-    assert av._compression_for("new", pending) == "medium"
-    av._link("known").rate_bps = 1e9
-    assert av._compression_for("known", pending) == "none"
-    second = _Pending(request(1), pending.tensors, stage=2)
-    assert av._compression_for("new", second) == "none"
-    fixed = Averager(LoneHost(), SyncConfig(compression="high"), manifest_hash=lambda: "m1")
-    assert fixed._compression_for("new", pending) == "high"
-    fours = Averager(LoneHost(), SyncConfig(group_size=4), manifest_hash=lambda: "m1", outer_period=lambda: 0.5)
-    fours._rate_bps = 1e3  # hopeless for bf16, yet groups of four never get a lossy preset from auto
-    assert fours._compression_for("new", pending) == "none"
+    from node.averaging.compression_choice import preset_for
+
+    def asked(compression: str = "auto", *, stage: int = 1, link: float | None = None, typical: float | None = None,
+              group_size: int = 2) -> str:
+        return preset_for(compression, stage=stage, link_rate_bps=link, typical_rate_bps=typical, period_s=0.5,
+                          numel=NUMEL, previous=None, group_size=group_size, wire_dtype="bf16")
+
+    assert asked() == "none"
+    assert asked(typical=1e6) == "medium"  # 1 MB/s each way: bf16 takes 1.2 s, medium 0.13 s, against 0.5 s
+    assert asked(link=1e9, typical=1e6) == "none"  # the partner's own rate, once measured
+    assert asked(stage=2, typical=1e6) == "none"
+    assert asked("high") == "high"
+    assert asked(typical=1e3, group_size=4) == "none"  # hopeless for bf16, yet groups of four stay `none`
+
+
+# --- why a partner said no: a code beside the words (protocols/avg.py, `/starling/avg/1.3.0`) ----------------
+
+
+def test_an_answer_is_read_by_its_code_a_1_2_peers_by_its_words_and_an_unknown_code_as_a_plain_no() -> None:
+    """The asker acts on `AnswerCode`, never on the words a 1.3.0 peer sends; a 1.2.0 peer sends only the
+    words, which map to the codes they meant; a code added after 1.3.0, or one that contradicts the
+    verdict, is a plain busy or refusal (not a malformed answer: swarms upgrade node by node)."""
+    assert AnswerCode.of("busy", "not_ready", "whatever it says") is AnswerCode.NOT_READY
+    assert AnswerCode.of("busy", "exchanging", "not ready (training between outer steps)") is AnswerCode.EXCHANGING
+    assert AnswerCode.of("busy", "", "not ready (training between outer steps)") is AnswerCode.NOT_READY
+    assert AnswerCode.of("busy", "", "not ready (in the first round of its outer step)") is AnswerCode.NOT_IN_ROUND
+    assert AnswerCode.of("busy", "", "already exchanging") is AnswerCode.EXCHANGING
+    assert AnswerCode.of("refuse", "", "outer steps too far apart: yours 3, ours 10") is AnswerCode.STEP_GAP
+    assert AnswerCode.of("refuse", "", "not ready") is AnswerCode.REFUSED  # words of a busy answer, refused
+    assert AnswerCode.of("busy", "", "something new") is AnswerCode.BUSY
+    assert AnswerCode.of("busy", "from_the_future", "not ready") is AnswerCode.BUSY
+    assert AnswerCode.of("refuse", "not_ready", "") is AnswerCode.REFUSED  # the code contradicts the verdict
+    assert all(code.asks_again == (code in (AnswerCode.NOT_READY, AnswerCode.NOT_IN_ROUND)) for code in AnswerCode)
+    with pytest.raises(ProtocolError):  # the field's limit
+        from_map(AvgAnswer, {**to_map(AvgAnswer(verdict="busy")), "code": "x" * (avg.MAX_CODE_LEN + 1)})
+
+
+@pytest.mark.parametrize("version", [avg.PROTOCOL_ID, avg.PROTOCOL_ID_1_2])
+async def test_an_averager_answers_each_protocol_version_in_the_fields_that_version_reads(version: str) -> None:
+    """A 1.3.0 averager serves 1.2.0 askers too (nodes not upgraded yet): asked on the 1.2.0 id, its answer
+    has no `code`, which a 1.2.0 node's strict decoder would refuse as an unknown field (and count as a
+    malformed answer, an offence); asked on the 1.3.0 id, the answer carries the code."""
+    legacy_fields = {f.name for f in dataclasses.fields(AvgAnswer)} - {"code"}
+    async with AsyncExitStack() as stack:
+        hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+        for h in hosts:
+            await stack.enter_async_context(h.run(LISTEN))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(Averager(hosts[1], SyncConfig(), FakeSwarm(hosts[1])).run)
+        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+        asking = AvgRequest(outer_step=3, manifest_hash="m1", layout_hash=LAYOUT_HASH, numel=NUMEL,
+                            wire_dtype="bf16", int8_block=4096, chunk_elems=4096, pubkey=bytes(32))
+        with trio.fail_after(10):
+            stream = await hosts[0].new_stream(hosts[1].get_id(), [version])
+            await send_msg(LibP2PByteStream(stream), asking)
+            raw = await recv_msg(LibP2PByteStream(stream))
+        answer = from_map(AvgAnswer, raw)
+        assert answer.verdict == "busy" and answer.reason == "not ready (training between outer steps)"
+        if version == avg.PROTOCOL_ID:
+            assert raw["code"] == "not_ready"
+        else:
+            assert set(raw) - {"t", "v"} <= legacy_fields  # what a 1.2.0 decoder accepts
+            assert AnswerCode.of(answer.verdict, answer.code, answer.reason) is AnswerCode.NOT_READY
+        nursery.cancel_scope.cancel()

@@ -14,10 +14,13 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from test_averaging import LISTEN, request
 
 import node.averaging.averager as averager_module
-from node.averaging.averager import Averager, _weighted_mean
+import node.averaging.group_mean as group_mean_module
+from node.averaging.averager import Averager
+from node.averaging.group_mean import weighted_mean
+from node.averaging.swarm_view import AveragerHooks
 from node.config.sync import SyncConfig
 from p2p.host import build_host
-from starling_testing.averaging import exchange_both, group_sizes
+from starling_testing.averaging import FakeSwarm, exchange_both, group_sizes
 
 CFG = SyncConfig(wire_dtype="fp32", pair_window_s=3, group_size=4)
 
@@ -28,7 +31,7 @@ async def connected(stack: AsyncExitStack, n: int, cfg: SyncConfig = CFG) -> lis
         await stack.enter_async_context(h.run(LISTEN))
     nursery = await stack.enter_async_context(trio.open_nursery())
     stack.callback(nursery.cancel_scope.cancel)
-    avs = [Averager(h, cfg, manifest_hash=lambda: "m1") for h in hosts]
+    avs = [Averager(h, cfg, FakeSwarm(h)) for h in hosts]
     for a in avs:
         await nursery.start(a.run)
     for i in range(n):
@@ -148,7 +151,7 @@ async def test_a_second_round_request_that_arrives_during_the_first_round_is_hel
         reqs = {av.me: request(i + 1) for i, av in enumerate((a, b, c))}
         sizes = await exchange_c_early_b_late(a, b, c, reqs)
         assert [sizes[a.me], sizes[b.me], sizes[c.me]] == [3, 2, 3]
-        assert c.stats["declined"] == 0  # C's one request was held and served, never sent away
+        assert c.status()["declined"] == 0  # C's one request was held and served, never sent away
         mean3 = sum(r.phi for r in reqs.values()) / 3
         for av in (a, c):
             torch.testing.assert_close(reqs[av.me].phi_out / 3, mean3, rtol=0, atol=1e-5)
@@ -157,22 +160,21 @@ async def test_a_second_round_request_that_arrives_during_the_first_round_is_hel
 async def test_a_scheduled_partner_refused_for_another_reason_is_answered_at_once_not_held(monkeypatch) -> None:
     """The same three trainers, but A has banned C: C's second-round request is refused on arrival, though
     C is the partner A's schedule gives it and A is still in its first round. A hold would keep a refused
-    request (and one of A's inbound slots) for up to half of C's deadline for nothing."""
+    request (and one of A's inbound slots) for up to half of C's deadline for nothing: C would hear only
+    once A's first round with B had ended."""
     async with AsyncExitStack() as stack:
         a, b, c = bye_joins_in_the_second_round(await connected(stack, 3), monkeypatch)
-        a._link(c.me).banned_until = trio.current_time() + 1000
-        held: list[str] = []
-        await_round = a._await_round
-
-        async def spy(stage: int, current: Any, arrived: float) -> Any:
-            held.append(current.next_partner)
-            return await await_round(stage, current, arrived)
-
-        monkeypatch.setattr(a, "_await_round", spy)
+        for _ in range(a.cfg.ban_after):
+            a.note_offence(c.me, "delta_norm")
+        assert a.status()["banned"] == [c.me]
+        a_rounds_when_c_was_answered: list[int] = []
+        c.hooks = AveragerHooks(on_outer_step=lambda averaged: a_rounds_when_c_was_answered.append(a.status()["rounds"]))
         reqs = {av.me: request(i + 1) for i, av in enumerate((a, b, c))}
         sizes = await exchange_c_early_b_late(a, b, c, reqs)
-        assert held == []
+        assert a_rounds_when_c_was_answered == [0]  # answered while A still waited for B
         assert [sizes[a.me], sizes[b.me], sizes[c.me]] == [2, 2, 1]  # A and B pair; C is refused, steps solo
+        refusal = c.status()["last_refusal"]
+        assert refusal is not None and refusal["by"] == "partner" and refusal["peer"] == a.me
 
 
 async def test_group_size_2_keeps_one_partner_per_outer_step() -> None:
@@ -192,7 +194,7 @@ async def test_group_size_2_keeps_one_partner_per_outer_step() -> None:
 def test_the_weighted_mean_from_a_pair_sum_is_right_in_place_or_not(target: str, weights: tuple[int, int],
                                                                    monkeypatch) -> None:
     """Also across blocks: 1000 elements in blocks of 300 (three whole ones and a tail)."""
-    monkeypatch.setattr(averager_module, "_BLOCK", 300)
+    monkeypatch.setattr(group_mean_module, "BLOCK", 300)
     g = torch.Generator().manual_seed(7)
     own, other = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
     pair_sum = own + other
@@ -201,5 +203,5 @@ def test_the_weighted_mean_from_a_pair_sum_is_right_in_place_or_not(target: str,
     out = {"fresh": torch.empty(1000), "own": own.clone(), "sum": pair_sum.clone()}[target]
     mine = out if target == "own" else own.clone()
     total = out if target == "sum" else pair_sum.clone()
-    _weighted_mean(out.numpy(), mine.numpy(), total.numpy(), *weights, scale=3)  # the daemon's numpy views
+    weighted_mean(out.numpy(), mine.numpy(), total.numpy(), *weights, scale=3)  # the daemon's numpy views
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)

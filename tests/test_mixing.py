@@ -1,12 +1,16 @@
-"""node.ops.islands: the pairing graph over alive trainers, its islands and its unpaired members."""
+"""node.ops.islands: the pairing graph over alive trainers, its islands and its unpaired members; and the
+measures of a pairing rule: mutual partners across differing views, and the mixing of a window of matchings."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
-from node.ops.islands import alive_trainers, pairing_graph
+import pytest
+
+from node.ops.islands import alive_trainers, mutual_share, pairing_graph, window_mixing
 
 CAPTURED = Path(__file__).parent / "data" / "status_three_trainers.json"
 
@@ -69,3 +73,53 @@ def test_a_captured_three_trainer_swarm_is_one_island() -> None:
     status = json.loads(CAPTURED.read_text())
     graph = pairing_graph(status["members"])
     assert len(graph.islands) == 1 and graph.paired == 3 and graph.unpaired == []
+
+
+# --- measuring a pairing rule (issue #24) --------------------------------------------------------------------
+
+
+def test_mutual_share_counts_nodes_whose_partner_names_them_back_and_byes_nobody_names() -> None:
+    assert mutual_share({"a": "b", "b": "a", "c": None}) == 1.0
+    # b's view pairs it with c, a's with b: a waits for someone who waits for someone else.
+    assert mutual_share({"a": "b", "b": "c", "c": "b"}) == pytest.approx(2 / 3)
+    # a thinks it has the bye but b waits for it: neither meets its plan.
+    assert mutual_share({"a": None, "b": "a"}) == 0.0
+    assert mutual_share({"a": "x"}) == 0.0  # a partner outside the measured nodes never answers
+    assert mutual_share({}) == 1.0
+
+
+def test_fixed_pairs_do_not_mix_and_a_crossing_second_pairing_does() -> None:
+    """Two pairs that never change are two islands: one partner each, spectral gap 0. Alternating a-b, c-d
+    with a-c, b-d makes the window's graph a 4-cycle: Laplacian eigenvalues 0, 2, 2, 4, so with R = 2
+    rounds the averaged matrix I - L/4 has second eigenvalue 1/2: gap 0.5."""
+    fixed = {"a": "b", "b": "a", "c": "d", "d": "c"}
+    mix = window_mixing([fixed] * 5)
+    assert (mix.nodes, mix.rounds, mix.distinct_min, mix.distinct_mean) == (4, 5, 1, 1.0)
+    assert mix.spectral_gap == pytest.approx(0.0, abs=1e-12)
+    crossing = {"a": "c", "c": "a", "b": "d", "d": "b"}
+    mix = window_mixing([fixed, crossing])
+    assert (mix.distinct_min, mix.spectral_gap) == (2, pytest.approx(0.5))
+
+
+def test_one_sided_naming_is_no_exchange_and_a_bye_keeps_its_value() -> None:
+    mix = window_mixing([{"a": "b", "b": "c", "c": "b"}, {"a": None, "b": "c", "c": "b"}])
+    assert (mix.nodes, mix.distinct_min) == (3, 0)  # a never averaged
+    assert mix.spectral_gap == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_lanczos_gap_of_a_large_window_equals_the_full_eigendecomposition() -> None:
+    """Above `DENSE_MAX` nodes the gap comes from Lanczos; on 600 nodes (20 random perfect matchings) both
+    ways agree."""
+    rng = random.Random(7)
+    names = [f"n{i}" for i in range(600)]
+    rounds = []
+    for _ in range(20):
+        rng.shuffle(names)
+        m: dict[str, str | None] = {}
+        for a, b in zip(names[0::2], names[1::2], strict=True):
+            m[a], m[b] = b, a
+        rounds.append(m)
+    dense, lanczos = window_mixing(rounds), window_mixing(rounds, dense_max=10)
+    assert dense.spectral_gap > 0.2
+    assert lanczos.spectral_gap == pytest.approx(dense.spectral_gap, abs=1e-6)
+    assert (lanczos.distinct_min, lanczos.distinct_mean) == (dense.distinct_min, dense.distinct_mean)

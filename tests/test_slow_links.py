@@ -7,6 +7,7 @@ transfers are kept, which are cut and why, and what the worker does meanwhile.""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -15,9 +16,11 @@ import pytest
 import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from node.averaging.averager import Averager, _Pending
+from node.averaging.averager import Averager
 from node.bridge.exchange import ExchangeRequest
 from node.config.sync import SyncConfig
 from node.config.train import TrainConfig
@@ -25,9 +28,11 @@ from node.worker.task import layout_hash
 from node.worker.trainer import Trainer
 from p2p.datapath import KeyAgreement
 from p2p.host import build_host
-from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
+from p2p.wire import LibP2PByteStream, PlainFrameChannel, encode_msg, recv_as, send_msg
 from protocols import avg
 from protocols.avg import Progress, TransferLimits
+from starling_testing.averaging import FakeSwarm
+from starling_testing.fakes import FakeHost, FakeNetStream
 from tests.test_averaging import LISTEN
 from tests.test_worker import run_scripted
 
@@ -130,7 +135,7 @@ async def _with_scripted_partner(partner, cfg: SyncConfig, *, pieces: int = 1, p
         for h in hosts:
             await stack.enter_async_context(h.run(LISTEN))
         nursery = await stack.enter_async_context(trio.open_nursery())
-        ours = Averager(hosts[0], cfg, manifest_hash=lambda: "m1")
+        ours = Averager(hosts[0], cfg, FakeSwarm(hosts[0]))
         await nursery.start(ours.run)
 
         async def handler(stream) -> None:
@@ -245,53 +250,56 @@ def test_a_result_applied_outer_steps_late_keeps_everything_learnt_meanwhile(tmp
 
 # -- pairing: a scheduled partner still transferring is waited for -------------------------------------------
 
-class _NoHost:
-    def get_id(self):
-        return "12D3KooWMe"
+class _EveryoneExchanging(FakeHost):
+    """Connected to `peers`, each of which answers every pairing request "already exchanging" (busy moving
+    its previous outer step); lists whom the averager asked, and when."""
 
-    def get_connected_peers(self):
-        return []
+    def __init__(self, key: KeyPair, peers: list[ID]) -> None:
+        super().__init__(key, peers={p: "10.0.0.2" for p in peers})
+        self.asked: list[tuple[str, float]] = []
+
+    async def new_stream(self, peer: ID, protocols: Sequence[str]) -> FakeNetStream:
+        self.asked.append((str(peer), trio.current_time()))
+        busy = avg.AvgAnswer(verdict="busy", reason="still moving its last outer step",
+                             code=avg.AnswerCode.EXCHANGING.value)
+        return FakeNetStream(encode_msg(busy), peer)
 
 
 async def test_a_scheduled_partner_still_transferring_over_a_slow_link_is_waited_for_not_swapped_for_the_old_one(
     autojump_clock,
 ) -> None:
     """Pairs end their minutes-long transfers seconds apart. The one that ends first used to give up on its
-    scheduled partner after the pairing window and pair again with its old partner in the open phase
-    (fixed pairs, islands); now it waits while that partner says it is exchanging, up to 1.5x our own
-    typical transfer time."""
-    averager = Averager(_NoHost(), SyncConfig(pair_window_s=1.0, datapath=False), manifest_hash=lambda: "m1")
-    averager._transfer_s = 8.0  # our exchanges take ~8 s: a slow link
-    answers = iter(["exchanging"] * 6 + ["paired"])
-    asked: list[float] = []
+    scheduled partner after the first answer "exchanging" and pair again with its old partner in the open
+    phase (fixed pairs, islands); now it keeps asking the scheduled partner only, for the whole wait
+    (`busy_wait_s`: the pairing window here, with no transfer of ours measured yet; longer on a slow link,
+    below), though another eligible partner is connected."""
+    from node.averaging.pairing import scheduled_partners
 
-    async def try_partner(pending, partner, *, scheduled=False) -> str:
-        assert scheduled and partner == "12D3KooWZz"  # never anyone else: no open phase meanwhile
-        asked.append(trio.current_time() - pending.began)
-        outcome = next(answers)
-        if outcome == "paired":
-            pending.claimed_by, pending.result = partner, 2
-            pending.done.set()
-        return outcome
-
-    averager._try_partner = try_partner  # type: ignore[method-assign]
-    averager._choose_partner = lambda: "12D3KooWOld"  # type: ignore[method-assign]
-    pending = _Pending(
-        small_request(1), avg.Tensors(*(np.zeros(4, np.float32) for _ in range(4))), began=trio.current_time(),
-        scheduled="12D3KooWZz", scheduled_until=trio.current_time() + 0.5)
+    # The smaller PeerID of a pair asks (the larger one waits for it and asks once): we are the smaller.
+    ours, theirs = sorted((create_new_key_pair() for _ in range(2)), key=lambda k: str(ID.from_pubkey(k.public_key)))
+    scheduled, old = ID.from_pubkey(theirs.public_key), ID.from_pubkey(create_new_key_pair().public_key)
+    host = _EveryoneExchanging(ours, [scheduled, old])
+    window = 1.0
+    averager = Averager(host, SyncConfig(pair_window_s=window, datapath=False), FakeSwarm(host))
+    step = next(s for s in range(100)
+                if scheduled_partners(averager.me, [str(scheduled), str(old)], s)[0] == str(scheduled))
+    request = small_request(1)
+    request.outer_step = step
+    began = trio.current_time()
     with trio.fail_after(30):
-        await averager._pair(pending)
-    assert pending.result == 2 and pending.claimed_by == "12D3KooWZz"
-    assert asked[-1] > 1.0  # paired after the 1 s window had passed, while the partner was exchanging
+        assert (await averager.exchange(request)).group_size == 1  # it never stopped exchanging
+    asked = [peer for peer, _ in host.asked]
+    assert len(asked) >= 2 and set(asked) == {str(scheduled)}  # never the old partner: no open phase
+    assert host.asked[-1][1] - began > window / 2  # still asked after the scheduled phase's first half
 
 
 def test_the_wait_for_a_busy_partner_follows_our_own_transfer_time_and_never_drops_below_the_window() -> None:
-    averager = Averager(_NoHost(), SyncConfig(pair_window_s=5.0, datapath=False), manifest_hash=lambda: "m1")
-    assert averager._busy_wait_s() == 5.0  # no transfer measured yet
-    averager._transfer_s = 0.05  # loopback
-    assert averager._busy_wait_s() == 5.0
-    averager._transfer_s = 100.0  # 1.9 MB at 0.4 Mbit/s
-    assert averager._busy_wait_s() == 150.0
+    from node.averaging.averager import busy_wait_s
+
+    assert busy_wait_s(5.0, None, 3600.0) == 5.0  # no transfer measured yet
+    assert busy_wait_s(5.0, 0.05, 3600.0) == 5.0  # loopback
+    assert busy_wait_s(5.0, 100.0, 3600.0) == 150.0  # 1.9 MB at 0.4 Mbit/s
+    assert busy_wait_s(5.0, 3000.0, 3600.0) == 3600.0  # never past sync.max_transfer_s
 
 
 async def test_a_partner_that_never_answers_the_pairing_request_fails_with_a_reason_that_names_the_deadline() -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from protocols.compress import PRESETS
 
-__all__ = ["AUTO", "ORDER", "RELAX_SHARE", "STRETCH", "choose_compression", "transfer_s"]
+__all__ = ["AUTO", "ORDER", "RELAX_SHARE", "STRETCH", "accepts", "choose_compression", "preset_for", "transfer_s"]
 
 AUTO = "auto"  # the `sync.compression` value that lets the initiator choose per exchange
 ORDER = ("none", "medium", "high")  # least compressed first: the order the rule tries them in
@@ -68,3 +68,42 @@ def choose_compression(
         if transfer_s(preset, numel, rate_bps, wire_dtype) <= budget:
             return preset
     return ORDER[-1]
+
+
+def preset_for(
+    compression: str,
+    *,
+    stage: int,
+    link_rate_bps: float | None,
+    typical_rate_bps: float | None,
+    period_s: float,
+    numel: int,
+    previous: str | None,
+    group_size: int,
+    wire_dtype: str,
+) -> str:
+    """The preset an initiator asks a partner to exchange with: `compression` (`sync.compression`) where it
+    is a fixed preset; with `auto`, `none` in a group's second round (whatever the link: a lossy preset
+    needs pairs), else `choose_compression` on the partner's measured rate, or on our typical rate over all
+    partners (`typical_rate_bps`) while the partner's is not measured yet."""
+    if compression != AUTO:
+        return compression
+    if stage != 1:
+        return "none"
+    return choose_compression(
+        rate_bps=link_rate_bps if link_rate_bps is not None else typical_rate_bps,
+        period_s=period_s,
+        numel=numel,
+        previous=previous,
+        group_size=group_size,
+        wire_dtype=wire_dtype,
+    )
+
+
+def accepts(compression: str, group_size: int, name: str) -> bool:
+    """Whether a responder on `compression` (`sync.compression`) takes a request for preset `name`: its own
+    fixed preset only; with `auto` any known preset the initiator chose (it measured the same link: the
+    pair's bottleneck), lossy ones only where groups are pairs (`SyncConfig.validate` says why)."""
+    if compression != AUTO:
+        return name == compression
+    return name in PRESETS and (group_size == 2 or not PRESETS[name].lossy)

@@ -32,6 +32,7 @@ someone else has no reason to ask us.
 from __future__ import annotations
 
 import collections
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,8 +49,32 @@ NOT_READY_GRACE = 2
 MAX_PEERS = 4096  # peers remembered; the oldest entries are forgotten first
 MAX_SHOWN = 16  # peers named in status (all are counted): a Sybil crowd must not bloat every status answer
 
-# Outcomes of one attempt (node/averaging/averager.py, `_try_partner`) that miss a round whoever we asked.
-_MISSED = frozenset({"failed", "refused"})
+
+
+class Attempt(enum.Enum):
+    """What one request to a partner gave (node/averaging/averager.py, `_try_partner`): what the averager
+    does next, and whether the round missed the partner (`PartnerMisses.note`)."""
+
+    PAIRED = "paired"
+    NOT_READY = "not ready"  # it is still training (protocols/avg.py, `AnswerCode.asks_again`)
+    EXCHANGING = "exchanging"  # busy transferring with another partner: no miss
+    BUSY = "busy"  # busy otherwise (with its scheduled partner, asking someone else, ...)
+    APART = "apart"  # refused: outer steps beyond `sync.max_step_gap` (no miss: the catch-up ends it)
+    REFUSED = "refused"
+    FAILED = "failed"  # no answer, a broken stream, a malformed message
+
+
+# Outcomes of one attempt that miss a round whoever we asked.
+_MISSED = frozenset({Attempt.FAILED, Attempt.REFUSED})
+
+
+class _Mark(enum.Enum):
+    """What the current round made of one peer."""
+
+    HEARD = enum.auto()  # it paired with us, or asked us: it takes part
+    MISSED = enum.auto()
+    NOT_READY = enum.auto()  # scheduled with us, and said only "not ready"
+    NEUTRAL = enum.auto()
 
 
 @dataclass
@@ -74,8 +99,7 @@ class PartnerMisses:
         self.max_peers = max_peers
         self._clock = clock
         self._peers: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
-        # peer -> "heard" | "missed" | "not ready" (scheduled, said only that) | "neutral", in the current round
-        self._round: dict[str, str] = {}
+        self._round: dict[str, _Mark] = {}  # peer -> what the current round made of it
         self.excluded_total = 0  # exclusions so far (status)
 
     # --- a round ---------------------------------------------------------------------------------------
@@ -83,34 +107,33 @@ class PartnerMisses:
     def begin_round(self) -> None:
         self._round = {}
 
-    def note(self, peer: str, outcome: str, *, scheduled: bool = False) -> None:
-        """What one attempt at `peer` gave: "paired", "not ready", "exchanging" (busy with another partner's
-        transfer: no miss), "busy", "refused" or "failed"; `scheduled`: it was the partner the schedule gave
-        us (which should be waiting for us)."""
-        if outcome == "paired":
+    def note(self, peer: str, outcome: Attempt, *, scheduled: bool = False) -> None:
+        """What one attempt at `peer` gave (`Attempt`); `scheduled`: it was the partner the schedule gave us
+        (which should be waiting for us)."""
+        if outcome is Attempt.PAIRED:
             self.heard(peer)
-        elif self._round.get(peer) != "heard":
-            if outcome in _MISSED or (scheduled and outcome == "busy"):
-                self._round[peer] = "missed"
-            elif scheduled and outcome == "not ready" and self._round.get(peer) != "missed":
-                self._round[peer] = "not ready"
+        elif self._round.get(peer) is not _Mark.HEARD:
+            if outcome in _MISSED or (scheduled and outcome is Attempt.BUSY):
+                self._round[peer] = _Mark.MISSED
+            elif scheduled and outcome is Attempt.NOT_READY and self._round.get(peer) is not _Mark.MISSED:
+                self._round[peer] = _Mark.NOT_READY
             else:
-                self._round.setdefault(peer, "neutral")
+                self._round.setdefault(peer, _Mark.NEUTRAL)
 
     def heard(self, peer: str) -> None:
         """`peer` paired with us, or asked us with a request we did not refuse: it takes part."""
-        self._round[peer] = "heard"
+        self._round[peer] = _Mark.HEARD
         self._peers.pop(peer, None)
 
     def end_round(self, scheduled: str | None) -> None:
         """Close the round; `scheduled`: the partner the schedule gave us, a miss if it never showed
         (nor answered anything: "not ready" from it stays no miss)."""
         if scheduled is not None:
-            self._round.setdefault(scheduled, "missed")
+            self._round.setdefault(scheduled, _Mark.MISSED)
         for peer, what in self._round.items():
-            if what == "missed":
+            if what is _Mark.MISSED:
                 self._miss(peer)
-            elif what == "not ready":
+            elif what is _Mark.NOT_READY:
                 entry = self._entry(peer)
                 entry.not_ready += 1
                 if entry.not_ready > self.not_ready_grace:

@@ -30,7 +30,7 @@ bounded here, against references that only this node writes:
   still in its learning-rate warm-up has a tiny reference next to a trained partner's Delta. Those are
   clipped, never refused: the pull between them is bounded per round, which also keeps a trained node
   from being dragged half-way to a fresh one. Only values that are no model of ours at all are refused
-  and count as an offence (repeated offences ban the partner, node/averaging/averager.py): non-finite ones, or a
+  and count as an offence (repeated offences ban the partner, node/averaging/admission.py): non-finite ones, or a
   Delta or phi distance longer than `reject_ratio` x the norm of our own phi (two models of one
   architecture are at most about the sum of their norms apart; +1000 on every weight is not training).
 

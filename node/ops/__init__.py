@@ -6,7 +6,8 @@
     metrics.py      Metrics, serve_metrics: Prometheus metrics from the status
     status_view.py  render_status: the readable `starling status`
     refusals.py     collect: what every limit refused to peers, summed by kind (`status`: refusals)
-    islands.py      PairingGraph, pairing_graph: the swarm's pairing graph (islands), from the status
+    islands.py      PairingGraph, pairing_graph: the swarm's pairing graph (islands), from the status;
+                    mutual_share, window_mixing: how a pairing rule agrees across views and mixes
     doctor.py       run_checks, Finding: `starling doctor`
     sdnotify.py     Notifier, summarize_status: systemd's notify protocol and watchdog
     history.py      LossHistory: every member's loss curve;  plot.py  plot_history: it as a PNG

@@ -1,0 +1,62 @@
+"""After a round: which outer step a trainer continues from, and how far it moves its next publish.
+
+The outer-step counter keys the pairing schedule (node/averaging/pairing.py) and `sync.max_step_gap`
+refuses partners too far apart, so counters must not drift apart; the counter carries no weights (the lr
+follows the inner step), so moving it is safe. Three rules, each a pure function of what the round saw:
+
+- `group_outer_step`: partners continue from the larger of their two outer steps (within our own gap).
+- `follow_the_swarm`: a node fallen more than half the gap behind the swarm jumps to the swarm's count.
+- `phase_shift`: a node that found nobody ready moves its next publish towards the phase of the trainers
+  that were between outer steps (node/averaging/averager.py's docstring says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Mapping
+
+log = logging.getLogger("starling.averager")
+
+
+def group_outer_step(ours: int, theirs: int | None, max_gap: int) -> int:
+    """The outer step both partners continue from: the larger one. A partner's step beyond our own gap
+    (its `max_step_gap` may be larger than ours) is not adopted: we keep our own."""
+    if theirs is None or abs(theirs - ours) > max_gap:
+        return ours
+    if theirs > ours:
+        log.debug("adopting the partner's outer step %d (ours was %d)", theirs, ours)
+    return max(ours, theirs)
+
+
+def follow_the_swarm(me: str, outer_step: int, group_step: int | None, swarm_steps: Mapping[str, int],
+                     max_gap: int) -> int | None:
+    """The outer step to continue from (`group_step`, the exchange's, None: our own `outer_step`), jumped
+    up to the swarm's when we have fallen more than half the step gap behind it.
+
+    Why: pairs adopt each other's larger count only when they meet. Groups whose outer steps take different
+    times (a faster exchange, a node that started later from a fresh model) drift apart, and past the gap
+    they never meet again: islands. The swarm's count is the second largest outer step among the other
+    alive trainers' records (`swarm_steps`, ours left out), so that no single record (a liar) can move it."""
+    others = sorted((step for peer, step in swarm_steps.items() if peer != me), reverse=True)
+    if len(others) < 2:
+        return group_step
+    lead, ours = others[1], max(outer_step, group_step or 0)
+    if lead > ours + max(1, max_gap // 2):
+        log.info("outer step %d is far behind the swarm's %d: following it", ours, lead)
+        return lead
+    return group_step
+
+
+def phase_shift(gaps: list[tuple[float, bool]], period: float) -> float:
+    """How far to move our next publish towards the trainers that were between outer steps (`gaps`: how
+    far each one's publish was from ours, theirs - ours, and whether its last outer step was averaged):
+    the median over them of the distance to each one's phase, taken modulo the pace `period` (a trainer
+    that published 1 s before the end of its period is 1 s ahead of our next publish, not a period behind
+    ours), all of it towards one that averaged (it keeps its phase), half of it towards one that stepped
+    solo (it moves towards us as well: two solo nodes moving all the way would only swap places). 0
+    without a pace or without any answer."""
+    if period <= 0 or not gaps:
+        return 0.0
+    moves = [(((g + period / 2) % period) - period / 2) * (1.0 if paired else 0.5) for g, paired in gaps]
+    return statistics.median(moves)
