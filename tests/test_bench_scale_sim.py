@@ -28,4 +28,6 @@ def test_the_scale_simulation_reports_traffic_spread_and_pairing_at_a_small_size
     share, checks = agreed.split(" of ")
     assert 0 <= float(share.removesuffix("%")) <= 100 and int(checks) > 0
     assert any(k.startswith("... of which `Ping`") for k in rows)
-    assert float(rows["spectral gap of the schedule's averaged pairing graph (true member list)"]) > 0
+    mixing = next(v for k, v in rows.items() if k.startswith("the schedule on the true member list"))
+    mean, least, gap = mixing.split(" / ")
+    assert 0 < float(mean) <= 20 and 0 <= int(least) <= float(mean) and 0 <= float(gap) <= 1
