@@ -107,6 +107,22 @@ def test_a_join_through_a_seed_reaches_everyone_and_the_joiner_learns_everyone()
     assert len(net.nodes[joiner]._queue) < 5
 
 
+def test_a_member_that_missed_a_joins_gossip_learns_of_it_from_the_joiners_probe() -> None:
+    joiner = Membership(50, 0.0, random.Random(1))
+    joiner.preload(range(50), 0.0)
+    joiner.join(0, 0.0)
+    pings = []
+    for t in range(1, 100):
+        pings += [m for _, m in joiner.tick(float(t)) if isinstance(m, Ping)]
+    # Long after its own Alive left its broadcast queue, its probes still carry it...
+    late = pings[-10:]
+    assert late and all(Alive(50, 0) in p.updates for p in late)
+    # ... so a member that never heard the gossip learns of it from the probe.
+    deaf = _node(members=50)
+    deaf.receive(100.0, late[-1])
+    assert deaf.state_of(50) == ALIVE
+
+
 def test_confirmations_of_a_suspicion_count_and_travel_on_only_up_to_k() -> None:
     node = _node(members=30, suspicion_mult=4)  # k = 2
     node.receive(1.0, Ping(1, 1, 0, (Suspect(9, 0, 1),)))

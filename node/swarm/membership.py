@@ -42,8 +42,9 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   pages a second (excess answered "busy", asked elsewhere) and, spread this way, a handful per join swarm-
   wide rather than the seed serving all N. Entries a sync hands over are applied but not gossiped on (the
   swarm knows them; a joiner re-sending its whole table would crowd out its own announcement). A member
-  that missed a join's gossip learns of it only from a push-pull slice or a probe by the joiner carrying
-  its ``Alive`` (slow at large N; see bench/scale_sim.py's join row).
+  that missed a join's gossip learns of it when the joiner probes it: for its first ``join_announce_s`` a
+  joiner's pings carry its own ``Alive`` (one claim of 107 bytes), and the member that learns of it so
+  spreads the news again; later, only from a push-pull slice (slow at large N).
 * **Push-pull** for convergence after partitions (what gossip alone cannot heal: each half has declared
   the other dead and no longer probes it). Every ``pushpull_s`` a node exchanges a *slice* of its table
   (``pushpull_entries`` entries from a cursor that walks its table) with one random member, in one try
@@ -196,6 +197,7 @@ class MembershipConfig:
     join_page_entries: int = 256  # table entries per page of a joiner's sync
     join_page_s: float = 0.5  # one page request per this many seconds while joining
     join_span: int = BUCKETS // 64  # hash buckets a joiner's first page request covers (then adapted)
+    join_announce_s: float = 120.0  # a joiner's probes carry its own Alive this long after joining
     sync_timeout_s: float = 3.0  # a sync request unanswered this long is sent again (joining)
     sync_serve_per_s: float = 4.0  # pages this node serves per second at most (token bucket)
     max_relays: int = 32  # indirect probes this node runs for others at once
@@ -355,6 +357,7 @@ class Membership:
         self._progress_due = now
         self._progress_pending: tuple[int, float, float] | None = None
         self._left = False
+        self._announce_until = -math.inf  # a joiner's probes carry its own Alive until then
         self._grow(me)
         self._set(me, ALIVE, 0, now)
         self._queue.put(Alive(me, 0))
@@ -478,6 +481,7 @@ class Membership:
         if self._state[seed] == UNKNOWN:
             self._set(seed, ALIVE, 0, now)
         self._join_server, self._join_cursor = seed, 0
+        self._announce_until = now + self.config.join_announce_s
         return self._join_request(now, seed)
 
     def _join_request(self, now: float, server: int | None = None) -> Sends:
@@ -548,7 +552,12 @@ class Membership:
                 self._seq += 1
                 self._probes[self._seq] = _Probe(target, now + self.config.ack_timeout_s,
                                                  now + self.config.probe_timeout_s)
-                out.append((target, Ping(self.me, self._seq, target, self._piggyback())))
+                updates = self._piggyback()
+                if now < self._announce_until and not any(u.member == self.me for u in updates):
+                    # A joiner introduces itself to every member it probes at first: whoever its gossip
+                    # missed learns of it from the probe, and spreads the news again.
+                    updates = (Alive(self.me, self.incarnation), *updates[:self.config.max_updates - 1])
+                out.append((target, Ping(self.me, self._seq, target, updates)))
         if now >= self._next_pushpull:
             self._next_pushpull = now + self.config.pushpull_s
             out.extend(self._pushpull())
