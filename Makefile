@@ -101,7 +101,7 @@ bench-membership: install
 	$(PY) bench/membership.py --write-docs
 
 # Membership and pairing at 1,000 and 10,000 nodes, in-process (issue #24; section "Scale: simulation"): the
-# SWIM core of node/swarm/membership.py on a simulated network with churn; about 10 min on one core, ~3 GB of RAM.
+# SWIM core of node/swarm/membership.py on a simulated network with churn; about 8 min on one core, ~4.5 GB of RAM.
 bench-scale-sim: install
 	$(PY) bench/scale_sim.py --write-docs
 

@@ -24,7 +24,7 @@ Figures, per swarm size:
 Usage: python bench/scale_sim.py [--nodes 1000,10000] [--minutes 1.5] [--seed 1] [--churn 0.01]
                                  [--outer-s 30] [--sample 200] [--write-docs]
 About 30 s at 1,000 nodes and 9 min at 10,000 for the default 2 simulated minutes (30 s warm-up + 1.5) on one
-core; ~4 GB of RAM at 10,000 (every node's full view, and its broadcast queues once they fill).
+core; ~4.5 GB of RAM at 10,000 (every node's full view, and its broadcast queues once they fill).
 """
 
 from __future__ import annotations
