@@ -23,6 +23,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from node.config.load import load_config
 from node.ops.doctor import (
     ERROR,
+    MAX_LISTED,
     NO_DAEMON,
     OK,
     SKIP,
@@ -475,6 +476,20 @@ def test_records_rejected_for_clock_skew_are_an_error() -> None:
     assert [f.level for f in findings] == [ERROR] and "4 records" in findings[0].message
 
 
+def test_hundreds_of_skewed_clocks_are_the_worst_few_by_name_and_one_line_for_the_rest() -> None:
+    """At 300 members a clock off on this machine makes every peer look skewed: not 300 findings."""
+    peers = [f"12D3KooWSkew{i:06d}" for i in range(300)]
+    st = status_with(*(member(p, last_seen_s=9.0 + i % 40) for i, p in enumerate(peers)))
+    findings = check_clock_skew(st, heartbeat_s=2.0)
+    assert len(findings) == MAX_LISTED + 1
+    worst = findings[0]
+    assert "about 44.0 s behind ours" in worst.message  # 9 + 39 s old, less two heartbeats: the worst first (7 of them; the 8th listed is 43 s behind)
+    rest = findings[-1]
+    assert rest.message.startswith(f"{300 - MAX_LISTED} more peers' clocks differ from ours by 5.0 to 43.0 s, "
+                                   "300 of 300 live peers in all (most of the swarm: is this machine's clock")
+    assert rest.level == WARN and "NTP" in rest.fix and f"and {300 - MAX_LISTED - MAX_LISTED} more" in rest.message
+
+
 def test_silent_members_not_connected_are_not_blamed_on_clocks() -> None:
     st = status_with(member(other_peer_id(), state="gone", last_seen_s=500.0))
     assert levels(check_clock_skew(st)) == {OK}
@@ -593,6 +608,14 @@ def test_two_islands_warn_naming_the_members_of_both_and_the_fix() -> None:
     assert "{" + ", ".join(first) + "} (outer step 40)" in finding.message
     assert "{" + ", ".join(second) + "} (outer steps 90-92)" in finding.message
     assert "sync.pace = swarm" in finding.fix and "sync.max_step_gap" in finding.fix and "path" in finding.fix
+
+
+def test_a_swarm_shattered_into_hundreds_of_islands_names_a_few_and_counts_the_rest() -> None:
+    peers = [f"12D3KooWIsle{i:06d}" for i in range(200)]
+    partners = {p: [peers[i ^ 1]] for i, p in enumerate(peers)}  # 100 pairs that never meet another pair
+    [finding] = check_pairing(trainers_status(partners))
+    assert "split into 100 islands" in finding.message
+    assert finding.message.count("{") == MAX_LISTED and f"and {100 - MAX_LISTED} more islands" in finding.message
 
 
 def test_islands_do_not_make_the_doctor_exit_1() -> None:

@@ -924,14 +924,19 @@ def check_clock_skew(status: NodeStatus, *, heartbeat_s: float = 2.0) -> list[Fi
         )
     ]
     exact = False
+    skewed: list[tuple[float, MemberStatus, str]] = []
     for m in candidates:
         estimate = _skew_estimate(m, heartbeat_s)
         if estimate is None:
             continue
         skew, how = estimate
         exact = exact or how.startswith("heartbeat vs")
-        if abs(skew) <= SKEW_WARN_S:
-            continue
+        if abs(skew) > SKEW_WARN_S:
+            skewed.append((skew, m, how))
+    # One line per skewed peer, the worst first; past MAX_LISTED the rest share one line, or a clock off on
+    # this machine (every peer looks skewed) would print hundreds of lines at hundreds of members.
+    skewed.sort(key=lambda item: -abs(item[0]))
+    for skew, m, how in skewed[:MAX_LISTED]:
         side = "ahead of" if skew > 0 else "behind"
         findings.append(
             Finding(
@@ -940,6 +945,21 @@ def check_clock_skew(status: NodeStatus, *, heartbeat_s: float = 2.0) -> list[Fi
                 f"{short(str(m.get('peer_id', '?')))}: its clock is about {abs(skew):.1f} s {side} ours ({how}"
                 f"{'' if m.get('state') == 'alive' else ', so it looks ' + str(m.get('state'))})",
                 NTP_FIX + " (or its heartbeats are delayed: check its log and network)",
+            )
+        )
+    rest = skewed[MAX_LISTED:]
+    if rest:
+        low, high = abs(rest[-1][0]), abs(rest[0][0])
+        ours = " (most of the swarm: is this machine's clock the one that is off?)" if len(skewed) > len(
+            candidates) // 2 else ""
+        findings.append(
+            Finding(
+                "clock",
+                ERROR if high > SKEW_ERROR_S else WARN,
+                f"{len(rest)} more peers' clocks differ from ours by {low:.1f} to {high:.1f} s, "
+                f"{len(skewed)} of {len(candidates)} live peers in all{ours}: "
+                f"{_listed([short(str(m.get('peer_id', '?'))) for _, m, _ in rest])}",
+                NTP_FIX,
             )
         )
     if not findings:
@@ -1149,7 +1169,9 @@ def _island_findings(graph: PairingGraph, steps: Mapping[str, Any]) -> list[Find
     """A warning naming every island when the paired trainers form more than one group."""
     if not graph.split:
         return []
-    listed = " and ".join(_island_text(island, steps) for island in graph.islands)
+    listed = " and ".join(_island_text(island, steps) for island in graph.islands[:MAX_LISTED])
+    if len(graph.islands) > MAX_LISTED:  # a swarm of hundreds shattered into pairs: one line, not a page
+        listed += f" and {len(graph.islands) - MAX_LISTED} more islands"
     return [
         Finding(
             "pairing",
