@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print one JSON object")
     sp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                     help="refresh the readable view in place (default every 2 s) until Ctrl+C")
+    rows = sp.add_mutually_exclusive_group()
+    rows.add_argument("--members", type=int, default=None, metavar="N",
+                      help="rows per list of members or connections (default 20); a longer list is summarised "
+                           "(counts by state and role) and shows this node, its partners, suspect members and "
+                           "the trainers furthest behind and ahead first. --json is never cut")
+    rows.add_argument("--all", action="store_true", help="show every member and connection, however many")
     sp = sub.add_parser("doctor", help="check identity, config, ports, bootstrap peers, clocks, versions; print fixes")
     home_arg(sp)
     sp.add_argument("--json", action="store_true", help="print one JSON object")
@@ -396,13 +402,16 @@ def _arm_hard_stop() -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from node.config.load import resolve_home
     from node.ops.control import SOCKET_FILE, ControlError, request_sync
-    from node.ops.status_view import render_status
+    from node.ops.status_view import DEFAULT_ROWS, render_status
 
     home = resolve_home(args.home)
+    if args.members is not None and args.members < 1:
+        return _die(f"--members: at least 1 row; got {args.members} (--all shows every member)")
+    rows = None if args.all else (DEFAULT_ROWS if args.members is None else args.members)
     if args.watch is not None:
         if args.json:
             return _die("--watch and --json cannot be combined")
-        return _watch_status(home, max(0.2, args.watch))
+        return _watch_status(home, max(0.2, args.watch), rows)
     try:
         answer = request_sync(home / SOCKET_FILE, {"cmd": "status"})
     except ControlError as e:
@@ -416,9 +425,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = answer["status"]
     if args.json:
         # `running` as in the no-daemon answer ({"running": false, "error": ...}), so scripts test one key.
+        # Never cut: scripts and monitoring read every member (--members / --all only shape the readable view).
         print(json.dumps({**status, "running": True}, indent=None, sort_keys=True))
     else:
-        print(render_status(status))
+        print(render_status(status, rows))
     # The daemon answers, but a trainer that cannot train is not healthy: Docker's HEALTHCHECK and other
     # monitors run this command and only see its exit code.
     if (status.get("training") or {}).get("state") == "failed":
@@ -478,7 +488,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _watch_status(home: Path, interval: float) -> int:
+def _watch_status(home: Path, interval: float, rows: int | None) -> int:
     """Redraw the readable status in place; a daemon that goes away is shown, not fatal."""
     from node.ops.control import ControlError, request_status
     from node.ops.status_view import render_status
@@ -487,7 +497,7 @@ def _watch_status(home: Path, interval: float) -> int:
     try:
         while True:
             try:
-                body = render_status(request_status(home))
+                body = render_status(request_status(home), rows)
             except ControlError as e:
                 body = f"starling: {e}"
             stamp = time.strftime("%H:%M:%S")

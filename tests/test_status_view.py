@@ -219,3 +219,130 @@ def test_every_possible_partner_beyond_the_step_gap_is_said_as_not_averaging() -
                                                              "nobody catches up")
     st["sync"]["out_of_reach"] = None
     assert "not averaging" not in render_status(st)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hundreds of members: a summary, the rows that matter, and `--json` complete (issue #24)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def big_swarm(n: int = 500) -> dict[str, Any]:
+    """The captured status grown to `n` members: every 100th (from the 7th) suspect, every 50th (from the
+    3rd) gone, every 10th network-only; alive trainers at outer steps 300..349, one laggard at 120 and one
+    runner at 900; this node's two real partners last heard longest ago, so only their role shows them."""
+    st = captured()
+    me, a, b = st["members"]
+    a["last_seen_s"] = b["last_seen_s"] = 999.0
+    members = [me, a, b]
+    for i in range(n - 3):
+        m = {**copy.deepcopy(b), "peer_id": f"12D3KooWSynth{i:06d}", "self": False, "outer_step": 300 + i % 50,
+             "last_seen_s": float(i % 97), "partners": [f"12D3KooWSynth{(i + 1) % (n - 3):06d}"],
+             "state": "suspect" if i % 100 == 7 else "gone" if i % 50 == 3 else "alive",
+             "role": "network-only" if i % 10 == 9 else "trainer"}  # fmt: skip
+        members.append(m)
+    members[n // 3]["outer_step"], members[n // 2]["outer_step"] = 120, 900
+    st["members"] = members
+    return st
+
+
+def member_rows(text: str) -> list[str]:
+    return [x for x in text.splitlines() if x.startswith("  12D3Ko")]
+
+
+def test_a_small_swarm_renders_in_full_whatever_the_limit_allows() -> None:
+    st = captured()
+    assert render_status(st) == render_status(st, rows=None) == render_status(st, rows=3)
+    assert "members: 3" in render_status(st).splitlines()
+
+
+def test_five_hundred_members_print_a_summary_and_at_most_the_limit_of_rows() -> None:
+    st = big_swarm()
+    text = render_status(st)
+    small = render_status(captured())
+    # The member table (3 rows in `small`) grows to 20 rows, a summary line, a spread line and a "more" line.
+    assert len(text.splitlines()) <= len(small.splitlines()) + 20 + 3
+    assert line(text, "members:") == (
+        "members: 500 (485 alive, 5 suspect, 10 gone; 451 trainers, 49 network-only)")
+    assert line(text, "  alive trainers:").startswith("  alive trainers: outer steps 120..900 (median ")
+    rows = [x for x in text.splitlines() if x.startswith("  12D3Ko") and "ago" in x]
+    assert len(rows) == 20
+    assert line(text, "  ... and") == "  ... and 480 more (starling status --all, or --json)"
+
+
+def test_the_cut_table_keeps_this_node_its_partners_suspects_and_the_extreme_trainers() -> None:
+    st = big_swarm()
+    text = render_status(st)
+    shown = {x.split()[0]: x.split()[-1] if "recently" not in x else "recently heard" for x in member_rows(text)}
+    me, a, b = (short(m["peer_id"]) for m in st["members"][:3])
+    assert shown[me] == "node" and shown[a] == shown[b] == "partner"  # "this node"'s last word
+    suspects = [short(m["peer_id"]) for m in st["members"] if m["state"] == "suspect"]
+    assert len(suspects) == 5 and all(shown.get(s) == "suspect" for s in suspects)
+    assert shown[short(st["members"][500 // 3]["peer_id"])] == "behind"
+    assert shown[short(st["members"][500 // 2]["peer_id"])] == "ahead"
+
+
+def test_a_flood_of_suspects_does_not_push_the_partners_out() -> None:
+    st = big_swarm()
+    for m in st["members"][3:]:
+        m["state"] = "suspect"  # a partition: 497 suspects
+    text = render_status(st, rows=10)
+    names = [x.split()[0] for x in member_rows(text) if "ago" in x]
+    assert len(names) == 10
+    assert {short(m["peer_id"]) for m in st["members"][:3]} <= set(names)
+    assert "497 suspect" in line(text, "members:")
+
+
+def test_the_limit_is_an_option_and_none_shows_every_member() -> None:
+    st = big_swarm()
+    assert len([x for x in member_rows(render_status(st, rows=5)) if "ago" in x]) == 5
+    every = render_status(st, rows=None)
+    assert len([x for x in member_rows(every) if "ago" in x]) == 500 and "... and" not in every
+    assert "members: 500" in every.splitlines()
+
+
+def test_many_connections_are_summarised_by_path_with_partners_and_relayed_ones_first() -> None:
+    st = captured()
+    a, b = st["connected_peers"]
+    others = [f"12D3KooWConn{i:06d}" for i in range(40)]
+    st["connected_peers"] = [*others, a, b]
+    st["peers"] += [{"peer_id": p, "path": "relayed" if i == 33 else "direct", "rtt_ms": 5.0}
+                    for i, p in enumerate(others)]  # fmt: skip
+    text = render_status(st)
+    assert line(text, "  paths:") == "  paths: 41 direct, 1 relayed"
+    start = text.splitlines().index(line(text, "  peer "))
+    rows = text.splitlines()[start + 1 : start + 21]
+    assert [r.split()[0] for r in rows[:3]] == [short(a), short(b), short(others[33])]  # a: the last partner, and most often
+    assert text.splitlines()[start + 21] == "  ... and 22 more (starling status --all, or --json)"
+
+
+def test_a_shattered_pairing_graph_names_a_few_islands_when_the_table_is_cut() -> None:
+    st = big_swarm(200)
+    trainers = [m for m in st["members"] if m["role"] == "trainer" and m["state"] == "alive"]
+    for i, m in enumerate(trainers):
+        m["partners"] = [trainers[i ^ 1]["peer_id"]] if i ^ 1 < len(trainers) else []
+    graph = line(render_status(st), "pairing graph:")
+    assert graph.count("{") == 4 and " more" in graph and len(graph) < 400
+
+
+def test_status_json_is_never_cut(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    import node.ops.control
+    from node.cli import main
+
+    st = big_swarm()
+    monkeypatch.setattr(node.ops.control, "request_sync", lambda *_a, **_k: {"ok": True, "status": st})
+    assert main(["status", "--home", str(tmp_path), "--json", "--members", "5"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert len(printed["members"]) == 500 and printed["members"] == st["members"]
+    assert main(["status", "--home", str(tmp_path), "--members", "5"]) == 0
+    assert len([x for x in member_rows(capsys.readouterr().out) if "ago" in x]) == 5
+    assert main(["status", "--home", str(tmp_path), "--all"]) == 0
+    assert len([x for x in member_rows(capsys.readouterr().out) if "ago" in x]) == 500
+
+
+def test_a_limit_below_one_row_is_a_one_line_usage_error(tmp_path: Path, capsys: Any) -> None:
+    from node.cli import main
+
+    assert main(["status", "--home", str(tmp_path), "--members", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith("--members: at least 1 row; got 0 (--all shows every member)")
+    assert "Traceback" not in err

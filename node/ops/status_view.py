@@ -3,6 +3,11 @@
 Rendering from the JSON keeps the two views honest with each other: there is one source of truth, the
 daemon's status(), and this module only formats it. Every section is optional, so an older daemon or a
 network-only node renders fine.
+
+A swarm of hundreds would print a wall of rows, one per member and connection: past a limit (DEFAULT_ROWS,
+`starling status --members N`) a list is summarised and cut to the rows an operator acts on (this node, its
+partners, suspect members, the trainers furthest from the swarm), and the rest are counted. The JSON is never
+cut.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from node.status_schema import (
 )
 
 MAX_PARTNERS_SHOWN = 4  # partners named on the mixing line; the rest are counted
+DEFAULT_ROWS = 20  # rows of one per-member list (members, connections, incompatible peers) before it is cut
+MAX_ISLANDS_NAMED = 4  # islands spelled out on the pairing-graph line; the rest are counted
 RECENT_REFUSAL_S = 120.0  # a refused averaging request is shown this long after it
 
 
@@ -66,7 +73,13 @@ def _bootstrap_lines(st: NodeStatus) -> list[str]:
     return lines
 
 
-def render_status(st: NodeStatus) -> str:
+def render_status(st: NodeStatus, rows: int | None = DEFAULT_ROWS) -> str:
+    """The readable view. `rows`: the most rows one per-member list shows (None: all of them).
+
+    A list within `rows` renders in full, as it always has; a longer one (a swarm of hundreds) gets a
+    summary line of counts, then the rows that matter most, then how many were left out (`--json` and
+    `starling status --all` keep every one).
+    """
     out: list[str] = []
     out.append(f"starling {st.get('version', '?')}  peer {st.get('peer_id', '?')}")
     out.append(
@@ -84,11 +97,17 @@ def render_status(st: NodeStatus) -> str:
     )
     detail = {p.get("peer_id"): p for p in st.get("peers", []) if isinstance(p, dict)}
     if peers:
-        rows = [["peer", "path", "rtt_ms"]]
-        for p in peers:
+        shown = peers
+        if rows is not None and len(peers) > rows:
+            out.append(_paths_summary(peers, detail))
+            shown = _connections_shown(peers, detail, _partners_of_this_node(st), rows)
+        table = [["peer", "path", "rtt_ms"]]
+        for p in shown:
             d: PeerPathStatus | dict[str, Any] = detail.get(p) or {}
-            rows.append([short(p), str(d.get("path", "-")), _fmt(d.get("rtt_ms"), ".1f")])
-        out.extend(_table(rows))
+            table.append([short(p), str(d.get("path", "-")), _fmt(d.get("rtt_ms"), ".1f")])
+        out.extend(_table(table))
+        if len(shown) < len(peers):
+            out.append(_more_line(len(peers) - len(shown)))
     out.extend(_bootstrap_lines(st))
     nat = st.get("nat") or {}
     if nat.get("reason"):
@@ -154,14 +173,24 @@ def render_status(st: NodeStatus) -> str:
             out.append(reach)
     if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
         out.append(_pace_line(tr))
-    out.extend(_incompatible_lines(st))
+    incompatible = _incompatible_lines(st)
+    if rows is not None and len(incompatible) > rows:
+        incompatible = [*incompatible[:rows], _more_line(len(incompatible) - rows, "incompatible peers")]
+    out.extend(incompatible)
     members = st.get("members")
     if members:
+        reasons: dict[int, str] = {}
+        shown_members = members
+        if rows is not None and len(members) > rows:
+            out.extend(_members_summary(members))
+            reasons = _members_shown(st, members, rows)
+            shown_members = [members[i] for i in reasons]
         # `step` is the member's inner step (the lr schedule and the loss curve follow it), `outer` its outer
         # step (partners are chosen by it); they differ by a factor of about train.inner_steps.
-        rows = [["member", "state", "step", "outer", "loss", "samples/s", "partners", "last seen"]]
-        for m in members:
-            rows.append([
+        table = [["member", "state", "step", "outer", "loss", "samples/s", "partners", "last seen"]
+                 + (["shown as"] if reasons else [])]
+        for i, m in zip(reasons or range(len(members)), shown_members, strict=True):
+            table.append([
                 short(str(m.get("peer_id", "?"))),
                 # Its records stopped once it was refused: "suspect 31s ago" would hide why.
                 "incompatible" if m.get("incompatible") else str(m.get("state", "?")),
@@ -171,11 +200,131 @@ def render_status(st: NodeStatus) -> str:
                 _fmt(m.get("samples_per_s"), ".1f"),
                 _partner_count(m),
                 (_dur(m["last_seen_s"]) + " ago") if isinstance(m.get("last_seen_s"), (int, float)) else "-",
-            ])
-        out.append(f"members: {len(members)}")
-        out.extend(_table(rows))
-        out.append(_pairing_line(members))
+            ] + ([reasons[i]] if reasons else []))
+        if not reasons:
+            out.append(f"members: {len(members)}")
+        out.extend(_table(table))
+        if reasons:
+            out.append(_more_line(len(members) - len(reasons)))
+        out.append(_pairing_line(members, cut=bool(reasons)))
     return "\n".join(out)
+
+
+def _more_line(left_out: int, what: str = "") -> str:
+    return f"  ... and {left_out} more{' ' + what if what else ''} (starling status --all, or --json)"
+
+
+def _partners_of_this_node(st: NodeStatus) -> list[str]:
+    """This node's partners, most relevant first: the one it exchanges with now, the latest, those of its
+    recent outer steps (most frequent first), and those its own member record names."""
+    found: list[str] = []
+    sy = st.get("sync")
+    if isinstance(sy, dict):
+        transfer = sy.get("transfer")
+        if isinstance(transfer, dict):
+            found.append(str(transfer.get("partner")))
+        if sy.get("last_partner"):
+            found.append(str(sy.get("last_partner")))
+        mixing = sy.get("mixing")
+        partners = mixing.get("partners") if isinstance(mixing, dict) else None
+        if isinstance(partners, dict):
+            found += [str(p) for p, _ in sorted(partners.items(), key=lambda kv: (-_count(kv[1]), str(kv[0])))]
+    for m in st.get("members") or []:
+        if isinstance(m, dict) and m.get("self") and isinstance(m.get("partners"), list):
+            found += [str(p) for p in m["partners"]]
+    return list(dict.fromkeys(found))  # first mention wins, order kept
+
+
+def _paths_summary(peers: list[str], detail: dict[Any, Any]) -> str:
+    by_path: dict[str, int] = {}
+    for p in peers:
+        path = str((detail.get(p) or {}).get("path", "unknown"))
+        by_path[path] = by_path.get(path, 0) + 1
+    return "  paths: " + ", ".join(f"{n} {path}" for path, n in sorted(by_path.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _connections_shown(peers: list[str], detail: dict[Any, Any], partners: list[str], rows: int) -> list[str]:
+    """The connections worth a row when they are too many: partners, then relayed ones (slow, and the
+    usual reason pairs do not average), then the rest as the daemon listed them."""
+    connected = set(peers)
+    relayed = [p for p in peers if "relay" in str((detail.get(p) or {}).get("path", ""))]
+    ordered = dict.fromkeys([*(p for p in partners if p in connected), *relayed, *peers])
+    return list(ordered)[:rows]
+
+
+def _members_summary(members: list[MemberStatus]) -> list[str]:
+    """Counts by state and role, and the alive trainers' spread of outer steps and speed."""
+    states: dict[str, int] = {}
+    roles: dict[str, int] = {}
+    outer: list[int] = []
+    speed: list[float] = []
+    for m in members:
+        state = "incompatible" if m.get("incompatible") else str(m.get("state", "?"))
+        states[state] = states.get(state, 0) + 1
+        role = str(m.get("role", "?"))
+        roles[role] = roles.get(role, 0) + 1
+        if m.get("state") == "alive" and m.get("role") == "trainer":
+            if isinstance(step := m.get("outer_step"), int) and not isinstance(step, bool):
+                outer.append(step)
+            if isinstance(rate := m.get("samples_per_s"), (int, float)) and not isinstance(rate, bool):
+                speed.append(float(rate))
+    order = ["alive", "suspect", "gone", "left", "incompatible"]
+    by_state = [f"{states.pop(s)} {s}" for s in order if s in states] + [f"{n} {s}" for s, n in sorted(states.items())]
+    by_role = [f"{roles.pop('trainer', 0)} trainers", f"{roles.pop('network-only', 0)} network-only"]
+    by_role += [f"{n} {r}" for r, n in sorted(roles.items())]
+    lines = [f"members: {len(members)} ({', '.join(by_state)}; {', '.join(by_role)})"]
+    if outer:
+        outer.sort()
+        speed.sort()
+        spread = f"  alive trainers: outer steps {outer[0]}..{outer[-1]} (median {outer[len(outer) // 2]})"
+        if speed:
+            spread += (f", samples/s {speed[0]:.1f}..{speed[-1]:.1f} (median {speed[len(speed) // 2]:.1f})")
+        lines.append(spread)
+    return lines
+
+
+def _members_shown(st: NodeStatus, members: list[MemberStatus], rows: int) -> dict[int, str]:
+    """{index in `members`: why it is shown}, in the order shown, at most `rows`: this node, its partners,
+    suspect (and incompatible) members, the alive trainers furthest behind and ahead, then the most
+    recently heard. Each kind first gets a share of the rows, so a flood of one kind (200 suspects after a
+    partition) cannot push the others out; rows left over go to the same kinds in the same order."""
+    index = {str(m.get("peer_id")): i for i, m in enumerate(members)}
+    partners = [index[p] for p in _partners_of_this_node(st) if p in index]
+    trouble = [i for i, m in enumerate(members)
+               if not m.get("self") and (m.get("incompatible") or m.get("state") == "suspect")]
+    trainers = sorted((i for i, m in enumerate(members)
+                       if m.get("state") == "alive" and m.get("role") == "trainer" and not m.get("self")
+                       and isinstance(m.get("outer_step"), int)), key=lambda i: members[i]["outer_step"])
+    extremes = max(1, rows // 10)
+    behind, ahead = trainers[:extremes], trainers[::-1][:extremes]
+
+    def heard(i: int) -> float:
+        age = members[i].get("last_seen_s")
+        return float(age) if isinstance(age, (int, float)) else float("inf")
+
+    recent = sorted(range(len(members)), key=heard)
+    groups: list[tuple[str, list[int], int]] = [
+        ("this node", [i for i, m in enumerate(members) if m.get("self")], 1),
+        ("partner", partners, max(1, rows // 4)),
+        ("suspect", trouble, max(1, rows // 4)),
+        ("furthest behind", behind, extremes),
+        ("furthest ahead", ahead, extremes),
+        ("recently heard", recent, rows),
+    ]
+    chosen: dict[int, str] = {}
+    for second_pass in (False, True):
+        for reason, candidates, share in groups:
+            taken = 0
+            for i in candidates:
+                if len(chosen) >= rows or (not second_pass and taken >= share):
+                    break
+                if i not in chosen:
+                    label = reason
+                    if reason == "suspect" and members[i].get("incompatible"):
+                        label = "incompatible"
+                    chosen[i] = label
+                    taken += 1
+    return chosen
 
 
 def _incompatible_lines(st: NodeStatus) -> list[str]:
@@ -357,8 +506,9 @@ def _partner_count(member: MemberStatus) -> str:
     return str(len(partners))
 
 
-def _pairing_line(members: list[MemberStatus]) -> str:
-    """Whether the alive trainers form one pairing group, as `starling doctor` judges it."""
+def _pairing_line(members: list[MemberStatus], cut: bool = False) -> str:
+    """Whether the alive trainers form one pairing group, as `starling doctor` judges it. `cut`: the member
+    table was cut, so name at most a few islands and a few trainers of each (hundreds would fill the screen)."""
     graph = pairing_graph(members)
     unpaired = f", {len(graph.unpaired)} unpaired" if graph.unpaired else ""
     if not graph.islands and len(graph.unpaired) == 1:
@@ -368,5 +518,15 @@ def _pairing_line(members: list[MemberStatus]) -> str:
         return f"pairing graph: no pairs in the alive trainers' recent outer steps{unpaired}"
     if not graph.split:
         return f"pairing graph: one island of {graph.paired} trainers{unpaired}"
-    groups = "  ".join("{" + ", ".join(short(p) for p in island) + "}" for island in graph.islands)
+    most = MAX_ISLANDS_NAMED if cut else len(graph.islands)
+    groups = "  ".join("{" + _named(island, MAX_PARTNERS_SHOWN if cut else len(island)) + "}"
+                       for island in graph.islands[:most])
+    if len(graph.islands) > most:
+        groups += f"  and {len(graph.islands) - most} more"
     return f"pairing graph: {len(graph.islands)} islands (see starling doctor): {groups}{unpaired}"
+
+
+def _named(peers: list[str], most: int) -> str:
+    """Up to `most` short PeerIDs, the rest counted."""
+    named = ", ".join(short(p) for p in peers[:most])
+    return named + (f", {len(peers) - most} more" if len(peers) > most else "")
