@@ -16,6 +16,7 @@ departure only by suspicion.)
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
 import math
@@ -110,7 +111,10 @@ def _record_addrs(texts: Iterable[str]) -> list[multiaddr.Multiaddr]:
     return addrs
 
 
+@functools.cache
 def starling_version() -> str:
+    """The installed package's version, read once: every heartbeat puts it in this node's record, and
+    importlib.metadata parses the package's METADATA file on each call (5% of an idle daemon's CPU)."""
     try:
         return version("starling")
     except PackageNotFoundError:
@@ -467,9 +471,11 @@ class Daemon:
 
     async def _learn_member_addrs(self) -> None:
         """Members' signed records carry their addresses, circuit ones included: give them to the
-        connection manager so that NATed members are reachable through their relays."""
+        connection manager so that NATed members are reachable through their relays, and so that members
+        this node is not connected to are dialed up to `node.target_peers` (suspect ones included: see
+        :meth:`node.swarm.replicator.StateReplicator.members_to_dial`)."""
         while True:
-            for m in self.replicator.alive_members():
+            for m in self.replicator.members_to_dial():
                 addrs = _record_addrs(m.record.addrs)
                 if addrs:
                     self.connmgr.add_candidate(PeerInfo(ID.from_base58(m.record.peer_id), addrs), source="state")
