@@ -25,8 +25,10 @@ Measured, in this order:
    every daemon holds every other as alive, with a record the other signed since its last start, and each
    restarted daemon has heard every other since its restart (its state file alone does not count).
 
-``--profile`` also profiles (cProfile, the main thread, on CPU time) the bootstrap daemon and three others over
-the settled window (bench/traffic_probe/sitecustomize.py) and prints where their seconds went, by component.
+``--profile DIR`` also profiles (cProfile, the main thread, on CPU time) the bootstrap daemon and three others
+over the settled window (bench/traffic_probe/sitecustomize.py), prints where their seconds went, by component,
+and keeps their stats files in DIR. The profiler costs those daemons much of their CPU: the CPU figures leave
+them out, and their profile's absolute seconds are inflated (shares are what to read).
 
 Usage: python bench/scale.py [--sizes 16 32 64] [--join bootstrap|random] [--churn-rounds 3] [--profile]
                              [--json PATH] [--set SECTION.OPTION=VALUE ...] [--write-docs]
@@ -225,7 +227,9 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         busy1 = machine_busy()
         rss = [r for r in (proc_rss_mib(pids[i]) for i in everyone) if r is not None]
         views = Views(swarm, everyone)
-        cpu = {i: (cpu1[i] - cpu0[i]) / minutes for i in everyone if cpu0[i] is not None and cpu1[i] is not None}
+        # The profiler costs its daemons a good part of their CPU: their figures are left out.
+        cpu = {i: (cpu1[i] - cpu0[i]) / minutes for i in everyone
+               if cpu0[i] is not None and cpu1[i] is not None and i not in profiled}
         sent = {}
         protocols: dict[str, float] = {}
         for i in everyone:
@@ -239,8 +243,9 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         out["settled"] = {
             "cpu_s_per_min": spread(list(cpu.values())),
             "cpu_s_per_min_bootstrap": cpu.get(0),
-            "cpu_s_per_min_others_median": statistics.median([v for i, v in cpu.items() if i]) if n > 1 else None,
-            "daemons_cores": sum(cpu.values()) / 60,
+            "cpu_s_per_min_others_median": statistics.median([v for i, v in cpu.items() if i] or [0.0]),
+            "daemons_cores": sum((cpu1[i] or 0) - (cpu0[i] or 0) for i in everyone) / minutes / 60,
+            "profiled": profiled,
             "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
             "sent_bytes_per_min": spread(list(sent.values())),
             "sent_bytes_per_min_bootstrap": sent.get(0),
@@ -254,8 +259,9 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         out["join"]["ever_suspect_max_one_view"] = max(
             [sum(1 for o, _ in suspect_pairs if o == i) for i in everyone] or [0])
         s = out["settled"]
+        boot = s["cpu_s_per_min_bootstrap"]
         log(f"  settled: CPU s/min per daemon {fmt_spread(s['cpu_s_per_min'])} (bootstrap "
-            f"{s['cpu_s_per_min_bootstrap']:.1f}); daemons {s['daemons_cores']:.2f} cores, machine busy "
+            f"{'profiled' if boot is None else f'{boot:.1f}'}); daemons {s['daemons_cores']:.2f} cores, machine busy "
             f"{100 * s['machine_busy']:.0f}%; sent kB/min {fmt_spread(s['sent_bytes_per_min'], 1e-3)}; "
             f"RSS MiB {fmt_spread(s['rss_mib'])}; connections {fmt_spread(s['connections'])}")
         if profiled:
