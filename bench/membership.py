@@ -67,12 +67,12 @@ class LoopbackSwarm:
             self.addrs[i] = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{peer_id_of(key)}"
         return self.addrs[i]
 
-    def spawn(self, i: int, bootstrap: list[str]) -> DaemonProc:
+    def spawn(self, i: int, bootstrap: list[str], log_level: str = "warning") -> DaemonProc:
         """Start daemon ``i``, given ``bootstrap`` addresses; does not wait."""
         self.bootstrap[i] = list(bootstrap)
         home, listen = self.root / f"n{i}", self.addr(i).rsplit("/p2p/", 1)[0]
         (home / "addr").unlink(missing_ok=True)
-        args = ["--no-train", "--listen", listen, "--swarm", self.swarm, "--log-level", "warning",
+        args = ["--no-train", "--listen", listen, "--swarm", self.swarm, "--log-level", log_level,
                 "--addr-file", str(home / "addr"), *(a for b in bootstrap for a in ("--bootstrap", b)),
                 *(a for s in self.sets for a in ("--set", s))]
         env = dict(self.env)

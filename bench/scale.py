@@ -165,7 +165,8 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     swarm = LoopbackSwarm(root, f"scale{n}{args.join}", args.set)
     rng = random.Random(n)
     out: dict[str, Any] = {"n": n, "join_mode": args.join, "few": args.few, "cores": os.cpu_count(),
-                           "timeout_s": args.timeout, "window_s": args.window}
+                           "timeout_s": args.timeout, "window_s": args.window, "command": args.command,
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     try:
         def spawn(i: int, bootstrap: list[str]) -> None:
             if i in profiled:
@@ -391,8 +392,8 @@ def render(results: list[dict[str, Any]], command: str) -> str:
     modes = sorted({r["join_mode"] for r in results})
     lines = [
         SECTION, "",
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, "
-        f"{platform.machine()}). N network-only daemons (`--no-train`) on 127.0.0.1, default settings, one "
+        "Commands: " + "; ".join(sorted({f"`{r.get('command', command)}` ({r.get('date', '?')})" for r in results}))
+        + f" ({os.cpu_count()} cores, {platform.machine()}). N network-only daemons (`--no-train`) on 127.0.0.1, default settings, one "
         "bootstrap node; " + ("the others given only its address" if modes == ["bootstrap"] else
                               "joins: `bootstrap` = the others given only its address, `random` = also a few "
                               "random earlier nodes' addresses") +
@@ -440,6 +441,15 @@ def main() -> int:
     p.add_argument("--from", dest="from_", type=Path, nargs="+", help="render these saved results, run nothing")
     p.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of docs/benchmarks.md")
     args = p.parse_args()
+    argv, skip = [], False  # the command as the docs show it: without where its files went
+    for a in sys.argv[1:]:
+        if skip or a == "--write-docs":
+            skip = False
+            continue
+        skip = a in ("--json", "--profile")
+        if not skip:
+            argv.append(a)
+    args.command = " ".join(["python bench/scale.py", *argv])
     if args.from_:
         results = [r for f in args.from_ for r in json.loads(f.read_text())]
     else:
