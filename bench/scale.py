@@ -25,7 +25,7 @@ Measured, in this order:
    every daemon holds every other as alive, with a record the other signed since its last start, and each
    restarted daemon has heard every other since its restart (its state file alone does not count).
 
-``--profile DIR`` also profiles (cProfile, the main thread, on CPU time) the bootstrap daemon and three others
+``--profile DIR`` also profiles (cProfile, the main thread, on CPU time) the bootstrap daemon and three others (at most half the daemons)
 over the settled window (bench/traffic_probe/sitecustomize.py), prints where their seconds went, by component,
 and keeps their stats files in DIR. The profiler costs those daemons much of their CPU: the CPU figures leave
 them out, and their profile's absolute seconds are inflated (shares are what to read).
@@ -161,7 +161,8 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Start N daemons, measure join, the settled window and churn; stop them."""
-    profiled = sorted({0, 1, n // 2, n - 1}) if args.profile else []
+    # At most half of the daemons, so that some are left for the CPU figures.
+    profiled = sorted({0, 1, n // 2, n - 1})[: max(1, n // 2)] if args.profile else []
     swarm = LoopbackSwarm(root, f"scale{n}{args.join}", args.set)
     rng = random.Random(n)
     out: dict[str, Any] = {"n": n, "join_mode": args.join, "few": args.few, "cores": os.cpu_count(),
@@ -292,7 +293,7 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     agreed = time.monotonic() - t_kill
                     break
             rounds.append({"killed": len(victims), "agreed_s": agreed})
-            log(f"  churn round {r + 1}: {len(victims)} killed and restarted; views agree after {fmt_s(agreed)}")
+            log(f"  churn round {r + 1}: {len(victims)} killed and restarted; views agree: {fmt_s(agreed)}")
             time.sleep(max(0.0, args.churn_every - (time.monotonic() - t_kill)))
         out["churn"] = rounds
     finally:
@@ -434,7 +435,7 @@ def main() -> int:
     p.add_argument("--churn-rounds", type=int, default=3, help="churn rounds, one a minute (0: none)")
     p.add_argument("--churn-every", type=float, default=60.0, help="seconds per churn round")
     p.add_argument("--profile", type=Path, metavar="DIR",
-                   help="cProfile 4 daemons over the settled window; their stats files are kept in DIR")
+                   help="cProfile up to 4 daemons (the bootstrap node first) over the settled window; their stats files are kept in DIR")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
                    help="a config option for every daemon, as `starling run --set`")
     p.add_argument("--json", type=Path, help="also write the results here")
