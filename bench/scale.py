@@ -404,7 +404,9 @@ def render(results: list[dict[str, Any]], command: str) -> str:
         "(/proc/PID/stat; min/median/max), what the daemons used of the machine's cores, bytes each sends per "
         "minute (TCP, after Noise and Yamux), RSS, connections per daemon (min/median/max). *Churn*: each "
         "minute a tenth of the daemons SIGKILLed and restarted at once; seconds until every view agrees again "
-        "(every daemon alive in every other's table with a record signed since its restart).", "",
+        "(every daemon alive in every other's table with a record signed since its restart). Where the machine "
+        "is busy near 100%, the daemons shared its cores: CPU per daemon is then a share, not what a daemon "
+        "would use on a machine of its own.", "",
         "| daemons | join | all known | ever suspect | CPU s/min per daemon | daemons' cores (machine busy) "
         "| sent kB/min per daemon | RSS MiB | connections | churn: views agree after |",
         "|---|---|---|---|---|---|---|---|---|---|",
