@@ -9,8 +9,9 @@ forgotten: an unreachable bootstrap address is retried with back-off, with a war
 A full node still hands out peers: a connection is not closed for the cap during its first
 `PRUNE_GRACE_S` (go-libp2p's connection manager has the same grace period), long enough for the newcomer's
 first state session, which gives it every member's signed record with its addresses, and its first DHT
-lookups. Closing the newest connection at once, as this did before, left every node beyond a full bootstrap
-node's cap knowing nobody (64 daemons on one bootstrap node: 1.3 members known on average after 240 s).
+lookups. Closing the newest connection at once, as this did before, left a node beyond a full bootstrap node's
+cap no time to learn anyone (one of the reasons why 64 daemons on one bootstrap node knew 1.3 members on
+average after 240 s: issue #24, bench/scale.py).
 Over the cap, the newest connections past their grace are closed first, so long-lived ones are kept (those
 in their grace push none out). And a
 peer whose connection ended within `STABLE_S` of opening (the other side was full and closed it, or

@@ -338,9 +338,8 @@ class StateReplicator:
 
         A suspect member is the one a connection helps most: its records stopped arriving by whatever
         path brought them, and a direct connection brings a session with it (and the probes of
-        ``_quiet_peers``). Handing the connection manager alive members only, on a loaded machine where
-        most members looked suspect, left nodes that knew every member's address connected to the bootstrap
-        node alone, which kept them suspect.
+        ``_quiet_peers``). With alive members only, a node on a loaded machine, where most members looked
+        suspect, was given nobody to dial and stayed with the connections it had.
         """
         return self._compatible_members(MemberState.ALIVE, MemberState.SUSPECT)
 
