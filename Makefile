@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-scale-sim bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-scale-sim bench-scale bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -104,6 +104,13 @@ bench-membership: install
 # SWIM core of node/swarm/membership.py on a simulated network with churn; about 8 min on one core, ~4.5 GB of RAM.
 bench-scale-sim: install
 	$(PY) bench/scale_sim.py --write-docs
+
+# Membership at scale (section "Scale: real daemons"): 16, 32 and 64 network-only daemons on 127.0.0.1, one
+# bootstrap node; time until every node knows every member, idle CPU, traffic and RSS per daemon, connections,
+# and 3 minutes of churn each; about 20 min on 2 cores. SCALE_ARGS="--sizes 128" for more (RAM: ~120 MB each).
+SCALE_ARGS ?=
+bench-scale: install
+	$(PY) bench/scale.py $(SCALE_ARGS) --write-docs
 
 # Hostile averaging partners against a real victim, then 1 GiB pushed past a stream's receive window into a
 # real daemon (docs/reliability.md); about 3 min.

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from node.ops.launcher import stop_all
-from starling_testing.daemon import DaemonProc
+from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
+from starling_testing.daemon import DaemonError, DaemonProc, free_port
 from starling_testing.report import replace_section
 
 PROBE = Path(__file__).resolve().parent / "traffic_probe"
@@ -37,36 +38,96 @@ SECTION = "## The swarm's own traffic"
 SUMMARY = ("tcp bytes", "frames", "window updates", "gossip rpcs with a peer record")
 
 
-def measure(n: int, settle: float, seconds: float, sets: list[str], root: Path) -> dict[str, float]:
-    """Per-host means over the N daemons: each counter's increase per second over the window."""
-    path = os.pathsep.join([str(PROBE), *filter(None, [os.environ.get("PYTHONPATH")])])
-    common = ["--no-train", "--listen", "/ip4/127.0.0.1/tcp/0", "--swarm", f"traffic{n}", "--log-level", "warning",
-              *(arg for s in sets for arg in ("--set", s))]
-    daemons: list[DaemonProc] = []
+class LoopbackSwarm:
+    """Network-only daemons on 127.0.0.1 with the traffic probe loaded, for this bench and bench/scale.py.
 
-    def spawn(i: int, extra: list[str]) -> DaemonProc:
-        home = root / f"n{i}"
-        env = {"PYTHONPATH": path, "STARLING_TRAFFIC_OUT": str(root / f"n{i}.json")}
-        d = DaemonProc(home, [*common, *extra], env).start(log=root / f"n{i}.log", append_log=False)
-        daemons.append(d)
+    Each daemon's identity is made here and its port picked here before it starts, so that every
+    daemon's full address (``/ip4/127.0.0.1/tcp/PORT/p2p/ID``) is known without asking anyone, and a
+    daemon can be given the addresses of others that have not started yet (they retry with back-off).
+    A daemon listens once its ``node.addr_file`` exists: a file check, where polling ``status`` would cost
+    the daemons CPU. Restarting one (:meth:`restart`) keeps its HOME, identity and port, as a restarted
+    node does.
+    """
+
+    def __init__(self, root: Path, swarm: str, sets: list[str] = [], *, probe: bool = True,  # noqa: B006
+                 env: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.swarm = swarm
+        self.sets = list(sets)
+        self.probe = probe
+        self.env = dict(env or {})
+        self.daemons: dict[int, DaemonProc] = {}
+        self.addrs: dict[int, str] = {}
+        self.bootstrap: dict[int, list[str]] = {}
+
+    def addr(self, i: int) -> str:
+        """Daemon ``i``'s address (its identity and port are made on first use)."""
+        if i not in self.addrs:
+            key = create_identity(self.root / f"n{i}" / IDENTITY_FILE)
+            self.addrs[i] = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{peer_id_of(key)}"
+        return self.addrs[i]
+
+    def spawn(self, i: int, bootstrap: list[str], log_level: str = "warning") -> DaemonProc:
+        """Start daemon ``i``, given ``bootstrap`` addresses; does not wait."""
+        self.bootstrap[i] = list(bootstrap)
+        home, listen = self.root / f"n{i}", self.addr(i).rsplit("/p2p/", 1)[0]
+        (home / "addr").unlink(missing_ok=True)
+        args = ["--no-train", "--listen", listen, "--swarm", self.swarm, "--log-level", log_level,
+                "--addr-file", str(home / "addr"), *(a for b in bootstrap for a in ("--bootstrap", b)),
+                *(a for s in self.sets for a in ("--set", s))]
+        env = dict(self.env)
+        if self.probe:
+            env["PYTHONPATH"] = os.pathsep.join([str(PROBE), *filter(None, [os.environ.get("PYTHONPATH")])])
+            env["STARLING_TRAFFIC_OUT"] = str(self.root / f"n{i}.json")
+        d = DaemonProc(home, args, env).start(log=self.root / f"n{i}.log", append_log=True)
+        self.daemons[i] = d
         return d
 
-    def snapshot() -> list[dict]:
-        return [json.loads((root / f"n{i}.json").read_text()) for i in range(n)]
+    def restart(self, i: int) -> DaemonProc:
+        return self.spawn(i, self.bootstrap[i])
 
+    def listening(self, i: int) -> bool:
+        return (self.root / f"n{i}" / "addr").exists()
+
+    def wait_listening(self, indices: list[int], timeout: float) -> None:
+        """Wait until every daemon in ``indices`` listens; DaemonError if one exits or the time runs out."""
+        deadline = time.monotonic() + timeout
+        waiting = list(indices)
+        while waiting:
+            for i in [i for i in waiting if self.listening(i)]:
+                waiting.remove(i)
+            for i in waiting:
+                if self.daemons[i].exited():
+                    raise DaemonError(f"n{i}: daemon exited before listening\n{self.daemons[i].tail()}")
+            if waiting and time.monotonic() > deadline:
+                raise DaemonError(f"{len(waiting)} daemons not listening within {timeout:.0f} s (n{waiting[0]} first)")
+            time.sleep(0.2)
+
+    def traffic(self, i: int) -> dict:
+        """Daemon ``i``'s probe counters: ``{"t": monotonic seconds, "counts": {...}}``."""
+        return json.loads((self.root / f"n{i}.json").read_text())
+
+    def stop(self) -> None:
+        stop_all(self.daemons.values())
+
+
+def measure(n: int, settle: float, seconds: float, sets: list[str], root: Path) -> dict[str, float]:
+    """Per-host means over the N daemons: each counter's increase per second over the window."""
+    swarm = LoopbackSwarm(root, f"traffic{n}", sets)
     try:
-        boot = spawn(0, []).wait(lambda s: bool(s["addrs"]), 60, "a listen address", 0.2)["addrs"][0]
+        swarm.spawn(0, [])
+        swarm.wait_listening([0], 60)
         for i in range(1, n):
-            spawn(i, ["--bootstrap", boot])
-        for d in daemons:
-            d.wait(lambda s: bool(s["addrs"]), 60, "a listen address", 0.2)
+            swarm.spawn(i, [swarm.addr(0)])
+        swarm.wait_listening(list(range(n)), 120)
         time.sleep(settle)
-        before = snapshot()
+        before = [swarm.traffic(i) for i in range(n)]
         time.sleep(seconds)
-        after = snapshot()
-        alive = [sum(m["state"] == "alive" for m in (d.status(timeout=5) or {}).get("members", [])) for d in daemons]
+        after = [swarm.traffic(i) for i in range(n)]
+        alive = [sum(m["state"] == "alive" for m in (d.status(timeout=5) or {}).get("members", []))
+                 for d in swarm.daemons.values()]
     finally:
-        stop_all(daemons)
+        swarm.stop()
     rates: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
         dt = a["t"] - b["t"]

@@ -6,12 +6,13 @@ What a node needs to reach peers and move bytes, with no knowledge of training:
     identity.py        load_or_create_identity, peer_id_of: the node's ed25519 key on disk
     addrs.py           parse_listen, parse_bootstrap, AddrError: operators' multiaddrs, checked
     auth.py            AccessControl, read_swarm_key: the swarm key (private network) and PeerID allowlist
-    connmgr.py         ConnManager: keeps about `target` connections to members, never more than `cap`
+    connmgr.py         ConnManager: keeps about `target` connections to members, no more than `cap` for long
     discovery.py       SwarmDiscovery: swarm members found through the Kademlia DHT
     netgroup.py        SubnetStreamLimits, group_of: per-subnet limits (Sybil bounds)
     limits.py          BoundedYamux, MuxerOffences, release_inbound_slots_on_close: limits py-libp2p declares
                        but does not keep (Yamux windows, inbound connection slots)
-    gossip.py          send_peer_record_once: gossipsub without py-libp2p's peer record on every message
+    gossip.py          send_peer_record_once, idontwant_for_large_messages_only: gossipsub without py-libp2p's
+                       peer record on every message, nor an IDONTWANT for every small one
     bootstrap_file.py  watch_bootstrap_files, write_addr_file: bootstrap addresses shared through files
     wire.py            FrameChannel, send_msg, recv_msg, ProtocolError: framing shared by every protocol
     datapath.py        DataPathListener, connect_datapath: the encrypted TCP side channel for bulk tensors

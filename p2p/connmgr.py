@@ -1,10 +1,23 @@
-"""Connection management: keep about `target` connections to swarm members, never more than `cap`.
+"""Connection management: keep about `target` connections to swarm members, no more than `cap` for long.
 
 Why our own manager: `host.connect()` costs at least 250 ms even on loopback (py-libp2p pitfall 4), so
 dials run concurrently, each under its own deadline, and the manager's loop never waits for a dial. A
 peer that fails gets an exponential back-off with jitter, so one dead or slow address never delays the
 others and never turns into a retry storm. Bootstrap peers are ordinary candidates that are never
 forgotten: an unreachable bootstrap address is retried with back-off, with a warning, not a crash.
+
+A full node still hands out peers: a connection is not closed for the cap during its first
+`PRUNE_GRACE_S` (go-libp2p's connection manager has the same grace period), long enough for the newcomer's
+first state session, which gives it every member's signed record with its addresses, and its first DHT
+lookups. Closing the newest connection at once, as this did before, left a node beyond a full bootstrap node's
+cap no time to learn anyone (one of the reasons why 64 daemons on one bootstrap node knew 1.3 members on
+average after 240 s: issue #24, bench/scale.py).
+Over the cap, the newest connections past their grace are closed first, so long-lived ones are kept (those
+in their grace push none out). And a
+peer whose connection ended within `STABLE_S` of opening (the other side was full and closed it, or
+restarted) is redialed with the same back-off as a failed dial, not at the next tick: every node beyond a
+full bootstrap node's cap redialed it twice a second, each time a Noise handshake on both sides.
+The hard ceiling is the host's own connection limit (2 x `cap` in p2p/host.py).
 
 Sybil limits: at most `max_per_subnet` connections come from one network group (IPv4 /24, IPv6 /48, as
 observed on the connection; loopback exempt), so that a thousand fresh identities from one machine
@@ -36,6 +49,10 @@ BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
 MAX_CONCURRENT_DIALS = 8
 TICK_S = 0.5
+#: A connection younger than this is not closed for the cap (see the module docstring).
+PRUNE_GRACE_S = 30.0
+#: A connection that ended younger than this counts as a failed dial for the back-off.
+STABLE_S = 2 * PRUNE_GRACE_S
 #: Candidates remembered at most (members learnt from the swarm state and the DHT); beyond it the
 #: non-permanent ones that failed most are forgotten first (discovery brings live ones back).
 MAX_CANDIDATES = 1024
@@ -93,6 +110,8 @@ class ConnManager:
     _dialing: set[ID] = field(default_factory=set)
     _wake: trio.Event = field(default_factory=trio.Event)
     _known_connected: set[ID] = field(default_factory=set)
+    #: When each connected peer's connection was first seen (any direction, candidate or not).
+    _since: dict[ID, float] = field(default_factory=dict)
 
     # --- inputs ------------------------------------------------------------------------------------------
 
@@ -179,15 +198,23 @@ class ConnManager:
         connected = set(self.connected())
         now = self.clock()
         for peer_id in connected - self._known_connected:
+            self._since[peer_id] = now
             cand = self.candidates.get(peer_id)
             if cand is not None:
-                cand.failures, cand.next_attempt, cand.connected_since = 0, 0.0, now
+                cand.next_attempt, cand.connected_since = 0.0, now
             if self.on_connected is not None:
                 self.on_connected(peer_id)
         for peer_id in self._known_connected - connected:
+            opened = self._since.pop(peer_id, now)
             cand = self.candidates.get(peer_id)
             if cand is not None:
                 cand.connected_since = None
+                if now - opened < STABLE_S:  # closed by a full peer (or a restart): back off before redialing
+                    self._back_off(cand, f"the connection closed after {now - opened:.0f}s (the peer full, or restarting)")
+        for peer_id in connected:  # a connection that has lasted clears its peer's failures
+            cand = self.candidates.get(peer_id)
+            if cand is not None and cand.failures and now - self._since[peer_id] >= STABLE_S:
+                cand.failures = 0
         self._known_connected = connected
 
         if len(connected) > self.cap:
@@ -214,11 +241,17 @@ class ConnManager:
             nursery.start_soon(self._dial, cand)
 
     def _prune(self, connected: set[ID], nursery: trio.Nursery) -> None:
-        """Close the newest non-bootstrap connections above the cap."""
-        excess = len(connected) - self.cap
+        """Close the newest non-bootstrap connections above the cap among those past their grace period.
+        Connections in their grace period are let through above the cap (see the module docstring), and
+        push no long-lived one out: each is closed once past its grace, if the node is still full."""
+        now = self.clock()
+        young = {p for p in connected if now - self._since.get(p, now) < PRUNE_GRACE_S}
+        excess = len(connected) - self.cap - len(young)
+        if excess <= 0:
+            return
         victims = sorted(
-            (p for p in connected if not (p in self.candidates and self.candidates[p].permanent)),
-            key=lambda p: -(self.candidates[p].connected_since or 0) if p in self.candidates else 0,
+            (p for p in connected - young if not (p in self.candidates and self.candidates[p].permanent)),
+            key=lambda p: -self._since[p],
         )[:excess]
         for peer_id in victims:
             log.debug("over the connection cap (%d): closing %s", self.cap, peer_id)
@@ -249,6 +282,15 @@ class ConnManager:
                 nursery.start_soon(self._disconnect, peer_id)
         return full
 
+    def _back_off(self, cand: Candidate, error: str) -> float:
+        """Count a failure of ``cand`` (a failed dial, or a connection that did not last) and schedule its
+        next attempt with exponential back-off and jitter; returns the delay."""
+        cand.last_error = error
+        cand.failures += 1
+        delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (cand.failures - 1)) * random.uniform(0.8, 1.2)
+        cand.next_attempt = self.clock() + delay
+        return delay
+
     async def _disconnect(self, peer_id: ID) -> None:
         with trio.move_on_after(5):
             try:
@@ -268,7 +310,9 @@ class ConnManager:
                 except Exception as e:  # libp2p raises many types for an unreachable peer
                     error = f"{type(e).__name__}: {e}"[:200]
             if ok:
-                cand.failures, cand.next_attempt, cand.last_error, cand.warned = 0, 0.0, "", ""
+                # `failures` is reset once the connection has lasted (see _tick): a full peer that accepts
+                # and then closes must not reset the back-off with every dial.
+                cand.next_attempt, cand.last_error, cand.warned = 0.0, "", ""
                 log.debug("connected to %s (%s)", cand.peer_id, cand.source)
             else:
                 # The handshake's verdict, where there was one: py-libp2p's own error (a timeout, "all addresses
@@ -277,10 +321,7 @@ class ConnManager:
                 # dial at all (else a stale cause would outlive a fix: a peer now down is not "the wrong key").
                 since = 0.0 if "negative cache" in error else started
                 cause = self.explain(cand.peer_id, since) if self.explain is not None else None
-                cand.last_error = cause or error
-                cand.failures += 1
-                delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (cand.failures - 1)) * random.uniform(0.8, 1.2)
-                cand.next_attempt = self.clock() + delay
+                delay = self._back_off(cand, cause or error)
                 level = logging.WARNING if cand.permanent else logging.DEBUG
                 if cause and cand.permanent:  # once at WARNING per cause, then INFO while it lasts
                     level = logging.INFO if cause == cand.warned else logging.WARNING

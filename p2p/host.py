@@ -18,7 +18,8 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import multiaddr
 from libp2p import new_host
@@ -39,6 +40,10 @@ from p2p.limits import (
 )
 
 log = logging.getLogger("starling.host")
+
+#: How long the advertised addresses are reused while the listeners stay the same (what can change meanwhile:
+#: the machine's interfaces behind a 0.0.0.0 listener, and addresses that peers observed).
+ADDRS_CACHE_S = 10.0
 
 _SIOCGIFADDR = 0x8915
 
@@ -197,11 +202,34 @@ def build_host(
         negotiate_timeout=10,
         psk=psk,
     )
+    cache_addrs(host)
     _disable_auto_connector(host)
     release_inbound_slots_on_close(host.get_network())  # else 64 connect/disconnect cycles lock us out
     use_registered_muxers(host.get_network().upgrader)  # else a plain Yamux, whatever muxer_opt says
     drop_after_handlers(host)  # else a stream we answered buffers what the peer sends, window after window
     return host
+
+
+def cache_addrs(host: IHost, ttl: float = ADDRS_CACHE_S, clock: Callable[[], float] = time.monotonic) -> None:
+    """Narrow, instance-level patch: ``host.get_addrs()`` computed again only when the listeners' addresses
+    change or ``ttl`` seconds have passed.
+
+    py-libp2p asks for them whenever it attaches this host's signed peer record to a gossipsub RPC, that is
+    for every message published or forwarded, and each time builds every address anew (the addrs factory,
+    the interface list, multiaddr parsing: about 2 ms); that was 6% of an idle daemon's CPU with 8 daemons
+    (bench/scale.py --profile), for a record that p2p/gossip.py then leaves off the RPC.
+    """
+    compute = host.get_addrs
+    cached: list[object] = [None, -ttl, []]  # key, when, addresses
+
+    def get_addrs() -> list[multiaddr.Multiaddr]:
+        key = tuple(a.to_bytes() for a in host.get_transport_addrs())
+        now = clock()
+        if key != cached[0] or now - float(cached[1]) >= ttl:  # type: ignore[arg-type]
+            cached[:] = [key, now, compute()]
+        return list(cached[2])  # type: ignore[call-overload]
+
+    host.get_addrs = get_addrs  # type: ignore[method-assign]
 
 
 def _disable_auto_connector(host: IHost) -> None:

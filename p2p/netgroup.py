@@ -10,6 +10,7 @@ address, which the sender cannot choose), never an address a peer claims in a re
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from typing import Any
 
@@ -23,10 +24,12 @@ IPV4_PREFIX = 24
 IPV6_PREFIX = 48
 
 
+@functools.lru_cache(maxsize=4096)
 def group_of(ip: str | None) -> str:
     """The network group of an IP address: its /24 (IPv4) or /48 (IPv6); ``"?"`` when unknown.
 
-    IPv4-mapped IPv6 addresses count as the IPv4 address they carry.
+    IPv4-mapped IPv6 addresses count as the IPv4 address they carry. Memoised (a pure function of the
+    text): the connection manager asks for every connection's group twice a second.
     """
     if not ip:
         return UNKNOWN_GROUP
@@ -40,6 +43,7 @@ def group_of(ip: str | None) -> str:
     return str(ipaddress.ip_network(f"{addr}/{prefix}", strict=False))
 
 
+@functools.lru_cache(maxsize=4096)
 def is_loopback_group(group: str) -> bool:
     """Whether a group is this machine's loopback (a local swarm: `make run`, tests), exempt from
     connection limits: nobody else can connect from there."""

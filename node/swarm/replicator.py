@@ -84,7 +84,7 @@ from node.swarm.crdt import (
     SwarmState,
 )
 from p2p.fsutil import atomic_write_bytes
-from p2p.gossip import send_peer_record_once
+from p2p.gossip import idontwant_for_large_messages_only, send_peer_record_once
 from p2p.limits import stop_receiving
 from p2p.netgroup import group_of, peer_ip, stream_ip
 from p2p.wire import LibP2PByteStream, ProtocolError
@@ -331,12 +331,25 @@ class StateReplicator:
     def alive_members(self) -> list[MemberView]:
         """Averaging candidates: alive members other than this node, not known to be incompatible,
         and whose published manifest hash (when both are known) equals this node's."""
+        return self._compatible_members(MemberState.ALIVE)
+
+    def members_to_dial(self) -> list[MemberView]:
+        """Members worth a connection: those :meth:`alive_members` would list, and the suspect ones too.
+
+        A suspect member is the one a connection helps most: its records stopped arriving by whatever
+        path brought them, and a direct connection brings a session with it (and the probes of
+        ``_quiet_peers``). With alive members only, a node on a loaded machine, where most members looked
+        suspect, was given nobody to dial and stayed with the connections it had.
+        """
+        return self._compatible_members(MemberState.ALIVE, MemberState.SUSPECT)
+
+    def _compatible_members(self, *states: MemberState) -> list[MemberView]:
         ours = self._manifest_hash()
         me = self.state.peer_id
         return [
             view
             for view in self.state.members(self._clock())
-            if view.state is MemberState.ALIVE
+            if view.state in states
             and view.peer_id != me
             and view.peer_id not in self._incompatible
             and (not ours or not view.record.manifest_hash or view.record.manifest_hash == ours)
@@ -475,7 +488,8 @@ class StateReplicator:
         mesh unbuilt for minutes) and no silent per-peer rate limit (the default drops a busy peer's
         records without a word).
 
-        And the signed peer record sent once per stream, not with every message (p2p/gossip.py).
+        And the signed peer record sent once per stream, not with every message, and no IDONTWANT for a
+        member record (p2p/gossip.py: only for messages of 1 KiB and more, as go-libp2p).
 
         And sequence numbers that a restart cannot reuse. A gossip message's ID is (author, seqno), and
         py-libp2p starts the seqno at the current time in whole seconds, adding one per message. A node
@@ -496,6 +510,7 @@ class StateReplicator:
         )
         pubsub = Pubsub(self.host, router)
         send_peer_record_once(pubsub)
+        idontwant_for_large_messages_only(router)
         pubsub.counter = max(pubsub.counter, time.time_ns())
         return pubsub, router
 

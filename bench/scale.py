@@ -1,0 +1,475 @@
+"""Membership at scale with real daemons: how N network-only daemons on this machine find each other, what
+an idle member costs once they have, and how the views recover under churn (issue #24, part 3).
+
+For each N in ``--sizes``: one bootstrap daemon and N-1 others, all `starling run --no-train` processes on
+127.0.0.1 with default settings (bench/membership.py's :class:`LoopbackSwarm`, traffic probe loaded). How
+the others join (``--join``):
+
+* ``bootstrap``: each is given only the bootstrap node's address. This is how Starling is deployed (the
+  compose swarm, `make run`, the README: one or a few well-known bootstrap nodes in every config) and the
+  hardest case for discovery: everything a node learns first comes through one node, which may be full.
+* ``random``: each is given the bootstrap address and those of ``--few`` random earlier nodes, as when a
+  swarm's operators hand out the addresses of nodes they already run, or members pass on invites.
+
+Measured, in this order:
+
+1. **Join**: from the moment the last daemon listens until every daemon holds every other as an alive member
+   (polled with ``status`` every ``--poll`` seconds, one daemon after another: status calls cost CPU too),
+   within ``--timeout``; meanwhile, which members any daemon ever showed as suspect.
+2. **Settled window** (``--settle`` s after the join, then ``--window`` s, no status calls in it): CPU
+   seconds per minute of each daemon (/proc/PID/stat), bytes per minute it sends (the traffic probe: TCP
+   bytes after Noise and Yamux, and per protocol), the machine's CPU busy share (/proc/stat: on this shared
+   2-core machine, what says the daemons were starved), RSS, and connections per daemon at the end.
+3. **Churn** (``--churn-rounds``, one a minute): a tenth of the daemons (never the bootstrap node) are
+   SIGKILLed and restarted at once, same HOME, identity and port; the time until the views agree again:
+   every daemon holds every other as alive, with a record the other signed since its last start, and each
+   restarted daemon has heard every other since its restart (its state file alone does not count).
+
+``--profile DIR`` also profiles (cProfile, the main thread, on CPU time) the bootstrap daemon and three others (at most half the daemons)
+over the settled window (bench/traffic_probe/sitecustomize.py), prints where their seconds went, by component,
+and keeps their stats files in DIR. The profiler costs those daemons much of their CPU: the CPU figures leave
+them out, and their profile's absolute seconds are inflated (shares are what to read).
+
+Usage: python bench/scale.py [--sizes 16 32 64] [--join bootstrap|random] [--churn-rounds 3] [--profile]
+                             [--json PATH] [--set SECTION.OPTION=VALUE ...] [--write-docs]
+       python bench/scale.py --from A.json B.json ... --write-docs   (render saved runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import pstats
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from membership import LoopbackSwarm  # noqa: E402  (bench/membership.py, beside this script)
+
+from starling_testing.report import replace_section  # noqa: E402
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+SECTION = "## Scale: real daemons"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: Where a profiled daemon's seconds go: (component, what identifies its functions), first match wins, on
+#: the cumulative time of these entry points (so nested work is counted once, in the outermost).
+COMPONENTS = [
+    ("control socket (status calls)", ("node/ops/control.py", "serve_control")),
+    ("gossipsub heartbeat (mesh upkeep)", ("libp2p/pubsub/gossipsub.py", "heartbeat")),
+    ("gossip: validate + merge records", ("node/swarm/replicator.py", "_validate_gossip")),
+    ("gossip: receive, dedupe, forward", ("libp2p/pubsub/pubsub.py", "continuously_read_stream")),
+    ("gossip: publish own heartbeat", ("node/swarm/replicator.py", "_publisher")),
+    ("heartbeat: re-sign own record", ("node/swarm/replicator.py", "_heartbeat_loop")),
+    ("anti-entropy sessions", ("node/swarm/replicator.py", "_session")),
+    ("anti-entropy loop (probes, rounds)", ("node/swarm/replicator.py", "_anti_entropy_loop")),
+    ("DHT (discovery, kad handlers)", ("p2p/discovery.py", "run")),
+    ("DHT (kad handlers)", ("libp2p/kad_dht/", "")),
+    ("connection manager", ("p2p/connmgr.py", "run")),
+    ("NAT service", ("node/swarm/nat.py", "run")),
+    ("learn member addresses", ("node/daemon.py", "_learn_member_addrs")),
+    ("ping, identify", ("libp2p/host/ping.py", "")),
+    ("yamux (muxer)", ("libp2p/stream_muxer/yamux/yamux.py", "handle_incoming")),
+    ("save state", ("node/swarm/replicator.py", "_save_loop")),
+]
+
+
+# --- reading the daemons -------------------------------------------------------------------------------------
+
+
+def proc_cpu(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process so far (None if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_rss_mib(pid: int | None) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, TypeError):
+        return None
+    return None
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all cores so far (/proc/stat), for the machine's busy share over a window."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def peer_id(addr: str) -> str:
+    return addr.rsplit("/p2p/", 1)[1]
+
+
+class Views:
+    """One round of ``status`` calls, one daemon after another, and what they say about membership."""
+
+    def __init__(self, swarm: LoopbackSwarm, running: list[int]) -> None:
+        self.ids = {i: peer_id(swarm.addr(i)) for i in running}
+        self.status: dict[int, dict[str, Any] | None] = {i: swarm.daemons[i].status(timeout=10) for i in running}
+
+    def members(self, i: int) -> dict[str, dict[str, Any]]:
+        return {m["peer_id"]: m for m in (self.status[i] or {}).get("members", [])}
+
+    def alive_known(self, i: int) -> int:
+        """Other daemons that daemon ``i`` holds as alive."""
+        mine = self.members(i)
+        return sum(1 for j, p in self.ids.items() if j != i and mine.get(p, {}).get("state") == "alive")
+
+    def suspects(self, i: int) -> set[str]:
+        return {p for p, m in self.members(i).items() if m["state"] == "suspect" and p in self.ids.values()}
+
+    def connections(self, i: int) -> int | None:
+        st = self.status[i]
+        return None if st is None else len(st.get("connected_peers", []))
+
+    def agree(self, since: dict[int, float]) -> bool:
+        """Every daemon answered and holds every other as alive, with a record the other signed since its
+        last start (``since``, wall time), heard since its own last start."""
+        for i, st in self.status.items():
+            if st is None:
+                return False
+            mine = self.members(i)
+            for j, p in self.ids.items():
+                m = mine.get(p)
+                if j == i:
+                    continue
+                if m is None or m["state"] != "alive" or m["heartbeat"] < since[j] or m["last_seen"] < since[i]:
+                    return False
+        return True
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else {}
+
+
+# --- one swarm ------------------------------------------------------------------------------------------------
+
+
+def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """Start N daemons, measure join, the settled window and churn; stop them."""
+    # At most half of the daemons, so that some are left for the CPU figures.
+    profiled = sorted({0, 1, n // 2, n - 1})[: max(1, n // 2)] if args.profile else []
+    swarm = LoopbackSwarm(root, f"scale{n}{args.join}", args.set)
+    rng = random.Random(n)
+    out: dict[str, Any] = {"n": n, "join_mode": args.join, "few": args.few, "cores": os.cpu_count(),
+                           "timeout_s": args.timeout, "window_s": args.window, "command": args.command,
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    try:
+        def spawn(i: int, bootstrap: list[str]) -> None:
+            if i in profiled:
+                swarm.env["STARLING_PROFILE_OUT"] = str(root / f"n{i}.prof")
+            swarm.spawn(i, bootstrap)
+            swarm.env.pop("STARLING_PROFILE_OUT", None)
+
+        spawn(0, [])
+        swarm.wait_listening([0], 60)
+        for i in range(1, n):
+            earlier = rng.sample(range(1, i), min(args.few, i - 1)) if args.join == "random" else []
+            spawn(i, [swarm.addr(0), *(swarm.addr(j) for j in earlier)])
+        everyone = list(range(n))
+        swarm.wait_listening(everyone, 60 + 3 * n)
+        t_last = time.monotonic()
+        since = {i: time.time() for i in everyone}  # nobody's record before its start counts
+        log(f"{n} daemons listening; waiting until every one knows every other")
+
+        # 1. join
+        suspect_pairs: set[tuple[int, str]] = set()
+        joined_s = None
+        views = None
+        while time.monotonic() - t_last < args.timeout:
+            views = Views(swarm, everyone)
+            for i in everyone:
+                suspect_pairs |= {(i, p) for p in views.suspects(i)}
+            if views.agree({i: 0.0 for i in everyone}):
+                joined_s = time.monotonic() - t_last
+                break
+            known = [views.alive_known(i) for i in everyone]
+            log(f"  {time.monotonic() - t_last:5.0f} s: alive members known min/mean {min(known)}/"
+                f"{statistics.mean(known):.1f} of {n - 1}; connections {conn_spread(views, everyone)}")
+            time.sleep(args.poll)
+        assert views is not None
+        known = [views.alive_known(i) for i in everyone]
+        out["join"] = {
+            "all_known_s": joined_s,
+            "known_at_end": spread([float(k) for k in known]),
+            "known_mean_at_end": statistics.mean(known),
+            "connections_at_end": spread([float(c) for c in (views.connections(i) for i in everyone) if c is not None]),
+        }
+        log(f"  all members known: {fmt_s(joined_s)}")
+
+        # 2. settled window (no status calls in it)
+        time.sleep(args.settle)
+        pids = {i: swarm.daemons[i].pid for i in everyone}
+        cpu0 = {i: proc_cpu(pids[i]) for i in everyone}
+        traffic0 = {i: swarm.traffic(i) for i in everyone}
+        busy0 = machine_busy()
+        for i in profiled:
+            swarm.daemons[i].signal(signal.SIGUSR1)
+        t0 = time.monotonic()
+        time.sleep(args.window)
+        for i in profiled:
+            swarm.daemons[i].signal(signal.SIGUSR2)
+        minutes = (time.monotonic() - t0) / 60
+        cpu1 = {i: proc_cpu(pids[i]) for i in everyone}
+        traffic1 = {i: swarm.traffic(i) for i in everyone}
+        busy1 = machine_busy()
+        rss = [r for r in (proc_rss_mib(pids[i]) for i in everyone) if r is not None]
+        views = Views(swarm, everyone)
+        # The profiler costs its daemons a good part of their CPU: their figures are left out.
+        cpu = {i: (cpu1[i] - cpu0[i]) / minutes for i in everyone
+               if cpu0[i] is not None and cpu1[i] is not None and i not in profiled}
+        sent = {}
+        protocols: dict[str, float] = {}
+        for i in everyone:
+            a, b = traffic1[i], traffic0[i]
+            per_min = 60 / max(1e-9, a["t"] - b["t"])
+            sent[i] = (a["counts"].get("tcp bytes", 0) - b["counts"].get("tcp bytes", 0)) * per_min
+            for key, value in a["counts"].items():
+                if key.startswith("bytes "):
+                    protocols[key[6:]] = protocols.get(key[6:], 0.0) + (value - b["counts"].get(key, 0)) * per_min / n
+        suspects_end = [len(views.suspects(i)) for i in everyone]
+        out["settled"] = {
+            "cpu_s_per_min": spread(list(cpu.values())),
+            "cpu_s_per_min_bootstrap": cpu.get(0),
+            "cpu_s_per_min_others_median": statistics.median([v for i, v in cpu.items() if i] or [0.0]),
+            "daemons_cores": sum((cpu1[i] or 0) - (cpu0[i] or 0) for i in everyone) / minutes / 60,
+            "profiled": profiled,
+            "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
+            "sent_bytes_per_min": spread(list(sent.values())),
+            "sent_bytes_per_min_bootstrap": sent.get(0),
+            "protocol_bytes_per_min_mean": dict(sorted(protocols.items(), key=lambda kv: -kv[1])),
+            "rss_mib": spread(rss),
+            "connections": conn_values(views, everyone),
+            "alive_known_min": min(views.alive_known(i) for i in everyone),
+            "suspect_at_end_max": max(suspects_end),
+        }
+        out["join"]["ever_suspect_members"] = len({p for _, p in suspect_pairs})
+        out["join"]["ever_suspect_max_one_view"] = max(
+            [sum(1 for o, _ in suspect_pairs if o == i) for i in everyone] or [0])
+        s = out["settled"]
+        boot = s["cpu_s_per_min_bootstrap"]
+        log(f"  settled: CPU s/min per daemon {fmt_spread(s['cpu_s_per_min'])} (bootstrap "
+            f"{'profiled' if boot is None else f'{boot:.1f}'}); daemons {s['daemons_cores']:.2f} cores, machine busy "
+            f"{100 * s['machine_busy']:.0f}%; sent kB/min {fmt_spread(s['sent_bytes_per_min'], 1e-3)}; "
+            f"RSS MiB {fmt_spread(s['rss_mib'])}; connections {fmt_spread(s['connections'])}")
+        if profiled:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            kept = []
+            for i in profiled:
+                if (root / f"n{i}.prof").exists():
+                    kept.append(args.profile / f"scale{n}-n{i}.prof")
+                    kept[-1].write_bytes((root / f"n{i}.prof").read_bytes())
+            out["profile"] = profile_summary(kept, minutes)
+            print_profile(out["profile"])
+
+        # 3. churn
+        rounds = []
+        for r in range(args.churn_rounds):
+            victims = rng.sample(range(1, n), max(1, n // 10)) if n > 1 else []
+            t_kill = time.monotonic()
+            for i in victims:
+                swarm.daemons[i].kill()
+            for i in victims:
+                since[i] = time.time()
+                swarm.restart(i)
+            agreed = None
+            while time.monotonic() - t_kill < args.churn_every:
+                time.sleep(args.poll)
+                if Views(swarm, everyone).agree(since):
+                    agreed = time.monotonic() - t_kill
+                    break
+            rounds.append({"killed": len(victims), "agreed_s": agreed})
+            log(f"  churn round {r + 1}: {len(victims)} killed and restarted; views agree: {fmt_s(agreed)}")
+            time.sleep(max(0.0, args.churn_every - (time.monotonic() - t_kill)))
+        out["churn"] = rounds
+    finally:
+        swarm.stop()
+    return out
+
+
+def conn_values(views: Views, indices: list[int]) -> dict[str, float]:
+    return spread([float(c) for c in (views.connections(i) for i in indices) if c is not None])
+
+
+def conn_spread(views: Views, indices: list[int]) -> str:
+    return fmt_spread(conn_values(views, indices))
+
+
+# --- the profile ----------------------------------------------------------------------------------------------
+
+
+def profile_summary(files: list[Path], minutes: float) -> dict[str, Any]:
+    """CPU seconds per minute per profiled daemon, by component (cumulative time of each component's entry
+    points; a function below two entry points counts in the first listed), and the top functions by own time."""
+    present = [str(f) for f in files if f.exists()]
+    if not present:
+        return {}
+    stats = pstats.Stats(*present)
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    # The profiler's clock is CPU time, so waiting in epoll costs (almost) nothing; dropped all the same.
+    total = sum(v[2] for k, v in raw.items() if "epoll" not in k[2])
+    per_min = 1 / (len(present) * minutes)
+    components: dict[str, float] = {}
+    for name, (path_part, func) in COMPONENTS:
+        ct = sum(v[3] for (filename, _line, fn), v in raw.items()
+                 if path_part in filename and (not func or fn == func))
+        if not func:  # a whole module: own time only (its functions call each other)
+            ct = sum(v[2] for (filename, _line, _fn), v in raw.items() if path_part in filename)
+        components[name] = ct * per_min
+    top = sorted(raw.items(), key=lambda kv: -kv[1][2])[:25]
+    packages: dict[str, float] = {}
+    for (filename, _line, fn), v in raw.items():
+        if "epoll" not in fn:
+            packages[package_of(filename)] = packages.get(package_of(filename), 0.0) + v[2] * per_min
+    return {
+        "daemons": len(present),
+        "total_s_per_min": total * per_min,
+        "components_s_per_min": components,
+        "own_time_by_package_s_per_min": dict(sorted(packages.items(), key=lambda kv: -kv[1])[:15]),
+        "top_own_time": [(f"{Path(k[0]).name}:{k[1]}:{k[2]}", v[2] * per_min, v[1]) for k, v in top],
+    }
+
+
+def package_of(filename: str) -> str:
+    """Where a profiled function lives, coarsely: the site-packages package (libp2p's subpackage), or this
+    repository's module; built-ins as '~'."""
+    parts = Path(filename).parts
+    if "site-packages" in parts:
+        rest = parts[parts.index("site-packages") + 1:]
+        return "/".join(rest[:2]) if rest[0] == "libp2p" and len(rest) > 2 else rest[0]
+    for top in ("p2p", "protocols", "node"):
+        if top in parts:
+            return "/".join(parts[parts.index(top):])
+    return "~" if filename == "~" else Path(filename).name
+
+
+def print_profile(p: dict[str, Any]) -> None:
+    if not p:
+        log("  (no profile written)")
+        return
+    log(f"  profile ({p['daemons']} daemons, main thread, CPU time): {p['total_s_per_min']:.2f} s/min each")
+    for name, v in sorted(p["components_s_per_min"].items(), key=lambda kv: -kv[1]):
+        log(f"    {v:6.2f} s/min  {100 * v / max(1e-9, p['total_s_per_min']):5.1f}%  {name}")
+    log("  own time by package (s/min):")
+    for name, v in p["own_time_by_package_s_per_min"].items():
+        log(f"    {v:6.2f}  {name}")
+    log("  top functions by own time (s/min, calls):")
+    for name, v, calls in p["top_own_time"]:
+        log(f"    {v:6.3f}  {calls:>9}  {name}")
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def fmt_s(value: float | None) -> str:
+    return "not within the timeout" if value is None else f"{value:.1f} s"
+
+
+def fmt_spread(s: dict[str, float], scale: float = 1.0) -> str:
+    if not s:
+        return "-"
+    return "/".join(f"{s[k] * scale:.1f}".removesuffix(".0") for k in ("min", "median", "max"))
+
+
+def render(results: list[dict[str, Any]], command: str) -> str:
+    modes = sorted({r["join_mode"] for r in results})
+    lines = [
+        SECTION, "",
+        "Commands: " + "; ".join(sorted({f"`{r.get('command', command)}` ({r.get('date', '?')})" for r in results}))
+        + f" ({os.cpu_count()} cores, {platform.machine()}). N network-only daemons (`--no-train`) on 127.0.0.1, default settings, one "
+        "bootstrap node; " + ("the others given only its address" if modes == ["bootstrap"] else
+                              "joins: `bootstrap` = the others given only its address, `random` = also a few "
+                              "random earlier nodes' addresses") +
+        ". *All known*: from the last daemon listening until every daemon holds every other as an alive "
+        "member (status polled one daemon after another). *Ever suspect*: members any daemon showed as "
+        "suspect meanwhile. Then a settled window with no status calls: CPU seconds per minute per daemon "
+        "(/proc/PID/stat; min/median/max), what the daemons used of the machine's cores, bytes each sends per "
+        "minute (TCP, after Noise and Yamux), RSS, connections per daemon (min/median/max). *Churn*: each "
+        "minute a tenth of the daemons SIGKILLed and restarted at once; seconds until every view agrees again "
+        "(every daemon alive in every other's table with a record signed since its restart). Where the machine "
+        "is busy near 100%, the daemons shared its cores: CPU per daemon is then a share, not what a daemon "
+        "would use on a machine of its own.", "",
+        "| daemons | join | all known | ever suspect | CPU s/min per daemon | daemons' cores (machine busy) "
+        "| sent kB/min per daemon | RSS MiB | connections | churn: views agree after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        j, s = r["join"], r.get("settled", {})
+        known = fmt_s(j["all_known_s"]) if j["all_known_s"] is not None else (
+            f"not within {r['timeout_s']:.0f} s (alive known: mean {j['known_mean_at_end']:.1f} of {r['n'] - 1})")
+        churn = ", ".join(fmt_s(c["agreed_s"]).replace("not within the timeout", "no") for c in r.get("churn", []))
+        lines.append(
+            f"| {r['n']} | {r['join_mode']} | {known} | {j.get('ever_suspect_members', 0)} | "
+            f"{fmt_spread(s.get('cpu_s_per_min', {}))} | {s.get('daemons_cores', 0):.2f} "
+            f"({100 * s.get('machine_busy', 0):.0f}%) | {fmt_spread(s.get('sent_bytes_per_min', {}), 1e-3)} | "
+            f"{fmt_spread(s.get('rss_mib', {}))} | {fmt_spread(s.get('connections', {}))} | {churn or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[16, 32, 64], help="daemons per run (default 16 32 64)")
+    p.add_argument("--join", choices=["bootstrap", "random"], default="bootstrap",
+                   help="what the non-bootstrap daemons are given (default: the bootstrap address only)")
+    p.add_argument("--few", type=int, default=3, help="random earlier nodes' addresses with --join random")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every daemon to know all")
+    p.add_argument("--poll", type=float, default=3.0, help="seconds between rounds of status calls")
+    p.add_argument("--settle", type=float, default=20.0, help="seconds between the join and the window")
+    p.add_argument("--window", type=float, default=60.0, help="seconds of the settled window")
+    p.add_argument("--churn-rounds", type=int, default=3, help="churn rounds, one a minute (0: none)")
+    p.add_argument("--churn-every", type=float, default=60.0, help="seconds per churn round")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="cProfile up to 4 daemons (the bootstrap node first) over the settled window; their stats files are kept in DIR")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
+                   help="a config option for every daemon, as `starling run --set`")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--from", dest="from_", type=Path, nargs="+", help="render these saved results, run nothing")
+    p.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of docs/benchmarks.md")
+    args = p.parse_args()
+    argv, skip = [], False  # the command as the docs show it: without where its files went
+    for a in sys.argv[1:]:
+        if skip or a == "--write-docs":
+            skip = False
+            continue
+        skip = a in ("--json", "--profile")
+        if not skip:
+            argv.append(a)
+    args.command = " ".join(["python bench/scale.py", *argv])
+    if args.from_:
+        results = [r for f in args.from_ for r in json.loads(f.read_text())]
+    else:
+        if min(args.sizes) < 2 or args.window <= 0:
+            p.error("need sizes >= 2 and --window > 0")
+        results = []
+        for n in args.sizes:
+            with tempfile.TemporaryDirectory(prefix=f"starling-scale{n}-") as tmp:
+                results.append(run_size(n, args, Path(tmp)))
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
+    text = render(results, ("python bench/scale.py " + " ".join(sys.argv[1:])).strip())
+    print(text)
+    if args.write_docs:
+        replace_section(DOCS, SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""bench/scale.py's smoke run: 3 real daemons through every phase (join, settled window, one churn round,
+the profile); the report's structure only, no speeds (those are docs/benchmarks.md's, "Scale: real daemons")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.long
+def test_the_scale_bench_reports_join_idle_cost_and_churn_of_real_daemons(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "scale.py"), "--sizes", "3", "--timeout", "60", "--settle", "2",
+         "--window", "5", "--churn-rounds", "1", "--churn-every", "15", "--poll", "1",
+         "--json", str(tmp_path / "r.json"), "--profile", str(tmp_path / "prof")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    [r] = json.loads((tmp_path / "r.json").read_text())
+    assert r["n"] == 3 and r["join_mode"] == "bootstrap"
+    settled = r["settled"]
+    assert settled["cpu_s_per_min"]["min"] > 0 and settled["rss_mib"]["min"] > 0
+    assert settled["sent_bytes_per_min"]["min"] > 0
+    assert any("meshsub" in p for p in settled["protocol_bytes_per_min_mean"])
+    assert settled["connections"]["max"] >= 1
+    assert [c["killed"] for c in r["churn"]] == [1]
+    assert r["profile"]["daemons"] == 1 and r["profile"]["total_s_per_min"] > 0  # the bootstrap node only
+    assert len(list((tmp_path / "prof").glob("*.prof"))) == 1
+    table = [line for line in out.stdout.splitlines() if line.startswith("| 3 | bootstrap |")]
+    assert len(table) == 1 and table[0].count("|") == 11, out.stdout
