@@ -149,7 +149,10 @@ def _decode_bin(body: bytes, where: str) -> bytes:
 _CODECS = {b"/base16/": _decode_base16, b"/base64/": _decode_base64, b"/bin/": _decode_bin}
 
 
-KEY_MISMATCH_FIX = "a different swarm key (or none) is the likely cause; check HOME/swarm.key on both nodes"
+# A node at its connection limit (p2p/host.py, 2 x node.max_peers) refuses the handshake too, and the dialler
+# cannot tell the two apart (bench/scale.py, 64 daemons behind one bootstrap node): the line says both.
+KEY_MISMATCH_FIX = ("a different swarm key (or none) is the likely cause; check HOME/swarm.key on both nodes "
+                    "(a node at its connection limit refuses handshakes too: see its `starling status`)")
 MAX_DIAL_FAILURES = 1024  # peers whose last failed outbound handshake is remembered
 
 
