@@ -182,7 +182,9 @@ class Result:
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
 
 
-async def _timed(name: str, n: int, one: Callable[[], Awaitable[None]], warmup: int = 3) -> Result:
+async def _timed(name: str, n: int, one: Callable[[], Awaitable[float | None]], warmup: int = 3) -> Result:
+    """Run ``one`` round trip ``n`` times after ``warmup``; wall until the ack arrived (``one`` returns that
+    moment, ``time.perf_counter()``, when it goes on closing afterwards; else until it returns)."""
     for _ in range(warmup):
         await one()
     walls = []
@@ -190,8 +192,8 @@ async def _timed(name: str, n: int, one: Callable[[], Awaitable[None]], warmup: 
     for _ in range(n):
         t0 = time.perf_counter()
         with trio.fail_after(STEP_TIMEOUT_S):
-            await one()
-        walls.append(time.perf_counter() - t0)
+            acked = await one()
+        walls.append((acked if acked is not None else time.perf_counter()) - t0)
     return Result(name, n, (time.process_time() - cpu0) / n, walls)
 
 
@@ -308,22 +310,21 @@ async def libp2p_carriers(codec: Codec, n: int, connects: int, idle_s: float = 2
             await channel.close_send()
             await close_quietly(stream)
 
-        async def new_connection() -> None:  # (c)
+        async def new_connection() -> float:  # (c): wall to the ack; the disconnect (~200 ms) is CPU only
             await dialer.connect(info)
             try:
-                await new_stream_on(dialer)
+                stream = await dialer.new_stream(info.peer_id, [PROTOCOL])
+                try:
+                    await exchange(stream, _channel(stream))
+                    return time.perf_counter()
+                finally:
+                    await close_quietly(stream)
             finally:
                 await dialer.disconnect(info.peer_id)
 
-        async def new_stream_on(host: Any) -> None:
-            stream = await host.new_stream(info.peer_id, [PROTOCOL])
-            try:
-                await exchange(stream, _channel(stream))
-            finally:
-                await close_quietly(stream)
-
         if connects > 0:
-            results.append(await _timed("(c) new connection per probe (dial, stream, close)", connects,
+            results.append(await _timed("(c) new connection per probe (dial, stream, disconnect; wall to the ack)",
+                                        connects,
                                         new_connection, warmup=1))
         nursery.cancel_scope.cancel()
     if failures:
@@ -461,16 +462,17 @@ def render(report: Report, command: str) -> str:
         "",
         f"Reading it. Most of a round trip's CPU is the message, not the carrier: of the "
         f"{r.codec.cpu_s * 1e3:.1f} ms the codec and signatures take alone, verifying the {2 * r.claims} "
-        f"claims of a ping and its ack is {verify_rt * 1e3:.1f} ms ({r.verify_s * 1e3:.2f} ms each) and "
-        "the rest is msgpack (decode re-packs each claim to check its signature). Each claim reaches a node "
+        f"claims of a ping and its ack is about {min(verify_rt, r.codec.cpu_s) * 1e3:.1f} ms "
+        f"({r.verify_s * 1e3:.2f} ms each, measured apart) and the rest is msgpack (decode re-packs each "
+        "claim to check its signature). Each claim reaches a node "
         "many times (every node that learns it retransmits it 4 x log10 N times), so a cache of claims "
         "already verified would remove most of that. On a connection that already exists the carrier "
         f"adds {(b.cpu_s - r.codec.cpu_s) * 1e3:.1f} ms per round trip as a long-lived stream and "
         f"{(a.cpu_s - r.codec.cpu_s) * 1e3:.1f} ms as a fresh stream per round trip (multistream-select, "
         f"Yamux open and close). A new connection costs {c.cpu_s * 1e3:.1f} ms of CPU (Noise's X25519 and "
-        f"signature, multistream twice) and {c.p50_ms:.0f} ms of wall even on loopback (libp2p's dial waits "
-        "out a fallback timer: shared/design/py-libp2p-notes.md, pitfall 4), about the core's 500 ms "
-        "`ack_timeout_s`; over a WAN the handshake adds several round trips (TCP, multistream, Noise XX, "
+        f"signature, multistream twice) and {c.p50_ms:.0f} ms of wall to the ack even on loopback (py-libp2p's "
+        "`connect` takes ~250 ms there, shared/design/py-libp2p-notes.md pitfall 4, and its `disconnect` "
+        "another ~200 ms after the ack), half the core's 500 ms `ack_timeout_s`; over a WAN the handshake adds several round trips (TCP, multistream, Noise XX, "
         "Yamux) before the ping, so a direct probe of an unconnected member would often be taken for a "
         f"failure. At the simulated rate that is ~{dials:.0f} dials a minute per node, and as many accepted. "
         "Indirect probes do not avoid the dials: the members asked to ping an unconnected target are "
