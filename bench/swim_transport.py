@@ -21,13 +21,14 @@ simulation's messages carry: ~2 KiB each); the receiver decodes with signature v
 (d) ``udp``: a raw trio UDP datagram pair; with no Noise session, each datagram also carries the sender's
     peer ID and its signature over the datagram (what it takes to know who sent it), so sign+verify twice.
 
-Also the codec and crypto alone (no transport), and one ed25519 sign / verify. Then what each option
+Also the codec and crypto alone (no transport), and one ed25519 sign / verify; and (with the default ``full``
+payload) every carrier again with 1-claim messages, where little crypto hides the carriers' own cost. Then what each option
 costs a node per minute at the simulated rate: a node sends ~137 messages a minute and receives as many,
 i.e. ~68.5 round trips' worth of both-sides work, about a third of them to a member it is not connected to.
 
 Usage: python bench/swim_transport.py [--round-trips 300] [--connects 40] [--payload full|bare]
                                       [--messages-per-min 137] [--unconnected 0.33] [--write-docs]
-Run it under ``flock /tmp/starling-heavy.lock`` (about a minute of one busy core).
+Run it under ``flock /tmp/starling-heavy.lock`` (about a minute of one busy core); ``make bench-swim-transport``.
 """
 
 from __future__ import annotations
@@ -386,6 +387,7 @@ class Report:
     claims: int
     messages_per_min: float
     unconnected: float
+    bare: dict[str, Result] = dataclasses.field(default_factory=dict)  # the same carriers, 1-claim messages
 
     def per_min(self, connected: Result, unconnected: Result) -> float:
         """CPU seconds per node per minute: half the messages are round trips of both-sides work."""
@@ -405,8 +407,15 @@ async def measure(round_trips: int, connects: int, payload: str, messages_per_mi
     codec_result = await codec_alone(codec, round_trips)
     carriers, idle = await libp2p_carriers(codec, round_trips, connects)
     carriers.append(await udp_carrier(codec, round_trips))
-    return Report(sign_s, verify_s, codec_result, carriers, idle, ping_bytes, claims, messages_per_min,
-                  unconnected)
+    report = Report(sign_s, verify_s, codec_result, carriers, idle, ping_bytes, claims, messages_per_min,
+                    unconnected)
+    if payload == "full":  # again with one claim a message: the carriers' own cost, with little crypto
+        small = Codec("bare")
+        bare = [await codec_alone(small, round_trips)]
+        more, _ = await libp2p_carriers(small, round_trips, connects, idle_s=0)
+        bare += [*more, await udp_carrier(small, round_trips)]
+        report.bare = {r.name[:3]: r for r in bare}
+    return report
 
 
 def render(report: Report, command: str) -> str:
@@ -426,15 +435,16 @@ def render(report: Report, command: str) -> str:
         f"loopback, so it shows per-message software latency, not network distance. The hosts' idle CPU, "
         f"included below, was {r.idle_cpu * 1e3:.1f} ms per second.",
         "",
-        "| carrier | round trips | CPU ms per round trip (both sides) | wall ms p50 / p99 |",
-        "|---|---|---|---|",
+        f"| carrier | round trips | CPU ms per round trip (both sides), {r.claims}-claim messages | "
+        "CPU ms, 1-claim messages | wall ms p50 / p99 |",
+        "|---|---|---|---|---|",
         f"| ed25519 sign / verify alone (`cryptography`) | - | {r.sign_s * 1e3:.3f} / {r.verify_s * 1e3:.3f} "
-        "per signature | - |",
-        f"| codec + signatures only, no transport | {r.codec.round_trips} | {r.codec.cpu_s * 1e3:.2f} | "
-        f"{r.codec.p50_ms:.2f} / {r.codec.p99_ms:.2f} |",
+        "per signature | - | - |",
     ]
-    for res in r.carriers:
-        lines.append(f"| {res.name} | {res.round_trips} | {res.cpu_s * 1e3:.2f} | "
+    for res in [r.codec, *r.carriers]:
+        small = r.bare.get(res.name[:3])
+        small_ms = f"{small.cpu_s * 1e3:.2f}" if small is not None else "-"
+        lines.append(f"| {res.name} | {res.round_trips} | {res.cpu_s * 1e3:.2f} | {small_ms} | "
                      f"{res.p50_ms:.2f} / {res.p99_ms:.2f} |")
     lines += [
         "",
@@ -457,6 +467,9 @@ def render(report: Report, command: str) -> str:
         cost = r.per_min(conn, unconn) if conn is not unconn else trips * conn.cpu_s
         lines.append(f"| {label} | {cost:.2f} | {cost / 60:.2%} |")
     verify_rt = 2 * r.claims * r.verify_s
+    base = r.bare or {res.name[:3]: res for res in (r.codec, *r.carriers)}
+    over = "" if r.bare else " (not measured: these are the full messages')"
+    over_a, over_b, over_d = (base[k].cpu_s - base["cod"].cpu_s for k in ("(a)", "(b)", "(d)"))
     dials = trips * r.unconnected
     lines += [
         "",
@@ -466,10 +479,14 @@ def render(report: Report, command: str) -> str:
         f"({r.verify_s * 1e3:.2f} ms each, measured apart) and the rest is msgpack (decode re-packs each "
         "claim to check its signature). Each claim reaches a node "
         "many times (every node that learns it retransmits it 4 x log10 N times), so a cache of claims "
-        "already verified would remove most of that. On a connection that already exists the carrier "
-        f"adds {(b.cpu_s - r.codec.cpu_s) * 1e3:.1f} ms per round trip as a long-lived stream and "
-        f"{(a.cpu_s - r.codec.cpu_s) * 1e3:.1f} ms as a fresh stream per round trip (multistream-select, "
-        f"Yamux open and close). A new connection costs {c.cpu_s * 1e3:.1f} ms of CPU (Noise's X25519 and "
+        f"already verified would remove most of that. The carriers' own cost shows best with 1-claim "
+        f"messages{over}: on a connection that already exists a long-lived stream adds "
+        f"{over_b * 1e3:.1f} ms per round trip to the codec alone (about what UDP adds, "
+        f"{over_d * 1e3:.1f} ms with its extra sender signature), a fresh stream per round trip "
+        f"{over_a * 1e3:.1f} ms (multistream-select, Yamux open and close). CPU figures move by 10-20% "
+        "between runs on this shared 2-core machine (other sessions' work), so differences of a millisecond "
+        "between the full-message rows are noise. "
+        f"A new connection costs {c.cpu_s * 1e3:.1f} ms of CPU (Noise's X25519 and "
         f"signature, multistream twice) and {c.p50_ms:.0f} ms of wall to the ack even on loopback (py-libp2p's "
         "`connect` takes ~250 ms there, shared/design/py-libp2p-notes.md pitfall 4, and its `disconnect` "
         "another ~200 ms after the ack), half the core's 500 ms `ack_timeout_s`; over a WAN the handshake adds several round trips (TCP, multistream, Noise XX, "
