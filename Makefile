@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-scale-sim bench-scale bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -111,6 +111,12 @@ bench-scale-sim: install
 SCALE_ARGS ?=
 bench-scale: install
 	$(PY) bench/scale.py $(SCALE_ARGS) --write-docs
+
+# What a SWIM ping/ack round trip costs on py-libp2p (a new stream, a long-lived stream, a new connection) and
+# on UDP, priced per node per minute at the simulated rate (issue #24; section "Scale: SWIM's transport");
+# under a minute.
+bench-swim-transport: install
+	$(PY) bench/swim_transport.py --write-docs
 
 # Hostile averaging partners against a real victim, then 1 GiB pushed past a stream's receive window into a
 # real daemon (docs/reliability.md); about 3 min.
