@@ -30,7 +30,7 @@ from pathlib import Path
 from node.ops.launcher import stop_all
 from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
 from starling_testing.daemon import DaemonError, DaemonProc, free_port
-from starling_testing.report import replace_section
+from starling_testing.report import publish
 
 PROBE = Path(__file__).resolve().parent / "traffic_probe"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -173,9 +173,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="starling-traffic-") as tmp:
         rates = measure(args.nodes, args.settle, args.seconds, args.set, Path(tmp))
     text = render(rates, args.nodes, command.strip())
-    print(text)
-    if args.write_docs:
-        replace_section(DOCS, SECTION, text)
+    publish(text, DOCS, SECTION, write=args.write_docs)
     return 0
 
 

@@ -54,7 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from membership import LoopbackSwarm  # noqa: E402  (bench/membership.py, beside this script)
 
-from starling_testing.report import replace_section  # noqa: E402
+from starling_testing.report import publish  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 SECTION = "## Scale: real daemons"
@@ -465,9 +465,7 @@ def main() -> int:
             if args.json:
                 args.json.write_text(json.dumps(results, indent=1))
     text = render(results, ("python bench/scale.py " + " ".join(sys.argv[1:])).strip())
-    print(text)
-    if args.write_docs:
-        replace_section(DOCS, SECTION, text)
+    publish(text, DOCS, SECTION, write=args.write_docs)
     return 0
 
 

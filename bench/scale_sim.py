@@ -44,7 +44,7 @@ import numpy as np
 
 from node.averaging.pairing import BYE, matching, scheduled_partner
 from node.swarm.membership import ALIVE, DEAD, SUSPECT, UNKNOWN, MembershipConfig
-from starling_testing.report import replace_section
+from starling_testing.report import publish
 from starling_testing.swim_sim import SimNet
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -354,9 +354,7 @@ def main() -> int:
         results.append(r)
     command = "python bench/scale_sim.py " + " ".join(sys.argv[1:])
     text = render(results, command.strip(), args.churn, args.outer_s, args.sample)
-    print(text)
-    if args.write_docs:
-        replace_section(DOCS, SECTION, text)
+    publish(text, DOCS, SECTION, write=args.write_docs)
     return 0
 
 

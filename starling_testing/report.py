@@ -20,3 +20,11 @@ def replace_section(path: Path, heading: str, body: str) -> None:
         text = "".join(lines[:start]) + body + ("\n" if end < len(lines) else "") + "".join(lines[end:])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def publish(text: str, path: Path, heading: str, *, write: bool) -> None:
+    """What every bench does with its report: print it, and with ``--write-docs`` make it section `heading`
+    of `path` (docs/benchmarks.md)."""
+    print(text)
+    if write:
+        replace_section(path, heading, text)

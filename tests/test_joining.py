@@ -47,10 +47,15 @@ def peer(i: int) -> ID:
 ADDR = [multiaddr.Multiaddr("/ip4/198.51.100.7/tcp/4001")]
 
 
-async def test_a_full_node_keeps_a_newcomer_through_its_grace_period_then_closes_it_not_its_old_connections() -> None:
+def _full_node() -> tuple[Clock, FakeHost, ConnManager]:
+    """A node at its cap (4) with four connections from four subnets."""
     clock = Clock()
     host = FakeHost(peers={peer(i): f"198.51.{i}.7" for i in range(4)})
-    mgr = ConnManager(host, target=2, cap=4, clock=clock, ip_of=lambda p: host.peers.get(p))
+    return clock, host, ConnManager(host, target=2, cap=4, clock=clock, ip_of=lambda p: host.peers.get(p))
+
+
+async def test_a_full_node_keeps_a_newcomer_through_its_grace_period_then_closes_it_not_its_old_connections() -> None:
+    clock, host, mgr = _full_node()
     async with trio.open_nursery() as nursery:
         mgr._tick(nursery)
         clock.t += 600
@@ -69,9 +74,7 @@ async def test_a_full_node_keeps_a_newcomer_through_its_grace_period_then_closes
 
 
 async def test_newcomers_in_their_grace_period_do_not_push_out_long_lived_connections() -> None:
-    clock = Clock()
-    host = FakeHost(peers={peer(i): f"198.51.{i}.7" for i in range(4)})
-    mgr = ConnManager(host, target=2, cap=4, clock=clock, ip_of=lambda p: host.peers.get(p))
+    clock, host, mgr = _full_node()
     async with trio.open_nursery() as nursery:
         mgr._tick(nursery)
         clock.t += 600
