@@ -595,17 +595,20 @@ class NatService:
 
     # --- reachability ---------------------------------------------------------------------------------
 
+    def _protocols_of(self, peer_id: ID) -> list[str]:
+        """The protocols identify says `peer_id` speaks; none where the peerstore has no entry for it yet."""
+        try:
+            return list(self.host.get_peerstore().get_protocols(peer_id))
+        except Exception:  # py-libp2p raises PeerStoreError for a peer it holds nothing of
+            return []
+
     def _helpers(self) -> list[ID]:
         """Directly connected peers that may speak dial-back (identify says so, or has not said yet)."""
         out = []
         for peer_id in self._connected():
-            direct, _ = self._connection_kinds(peer_id)
-            if not direct:
+            if not self._connection_kinds(peer_id)[0]:
                 continue
-            try:
-                protocols = self.host.get_peerstore().get_protocols(peer_id)
-            except Exception:
-                protocols = []
+            protocols = self._protocols_of(peer_id)
             if protocols and DIALBACK_PROTOCOL_ID not in protocols:
                 continue
             out.append(peer_id)
@@ -770,14 +773,9 @@ class NatService:
         for peer_id in self._connected():
             if peer_id in self.reservations or self._relay_next_try.get(peer_id, (0.0, 0.0))[0] > now:
                 continue
-            direct, _ = self._connection_kinds(peer_id)
-            if not direct:
+            if not self._connection_kinds(peer_id)[0]:
                 continue
-            try:
-                protocols = self.host.get_peerstore().get_protocols(peer_id)
-            except Exception:
-                protocols = []
-            (preferred if HOP_PROTOCOL_ID in protocols else others).append(peer_id)
+            (preferred if HOP_PROTOCOL_ID in self._protocols_of(peer_id) else others).append(peer_id)
         random.shuffle(preferred)
         random.shuffle(others)
         return preferred + others
