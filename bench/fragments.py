@@ -171,11 +171,11 @@ class Replica:
                           phi_range if lossy_group else None)
         else:
             fragment_step(t.phi, t.outer.momentum, lo, hi, t.outer.hyper, 1, own)
-        # The rebase (`Trainer._rebase`) on the fragment: theta <- (theta_now - theta_published) + phi_new.
+        # The rebase (`Trainer._rebase`) on the fragment: theta <- theta_now + (phi_new - theta_published).
         t.gather_theta(self._theta)
-        theta = self._theta[lo:hi]
-        torch.sub(theta, self.theta_published[lo:hi], out=theta)
-        theta.add_(t.phi[lo:hi])
+        move = self.theta_published[lo:hi]
+        torch.sub(t.phi[lo:hi], move, out=move)
+        self._theta[lo:hi].add_(move)
         t.scatter_theta(self._theta)
 
 

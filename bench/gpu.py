@@ -50,7 +50,7 @@ from starling_testing.report import replace_section  # noqa: E402
 DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## On a GPU"
 STEPS = ("env", "tests", "copies", "memory", "throughput")  # in this order: what the issue needs most first
-LIMITS_S = {"env": 30, "tests": 170, "copies": 60, "memory": 270, "throughput": 170}
+LIMITS_S = {"env": 30, "tests": 170, "copies": 100, "memory": 270, "throughput": 290}
 
 # Every module that builds a trainer: their fast tests run with train.device = auto (CUDA on a GPU host).
 TRAINER_TESTS = ["tests/test_worker.py", "tests/test_export.py", "tests/test_compression.py", "tests/test_catchup.py",
@@ -62,11 +62,13 @@ THROUGHPUT_SETS = {"train.d_model": 1024, "train.n_layers": 8, "train.n_heads": 
                    "train.device": "cuda"}
 THROUGHPUT_WINDOW_S = 20.0
 MEMORY_SIZES = "100M,1B"
+# The throughput step's phases to run (--phases): all of them by default.
+ONLY_PHASES: list[str] = []
 
 # --dry-run: the same steps on the CPU at toy sizes, to try this script without a GPU before a lease.
 DRY_RUN = {"throughput": {**THROUGHPUT_SETS, "train.d_model": 64, "train.n_layers": 1, "train.n_heads": 2,
                           "train.seq_len": 32, "train.batch_size": 4, "train.inner_steps": 5,
-                          "train.data_bytes": 300_000, "train.device": "cpu"},
+                          "train.data_bytes": 300_000, "train.device": "cpu", "train.outer_threads": 2},
            "window_s": 5.0, "memory_sizes": "10M"}
 
 
@@ -162,15 +164,22 @@ def step_throughput(_out: Path, limit: float) -> dict[str, Any]:
     phases = []
     began = time.monotonic()
     try:
-        for name, averaging in (("alone", False), ("averaging", True), ("alone again", False)):
+        # The outer step's host work on `train.outer_threads` (auto) and, for comparison in the same run, on the
+        # one thread it had before (`train.outer_threads = 1`).
+        for name, averaging, extra in (("alone", False, []), ("averaging", True, []),
+                                       ("averaging, outer step on 1 thread", True, ["--set", "train.outer_threads=1"]),
+                                       ("alone again", False, [])):
+            if ONLY_PHASES and name not in ONLY_PHASES:
+                continue
             if time.monotonic() - began > limit - 40:
                 phases.append({"name": name, "error": "not run: out of time"})
-                break
-            ph = bench_sync.run_phase(name.replace(" ", "-"), root, model, [None, None], averaging=averaging,
+                continue
+            tag = re.sub(r"[^a-z0-9]+", "-", name)
+            ph = bench_sync.run_phase(tag, root, [*model, *extra], [None, None], averaging=averaging,
                                       window_s=THROUGHPUT_WINDOW_S, batch_size=THROUGHPUT_SETS["train.batch_size"],
                                       warmup_timeout=90)
             phases.append({"name": name, "averaging": averaging, "samples_per_s": ph.samples_per_s,
-                           "reported_samples_per_s": ph.reported_samples_per_s,
+                           "reported_samples_per_s": ph.reported_samples_per_s, "sets": extra[1::2],
                            "averaged_rounds": ph.averaged_rounds, "solo_rounds": ph.solo_rounds})
             print(f"  throughput {name}: {ph.samples_per_s}", flush=True)
     finally:
@@ -180,6 +189,8 @@ def step_throughput(_out: Path, limit: float) -> dict[str, Any]:
     syncing = [statistics.mean(p["samples_per_s"]) for p in phases if "samples_per_s" in p and p["averaging"]]
     if alone and syncing:
         result["ratio"] = syncing[0] / max(alone)
+        if len(syncing) > 1:
+            result["ratio_one_thread"] = syncing[1] / max(alone)
     return result
 
 
@@ -204,7 +215,7 @@ def measure_copies(path: Path) -> None:
     import torch
 
     from node.config.train import TrainConfig
-    from node.worker.trainer import Trainer
+    from node.worker.trainer import Trainer, outer_threads
 
     model = {k.removeprefix("train."): v for k, v in THROUGHPUT_SETS.items()}
     cfg = TrainConfig(**model, warmup=2, eval_batches=1)  # type: ignore[arg-type]
@@ -240,42 +251,80 @@ def measure_copies(path: Path) -> None:
             tr.apply_result(1)
 
         outer_step()
-        publish_times, apply_times = [], []
-        for _ in range(3):
-            while not tr.publish_due():
-                tr.inner_step()
-            sync()
-            t = time.perf_counter()
-            tr.publish(*slots)
-            sync()
-            publish_times.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            tr.apply_result(1)
-            sync()
-            apply_times.append(time.perf_counter() - t)
-        # A group result (a pair), and beside it the finite check the worker made before (isfinite + all on
-        # both sums), which was most of a group step's host time with one thread.
-        group_times = []
-        for _ in range(3):
-            while not tr.publish_due():
-                tr.inner_step()
-            tr.publish(*slots)
-            sum_phi, sum_delta = slots[0] * 2, slots[1] * 2
-            sync()
-            t = time.perf_counter()
-            tr.apply_result(2, sum_phi, sum_delta, partner_samples=tr.published_samples)
-            sync()
-            group_times.append(time.perf_counter() - t)
-        old_check = timed(lambda: bool(torch.isfinite(slots[0]).all()) and bool(torch.isfinite(slots[1]).all()), 3)
-        result = {"params": tr.numel, "precision": tr.precision, "threads": cfg.threads, "inner_step_s": inner,
-                  "apply_group_s": statistics.median(group_times), "old_finite_check_s": old_check,
-                  "gather_theta_pageable_s": gather, "gather_theta_pinned_s": gather_pinned,
-                  "publish_s": statistics.median(publish_times), "apply_solo_s": statistics.median(apply_times),
-                  "inner_steps_per_outer": cfg.inner_steps}
+
+        def outer_costs(threads: int) -> dict[str, float]:
+            """Publish, a solo result and a pair's result with `threads` for the outer step's host work."""
+            tr.host_threads = threads
+            publish_times, apply_times, group_times = [], [], []
+            for _ in range(3):
+                while not tr.publish_due():
+                    tr.inner_step()
+                sync()
+                t = time.perf_counter()
+                tr.publish(*slots)
+                sync()
+                publish_times.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                tr.apply_result(1)
+                sync()
+                apply_times.append(time.perf_counter() - t)
+            for _ in range(3):
+                while not tr.publish_due():
+                    tr.inner_step()
+                tr.publish(*slots)
+                sum_phi, sum_delta = slots[0] * 2, slots[1] * 2
+                sync()
+                t = time.perf_counter()
+                tr.apply_result(2, sum_phi, sum_delta, partner_samples=tr.published_samples)
+                sync()
+                group_times.append(time.perf_counter() - t)
+            return {"publish_s": statistics.median(publish_times), "apply_solo_s": statistics.median(apply_times),
+                    "apply_group_s": statistics.median(group_times)}
+
+        auto = outer_threads(cfg, tr.device)
+        by_threads = {str(n): outer_costs(n) for n in dict.fromkeys((1, auto))}
+        result = {"params": tr.numel, "precision": tr.precision, "threads": cfg.threads, "outer_threads": auto,
+                  "inner_step_s": inner, "gather_theta_pageable_s": gather, "gather_theta_pinned_s": gather_pinned,
+                  "by_threads": by_threads, **by_threads[str(auto)], "inner_steps_per_outer": cfg.inner_steps}
     path.write_text(json.dumps(result, indent=1))
 
 
 # --- the report ---------------------------------------------------------------------------------------------
+
+
+def render_copies(copies: dict[str, Any], results: dict[str, Any]) -> list[str]:
+    """The copies table: one column per count of host threads the outer step was timed with."""
+    h = copies["inner_steps_per_outer"]
+    inner = copies["inner_step_s"]
+    by = copies.get("by_threads") or {str(copies.get("threads", 1)): copies}
+    counts = sorted(by, key=int)
+    lines = ["### The outer step's copies between the GPU and the host", "",
+             f"One trainer in-process, inner steps on torch threads = {copies.get('threads', 'default')} (the worker's "
+             f"`train.threads`), {copies['params']:,} parameters ({copies['precision']} autocast, batch "
+             f"{THROUGHPUT_SETS['train.batch_size']} x {THROUGHPUT_SETS['train.seq_len']} bytes), medians with the "
+             "GPU synchronised around each; the outer step's host work (publish, apply) timed with each count of "
+             f"threads (`train.outer_threads`; auto here: {copies.get('outer_threads', '?')}), in one run:", "",
+             "| what | " + " | ".join(f"ms, {n} thread{'s' if n != '1' else ''}" for n in counts) + " |",
+             "|---|" + "---|" * len(counts),
+             f"| one inner step | {inner * 1e3:.1f}" + " |" * len(counts)]
+    for key, what in (("gather_theta_pageable_s", "gather theta GPU -> host fp32, pageable host memory"),
+                      ("gather_theta_pinned_s", "the same into page-locked memory (the worker's theta at publish)")):
+        if key in copies:
+            lines.append(f"| {what} | {copies[key] * 1e3:.1f}" + " |" * len(counts))
+    for key, what in (("publish_s", "publish (gather theta, phi and Delta into the slots)"),
+                      ("apply_solo_s", "apply a solo result (outer step on the host, rebase on the GPU)"),
+                      ("apply_group_s", "apply a pair's result (the NoLoCo step, its finite checks, the rebase)")):
+        if all(key in by[n] for n in counts):
+            lines.append(f"| {what} | " + " | ".join(f"{by[n][key] * 1e3:.1f}" for n in counts) + " |")
+    lines.append("")
+    for n in counts:
+        row = by[n]
+        applied = row.get("apply_group_s", row["apply_solo_s"])
+        share = (row["publish_s"] + applied) / (h * inner)
+        lines.append(f"With H = {h} and {n} thread{'s' if n != '1' else ''}, a publish and applying a pair's result "
+                     f"take **{share:.0%}** of the time of an outer step's compute on this model (time in which the "
+                     "worker does not train).")
+    return [*lines, ""]
 
 
 def render(results: dict[str, Any], command: str) -> str:
@@ -304,42 +353,7 @@ def render(results: dict[str, Any], command: str) -> str:
             lines += [f"- Re-run ({rerun['what']}): **{rerun['summary']}**; {rerun['failed']}.", ""]
     copies = results.get("copies")
     if copies and "inner_step_s" in copies:
-        h = copies["inner_steps_per_outer"]
-        lines += ["### The outer step's copies between the GPU and the host", "",
-                  ("The third run: `theta_published` page-locked and the new finite check (node/worker/trainer.py). " if
-                   results.get("copies_before_pinning") else "") +
-                  f"One trainer in-process with torch threads = {copies.get('threads', 'default')} (the "
-                  "worker's `train.threads`: its host-side work runs on these), "
-                  f"{copies['params']:,} parameters ({copies['precision']} autocast, batch "
-                  f"{THROUGHPUT_SETS['train.batch_size']} x {THROUGHPUT_SETS['train.seq_len']} bytes), medians "
-                  "with the GPU synchronised around each:", "",
-                  "| what | ms | in inner steps |", "|---|---|---|",
-                  f"| one inner step | {copies['inner_step_s'] * 1e3:.1f} | 1 |"]
-        for key, what in (("gather_theta_pageable_s", "gather theta GPU -> host fp32, pageable host memory"),
-                          ("gather_theta_pinned_s", "the same into page-locked memory (the worker's theta at publish now)"),
-                          ("publish_s", "publish (gather theta, phi and Delta into the slots)"),
-                          ("apply_solo_s", "apply a solo result (outer step on the host, rebase back to the GPU)"),
-                          ("apply_group_s", "apply a pair's result (the NoLoCo step, its finite checks, the rebase)"),
-                          ("old_finite_check_s", "the finite checks as they were (isfinite + all, both sums)")):
-            if key in copies:
-                lines.append(f"| {what} | {copies[key] * 1e3:.1f} | {copies[key] / copies['inner_step_s']:.1f} |")
-        applied = copies.get("apply_group_s", copies["apply_solo_s"])
-        share = (copies["publish_s"] + applied) / (h * copies["inner_step_s"])
-        what = "a pair's result" if "apply_group_s" in copies else "a solo result"
-        lines += ["", f"With H = {h}, a publish and applying {what} take **{share:.0%}** of the time of an outer "
-                  "step's compute on this model: time in which the worker does not train."]
-        if many := results.get("copies_many_threads"):
-            lines += [f"With torch's default threads (16; the second run): publish {many['publish_s'] * 1e3:.0f} ms, "
-                      f"apply a solo result {many['apply_solo_s'] * 1e3:.0f} ms, against "
-                      f"{copies['publish_s'] * 1e3:.0f} and {copies['apply_solo_s'] * 1e3:.0f} ms on one thread "
-                      "above (two machines of the same kind: a comparison across runs)."]
-        if before := results.get("copies_before_pinning"):
-            lines += [f"Before `theta_published` was page-locked (the first run, default threads): publish "
-                      f"{before['publish_s'] * 1e3:.0f} ms, apply {before['apply_solo_s'] * 1e3:.0f} ms "
-                      f"({(before['publish_s'] + before['apply_solo_s']) / (h * before['inner_step_s']):.1%} of an "
-                      "outer step); the gather itself, pageable against pinned in one run: "
-                      f"{before['gather_theta_pageable_s'] * 1e3:.1f} against {before['gather_theta_pinned_s'] * 1e3:.1f} ms."]
-        lines.append("")
+        lines += render_copies(copies, results)
     thr = results.get("throughput")
     if thr and thr.get("phases"):
         model = thr.get("model", THROUGHPUT_SETS)
@@ -365,6 +379,9 @@ def render(results: dict[str, Any], command: str) -> str:
             lines.append(f"| {ph['name']} | {a:.0f} | {b:.0f} | {steps} | {ra:.0f}, {rb:.0f} |")
         if "ratio" in thr:
             lines += ["", f"**averaging / alone = {thr['ratio']:.3f}** (against the faster alone phase)."]
+        if "ratio_one_thread" in thr:
+            lines += [f"With the outer step's host work on one thread (`train.outer_threads = 1`, as before), in the "
+                      f"same run: **{thr['ratio_one_thread']:.3f}**."]
         lines += [*thr.get("notes", []), ""]
     for name in STEPS:
         if isinstance(results.get(name), dict) and results[name].get("error"):
@@ -408,12 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for all the steps: each gets the smaller of its own limit and what is left")
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at toy sizes (no GPU needed)")
+    ap.add_argument("--phases", default="", help="the throughput step's phases, ';'-separated names (default: all)")
     ap.add_argument("--copies-json", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dry_run:
         global THROUGHPUT_WINDOW_S, MEMORY_SIZES
         THROUGHPUT_SETS.update(DRY_RUN["throughput"])  # type: ignore[arg-type]
         THROUGHPUT_WINDOW_S, MEMORY_SIZES = DRY_RUN["window_s"], DRY_RUN["memory_sizes"]  # type: ignore[assignment]
+    ONLY_PHASES[:] = [p for p in args.phases.split(";") if p]
     if args.copies_json:
         measure_copies(args.copies_json)
         return 0

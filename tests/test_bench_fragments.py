@@ -144,4 +144,4 @@ def test_a_fragments_late_result_changes_its_slice_only_and_keeps_what_was_learn
     assert torch.equal(t.phi[a_lo:a_hi], phi_before[a_lo:a_hi])
     theta = torch.cat([p.detach().reshape(-1) for p in t.params])
     assert torch.equal(theta[a_lo:a_hi], theta_now[a_lo:a_hi])  # the other fragment: untouched
-    assert torch.equal(theta[lo:hi], (theta_now[lo:hi] - theta_pub) + want_phi[lo:hi])
+    assert torch.equal(theta[lo:hi], theta_now[lo:hi] + (want_phi[lo:hi] - theta_pub))

@@ -16,16 +16,24 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu  # noqa: E402
 
 
-def test_the_stored_gpu_run_renders_its_figures_and_the_tests_that_failed() -> None:
+def test_the_stored_gpu_run_renders_its_figures_by_host_threads_and_the_throughput_ratios() -> None:
     results = json.loads((ROOT / "bench" / "gpu_run" / "gpu.json").read_text())
     text = gpu.render(results, results["command"])
     assert text.startswith(gpu.SECTION)
+    assert "NVIDIA H100" in text and "**averaging / alone = 1.103**" in text and "same run: **0.914**" in text
+    # The outer step's host work, one column per count of threads, timed in one run.
+    assert "| ms, 1 thread | ms, 8 threads |" in text
+    assert "| apply a pair's result (the NoLoCo step, its finite checks, the rebase) | 745.4 | 166.7 |" in text
+    assert "**118%**" in text and "**28%**" in text
+    assert "188 passed" in text and "| alone again | - | - | not run in either call" in text
+
+
+def test_the_earlier_h200_run_still_renders_its_tests_that_failed() -> None:
+    results = json.loads((ROOT / "bench" / "gpu_run" / "gpu-h200.json").read_text())
+    text = gpu.render(results, results["command"])
     assert "NVIDIA H200" in text and "**averaging / alone = 0.447**" in text
-    # The first run's failures are named from its JUnit file, and the re-run is reported beside them.
     assert "test_export::test_export_evaluate_measures_the_exported_weights" in text
-    assert "Re-run" in text and "| one inner step | 14.5 | 1 |" in text
-    # The finite check as it was is shown beside the group step that replaced it.
-    assert "| the finite checks as they were (isfinite + all, both sums) | 1090.9 |" in text
+    assert "Re-run" in text and "| one inner step | 14.5 |" in text
 
 
 def test_a_step_that_overruns_its_limit_is_killed_with_its_whole_process_group(tmp_path: Path) -> None:

@@ -225,7 +225,7 @@ def test_by_default_the_worker_trains_on_through_several_outer_steps_worth_of_a_
 
 
 def test_a_result_applied_outer_steps_late_keeps_everything_learnt_meanwhile(tmp_path: Path) -> None:
-    """theta <- phi_new + (theta_now - theta_published), whatever the lag: the outer step moves phi, and the
+    """theta <- theta_now + (phi_new - theta_published), whatever the lag: the outer step moves phi, and the
     inner steps taken while the exchange ran stay on top of it."""
     trainer = Trainer(dataclasses.replace(TINY, outer="diloco"), tmp_path, "peer-a")
     while not trainer.publish_due():

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -67,6 +68,7 @@ def test_the_default_train_config_is_valid() -> None:
         ({"lr": float("nan")}, "train.lr:"),
         ({"checkpoints_keep": 0}, "train.checkpoints_keep:"),
         ({"threads": True}, "train.threads:"),
+        ({"outer_threads": -1}, "train.outer_threads:"),
     ],
 )
 def test_a_bad_train_option_is_named_in_the_error(change: dict, message: str) -> None:
@@ -680,10 +682,48 @@ def test_phi_in_the_slot_and_a_lent_scratch_give_the_same_bits_without_a_private
         assert torch.equal(plain.phi, lean.phi) and lean.phi.data_ptr() == slot_phi.data_ptr()
         for a, b in zip(plain.params, lean.params, strict=True):
             assert torch.equal(a, b)
-        # The flat form of the rebase, theta <- (theta_now - theta_published) + phi, to the bit.
+        # The flat form of the rebase, theta <- theta_now + (phi - theta_published), to the bit.
         assert torch.equal(torch.cat([p.detach().reshape(-1).cpu() for p in lean.params]),
-                           (theta_now - theta_pub) + plain.phi)
+                           theta_now + (plain.phi - theta_pub))
     assert lean._scratch_buf is None
+
+
+def test_the_outer_steps_host_threads_are_the_inner_steps_on_the_cpu_and_idle_cores_on_a_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU host the inner steps leave the cores idle, and the outer step's passes over the fp32 masters
+    on one thread took longer than the H inner steps they follow (docs/benchmarks.md "On a GPU")."""
+    from node.worker.trainer import outer_threads
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert outer_threads(TrainConfig(threads=2), cpu) == 2  # the CPU: as the inner steps, leaving the daemon its cores
+    assert outer_threads(TrainConfig(), cuda) == 8  # half of 16 cores, at most 8
+    assert outer_threads(TrainConfig(outer_threads=3), cuda) == 3 and outer_threads(TrainConfig(outer_threads=5), cpu) == 5
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2})
+    assert outer_threads(TrainConfig(), cuda) == 1
+    assert outer_threads(TrainConfig(threads=4), cuda) == 4  # never fewer than the inner steps have
+
+
+def test_publish_and_the_outer_step_run_on_the_host_threads_and_training_keeps_its_own(tmp_path: Path) -> None:
+    tr = Trainer(dataclasses.replace(TINY, outer_threads=3), tmp_path, "p")
+    seen: list[int] = []
+    step = tr.outer.step
+
+    def counting_step(*args: Any, **kwargs: Any) -> None:
+        seen.append(torch.get_num_threads())
+        step(*args, **kwargs)
+
+    tr.outer.step = counting_step  # type: ignore[method-assign]
+    torch.set_num_threads(1)
+    try:
+        while not tr.publish_due():
+            tr.inner_step()
+        tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
+        assert torch.get_num_threads() == 1
+        tr.apply_result(1)
+        assert seen == [3] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

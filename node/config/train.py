@@ -37,6 +37,9 @@ class TrainConfig:
     task: str = opt("node.tasks.stdlib_lm:make_task", "training task as module:function returning a Task")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N (auto = cuda when present, else cpu)")
     threads: int = opt(1, "torch CPU threads in the worker (leave cores for the daemon)")
+    outer_threads: int = opt(0, "torch CPU threads for the outer step's host work (publish, apply, rebase over the "
+                             "fp32 master copies); 0 = auto: on CUDA half this machine's cores up to 8 (the inner "
+                             "steps need none there), on the CPU train.threads")
     local_ranks: int = opt(1, "worker processes on this host trained as one node (torch.distributed; with CUDA rank r uses cuda:r)")
     group_backend: str = opt("auto", "auto | gloo | nccl: the worker group's backend when local_ranks > 1 (auto = nccl on CUDA, gloo on CPU)")
     seed: int = opt(0, "seed for the initial weights (same on every peer) and the data order")
@@ -80,6 +83,7 @@ class TrainConfig:
         if not _DEVICE.match(self.device):
             raise ValueError("train.device: one of auto, cpu, cuda, cuda:N")
         _int_range("threads", self.threads, 1, 256)
+        _int_range("outer_threads", self.outer_threads, 0, 256)
         _int_range("local_ranks", self.local_ranks, 1, 64)
         if self.group_backend not in GROUP_BACKENDS:
             raise ValueError(f"train.group_backend: one of {', '.join(GROUP_BACKENDS)}, got {self.group_backend!r}")

@@ -34,7 +34,7 @@ With `train.local_ranks > 1` this process is rank 0 of a worker group (`--fd N -
 The inner/outer loop (overlap mode, the default): after H inner steps the worker writes `phi` and
 `Delta = theta - phi` into shared memory, says `publish`, and keeps training. When the result arrives it
 applies the outer step to `phi` and keeps the progress made meanwhile:
-`theta <- phi_new + (theta_now - theta_published)`, however late it comes: by default (`max_lag` = 0)
+`theta <- theta_now + (phi_new - theta_published)`, however late it comes: by default (`max_lag` = 0)
 training never waits for it. Why: on a slow link one exchange can take many times H inner steps (a
 1B-parameter model's outer step moves GBs), and a worker that waited idled for most of its time (3-6% of
 its compute on 0.4-2 Mbit/s links). Instead the outer step stretches: the next publish comes only once
@@ -58,12 +58,13 @@ meant for the daemon does not interrupt it mid-step; the daemon asks it to stop 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,39 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(t.sum()))
 
 
+def outer_threads(cfg: TrainConfig, device: torch.device) -> int:
+    """Torch CPU threads for the outer step's host work: `train.outer_threads`, or with 0 (auto) half this
+    machine's cores up to 8 on CUDA and `train.threads` on the CPU.
+
+    Why more on a GPU host: the outer step reads and writes the fp32 master copies on the host (12-20 bytes
+    per parameter per pass), which on one thread is memory-bound at a few GB/s: at 100M parameters
+    applying a pair's result took 0.74 s on an H200 host, against 0.72 s for the H = 50 inner steps it
+    follows (bench/gpu.py, docs/benchmarks.md "On a GPU"). The inner steps run on the GPU and need no CPU
+    threads, so the cores are idle then. On the CPU the inner steps use `train.threads` and the daemon the
+    rest, so the outer step takes the same."""
+    if cfg.outer_threads > 0:
+        return cfg.outer_threads
+    if device.type != "cuda":
+        return cfg.threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cfg.threads, min(8, cores // 2))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with `n` torch CPU threads, then restore the count: the inner steps keep theirs (more
+    threads there would spin beside the daemon for nothing on a GPU host)."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class Trainer:
     """Model, inner optimizer, slow weights, outer optimizer and counters of one replica; no I/O policy.
 
@@ -168,6 +202,7 @@ class Trainer:
         self.home = home
         self.device = resolve_device(cfg.device)
         self.precision = resolve_precision(cfg.precision, self.device)
+        self.host_threads = outer_threads(cfg, self.device)  # for publish and apply_result
         self.task_options = dict(task_options or {})
         # The task sees the micro-batch as its batch size (TaskContext): accumulation is the trainer's.
         self.task = load_task(cfg.task, task_context(cfg, peer_id, self.device, self.task_options,
@@ -396,10 +431,11 @@ class Trainer:
     def publish(self, phi_out: torch.Tensor, delta_out: torch.Tensor) -> Publish:
         """Write phi and Delta = theta - phi (into the shared slots) and remember theta for the rebase."""
         self._require_slow_weights("publish")
-        self.gather_theta(self.theta_published)
-        if phi_out.data_ptr() != self.phi.data_ptr():  # equal when phi lives in the slot (share_phi)
-            phi_out.copy_(self.phi)
-        self._own_delta(delta_out)
+        with torch_threads(self.host_threads):
+            self.gather_theta(self.theta_published)
+            if phi_out.data_ptr() != self.phi.data_ptr():  # equal when phi lives in the slot (share_phi)
+                phi_out.copy_(self.phi)
+            self._own_delta(delta_out)
         inner_steps = self.step - self.last_publish_step
         self._publish_before_pending = self.last_publish_step
         self.last_publish_step = self.step
@@ -503,7 +539,8 @@ class Trainer:
         `scratch`: a flat fp32 tensor of `numel` elements that the caller lends for our own Delta (the
         worker lends its Delta slot, which holds that very Delta since the publish and which the daemon
         no longer reads once the result came); without it, the trainer's own `_scratch`. Afterwards
-        `theta_published` holds the rebased theta (it is rewritten at the next publish).
+        `theta_published` holds the rebase's move, phi_new - theta_published (it is rewritten at the next
+        publish).
 
         After a group step the outer-step counter continues from the group's largest one
         (`group_outer_step`), as the partner's does: counters of paired nodes stay together. A solo step
@@ -519,6 +556,21 @@ class Trainer:
         the exchange is over): the NoLoCo pull then needs no model-sized temporary (node/worker/outer.py)."""
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
+        with torch_threads(self.host_threads):
+            group_size = self._outer_step(group_size, sum_phi, sum_delta, partner_samples, scratch, compression,
+                                          phi_range, sum_phi_is_scratch)
+        published_at = self.pending
+        self.pending = None
+        if group_outer_step is not None:
+            published_at = max(published_at, group_outer_step)
+        self.outer_step = published_at + 1
+        return group_size
+
+    def _outer_step(self, group_size: int, sum_phi: torch.Tensor | None, sum_delta: torch.Tensor | None,
+                    partner_samples: int, scratch: torch.Tensor | None, compression: str,
+                    phi_range: tuple[int, int] | None, sum_phi_is_scratch: bool) -> int:
+        """`apply_result`'s host work: the checks, the outer step on phi and the rebase; returns the group
+        size used."""
         if group_size >= 2:
             if sum_phi is None or sum_delta is None:
                 raise ValueError("a group result needs sum_phi and sum_delta")
@@ -537,26 +589,24 @@ class Trainer:
                         samples=samples, phi_range=phi_range if group_size >= 2 else None,
                         overwrite_sum_phi=sum_phi_is_scratch)
         self._rebase()
-        published_at = self.pending
-        self.pending = None
-        if group_outer_step is not None:
-            published_at = max(published_at, group_outer_step)
-        self.outer_step = published_at + 1
         return group_size
 
     def _rebase(self) -> None:
-        """theta <- (theta_now - theta_published) + phi_new: keep what was learnt while the exchange ran.
+        """theta <- theta_now + (phi_new - theta_published): keep what was learnt while the exchange ran.
 
-        Parameter by parameter, in `theta_published` (not needed once the outer step is taken): no
-        model-sized scratch, and the same bits as the flat form."""
+        The move ``phi_new - theta_published`` is formed on the host in `theta_published` (not needed once
+        the outer step is taken: no model-sized scratch) and added to each parameter where it lives. Why in
+        this order and not ``(theta_now - theta_published) + phi_new``: on a GPU that form copied all of
+        theta to the host and back, and here theta never leaves the device; one host pass less on the CPU
+        too. Parameter by parameter, with the same bits as the flat form."""
+        torch.sub(self.phi, self.theta_published, out=self.theta_published)
         offset = 0
         with torch.no_grad():
             for p in self.params:
                 n = p.numel()
-                theta = self.theta_published[offset : offset + n]
-                torch.sub(p.detach().reshape(-1).to(device="cpu", dtype=torch.float32), theta, out=theta)
-                theta.add_(self.phi[offset : offset + n])
-                p.copy_(theta.view_as(p))
+                move = self.theta_published[offset : offset + n].view_as(p)
+                p.add_(move.to(device=p.device, dtype=p.dtype) if p.device != move.device or p.dtype != move.dtype
+                       else move)
                 offset += n
 
     def evaluate(self) -> float:
