@@ -79,7 +79,6 @@ from node.bridge.ipc import (
     Hello,
     Init,
     Metrics,
-    ProtocolError,
     Publish,
     Result,
     Stop,
@@ -102,6 +101,7 @@ from node.worker.task import (
     resolve_precision,
     task_context,
 )
+from p2p.framing import ProtocolError, Reason
 from protocols.codec import round_trip
 from protocols.compress import Compression, get_compression
 
@@ -873,10 +873,10 @@ def _wait_for(chan: WorkerChannel, kind: type, *, timeout: float, stop: StopFlag
         if isinstance(msg, kind):
             return msg
         if msg is not None:
-            raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
+            raise ProtocolError(Reason.BAD_KIND, f"expected {kind.__name__}, got {type(msg).__name__}")
     if stop.set:
         return None
-    raise ProtocolError(f"no {kind.__name__} from the daemon within {timeout:.0f}s")
+    raise TimeoutError(f"no {kind.__name__} from the daemon within {timeout:.0f}s")
 
 
 def _view(slot: SharedTensor) -> torch.Tensor:
