@@ -30,6 +30,7 @@ __all__ = [
     "announced_length",
     "decode_msg",
     "pack_map",
+    "unpack",
 ]
 
 #: What byte-oriented APIs accept (``collections.abc.Buffer`` needs Python 3.12).
@@ -85,20 +86,20 @@ def announced_length(header: Buffer, *, max_bytes: int) -> int:
     return int(length)
 
 
-def decode_msg(payload: Buffer, *, max_bytes: int = DEFAULT_MAX_MSG_BYTES) -> dict[str, Any]:
-    """Decode one msgpack payload (without length prefix) into a map, strictly and with size limits."""
-    size = memoryview(payload).nbytes
-    if size > max_bytes:
-        raise ProtocolError(Reason.TOO_LARGE, f"{size} bytes, limit {max_bytes}")
+def unpack(data: Buffer, *, max_items: int, max_str: int, max_bin: int) -> Any:
+    """msgpack-decode a peer's bytes strictly (text as str, string keys only, no extension types) with
+    msgpack's own allocation limits: at most `max_items` entries in an array or map, `max_str` characters
+    in a string, `max_bin` bytes in a binary. What msgpack refuses is a MALFORMED `ProtocolError` (the
+    msgpack error is its ``__cause__``)."""
     try:
-        obj = msgpack.unpackb(
-            payload,
+        return msgpack.unpackb(
+            data,
             raw=False,
             strict_map_key=True,
-            max_str_len=size,
-            max_bin_len=size,
-            max_array_len=size,
-            max_map_len=size,
+            max_str_len=max_str,
+            max_bin_len=max_bin,
+            max_array_len=max_items,
+            max_map_len=max_items,
             max_ext_len=0,  # no extension types (timestamps included) in Starling messages
         )
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
@@ -106,6 +107,14 @@ def decode_msg(payload: Buffer, *, max_bytes: int = DEFAULT_MAX_MSG_BYTES) -> di
         # StackError, UnicodeDecodeError...), TypeError for unhashable keys and OverflowError for
         # integers Python cannot hold; none of these is our bug, all are the peer's.
         raise ProtocolError(Reason.MALFORMED, f"undecodable msgpack: {type(exc).__name__}") from exc
+
+
+def decode_msg(payload: Buffer, *, max_bytes: int = DEFAULT_MAX_MSG_BYTES) -> dict[str, Any]:
+    """Decode one msgpack payload (without length prefix) into a map, strictly and with size limits."""
+    size = memoryview(payload).nbytes
+    if size > max_bytes:
+        raise ProtocolError(Reason.TOO_LARGE, f"{size} bytes, limit {max_bytes}")
+    obj = unpack(payload, max_items=size, max_str=size, max_bin=size)
     if not isinstance(obj, dict):
         raise ProtocolError(Reason.MALFORMED, f"expected a map, got {type(obj).__name__}")
     return obj
