@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node.config.home import Home
 from node.config.sync import SyncConfig
 from node.worker.checkpoint import CheckpointError, read_checkpoint
 from protocols.avg import WATCH_S, TransferLimits
@@ -261,9 +262,8 @@ class Node:
         return self.proc.log() if self.proc is not None else ""
 
     def newest_checkpoint_on_disk(self) -> int | None:
-        steps = [int(m.group(1)) for p in self.home.glob("checkpoints/*/ckpt-*.pt")
-                 if (m := re.fullmatch(r"ckpt-(\d+)\.pt", p.name))]
-        return max(steps) if steps else None
+        files = Home(self.home).checkpoint_files()
+        return files[0][0] if files else None
 
 
 def descendants(pid: int) -> list[int]:
@@ -603,7 +603,7 @@ class ChaosRun:
         """Verify every checkpoint file with the checkpoint module's own reader."""
         good, corrupt = 0, []
         for n in self.all_trainers:
-            for path in sorted(n.home.glob("checkpoints/*/ckpt-*.pt")):
+            for _, path in sorted(Home(n.home).checkpoint_files()):
                 try:
                     read_checkpoint(path)
                     good += 1
@@ -611,7 +611,7 @@ class ChaosRun:
                     corrupt.append(f"{path.relative_to(self.root)}: {e}")
         set_aside = sorted(str(p.relative_to(self.root)) for p in self.root.glob("*/checkpoints/*/*.corrupt"))
         temp = sorted(str(p.relative_to(self.root)) for p in self.root.glob("*/checkpoints/*/.ckpt-tmp-*"))
-        without = [n.name for n in self.trainers if not any(n.home.glob("checkpoints/*/ckpt-*.pt"))]
+        without = [n.name for n in self.trainers if not Home(n.home).checkpoint_files()]
         bad_exits = {name: code for name, code in exits.items() if code != 0}
         return {"verified": good, "corrupt": corrupt, "set_aside": set_aside, "temp": temp,
                 "without": without, "bad_exits": bad_exits, "shm_leaked": remove_leaked_shm(self.kills)}

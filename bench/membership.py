@@ -27,8 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from node.config.home import Home
 from node.ops.launcher import stop_all
-from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
+from p2p.identity import create_identity, peer_id_of
 from starling_testing.daemon import DaemonError, DaemonProc, free_port
 from starling_testing.report import publish
 
@@ -63,7 +64,7 @@ class LoopbackSwarm:
     def addr(self, i: int) -> str:
         """Daemon ``i``'s address (its identity and port are made on first use)."""
         if i not in self.addrs:
-            key = create_identity(self.root / f"n{i}" / IDENTITY_FILE)
+            key = create_identity(Home(self.root / f"n{i}").identity)
             self.addrs[i] = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{peer_id_of(key)}"
         return self.addrs[i]
 

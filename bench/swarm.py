@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -60,10 +59,11 @@ import torch
 from convergence import QUICK as QUICK_BENCH  # bench/convergence.py, beside this script
 from convergence import BenchConfig, relative_spread, run_ddp, run_outer
 
+from node.config.home import Home
 from node.config.train import TrainConfig
 from node.worker.checkpoint import CheckpointError, read_checkpoint
 from node.worker.trainer import Trainer
-from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
+from p2p.identity import create_identity, peer_id_of
 from starling_testing.daemon import DaemonProc
 from starling_testing.report import replace_section
 
@@ -75,7 +75,6 @@ SCENARIOS = ("mixing3", "hetero", "convergence")
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 SLOW_QUOTA_US, SLOW_PERIOD_US = 25_000, 100_000  # a slow worker: 25 % of one core
 POLL_S = 0.3  # status polls: often enough to stop a convergence node within its 50 inner steps after the target
-CKPT_NAME = re.compile(r"ckpt-(\d+)\.pt")
 
 # Targets of issue #12 (the verdict lines say met / not met with the figure).
 MIN_AVERAGED_SHARE = 0.60
@@ -213,7 +212,7 @@ class Node:
 
 def checkpoint_steps(home: Path) -> dict[int, Path]:
     """{inner step: file} of every checkpoint a node has on disk (written atomically: a name is a whole file)."""
-    return {int(m.group(1)): p for p in home.glob("checkpoints/*/ckpt-*.pt") if (m := CKPT_NAME.fullmatch(p.name))}
+    return dict(Home(home).checkpoint_files())
 
 
 def first_checkpoint_from(home: Path, step: int) -> Path | None:
@@ -564,8 +563,8 @@ def seed_home(home: Path, key: Path) -> None:
     """A fresh daemon home holding the identity `key` (from `make_identities`): the daemon started on it has
     that PeerID, so its data shard is the one the paired runs share."""
     home.mkdir(parents=True, mode=0o700)
-    (home / IDENTITY_FILE).write_bytes(key.read_bytes())
-    (home / IDENTITY_FILE).chmod(0o600)
+    (Home(home).identity).write_bytes(key.read_bytes())
+    (Home(home).identity).chmod(0o600)
 
 
 def run_daemons_to_target(bc: BenchConfig, n: int, root: Path, label: str, *, connected: bool, slow: int,

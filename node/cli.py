@@ -156,19 +156,19 @@ def cmd_init(args: argparse.Namespace) -> int:
     identity the operator never meant to create, and a retry should start from the same state.
     An existing config.toml is never rewritten, so `--swarm` naming another swarm than it does is refused.
     """
+    from node.config.home import Home
     from node.config.load import (
-        CONFIG_FILE,
         ConfigError,
         load_config,
         render_config_file,
         resolve_home,
         unknown_environment,
     )
-    from p2p.auth import SWARM_KEY_FILE, SwarmKeyError, read_swarm_key, write_swarm_key
-    from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity, peer_id_of
+    from p2p.auth import SwarmKeyError, read_swarm_key, write_swarm_key
+    from p2p.identity import IdentityError, load_or_create_identity, peer_id_of
 
     home = resolve_home(args.home)
-    config_path, key_path = home / CONFIG_FILE, home / SWARM_KEY_FILE
+    config_path, key_path, identity_path = Home(home).config, Home(home).swarm_key, Home(home).identity
     key_hex: str | None = None
     try:
         overrides = {"node.swarm": args.swarm} if args.swarm is not None else {}
@@ -200,9 +200,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     try:
         home.mkdir(parents=True, exist_ok=True)
         os.chmod(home, 0o700)
-        if not (home / IDENTITY_FILE).exists():
-            made.append(home / IDENTITY_FILE)
-        key_pair, created = load_or_create_identity(home / IDENTITY_FILE)
+        if not identity_path.exists():
+            made.append(identity_path)
+        key_pair, created = load_or_create_identity(identity_path)
         if not config_path.exists():
             made.append(config_path)
             written = {"swarm": args.swarm} if args.swarm else {}
@@ -222,7 +222,7 @@ def cmd_init(args: argparse.Namespace) -> int:
                 home.rmdir()
         return _die(str(e) if isinstance(e, IdentityError) else f"{home}: {e.strerror or e}")
     if created:
-        print(f"created identity in {home / IDENTITY_FILE}", file=sys.stderr)
+        print(f"created identity in {identity_path}", file=sys.stderr)
     peer_id = str(peer_id_of(key_pair))
     print(peer_id)
     if cfg.node.founder in ("", peer_id):
@@ -277,13 +277,15 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from node.config.home import Home
     from node.config.load import ConfigError, load_config, resolve_home, unknown_environment
     from node.ops.lock import HomeLock, LockError
     from node.ops.logs import setup_logging
     from p2p.fsutil import free_space_problem, unwritable_reason
-    from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity
+    from p2p.identity import IdentityError, load_or_create_identity
 
     home = resolve_home(args.home)
+    identity_path = Home(home).identity
     try:
         overrides = _run_overrides(args)
         if not home.is_dir():
@@ -301,7 +303,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(cfg.node.log_level)
     for warning in unknown_environment():
         log.warning("%s", warning)
-    low = free_space_problem(home) if not args.no_train else None
+    low = free_space_problem(home, Home(home).checkpoints) if not args.no_train else None
     if low:
         log.warning("%s: checkpoints may fail (the daemon keeps training, and says so in `starling status`); "
                     "free space there or move HOME", low)
@@ -314,13 +316,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _die(f"{lock.path}: {e.strerror or e}")
     try:
         try:
-            key_pair, created = load_or_create_identity(home / IDENTITY_FILE)
+            key_pair, created = load_or_create_identity(identity_path)
         except IdentityError as e:
             return _die(str(e))
         except OSError as e:
-            return _die(f"{home / IDENTITY_FILE}: {e.strerror or e}")
+            return _die(f"{identity_path}: {e.strerror or e}")
         if created:
-            log.info("created a new identity in %s", home / IDENTITY_FILE)
+            log.info("created a new identity in %s", identity_path)
         import trio
 
         from node.daemon import Daemon, StartupError, find_exception
@@ -400,8 +402,9 @@ def _arm_hard_stop() -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from node.config.home import Home
     from node.config.load import resolve_home
-    from node.ops.control import SOCKET_FILE, ControlError, request_sync
+    from node.ops.control import ControlError, request_sync
     from node.ops.status_view import DEFAULT_ROWS, render_status
 
     home = resolve_home(args.home)
@@ -413,7 +416,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             return _die("--watch and --json cannot be combined")
         return _watch_status(home, max(0.2, args.watch), rows)
     try:
-        answer = request_sync(home / SOCKET_FILE, {"cmd": "status"})
+        answer = request_sync(Home(home).control_socket, {"cmd": "status"})
     except ControlError as e:
         if args.json:
             print(json.dumps({"running": False, "error": str(e)}))

@@ -37,17 +37,17 @@ from node.averaging.averager import Averager
 from node.averaging.latejoin import (
     CatchUp,
     has_checkpoint,
-    join_snapshot_path,
     late_join,
     near_the_swarm,
     progress_view,
     snapshot_source,
 )
 from node.averaging.swarm_view import AveragerHooks
-from node.config.load import RUN_CONFIG_FILE, Config, write_run_config
+from node.config.home import Home
+from node.config.load import Config, write_run_config
 from node.ops import refusals
-from node.ops.control import SOCKET_FILE, serve_control
-from node.ops.history import HISTORY_FILE, HistoryError, LossHistory, series_of
+from node.ops.control import serve_control
+from node.ops.history import HistoryError, LossHistory, series_of
 from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
@@ -55,15 +55,13 @@ from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachS
 from node.swarm.crdt import Manifest, ManifestAuthority
 from node.swarm.nat import NatConfig, NatService
 from node.swarm.replicator import (
-    MANIFEST_PIN_FILE,
-    STATE_FILE,
     ManifestPinError,
     StateReplicator,
     load_state,
     read_manifest_pin,
 )
 from p2p.addrs import parse_bootstrap, parse_listen
-from p2p.auth import SWARM_KEY_FILE, AccessControl, SwarmKeyError, read_swarm_key
+from p2p.auth import AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
 from p2p.connmgr import ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
@@ -158,16 +156,17 @@ class Daemon:
     def __init__(self, cfg: Config, home: Path, key_pair: KeyPair, *, train: bool) -> None:
         self.cfg = cfg
         self.home = home
+        self.layout = Home(home)
         self.key_pair = key_pair
         self.peer_id = peer_id_of(key_pair)
         self.train = train
         self.started_at = time.time()
         node = cfg.node
-        for problem in tighten_private_folders(home):  # checkpoints are 0600 in 0700 folders
+        for problem in tighten_private_folders(self.layout.private_folders):  # checkpoints are 0600 in 0700 folders
             log.warning("cannot make %s private (0600/0700)", problem)
         self.listen_addrs = [parse_listen(a) for a in node.listen]
         announce = [parse_listen(a, allow_wildcard=False) for a in node.announce]
-        key_file = Path(node.swarm_key_file) if node.swarm_key_file else home / SWARM_KEY_FILE
+        key_file = self.layout.swarm_key_file(node.swarm_key_file)
         try:
             psk = read_swarm_key(key_file) if (node.swarm_key_file or key_file.exists()) else None
         except SwarmKeyError as e:
@@ -203,13 +202,13 @@ class Daemon:
             self.connmgr.add_candidate(parse_bootstrap(text), source="bootstrap", permanent=True)
 
         try:
-            pinned = read_manifest_pin(home / MANIFEST_PIN_FILE, node.swarm)
+            pinned = read_manifest_pin(self.layout.manifest_pin, node.swarm)
         except ManifestPinError as e:
             raise StartupError(str(e)) from None
         # What makes the run manifest unforgeable: the configured founder or hash, else the first one seen.
         authority = ManifestAuthority(founder=node.founder, manifest_hash=node.manifest_hash, pinned=pinned)
         state = load_state(
-            home / STATE_FILE,
+            self.layout.swarm_state,
             key_pair,
             suspect_after=node.suspect_after,
             gone_after=node.gone_after,
@@ -220,8 +219,8 @@ class Daemon:
             self.host,
             state,
             node.swarm,
-            path=home / STATE_FILE,
-            pin_path=home / MANIFEST_PIN_FILE,
+            path=self.layout.swarm_state,
+            pin_path=self.layout.manifest_pin,
             self_fields=self._member_fields,
             local_manifest=self._local_manifest,
             heartbeat_s=node.heartbeat_s,
@@ -232,7 +231,7 @@ class Daemon:
             self.discovery.peer_connected, self.replicator.peer_connected, self.nat.peer_connected
         )
         try:
-            self.history = LossHistory.load(home / HISTORY_FILE)
+            self.history = LossHistory.load(self.layout.history)
         except HistoryError as e:
             log.warning("%s; starting a new loss history", e)
             self.history = LossHistory()
@@ -594,10 +593,10 @@ class Daemon:
                 paths = [Path(p) for p in node.bootstrap_files]
                 nursery.start_soon(watch_bootstrap_files, paths, self.connmgr)
             try:
-                await nursery.start(serve_control, self.home / SOCKET_FILE, self._handle_control)
+                await nursery.start(serve_control, self.layout.control_socket, self._handle_control)
             except OSError as e:  # a read-only or foreign-owned HOME
                 raise StartupError(
-                    f"cannot create the control socket {self.home / SOCKET_FILE}: {e.strerror or e}"
+                    f"cannot create the control socket {self.layout.control_socket}: {e.strerror or e}"
                 ) from None
             await nursery.start(self.connmgr.run)
             await nursery.start(self.nat.run)
@@ -718,12 +717,12 @@ class Daemon:
                     self.history.observe(r.peer_id, r.step, r.outer_step, r.loss, r.val_loss, r.heartbeat)
                 if trio.current_time() - last_save >= HISTORY_SAVE_S:
                     data = self.history.to_bytes()
-                    await trio.to_thread.run_sync(atomic_write_bytes, self.home / HISTORY_FILE, data)
+                    await trio.to_thread.run_sync(atomic_write_bytes, self.layout.history, data)
                     last_save = trio.current_time()
                 await trio.sleep(1.0)
         finally:
             try:
-                atomic_write_bytes(self.home / HISTORY_FILE, self.history.to_bytes())
+                atomic_write_bytes(self.layout.history, self.history.to_bytes())
             except OSError as e:
                 log.warning("could not save the loss history: %s", e)
 
@@ -820,7 +819,7 @@ class Daemon:
         # A late join will run: the check builds the model too and says its size, which the donors'
         # snapshots must match (a donor's claim alone once decided how much the joiner wrote to disk).
         joining = (self.cfg.sync.join_donors > 0 and not has_checkpoint(self.home)
-                   and not join_snapshot_path(self.home).exists())
+                   and not self.layout.join.snapshot.exists())
         try:
             checked = await check_task(self.cfg.train, str(self.peer_id), log_level=level,
                                        task_options=self._task_options(), describe=joining)
@@ -832,7 +831,7 @@ class Daemon:
         try:
             write_run_config(self.home, self.cfg)  # what `export` rebuilds the model from
         except OSError as e:  # a full disk is reported by the checkpoints; export then needs `--set` again
-            log.warning("cannot record the run's options in %s: %s", self.home / RUN_CONFIG_FILE, e)
+            log.warning("cannot record the run's options in %s: %s", self.layout.run_config, e)
 
 
 class AveragerSwarm:

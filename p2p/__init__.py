@@ -14,7 +14,9 @@ What a node needs to reach peers and move bytes, with no knowledge of training:
     gossip.py          send_peer_record_once, idontwant_for_large_messages_only: gossipsub without py-libp2p's
                        peer record on every message, nor an IDONTWANT for every small one
     bootstrap_file.py  watch_bootstrap_files, write_addr_file: bootstrap addresses shared through files
-    wire.py            FrameChannel, send_msg, recv_msg, ProtocolError: framing shared by every protocol
+    framing.py         FrameSplitter, ProtocolError, Reason: length-prefixed msgpack frames, sans-io (every
+                       protocol's and the daemon-worker channel's: one prefix, one limit, one error)
+    wire.py            FrameChannel, send_msg, recv_msg, from_map: the framing on streams, messages validated
     datapath.py        DataPathListener, connect_datapath: the encrypted TCP side channel for bulk tensors
     punch.py           simultaneous_open: TCP hole punching for that side channel
     fsutil.py          atomic_write_bytes: atomic, private file writes

@@ -46,7 +46,6 @@ from p2p.status import AuthorizationStatus
 
 log = logging.getLogger("starling.auth")
 
-SWARM_KEY_FILE = "swarm.key"
 _HEADER = ["/key/swarm/psk/1.0.0/", "/base16/"]
 LOG_EVERY_S = 60.0
 

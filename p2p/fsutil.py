@@ -15,6 +15,7 @@ import contextlib
 import os
 import stat
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,10 @@ def unwritable_reason(directory: Path) -> str | None:
 MIN_FREE_BYTES = 64 << 20
 
 
-def free_space_problem(home: Path, *, checkpoints: str = "checkpoints") -> str | None:
+def free_space_problem(home: Path, checkpoints: Path) -> str | None:
     """Why HOME's file system is too full to keep writing checkpoints (None: it is not, or it cannot be
-    told): less free than twice its largest checkpoint (a new one is written before the oldest is removed),
-    or than MIN_FREE_BYTES."""
+    told): less free than twice its largest checkpoint under `checkpoints` (a new one is written before the
+    oldest is removed), or than MIN_FREE_BYTES."""
     home = Path(home)
     try:
         st = os.statvfs(home)
@@ -79,7 +80,7 @@ def free_space_problem(home: Path, *, checkpoints: str = "checkpoints") -> str |
         return None
     largest = 0
     try:
-        for path in (home / checkpoints).rglob("*"):
+        for path in Path(checkpoints).rglob("*"):
             with contextlib.suppress(OSError):
                 if path.is_file():
                     largest = max(largest, path.stat().st_size)
@@ -131,17 +132,14 @@ def open_private(path: Path, mode: str = "wb") -> Any:
     return os.fdopen(os.open(path, flags, PRIVATE_FILE_MODE), mode)
 
 
-#: Folders under HOME that hold model state (checkpoints, downloaded snapshots): 0700, files 0600.
-PRIVATE_HOME_FOLDERS = ("checkpoints", "join", "catchup")
-
-
-def tighten_private_folders(home: Path) -> list[str]:
-    """Make HOME's model-state folders 0700 and their files 0600, as versions before this rule left them
-    0755 / 0644 (world-readable weights on a shared machine). Returns one line per path it could not
-    change (a read-only home, another owner), for a warning; never raises."""
+def tighten_private_folders(folders: Iterable[Path]) -> list[str]:
+    """Make HOME's model-state folders (checkpoints, downloaded snapshots: `node.config.home.Home`'s
+    `private_folders`) 0700 and their files 0600, as versions before this rule left them 0755 / 0644
+    (world-readable weights on a shared machine). Returns one line per path it could not change (a
+    read-only home, another owner), for a warning; never raises."""
     problems = []
-    for name in PRIVATE_HOME_FOLDERS:
-        top = Path(home) / name
+    for folder in folders:
+        top = Path(folder)
         if not top.is_dir():
             continue
         for root, _dirs, files in os.walk(top):  # os.walk does not follow symlinked folders

@@ -20,8 +20,6 @@ from libp2p.peer.id import ID
 
 log = logging.getLogger("starling.identity")
 
-IDENTITY_FILE = "identity.key"
-
 
 class IdentityError(Exception):
     """The identity file exists but cannot be used; the message names the file and the fix."""

@@ -1,11 +1,13 @@
 """Wire framing shared by every Starling protocol.
 
-Every control message is ``u32 big-endian length || msgpack map``. The length is checked against a
-per-call limit *before* anything is allocated, the map is decoded with msgpack's own size limits, and
-then validated strictly into a dataclass (required keys, types, ranges, message kind, version). Any
-deviation -- and any transport failure underneath -- surfaces as one exception type,
-:class:`ProtocolError`, whose :attr:`ProtocolError.reason` says what went wrong. Callers therefore
-have one thing to catch, and one place to decide whether to count the failure against the peer.
+Every control message is ``u32 big-endian length || msgpack map``. The framing itself -- the length
+prefix, its limit checked *before* anything is allocated, the map decoded with msgpack's own size limits,
+and :class:`ProtocolError` -- is :mod:`p2p.framing`'s (sans-io, shared with the daemon-worker channel in
+node/bridge/ipc.py); this module adds the streams and the strict validation of a map into a dataclass
+(required keys, types, ranges, message kind, version). Any deviation -- and any transport failure
+underneath -- surfaces as that one exception type, whose :attr:`ProtocolError.reason` says what went
+wrong. Callers therefore have one thing to catch, and one place to decide whether to count the failure
+against the peer.
 
 The module also defines the two stream abstractions the rest of the code is written against:
 
@@ -40,10 +42,20 @@ import struct
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol, TypeAlias, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
-import msgpack
 import trio
+
+from p2p.framing import (
+    DEFAULT_MAX_MSG_BYTES,
+    LENGTH,
+    Buffer,
+    ProtocolError,
+    Reason,
+    announced_length,
+    decode_msg,
+    pack_map,
+)
 
 __all__ = [
     "DEFAULT_MAX_MSG_BYTES",
@@ -66,46 +78,10 @@ __all__ = [
     "to_map",
 ]
 
-#: Default ceiling for one control message. Control messages are small (a header with a tensor layout
-#: of a few thousand entries at most); bulk bytes never travel as messages.
-DEFAULT_MAX_MSG_BYTES = 1 << 20
 
-#: What byte-oriented APIs accept (``collections.abc.Buffer`` needs Python 3.12).
-Buffer: TypeAlias = bytes | bytearray | memoryview
-
-_LEN = struct.Struct(">I")
 #: Keys reserved in every message map for the message kind and the schema version.
 KIND_KEY = "t"
 VERSION_KEY = "v"
-
-
-# --------------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------------
-
-
-class Reason(enum.StrEnum):
-    """Why a conversation with a peer failed; stable strings suitable for metrics labels."""
-
-    CLOSED = "closed"  # the stream ended cleanly where a message or frame was expected
-    TRUNCATED = "truncated"  # the stream ended in the middle of a message or frame
-    TOO_LARGE = "too_large"  # a length prefix exceeded the receiver's limit
-    MALFORMED = "malformed"  # bytes that are not a valid message (bad msgpack, not a map, ...)
-    BAD_KIND = "bad_kind"  # a valid message, but not one of the kinds expected here
-    BAD_VERSION = "bad_version"  # a schema version this node does not speak
-    BAD_FIELD = "bad_field"  # missing, unknown, mistyped or out-of-range field
-    BAD_SIZE = "bad_size"  # a bulk chunk whose size differs from what the header announced
-    AUTH = "auth"  # authentication failed: tampered, replayed, reordered or foreign frame
-    BROKEN = "broken"  # the transport failed underneath (reset, connection lost)
-
-
-class ProtocolError(Exception):
-    """A peer sent something we refuse, or the stream to it broke; the stream is unusable after this."""
-
-    def __init__(self, reason: Reason, detail: str = "") -> None:
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,36 +251,7 @@ def _to_wire(value: Any) -> Any:
 
 def encode_msg(msg: Any, *, max_bytes: int = DEFAULT_MAX_MSG_BYTES) -> bytes:
     """Length-prefixed msgpack bytes of ``msg``; refuses to build what a peer would refuse to read."""
-    payload = msgpack.packb(to_map(msg), use_bin_type=True)
-    if len(payload) > max_bytes:
-        raise ValueError(f"message of {len(payload)} bytes exceeds the {max_bytes}-byte limit")
-    return _LEN.pack(len(payload)) + payload
-
-
-def decode_msg(payload: Buffer, *, max_bytes: int = DEFAULT_MAX_MSG_BYTES) -> dict[str, Any]:
-    """Decode one msgpack payload (without length prefix) into a map, strictly and with size limits."""
-    size = memoryview(payload).nbytes
-    if size > max_bytes:
-        raise ProtocolError(Reason.TOO_LARGE, f"{size} bytes, limit {max_bytes}")
-    try:
-        obj = msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=size,
-            max_bin_len=size,
-            max_array_len=size,
-            max_map_len=size,
-            max_ext_len=0,  # no extension types (timestamps included) in Starling messages
-        )
-    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
-        # msgpack reports malformed input through ValueError subclasses (ExtraData, FormatError,
-        # StackError, UnicodeDecodeError...), TypeError for unhashable keys and OverflowError for
-        # integers Python cannot hold; none of these is our bug, all are the peer's.
-        raise ProtocolError(Reason.MALFORMED, f"undecodable msgpack: {type(exc).__name__}") from exc
-    if not isinstance(obj, dict):
-        raise ProtocolError(Reason.MALFORMED, f"expected a map, got {type(obj).__name__}")
-    return obj
+    return pack_map(to_map(msg), max_bytes=max_bytes)
 
 
 async def send_msg(stream: ByteStream, msg: Any, *, max_bytes: int = DEFAULT_MAX_MSG_BYTES) -> None:
@@ -314,10 +261,8 @@ async def send_msg(stream: ByteStream, msg: Any, *, max_bytes: int = DEFAULT_MAX
 
 async def recv_msg(stream: ByteStream, max_bytes: int = DEFAULT_MAX_MSG_BYTES) -> dict[str, Any]:
     """Receive one message map; the length prefix is checked against ``max_bytes`` before reading on."""
-    header = await read_exactly(stream, _LEN.size, limit=_LEN.size)
-    (length,) = _LEN.unpack(header)
-    if length > max_bytes:
-        raise ProtocolError(Reason.TOO_LARGE, f"message of {length} bytes announced, limit {max_bytes}")
+    header = await read_exactly(stream, LENGTH.size, limit=LENGTH.size)
+    length = announced_length(header, max_bytes=max_bytes)
     try:
         payload = await read_exactly(stream, length, limit=max_bytes)
     except ProtocolError as exc:

@@ -38,6 +38,7 @@ from libp2p.crypto.keys import KeyPair, PublicKey
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 
+from p2p.framing import ProtocolError, unpack
 from protocols.hlc import MAX_LOGICAL, MAX_WALL_MS, Timestamp
 
 # --------------------------------------------------------------------------------------------------
@@ -360,21 +361,12 @@ def _record_to_wire(record: Record) -> dict[str, object]:
 
 
 def _unpack(data: bytes, *, max_items: int, max_str: int, max_bin: int) -> object:
-    """msgpack decode with allocation limits; any failure is a ``malformed`` RecordError."""
+    """msgpack decode with allocation limits (p2p/framing.py's); any failure is a ``malformed`` RecordError."""
     try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=max_str,
-            max_bin_len=max_bin,
-            max_array_len=max_items,
-            max_map_len=max_items,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises a zoo of types (ValueError, ExtraData, StackError, ...)
-        raise RecordError(MALFORMED, f"not valid msgpack ({type(exc).__name__}: {str(exc)[:80]})") from None
+        return unpack(data, max_items=max_items, max_str=max_str, max_bin=max_bin)
+    except Exception as exc:  # ProtocolError for what msgpack refuses; whatever else it raises is refused too
+        cause = exc.__cause__ if isinstance(exc, ProtocolError) and exc.__cause__ is not None else exc
+        raise RecordError(MALFORMED, f"not valid msgpack ({type(cause).__name__}: {str(cause)[:80]})") from None
 
 
 def _pack(obj: object) -> bytes:

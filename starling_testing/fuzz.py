@@ -67,6 +67,7 @@ from libp2p.peer.id import ID
 
 from node.averaging.averager import Averager
 from node.bridge.exchange import ExchangeRequest
+from node.config.home import Home
 from node.config.load import ConfigError, load_config
 from node.config.sync import SyncConfig
 from node.ops.control import serve_control
@@ -1261,7 +1262,7 @@ class ConfigFile(Target):
         return f"ConfigError:{_category(str(exc), 5)}"
 
     async def feed(self, data: bytes) -> str:
-        (self.home / "config.toml").write_bytes(data)
+        Home(self.home).config.write_bytes(data)
         load_config(self.home, environ={})
         return "accepted"
 

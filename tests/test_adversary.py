@@ -31,6 +31,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
+from node.config.home import Home
 from node.swarm import crdt
 from node.swarm.crdt import (
     ApplyResult,
@@ -538,7 +539,7 @@ def test_checkpoints_and_downloaded_snapshots_are_private_whatever_the_umask(tmp
         old_dir.mkdir(parents=True)  # as versions before this one left it: 0755, files 0644
         legacy = old_dir / "ckpt-000000000001.pt"
         legacy.write_bytes(b"x")
-        assert tighten_private_folders(tmp_path / "home") == []  # what the daemon does at start
+        assert tighten_private_folders(Home(tmp_path / "home").private_folders) == []  # what the daemon does at start
         store = CheckpointStore(tmp_path / "home" / "checkpoints" / "task-abc", keep=2)
         path = store.save({"phi": torch.zeros(3), "step": 5}, 5)
         download = snap.JoinDownload(tmp_path / "home" / "join" / "partial", snap.ModelShape("L", 1))

@@ -22,6 +22,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from node.averaging import latejoin
 from node.averaging.partner_misses import Attempt
 from node.bridge.ckptfile import read_phi
+from node.config.home import Home
 from node.swarm import crdt
 from node.swarm.crdt import Manifest, MemberRecord, SwarmState, peer_id_of, sign_record
 from p2p.host import build_host
@@ -111,7 +112,7 @@ async def test_a_donor_claiming_a_larger_model_makes_the_joiner_write_nothing_be
     model before a byte is allocated; the hostile donor (and one of another layout) is refused, and the
     joiner starts from the two honest donors."""
     a, b = randn(NUMEL, 1), randn(NUMEL, 2)
-    watch = DiskWatch(tmp_path / latejoin.JOIN_DIR / "partial")
+    watch = DiskWatch(Home(tmp_path).join.partial)
     other_layout = snap.Snapshot.of(randn(NUMEL, 3), 100, 10, "X")
     handlers = [snap.SnapshotServer(lambda: snap.Snapshot.of(a, 100, 10, "L")).handle,
                 snap.SnapshotServer(lambda: snap.Snapshot.of(b, 120, 12, "L")).handle,
@@ -128,14 +129,14 @@ async def test_a_donor_claiming_a_larger_model_makes_the_joiner_write_nothing_be
     assert joined and status["state"] == "done"
     assert sorted(status["donors"]) == sorted(ids[:2])
     assert sorted(status["refused"]) == sorted(offences) == sorted(ids[2:])  # each refusal is an offence
-    state = read_phi(latejoin.join_snapshot_path(tmp_path))
+    state = read_phi(Home(tmp_path).join.snapshot)
     assert np.array_equal(np.asarray(state.phi), (a + b) / 2) and state.layout_hash == "L"
 
 
 async def test_a_join_whose_only_donor_lies_about_the_model_starts_a_fresh_model_and_writes_nothing(
     tmp_path: Path,
 ) -> None:
-    watch = DiskWatch(tmp_path / latejoin.JOIN_DIR / "partial")
+    watch = DiskWatch(Home(tmp_path).join.partial)
     status: dict[str, Any] = {}
     async with AsyncExitStack() as stack:
         joiner, ids = await serve(stack, [hostile_donor(watch)])
@@ -143,8 +144,8 @@ async def test_a_join_whose_only_donor_lies_about_the_model_starts_a_fresh_model
             joined = await latejoin.late_join(joiner, tmp_path, lambda: ids, model=OURS, max_donors=3, wait_s=1,
                                               timeout_s=20, status=status)
     assert not joined and "fresh model" in status["state"] and status["refused"] == ids
-    assert watch.largest == 0 and not latejoin.join_snapshot_path(tmp_path).exists()
-    assert not any((tmp_path / latejoin.JOIN_DIR / "partial").glob("*.bin"))
+    assert watch.largest == 0 and not Home(tmp_path).join.snapshot.exists()
+    assert not any(Home(tmp_path).join.partial.glob("*.bin"))
 
 
 async def test_a_resumed_download_of_another_model_is_not_resumed(tmp_path: Path) -> None:

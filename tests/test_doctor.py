@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from node.config.home import Home
 from node.config.load import load_config
 from node.ops.doctor import (
     ERROR,
@@ -42,7 +43,7 @@ from node.ops.doctor import (
     short,
 )
 from node.ops.lock import HomeLock
-from p2p.identity import IDENTITY_FILE, create_identity, peer_id_of
+from p2p.identity import create_identity, peer_id_of
 from starling_testing.daemon import DaemonGroup, free_port, starling
 
 LOOPBACK_CONFIG = '[node]\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n'
@@ -59,7 +60,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def make_home(tmp_path: Path, config: str = LOOPBACK_CONFIG) -> Path:
     home = tmp_path / "home"
     home.mkdir()
-    create_identity(home / IDENTITY_FILE)
+    create_identity(Home(home).identity)
     (home / "config.toml").write_text(config)
     return home
 
@@ -121,14 +122,14 @@ def test_misspelled_environment_variable_is_flagged_because_it_is_silently_ignor
 
 def test_missing_identity_says_to_run_init(tmp_path: Path) -> None:
     home = make_home(tmp_path)
-    (home / IDENTITY_FILE).unlink()
+    (Home(home).identity).unlink()
     [identity] = of(run_checks(home, environ={}), "identity")
     assert identity.level == ERROR and "starling init" in identity.fix
 
 
 def test_corrupt_identity_is_an_error_and_the_file_is_left_untouched(tmp_path: Path) -> None:
     home = make_home(tmp_path)
-    key = home / IDENTITY_FILE
+    key = Home(home).identity
     key.write_bytes(b"not a key")
     key.chmod(0o644)
     findings = of(run_checks(home, environ={}), "identity")
@@ -139,7 +140,7 @@ def test_corrupt_identity_is_an_error_and_the_file_is_left_untouched(tmp_path: P
 
 def test_identity_readable_by_others_warns_with_chmod_and_shows_the_peer_id(tmp_path: Path) -> None:
     home = make_home(tmp_path)
-    (home / IDENTITY_FILE).chmod(0o644)
+    (Home(home).identity).chmod(0o644)
     findings = of(run_checks(home, environ={}), "identity")
     assert any(f.level == WARN and "chmod 600" in f.fix for f in findings)
     assert any(f.level == OK and "12D3KooW" in f.message for f in findings)

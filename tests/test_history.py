@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node.config.home import Home
 from node.ops.history import (
     DEFAULT_MAX_MEMBERS,
     DEFAULT_MAX_POINTS,
     FORMAT_NAME,
-    HISTORY_FILE,
     HistoryError,
     LossHistory,
     _Series,
@@ -254,13 +254,13 @@ def test_non_finite_stored_losses_decode_as_missing() -> None:
 
 
 def test_save_then_load_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:
-    path = tmp_path / HISTORY_FILE
+    path = Home(tmp_path).history
     h = filled()
     h.save(path)
     filled(members=1).save(path)  # overwrite
     h.save(path)
     assert LossHistory.load(path).series() == h.series()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [HISTORY_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [Home(tmp_path).history.name]
 
 
 def test_a_history_saved_and_loaded_mid_run_continues_exactly_like_an_uninterrupted_one(
@@ -273,14 +273,14 @@ def test_a_history_saved_and_loaded_mid_run_continues_exactly_like_an_uninterrup
     straight, resumed = LossHistory(max_points=16), LossHistory(max_points=16)
     feed(straight, range(300))
     feed(resumed, range(150))
-    resumed.save(tmp_path / HISTORY_FILE)
-    resumed = LossHistory.load(tmp_path / HISTORY_FILE, max_points=16)
+    resumed.save(Home(tmp_path).history)
+    resumed = LossHistory.load(Home(tmp_path).history, max_points=16)
     feed(resumed, range(150, 300))
     assert resumed.series() == straight.series()
 
 
 def test_loading_a_missing_file_gives_an_empty_history(tmp_path: Path) -> None:
-    h = LossHistory.load(tmp_path / HISTORY_FILE)
+    h = LossHistory.load(Home(tmp_path).history)
     assert len(h) == 0 and h.series() == {}
 
 
@@ -288,7 +288,7 @@ def test_loading_a_missing_file_gives_an_empty_history(tmp_path: Path) -> None:
     "content", [b"not msgpack \xc1", pack({"format": FORMAT_NAME, "v": 99, "members": []})]
 )
 def test_loading_a_corrupt_file_names_the_file(tmp_path: Path, content: bytes) -> None:
-    path = tmp_path / HISTORY_FILE
+    path = Home(tmp_path).history
     path.write_bytes(content)
     with pytest.raises(HistoryError) as info:
         LossHistory.load(path)
@@ -297,9 +297,9 @@ def test_loading_a_corrupt_file_names_the_file(tmp_path: Path, content: bytes) -
 
 
 def test_loading_a_directory_raises_history_error(tmp_path: Path) -> None:
-    (tmp_path / HISTORY_FILE).mkdir()
+    (Home(tmp_path).history).mkdir()
     with pytest.raises(HistoryError, match="cannot be read"):
-        LossHistory.load(tmp_path / HISTORY_FILE)
+        LossHistory.load(Home(tmp_path).history)
 
 
 # ---- properties ---------------------------------------------------------------------------------

@@ -23,8 +23,9 @@ import trio
 from node.bridge.exchange import solo_exchange
 from node.bridge.supervisor import WorkerSupervisor
 from node.cli import main as cli_main
+from node.config.home import Home
 from node.config.train import TrainConfig
-from node.ops.control import SOCKET_FILE, request_sync
+from node.ops.control import request_sync
 from node.ops.history import HistoryError, LossHistory
 from node.ops.sdnotify import summarize_status
 from node.ops.status_view import render_status
@@ -96,7 +97,7 @@ def test_a_task_or_device_the_worker_cannot_load_exits_2_with_one_line_before_re
     assert len(lines) == 1 and lines[0].startswith("starling: error: train.") and reason in lines[0], r.stderr
     assert "Traceback" not in r.stderr
     # It stopped before the daemon was ready: nothing was listening, no control socket was ever served.
-    assert "listening on" not in r.stderr and not (home / SOCKET_FILE).exists()
+    assert "listening on" not in r.stderr and not (Home(home).control_socket).exists()
 
 
 @pytest.mark.slow
@@ -247,7 +248,7 @@ def test_a_home_created_by_run_is_private_like_one_created_by_init(tmp_path: Pat
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not (home / SOCKET_FILE).exists():
+        while not (Home(home).control_socket).exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
             time.sleep(0.2)
         assert stat.S_IMODE(home.stat().st_mode) == 0o700
@@ -265,7 +266,7 @@ def test_plot_right_after_start_asks_the_daemon_and_the_curve_starts_at_the_firs
     r = starling("plot", "--home", str(d.home), "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    own = request_sync(d.home / SOCKET_FILE, {"cmd": "history"})["history"][st["peer_id"]]
+    own = request_sync(Home(d.home).control_socket, {"cmd": "history"})["history"][st["peer_id"]]
     # The first point is the first inner step of a fresh model (the loss of uniform bytes is ln 256 = 5.5),
     # not the member record's value a heartbeat and some hundred steps later.
     assert own["step"][0] == 1 and own["loss"][0] > 5.0, own

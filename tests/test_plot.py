@@ -10,7 +10,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 import node.ops.plot
-from node.ops.history import HISTORY_FILE, LossHistory
+from node.config.home import Home
+from node.ops.history import LossHistory
 from node.ops.plot import (
     DPI,
     FIGSIZE,
@@ -118,9 +119,9 @@ def test_plot_homes_merges_every_readable_home_and_skips_the_rest(
     homes = [tmp_path / n for n in ("a", "b", "missing", "corrupt")]
     for home in homes:
         home.mkdir()
-    history_of(PEERS[:2]).save(homes[0] / HISTORY_FILE)
-    history_of(PEERS[1:3]).save(homes[1] / HISTORY_FILE)
-    (homes[3] / HISTORY_FILE).write_bytes(b"\xc1garbage")
+    history_of(PEERS[:2]).save(Home(homes[0]).history)
+    history_of(PEERS[1:3]).save(Home(homes[1]).history)
+    (Home(homes[3]).history).write_bytes(b"\xc1garbage")
     out = tmp_path / "loss.png"
 
     assert plot_homes(homes, out)
@@ -137,7 +138,7 @@ def test_plot_homes_without_any_history_returns_false_and_says_why(tmp_path: Pat
 
 
 def test_plot_main_prints_the_path_and_exits_zero(tmp_path: Path, capsys) -> None:
-    history_of(PEERS).save(tmp_path / HISTORY_FILE)
+    history_of(PEERS).save(Home(tmp_path).history)
     out = tmp_path / "plot.png"
     assert plot_main(tmp_path, out) == 0
     assert capsys.readouterr().out.strip() == str(out)
@@ -147,19 +148,19 @@ def test_plot_main_prints_the_path_and_exits_zero(tmp_path: Path, capsys) -> Non
 def test_plot_main_without_history_exits_two_with_one_line(tmp_path: Path, capsys) -> None:
     assert plot_main(tmp_path, tmp_path / "plot.png") == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no loss history" in err and str(tmp_path / HISTORY_FILE) in err
+    assert err.count("\n") == 1 and "no loss history" in err and str(Home(tmp_path).history) in err
 
 
 def test_plot_main_with_corrupt_history_exits_two_naming_the_file(tmp_path: Path, capsys) -> None:
-    (tmp_path / HISTORY_FILE).write_bytes(b"\x00\x01")
+    (Home(tmp_path).history).write_bytes(b"\x00\x01")
     assert plot_main(tmp_path, tmp_path / "plot.png") == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and str(tmp_path / HISTORY_FILE) in err
+    assert err.count("\n") == 1 and str(Home(tmp_path).history) in err
 
 
 @pytest.mark.parametrize("where", ["missing-dir", "file-as-dir", "out-is-dir"])
 def test_plot_main_with_unwritable_output_exits_two(tmp_path: Path, capsys, where: str) -> None:
-    history_of(PEERS).save(tmp_path / HISTORY_FILE)
+    history_of(PEERS).save(Home(tmp_path).history)
     blocker = tmp_path / "blocker"
     if where == "missing-dir":
         out = tmp_path / "nope" / "plot.png"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from node.ops.control import SOCKET_FILE, request_sync
+from node.config.home import Home
+from node.ops.control import request_sync
 from starling_testing.daemon import TINY, DaemonGroup, DaemonProc
 
 pytestmark = pytest.mark.slow
@@ -136,7 +137,7 @@ def test_a_late_joiner_starts_from_the_swarms_weights_not_a_fresh_model(group: D
 def swarm_val_loss_at(node: DaemonProc, peer_ids: list[str], outer_step: int) -> float:
     """Mean over ``peer_ids`` of the last validation loss ``node``'s loss history holds for each of them at or
     before ``outer_step``."""
-    history = request_sync(node.home / SOCKET_FILE, {"cmd": "history"})["history"]
+    history = request_sync(Home(node.home).control_socket, {"cmd": "history"})["history"]
     values = []
     for pid in peer_ids:
         series = history[pid]

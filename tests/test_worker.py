@@ -24,7 +24,6 @@ from node.bridge.ipc import (
     MAX_FRAME,
     FrameBuffer,
     Metrics,
-    ProtocolError,
     Publish,
     Result,
     Stop,
@@ -35,6 +34,7 @@ from node.bridge.supervisor import WorkerSupervisor
 from node.config.train import TrainConfig
 from node.worker.checkpoint import CheckpointError, write_checkpoint
 from node.worker.trainer import StopFlag, Trainer, lr_at, train_loop
+from p2p.framing import ProtocolError
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                    eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1,
@@ -118,6 +118,30 @@ def test_an_oversized_or_malformed_frame_is_a_protocol_error() -> None:
         frames.feed(len(body).to_bytes(4, "big") + body)
         with pytest.raises(ProtocolError):
             frames.next_message()
+
+
+def test_the_control_channel_refuses_frames_as_every_protocol_does_with_the_same_error_and_reasons() -> None:
+    """One framing layer (p2p/framing.py): a bad frame from the worker is the p2p layer's ProtocolError, with
+    the reason a peer's would carry, and a message's bytes are those of the shared framing."""
+    import msgpack
+
+    from p2p import wire
+
+    cases = [((MAX_FRAME + 1).to_bytes(4, "big"), wire.Reason.TOO_LARGE),
+             ((2).to_bytes(4, "big") + b"\xc1\xc1", wire.Reason.MALFORMED)]
+    for body, reason in [(msgpack.packb({"v": 2, "t": "stop"}), wire.Reason.BAD_VERSION),
+                         (msgpack.packb({"v": 1, "t": "nope"}), wire.Reason.BAD_KIND),
+                         (msgpack.packb({"v": 1, "t": "stop", "x": 0}), wire.Reason.BAD_FIELD)]:
+        cases.append((len(body).to_bytes(4, "big") + body, reason))
+    for data, reason in cases:
+        frames = FrameBuffer()
+        frames.feed(data)
+        with pytest.raises(wire.ProtocolError) as info:
+            frames.next_message()
+        assert info.value.reason is reason, data
+    msg = Publish(outer_step=3, step=150)
+    assert encode_message(msg) == wire.encode_msg({"v": 1, "t": "publish", **dataclasses.asdict(msg)},
+                                                  max_bytes=MAX_FRAME)
 
 
 def test_shared_slots_are_one_memory_for_creator_and_attacher() -> None:

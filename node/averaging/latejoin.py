@@ -30,6 +30,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node.bridge.ckptfile import CheckpointError, read_phi, write_phi
+from node.config.home import Home
 from node.config.sync import SyncConfig
 from node.status_schema import ProgressStatus
 from p2p.fsutil import private_dir
@@ -40,24 +41,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("starling.latejoin")
 
-JOIN_DIR = "join"
-JOIN_FILE = "snapshot.pt"
-CATCH_UP_DIR = "catchup"
-CHECKPOINT_DIR = "checkpoints"
 CATCH_UP_INTERVAL_S = 30.0  # the least time between two catch-up attempts
 ALONE_GRACE_S = 1.0  # a late join's wait for donors when this node knows of no one at all
 
 
-def join_snapshot_path(home: Path) -> Path:
-    return home / JOIN_DIR / JOIN_FILE
-
-
 def _checkpoint_files(home: Path) -> list[Path]:
     """Every checkpoint under HOME/checkpoints/<task>-<model>/, newest first (by modification time)."""
-    directory = home / CHECKPOINT_DIR
-    if not directory.is_dir():
-        return []
-    files = [p for p in directory.glob("*/ckpt-*.pt") if p.is_file()]
+    files = [p for _, p in Home(home).checkpoint_files() if p.is_file()]
     return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -127,7 +117,8 @@ async def late_join(
     `model`: our own model (the start-up check's); a donor's snapshot must be exactly that. None (the
     check did not say in time) starts a fresh model: without our size, a donor's claim would decide how
     much we write to disk. `on_refused(donor)`: a donor whose snapshot was not our model (an offence)."""
-    target = join_snapshot_path(home)
+    folder = Home(home).join
+    target = folder.snapshot
     if has_checkpoint(home) or target.exists():
         status["state"] = "not needed"
         return False
@@ -157,7 +148,7 @@ async def late_join(
     chosen = random.sample(found, min(max_donors, len(found)))
     status.update(state="downloading", donors=chosen)
     try:
-        state = await fetch_swarm_snapshot(host, home / JOIN_DIR / "partial", chosen, target, model=model,
+        state = await fetch_swarm_snapshot(host, folder.partial, chosen, target, model=model,
                                            timeout_s=timeout_s, status=status, on_refused=on_refused)
     except (OSError, ValueError) as e:  # a full disk, or donors whose snapshots cannot be combined
         status["state"] = f"download failed ({e}): starting a fresh model"
@@ -369,9 +360,10 @@ class CatchUp:
         log.info("outer step %d is %d from the swarm's %d and %s: catching up from %d donors",
                  own, abs(own - target), target, why, len(donors))
         self.status = {"state": "downloading", "donors": donors, "from_outer_step": own, "swarm_outer_step": target}
-        path = self.home / CATCH_UP_DIR / JOIN_FILE
+        folder = Home(self.home).catchup
+        path = folder.snapshot
         try:
-            state = await fetch_swarm_snapshot(self.host, self.home / CATCH_UP_DIR / "partial", donors, path,
+            state = await fetch_swarm_snapshot(self.host, folder.partial, donors, path,
                                                model=model, timeout_s=self.cfg.join_timeout_s, status=self.status,
                                                on_refused=self.on_refused)
         except (OSError, ValueError) as e:  # a full disk, or no donor's layout to combine

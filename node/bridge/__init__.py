@@ -1,7 +1,7 @@
 """node.bridge: the torch-free contract between the daemon and its torch worker, and the daemon's side of it.
 
     supervisor.py   WorkerSupervisor: spawns, watches and restarts the worker; hands its exchanges to the averager
-    ipc.py          Hello, Publish, Result, ...: the daemon-worker messages and their framing
+    ipc.py          Hello, Publish, Result, ...: the daemon-worker messages (framed by p2p/framing.py)
     shm.py          ExchangeSlots, SharedTensor: float32 arrays in shared memory, daemon and worker
     exchange.py     ExchangeRequest, ExchangeOutcome, ExchangeFn, Layout: what the supervisor and averager trade
     ckptfile.py     read_phi, write_phi, CheckpointError: the checkpoint file format, phi without torch

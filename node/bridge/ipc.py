@@ -5,8 +5,10 @@ conversation, and the daemon must not import the worker, which imports torch: th
 no torch at all (it averages on numpy views of the shared memory, node/bridge/shm.py). The conversation itself
 is described in node/worker/trainer.py's docstring.
 
-Frames are a 4-byte big-endian length and a msgpack map `{"v": version, "t": type, **fields}`, each at
-most MAX_FRAME bytes; a frame that breaks any of that is a `ProtocolError`.
+Frames are p2p/framing.py's, as on every libp2p stream: a 4-byte big-endian length and a msgpack map, here
+`{"v": version, "t": type, **fields}`, each at most MAX_FRAME bytes; a frame that breaks any of that is a
+`ProtocolError` (the same class, and the same reasons, as a peer's bad message). What is this module's own is
+the messages and how a map becomes one of them.
 """
 
 from __future__ import annotations
@@ -14,16 +16,14 @@ from __future__ import annotations
 import dataclasses
 import select
 import socket
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+from p2p.framing import FrameSplitter, ProtocolError, Reason, pack_map
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 8 << 20  # bytes; the largest message is `hello` with the parameter layout
-_LEN = struct.Struct(">I")
 
 
 # --- wire messages ----------------------------------------------------------------------------------------
@@ -157,54 +157,38 @@ _TYPES: dict[str, type] = {
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
-class ProtocolError(Exception):
-    """A malformed frame or message on the daemon-worker channel (a bug on one side, or a stray writer)."""
-
-
 def encode_message(msg: Message) -> bytes:
-    body = msgpack.packb({"v": PROTOCOL_VERSION, "t": _NAMES[type(msg)], **dataclasses.asdict(msg)})
-    return _LEN.pack(len(body)) + body
+    return pack_map({"v": PROTOCOL_VERSION, "t": _NAMES[type(msg)], **dataclasses.asdict(msg)}, max_bytes=MAX_FRAME)
 
 
-def decode_body(body: bytes) -> Message:
-    try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise ProtocolError(f"undecodable frame: {e}") from None
-    if not isinstance(obj, dict) or obj.pop("v", None) != PROTOCOL_VERSION:
-        raise ProtocolError("frame is not a versioned map")
+def _message_of(obj: dict[str, Any]) -> Message:
+    """The message a decoded frame's map is, checked strictly: this version, a known type, its fields only."""
+    if obj.pop("v", None) != PROTOCOL_VERSION:
+        raise ProtocolError(Reason.BAD_VERSION, "frame is not a versioned map")
     cls = _TYPES.get(obj.pop("t", None))
     if cls is None:
-        raise ProtocolError("unknown message type")
+        raise ProtocolError(Reason.BAD_KIND, "unknown message type")
     names = {f.name for f in dataclasses.fields(cls)}
     if not set(obj) <= names:
-        raise ProtocolError(f"unexpected fields in {cls.__name__}: {sorted(set(obj) - names)}")
+        raise ProtocolError(Reason.BAD_FIELD, f"unexpected fields in {cls.__name__}: {sorted(set(obj) - names)}")
     try:
         return cls(**obj)
     except TypeError as e:
-        raise ProtocolError(f"bad {cls.__name__}: {e}") from None
+        raise ProtocolError(Reason.BAD_FIELD, f"bad {cls.__name__}: {e}") from None
 
 
 class FrameBuffer:
-    """Accumulates bytes and splits off complete frames (bounded by MAX_FRAME)."""
+    """Accumulates bytes and splits off complete messages (frames bounded by MAX_FRAME)."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._frames = FrameSplitter(max_bytes=MAX_FRAME)
 
     def feed(self, data: bytes) -> None:
-        self._buf += data
+        self._frames.feed(data)
 
     def next_message(self) -> Message | None:
-        if len(self._buf) < _LEN.size:
-            return None
-        (size,) = _LEN.unpack_from(self._buf)
-        if size > MAX_FRAME:
-            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
-        if len(self._buf) < _LEN.size + size:
-            return None
-        body = bytes(self._buf[_LEN.size : _LEN.size + size])
-        del self._buf[: _LEN.size + size]
-        return decode_body(body)
+        obj = self._frames.next_map()
+        return None if obj is None else _message_of(obj)
 
 
 class DaemonGone(Exception):

@@ -58,7 +58,6 @@ from node.bridge.ipc import (
     Init,
     Message,
     Metrics,
-    ProtocolError,
     Publish,
     Result,
     Stop,
@@ -68,6 +67,7 @@ from node.bridge.ipc import (
 from node.bridge.shm import ExchangeSlots, sweep_orphans
 from node.config.train import TrainConfig
 from node.status_schema import TrainingStatus
+from p2p.framing import ProtocolError, Reason
 
 log = logging.getLogger("starling.supervisor")
 
@@ -404,7 +404,7 @@ class WorkerSupervisor:
             if first is None:
                 return await self._exited(proc, "ended before saying hello")
             if not isinstance(first, Hello):
-                raise ProtocolError(f"expected hello, got {type(first).__name__}")
+                raise ProtocolError(Reason.BAD_KIND, f"expected hello, got {type(first).__name__}")
             await self._on_hello(chan, first)
             return await self._serve_messages(proc, chan, nursery)
         except ProtocolError as e:
@@ -460,7 +460,7 @@ class WorkerSupervisor:
                     return await self._exited(proc, "exited")
                 if isinstance(msg, Publish):
                     if in_flight:
-                        raise ProtocolError("publish while an exchange is in flight")
+                        raise ProtocolError(Reason.BAD_KIND, "publish while an exchange is in flight")
                     self._status["outer_step"] = msg.outer_step  # partners are chosen by it
                     self._status["last_inner_steps"] = msg.inner_steps
                     adoption = self._adoption
@@ -512,7 +512,7 @@ class WorkerSupervisor:
         elif isinstance(msg, Stopped):
             log.info("worker stopped at step %d (outer step %d)", msg.step, msg.outer_step)
         else:
-            raise ProtocolError(f"unexpected {type(msg).__name__} from the worker")
+            raise ProtocolError(Reason.BAD_KIND, f"unexpected {type(msg).__name__} from the worker")
 
     def _adoption_result(self, publish: Publish, adoption: _Adoption, pid: int) -> Result:
         """The answer to a publish when a catch-up is ready: no exchange, the snapshot instead. Sent once

@@ -22,13 +22,12 @@ from typing import Any, get_type_hints
 import tomli_w
 
 from node.config.base import opt
+from node.config.home import Home
 from p2p.fsutil import atomic_write_bytes
 
-CONFIG_FILE = "config.toml"
-#: The [train] and [task] options a trainer last ran with (written by the daemon at start): `export` reads
-#: them, so that it rebuilds the model that HOME's checkpoints hold without repeating `run`'s `--set`.
-RUN_CONFIG_FILE = "run-config.toml"
-#: The sections of RUN_CONFIG_FILE: what fixes the model and the task.
+#: The sections of HOME/run-config.toml (`Home.run_config`): the [train] and [task] options a trainer last
+#: ran with (written by the daemon at start), which fix the model and the task. `export` reads them, so that
+#: it rebuilds the model that HOME's checkpoints hold without repeating `run`'s `--set`.
 RUN_SECTIONS = ("train", "task")
 ENV_PREFIX = "STARLING_"
 #: STARLING_* variables that are not options (unknown_environment warns about any other).
@@ -284,8 +283,8 @@ def load_config(
     sources: dict[str, str] = {}
 
     # 1. the file
-    if home is not None and (home / CONFIG_FILE).exists():
-        path = home / CONFIG_FILE
+    if home is not None and Home(home).config.exists():
+        path = Home(home).config
         try:
             data = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -344,8 +343,8 @@ def load_config(
                     try:
                         values[sec_name][key] = _coerce(sec_name, key, types[key], value, from_text=False)
                     except ConfigError as e:
-                        raise ConfigError(f"{home / RUN_CONFIG_FILE}: {e}") from None
-                    sources[f"{sec_name}.{key}"] = str(home / RUN_CONFIG_FILE)
+                        raise ConfigError(f"{Home(home).run_config}: {e}") from None
+                    sources[f"{sec_name}.{key}"] = str(Home(home).run_config)
 
     # 4. flags
     for dotted, value in (overrides or {}).items():
@@ -379,13 +378,13 @@ def write_run_config(home: Path, cfg: Config) -> None:
     data = {name: cfg.to_dict()[name] for name in RUN_SECTIONS if name in cfg.sections}
     text = ("# The [train] and [task] options this node's trainer last ran with, written at each start.\n"
             "# `starling export` reads them; edit config.toml, not this file.\n" + tomli_w.dumps(data))
-    atomic_write_bytes(home / RUN_CONFIG_FILE, text.encode(), mode=0o600)
+    atomic_write_bytes(Home(home).run_config, text.encode(), mode=0o600)
 
 
 def read_run_config(home: Path) -> dict[str, dict[str, Any]]:
     """HOME/run-config.toml's sections ({} where there is none); a file that cannot be read is a
     ConfigError naming it."""
-    path = home / RUN_CONFIG_FILE
+    path = Home(home).run_config
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
+from node.config.home import Home
+
 if TYPE_CHECKING:
     from node.status_schema import NodeStatus
 
 log = logging.getLogger("starling.control")
 
-SOCKET_FILE = "control.sock"
 MAX_REQUEST = 64 * 1024
 MAX_RESPONSE = 16 * 1024 * 1024
 CLIENT_TIMEOUT_S = 5.0
@@ -138,7 +139,7 @@ def request_status(home: Path, *, timeout: float = 10.0) -> NodeStatus:
     socket: the one status client of the launcher (node/ops/launcher.py), tests and benchmarks.
 
     Raises :class:`ControlError` when no daemon answers, or when it answers with an error."""
-    answer = request_sync(Path(home) / SOCKET_FILE, {"cmd": "status"}, timeout=timeout)
+    answer = request_sync(Home(home).control_socket, {"cmd": "status"}, timeout=timeout)
     status = answer.get("status")
     if not answer.get("ok") or not isinstance(status, dict):
         raise ControlError(f"daemon error: {answer.get('error')}")

@@ -41,7 +41,8 @@ from typing import Any, Literal, cast
 
 import trio
 
-from node.config.load import CONFIG_FILE, ENV_PREFIX, Config, ConfigError, load_config, resolve_home
+from node.config.home import Home
+from node.config.load import ENV_PREFIX, Config, ConfigError, load_config, resolve_home
 from node.ops.islands import PairingGraph, pairing_graph
 from node.status_schema import MemberStatus, NodeStatus
 
@@ -106,9 +107,9 @@ def check_identity(home: Path, status: NodeStatus | None = None) -> tuple[list[F
     """
     from libp2p.identity_utils import load_identity
 
-    from p2p.identity import IDENTITY_FILE, peer_id_of
+    from p2p.identity import peer_id_of
 
-    path = home / IDENTITY_FILE
+    path = Home(home).identity
     init = f"run `starling init --home {home}`"
     if not home.exists():
         return [
@@ -187,7 +188,7 @@ def check_disk(home: Path) -> list[Finding]:
 
     if not home.is_dir():
         return []
-    problem = free_space_problem(home)
+    problem = free_space_problem(home, Home(home).checkpoints)
     if problem is None:
         return []
     return [Finding("disk", ERROR, problem, f"free space there (`df -h {home}`), or move HOME to a larger file system")]
@@ -267,7 +268,7 @@ def check_config(
     """config.toml and STARLING_* variables load; typos in variable names are flagged (they are ignored).
 
     `overrides` are doctor's own command-line options (`--bootstrap`, ...), applied as `run` applies them."""
-    path = home / CONFIG_FILE
+    path = Home(home).config
     findings = _check_environment(environ)
     try:
         cfg = load_config(home if home.is_dir() else None, environ=dict(environ), overrides=dict(overrides or {}))
@@ -311,11 +312,11 @@ def _check_environment(environ: Mapping[str, str]) -> list[Finding]:
 def check_swarm_key(home: Path, cfg: Config) -> list[Finding]:
     """A configured (or present) swarm key file must be readable and well-formed, or the daemon refuses to start."""
     try:
-        from p2p.auth import SWARM_KEY_FILE, SwarmKeyError, read_swarm_key
+        from p2p.auth import SwarmKeyError, read_swarm_key
     except ImportError:  # a build without private swarms
         return []
     configured = str(getattr(cfg.node, "swarm_key_file", "") or "")
-    path = Path(configured) if configured else home / SWARM_KEY_FILE
+    path = Home(home).swarm_key_file(configured)
     if not configured and not path.exists():
         return [Finding("swarm-key", OK, "open swarm (no swarm key)")]
     try:
@@ -342,10 +343,10 @@ class DaemonProbe:
 
 def probe_daemon(home: Path, *, timeout: float = STATUS_TIMEOUT_S) -> DaemonProbe:
     """Ask the daemon for its status; tell "not running" apart from "running but not answering"."""
-    from node.ops.control import SOCKET_FILE, ControlError, request_sync
+    from node.ops.control import ControlError, request_sync
 
     try:
-        answer = request_sync(home / SOCKET_FILE, {"cmd": "status"}, timeout=timeout)
+        answer = request_sync(Home(home).control_socket, {"cmd": "status"}, timeout=timeout)
     except ControlError as e:
         holder = _lock_holder(home)
         if holder is not None:
@@ -394,10 +395,8 @@ def probe_daemon(home: Path, *, timeout: float = STATUS_TIMEOUT_S) -> DaemonProb
 
 def _lock_holder(home: Path) -> str | None:
     """The pid written in HOME/daemon.lock when a live process holds the lock, else None."""
-    from node.ops.lock import LOCK_FILE
-
     try:
-        fd = os.open(home / LOCK_FILE, os.O_RDONLY)
+        fd = os.open(Home(home).lock, os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -1239,15 +1238,15 @@ def _dialling_identity(home: Path, cfg: Config | None) -> tuple[Any, str | None]
     read (a throwaway identity is used then; the identity and swarm-key checks report why)."""
     from libp2p.identity_utils import load_identity
 
-    from p2p.auth import SWARM_KEY_FILE, SwarmKeyError, read_swarm_key
-    from p2p.identity import IDENTITY_FILE
+    from p2p.auth import SwarmKeyError, read_swarm_key
 
+    identity = Home(home).identity
     try:
-        key_pair = load_identity(home / IDENTITY_FILE) if (home / IDENTITY_FILE).is_file() else None
+        key_pair = load_identity(identity) if identity.is_file() else None
     except (ValueError, OSError):
         key_pair = None
     configured = str(getattr(cfg.node, "swarm_key_file", "") or "") if cfg is not None else ""
-    path = Path(configured) if configured else home / SWARM_KEY_FILE
+    path = Home(home).swarm_key_file(configured)
     try:
         psk = read_swarm_key(path) if configured or path.exists() else None
     except SwarmKeyError:

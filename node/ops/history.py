@@ -24,7 +24,7 @@ reported as ``None`` (JSON has no NaN; the plot skips such points). Observations
 nor a validation loss (a relay, a node that has not trained yet) are not recorded: they have nothing to
 draw.
 
-The history is persisted as :data:`HISTORY_FILE` under the node's HOME (the daemon saves it every ~30 s
+The history is persisted as HOME/history.msgpack (`Home.history`) (the daemon saves it every ~30 s
 and on stop) so that ``starling plot`` can read it while the daemon runs and after it stopped. The file is
 msgpack, versioned, columns as little-endian binary, decoded strictly with size limits; any problem is a
 :class:`HistoryError`.
@@ -44,8 +44,6 @@ import msgpack
 
 from p2p.fsutil import atomic_write_bytes
 
-#: Name of the history file inside a node's HOME directory.
-HISTORY_FILE = "history.msgpack"
 #: Version of the file format written by :meth:`LossHistory.to_bytes`.
 FORMAT_VERSION = 1
 FORMAT_NAME = "starling-loss-history"

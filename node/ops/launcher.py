@@ -19,13 +19,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
+from node.config.home import Home
 from node.ops.control import ControlError, request_status
 from node.status_schema import NodeStatus
 
 #: `starling` as a command line, with this interpreter (the venv's, by absolute path).
 STARLING = [sys.executable, "-m", "node.cli"]
-
-LOG_FILE = "daemon.log"
 
 Status = NodeStatus
 
@@ -81,7 +80,7 @@ class DaemonProcess:
         log); does not wait. ``new_session``: its own process group, so that a Ctrl+C in the terminal reaches
         only the launcher; ``core``: pinned to one CPU core (its worker inherits the affinity)."""
         self.home.mkdir(parents=True, exist_ok=True)
-        self.log_path = log or self.home / LOG_FILE
+        self.log_path = log or Home(self.home).log
         pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
         with open(self.log_path, "ab" if append_log else "wb") as out:
             self.proc = subprocess.Popen(

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from node.config.home import Home
 from node.ops.launcher import DaemonProcess
 from node.status_schema import NodeStatus, SyncStatus, TrainingStatus
 
@@ -103,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     if train:
         # peer1 founds the run: every node is told its PeerID (node.founder), so no other key's run manifest
         # is ever adopted (README: Threat model). Its identity is made here, as `starling run` would.
-        from p2p.identity import IDENTITY_FILE, IdentityError, load_or_create_identity, peer_id_of
+        from p2p.identity import IdentityError, load_or_create_identity, peer_id_of
 
         homes[1].mkdir(parents=True, exist_ok=True)
         try:
-            founder = ["--founder", str(peer_id_of(load_or_create_identity(homes[1] / IDENTITY_FILE)[0]))]
+            founder = ["--founder", str(peer_id_of(load_or_create_identity(Home(homes[1]).identity)[0]))]
         except (IdentityError, OSError) as e:
             print(f"starling: error: {e}", file=sys.stderr)
             return 2
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             if st and st.get("addrs"):
                 boot_addr = st["addrs"][0]
             elif daemons[0].exited():
-                print((homes[0] / "daemon.log").read_text()[-2000:], file=sys.stderr)
+                print(Home(homes[0]).log.read_text()[-2000:], file=sys.stderr)
                 return 1
             else:
                 time.sleep(0.3)

@@ -10,7 +10,7 @@ import fcntl
 import os
 from pathlib import Path
 
-LOCK_FILE = "daemon.lock"
+from node.config.home import Home
 
 
 class LockError(Exception):
@@ -19,7 +19,7 @@ class LockError(Exception):
 
 class HomeLock:
     def __init__(self, home: Path) -> None:
-        self.path = home / LOCK_FILE
+        self.path = Home(home).lock
         self._fd: int | None = None
 
     def acquire(self) -> None:

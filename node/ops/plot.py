@@ -23,7 +23,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 from matplotlib.figure import Figure  # noqa: E402
 
-from node.ops.history import HISTORY_FILE, HistoryError, LossHistory  # noqa: E402
+from node.config.home import Home  # noqa: E402
+from node.ops.history import HistoryError, LossHistory  # noqa: E402
 
 #: Figure size in inches and resolution: 1200 x 720 pixels.
 FIGSIZE = (10.0, 6.0)
@@ -124,7 +125,7 @@ def _check_writable_dir(out: Path) -> None:
 
 
 def plot_homes(homes: Iterable[Path], out: Path) -> bool:
-    """Merge the histories in each home's :data:`~node.ops.history.HISTORY_FILE` and plot them to ``out``.
+    """Merge the histories in each home's history file (`Home.history`) and plot them to ``out``.
 
     For ``make run``: each home is a stopped node's HOME. A node's history already holds every member it
     heard of; merging the homes also covers a node that never heard of another. Unreadable histories are
@@ -132,7 +133,7 @@ def plot_homes(homes: Iterable[Path], out: Path) -> bool:
     """
     merged = LossHistory()
     for home in homes:
-        path = Path(home) / HISTORY_FILE
+        path = Home(home).history
         try:
             merged.merge(LossHistory.load(path))
         except HistoryError as exc:
@@ -153,10 +154,10 @@ def daemon_history(home: Path) -> LossHistory | None:
     it lags; the daemon's own copy is current. A daemon whose answer is unusable (too large for the socket,
     an older daemon) is the same as none: the caller falls back to the file.
     """
-    from node.ops.control import SOCKET_FILE, ControlError, request_sync
+    from node.ops.control import ControlError, request_sync
 
     try:
-        answer = request_sync(Path(home) / SOCKET_FILE, {"cmd": "history"}, timeout=10.0)
+        answer = request_sync(Home(home).control_socket, {"cmd": "history"}, timeout=10.0)
     except ControlError:
         return None
     if not answer.get("ok") or not isinstance(answer.get("history"), dict):
@@ -173,7 +174,7 @@ def plot_main(home: Path, out: Path) -> int:
     error (no history yet, unreadable history, output not writable). The running daemon's history is
     used when it answers, else the file it saved."""
     out = Path(out)
-    path = Path(home) / HISTORY_FILE
+    path = Home(home).history
     try:
         _check_writable_dir(out)
         history = daemon_history(home)

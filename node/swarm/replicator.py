@@ -93,10 +93,6 @@ from protocols.state import LocalInfo, SyncRefused
 
 log = logging.getLogger("starling.replicator")
 
-#: File name of the persisted replica under the node's HOME.
-STATE_FILE = "state.msgpack"
-#: The run manifest this node trusts on first use (no node.founder configured), per swarm.
-MANIFEST_PIN_FILE = "manifest.pin"
 
 #: Gossipsub protocol versions offered, newest first. (1.3+ adds extension machinery we do not use.)
 GOSSIP_PROTOCOLS = (MESHSUB_V12, MESHSUB_V11, MESHSUB_V10)

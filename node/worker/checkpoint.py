@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from node.bridge.ckptfile import (
     read_file,
     write_file,
 )
+from node.config.home import checkpoint_name, checkpoint_step
 from p2p.fsutil import PRIVATE_FILE_MODE, private_dir
 
 __all__ = [
@@ -49,7 +49,6 @@ __all__ = [
 log = logging.getLogger("starling.checkpoint")
 
 MAGIC = MAGIC_V2  # what write_checkpoint writes
-_NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
 _COUNTERS = ("step", "outer_step", "layout_hash")  # also in the meta, where the daemon reads them
 
 
@@ -131,9 +130,9 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     worker (`starling export`) may use it."""
     found = []
     for p in directory.iterdir():
-        m = _NAME.match(p.name)
-        if m:
-            found.append((int(m.group(1)), p))
+        step = checkpoint_step(p.name)
+        if step is not None:
+            found.append((step, p))
     found.sort(reverse=True)
     return found
 
@@ -154,7 +153,7 @@ class CheckpointStore:
             os.chmod(path, PRIVATE_FILE_MODE)
 
     def path_for(self, step: int) -> Path:
-        return self.directory / f"ckpt-{step:012d}.pt"
+        return self.directory / checkpoint_name(step)
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of every checkpoint file, newest first."""

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from node.config.home import Home
 from node.config.load import Config
 from node.worker.checkpoint import CheckpointError, list_checkpoints, read_checkpoint
 from node.worker.task import TaskError, layout_hash, load_task, model_hash, param_layout, task_context
@@ -66,7 +67,7 @@ def export_weights(home: Path, out: Path, fmt: str, cfg: Config, *, evaluate: bo
     """Write the slow weights of HOME's newest good checkpoint of the configured model to `out`."""
     if fmt not in FORMATS:
         raise ExportError(f"--format: one of {', '.join(FORMATS)}; got {fmt!r}")
-    root = home / "checkpoints"
+    root = Home(home).checkpoints
     if not root.is_dir() or not any(root.iterdir()):
         raise ExportError(f"{home}: no checkpoint yet (a trainer writes one every train.checkpoint_every outer "
                           "steps, and when it stops)")
@@ -84,7 +85,7 @@ def export_weights(home: Path, out: Path, fmt: str, cfg: Config, *, evaluate: bo
                           "use --format safetensors or torch")
     params = [p for _, p in model.named_parameters() if p.requires_grad]
     mhash, lhash = model_hash(task, options), layout_hash(param_layout(model))
-    directory = root / f"{task.name}-{mhash[:12]}"
+    directory = Home(home).model_checkpoints(task.name, mhash)
     state, path = _newest_state(directory, mhash, lhash, sum(p.numel() for p in params))
 
     try:

@@ -80,7 +80,6 @@ from node.bridge.ipc import (
     Hello,
     Init,
     Metrics,
-    ProtocolError,
     Publish,
     Result,
     Stop,
@@ -88,6 +87,7 @@ from node.bridge.ipc import (
     WorkerChannel,
 )
 from node.bridge.shm import ExchangeSlots, SharedTensor
+from node.config.home import Home
 from node.config.train import TrainConfig
 from node.worker.checkpoint import CheckpointError, CheckpointStore, read_checkpoint
 from node.worker.outer import OuterHyper, OuterOptimizer
@@ -103,6 +103,7 @@ from node.worker.task import (
     resolve_precision,
     task_context,
 )
+from p2p.framing import ProtocolError, Reason
 from protocols.codec import round_trip
 from protocols.compress import Compression, get_compression
 
@@ -263,7 +264,7 @@ class Trainer:
         self.skipped_steps = 0  # inner steps skipped because the loss was not finite
 
         # One directory per model: a changed architecture starts fresh instead of tripping over old files.
-        ckpt_dir = home / "checkpoints" / f"{self.task.name}-{self.model_hash[:12]}"
+        ckpt_dir = Home(home).model_checkpoints(self.task.name, self.model_hash)
         self.checkpoints = CheckpointStore(ckpt_dir, cfg.checkpoints_keep)
         # The latest checkpoint tried (written or failed): the next one is due `checkpoint_every` outer steps
         # and `checkpoint_min_s` seconds later (`checkpoint_due`). None: none yet in this process.
@@ -745,7 +746,7 @@ class Trainer:
         """A late joiner's first start: slow and fast weights and step counters from the swarm snapshot the
         daemon downloaded (node/averaging/latejoin.py); its own data shard, RNG and a fresh inner optimizer. The
         snapshot is consumed (renamed) so that later restarts use this node's own checkpoints."""
-        path = self.home / "join" / "snapshot.pt"
+        path = Home(self.home).join.snapshot
         if not path.exists():
             return None
         try:
@@ -923,10 +924,10 @@ def _wait_for(chan: WorkerChannel, kind: type, *, timeout: float, stop: StopFlag
         if isinstance(msg, kind):
             return msg
         if msg is not None:
-            raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
+            raise ProtocolError(Reason.BAD_KIND, f"expected {kind.__name__}, got {type(msg).__name__}")
     if stop.set:
         return None
-    raise ProtocolError(f"no {kind.__name__} from the daemon within {timeout:.0f}s")
+    raise TimeoutError(f"no {kind.__name__} from the daemon within {timeout:.0f}s")
 
 
 def _view(slot: SharedTensor) -> torch.Tensor:
