@@ -25,7 +25,8 @@ from node.bridge.shm import ExchangeSlots
 from node.config.sync import SyncConfig
 from node.config.train import TrainConfig
 from node.worker.checkpoint import CheckpointError, write_checkpoint
-from node.worker.trainer import StopFlag, Trainer, train_loop
+from node.worker.loop import StopFlag, train_loop
+from node.worker.trainer import Trainer
 from p2p.host import build_host
 from protocols import snapshot as snap
 from starling_testing.daemon import TINY as TINY_DAEMON

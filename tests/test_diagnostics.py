@@ -231,7 +231,7 @@ def test_failing_checkpoints_are_logged_once_a_minute_with_a_count(caplog: pytes
     import errno
     import logging
 
-    from node.worker.trainer import CheckpointErrorLog
+    from node.worker.loop import CheckpointErrorLog
 
     now = [1000.0]
     errors = CheckpointErrorLog(every=60.0, clock=lambda: now[0])

@@ -33,7 +33,8 @@ from node.bridge.shm import ExchangeSlots, SharedTensor
 from node.bridge.supervisor import WorkerSupervisor
 from node.config.train import TrainConfig
 from node.worker.checkpoint import CheckpointError, write_checkpoint
-from node.worker.trainer import StopFlag, Trainer, lr_at, train_loop
+from node.worker.loop import StopFlag, train_loop
+from node.worker.trainer import Trainer, lr_at
 from p2p.framing import ProtocolError
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,

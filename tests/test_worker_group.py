@@ -129,7 +129,7 @@ def _rank(rank: int, directory: str, out: str) -> None:
             "momentum": trainer.outer.momentum.numel(), "scratch": trainer._scratch_buf is not None,
             "numel": trainer.numel}
     torch.save({"theta": theta, "kept": kept}, Path(out) / f"theta{rank}.pt")
-    exit_group_process(0)  # as node/worker/trainer.py does: no finalization race with gloo's threads
+    exit_group_process(0)  # as node/worker/main.py does: no finalization race with gloo's threads
 
 
 @pytest.mark.slow

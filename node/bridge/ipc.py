@@ -1,9 +1,9 @@
 """The daemon-worker control channel: its messages, their framing, and the worker's blocking end.
 
-Why a module of its own: the daemon (node/bridge/supervisor.py) and the worker (node/worker/trainer.py) both speak this
+Why a module of its own: the daemon (node/bridge/supervisor.py) and the worker (node/worker/loop.py) both speak this
 conversation, and the daemon must not import the worker, which imports torch: the daemon process loads
 no torch at all (it averages on numpy views of the shared memory, node/bridge/shm.py). The conversation itself
-is described in node/worker/trainer.py's docstring.
+is described in node/worker/loop.py's docstring.
 
 Frames are p2p/framing.py's, as on every libp2p stream: a 4-byte big-endian length and a msgpack map, here
 `{"v": version, "t": type, **fields}`, each at most MAX_FRAME bytes; a frame that breaks any of that is a

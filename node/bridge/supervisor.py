@@ -1,6 +1,6 @@
 """The daemon's side of the local torch worker: spawn it, talk to it, restart it, stop it cleanly.
 
-The worker (node/worker/trainer.py) is a separate OS process so that trio never competes with torch for the GIL.
+The worker (node/worker/loop.py) is a separate OS process so that trio never competes with torch for the GIL.
 The supervisor talks to it with length-prefixed msgpack over a socketpair read by trio, and shares the
 slow weights and outer gradients through four named shared-memory segments it owns (node/bridge/shm.py).
 

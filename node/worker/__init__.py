@@ -2,7 +2,8 @@
 
     __main__.py   `python -m node.worker`: the process the supervisor starts
     main.py       process_main, answer_task_check: the worker's modes (the daemon's worker, a group rank, the task check)
-    trainer.py    Trainer: inner and outer steps, the worker's side of the conversation with the daemon
+    trainer.py    Trainer: the training core, inner and outer steps, slow weights, counters, checkpoints
+    loop.py       run_worker, train_loop: the process loop, the worker's side of the conversation with the daemon
     group.py      WorkerGroup, GroupTrainer: a multi-GPU host as one node (torch.distributed)
     outer.py      OuterOptimizer: NoLoCo and DiLoCo on flat fp32 slow weights
     task.py       Task, TaskContext, load_task: what a training task provides (node/tasks/: the built-in ones)

@@ -6,7 +6,7 @@ average gradients at every inner step over the host's own links (NVLink/NCCL) at
 the ranks keep identical weights: after each inner step's backward they all-reduce the gradients and the
 loss (the mean over ranks, DDP's semantics: the gradient of the mean loss over the group's
 `local_ranks x batch_size` sequences), then clip and step alike. Only rank 0 talks to the daemon: it runs
-the unchanged single-worker loop (node/worker/trainer.py `train_loop`): it publishes phi/Delta, applies the outer result,
+the unchanged single-worker loop (node/worker/loop.py `train_loop`): it publishes phi/Delta, applies the outer result,
 evaluates and writes checkpoints. The other ranks follow its commands:
 
     STEP   one inner step (its gradient all-reduce is where the ranks meet)

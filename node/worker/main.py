@@ -2,7 +2,7 @@
 rank 1.. (`--follow DIR --rank R`), or the daemon's start-up task check (`--check`).
 
 `python -m node.worker` (node/worker/__main__.py) runs :func:`process_main`. Why a module apart from the
-trainer: it is the one place that knows both the single worker (node/worker/trainer.py) and the worker group
+trainer: it is the one place that knows both the single worker (node/worker/loop.py) and the worker group
 (node/worker/group.py, whose trainer subclasses the single one), so neither of those imports the other's
 caller and there is no import cycle, lazy or not.
 """
@@ -24,6 +24,7 @@ from node.bridge.ipc import MAX_FRAME, Crashed, DaemonGone, Init, WorkerChannel
 from node.config.train import TrainConfig
 from node.ops.logs import setup_logging
 from node.worker.group import check_group, exit_group_process, follow_main, lead_group
+from node.worker.loop import StopFlag, run_worker
 from node.worker.task import (
     TaskError,
     layout_hash,
@@ -33,7 +34,6 @@ from node.worker.task import (
     resolve_device,
     task_context,
 )
-from node.worker.trainer import StopFlag, run_worker
 
 log = logging.getLogger("starling.worker")
 
