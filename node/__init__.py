@@ -58,7 +58,7 @@ _EXPORTS = {
     "render_status": "node.ops.status_view",
     "PairingGraph": "node.ops.islands",
     "pairing_graph": "node.ops.islands",
-    "Finding": "node.ops.doctor",
+    "Finding": "node.ops.doctor_findings",
     "run_checks": "node.ops.doctor",
     "LossHistory": "node.ops.history",
     "DaemonProcess": "node.ops.launcher",

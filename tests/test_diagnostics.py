@@ -252,7 +252,8 @@ def test_failing_checkpoints_are_logged_once_a_minute_with_a_count(caplog: pytes
 
 
 def test_status_and_doctor_show_failing_checkpoints() -> None:
-    from node.ops.doctor import ERROR, check_training
+    from node.ops.doctor_findings import ERROR
+    from node.ops.doctor_status import check_training
     from node.ops.status_view import render_status
 
     training = {"state": "training", "step": 500, "outer_step": 100, "checkpoint_step": 40,

@@ -22,25 +22,16 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.config.home import Home
 from node.config.load import load_config
-from node.ops.doctor import (
-    ERROR,
-    MAX_LISTED,
-    NO_DAEMON,
-    OK,
-    SKIP,
-    WARN,
-    Finding,
-    check_bootstrap,
+from node.ops.doctor import NO_DAEMON, doctor_main, run_checks
+from node.ops.doctor_bootstrap import check_bootstrap, effective_bootstrap
+from node.ops.doctor_findings import ERROR, MAX_LISTED, OK, SKIP, WARN, Finding, short
+from node.ops.doctor_status import (
     check_clock_skew,
     check_manifest,
     check_pairing,
     check_reachability,
     check_training,
     check_versions,
-    doctor_main,
-    effective_bootstrap,
-    run_checks,
-    short,
 )
 from node.ops.lock import HomeLock
 from p2p.identity import create_identity, peer_id_of

@@ -17,7 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints, is
 
 import pytest
 
-from node.ops import doctor
+from node.ops import doctor_findings, doctor_status
 from node.ops.metrics import Metrics
 from node.ops.sdnotify import summarize_status
 from node.ops.status_view import render_status
@@ -238,16 +238,16 @@ def test_a_training_nodes_status_matches_the_schema_and_feeds_every_reader(train
     assert _refusal_samples(families) == st["refusals"]
 
     # doctor: every status check has a verdict (none skipped for want of a key), none is an error
-    checks = [doctor.check_reachability, doctor.check_clock_skew, doctor.check_versions, doctor.check_manifest,
-              doctor.check_training, doctor.check_pairing]
+    checks = [doctor_status.check_reachability, doctor_status.check_clock_skew, doctor_status.check_versions, doctor_status.check_manifest,
+              doctor_status.check_training, doctor_status.check_pairing]
     findings = [f for check in checks for f in check(st)]
     assert {f.check for f in findings} >= {"reachability", "clock", "versions", "manifest", "training", "pairing"}
-    assert [f for f in findings if f.level in (doctor.SKIP, doctor.ERROR) or "?" in f.message] == []
+    assert [f for f in findings if f.level in (doctor_findings.SKIP, doctor_findings.ERROR) or "?" in f.message] == []
     training = next(f for f in findings if f.check == "training")
-    assert training.level == doctor.OK
+    assert training.level == doctor_findings.OK
     assert training.message.startswith(f"training: step {st['training']['step']}, outer step ")
     pairing = next(f for f in findings if f.check == "pairing")  # a warning if the first node mostly stepped solo
-    assert pairing.level == doctor.WARN or pairing.message.startswith("pairing graph: one island of 2 trainers")
+    assert pairing.level == doctor_findings.WARN or pairing.message.startswith("pairing graph: one island of 2 trainers")
 
     # sd_notify's one line for `systemctl status`
     tr, sy = st["training"], st["sync"]

@@ -280,7 +280,7 @@ def test_the_default_task_refuses_task_options_it_would_ignore(tmp_path: Path) -
 
 
 def test_doctor_does_not_call_task_variables_typos() -> None:
-    from node.ops.doctor import _check_environment
+    from node.ops.doctor_local import _check_environment
 
     findings = _check_environment({"STARLING_TASK_DATA": "/srv/text", "STARLING_TRAIN_LRR": "1"})
     assert [f.message for f in findings] == ["environment variable STARLING_TRAIN_LRR is not an option and is ignored"]

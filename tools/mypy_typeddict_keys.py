@@ -1,7 +1,7 @@
 """A mypy plugin (`make lint`): a ``.get("key")`` on a TypedDict must name one of its keys.
 
 mypy checks ``status["key"]`` against a TypedDict, but types ``status.get("typo")`` as ``object`` without a
-word, and the status readers (node/ops/metrics.py, node/ops/doctor.py, node/ops/status_view.py, ...) use ``.get``
+word, and the status readers (node/ops/metrics.py, node/ops/doctor_status.py, node/ops/status_view.py, ...) use ``.get``
 because an older daemon may lack a key: a misspelt key would silently read nothing. With this plugin such
 a read is an error (``typeddict-item``); mypy's own inference of the value's type still applies.
 """

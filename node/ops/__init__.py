@@ -8,7 +8,11 @@
     refusals.py     collect: what every limit refused to peers, summed by kind (`status`: refusals)
     islands.py      PairingGraph, pairing_graph: the swarm's pairing graph (islands), from the status;
                     mutual_share, window_mixing: how a pairing rule agrees across views and mixes
-    doctor.py       run_checks, Finding: `starling doctor`
+    doctor.py       run_checks, doctor_main: `starling doctor`, its checks in report order and the report
+    doctor_findings.py  Finding, its levels: what every doctor check returns
+    doctor_local.py     the checks that need no daemon: identity, HOME, config, swarm key, ports
+    doctor_bootstrap.py check_bootstrap: do the bootstrap peers answer and complete a handshake
+    doctor_status.py    the checks of the running daemon's status: reachability, clocks, training, pairing
     sdnotify.py     Notifier, summarize_status: systemd's notify protocol and watchdog
     history.py      LossHistory: every member's loss curve;  plot.py  plot_history: it as a PNG
     launcher.py     DaemonProcess: starts a `starling run` process and watches its status
