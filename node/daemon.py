@@ -52,7 +52,8 @@ from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
 from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
-from node.swarm.crdt import Manifest, ManifestAuthority
+from node.swarm.crdt import Manifest
+from node.swarm.manifest_trust import ManifestAuthority
 from node.swarm.nat import NatConfig, NatService
 from node.swarm.replicator import (
     ManifestPinError,

@@ -37,13 +37,13 @@ from node.swarm.crdt import (
     ApplyResult,
     Delivery,
     Manifest,
-    ManifestAuthority,
     ManifestRecord,
     MemberRecord,
     SwarmState,
     peer_id_of,
     sign_record,
 )
+from node.swarm.manifest_trust import ManifestAuthority
 from node.swarm.replicator import (
     DeliveredReplica,
     StateReplicator,

@@ -16,7 +16,6 @@ from node.swarm import crdt
 from node.swarm.crdt import (
     CounterRecord,
     Manifest,
-    ManifestMismatch,
     MemberRecord,
     MemberState,
     RecordError,
@@ -31,6 +30,7 @@ from node.swarm.crdt import (
     peer_id_of,
     sign_record,
 )
+from node.swarm.manifest_trust import ManifestAuthority, ManifestMismatch, ManifestRefused
 from protocols.hlc import MAX_LOGICAL, ClockSkewError, HybridLogicalClock, Timestamp
 from protocols.record import _record_to_wire
 
@@ -518,7 +518,7 @@ def test_without_a_configured_founder_a_replica_keeps_the_first_manifest_it_held
 
 
 def test_a_configured_founder_is_the_only_key_whose_manifest_any_replica_adopts() -> None:
-    authority = crdt.ManifestAuthority(founder=PIDS[0])
+    authority = ManifestAuthority(founder=PIDS[0])
     founder, joiner = replica(0, FakeClock(T0 + 5), authority=authority), replica(2, FakeClock(), authority=authority)
     outsider = replica(1, FakeClock(T0))
     forged = outsider.set_manifest(MANIFEST)  # the same content, but not the founder's key
@@ -527,13 +527,13 @@ def test_a_configured_founder_is_the_only_key_whose_manifest_any_replica_adopts(
     assert joiner.merge(founder.set_manifest(MANIFEST)) and joiner.manifest == MANIFEST
     other_trainer = replica(3, FakeClock(), authority=authority)
     assert not other_trainer.may_found(MANIFEST) and founder.may_found(MANIFEST)
-    with pytest.raises(crdt.ManifestRefused):
+    with pytest.raises(ManifestRefused):
         other_trainer.set_manifest(MANIFEST)  # only the founder founds
 
 
 def test_a_configured_manifest_hash_refuses_every_other_manifest() -> None:
     other = dataclasses.replace(MANIFEST, model_hash="c" * 64)
-    state = replica(0, FakeClock(), authority=crdt.ManifestAuthority(manifest_hash=MANIFEST.hash))
+    state = replica(0, FakeClock(), authority=ManifestAuthority(manifest_hash=MANIFEST.hash))
     assert not state.merge(replica(1, FakeClock(T0 - 5)).set_manifest(other))
     assert state.merge(replica(2, FakeClock()).set_manifest(MANIFEST))
     assert state.manifest == MANIFEST

@@ -1,6 +1,7 @@
 """node.swarm: who is in the swarm and how to reach them (the daemon's side; no torch).
 
-    crdt.py        SwarmState, MemberState, ManifestAuthority: the swarm state as signed CRDTs
+    crdt.py        SwarmState, MemberState: the swarm state as signed CRDTs (the replica)
+    manifest_trust.py  ManifestAuthority: which run manifest this node adopts (founder, hash, first use)
     replicator.py  StateReplicator: that state replicated by gossip and anti-entropy
     nat.py         NatService: reachability, circuit relays, hole punching, the path to each peer
     membership.py  Membership: SWIM failure detection and piggy-backed dissemination, sans-io (issue #24;

@@ -31,7 +31,7 @@ rest of the swarm:
   first successful session (or, alone, after a short grace period), unless the configuration names
   another founder (``node.founder``) or another hash (``node.manifest_hash``); a node whose manifest
   differs from the swarm's reports it in :attr:`StateReplicator.manifest_error`. Which manifests are
-  adopted at all is the replica's :class:`node.swarm.crdt.ManifestAuthority`; every refused one is logged once
+  adopted at all is the replica's :class:`node.swarm.manifest_trust.ManifestAuthority`; every refused one is logged once
   with both hashes and its signer. With no founder configured, the first manifest held is pinned to
   ``HOME/manifest.pin`` (trust on first use), so that not even an empty state file lets another in.
 * **Sybil limits.** Every record merged carries a :class:`node.swarm.crdt.Delivery`: the peer that handed it
@@ -73,9 +73,7 @@ from node.status_schema import MemberStatus, ReplicaStatus, ReplicationStatus
 from node.swarm.crdt import (
     Delivery,
     Manifest,
-    ManifestMismatch,
     ManifestRecord,
-    ManifestRefused,
     MemberState,
     MemberView,
     RecordError,
@@ -83,6 +81,7 @@ from node.swarm.crdt import (
     StateFileError,
     SwarmState,
 )
+from node.swarm.manifest_trust import ManifestMismatch, ManifestRefused
 from p2p.fsutil import atomic_write_bytes
 from p2p.gossip import idontwant_for_large_messages_only, send_peer_record_once
 from p2p.limits import stop_receiving
