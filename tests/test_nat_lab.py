@@ -21,13 +21,9 @@ from libp2p.abc import IHost
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
 
-from node.swarm.nat import (
-    NatConfig,
-    NatService,
-    RelayRefused,
-    describe_punch_failure,
-    parse_circuit_addr,
-)
+from node.swarm.circuit import parse_circuit_addr
+from node.swarm.holepunch import describe_punch_failure
+from node.swarm.nat import NatConfig, NatService, RelayRefused
 from p2p.connmgr import ConnManager
 from p2p.host import build_host
 from protocols.dialback import DialStatus
@@ -201,7 +197,8 @@ from libp2p.peer.peerinfo import PeerInfo
 from p2p.addrs import parse_bootstrap
 from p2p.connmgr import ConnManager
 from p2p.host import build_host
-from node.swarm.nat import NatConfig, NatService, parse_circuit_addr
+from node.swarm.circuit import parse_circuit_addr
+from node.swarm.nat import NatConfig, NatService
 
 port, bootstrap, dial_file = int(sys.argv[1]), [b for b in sys.argv[2].split(",") if b], sys.argv[3]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from node.swarm.nat import short_id
+from node.swarm.circuit import short_id
 from starling_testing import netlab
 from starling_testing.daemon import PORT, PYTHON, ROOT, TINY_TRAIN, LabDaemon, path_to, start_daemon
 from starling_testing.netlab import Host, Lab, NatStyle

@@ -4,6 +4,8 @@
     manifest_trust.py  ManifestAuthority: which run manifest this node adopts (founder, hash, first use)
     replicator.py  StateReplicator: that state replicated by gossip and anti-entropy
     nat.py         NatService: reachability, circuit relays, hole punching, the path to each peer
+    circuit.py     parse_circuit_addr, connection_is_relayed: circuit relay v2's addresses and answers
+    holepunch.py   ReportingDCUtR: py-libp2p's DCUtR, with each punch's outcome and why it failed
     membership.py  Membership: SWIM failure detection and piggy-backed dissemination, sans-io (issue #24;
                    not wired into the daemon yet)
 

@@ -23,6 +23,11 @@ turn into a wrong ``/ip4/R/tcp/P/p2p/ME``); they are advertised by the daemon in
 instead. And the swarm never dials ``/p2p-circuit`` addresses (``Swarm.dial_peer`` drops them), so
 :meth:`NatService.dial` dials them itself through the relay and upgrades the relayed stream with
 Noise and yamux like any other connection.
+
+What is not the service's policy lives beside it: circuit addresses and HOP answers in
+node/swarm/circuit.py, the DCUtR hooks that report a punch's outcome in node/swarm/holepunch.py. Why the
+service stays one module, though long: the four parts share one view of the connections and each
+other's state (the verdict decides relay service and reservations, the punches and pings the paths).
 """
 
 from __future__ import annotations
@@ -33,17 +38,16 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import multiaddr
 import trio
-from libp2p.abc import IHost, INetConn, INetStream
+from libp2p.abc import IHost, INetStream
 from libp2p.connection_types import ConnectionType
 from libp2p.custom_types import TProtocol
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
@@ -54,6 +58,16 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from libp2p.tools.anyio_service import background_trio_service
 
 from node.status_schema import ConnectionPath, NatStatus, PeerPathStatus
+from node.swarm.circuit import (
+    connection_is_relayed,
+    hop_ok,
+    hop_status_name,
+    is_circuit_addr,
+    parse_circuit_addr,
+    short_id,
+    transport_part,
+)
+from node.swarm.holepunch import ReportingDCUtR, describe_punch_failure
 from p2p.connmgr import ConnManager
 from p2p.host import interface_ipv4_addrs
 from p2p.wire import LibP2PByteStream, ProtocolError, read_exactly
@@ -153,185 +167,6 @@ class NatConfig:
             max_reservations=self.relay_max_reservations,
             reservation_ttl=self.relay_reservation_ttl,
         )
-
-
-# --------------------------------------------------------------------------------------------------
-# Addresses and connections
-# --------------------------------------------------------------------------------------------------
-
-
-def is_circuit_addr(addr: multiaddr.Multiaddr | str) -> bool:
-    return "/p2p-circuit" in str(addr)
-
-
-def parse_circuit_addr(addr: multiaddr.Multiaddr | str) -> tuple[multiaddr.Multiaddr | None, ID, ID]:
-    """(relay transport address or None, relay id, destination id) of ``[<ma>]/p2p/R/p2p-circuit/p2p/D``.
-
-    Raises ValueError, quoting the address, for anything else.
-    """
-    text = str(addr)
-    try:
-        multiaddr.Multiaddr(text)  # validates every component, peer ids included
-    except Exception:
-        raise ValueError(f"{text!r} is not a valid multiaddr") from None
-    head, sep, tail = text.partition("/p2p-circuit")
-    if not sep or not tail.startswith("/p2p/") or tail.count("/") != 2 or "/p2p/" not in head:
-        raise ValueError(
-            f"{text!r} is not a circuit address (<relay>/p2p/<relay id>/p2p-circuit/p2p/<peer id>)"
-        )
-    transport, _, relay_text = head.rpartition("/p2p/")
-    try:
-        relay, dest = ID.from_base58(relay_text), ID.from_base58(tail[len("/p2p/") :])
-        relay_addr = multiaddr.Multiaddr(transport) if transport else None
-    except Exception:
-        raise ValueError(f"{text!r}: bad peer id or relay address") from None
-    return relay_addr, relay, dest
-
-
-def connection_is_relayed(conn: INetConn) -> bool:
-    """True for a connection that runs through a relay (its raw connection is a circuit stream)."""
-    try:
-        kind = conn.get_connection_type()
-    except Exception:
-        kind = ConnectionType.UNKNOWN
-    if kind == ConnectionType.RELAYED:
-        return True
-    if kind == ConnectionType.DIRECT:
-        return False
-    try:
-        return any(is_circuit_addr(a) for a in conn.get_transport_addresses())
-    except Exception:
-        return False
-
-
-def short_id(peer_id: ID | str) -> str:
-    text = str(peer_id)
-    return f"{text[:6]}..{text[-6:]}" if len(text) > 14 else text
-
-
-def _strip_p2p(addr: multiaddr.Multiaddr) -> multiaddr.Multiaddr | None:
-    """The transport part (/ip4|ip6/X/tcp/P) of a relay's advertised address, or None if unusable."""
-    text = str(addr)
-    if is_circuit_addr(text):
-        return None
-    base = text.split("/p2p/")[0]
-    parts = base.split("/")
-    if (
-        len(parts) != 5
-        or parts[1] not in ("ip4", "ip6")
-        or parts[3] != "tcp"
-        or parts[2] in ("0.0.0.0", "::")
-    ):
-        return None
-    try:
-        return multiaddr.Multiaddr(base)
-    except Exception:
-        return None
-
-
-def _status_ok(msg: HopMessage) -> bool:
-    return msg.type == HopMessage.STATUS and msg.HasField("status") and msg.status == StatusCode.OK
-
-
-def _status_name(msg: HopMessage) -> str:
-    """The relay's status code by name (NO_RESERVATION, RESOURCE_LIMIT_EXCEEDED, ...)."""
-    if not msg.HasField("status"):
-        return "no status in the answer"
-    try:
-        return StatusCode(msg.status).name
-    except ValueError:
-        return f"unknown status {msg.status}"
-
-
-_DIAL_FAILURE_TEXT = {
-    DialStatus.REFUSED: "answered with RST (the NAT refuses unsolicited connections)",
-    DialStatus.TIMEOUT: "did not answer (the NAT dropped our SYNs)",
-    DialStatus.UNREACHABLE: "is unreachable (no route)",
-}
-_DIAL_FAILURE_RANK = [DialStatus.REFUSED, DialStatus.TIMEOUT, DialStatus.UNREACHABLE, DialStatus.FAILED]
-
-
-def describe_punch_failure(peer_id: ID, errors: list[tuple[str, DialStatus, str]]) -> str:
-    """One sentence for an operator: which address failed how, with the most telling failure first."""
-    if not errors:
-        return f"hole punching to {short_id(peer_id)} failed: no direct address to try; staying relayed"
-    addr, status, detail = min(errors, key=lambda e: _DIAL_FAILURE_RANK.index(e[1]))
-    how = _DIAL_FAILURE_TEXT.get(status, f"failed ({detail})")
-    return f"hole punching to {short_id(peer_id)} failed: {addr} {how}; staying relayed"
-
-
-# --------------------------------------------------------------------------------------------------
-# DCUtR that reports what happened
-# --------------------------------------------------------------------------------------------------
-
-
-PunchCallback = Callable[[ID, bool, list[tuple[str, DialStatus, str]]], None]
-
-
-class ReportingDCUtR(DCUtRProtocol):
-    """py-libp2p's DCUtR, with each hole punch's outcome and per-address dial errors reported.
-
-    The library logs dial failures at debug level and returns a bare bool; an operator needs to know
-    *why* two peers stay relayed (a NAT answering with RST is a different fix from one dropping SYNs).
-    ``_perform_hole_punch`` and ``_dial_peer`` are the library's (0.8.1) hooks for exactly these steps;
-    the override of ``_dial_peer`` keeps the library's behaviour and adds the error record.
-    """
-
-    def __init__(self, host: IHost, on_punch: PunchCallback) -> None:
-        super().__init__(host, read_timeout=15, write_timeout=15, dial_timeout=5)
-        self.on_punch = on_punch
-        self.punching: set[ID] = set()  # a direct connection to these peers comes from a hole punch
-        self._errors: dict[ID, list[tuple[str, DialStatus, str]]] = {}
-
-    async def _perform_hole_punch(
-        self, peer_id: ID, addrs: list[multiaddr.Multiaddr], as_responder: bool = False
-    ) -> bool:
-        errors: list[tuple[str, DialStatus, str]] = []
-        self._errors[peer_id] = errors
-        self.punching.add(peer_id)
-        try:
-            ok = await super()._perform_hole_punch(peer_id, addrs, as_responder)
-        finally:
-            if self._errors.get(peer_id) is errors:
-                del self._errors[peer_id]
-                self.punching.discard(peer_id)
-        self.on_punch(peer_id, ok, errors[-32:])
-        return ok
-
-    async def _dial_peer(
-        self,
-        peer_id: ID,
-        addr: multiaddr.Multiaddr,
-        source: tuple[str, int] | None = None,
-        as_responder: bool = False,
-    ) -> None:
-        errors = self._errors.get(peer_id)
-        if errors is None:  # not part of a hole punch (e.g. the unilateral upgrade): library behaviour
-            await super()._dial_peer(peer_id, addr, source, as_responder)
-            return
-        peerstore = self.host.get_peerstore()
-        try:
-            known = list(peerstore.addrs(peer_id))
-        except Exception:
-            known = []
-        network: Any = self.host.get_network()
-        try:
-            with trio.fail_after(self.dial_timeout):
-                if as_responder:
-                    await network.dial_addr_as_responder(addr, peer_id, source)
-                else:
-                    await network.dial_addr(addr, peer_id, source)
-        except trio.TooSlowError:
-            errors.append((str(addr), DialStatus.TIMEOUT, f"no answer within {self.dial_timeout} s"))
-            return
-        except Exception as e:
-            errors.append((str(addr), *classify_dial_error(e)))
-            # A peer-id mismatch makes the swarm forget the peer's addresses; restore them (as the library does).
-            if "mismatch" in str(e).lower() and known:
-                peerstore.add_addrs(peer_id, known, 600)
-            return
-        if await self._verify_direct_connection(peer_id):
-            self._direct_connections.add(peer_id)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -537,9 +372,9 @@ class NatService:
                     stream, HopMessage(type=HopMessage.CONNECT, peer=CircuitPeerId(id=dest.to_bytes()))
                 )
                 resp = await read_delimited_msg(stream, HopMessage)
-                if not _status_ok(resp):
+                if not hop_ok(resp):
                     raise RelayRefused(
-                        f"relay {short_id(relay)} refused a circuit to {short_id(dest)}: {_status_name(resp)}"
+                        f"relay {short_id(relay)} refused a circuit to {short_id(dest)}: {hop_status_name(resp)}"
                     )
                 raw = RawConnection(
                     stream=stream,
@@ -826,12 +661,12 @@ class NatService:
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     await stream.close()
-        if not _status_ok(resp) or not resp.HasField("reservation"):
-            raise RelayRefused(f"relay {short_id(relay)} refused a reservation: {_status_name(resp)}")
+        if not hop_ok(resp) or not resp.HasField("reservation"):
+            raise RelayRefused(f"relay {short_id(relay)} refused a reservation: {hop_status_name(resp)}")
         addrs: list[multiaddr.Multiaddr] = []
         for raw in resp.reservation.addrs:
             try:
-                addr = _strip_p2p(multiaddr.Multiaddr(bytes(raw)))
+                addr = transport_part(multiaddr.Multiaddr(bytes(raw)))
             except Exception:
                 addr = None
             if addr is not None and str(addr) not in {str(a) for a in addrs}:
@@ -839,7 +674,7 @@ class NatService:
         if not addrs:  # fall back to the address we reach the relay at
             for conn in self.host.get_network().get_connections(relay):
                 for a in conn.get_transport_addresses():
-                    if (addr := _strip_p2p(a)) is not None:
+                    if (addr := transport_part(a)) is not None:
                         addrs.append(addr)
         if not addrs:
             raise RelayRefused(f"relay {short_id(relay)} gave no address to advertise")
