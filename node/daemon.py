@@ -53,14 +53,9 @@ from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
 from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
 from node.swarm.crdt import Manifest
-from node.swarm.manifest_trust import ManifestAuthority
+from node.swarm.manifest_trust import ManifestAuthority, ManifestPinError, read_manifest_pin
 from node.swarm.nat import NatConfig, NatService
-from node.swarm.replicator import (
-    ManifestPinError,
-    StateReplicator,
-    load_state,
-    read_manifest_pin,
-)
+from node.swarm.replicator import StateReplicator, load_state
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file

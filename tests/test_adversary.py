@@ -43,13 +43,8 @@ from node.swarm.crdt import (
     peer_id_of,
     sign_record,
 )
-from node.swarm.manifest_trust import ManifestAuthority
-from node.swarm.replicator import (
-    DeliveredReplica,
-    StateReplicator,
-    read_manifest_pin,
-    write_manifest_pin,
-)
+from node.swarm.manifest_trust import ManifestAuthority, read_manifest_pin, write_manifest_pin
+from node.swarm.replicator import DeliveredReplica, StateReplicator
 from node.worker.checkpoint import CheckpointStore
 from p2p.connmgr import PRUNE_GRACE_S, ConnManager
 from p2p.fsutil import tighten_private_folders

@@ -1,7 +1,8 @@
 """node.swarm: who is in the swarm and how to reach them (the daemon's side; no torch).
 
     crdt.py        SwarmState, MemberState: the swarm state as signed CRDTs (the replica)
-    manifest_trust.py  ManifestAuthority: which run manifest this node adopts (founder, hash, first use)
+    manifest_trust.py  ManifestAuthority: which run manifest this node adopts (founder, hash, first use);
+                   read_manifest_pin, write_manifest_pin: HOME/manifest.pin, what first use remembers
     replicator.py  StateReplicator: that state replicated by gossip and anti-entropy
     nat.py         NatService: reachability, circuit relays, hole punching, the path to each peer
     circuit.py     parse_circuit_addr, connection_is_relayed: circuit relay v2's addresses and answers

@@ -8,6 +8,9 @@ manifests the rule allows (all with one content, or all by one founder) the repl
 keeps the lowest HLC, so replicas still converge. Lowest HLC alone, as before, let a fresh key sign a
 manifest at HLC (0, 0) and take the swarm over.
 
+Trust on first use remembers that manifest in ``HOME/manifest.pin`` (:func:`read_manifest_pin`,
+:func:`write_manifest_pin`), per swarm, so that not even an empty state file lets another one in.
+
 Why a module apart from the replica: the replica merges whatever records it is given by a join; this is a
 trust policy with its own errors, :class:`ManifestRefused` (a manifest the rule does not allow) and
 :class:`ManifestMismatch` (this node's own manifest is not the swarm's), which the daemon and the
@@ -16,8 +19,11 @@ replicator report to the operator.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
+from p2p.fsutil import atomic_write_bytes
 from protocols.record import Manifest, ManifestRecord
 
 
@@ -100,3 +106,41 @@ class ManifestAuthority:
                     f"node.founder to the swarm founder's PeerID to make that explicit)"
                 )
         return None
+
+
+class ManifestPinError(Exception):
+    """``HOME/manifest.pin`` cannot be read; the operator decides (the daemon exits 2 with this line)."""
+
+
+def read_manifest_pin(path: Path, swarm: str) -> str:
+    """The manifest hash pinned for ``swarm`` in ``path`` ("" when there is none, or for another swarm)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError) as exc:
+        raise ManifestPinError(
+            f"{path}: cannot read the pinned run manifest ({getattr(exc, 'strerror', None) or exc}); delete "
+            f"it to trust the next manifest this node sees, or set node.founder"
+        ) from None
+    pins = data.get("pins") if isinstance(data, dict) else None
+    value = pins.get(swarm, "") if isinstance(pins, dict) else None
+    if not isinstance(value, str) or (value and not _is_sha256_hex(value)):
+        raise ManifestPinError(f"{path}: not a manifest pin file; delete it to trust the next manifest seen")
+    return value
+
+
+def write_manifest_pin(path: Path, swarm: str, manifest_hash: str) -> None:
+    """Pin ``manifest_hash`` for ``swarm`` (other swarms' pins are kept); 0600, atomic."""
+    try:
+        data = json.loads(path.read_text())
+        pins = data["pins"] if isinstance(data, dict) and isinstance(data.get("pins"), dict) else {}
+    except (OSError, ValueError):
+        pins = {}
+    pins[swarm] = manifest_hash
+    body = json.dumps({"format": "starling-manifest-pin", "pins": pins}, indent=1, sort_keys=True) + "\n"
+    atomic_write_bytes(path, body.encode(), mode=0o600)
+
+
+def _is_sha256_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)

@@ -31,9 +31,10 @@ rest of the swarm:
   first successful session (or, alone, after a short grace period), unless the configuration names
   another founder (``node.founder``) or another hash (``node.manifest_hash``); a node whose manifest
   differs from the swarm's reports it in :attr:`StateReplicator.manifest_error`. Which manifests are
-  adopted at all is the replica's :class:`node.swarm.manifest_trust.ManifestAuthority`; every refused one is logged once
-  with both hashes and its signer. With no founder configured, the first manifest held is pinned to
-  ``HOME/manifest.pin`` (trust on first use), so that not even an empty state file lets another in.
+  adopted at all is the replica's :class:`node.swarm.manifest_trust.ManifestAuthority`; every refused
+  one is logged once with both hashes and its signer. With no founder configured, the first manifest
+  held is pinned to ``HOME/manifest.pin`` (trust on first use, node/swarm/manifest_trust.py), so that
+  not even an empty state file lets another in.
 * **Sybil limits.** Every record merged carries a :class:`node.swarm.crdt.Delivery`: the peer that handed it
   over and the network group (/24, /48) its connection comes from, for the replica's per-subnet limits.
 * **Persistence.** The replica is saved atomically every ``save_s`` and on stop; :func:`load_state`
@@ -41,12 +42,16 @@ rest of the swarm:
   its own (see :meth:`node.swarm.crdt.SwarmState.own_record_superseded`).
 * **Graceful stop.** On cancellation the node publishes its departure (``left``), waits briefly for it
   to go out, and saves. That part is shielded from the cancellation and bounded in time.
+
+Why one module, though long: gossip and anti-entropy are one job, keeping one replica in step, and lean on
+each other: gossip from a peer that has not passed a session is limited and starts one, a session's
+verdict decides whose gossip is merged, and both report into the same statistics and incompatible-peer
+memory. The manifest's trust rule and its pin file are node/swarm/manifest_trust.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import random
@@ -81,8 +86,7 @@ from node.swarm.crdt import (
     StateFileError,
     SwarmState,
 )
-from node.swarm.manifest_trust import ManifestMismatch, ManifestRefused
-from p2p.fsutil import atomic_write_bytes
+from node.swarm.manifest_trust import ManifestMismatch, ManifestRefused, write_manifest_pin
 from p2p.gossip import idontwant_for_large_messages_only, send_peer_record_once
 from p2p.limits import stop_receiving
 from p2p.netgroup import group_of, peer_ip, stream_ip
@@ -138,44 +142,6 @@ def load_state(path: Path, me: KeyPair, **kwargs: Any) -> SwarmState:
                 "%s; could not move it aside (%s); starting with an empty view", exc, move_error.strerror
             )
         return SwarmState(me, **kwargs)
-
-
-class ManifestPinError(Exception):
-    """``HOME/manifest.pin`` cannot be read; the operator decides (the daemon exits 2 with this line)."""
-
-
-def read_manifest_pin(path: Path, swarm: str) -> str:
-    """The manifest hash pinned for ``swarm`` in ``path`` ("" when there is none, or for another swarm)."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return ""
-    except (OSError, ValueError) as exc:
-        raise ManifestPinError(
-            f"{path}: cannot read the pinned run manifest ({getattr(exc, 'strerror', None) or exc}); delete "
-            f"it to trust the next manifest this node sees, or set node.founder"
-        ) from None
-    pins = data.get("pins") if isinstance(data, dict) else None
-    value = pins.get(swarm, "") if isinstance(pins, dict) else None
-    if not isinstance(value, str) or (value and not _is_sha256_hex(value)):
-        raise ManifestPinError(f"{path}: not a manifest pin file; delete it to trust the next manifest seen")
-    return value
-
-
-def write_manifest_pin(path: Path, swarm: str, manifest_hash: str) -> None:
-    """Pin ``manifest_hash`` for ``swarm`` (other swarms' pins are kept); 0600, atomic."""
-    try:
-        data = json.loads(path.read_text())
-        pins = data["pins"] if isinstance(data, dict) and isinstance(data.get("pins"), dict) else {}
-    except (OSError, ValueError):
-        pins = {}
-    pins[swarm] = manifest_hash
-    body = json.dumps({"format": "starling-manifest-pin", "pins": pins}, indent=1, sort_keys=True) + "\n"
-    atomic_write_bytes(path, body.encode(), mode=0o600)
-
-
-def _is_sha256_hex(text: str) -> bool:
-    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 class DeliveredReplica:
