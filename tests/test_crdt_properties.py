@@ -65,7 +65,7 @@ def _record_for(draw: st.DrawFn, kind: str, author: int) -> SignedRecord:
         record = CounterRecord(pid, hlc, samples=draw(st.integers(0, 3)), tokens=draw(st.integers(0, 3)))
     else:
         # One content, any signer: a replica adopts no manifest but the first content it held (trust on
-        # first use, node/swarm/crdt.py), and among equal contents the join must converge.
+        # first use, node/swarm/manifest_trust.py), and among equal contents the join must converge.
         record = ManifestRecord(pid, hlc, "lm", "m" * 64, "o" * 64, 1)
     return sign_record(record, AUTHORS[author])
 
