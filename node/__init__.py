@@ -14,8 +14,8 @@ bridge; nothing on the daemon's side imports worker/, the only room that loads t
     averaging/  the daemon's side of an outer step: averager, pairing, partner misses, bounds, late join
     bridge/     the torch-free daemon <-> worker contract: supervisor, messages, shared memory, the
                 exchange, the checkpoint file, a worker group's processes
-    worker/     the torch worker process (`python -m node.worker`): trainer, group, outer step, task,
-                checkpoints, export
+    worker/     the torch worker process (`python -m node.worker`): its loop, trainer, group, outer
+                step, task, checkpoints, export
     ops/        the operator's side: control socket, lock, logs, metrics, status view, doctor, systemd
                 notify, loss history and plot, the launcher and `make run`'s local swarm
     tasks/      the built-in tasks (stdlib_lm, hf_causal_lm), run in the worker; at node/'s top because
