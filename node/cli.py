@@ -253,7 +253,7 @@ def cmd_swarm_key(args: argparse.Namespace) -> int:
 # --- run --------------------------------------------------------------------------------------------------
 
 
-def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
+def run_overrides(args: argparse.Namespace) -> dict[str, Any]:
     o: dict[str, Any] = _parse_set(args.set)
     if args.listen is not None:
         o["node.listen"] = args.listen
@@ -287,7 +287,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     home = resolve_home(args.home)
     identity_path = Home(home).identity
     try:
-        overrides = _run_overrides(args)
+        overrides = run_overrides(args)
         if not home.is_dir():
             home.mkdir(parents=True)
             os.chmod(home, 0o700)  # as `init` makes it: the identity key and the swarm key live here

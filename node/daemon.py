@@ -19,7 +19,6 @@ import errno
 import functools
 import hashlib
 import logging
-import math
 import socket
 import time
 from collections.abc import Iterable
@@ -42,6 +41,7 @@ from node.averaging.latejoin import (
     progress_view,
     snapshot_source,
 )
+from node.averaging.stepping import outer_period_s, swarm_pace
 from node.averaging.swarm_view import AveragerHooks
 from node.config.home import Home
 from node.config.load import Config, write_run_config
@@ -92,7 +92,6 @@ SUBNET_REFUSAL_KINDS = {
 
 HISTORY_SAVE_S = 30.0
 DONOR_ADDR_TTL_S = 600  # how long a late-join donor's addresses (from its record) stay in the peerstore
-MAX_SPEEDUP = 64.0  # the fastest trainer the pace believes in, relative to this machine
 
 
 def _record_addrs(texts: Iterable[str]) -> list[multiaddr.Multiaddr]:
@@ -404,42 +403,22 @@ class Daemon:
         ]
 
     def _pace(self) -> float:
-        """Seconds between two outer steps for every trainer of the swarm: H inner steps of the fastest
-        trainer we know (its `samples_per_s`, measured over whole outer steps), so the fastest takes about H
-        and slower machines fewer in the same time (node/worker/trainer.py, `publish_due`). 0 (every H inner steps
-        of this machine) with `sync.pace = steps` or before any speed is known. Batch sizes are assumed
-        equal across the swarm (they are part of one run's settings); a worker group's inner step covers
-        `local_ranks` batches, and its samples/s counts them all. With no possible partner, 0 too: a lone
-        trainer takes exactly H inner steps per outer step."""
+        """Seconds between two outer steps for every trainer of the swarm (`stepping.swarm_pace`, from the
+        speeds of the possible partners' records and ours); 0 (every H inner steps of this machine) with
+        `sync.pace = steps`. A worker group's inner step covers `local_ranks` batches, and its samples/s
+        counts them all."""
         if self.cfg.sync.pace != "swarm":
             return 0.0
-        others = [m.record.samples_per_s for m in self._possible_partners()]
-        if not others:
-            # Alone: no phase to share, and H is honoured. A lone trainer paced by its own smoothed speed
-            # did 25-47 inner steps per outer step at H = 50 (its evaluations and checkpoints take time).
-            return 0.0
-        own = float(self._training().get("samples_per_s") or 0.0)
-        speeds = [own, *others]
-        fastest = max((v for v in speeds if math.isfinite(v)), default=0.0)
-        if own > 0:
-            # A record is a claim: no trainer is taken as more than MAX_SPEEDUP times faster than we are, so
-            # no member can make everyone publish after every inner step.
-            fastest = min(fastest, own * MAX_SPEEDUP)
-        if fastest <= 0:
-            return 0.0
-        return self.cfg.train.inner_steps * self.cfg.train.batch_size * self.cfg.train.local_ranks / fastest
+        train = self.cfg.train
+        return swarm_pace(float(self._training().get("samples_per_s") or 0.0),
+                          [m.record.samples_per_s for m in self._possible_partners()],
+                          train.inner_steps * train.batch_size * train.local_ranks)
 
     def _outer_period_s(self) -> float:
-        """Compute seconds of one of our outer steps, for `sync.compression = auto` (node/averaging/compression_choice.py):
-        the pace where there is one, else H inner steps at this machine's measured speed (`sync.pace =
-        steps`); 0 before any speed is known."""
-        pace = self._pace()
-        if pace > 0:
-            return pace
-        own = float(self._training().get("samples_per_s") or 0.0)
-        if not own > 0 or not math.isfinite(own):
-            return 0.0
-        return self.cfg.train.inner_steps * self.cfg.train.batch_size * self.cfg.train.local_ranks / own
+        """Compute seconds of one of our outer steps, for `sync.compression = auto` (`stepping.outer_period_s`)."""
+        train = self.cfg.train
+        return outer_period_s(self._pace(), float(self._training().get("samples_per_s") or 0.0),
+                              train.inner_steps * train.batch_size * train.local_ranks)
 
     def _trainer_speeds(self) -> dict[str, float]:
         """Samples/s of the trainers we could pair with, and ours (for the pairing schedule's speed tiers)."""

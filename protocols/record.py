@@ -349,7 +349,7 @@ def _record_from_wire(m: Mapping[Any, Any]) -> Record:
     return cls(**values)  # type: ignore[arg-type]
 
 
-def _record_to_wire(record: Record) -> dict[str, object]:
+def record_to_wire(record: Record) -> dict[str, object]:
     wire: dict[str, object] = {"v": FORMAT_VERSION, "kind": record.kind}
     for f in dataclasses.fields(record):
         value = getattr(record, f.name)
@@ -375,7 +375,7 @@ def _pack(obj: object) -> bytes:
 
 def encode_body(record: Record) -> bytes:
     """The canonical body bytes of a record: what is signed and hashed."""
-    return _pack(_record_to_wire(record))
+    return _pack(record_to_wire(record))
 
 
 def decode_body(body: bytes) -> Record:

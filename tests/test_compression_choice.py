@@ -7,14 +7,11 @@ and 0.08 MB under `high`; rates are bytes/s each way, as node/averaging/averager
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from node.averaging.compression_choice import RELAX_SHARE, STRETCH, choose_compression, transfer_s
+from node.averaging.stepping import outer_period_s
 from node.config.sync import SyncConfig
-from node.config.train import TrainConfig
-from node.daemon import Daemon
 from protocols.compress import PRESETS
 
 NUMEL = 1_000_000
@@ -82,16 +79,12 @@ def test_auto_is_the_default_and_is_valid_with_any_group_size() -> None:
 def test_the_daemon_gives_auto_the_pace_or_else_h_inner_steps_at_its_own_speed() -> None:
     """The period `auto` weighs a transfer against: the swarm's pace where there is one; with `sync.pace =
     steps` (no pace) H inner steps at this machine's measured samples/s; 0 (unknown) before any speed."""
-    train = TrainConfig(inner_steps=50, batch_size=8)
-
-    def period(pace: float, samples_per_s: float | None) -> float:
-        node = SimpleNamespace(_pace=lambda: pace, _training=lambda: {"samples_per_s": samples_per_s},
-                               cfg=SimpleNamespace(train=train))
-        return Daemon._outer_period_s(node)  # type: ignore[arg-type]
+    def period(pace: float, samples_per_s: float) -> float:
+        return outer_period_s(pace, samples_per_s, 50 * 8)
 
     assert period(4.6, 80.0) == 4.6
     assert period(0.0, 80.0) == pytest.approx(50 * 8 / 80.0)
-    assert period(0.0, None) == 0.0
+    assert period(0.0, 0.0) == 0.0
     assert period(0.0, float("nan")) == 0.0
 
 

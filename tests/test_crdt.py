@@ -32,7 +32,7 @@ from node.swarm.crdt import (
 )
 from node.swarm.manifest_trust import ManifestAuthority, ManifestMismatch, ManifestRefused
 from protocols.hlc import MAX_LOGICAL, ClockSkewError, HybridLogicalClock, Timestamp
-from protocols.record import _record_to_wire
+from protocols.record import record_to_wire
 
 # Key generation is cheap but deterministic keys make failures reproducible.
 KEYS: list[KeyPair] = [create_new_key_pair(bytes([i + 1]) * 32) for i in range(8)]
@@ -67,7 +67,7 @@ def signed_envelope(body: bytes, key: KeyPair) -> bytes:
 
 
 def member_wire(**overrides: Any) -> dict[str, Any]:
-    wire = _record_to_wire(MemberRecord(PIDS[0], Timestamp(1, 0)))
+    wire = record_to_wire(MemberRecord(PIDS[0], Timestamp(1, 0)))
     wire.update(overrides)
     return wire
 

@@ -187,13 +187,13 @@ def compose_service(name: str) -> tuple[list[str], list[str], dict[str, str]]:
 def test_the_bootstrap_s_metrics_listen_where_the_published_port_reaches_them() -> None:
     """`curl localhost:9100` on the host: the container must bind the metrics on all its interfaces (its own
     127.0.0.1 is unreachable through a published port), while the host side stays on loopback."""
-    from node.cli import _run_overrides, build_parser
+    from node.cli import build_parser, run_overrides
     from node.config.load import load_config
 
     command, ports, compose_env = compose_service("bootstrap")
     command = [c.replace("${STARLING_SWARM:-starling}", "starling") for c in command]
     environ = {**dockerfile_env(), **compose_env}
-    cfg = load_config(None, environ=environ, overrides=_run_overrides(build_parser().parse_args(command)))
+    cfg = load_config(None, environ=environ, overrides=run_overrides(build_parser().parse_args(command)))
 
     assert cfg.node.metrics_port == 9100
     assert cfg.node.metrics_host == "0.0.0.0"

@@ -10,7 +10,6 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -283,21 +282,13 @@ def test_a_handshake_cause_older_than_the_failed_dial_is_not_reported() -> None:
 def test_a_lone_trainer_takes_h_inner_steps_and_the_swarms_pace_applies_once_a_partner_exists() -> None:
     """A lone trainer paced by its own smoothed speed did 25-47 inner steps per outer step at H = 50: with no
     possible partner the daemon sets no pace (the worker then publishes every H inner steps)."""
-    from node.config.sync import SyncConfig
-    from node.config.train import TrainConfig
-    from node.daemon import Daemon
+    from node.averaging.stepping import swarm_pace
 
-    train = TrainConfig(inner_steps=50, batch_size=8)
-
-    def pace(partner_speeds: list[float], mode: str = "swarm") -> float:
-        node = SimpleNamespace(
-            cfg=SimpleNamespace(sync=SyncConfig(pace=mode), train=train),
-            _training=lambda: {"samples_per_s": 80.0},
-            _possible_partners=lambda: [SimpleNamespace(record=SimpleNamespace(samples_per_s=v)) for v in partner_speeds],
-        )
-        return Daemon._pace(node)  # type: ignore[arg-type]
+    def pace(partner_speeds: list[float]) -> float:
+        return swarm_pace(80.0, partner_speeds, 50 * 8)
 
     assert pace([]) == 0.0
     assert pace([100.0]) == pytest.approx(50 * 8 / 100.0)  # H inner steps of the fastest trainer
-    assert pace([100.0], mode="steps") == 0.0
+    assert pace([1e9]) == pytest.approx(50 * 8 / (80.0 * 64))  # a claimed speed is believed up to 64x ours
+    assert pace([float("nan")]) == pytest.approx(50 * 8 / 80.0)
 

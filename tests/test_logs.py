@@ -15,7 +15,7 @@ import trio
 from test_averaging import pair, request
 
 from node.config.sync import SyncConfig
-from node.ops.logs import SUMMARY_EVERY_S, JournalFormatter, Libp2pFilter, _libp2p_dir, log_summary_loop
+from node.ops.logs import SUMMARY_EVERY_S, JournalFormatter, Libp2pFilter, libp2p_dir, log_summary_loop
 from starling_testing.averaging import exchange_both, group_sizes
 from starling_testing.daemon import STARLING
 
@@ -94,11 +94,11 @@ def test_py_libp2p_warnings_are_shown_only_at_debug_even_when_it_is_imported_lat
     # last-resort handler at every level. One of its modules logs through the root logger itself.
     code = (
         "import logging, os\n"
-        "from node.ops.logs import setup_logging, _libp2p_dir\n"
+        "from node.ops.logs import setup_logging, libp2p_dir\n"
         f"setup_logging({level!r})\n"
         "import libp2p\n"
         "logging.getLogger('libp2p.network.swarm').warning('late import warning')\n"
-        "path = os.path.join(_libp2p_dir(), 'network', 'connection', 'swarm_connection.py')\n"
+        "path = os.path.join(libp2p_dir(), 'network', 'connection', 'swarm_connection.py')\n"
         "logging.root.handle(logging.root.makeRecord('root', logging.WARNING, path, 1, 'root call', (), None))\n"
         "logging.getLogger('starling.z').warning('ours')\n"
     )
@@ -115,7 +115,7 @@ def test_py_libp2p_warnings_are_shown_only_at_debug_even_when_it_is_imported_lat
 
 
 def test_libp2p_filter_leaves_other_root_records_alone() -> None:
-    filt = Libp2pFilter(logging.CRITICAL, _libp2p_dir())
+    filt = Libp2pFilter(logging.CRITICAL, libp2p_dir())
     ours = logging.LogRecord("root", logging.WARNING, __file__, 1, "x", None, None)
     assert filt.filter(ours) and ours.name == "root"
 

@@ -104,7 +104,7 @@ def test_a_join_through_a_seed_reaches_everyone_and_the_joiner_learns_everyone()
     # ... by many members, not the seed alone (its load must not grow with N per joiner).
     assert net.nodes[ids[17]].counters["pages_served"] < pages / 2
     # The table it was handed is not news: its queue holds its own announcement, not 40 others'.
-    assert len(net.nodes[joiner]._queue) < 5
+    assert net.nodes[joiner].queued_news() < 5
 
 
 def test_a_member_that_missed_a_joins_gossip_learns_of_it_from_the_joiners_probe() -> None:
@@ -126,10 +126,11 @@ def test_a_member_that_missed_a_joins_gossip_learns_of_it_from_the_joiners_probe
 def test_confirmations_of_a_suspicion_count_and_travel_on_only_up_to_k() -> None:
     node = _node(members=30, suspicion_mult=4)  # k = 2
     node.receive(1.0, Ping(1, 1, 0, (Suspect(9, 0, 1),)))
-    first = node._suspicions[9].deadline
+    first, _ = node.suspicion(9) or (0.0, 0)
     for accuser in range(2, 8):
         node.receive(1.0, Ping(accuser, accuser, 0, (Suspect(9, 0, accuser),)))
-    assert len(node._suspicions[9].accusers) == 3 and node._suspicions[9].deadline < first
+    deadline, accusers = node.suspicion(9) or (0.0, 0)
+    assert accusers == 3 and deadline < first
 
 
 def test_progress_reaches_every_member_and_a_newer_version_replaces_it() -> None:

@@ -328,9 +328,9 @@ def test_at_scale_like_speeds_pair_in_the_tiered_share_and_views_one_member_apar
 def test_the_trie_matches_every_entry_once_even_when_keys_collide(keyed: list[tuple[int, str]]) -> None:
     """Keys of 3 bits collide often (64-bit hashes practically never): equal keys pair in name order, and
     the result is still a perfect matching with one leftover exactly when the count is odd."""
-    from node.averaging.pairing import _trie_matching
+    from node.averaging.pairing import trie_matching
 
-    pairs, leftover = _trie_matching(keyed)
+    pairs, leftover = trie_matching(keyed)
     matched = [n for pair in pairs for n in pair] + ([leftover] if leftover is not None else [])
     assert sorted(matched) == sorted(n for _, n in keyed)
     assert (leftover is not None) == (len(keyed) % 2 == 1)

@@ -15,7 +15,7 @@ import torch
 
 from node.config.load import ConfigError, load_config, render_config_file, unknown_environment
 from node.config.train import TrainConfig
-from node.worker.task import TaskContext, TaskError, _digest, model_hash, resolve_precision
+from node.worker.task import TaskContext, TaskError, fingerprint_digest, model_hash, resolve_precision
 from node.worker.trainer import Trainer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -98,7 +98,7 @@ def test_shared_task_options_are_in_the_model_hash_and_local_ones_are_not() -> N
     assert model_hash(task, {"data": "/a", "hidden": 1}) == model_hash(task, {"data": "/b", "hidden": 1})
     assert model_hash(task, {"hidden": 1}) != model_hash(task, {"hidden": 2})
     # Without options the hash is the one before [task] existed: old checkpoints and swarms keep theirs.
-    assert model_hash(task, {"data": "/a"}) == model_hash(task) == _digest({"task": "fake", "fingerprint": {"width": 8}})
+    assert model_hash(task, {"data": "/a"}) == model_hash(task) == fingerprint_digest({"task": "fake", "fingerprint": {"width": 8}})
 
 
 def test_the_trainer_hashes_the_task_options_it_was_given(tmp_path: Path, examples_on_path: None) -> None:
@@ -280,9 +280,9 @@ def test_the_default_task_refuses_task_options_it_would_ignore(tmp_path: Path) -
 
 
 def test_doctor_does_not_call_task_variables_typos() -> None:
-    from node.ops.doctor_local import _check_environment
+    from node.ops.doctor_local import check_environment
 
-    findings = _check_environment({"STARLING_TASK_DATA": "/srv/text", "STARLING_TRAIN_LRR": "1"})
+    findings = check_environment({"STARLING_TASK_DATA": "/srv/text", "STARLING_TRAIN_LRR": "1"})
     assert [f.message for f in findings] == ["environment variable STARLING_TRAIN_LRR is not an option and is ignored"]
 
 

@@ -129,7 +129,7 @@ def _tier_code(tier: int) -> int:
     return 0 if tier == UNKNOWN_TIER else 128 + tier
 
 
-def _trie_matching(keyed: Iterable[tuple[int, str]]) -> tuple[list[tuple[str, str]], str | None]:
+def trie_matching(keyed: Iterable[tuple[int, str]]) -> tuple[list[tuple[str, str]], str | None]:
     """The pairs of the binary trie of the keys, matched bottom-up, and the leftover (None when the count
     is even). Each pair is (the smaller key's name, the larger's).
 
@@ -186,7 +186,7 @@ def schedule(members: Iterable[str], round_no: int,
     keys = _keys(names, "round", round_no)
     if _tiered(round_no):
         keys = {n: (_tier_code(speed_tier((speeds or {}).get(n))) << KEY_BITS) | k for n, k in keys.items()}
-    pairs, bye = _trie_matching((k, n) for n, k in keys.items())
+    pairs, bye = trie_matching((k, n) for n, k in keys.items())
     if bye is not None and len(names) <= BYE_ROTATION_MAX:
         # The rotation's bye steps out of its pair, and the trie's leftover takes its place: three
         # partners move, not the whole trie (as leaving the bye out of the trie would move its root path).
@@ -204,7 +204,7 @@ def schedule(members: Iterable[str], round_no: int,
     for a, b in pairs:
         first[a], first[b] = b, a
     pair_of = {a: (a, b) for a, b in pairs}
-    groups, alone = _trie_matching((keys[a], a) for a, _ in pairs)
+    groups, alone = trie_matching((keys[a], a) for a, _ in pairs)
     for x, y in groups:
         (a, b), (c, d) = pair_of[x], pair_of[y]
         second[a], second[c], second[b], second[d] = c, a, d, b

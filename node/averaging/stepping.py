@@ -8,15 +8,54 @@ follows the inner step), so moving it is safe. Three rules, each a pure function
 - `follow_the_swarm`: a node fallen more than half the gap behind the swarm jumps to the swarm's count.
 - `phase_shift`: a node that found nobody ready moves its next publish towards the phase of the trainers
   that were between outer steps (node/averaging/averager.py's docstring says why).
+
+And the pace itself, `swarm_pace`: the seconds between two outer steps that every trainer of the swarm
+keeps, from the speeds the trainers claim; `outer_period_s`: the compute time of one of our outer steps.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections.abc import Mapping
 
 log = logging.getLogger("starling.averager")
+
+MAX_SPEEDUP = 64.0  # the fastest trainer the pace believes in, relative to this machine
+
+
+def swarm_pace(own_speed: float, partner_speeds: list[float], samples_per_outer_step: int) -> float:
+    """Seconds between two outer steps for every trainer of the swarm: `samples_per_outer_step` (H inner
+    steps of one batch each, times a worker group's ranks) at the speed of the fastest trainer we know
+    (samples/s, measured over whole outer steps), so the fastest takes about H inner steps and slower
+    machines fewer in the same time (node/worker/trainer.py, `publish_due`). Batch sizes are assumed equal
+    across the swarm (they are part of one run's settings).
+
+    0 (every H inner steps of this machine) with no possible partner: a lone trainer has no phase to share
+    and honours H (paced by its own smoothed speed it did 25-47 inner steps per outer step at H = 50, its
+    evaluations and checkpoints taking time); 0 too before any speed is known."""
+    if not partner_speeds:
+        return 0.0
+    fastest = max((v for v in (own_speed, *partner_speeds) if math.isfinite(v)), default=0.0)
+    if own_speed > 0:
+        # A record is a claim: no trainer is taken as more than MAX_SPEEDUP times faster than we are, so
+        # no member can make everyone publish after every inner step.
+        fastest = min(fastest, own_speed * MAX_SPEEDUP)
+    if fastest <= 0:
+        return 0.0
+    return samples_per_outer_step / fastest
+
+
+def outer_period_s(pace: float, own_speed: float, samples_per_outer_step: int) -> float:
+    """Compute seconds of one of our outer steps, what `sync.compression = auto` weighs a transfer against
+    (node/averaging/compression_choice.py): the swarm's pace where there is one, else
+    `samples_per_outer_step` at this machine's measured speed; 0 before any speed is known."""
+    if pace > 0:
+        return pace
+    if not own_speed > 0 or not math.isfinite(own_speed):
+        return 0.0
+    return samples_per_outer_step / own_speed
 
 
 def group_outer_step(ours: int, theirs: int | None, max_gap: int) -> int:

@@ -209,7 +209,7 @@ def check_config(
 
     `overrides` are doctor's own command-line options (`--bootstrap`, ...), applied as `run` applies them."""
     path = Home(home).config
-    findings = _check_environment(environ)
+    findings = check_environment(environ)
     try:
         cfg = load_config(home if home.is_dir() else None, environ=dict(environ), overrides=dict(overrides or {}))
     except ConfigError as e:
@@ -223,7 +223,7 @@ def check_config(
     return findings, cfg
 
 
-def _check_environment(environ: Mapping[str, str]) -> list[Finding]:
+def check_environment(environ: Mapping[str, str]) -> list[Finding]:
     """STARLING_<SECTION>_<OPTION> variables that name no option: load_config ignores them silently."""
     options = _option_types()
     findings = []

@@ -74,7 +74,7 @@ class JournalFormatter(logging.Formatter):
         return f"<{syslog_priority(record.levelno)}>{text}"
 
 
-def _libp2p_dir() -> str | None:
+def libp2p_dir() -> str | None:
     """py-libp2p's package directory, found without importing it (the worker never needs libp2p)."""
     try:
         spec = importlib.util.find_spec("libp2p")
@@ -115,7 +115,7 @@ def setup_logging(level: str = "info", *, environ: Mapping[str, str] | None = No
     else:
         handler.setFormatter(logging.Formatter(FORMAT, datefmt="%Y-%m-%dT%H:%M:%S"))
     lib_threshold = logging.WARNING if numeric <= logging.DEBUG else logging.CRITICAL
-    handler.addFilter(Libp2pFilter(lib_threshold, _libp2p_dir()))
+    handler.addFilter(Libp2pFilter(lib_threshold, libp2p_dir()))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

@@ -406,6 +406,16 @@ class Membership:
                 if self._state[pid] == UNKNOWN:
                     self._set(pid, ALIVE, 0, now)
 
+    def queued_news(self) -> int:
+        """How many updates wait in the broadcast queue (each still to ride on some messages)."""
+        return len(self._queue)
+
+    def suspicion(self, member: int) -> tuple[float, int] | None:
+        """The running suspicion of `member`: (when it turns into death, how many members accused it), or
+        None when it is not suspect."""
+        s = self._suspicions.get(member)
+        return None if s is None else (s.deadline, len(s.accusers))
+
     def state_of(self, pid: int) -> int:
         return self._state[pid] if pid < len(self._state) else UNKNOWN
 

@@ -239,7 +239,9 @@ def param_layout(model: torch.nn.Module) -> Layout:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
 
 
-def _digest(obj: Any) -> str:
+def fingerprint_digest(obj: Any) -> str:
+    """The hex SHA-256 of `obj`'s canonical JSON (sorted keys, no spaces): what the model and layout hashes
+    are, so that every peer computes them alike from the same values."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -257,10 +259,10 @@ def model_hash(task: Task, options: Mapping[str, Any] | None = None) -> str:
     shared = shared_options(task, options or {})
     if shared:
         body["options"] = shared
-    return _digest(body)
+    return fingerprint_digest(body)
 
 
 def layout_hash(layout: Layout) -> str:
     """Hash of parameter names and shapes: a cheap check that flat vectors line up between peers."""
-    return _digest([[name, list(shape)] for name, shape in layout])
+    return fingerprint_digest([[name, list(shape)] for name, shape in layout])
 
