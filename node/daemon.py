@@ -11,6 +11,12 @@ departure and saves the state), and the libp2p host is closed only after the who
 those goodbyes still reach the peers. (Cancelling `run` from outside instead would cancel the host's own
 tasks too: a connection still being set up is then closed under the goodbye, and the peers learn of the
 departure only by suspicion.)
+
+Why one module, though long: its one job is the node's lifetime, building the components in order,
+running them in the nursery and answering their questions from the state that only the daemon holds (the
+worker's status, the replica, the connections); the answers are thin filters (`AveragerSwarm` at the
+end), a rule that is more than a filter lives beside what uses it (the pace in node/averaging/stepping.py),
+and what would move out with the answers is the state they read.
 """
 
 from __future__ import annotations

@@ -74,6 +74,10 @@ than a materialised shuffled list: about 21 bytes per member held, and no Python
 The core is plain synchronous code: no trio, no libp2p, no clock (``now`` is passed in), randomness from
 an injected ``random.Random``. ``tick(now)`` and ``receive(now, message)`` return the messages to send as
 ``(destination id, message)`` pairs; ``next_wakeup()`` says when ``tick`` must run next.
+
+Why one module, though long: probing, suspicion, dissemination, joins and push-pull are one state machine
+over one member table, each reading and changing the same columns and queues; the wire messages live in
+:mod:`protocols.swim` and the transport in the daemon, so what is here is that one job.
 """
 
 from __future__ import annotations
