@@ -175,10 +175,12 @@ class Daemon:
         # Peers that overrun a stream's receive window (p2p/limits.py): their connection is closed, and the
         # averager counts each overrun as an offence (repeated ones ban the peer from averaging).
         self.muxer_offences = MuxerOffences()
+        # The host's hard limit; the connection manager makes room below it for newcomers (p2p/connmgr.py).
+        max_connections = node.max_peers * 2
         self.host = build_host(
             key_pair,
             announce=announce,
-            max_connections=node.max_peers * 2,
+            max_connections=max_connections,
             dial_timeout=node.dial_timeout,
             psk=psk,
             muxer_offences=self.muxer_offences,
@@ -194,6 +196,7 @@ class Daemon:
             self.host,
             target=node.target_peers,
             cap=node.max_peers,
+            limit=max_connections,
             dial_timeout=node.dial_timeout,
             max_per_subnet=node.max_conns_per_subnet,
             explain=lambda peer, since: self.access.explain_dial(str(peer), since),

@@ -19,6 +19,20 @@ restarted) is redialed with the same back-off as a failed dial, not at the next 
 full bootstrap node's cap redialed it twice a second, each time a Noise handshake on both sides.
 The hard ceiling is the host's own connection limit (2 x `cap` in p2p/host.py).
 
+At the host's limit (`limit`, 2 x `cap` by default as in node/daemon.py) the host refuses every inbound
+connection before its handshake, and a newcomer that knows only this node learns nothing. So there the grace
+period is cut to `CROWDED_GRACE_S` (enough for the first state session), and the oldest connections in
+their grace are closed until one slot is free: with 12 daemons at `max_peers` 2 the bootstrap node's two
+spare slots were each held for the full 30 s while nine others were refused, backing off to a minute.
+And a node with no connection at all retries its bootstrap peers at least every `ISOLATED_RETRY_S`: a
+refusal costs the refusing host a TCP accept and close, and a stranded node has nothing else to try.
+
+Bootstrap peers are dialed first while the node is below its target, and with the target met only every
+`BOOTSTRAP_REFRESH_S` (how two islands of a partitioned swarm find each other again). Redialing them
+whenever the connection was gone, as this did before, kept every member coming back to the bootstrap node
+it had outgrown: each return took one of its connection slots for a grace period, and with 12 daemons at
+`max_peers` 2 the bootstrap node was at its host limit whenever a newcomer, who knows no one else, tried.
+
 Sybil limits: at most `max_per_subnet` connections come from one network group (IPv4 /24, IPv6 /48, as
 observed on the connection; loopback exempt), so that a thousand fresh identities from one machine
 cannot take every connection slot; the newest connections of a crowded group are closed first, and
@@ -51,8 +65,14 @@ MAX_CONCURRENT_DIALS = 8
 TICK_S = 0.5
 #: A connection younger than this is not closed for the cap (see the module docstring).
 PRUNE_GRACE_S = 30.0
+#: The grace period while the host is at its connection limit (see the module docstring).
+CROWDED_GRACE_S = 10.0
+#: A node with no connections retries its bootstrap peers at least this often.
+ISOLATED_RETRY_S = 5.0
 #: A connection that ended younger than this counts as a failed dial for the back-off.
 STABLE_S = 2 * PRUNE_GRACE_S
+#: With the target met, a bootstrap peer is redialed at most this often (see the module docstring).
+BOOTSTRAP_REFRESH_S = 300.0
 #: Candidates remembered at most (members learnt from the swarm state and the DHT); beyond it the
 #: non-permanent ones that failed most are forgotten first (discovery brings live ones back).
 MAX_CANDIDATES = 1024
@@ -82,7 +102,8 @@ class Candidate:
     next_attempt: float = 0.0
     last_error: str = ""
     connected_since: float | None = None
-    warned: str = ""  # the cause last logged at WARNING: the same cause again is logged at INFO
+    last_dialed: float = -math.inf
+    warned: str = ""  # the cause (or error) last logged at WARNING: the same again is logged at INFO
 
 
 @dataclass
@@ -91,6 +112,8 @@ class ConnManager:
     target: int = 8
     cap: int = 32
     dial_timeout: float = 10.0
+    #: The host's own connection limit (p2p/host.py's `max_connections`); 2 x `cap` when not given.
+    limit: int | None = None
     on_connected: Callable[[ID], None] | None = None
     # How to dial: host.connect by default; node/swarm/nat.py supplies one that also tries relay circuits,
     # which py-libp2p's swarm never dials by itself.
@@ -153,6 +176,10 @@ class ConnManager:
 
     def connected(self) -> list[ID]:
         return [p for p in self.host.get_connected_peers() if p != self.host.get_id()]
+
+    def below_target(self) -> bool:
+        """Fewer connections than the target: whether other components (the DHT) may open new ones."""
+        return len(self.connected()) < self.target
 
     def status(self) -> ConnectionsStatus:
         now = self.clock()
@@ -221,7 +248,7 @@ class ConnManager:
             self._prune(connected, nursery)
             return
         full_groups = self._prune_crowded(connected, nursery)
-        # Bootstrap peers are dialed even when the target is met: they are how a node rejoins the DHT.
+        # Bootstrap peers are dialed first, and when the target is met only now and then (see the module docstring).
         want = self.target - len(connected) - len(self._dialing)
         due = [
             c
@@ -234,25 +261,31 @@ class ConnManager:
         for cand in due:
             if len(self._dialing) >= MAX_CONCURRENT_DIALS:
                 break
-            if want <= 0 and not cand.permanent:
+            if want <= 0 and not (cand.permanent and now - cand.last_dialed >= BOOTSTRAP_REFRESH_S):
                 continue
             want -= 1
+            cand.last_dialed = now
             self._dialing.add(cand.peer_id)
             nursery.start_soon(self._dial, cand)
+
+    def _limit(self) -> int:
+        return self.limit if self.limit is not None else 2 * self.cap
 
     def _prune(self, connected: set[ID], nursery: trio.Nursery) -> None:
         """Close the newest non-bootstrap connections above the cap among those past their grace period.
         Connections in their grace period are let through above the cap (see the module docstring), and
-        push no long-lived one out: each is closed once past its grace, if the node is still full."""
+        push no long-lived one out: each is closed once past its grace, if the node is still full. At the
+        host's limit, the oldest of those in their grace past `CROWDED_GRACE_S` are closed too, until one
+        slot is free for the next newcomer."""
         now = self.clock()
+        kept = {p for p in connected if p in self.candidates and self.candidates[p].permanent}
         young = {p for p in connected if now - self._since.get(p, now) < PRUNE_GRACE_S}
         excess = len(connected) - self.cap - len(young)
-        if excess <= 0:
-            return
-        victims = sorted(
-            (p for p in connected - young if not (p in self.candidates and self.candidates[p].permanent)),
-            key=lambda p: -self._since[p],
-        )[:excess]
+        victims = sorted(connected - young - kept, key=lambda p: -self._since[p])[:max(0, excess)]
+        over_limit = len(connected) - len(victims) - (self._limit() - 1)
+        if over_limit > 0:
+            served = (p for p in young - kept if now - self._since.get(p, now) >= CROWDED_GRACE_S)
+            victims += sorted(served, key=lambda p: self._since[p])[:over_limit]
         for peer_id in victims:
             log.debug("over the connection cap (%d): closing %s", self.cap, peer_id)
             self.cap_pruned += 1
@@ -284,10 +317,12 @@ class ConnManager:
 
     def _back_off(self, cand: Candidate, error: str) -> float:
         """Count a failure of ``cand`` (a failed dial, or a connection that did not last) and schedule its
-        next attempt with exponential back-off and jitter; returns the delay."""
+        next attempt with exponential back-off and jitter; returns the delay. A node with no connection
+        at all retries a bootstrap peer within `ISOLATED_RETRY_S` (see the module docstring)."""
         cand.last_error = error
         cand.failures += 1
-        delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (cand.failures - 1)) * random.uniform(0.8, 1.2)
+        longest = ISOLATED_RETRY_S if cand.permanent and not self.connected() else BACKOFF_MAX_S
+        delay = min(longest, BACKOFF_BASE_S * 2 ** (cand.failures - 1)) * random.uniform(0.8, 1.2)
         cand.next_attempt = self.clock() + delay
         return delay
 
@@ -298,11 +333,25 @@ class ConnManager:
             except Exception as e:  # a peer already gone is fine
                 log.debug("disconnect %s: %s", peer_id, e)
 
+    def _forget_failed_dial(self, peer_id: ID) -> None:
+        """Take ``peer_id`` out of py-libp2p's negative cache before our own dial of it.
+
+        py-libp2p refuses for 60 s to dial a peer whose every address failed once ("negative cache"), so a
+        newcomer refused by a bootstrap node at its connection limit could not try again for a minute,
+        whatever its back-off said; each of its retries failed at once and counted as a failure, pushing
+        the back-off to a minute too. This manager's per-peer back-off decides when to redial.
+        """
+        network = getattr(self.host, "get_network", None)
+        unblock = getattr(network() if network is not None else None, "unblock_peer", None)
+        if unblock is not None:
+            unblock(peer_id)
+
     async def _dial(self, cand: Candidate) -> None:
         try:
             ok = False
             error = f"timed out after {self.dial_timeout:.0f}s"
             started = time.monotonic()
+            self._forget_failed_dial(cand.peer_id)
             with trio.move_on_after(self.dial_timeout):
                 try:
                     await (self.dial or self.host.connect)(PeerInfo(cand.peer_id, list(cand.addrs)))
@@ -322,10 +371,10 @@ class ConnManager:
                 since = 0.0 if "negative cache" in error else started
                 cause = self.explain(cand.peer_id, since) if self.explain is not None else None
                 delay = self._back_off(cand, cause or error)
-                level = logging.WARNING if cand.permanent else logging.DEBUG
-                if cause and cand.permanent:  # once at WARNING per cause, then INFO while it lasts
-                    level = logging.INFO if cause == cand.warned else logging.WARNING
-                    cand.warned = cause
+                level = logging.DEBUG
+                if cand.permanent:  # once at WARNING per cause (or error), then INFO while it lasts
+                    level = logging.INFO if (cause or cand.last_error) == cand.warned else logging.WARNING
+                    cand.warned = cause or cand.last_error
                 log.log(
                     level,
                     "cannot reach %s peer %s at %s: %s; retrying in %.0fs",

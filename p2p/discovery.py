@@ -10,16 +10,25 @@ with every member's addresses), for nothing new. A new connection wakes the loop
 
 py-libp2p's DHT ignores `protocol_prefix` (pitfall 5), so two different swarms share one DHT; the key is
 namespaced by the swarm name, and only peers that advertise that key become candidates.
+
+The DHT opens connections only while the connection manager is below its target (:class:`DialGate`). Its
+queries (closest peers, GET_PROVIDERS, ADD_PROVIDER) open a stream to each peer they ask, and py-libp2p
+dials a peer it is not connected to: with 8 daemons at `node.max_peers` 2, four of five DHT-opened
+connections were redials of peers the connection manager had just closed for the cap, each with a fresh
+grace period, so every node stayed at the host's hard limit (2 x `max_peers`) and refused every newcomer
+(issue #24: nodes that knew only the bootstrap node never got in). Above the target the DHT works over the
+connections the node has; members are learnt from those (and from state sessions) all the same.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -57,6 +66,38 @@ def bound_provider_store(store: object) -> None:
         add(key, provider)
 
     store.add_provider = bounded  # type: ignore[attr-defined]
+
+
+class DialRefused(Exception):
+    """A DHT query would have dialled a new connection while the node already has its target."""
+
+
+class DialGate:
+    """What the DHT's query components see as the host: the host itself, except that ``new_stream`` to a
+    peer this node is not connected to is refused (:class:`DialRefused`, before any dial) while the
+    connection manager has its target of connections. See the module docstring for why."""
+
+    def __init__(self, host: IHost, connmgr: ConnManager) -> None:
+        self._host = host
+        self._connmgr = connmgr
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._host, name)
+
+    async def new_stream(self, peer_id: ID, protocol_ids: Sequence[TProtocol]) -> INetStream:
+        if peer_id not in self._host.get_connected_peers() and not self._connmgr.below_target():
+            self.refused += 1
+            raise DialRefused(f"not dialling {peer_id} for the DHT: the node has its target of connections")
+        return await self._host.new_stream(peer_id, protocol_ids)
+
+
+def gate_dht_dials(dht: KadDHT, gate: DialGate) -> None:
+    """Narrow, instance-level: the DHT components that open streams (queries, and the routing table's pings
+    of a full bucket's oldest peer) use ``gate`` as their host."""
+    for part in (dht.peer_routing, dht.provider_store, dht.value_store, dht.routing_table,
+                 *dht.routing_table.buckets):
+        part.host = gate
 
 
 def swarm_key(swarm: str) -> str:
@@ -98,6 +139,8 @@ class SwarmDiscovery:
         self.key = swarm_key(swarm)
         self.interval = interval
         self.dht = KadDHT(host, DHTMode.SERVER)
+        self.dial_gate = DialGate(host, connmgr)
+        gate_dht_dials(self.dht, self.dial_gate)
         bound_provider_store(self.dht.provider_store)
         self.members_found: set[ID] = set()
         self.lookups = 0
@@ -229,6 +272,7 @@ class SwarmDiscovery:
             "routing_table": self.dht.get_routing_table_size(),
             "lookups": self.lookups,
             "last_error": self.last_error,
+            "dials_withheld": self.dial_gate.refused,
         }
 
 

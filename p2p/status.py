@@ -41,6 +41,7 @@ class DiscoveryStatus(TypedDict):
     routing_table: int
     lookups: int
     last_error: str  # "" while none failed
+    dials_withheld: int  # DHT queries to unconnected peers not sent: the node had its target of connections
 
 
 class AuthorizationStatus(TypedDict):

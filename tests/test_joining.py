@@ -3,11 +3,16 @@ bootstrap node never learnt of each other).
 
 - p2p/connmgr.py: a full node keeps a newcomer's connection through a grace period (time for the state
   session that hands it every member's record and address), then closes it, keeping its long-lived ones;
-  and a peer that closes a fresh connection is redialed after a back-off, not at the next tick;
-- p2p/discovery.py: what a DHT lookup found before its deadline reaches the connection manager;
+  at the host's connection limit the grace is cut short so that the next newcomer finds a free slot;
+  a peer that closes a fresh connection is redialed after a back-off, not at the next tick; a member that
+  has its target does not keep coming back to the bootstrap node; a node with no connection retries its
+  bootstrap peers within seconds, py-libp2p's one-minute negative cache notwithstanding;
+- p2p/discovery.py: what a DHT lookup found before its deadline reaches the connection manager; the DHT
+  opens no connections beyond the target;
 - node/daemon.py + node/swarm/replicator.py: suspect members' addresses are dialed too.
 
-All in-process, on fake hosts and clocks (bench/scale.py measures the real daemons).
+In-process, on fake hosts and clocks, but for two real py-libp2p hosts where the library's own behaviour is
+the point (bench/scale.py measures the real daemons).
 """
 
 from __future__ import annotations
@@ -26,8 +31,16 @@ from node.config.load import load_config
 from node.daemon import Daemon
 from node.swarm.crdt import MemberRecord, MemberState, peer_id_of, sign_record
 from p2p import discovery
-from p2p.connmgr import PRUNE_GRACE_S, STABLE_S, ConnManager
-from p2p.discovery import SwarmDiscovery
+from p2p.connmgr import (
+    BOOTSTRAP_REFRESH_S,
+    CROWDED_GRACE_S,
+    ISOLATED_RETRY_S,
+    PRUNE_GRACE_S,
+    STABLE_S,
+    ConnManager,
+)
+from p2p.discovery import DialRefused, SwarmDiscovery
+from p2p.host import build_host
 from protocols.hlc import Timestamp
 from starling_testing.fakes import FakeHost
 
@@ -197,3 +210,164 @@ async def test_suspect_members_addresses_are_given_to_the_connection_manager(tmp
         await daemon._learn_member_addrs()
     assert {str(p) for p in daemon.connmgr.candidates} == {str(peer_id_of(k.public_key)) for k in keys}
     assert all(c.source == "state" for c in daemon.connmgr.candidates.values())
+
+
+# --- a bootstrap node at its connection limit (issue #24: 12 daemons at max_peers 2, 64 at the defaults) ---
+
+
+async def test_at_the_host_limit_the_oldest_newcomer_past_a_short_grace_makes_room_for_the_next() -> None:
+    """Cap 2, host limit 4: two long-lived connections and two newcomers fill the host, which then refuses
+    every inbound connection before its handshake. Before, both newcomers held their slots for the full
+    grace period while nine others were refused; now the older one goes after CROWDED_GRACE_S."""
+    clock = Clock()
+    host = FakeHost(peers={peer(i): f"198.51.{i}.7" for i in range(2)})
+    mgr = ConnManager(host, target=2, cap=2, limit=4, clock=clock, ip_of=lambda p: host.peers.get(p))
+    async with trio.open_nursery() as nursery:
+        mgr._tick(nursery)
+        clock.t += 600
+        host.peers[peer(2)] = "198.51.2.7"
+        mgr._tick(nursery)
+        clock.t += 1
+        host.peers[peer(3)] = "198.51.3.7"  # the host is now at its limit
+        mgr._tick(nursery)
+        clock.t += CROWDED_GRACE_S - 1  # peer 2 has had its short grace, peer 3 not yet
+        mgr._tick(nursery)
+    assert host.disconnected == [peer(2)]  # one slot free; the long-lived two and the newest stay
+
+
+async def test_below_the_host_limit_a_newcomer_keeps_its_whole_grace_period() -> None:
+    clock = Clock()
+    host = FakeHost(peers={peer(i): f"198.51.{i}.7" for i in range(2)})
+    mgr = ConnManager(host, target=2, cap=2, limit=4, clock=clock, ip_of=lambda p: host.peers.get(p))
+    async with trio.open_nursery() as nursery:
+        mgr._tick(nursery)
+        clock.t += 600
+        host.peers[peer(2)] = "198.51.2.7"  # three of four: a slot is free
+        mgr._tick(nursery)
+        clock.t += PRUNE_GRACE_S - 1
+        mgr._tick(nursery)
+        assert not host.disconnected
+        clock.t += 1
+        mgr._tick(nursery)
+    assert host.disconnected == [peer(2)]
+
+
+async def test_a_member_with_its_target_does_not_keep_coming_back_to_the_bootstrap_node() -> None:
+    """Each return took one of the bootstrap node's slots for a grace period; with every member doing it,
+    the bootstrap node was full whenever a newcomer, who knows no one else, tried. It is still redialed
+    now and then (how the islands of a partition find each other again)."""
+    clock = Clock()
+    host = FakeHost(peers={peer(1): "198.51.1.7", peer(2): "198.51.2.7"})  # the target (2) met by members
+    dials: list[ID] = []
+
+    async def dial(info: PeerInfo) -> None:
+        dials.append(info.peer_id)
+        host.peers[info.peer_id] = "198.51.100.7"
+
+    boot = peer(0)
+    mgr = ConnManager(host, target=2, cap=4, clock=clock, dial=dial, ip_of=lambda p: host.peers.get(p))
+    mgr.add_candidate(PeerInfo(boot, ADDR), source="bootstrap", permanent=True)
+    async with trio.open_nursery() as nursery:
+        mgr._tick(nursery)  # a node that starts dials its bootstrap peer
+        await trio.sleep(0.01)
+        assert dials == [boot]
+        mgr._tick(nursery)
+        clock.t += PRUNE_GRACE_S + 1
+        host.peers.pop(boot)  # the full bootstrap node closes it after its grace period
+        for _ in range(20):  # ten minutes of ticks, short of the refresh
+            clock.t += (BOOTSTRAP_REFRESH_S - PRUNE_GRACE_S - 2) / 20
+            mgr._tick(nursery)
+            await trio.sleep(0.001)
+        assert dials == [boot]  # before: redialed after each back-off (1 s, 2 s, 4 s, ...)
+        clock.t += 2
+        mgr._tick(nursery)
+        await trio.sleep(0.01)
+    assert dials == [boot, boot]
+
+
+async def test_a_node_with_no_connection_retries_its_bootstrap_peer_within_seconds() -> None:
+    """A stranded newcomer (it knows only the bootstrap node, which refused it) backed off to a minute; a
+    refusal costs the full node a TCP accept and close. The same error is logged at WARNING once."""
+    clock = Clock()
+    host = FakeHost()
+
+    async def refused(info: PeerInfo) -> None:
+        await trio.lowlevel.checkpoint()
+        raise ConnectionResetError("connection reset by peer")
+
+    mgr = ConnManager(host, target=2, cap=2, clock=clock, dial=refused)
+    mgr.add_candidate(PeerInfo(peer(0), ADDR), source="bootstrap", permanent=True)
+    cand = mgr.candidates[peer(0)]
+    for _ in range(10):
+        await mgr._dial(cand)
+        assert cand.next_attempt - clock.t <= ISOLATED_RETRY_S * 1.2
+    assert cand.failures == 10
+    host.peers[peer(1)] = "198.51.1.7"  # with a connection, the usual back-off applies
+    await mgr._dial(cand)
+    assert cand.next_attempt - clock.t > ISOLATED_RETRY_S * 1.2
+
+
+def test_a_repeated_bootstrap_dial_error_is_logged_at_warning_once(caplog: Any) -> None:
+    async def main() -> None:
+        async def refused(info: PeerInfo) -> None:
+            await trio.lowlevel.checkpoint()
+            raise ConnectionResetError("connection reset by peer")
+
+        mgr = ConnManager(FakeHost(), dial=refused)
+        mgr.add_candidate(PeerInfo(peer(0), ADDR), source="bootstrap", permanent=True)
+        for _ in range(3):
+            await mgr._dial(mgr.candidates[peer(0)])
+
+    with caplog.at_level("INFO", logger="starling.connmgr"):
+        trio.run(main)
+    levels = [r.levelname for r in caplog.records if "cannot reach" in r.getMessage()]
+    assert levels == ["WARNING", "INFO", "INFO"]
+
+
+async def test_a_bootstrap_peer_refused_once_is_redialed_despite_py_libp2ps_negative_cache() -> None:
+    """py-libp2p refuses for 60 s to dial a peer whose addresses all failed once; a newcomer refused by a
+    full bootstrap node could not retry for a minute, whatever the connection manager's back-off said
+    (every retry failed at once with "negative cache"). Two real hosts on loopback."""
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    async with a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]), b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        a.get_network()._negative_peer_cache.mark_failed(str(b.get_id()))  # what the refused dial left
+        mgr = ConnManager(a, target=2, cap=2, dial_timeout=10)
+        mgr.add_candidate(PeerInfo(b.get_id(), b.get_addrs()), source="bootstrap", permanent=True)
+        await mgr._dial(mgr.candidates[b.get_id()])
+        assert mgr.candidates[b.get_id()].last_error == ""
+        assert b.get_id() in a.get_connected_peers()
+
+
+# --- the DHT opens no connections beyond the target ------------------------------------------------------
+
+
+async def test_the_dht_dials_no_new_connection_once_the_node_has_its_target() -> None:
+    """DHT queries open a stream to each peer they ask, and py-libp2p dials one it is not connected to:
+    with 8 daemons at max_peers 2 most connections were the DHT's redials of peers the connection manager
+    had just closed for the cap, each with a fresh grace period, and every node stayed at its host limit."""
+    real = build_host(create_new_key_pair())
+    opened: list[ID] = []
+
+    async def new_stream(peer_id: ID, protocols: Any) -> Any:
+        opened.append(peer_id)
+        return object()
+
+    real.new_stream = new_stream  # type: ignore[method-assign]
+    fake = FakeHost(peers={peer(1): "198.51.1.7"})
+    real.get_connected_peers = fake.get_connected_peers  # type: ignore[method-assign]
+    mgr = ConnManager(fake, target=2, cap=4)
+    disc = SwarmDiscovery(real, mgr, "s")
+    parts = [disc.dht.peer_routing, disc.dht.provider_store, disc.dht.value_store, disc.dht.routing_table]
+    for part in parts:
+        await part.host.new_stream(peer(7), ["/ipfs/kad/1.0.0"])  # below the target: dialled
+    assert opened == [peer(7)] * 4
+    fake.peers[peer(2)] = "198.51.2.7"  # the target met
+    for part in parts:
+        try:
+            await part.host.new_stream(peer(8), ["/ipfs/kad/1.0.0"])
+        except DialRefused:
+            continue
+        raise AssertionError(f"{type(part).__name__} dialled a new peer at the target")
+    await disc.dht.provider_store.host.new_stream(peer(1), ["/ipfs/kad/1.0.0"])  # connected: fine
+    assert opened == [peer(7)] * 4 + [peer(1)]
+    assert disc.status()["dials_withheld"] == 4
