@@ -261,3 +261,28 @@ def test_equal_or_unknown_sample_counts_give_exactly_the_plain_pair_step() -> No
         p = phi.clone()
         opt.step(p, own, group_size=2, sum_phi=sum_phi, sum_delta=sum_delta, samples=samples)
         assert torch.equal(p, p_plain) and torch.equal(opt.momentum, plain.momentum), samples
+
+
+def test_the_daemon_and_the_worker_weight_a_pair_by_one_rule() -> None:
+    """Sample weighting lives in one place (node/bridge/exchange.py, `pair_weights`): the daemon's numpy
+    mean of a group of four's second round and the worker's torch outer step take the same weights, and
+    equal or unknown counts mean the plain mean on both sides."""
+    import numpy as np
+
+    from node.averaging.group_mean import weighted_mean
+    from node.bridge.exchange import pair_weights
+    from node.worker.outer import PairWeights
+
+    assert pair_weights(8, 8) is None and pair_weights(0, 8) is None and pair_weights(8, -1) is None
+    assert pair_weights(30, 10) == (0.25, 0.5)
+    gen = torch.Generator().manual_seed(3)
+    own, other = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
+    for w_own, w_partner in ((30, 10), (10, 30), (8, 8), (0, 5)):
+        assert PairWeights(w_own, w_partner, own).coefficients == pair_weights(w_own, w_partner)
+        out = np.empty(1000, np.float32)
+        weighted_mean(out, own.numpy(), (own + other).numpy(), w_own, w_partner)
+        if w_own > 0 and w_partner > 0:
+            want = (w_own * own + w_partner * other) / (w_own + w_partner)
+        else:
+            want = (own + other) / 2
+        torch.testing.assert_close(torch.from_numpy(out), want, rtol=0, atol=1e-6)

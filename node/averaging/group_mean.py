@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from node.bridge.exchange import pair_weights
 from protocols.avg import Tensors
 
 BLOCK = 1 << 20  # elements per step of `weighted_mean`: its temporaries stay a few MB, whatever the model
@@ -21,15 +22,13 @@ def weighted_mean(out: np.ndarray, own: np.ndarray, pair_sum: np.ndarray, w_own:
                   *, scale: float = 1.0) -> None:
     """out = scale * (w_own * own + w_partner * other) / (w_own + w_partner), given pair_sum = own + other,
     as `scale * (a * pair_sum + b * own)`: no copy of `other` is needed. `out` may be `own` or `pair_sum`
-    (in place). Unknown (non-positive) weights give the plain mean.
+    (in place). The weights are `pair_weights`' (node/bridge/exchange.py): equal or unknown ones give the
+    plain mean.
 
     Block by block through two block-sized buffers, so that a model of billions of parameters costs no
     model-sized temporary (numpy has no fused in-place `add(x, alpha=...)`)."""
-    if w_own <= 0 or w_partner <= 0:
-        w_own = w_partner = 1
-    total = w_own + w_partner
-    a = np.float32(scale * w_partner / total)
-    b = np.float32(scale * (w_own - w_partner) / total)
+    share, own_share = pair_weights(w_own, w_partner) or (0.5, 0.0)
+    a, b = np.float32(scale * share), np.float32(scale * own_share)
     block = min(BLOCK, out.size)
     scaled, term = np.empty(block, np.float32), np.empty(block, np.float32)
     for start in range(0, out.size, block):

@@ -21,6 +21,24 @@ if TYPE_CHECKING:
 Layout = list[tuple[str, tuple[int, ...]]]
 
 
+def pair_weights(own_samples: int, partner_samples: int) -> tuple[float, float] | None:
+    """The one rule of sample weighting: a pair's sample-weighted mean from its plain sum S = own + other,
+    as ``mean_w = a * S + b * own`` with ``a = w_partner / W`` and ``b = (w_own - w_partner) / W`` (W = w_own +
+    w_partner); None where the plain mean applies (equal counts, or one unknown: 0 or less).
+
+    Why weight: on machines of different speeds the outer steps are paced by time, so a slower machine's
+    Delta covers fewer samples; each machine then counts in proportion to the compute it put in (hivemind
+    weights by samples too). Why from the sum: both partners hold the same bits of S after the exchange,
+    and the weighted mean follows from it and one's own values without a second transfer. Used by the
+    worker's outer step (node/worker/outer.py, `PairWeights`) and by a group of four's second round in the
+    daemon (node/averaging/group_mean.py); what count a partner is credited with is
+    node/averaging/robust.py's `credit`."""
+    if own_samples <= 0 or partner_samples <= 0 or own_samples == partner_samples:
+        return None
+    total = own_samples + partner_samples
+    return partner_samples / total, (own_samples - partner_samples) / total
+
+
 @dataclass
 class ExchangeRequest:
     """One outer step's exchange, handed to the daemon's averager.

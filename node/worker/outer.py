@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from node.bridge.exchange import pair_weights
 from node.config.train import OUTER_KINDS
 
 
@@ -78,11 +79,11 @@ def noloco_step(
         # - gamma * (phi - mean(phi)); exactly zero when a pair's phis are equal. The weighted mean's
         # pull is gamma * w_partner / W * (S - 2*phi) (phi - mean_w = w_p * (2*phi - S) / W).
         out = sum_phi if overwrite_sum_phi else None
-        if weighted is None or weighted.equal or n != 2:
+        coefficients = weighted.coefficients if weighted is not None and n == 2 else None
+        if coefficients is None:
             momentum_part.add_(torch.sub(sum_phi, phi_part, alpha=n, out=out), alpha=hyper.gamma / n)
         else:
-            share = weighted.partner_samples / (weighted.own_samples + weighted.partner_samples)
-            momentum_part.add_(torch.sub(sum_phi, phi_part, alpha=2, out=out), alpha=hyper.gamma * share)
+            momentum_part.add_(torch.sub(sum_phi, phi_part, alpha=2, out=out), alpha=hyper.gamma * coefficients[0])
     phi.add_(momentum)
 
 
@@ -129,20 +130,23 @@ class PairWeights:
     own_delta: torch.Tensor
 
     @property
-    def equal(self) -> bool:
-        return self.own_samples == self.partner_samples or self.own_samples <= 0 or self.partner_samples <= 0
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) of the weighted mean ``a * S + b * own`` (node/bridge/exchange.py, `pair_weights`, the one
+        rule); None: the plain mean (equal or unknown counts)."""
+        return pair_weights(self.own_samples, self.partner_samples)
 
 
 def _add_mean_delta(
     momentum: torch.Tensor, sum_delta: torch.Tensor, beta: float, n: int, weighted: PairWeights | None
 ) -> None:
     """momentum += beta * (the group's mean Delta, or a pair's sample-weighted mean)."""
-    if weighted is None or weighted.equal or n != 2:
+    coefficients = weighted.coefficients if weighted is not None and n == 2 else None
+    if coefficients is None:
         momentum.add_(sum_delta, alpha=beta / n)
         return
-    total = weighted.own_samples + weighted.partner_samples
-    momentum.add_(sum_delta, alpha=beta * weighted.partner_samples / total)
-    momentum.add_(weighted.own_delta, alpha=beta * (weighted.own_samples - weighted.partner_samples) / total)
+    a, b = coefficients
+    momentum.add_(sum_delta, alpha=beta * a)
+    momentum.add_(weighted.own_delta, alpha=beta * b)
 
 
 class OuterOptimizer:
