@@ -774,12 +774,12 @@ class Daemon:
             raise StartupError(f"cannot listen on {addr}: {_why_not_listening(host, port)}")
 
     def _make_supervisor(self) -> Any:
-        from node.bridge.supervisor import WorkerSupervisor
+        from node.bridge.supervisor import SupervisorHooks, WorkerSupervisor
 
         assert self.averager is not None
+        hooks = SupervisorHooks(on_metrics=self._record_own_progress, on_adopted=self._on_adopted, pace=self._pace)
         return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange,
-                                on_adopted=self._on_adopted, pace=self._pace, on_metrics=self._record_own_progress,
-                                task_options=self._task_options())
+                                task_options=self._task_options(), hooks=hooks)
 
     def _task_options(self) -> dict[str, Any]:
         """The `[task]` section for the worker's task (empty for a Config built without one)."""

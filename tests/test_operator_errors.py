@@ -21,7 +21,7 @@ import torch
 import trio
 
 from node.bridge.exchange import solo_exchange
-from node.bridge.supervisor import WorkerSupervisor
+from node.bridge.supervisor import Lifetimes, WorkerSupervisor
 from node.cli import main as cli_main
 from node.config.home import Home
 from node.config.train import TrainConfig
@@ -141,7 +141,8 @@ async def test_a_worker_that_keeps_crashing_is_given_up_after_its_restart_budget
         monkeypatch.setenv(key, value)
     cfg = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                       eval_batches=1, task="optasks:broken_loss")
-    sup = WorkerSupervisor(cfg, tmp_path, "peer-a", solo_exchange, backoff_initial=0.05, max_restarts=2)
+    sup = WorkerSupervisor(cfg, tmp_path, "peer-a", solo_exchange,
+                           lifetimes=Lifetimes(backoff_initial=0.05, max_restarts=2))
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
         await wait_until(lambda: sup.status()["state"] == "failed")

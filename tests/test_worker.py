@@ -30,7 +30,7 @@ from node.bridge.ipc import (
     encode_message,
 )
 from node.bridge.shm import ExchangeSlots, SharedTensor
-from node.bridge.supervisor import WorkerSupervisor
+from node.bridge.supervisor import Lifetimes, WorkerSupervisor
 from node.config.train import TrainConfig
 from node.worker.checkpoint import CheckpointError, write_checkpoint
 from node.worker.loop import StopFlag, train_loop
@@ -454,7 +454,7 @@ def newest_checkpoint_step(home: Path) -> int:
 
 def supervisor(home: Path, exchange=solo_exchange, **cfg_changes) -> WorkerSupervisor:
     cfg = dataclasses.replace(TINY, **cfg_changes)
-    return WorkerSupervisor(cfg, home, "peer-a", exchange, backoff_initial=0.1, stop_grace=8.0)
+    return WorkerSupervisor(cfg, home, "peer-a", exchange, lifetimes=Lifetimes(backoff_initial=0.1, stop_grace=8.0))
 
 
 @pytest.mark.slow

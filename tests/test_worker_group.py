@@ -20,7 +20,7 @@ from test_worker import TINY, alive, wait_until
 
 from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
 from node.bridge.group_procs import Rendezvous
-from node.bridge.supervisor import WorkerSupervisor
+from node.bridge.supervisor import Lifetimes, WorkerSupervisor
 from node.config.train import TrainConfig
 from node.worker import group as worker_group
 from node.worker.checkpoint import read_checkpoint
@@ -275,7 +275,7 @@ async def test_the_supervisor_restarts_the_whole_group_when_any_rank_dies(tmp_pa
         return ExchangeOutcome(2)
 
     cfg = dataclasses.replace(TINY, device="cpu", local_ranks=2, batch_size=2)
-    sup = WorkerSupervisor(cfg, tmp_path, "peer-a", twin, backoff_initial=0.1, stop_grace=8.0)
+    sup = WorkerSupervisor(cfg, tmp_path, "peer-a", twin, lifetimes=Lifetimes(backoff_initial=0.1, stop_grace=8.0))
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
         await wait_until(lambda: sup.status()["exchanges"]["group"] >= 2 and sup.status()["checkpoint_step"])

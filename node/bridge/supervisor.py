@@ -190,6 +190,36 @@ class _Exit:
     reason: str = ""
 
 
+def _ignore(_msg: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class SupervisorHooks:
+    """What the daemon hears from its worker and what it tells it, as calls (defaults: a node alone).
+
+    `on_metrics`: every progress report as it comes (the daemon's loss history records its own trainer from
+    it); `on_adopted`: a catch-up's outcome; `pace`: the seconds between two publishes that the swarm sets
+    (0: every H inner steps), asked at each result."""
+
+    on_metrics: Callable[[Metrics], None] = _ignore
+    on_adopted: Callable[[Adopted], None] = _ignore
+    pace: Callable[[], float] = lambda: 0.0
+
+
+@dataclass(frozen=True)
+class Lifetimes:
+    """How long the supervisor waits on a worker, and how often it restarts one."""
+
+    stop_grace: float = 8.0  # a stopping worker's time to checkpoint before it is killed
+    startup_timeout: float = 600.0  # import torch + read the data + load a checkpoint
+    silence_timeout: float = 300.0  # a worker that sends nothing this long is hung
+    backoff_initial: float = 1.0  # seconds before the first restart, doubled after each crash...
+    backoff_max: float = 60.0  # ... up to this
+    healthy_after: float = 60.0  # a worker that lived this long resets the back-off
+    max_restarts: int = MAX_RESTARTS  # crashes in a row before the supervisor gives up
+
+
 class WorkerSupervisor:
     """Runs and watches the local torch worker for the daemon (see the module docstring)."""
 
@@ -200,18 +230,10 @@ class WorkerSupervisor:
         peer_id: str,
         exchange: ExchangeFn,
         *,
-        python: str = sys.executable,
-        stop_grace: float = 8.0,
-        startup_timeout: float = 600.0,
-        silence_timeout: float = 300.0,
-        backoff_initial: float = 1.0,
-        backoff_max: float = 60.0,
-        healthy_after: float = 60.0,
-        max_restarts: int = MAX_RESTARTS,
-        on_adopted: Callable[[Adopted], None] | None = None,
-        pace: Callable[[], float] | None = None,
-        on_metrics: Callable[[Metrics], None] | None = None,
         task_options: Mapping[str, Any] | None = None,
+        hooks: SupervisorHooks | None = None,
+        lifetimes: Lifetimes | None = None,
+        python: str = sys.executable,
     ) -> None:
         self.cfg = cfg
         self.task_options = dict(task_options or {})  # the [task] section, handed to the worker's task
@@ -219,21 +241,11 @@ class WorkerSupervisor:
         self.peer_id = peer_id
         self._exchange = exchange
         self._python = python
-        self._stop_grace = stop_grace
-        self._startup_timeout = startup_timeout  # import torch + read the data + load a checkpoint
-        self._silence_timeout = silence_timeout  # a worker that sends nothing this long is hung
-        self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
-        self._healthy_after = healthy_after
-        self._max_restarts = max_restarts
-        self._on_adopted = on_adopted
-        # Every progress report, as it comes (the daemon's loss history records its own trainer from it).
-        self._on_metrics = on_metrics
+        self._hooks = hooks or SupervisorHooks()
+        self._lifetimes = lifetimes or Lifetimes()
         self._crash: str | None = None  # what the current worker said before it died (a Crashed message)
         self.final_checkpoint_error: str | None = None  # the worker's checkpoint on stop could not be written
         self._group_exit: str | None = None  # why a worker group's rank 1.. ended the current lifetime
-        # Seconds between two publishes that the swarm sets (0: every H inner steps), asked at each result.
-        self._pace = pace
         self._adoption: _Adoption | None = None
         self._slots: ExchangeSlots | None = None
         self._hello: Hello | None = None
@@ -294,7 +306,7 @@ class WorkerSupervisor:
         if swept:
             log.info("removed %d shared-memory segments left by a killed daemon", swept)
         task_status.started()
-        backoff = self._backoff_initial
+        backoff = self._lifetimes.backoff_initial
         failures = 0  # worker deaths in a row, none after a healthy run
         try:
             while True:
@@ -305,11 +317,11 @@ class WorkerSupervisor:
                     self._status.update({"state": "failed", "error": ended.fatal, "pid": None})
                     log.error("training stopped: %s", ended.fatal)
                     await trio.sleep_forever()
-                if trio.current_time() - began >= self._healthy_after:
-                    backoff = self._backoff_initial
+                if trio.current_time() - began >= self._lifetimes.healthy_after:
+                    backoff = self._lifetimes.backoff_initial
                     failures = 0
                 failures += 1
-                if failures > self._max_restarts:
+                if failures > self._lifetimes.max_restarts:
                     error = f"the worker failed {failures} times in a row; last: {ended.reason}"
                     self._status.update({"state": "failed", "error": error, "pid": None})
                     log.error("training stopped: %s", error)
@@ -318,7 +330,7 @@ class WorkerSupervisor:
                 self._status.update({"state": "restarting", "pid": None, "error": ended.reason})
                 log.warning("%s; restarting the worker in %.0f s", ended.reason, backoff)
                 await trio.sleep(backoff)
-                backoff = min(backoff * 2, self._backoff_max)
+                backoff = min(backoff * 2, self._lifetimes.backoff_max)
         finally:
             self._status.update({"state": "stopped", "pid": None})
             if self._slots is not None:
@@ -367,7 +379,7 @@ class WorkerSupervisor:
                 await self._stop_process(proc, chan)
                 await chan.aclose()
                 if followers is not None:
-                    await followers.stop(self._stop_grace)  # rank 0 told them to stop; stragglers are killed
+                    await followers.stop(self._lifetimes.stop_grace)  # rank 0 told them to stop; stragglers are killed
                     self._status["group_pids"] = None
 
     async def _watch_group(self, followers: FollowerProcs, proc: trio.Process) -> None:
@@ -379,7 +391,7 @@ class WorkerSupervisor:
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         self._group_exit = f"worker rank {rank} exited ({how}); the whole worker group is restarted"
         log.warning("%s", self._group_exit)
-        with trio.move_on_after(self._stop_grace):
+        with trio.move_on_after(self._lifetimes.stop_grace):
             while proc.poll() is None:
                 await trio.sleep(0.1)
         proc.kill()
@@ -391,11 +403,11 @@ class WorkerSupervisor:
             await chan.send(Init(config=cfg_dict, home=str(self.home), peer_id=self.peer_id, log_level=level,
                                  task_options=self.task_options))
             first: Message | None = None
-            with trio.move_on_after(self._startup_timeout) as startup:
+            with trio.move_on_after(self._lifetimes.startup_timeout) as startup:
                 first = await chan.receive()
             if startup.cancelled_caught:
                 proc.kill()
-                return _Exit(reason=f"no hello within {self._startup_timeout:.0f} s; killed")
+                return _Exit(reason=f"no hello within {self._lifetimes.startup_timeout:.0f} s; killed")
             if isinstance(first, Fatal):
                 return _Exit(fatal=first.error)
             if isinstance(first, Crashed):
@@ -454,7 +466,7 @@ class WorkerSupervisor:
         scope = trio.CancelScope()
         with scope:
             while True:
-                scope.deadline = trio.current_time() + self._silence_timeout
+                scope.deadline = trio.current_time() + self._lifetimes.silence_timeout
                 msg = await chan.receive()
                 if msg is None:
                     return await self._exited(proc, "exited")
@@ -474,7 +486,7 @@ class WorkerSupervisor:
                 else:
                     self._note(msg)
         proc.kill()
-        return _Exit(reason=f"silent for {self._silence_timeout:.0f} s (hung?); killed")
+        return _Exit(reason=f"silent for {self._lifetimes.silence_timeout:.0f} s (hung?); killed")
 
     def _note(self, msg: Message) -> None:
         """Fold a progress report into the status."""
@@ -488,11 +500,10 @@ class WorkerSupervisor:
             })
             if msg.loss is not None:
                 self._status["loss"] = msg.loss
-            if self._on_metrics is not None:
-                try:
-                    self._on_metrics(msg)
-                except Exception:  # a bookkeeping bug must not end the worker's life
-                    log.exception("recording the worker's progress failed")
+            try:
+                self._hooks.on_metrics(msg)
+            except Exception:  # a bookkeeping bug must not end the worker's life
+                log.exception("recording the worker's progress failed")
         elif isinstance(msg, Crashed):
             self._crash = msg.error  # it exits next; `_exited` puts this in the reason
         elif isinstance(msg, CheckpointSaved):
@@ -507,8 +518,7 @@ class WorkerSupervisor:
             self._adoption = None
             if not msg.error:
                 self._status.update({"step": msg.step, "outer_step": msg.outer_step, "val_loss": msg.val_loss})
-            if self._on_adopted is not None:
-                self._on_adopted(msg)
+            self._hooks.on_adopted(msg)
         elif isinstance(msg, Stopped):
             log.info("worker stopped at step %d (outer step %d)", msg.step, msg.outer_step)
         else:
@@ -569,14 +579,14 @@ class WorkerSupervisor:
 
     def _period(self) -> float:
         try:
-            period = float(self._pace()) if self._pace is not None else 0.0
+            period = float(self._hooks.pace())
         except Exception:  # a pace that cannot be computed leaves the worker on H inner steps
             log.exception("the swarm's pace could not be computed")
             return 0.0
         return period if period > 0 and period == period and period != float("inf") else 0.0
 
     async def _exited(self, proc: trio.Process, what: str) -> _Exit:
-        with trio.move_on_after(self._stop_grace):
+        with trio.move_on_after(self._lifetimes.stop_grace):
             await proc.wait()
         code = proc.returncode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
@@ -589,7 +599,7 @@ class WorkerSupervisor:
         """Ask the worker to checkpoint and exit; kill it if it does not within the grace period."""
         if proc.returncode is None:
             self._status["state"] = "stopping"
-            with trio.move_on_after(self._stop_grace):
+            with trio.move_on_after(self._lifetimes.stop_grace):
                 try:
                     await chan.send(Stop())
                     # Read its last reports (the final checkpoint) until it closes the socket.
@@ -602,6 +612,6 @@ class WorkerSupervisor:
                     pass  # it is being stopped anyway; the deadline and kill below still apply
                 await proc.wait()
         if proc.returncode is None:
-            log.warning("worker %d did not stop within %.0f s; killing it", proc.pid, self._stop_grace)
+            log.warning("worker %d did not stop within %.0f s; killing it", proc.pid, self._lifetimes.stop_grace)
             proc.kill()
         await proc.wait()
