@@ -362,6 +362,10 @@ class Membership:
         self._progress_pending: tuple[int, float, float] | None = None
         self._left = False
         self._announce_until = -math.inf  # a joiner's probes carry its own Alive until then
+        #: Which members this node may send to directly (None: all). A daemon sets it to "connected to me"
+        #: (node/swarm/swim_service.py): probes, helpers of indirect probes and push-pull partners are then
+        #: drawn among connected members only, since a message to anyone else would cost a new connection.
+        self.can_probe: Callable[[int], bool] | None = None
         self._grow(me)
         self._set(me, ALIVE, 0, now)
         self._queue.put(Alive(me, 0))
@@ -563,27 +567,41 @@ class Membership:
             self._next_probe = max(self._next_probe + self.config.period_s, now)
             target = self._next_target()
             if target is not None:
-                self._seq += 1
-                self._probes[self._seq] = _Probe(target, now + self.config.ack_timeout_s,
-                                                 now + self.config.probe_timeout_s)
-                updates = self._piggyback()
-                if now < self._announce_until and not any(u.member == self.me for u in updates):
-                    # A joiner introduces itself to every member it probes at first: whoever its gossip
-                    # missed learns of it from the probe, and spreads the news again.
-                    updates = (Alive(self.me, self.incarnation), *updates[:self.config.max_updates - 1])
-                out.append((target, Ping(self.me, self._seq, target, updates)))
+                out.extend(self._start_probe(target, now))
         if now >= self._next_pushpull:
             self._next_pushpull = now + self.config.pushpull_s
             out.extend(self._pushpull())
         return out
 
+    def probe(self, pid: int, now: float) -> Sends:
+        """Probe ``pid`` now, outside the round-robin (a daemon does when its connection to a member drops:
+        with probes among connected members only, nobody would otherwise probe a member that died and
+        took its connections with it). Nothing if it is not a member or a probe of it is under way."""
+        if self._left or pid == self.me or self.state_of(pid) not in (ALIVE, SUSPECT):
+            return []
+        if any(p.target == pid for p in self._probes.values()):
+            return []
+        return self._start_probe(pid, now)
+
+    def _start_probe(self, target: int, now: float) -> Sends:
+        self._seq += 1
+        self._probes[self._seq] = _Probe(target, now + self.config.ack_timeout_s, now + self.config.probe_timeout_s)
+        updates = self._piggyback()
+        if now < self._announce_until and not any(u.member == self.me for u in updates):
+            # A joiner introduces itself to every member it probes at first: whoever its gossip
+            # missed learns of it from the probe, and spreads the news again.
+            updates = (Alive(self.me, self.incarnation), *updates[:self.config.max_updates - 1])
+        return [(target, Ping(self.me, self._seq, target, updates))]
+
     def _next_target(self) -> int | None:
         state, size = self._state, len(self._state)
+        ok = self.can_probe
         for _ in range(2):  # the rest of this round, then one fresh round
             while self._round_pos < self._round_size:
                 pid = (self._round_offset + self._round_pos * self._round_stride) % self._round_size
                 self._round_pos += 1
-                if pid != self.me and pid < size and (state[pid] == ALIVE or state[pid] == SUSPECT):
+                if pid != self.me and pid < size and (state[pid] == ALIVE or state[pid] == SUSPECT) and (
+                        ok is None or ok(pid)):
                     return pid
             self._new_round()
         return None
@@ -600,12 +618,14 @@ class Membership:
     def _random_members(self, k: int, exclude: set[int]) -> list[int]:
         """Up to k distinct random members held alive (rejection sampling: cheap while most are alive)."""
         state, size = self._state, len(self._state)
+        ok = self.can_probe
         out: list[int] = []
         if k <= 0 or self._live <= len(exclude):
             return out
         for _ in range(8 * k + 8):
             pid = self.rng.randrange(size)
-            if state[pid] == ALIVE and pid != self.me and pid not in exclude and pid not in out:
+            if state[pid] == ALIVE and pid != self.me and pid not in exclude and pid not in out and (
+                    ok is None or ok(pid)):
                 out.append(pid)
                 if len(out) == k:
                     break
