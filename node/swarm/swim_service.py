@@ -71,7 +71,7 @@ from node.swarm.membership import (
 )
 from p2p.wire import LibP2PByteStream, PlainFrameChannel, ProtocolError, Reason, close_quietly
 from protocols import swim
-from protocols.swim import Ack, Alive, Dead, Message, Ping, PingReq, Progress, Suspect, SyncReply, SyncRequest
+from protocols.swim import Ack, Alive, Dead, Message, Ping, PingReq, Progress, Suspect
 
 log = logging.getLogger("starling.swim")
 
