@@ -586,12 +586,12 @@ class Daemon:
                 raise StartupError(
                     f"cannot create the control socket {self.layout.control_socket}: {e.strerror or e}"
                 ) from None
+            if self.swim is not None:  # before any connection: a peer's first stream must find our handler
+                await nursery.start(self.swim.run)
             await nursery.start(self.connmgr.run)
             await nursery.start(self.nat.run)
             nursery.start_soon(self._learn_member_addrs)
             await nursery.start(self.discovery.run)
-            if self.swim is not None:
-                await nursery.start(self.swim.run)
             await nursery.start(self.replicator.run)
             nursery.start_soon(self._keep_history)
             if node.allow_peers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from node.config.load import NodeConfig
-from node.swarm.crdt import MemberState, SwarmState
+from node.swarm.crdt import MemberState, SwarmState, peer_id_of
 from node.swarm.membership import MembershipConfig
 from node.swarm.replicator import StateReplicator
 from node.swarm.swim_service import PROTOCOL_ID, SwimService
@@ -227,3 +228,47 @@ def test_node_membership_is_gossip_or_swim() -> None:
     with pytest.raises(ValueError, match="node.membership"):
         NodeConfig(membership="raft").validate()
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole daemons (in one trio loop)
+
+
+async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_without_re_signing_heartbeats(
+        tmp_path: Path) -> None:
+    from node.config.load import load_config
+    from node.daemon import Daemon
+    from starling_testing.daemon import free_port
+
+    port = free_port()
+    keys = [create_new_key_pair() for _ in range(3)]
+    boot = f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id_of(keys[0].public_key)}"
+    daemons = []
+    for i, key in enumerate(keys):
+        home = tmp_path / f"d{i}"
+        home.mkdir()
+        overrides: dict[str, Any] = {"node.listen": [f"/ip4/127.0.0.1/tcp/{port if i == 0 else 0}"],
+                                     "node.membership": "swim", "node.heartbeat_s": 0.5}
+        if i:
+            overrides["node.bootstrap"] = [boot]
+        daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, key, train=False)
+        assert daemon.swim is not None and daemon.replicator.liveness == daemon.swim.member_state
+        daemon.swim = SwimService(daemon.host, key, config=FAST)  # the test's faster periods
+        daemon.replicator.liveness = daemon.swim.member_state
+        daemons.append(daemon)
+    ids = {str(d.peer_id) for d in daemons}
+
+    def alive(d: Any) -> set[str]:
+        return {m["peer_id"] for m in d.status()["members"] if m["state"] == "alive"}
+
+    async with trio.open_nursery() as nursery:
+        for d in daemons:
+            await nursery.start(d.run)
+        await eventually(lambda: all(alive(d) == ids for d in daemons), "every daemon shows all three alive",
+                         timeout=25)
+        # Heartbeats go on every 0.5 s, and most of them sign nothing: the fields did not change.
+        await eventually(lambda: all(d.replicator.heartbeats["skipped"] > d.replicator.heartbeats["signed"] + 3
+                                     for d in daemons), "heartbeats that sign nothing", timeout=15)
+        assert all(alive(d) == ids for d in daemons)
+        for d in daemons:
+            d.stop()

@@ -278,10 +278,10 @@ class SwimService:
         while True:
             wake = self.core.next_wakeup()
             now = trio.current_time()
-            if wake > now:
-                with trio.move_on_at(min(wake, now + 1.0)):
-                    await self._kick.wait()
-                self._kick = trio.Event()
+            # At least 10 ms between ticks: a timer the core left in the past must not spin the event loop.
+            with trio.move_on_at(max(min(wake, now + 1.0), now + 0.01)):
+                await self._kick.wait()
+            self._kick = trio.Event()
             self._dispatch(self.core.tick(trio.current_time()))
 
     async def _watch_connections(self) -> None:
