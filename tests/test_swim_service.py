@@ -129,12 +129,19 @@ async def test_a_garbage_frame_drops_the_stream_not_the_service() -> None:
                 channel = PlainFrameChannel(LibP2PByteStream(stream))
                 await channel.send(b"\xc1 not msgpack at all")
                 await eventually(lambda: a.swim.counters["garbage"] == 1, "the garbage noticed", timeout=10)
-                # The stream is dropped: the rogue's reads end (reset or closed), whatever it sends next.
-                with pytest.raises(Exception):  # noqa: B017  (libp2p's reset errors or our ProtocolError)
-                    for _ in range(50):
-                        await channel.send(b"more")
-                        await trio.sleep(0.05)
-                    await channel.recv()
+                # The stream is dropped: the rogue's writes fail or its read ends (reset or closed). A stream
+                # left open would keep taking frames and never end the read: `dropped` stays False.
+                dropped = False
+                with trio.move_on_after(10):
+                    try:
+                        for _ in range(20):
+                            await channel.send(b"more")
+                            await trio.sleep(0.05)
+                        await channel.recv()
+                    except Exception:  # noqa: BLE001  (our ProtocolError, or libp2p's own for a reset stream)
+                        pass
+                    dropped = True
+                assert dropped
                 # And its new streams are refused for a while (or fail to open at all): no second garbage read.
                 try:
                     again = await rogue.new_stream(a.host.get_id(), [PROTOCOL_ID])
