@@ -869,7 +869,10 @@ class Membership:
                 # A non-member may only announce itself (a joiner); the rest waits until it is one.
                 self.counters["from_non_member"] += 1
                 continue
-            self._apply(update, sender, now, gossip=not transfer or self.state_of(pid) != UNKNOWN)
+            # A sync's own announcement of its sender (a joiner's, to its seed) is news for the swarm, as the
+            # module docstring says; only the table entries it hands over are not.
+            self_announced = pid == sender and isinstance(update, Alive)
+            self._apply(update, sender, now, gossip=not transfer or self_announced or self.state_of(pid) != UNKNOWN)
             if not member:
                 member = self._is_member(sender)
 
