@@ -139,6 +139,17 @@ def test_a_seed_spreads_the_joiners_own_announcement_but_not_the_table_it_hands_
     assert 60 in carried and 61 not in carried
 
 
+def test_a_member_held_quietly_since_it_connected_is_gossiped_when_its_own_announcement_arrives() -> None:
+    """A daemon holds a connected peer at once (``preload``); the peer's announcement that follows said nothing
+    new there and went no further, so members not connected to the peer never heard of it."""
+    node = _node(members=5)
+    node.preload([40], 0.5)
+    node.receive(1.0, Ping(40, 1, 0, (Alive(40, 0),)))
+    node.receive(1.5, Ping(40, 2, 0, (Alive(40, 0),)))  # once is enough
+    queued = [u for u in node._queue.take(100, 100, 1 << 20) if isinstance(u, Alive) and u.member == 40]
+    assert queued == [Alive(40, 0)]
+
+
 def test_confirmations_of_a_suspicion_count_and_travel_on_only_up_to_k() -> None:
     node = _node(members=30, suspicion_mult=4)  # k = 2
     node.receive(1.0, Ping(1, 1, 0, (Suspect(9, 0, 1),)))

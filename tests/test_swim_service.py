@@ -36,12 +36,13 @@ GONE_BOUND_S = FAST.suspicion_max_mult * FAST.suspicion_mult * FAST.period_s
 SLACK_S = 10.0  # a loaded 2-core machine: the bounds are the protocol's, the slack is the event loop's
 
 
-async def eventually(predicate: Callable[[], bool], what: str, *, timeout: float) -> None:
+async def eventually(predicate: Callable[[], bool], what: str, *, timeout: float,
+                     detail: Callable[[], object] = lambda: "") -> None:
     with trio.move_on_after(timeout):
         while not predicate():
             await trio.sleep(0.05)
         return
-    pytest.fail(f"not within {timeout:.0f}s: {what}")
+    pytest.fail(f"not within {timeout:.0f}s: {what} {detail()}")
 
 
 @dataclass
@@ -102,7 +103,9 @@ async def test_swim_daemons_see_each_other_alive_and_a_killed_one_turns_suspect_
         await s.connect((n1, n0), (n2, n0), (n3, n0), (n3, n1))
         nodes = [n0, n1, n2, n3]
         await eventually(lambda: all(sees(a, b, MemberState.ALIVE) for a in nodes for b in nodes if a is not b),
-                         "every node holds every other alive", timeout=20)
+                         "every node holds every other alive", timeout=20,
+                         detail=lambda: [([a.swim.state_name(b.name) for b in nodes], dict(a.swim.counters))
+                                         for a in nodes])
         n3.scope.cancel()  # the daemon dies: its host closes, its connections with it
         survivors = [n0, n1, n2]
         await eventually(lambda: all(not sees(a, n3, MemberState.ALIVE) for a in survivors),

@@ -362,6 +362,11 @@ class Membership:
         self._progress_pending: tuple[int, float, float] | None = None
         self._left = False
         self._announce_until = -math.inf  # a joiner's probes carry its own Alive until then
+        #: Members held without news of them going out (``preload`` one by one, a join's seed): the first
+        #: ``Alive`` claim about one is gossiped even if it says nothing new here. A daemon holds a peer as soon
+        #: as it connects; without this, its announcement arriving after that was old news, and members not
+        #: connected to it never heard of it (before a push-pull slice came by).
+        self._silent: set[int] = set()
         #: Which members this node may send to directly (None: all). A daemon sets it to "connected to me"
         #: (node/swarm/swim_service.py): probes, helpers of indirect probes and push-pull partners are then
         #: drawn among connected members only, since a message to anyone else would cost a new connection.
@@ -386,6 +391,7 @@ class Membership:
 
     def _set(self, pid: int, state: int, inc: int, now: float) -> None:
         old = self._state[pid]
+        self._silent.discard(pid)  # (preload and join add it again after this)
         if pid != self.me:
             self._live += (state in (ALIVE, SUSPECT)) - (old in (ALIVE, SUSPECT))
             self._held += (state != UNKNOWN) - (old != UNKNOWN)
@@ -413,6 +419,7 @@ class Membership:
                 self._grow(pid)
                 if self._state[pid] == UNKNOWN:
                     self._set(pid, ALIVE, 0, now)
+                    self._silent.add(pid)
 
     def queued_news(self) -> int:
         """How many updates wait in the broadcast queue (each still to ride on some messages)."""
@@ -498,6 +505,7 @@ class Membership:
         self._grow(seed)
         if self._state[seed] == UNKNOWN:
             self._set(seed, ALIVE, 0, now)
+            self._silent.add(seed)
         self._join_server, self._join_cursor = seed, 0
         self._announce_until = now + self.config.join_announce_s
         return self._join_request(now, seed)
@@ -862,6 +870,9 @@ class Membership:
                         continue
                 elif isinstance(update, Alive):
                     if update.incarnation <= incs[pid] and state[pid] != UNKNOWN:
+                        if pid in self._silent and update.incarnation == incs[pid] and state[pid] == ALIVE:
+                            self._silent.discard(pid)  # held quietly so far: the swarm hears of it now
+                            self._queue.put(update)
                         continue
                 elif state[pid] == DEAD and update.incarnation <= incs[pid]:
                     continue
