@@ -184,23 +184,23 @@ def test_swim_mode_re_signs_the_record_only_when_it_changes_and_progress_at_most
     clock = Clock()
     fields: dict[str, Any] = {"role": "trainer", "addrs": ["/ip4/1.2.3.4/tcp/1"], "step": 1, "outer_step": 0}
     rep = swim_replicator(fields, lambda peer: MemberState.ALIVE, clock)
-    rep._heartbeat(force=True)
+    rep.refresh()
     first = rep.state.member(rep.state.peer_id)
     assert first is not None
     for _ in range(10):  # heartbeats with nothing new: no new signature
         clock.t += 2.0
-        rep._heartbeat()
+        rep.refresh()
     assert rep.heartbeats == {"signed": 1, "skipped": 10}
     fields["step"] = 50  # progress alone: waits for the 30 s since the last record
     clock.t += 2.0
-    rep._heartbeat()
+    rep.refresh()
     assert rep.heartbeats["signed"] == 1
     clock.t += 8.0  # 30 s since the first record
-    rep._heartbeat()
+    rep.refresh()
     assert rep.heartbeats["signed"] == 2
     fields["outer_step"] = 1  # not progress: at once
     clock.t += 1.0
-    rep._heartbeat()
+    rep.refresh()
     assert rep.heartbeats["signed"] == 3
     record = rep.state.member(rep.state.peer_id)
     assert record is not None and record.record.outer_step == 1 and record.record.step == 50
@@ -210,7 +210,7 @@ def test_gossip_mode_still_re_signs_every_heartbeat() -> None:
     key = create_new_key_pair()
     rep = StateReplicator(build_host(key), SwarmState(key), "s", path=None, self_fields=lambda: {"step": 1})
     for _ in range(3):
-        rep._heartbeat()
+        rep.refresh()
     assert rep.heartbeats == {"signed": 3}
 
 
@@ -218,7 +218,7 @@ def test_swim_mode_shows_the_states_swim_holds_not_the_records_age() -> None:
     clock = Clock()
     held: dict[str, MemberState] = {}
     rep = swim_replicator({"role": "trainer"}, lambda peer: held.get(peer, MemberState.GONE), clock)
-    rep._heartbeat(force=True)
+    rep.refresh()
     others = []
     for _ in range(3):
         other = SwarmState(create_new_key_pair(), clock=clock)

@@ -299,7 +299,8 @@ class StateReplicator:
 
     def refresh(self) -> None:
         """Re-sign and publish this node's member record now (e.g. right after an outer step) rather
-        than at the next heartbeat."""
+        than at the next heartbeat. (SWIM mode: if it is worth a signature, see :meth:`_worth_signing`;
+        a new outer step is.)"""
         self._heartbeat()
 
     def add_progress(self, samples: int = 0, tokens: int = 0) -> None:
