@@ -62,6 +62,7 @@ from node.swarm.crdt import Manifest
 from node.swarm.manifest_trust import ManifestAuthority, ManifestPinError, read_manifest_pin
 from node.swarm.nat import NatConfig, NatService
 from node.swarm.replicator import StateReplicator, load_state
+from node.swarm.swim_service import SwimService
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
@@ -219,6 +220,8 @@ class Daemon:
             max_per_subnet=node.max_members_per_subnet,
             authority=authority,
         )
+        # node.membership = "swim": liveness from SWIM's probes, records re-signed only when they change.
+        self.swim = SwimService(self.host, key_pair) if node.membership == "swim" else None
         self.replicator = StateReplicator(
             self.host,
             state,
@@ -228,6 +231,7 @@ class Daemon:
             self_fields=self._member_fields,
             local_manifest=self._local_manifest,
             heartbeat_s=node.heartbeat_s,
+            liveness=self.swim.member_state if self.swim is not None else None,
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial
@@ -582,6 +586,8 @@ class Daemon:
                 raise StartupError(
                     f"cannot create the control socket {self.layout.control_socket}: {e.strerror or e}"
                 ) from None
+            if self.swim is not None:  # before any connection: a peer's first stream must find our handler
+                await nursery.start(self.swim.run)
             await nursery.start(self.connmgr.run)
             await nursery.start(self.nat.run)
             nursery.start_soon(self._learn_member_addrs)
@@ -673,7 +679,7 @@ class Daemon:
             return []
         trained = [
             m.record
-            for m in self.replicator.state.members()
+            for m in self.replicator.members()
             if m.state == "alive" and m.record.role == "trainer" and m.record.outer_step > 0
             and m.record.manifest_hash == wanted
             and m.record.peer_id != str(self.peer_id)

@@ -123,6 +123,33 @@ def test_a_member_that_missed_a_joins_gossip_learns_of_it_from_the_joiners_probe
     assert deaf.state_of(50) == ALIVE
 
 
+def test_a_seed_spreads_the_joiners_own_announcement_but_not_the_table_it_hands_over() -> None:
+    """The joiner's Alive on its sync request is news for the swarm (before, the seed applied it silently,
+    and a member not connected to the joiner heard of it only from a push-pull slice, in a daemon whose
+    probes go to connected members only)."""
+    seed = _node(members=5)
+    joiner = Membership(60, 0.0, random.Random(2))
+    ((_, request),) = joiner.join(0, 0.0)
+    assert isinstance(request, SyncRequest)
+    request = SyncRequest(60, request.seq, request.cursor, (*request.entries, Alive(61, 0)), until=request.until)
+    seed.receive(0.5, request)
+    assert seed.state_of(60) == ALIVE
+    pings = [m for t in range(1, 10) for _, m in seed.tick(float(t)) if isinstance(m, Ping)]
+    carried = {u.member for p in pings for u in p.updates if isinstance(u, Alive)}
+    assert 60 in carried and 61 not in carried
+
+
+def test_a_member_held_quietly_since_it_connected_is_gossiped_when_its_own_announcement_arrives() -> None:
+    """A daemon holds a connected peer at once (``preload``); the peer's announcement that follows said nothing
+    new there and went no further, so members not connected to the peer never heard of it."""
+    node = _node(members=5)
+    node.preload([40], 0.5)
+    node.receive(1.0, Ping(40, 1, 0, (Alive(40, 0),)))
+    node.receive(1.5, Ping(40, 2, 0, (Alive(40, 0),)))  # once is enough
+    pings = [m for t in range(2, 12) for _, m in node.tick(float(t)) if isinstance(m, Ping)]
+    assert any(Alive(40, 0) in p.updates for p in pings)
+
+
 def test_confirmations_of_a_suspicion_count_and_travel_on_only_up_to_k() -> None:
     node = _node(members=30, suspicion_mult=4)  # k = 2
     node.receive(1.0, Ping(1, 1, 0, (Suspect(9, 0, 1),)))

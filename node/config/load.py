@@ -56,6 +56,8 @@ class NodeConfig:
     heartbeat_s: float = opt(2.0, "seconds between this node's signed heartbeats to the swarm state")
     suspect_after: float = opt(15.0, "a member silent this long is shown as suspect")
     gone_after: float = opt(60.0, "a member silent this long is shown as gone (its history is kept)")
+    membership: str = opt("gossip", "how members' liveness is judged: gossip (signed heartbeats every heartbeat_s) "
+                                    "| swim (SWIM probes; records re-signed only on change)")
     founder: str = opt("", "PeerID of the swarm's founder: only its run manifest is adopted ('' = trust the first seen)")
     manifest_hash: str = opt("", "the only run manifest hash this node adopts ('' = any allowed by founder)")
     max_members_per_subnet: int = opt(256, "most swarm members one IPv4 /24 or IPv6 /48 may place in the member table")
@@ -101,6 +103,8 @@ class NodeConfig:
             raise ValueError("node.heartbeat_s: must be between 0.2 and 600 seconds")
         if not self.heartbeat_s < self.suspect_after < self.gone_after:
             raise ValueError("node.suspect_after / node.gone_after: need heartbeat_s < suspect_after < gone_after")
+        if self.membership not in ("gossip", "swim"):
+            raise ValueError(f"node.membership: gossip or swim, got {self.membership[:40]!r}")
         if self.founder and not is_peer_id(self.founder):
             raise ValueError(
                 f"node.founder: {self.founder[:80]!r} is not a PeerID (the 12D3KooW... line `starling init` "

@@ -7,8 +7,9 @@
     nat.py         NatService: reachability, circuit relays, hole punching, the path to each peer
     circuit.py     parse_circuit_addr, connection_is_relayed: circuit relay v2's addresses and answers
     holepunch.py   ReportingDCUtR: py-libp2p's DCUtR, with each punch's outcome and why it failed
-    membership.py  Membership: SWIM failure detection and piggy-backed dissemination, sans-io (issue #24;
-                   not wired into the daemon yet)
+    membership.py  Membership: SWIM failure detection and piggy-backed dissemination, sans-io (issue #24)
+    swim_service.py SwimService: that core over libp2p, one long-lived stream per connected peer
+                   (node.membership = "swim": liveness from SWIM, records re-signed only on change)
 
 Imports the status contract (node/status_schema.py) and nothing else of node/.
 """

@@ -362,6 +362,15 @@ class Membership:
         self._progress_pending: tuple[int, float, float] | None = None
         self._left = False
         self._announce_until = -math.inf  # a joiner's probes carry its own Alive until then
+        #: Members held without news of them going out (``preload`` one by one, a join's seed): the first
+        #: ``Alive`` claim about one is gossiped even if it says nothing new here. A daemon holds a peer as soon
+        #: as it connects; without this, its announcement arriving after that was old news, and members not
+        #: connected to it never heard of it (before a push-pull slice came by).
+        self._silent: set[int] = set()
+        #: Which members this node may send to directly (None: all). A daemon sets it to "connected to me"
+        #: (node/swarm/swim_service.py): probes, helpers of indirect probes and push-pull partners are then
+        #: drawn among connected members only, since a message to anyone else would cost a new connection.
+        self.can_probe: Callable[[int], bool] | None = None
         self._grow(me)
         self._set(me, ALIVE, 0, now)
         self._queue.put(Alive(me, 0))
@@ -382,6 +391,7 @@ class Membership:
 
     def _set(self, pid: int, state: int, inc: int, now: float) -> None:
         old = self._state[pid]
+        self._silent.discard(pid)  # (preload and join add it again after this)
         if pid != self.me:
             self._live += (state in (ALIVE, SUSPECT)) - (old in (ALIVE, SUSPECT))
             self._held += (state != UNKNOWN) - (old != UNKNOWN)
@@ -409,6 +419,7 @@ class Membership:
                 self._grow(pid)
                 if self._state[pid] == UNKNOWN:
                     self._set(pid, ALIVE, 0, now)
+                    self._silent.add(pid)
 
     def queued_news(self) -> int:
         """How many updates wait in the broadcast queue (each still to ride on some messages)."""
@@ -494,6 +505,7 @@ class Membership:
         self._grow(seed)
         if self._state[seed] == UNKNOWN:
             self._set(seed, ALIVE, 0, now)
+            self._silent.add(seed)
         self._join_server, self._join_cursor = seed, 0
         self._announce_until = now + self.config.join_announce_s
         return self._join_request(now, seed)
@@ -563,27 +575,41 @@ class Membership:
             self._next_probe = max(self._next_probe + self.config.period_s, now)
             target = self._next_target()
             if target is not None:
-                self._seq += 1
-                self._probes[self._seq] = _Probe(target, now + self.config.ack_timeout_s,
-                                                 now + self.config.probe_timeout_s)
-                updates = self._piggyback()
-                if now < self._announce_until and not any(u.member == self.me for u in updates):
-                    # A joiner introduces itself to every member it probes at first: whoever its gossip
-                    # missed learns of it from the probe, and spreads the news again.
-                    updates = (Alive(self.me, self.incarnation), *updates[:self.config.max_updates - 1])
-                out.append((target, Ping(self.me, self._seq, target, updates)))
+                out.extend(self._start_probe(target, now))
         if now >= self._next_pushpull:
             self._next_pushpull = now + self.config.pushpull_s
             out.extend(self._pushpull())
         return out
 
+    def probe(self, pid: int, now: float) -> Sends:
+        """Probe ``pid`` now, outside the round-robin (a daemon does when its connection to a member drops:
+        with probes among connected members only, nobody would otherwise probe a member that died and
+        took its connections with it). Nothing if it is not a member or a probe of it is under way."""
+        if self._left or pid == self.me or self.state_of(pid) not in (ALIVE, SUSPECT):
+            return []
+        if any(p.target == pid for p in self._probes.values()):
+            return []
+        return self._start_probe(pid, now)
+
+    def _start_probe(self, target: int, now: float) -> Sends:
+        self._seq += 1
+        self._probes[self._seq] = _Probe(target, now + self.config.ack_timeout_s, now + self.config.probe_timeout_s)
+        updates = self._piggyback()
+        if now < self._announce_until and not any(u.member == self.me for u in updates):
+            # A joiner introduces itself to every member it probes at first: whoever its gossip
+            # missed learns of it from the probe, and spreads the news again.
+            updates = (Alive(self.me, self.incarnation), *updates[:self.config.max_updates - 1])
+        return [(target, Ping(self.me, self._seq, target, updates))]
+
     def _next_target(self) -> int | None:
         state, size = self._state, len(self._state)
+        ok = self.can_probe
         for _ in range(2):  # the rest of this round, then one fresh round
             while self._round_pos < self._round_size:
                 pid = (self._round_offset + self._round_pos * self._round_stride) % self._round_size
                 self._round_pos += 1
-                if pid != self.me and pid < size and (state[pid] == ALIVE or state[pid] == SUSPECT):
+                if pid != self.me and pid < size and (state[pid] == ALIVE or state[pid] == SUSPECT) and (
+                        ok is None or ok(pid)):
                     return pid
             self._new_round()
         return None
@@ -600,12 +626,14 @@ class Membership:
     def _random_members(self, k: int, exclude: set[int]) -> list[int]:
         """Up to k distinct random members held alive (rejection sampling: cheap while most are alive)."""
         state, size = self._state, len(self._state)
+        ok = self.can_probe
         out: list[int] = []
         if k <= 0 or self._live <= len(exclude):
             return out
         for _ in range(8 * k + 8):
             pid = self.rng.randrange(size)
-            if state[pid] == ALIVE and pid != self.me and pid not in exclude and pid not in out:
+            if state[pid] == ALIVE and pid != self.me and pid not in exclude and pid not in out and (
+                    ok is None or ok(pid)):
                 out.append(pid)
                 if len(out) == k:
                     break
@@ -842,6 +870,9 @@ class Membership:
                         continue
                 elif isinstance(update, Alive):
                     if update.incarnation <= incs[pid] and state[pid] != UNKNOWN:
+                        if pid in self._silent and update.incarnation == incs[pid] and state[pid] == ALIVE:
+                            self._silent.discard(pid)  # held quietly so far: the swarm hears of it now
+                            self._queue.put(update)
                         continue
                 elif state[pid] == DEAD and update.incarnation <= incs[pid]:
                     continue
@@ -849,7 +880,10 @@ class Membership:
                 # A non-member may only announce itself (a joiner); the rest waits until it is one.
                 self.counters["from_non_member"] += 1
                 continue
-            self._apply(update, sender, now, gossip=not transfer or self.state_of(pid) != UNKNOWN)
+            # A sync's own announcement of its sender (a joiner's, to its seed) is news for the swarm, as the
+            # module docstring says; only the table entries it hands over are not.
+            self_announced = pid == sender and isinstance(update, Alive)
+            self._apply(update, sender, now, gossip=not transfer or self_announced or self.state_of(pid) != UNKNOWN)
             if not member:
                 member = self._is_member(sender)
 

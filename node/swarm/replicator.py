@@ -5,6 +5,12 @@ rest of the swarm:
 
 * **Heartbeat.** Every ``heartbeat_s`` it re-signs this node's member record from ``self_fields()``
   (progress, loss, addresses, ...). Peers judge liveness by these heartbeats (suspect, gone).
+* **Or SWIM** (``node.membership = "swim"``: ``liveness`` given, :mod:`node.swarm.swim_service`). Liveness
+  comes from SWIM's probes, not from heartbeats: the states shown and the averaging candidates are
+  ``liveness(peer)``'s, and this node's record is re-signed only when a field other than the progress
+  ones (``PROGRESS_FIELDS``) changes, or for progress at most every ``progress_every_s`` (default
+  ``PROGRESS_EVERY_S``). The quiet-member probes of anti-entropy are off (records no longer come every
+  heartbeat, so every member would look quiet); the rounds stay.
 * **Gossip.** The member records and the manifest this node writes are published on the gossipsub
   topic ``starling/<swarm>/state``; records from peers are merged as they arrive, in the topic
   validator, so a forged record is refused at the first honest hop instead of being forwarded through
@@ -117,6 +123,15 @@ PUBLISH_TIMEOUT_S = 5.0
 GOODBYE_TIMEOUT_S = 4.0  # publishing the departure on stop (2 s was too short on a loaded machine)
 STOP_TIMEOUT_S = 6.0  # everything done on stop, goodbye included (within the CLI's 9 s hard stop)
 POLL_S = 1.0  # how often the anti-entropy loop looks for connections it was not told about
+#: Fields of the member record that change with every inner step: in SWIM mode a change of these alone
+#: re-signs the record at most every ``progress_every_s``. (``outer_step`` is not one: the averager's
+#: step-gap check reads it, and it changes once an outer step.)
+PROGRESS_FIELDS = frozenset({"step", "loss", "val_loss", "samples_per_s"})
+#: SWIM mode's least time between two records re-signed for progress alone. Why 30 s: status and the
+#: pacing read step, loss and speed, which move slowly against it (an outer step is minutes on a real
+#: model), while every copy of a record costs each node a signature check: 30 s is 1/15 of the 2 s
+#: heartbeat's cost, and the same period as SWIM's own progress payload (MembershipConfig.progress_interval_s).
+PROGRESS_EVERY_S = 30.0
 
 
 def gossip_topic(swarm: str) -> str:
@@ -213,6 +228,8 @@ class StateReplicator:
         gossip: bool = True,
         clock: Callable[[], float] = time.time,
         pin_path: Path | None = None,
+        liveness: Callable[[str], MemberState] | None = None,
+        progress_every_s: float = PROGRESS_EVERY_S,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -233,6 +250,13 @@ class StateReplicator:
         self.save_s = save_s
         self.gossip = gossip
         self._clock = clock
+        #: SWIM mode: a member's state (alive, suspect, gone) from the SWIM service; None: from heartbeats.
+        self.liveness = liveness
+        self.progress_every_s = progress_every_s
+        self._last_fields: dict[str, Any] | None = None  # what the last record signed here said
+        self._last_signed = -math.inf
+        #: Heartbeats that re-signed the record, and those that found nothing worth a signature (SWIM mode).
+        self.heartbeats = Counter[str]()
         #: Where the trusted-on-first-use manifest is pinned (None: not persisted).
         self.pin_path = pin_path
         self.stats = ReplicationStats()
@@ -275,7 +299,8 @@ class StateReplicator:
 
     def refresh(self) -> None:
         """Re-sign and publish this node's member record now (e.g. right after an outer step) rather
-        than at the next heartbeat."""
+        than at the next heartbeat. (SWIM mode: if it is worth a signature, see :meth:`_worth_signing`;
+        a new outer step is.)"""
         self._heartbeat()
 
     def add_progress(self, samples: int = 0, tokens: int = 0) -> None:
@@ -304,12 +329,25 @@ class StateReplicator:
         """
         return self._compatible_members(MemberState.ALIVE, MemberState.SUSPECT)
 
+    def members(self, now: float | None = None) -> list[MemberView]:
+        """Every member held, with its state as this node shows it: from the heartbeats (the replica's
+        own view) or, in SWIM mode, from ``liveness`` (a departure and this node itself excepted)."""
+        views = self.state.members(self._clock() if now is None else now)
+        if self.liveness is None:
+            return views
+        me = self.state.peer_id
+        return [
+            view if view.state is MemberState.LEFT
+            else dataclasses.replace(view, state=MemberState.ALIVE if view.peer_id == me else self.liveness(view.peer_id))
+            for view in views
+        ]
+
     def _compatible_members(self, *states: MemberState) -> list[MemberView]:
         ours = self._manifest_hash()
         me = self.state.peer_id
         return [
             view
-            for view in self.state.members(self._clock())
+            for view in self.members()
             if view.state in states
             and view.peer_id != me
             and view.peer_id not in self._incompatible
@@ -319,7 +357,7 @@ class StateReplicator:
     def status(self) -> ReplicaStatus:
         """``{"members": [...], "swarm_totals": {...}}`` for ``starling status --json``."""
         now = self._clock()
-        views = self.state.members(now)
+        views = self.members(now)
         members = [self._member_status(view, now) for view in views]
         by_state = Counter(view.state.value for view in views)
         totals = self.state.counters()
@@ -410,7 +448,7 @@ class StateReplicator:
         try:
             with trio.CancelScope(shield=True) as scope:
                 self._found_after = trio.current_time() + 2 * self.anti_entropy_s
-                self._heartbeat()  # our own record exists before anyone asks for it
+                self._heartbeat(force=True)  # our own record exists before anyone asks for it
                 self.host.set_stream_handler(protocol.PROTOCOL_ID, self._handle_stream)
                 try:
                     pubsub, router = self._make_pubsub()
@@ -489,15 +527,31 @@ class StateReplicator:
             await trio.sleep(self.heartbeat_s)
             self._heartbeat()
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, *, force: bool = False) -> None:
         fields = self.self_fields()
-        try:
-            signed = self.state.update_self(**fields)
-        except ValueError as exc:  # a value peers would refuse: keep the previous record, say why
-            log.error("cannot publish this node's member record: %s", exc)
+        if force or self._worth_signing(fields):
+            self.heartbeats["signed"] += 1
+            try:
+                signed = self.state.update_self(**fields)
+            except ValueError as exc:  # a value peers would refuse: keep the previous record, say why
+                log.error("cannot publish this node's member record: %s", exc)
+            else:
+                self._last_fields, self._last_signed = dict(fields), self._clock()
+                self._publish(signed)
         else:
-            self._publish(signed)
+            self.heartbeats["skipped"] += 1
         self._check_manifest()
+
+    def _worth_signing(self, fields: dict[str, Any]) -> bool:
+        """Gossip mode: always (the record is the heartbeat). SWIM mode: when a field other than progress
+        changed, or progress did and the last record is ``progress_every_s`` old."""
+        last = self._last_fields
+        if self.liveness is None or last is None:
+            return True
+        changed = {k for k in fields.keys() | last.keys() if fields.get(k) != last.get(k)}
+        if changed - PROGRESS_FIELDS:
+            return True
+        return bool(changed) and self._clock() - self._last_signed >= self.progress_every_s
 
     def _check_manifest(self) -> None:
         """Found the swarm's manifest if nobody has and the configuration lets this node, or notice that
@@ -635,7 +689,7 @@ class StateReplicator:
         of its previous life, signed before a restart with a clock ahead of today's), rather than leave
         that old record in every table until the next heartbeat."""
         if self.state.own_record_superseded():
-            self._heartbeat()
+            self._heartbeat(force=True)
 
     async def _drain(self, subscription: Any) -> None:
         """Keep the subscription queue empty (it holds 32 messages and drops the rest with a warning);
@@ -692,7 +746,8 @@ class StateReplicator:
                 self._known_connected = connected
                 self._last_attempt = {p: t for p, t in self._last_attempt.items() if p in connected}
                 now = trio.current_time()
-                self._prompt |= self._quiet_peers(connected, now)
+                if self.liveness is None:  # SWIM probes members itself; records no longer show who is quiet
+                    self._prompt |= self._quiet_peers(connected, now)
                 if now >= next_round:
                     peer = self._least_recently_synced(connected)
                     if peer is not None:

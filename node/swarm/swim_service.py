@@ -1,0 +1,452 @@
+"""The SWIM membership core (:mod:`node.swarm.membership`) run over libp2p: ``node.membership = "swim"`` (issue #24).
+
+Why: with ``node.membership = "gossip"`` every node re-signs its member record every ``heartbeat_s`` and every
+node checks every other's, so each node's membership CPU grows with N. Here liveness comes from SWIM's
+probes instead, a fixed amount of work per node whatever N is; the member records (addresses, role,
+progress) are re-signed only when they change (:class:`node.swarm.replicator.StateReplicator` with
+``liveness`` set), and the replicator asks this service whether a member is alive.
+
+Transport (docs/benchmarks.md, "Scale: SWIM's transport"): one long-lived stream per connected peer costs
+6.2 ms of CPU per round trip, a new stream per message 10.9 and a new connection 27.8. So:
+
+* Each node keeps one *outbound* stream on ``/starling/swim/1.0.0`` to each connected peer that speaks it,
+  opened when the connection appears, and writes its messages to that peer there, length-prefixed
+  (:class:`p2p.wire.PlainFrameChannel`); what a peer sends arrives on the peer's own outbound stream, read
+  by :meth:`SwimService._handle_stream`. Two one-way streams per pair, no tie-breaking between two nodes
+  that open at once. Each peer's outbox is a bounded channel: a message that does not fit is dropped
+  (SWIM tolerates loss; a slow peer must not hold this node's memory).
+* Probing is restricted to connected members (``Membership.can_probe``): the probe target, the helpers of
+  an indirect probe and the push-pull partner. A message to a member that is not connected is dropped,
+  never dialled. So an indirect probe succeeds through a helper that is connected to the target.
+* A dropped connection is itself news: the member is probed at once (``Membership.probe``). Its direct
+  ping cannot go out, the indirect ones go through helpers; if none of them reaches it either, it becomes
+  suspect, then dead after SWIM's suspicion timeout (a live member refutes as soon as the suspicion reaches
+  it through any connection it has). Without this, a member that died took its connections with it and
+  nobody would probe it again.
+* A peer joins the table once an outbound stream to it has negotiated the protocol (so a peer that does
+  not speak SWIM is never probed and declared dead): the first one is this node's seed (``join``: its
+  table is pulled page by page), later ones are held alive (``preload``) and probed.
+
+Signatures: every claim is signed by its author (:mod:`protocols.swim`) with this node's ed25519 key. The
+core builds claims without signatures; before a message is encoded, claims this node authored are signed
+(and the signature cached: one signature per incarnation, not per message), and claims by others get the
+author's signature from a cache filled by every verified claim received (the core rebuilds ``Alive``
+entries of other members for push-pull and joins; one whose signature this node never saw is left out).
+Received claims are verified once: a bounded cache of verified (signer, bytes, signature) triples spares
+the re-sends of the same claim, which SWIM's dissemination makes most of what arrives.
+
+Hostile peers: every read has a deadline (an idle inbound stream is closed after ``IDLE_TIMEOUT_S``; its
+sender reopens one when it next has something to say), every write too; a peer that sends anything the
+codec refuses (:class:`p2p.wire.ProtocolError`) has its stream reset and its new streams refused for
+``GARBAGE_BAN_S``, as the other protocols close a stream on garbage; the daemon goes on. The registry of
+peer names is bounded (``max_members``): claims about peers beyond it are skipped by the codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import trio
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+
+from node.swarm.crdt import MemberState
+from node.swarm.membership import (
+    ALIVE,
+    DEAD,
+    STATE_NAMES,
+    SUSPECT,
+    Membership,
+    MembershipConfig,
+    Registry,
+)
+from p2p.wire import LibP2PByteStream, PlainFrameChannel, ProtocolError, Reason, close_quietly
+from protocols import swim
+from protocols.swim import Ack, Alive, Dead, Message, Ping, PingReq, Progress, Suspect
+
+log = logging.getLogger("starling.swim")
+
+PROTOCOL_ID = swim.PROTOCOL_ID
+OPEN_TIMEOUT_S = 10.0  # opening a stream (protocol negotiation) to a connected peer
+WRITE_TIMEOUT_S = 5.0  # one frame written
+IDLE_TIMEOUT_S = 60.0  # an inbound stream with nothing for this long is closed (its sender reopens one)
+REOPEN_S = 5.0  # the least time between two outbound streams opened to the same peer
+GARBAGE_BAN_S = 60.0  # a peer that sent garbage: its new streams are refused this long
+CONNECTIONS_POLL_S = 0.5  # how often the connected set is read (a new or a dropped connection)
+OUTBOX = 32  # messages waiting for one peer's stream; more are dropped
+MAX_INBOUND = 128  # inbound streams served at once (one per peer; a peer's newer one replaces its older)
+MAX_MEMBERS = 4096  # peer names this node interns (its member table, dead ones included)
+SIG_CACHE = 16384  # cached claim signatures (own and others')
+VERIFIED_CACHE = 16384  # cached verified claims
+ED25519_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])  # identity multihash of a protobuf ed25519 key
+
+_STATES = {ALIVE: MemberState.ALIVE, SUSPECT: MemberState.SUSPECT, DEAD: MemberState.GONE}
+
+Claim = Alive | Suspect | Dead | Progress
+
+
+def _claim_key(claim: Claim) -> tuple[Any, ...]:
+    if isinstance(claim, Alive):
+        return (1, claim.member, claim.incarnation)
+    if isinstance(claim, Suspect | Dead):
+        return (2 if isinstance(claim, Suspect) else 3, claim.member, claim.incarnation, claim.accuser)
+    return (4, claim.member, claim.version, claim.outer_step, claim.loss, claim.samples_per_s)
+
+
+class SwimService:
+    """One daemon's SWIM membership over libp2p (see the module docstring).
+
+    ``member_state(peer_id)`` is what the replicator shows for a member: alive, suspect, or gone (held dead,
+    or not known to SWIM at all). ``counters`` counts what happened (for tests and diagnostics)."""
+
+    def __init__(self, host: IHost, key_pair: KeyPair, *, config: MembershipConfig | None = None,
+                 max_members: int = MAX_MEMBERS, rng: random.Random | None = None) -> None:
+        self.host = host
+        self._me = host.get_id()
+        self._private = Ed25519PrivateKey.from_private_bytes(key_pair.private_key.to_bytes()[:32])
+        self.max_members = max_members
+        self.registry = Registry()
+        self.counters: Counter[str] = Counter()
+        self._ids: dict[bytes, int] = {}  # peer ID bytes -> id
+        self._by_name: dict[str, int] = {}  # base58 -> id
+        self._peers: list[ID] = []  # id -> peer ID
+        me = self._intern(self._me)
+        assert me is not None
+        self.core = Membership(me, trio.current_time() if _in_trio() else 0.0, rng or random.Random(),
+                               config, on_change=self._changed, registry=self.registry)
+        self.core.can_probe = self._can_probe
+        self._connected: set[ID] = set()
+        self._connected_ids: set[int] = set()
+        self._speaks: set[ID] = set()  # peers whose outbound stream negotiated the protocol
+        self._joined = False
+        self._outboxes: dict[ID, trio.MemorySendChannel[bytes]] = {}
+        self._opened_at: dict[ID, float] = {}
+        self._inbound: dict[ID, trio.CancelScope] = {}
+        self._banned: dict[ID, float] = {}
+        self._sigs: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
+        self._verified: OrderedDict[tuple[bytes, bytes, bytes], None] = OrderedDict()
+        self._keys: dict[bytes, Ed25519PublicKey] = {}
+        self._kick = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    # ---- views ------------------------------------------------------------------------------------
+
+    def member_state(self, peer_id: str) -> MemberState:
+        pid = self._by_name.get(peer_id)
+        if pid is None:
+            return MemberState.GONE
+        if pid == self.core.me:
+            return MemberState.ALIVE
+        return _STATES.get(self.core.state_of(pid), MemberState.GONE)
+
+    def state_name(self, peer_id: str) -> str:
+        """The core's own word for a member (alive, suspect, dead, unknown)."""
+        pid = self._by_name.get(peer_id)
+        return STATE_NAMES[self.core.state_of(pid)] if pid is not None else "unknown"
+
+    # ---- names and signatures ---------------------------------------------------------------------
+
+    def _intern(self, peer: ID) -> int | None:
+        raw = peer.to_bytes()
+        pid = self._ids.get(raw)
+        if pid is None:
+            if len(self._ids) >= self.max_members:
+                return None
+            name = peer.to_base58()
+            pid = self.registry.intern(name)
+            self._ids[raw], self._by_name[name] = pid, pid
+            self._peers.append(peer)
+        return pid
+
+    def _id_of(self, raw: bytes) -> int | None:
+        pid = self._ids.get(raw)
+        if pid is not None:
+            return pid
+        if len(raw) != 38 or not raw.startswith(ED25519_PREFIX):
+            return None  # not an ed25519 peer ID: its claims could not be verified anyway
+        return self._intern(ID(raw))
+
+    def _name_of(self, pid: int) -> bytes:
+        return self._peers[pid].to_bytes()
+
+    def _verify(self, signer: bytes, data: bytes, sig: bytes) -> bool:
+        key3 = (signer, data, sig)
+        if key3 in self._verified:
+            self.counters["verify_cached"] += 1
+            return True
+        key = self._keys.get(signer)
+        if key is None:
+            if len(signer) != 38 or not signer.startswith(ED25519_PREFIX):
+                return False
+            if len(self._keys) >= self.max_members:
+                self._keys.clear()
+            key = self._keys[signer] = Ed25519PublicKey.from_public_bytes(signer[-32:])
+        self.counters["verified"] += 1
+        try:
+            key.verify(sig, data)
+        except InvalidSignature:
+            self.counters["bad_signature"] += 1
+            return False
+        self._verified[key3] = None
+        if len(self._verified) > VERIFIED_CACHE:
+            self._verified.popitem(last=False)
+        return True
+
+    def _remember_sig(self, claim: Claim) -> None:
+        if claim.sig:
+            key = _claim_key(claim)
+            self._sigs[key] = claim.sig
+            self._sigs.move_to_end(key)
+            if len(self._sigs) > SIG_CACHE:
+                self._sigs.popitem(last=False)
+
+    def _signed(self, claim: Claim | None) -> Claim | None:
+        """``claim`` with its author's signature: ours made now (once), another's from the cache, or None."""
+        if claim is None or claim.sig:
+            return claim
+        key = _claim_key(claim)
+        sig = self._sigs.get(key)
+        if sig is None:
+            me = self.core.me
+            author = claim.accuser if isinstance(claim, Suspect | Dead) else claim.member
+            if author != me:
+                self.counters["unsigned_left_out"] += 1
+                return None
+            sig = self._private.sign(swim.claim_bytes(claim, self._name_of))
+            self.counters["signed"] += 1
+            self._sigs[key] = sig
+            if len(self._sigs) > SIG_CACHE:
+                self._sigs.popitem(last=False)
+        return dataclasses.replace(claim, sig=sig)
+
+    def _signed_all(self, claims: Iterable[Any]) -> tuple[Any, ...]:
+        return tuple(c for c in (self._signed(c) for c in claims) if c is not None)
+
+    def _sign_message(self, message: Message) -> Message:
+        if isinstance(message, Ping | PingReq | Ack):
+            return dataclasses.replace(message, updates=self._signed_all(message.updates))
+        you = self._signed(message.view_of_you)
+        assert not isinstance(you, Progress)
+        return dataclasses.replace(message, entries=self._signed_all(message.entries), view_of_you=you)
+
+    def _remember_claims(self, message: Message) -> None:
+        if isinstance(message, Ping | PingReq | Ack):
+            claims: Iterable[Claim] = message.updates
+        else:
+            claims = [*message.entries, *([message.view_of_you] if message.view_of_you is not None else [])]
+        for claim in claims:
+            self._remember_sig(claim)
+
+    # ---- the core's hooks ---------------------------------------------------------------------------
+
+    def _can_probe(self, pid: int) -> bool:
+        return pid in self._connected_ids
+
+    def _changed(self, pid: int, old: int, new: int, now: float) -> None:
+        if pid < len(self._peers):
+            log.debug("member %s: %s -> %s", self._peers[pid], STATE_NAMES[old], STATE_NAMES[new])
+        self.counters[f"became_{STATE_NAMES[new]}"] += 1
+
+    # ---- running ------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the protocol, keep a stream to every connected peer and run the core's timers, until
+        cancelled."""
+        self.host.set_stream_handler(PROTOCOL_ID, self._handle_stream)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._watch_connections)
+                nursery.start_soon(self._timers)
+                task_status.started()
+        finally:
+            self._nursery = None
+            self.host.remove_stream_handler(PROTOCOL_ID)
+            for scope in list(self._inbound.values()):
+                scope.cancel()
+
+    async def _timers(self) -> None:
+        while True:
+            wake = self.core.next_wakeup()
+            now = trio.current_time()
+            # At least 10 ms between ticks: a timer the core left in the past must not spin the event loop.
+            with trio.move_on_at(max(min(wake, now + 1.0), now + 0.01)):
+                await self._kick.wait()
+            self._kick = trio.Event()
+            self._dispatch(self.core.tick(trio.current_time()))
+
+    async def _watch_connections(self) -> None:
+        """py-libp2p tells no one of a closed connection: the connected set is read twice a second."""
+        while True:
+            now_connected = {p for p in self.host.get_connected_peers() if p != self._me}
+            gone = self._connected - now_connected
+            new = now_connected - self._connected
+            self._connected = now_connected
+            self._connected_ids = {pid for pid in (self._ids.get(p.to_bytes()) for p in now_connected)
+                                   if pid is not None}
+            now = trio.current_time()
+            for peer in new:
+                self._open(peer, now)
+            for peer in gone:
+                self._speaks.discard(peer)
+                outbox = self._outboxes.pop(peer, None)
+                if outbox is not None:
+                    outbox.close()
+                pid = self._ids.get(peer.to_bytes())
+                if pid is not None:
+                    self.counters["disconnect_probes"] += 1
+                    self._dispatch(self.core.probe(pid, now))
+                    self._kick.set()
+            await trio.sleep(CONNECTIONS_POLL_S)
+
+    def _open(self, peer: ID, now: float) -> trio.MemorySendChannel[bytes] | None:
+        """The peer's outbox, starting its writer (which opens the stream) if there is none."""
+        outbox = self._outboxes.get(peer)
+        if outbox is not None:
+            return outbox
+        if self._nursery is None or now - self._opened_at.get(peer, -math.inf) < REOPEN_S:
+            return None
+        self._opened_at[peer] = now
+        if len(self._opened_at) > 4 * self.max_members:
+            self._opened_at = {p: t for p, t in self._opened_at.items() if p in self._connected}
+        send, recv = trio.open_memory_channel[bytes](OUTBOX)
+        self._outboxes[peer] = send
+        self._nursery.start_soon(self._writer, peer, send, recv)
+        return send
+
+    async def _writer(self, peer: ID, send: trio.MemorySendChannel[bytes],
+                      recv: trio.MemoryReceiveChannel[bytes]) -> None:
+        stream: INetStream | None = None
+        try:
+            with trio.move_on_after(OPEN_TIMEOUT_S):
+                try:
+                    stream = await self.host.new_stream(peer, [PROTOCOL_ID])
+                except Exception as exc:  # py-libp2p raises many types for a peer that cannot or will not
+                    self.counters["open_failed"] += 1
+                    log.debug("no swim stream to %s: %s", peer, exc)
+            if stream is None:
+                return
+            self._speaks.add(peer)
+            self._introduce(peer)
+            channel = PlainFrameChannel(LibP2PByteStream(stream), max_frame_size=swim.MAX_MESSAGE_BYTES)
+            async with recv:
+                async for frame in recv:
+                    with trio.fail_after(WRITE_TIMEOUT_S):
+                        await channel.send(frame)
+                    self.counters["sent"] += 1
+        except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.counters["write_failed"] += 1
+            log.debug("swim stream to %s ended: %r", peer, exc)
+        except Exception as exc:  # whatever the muxer raises for a dead stream must not end the service
+            self.counters["write_failed"] += 1
+            log.debug("swim stream to %s failed: %r", peer, exc)
+        finally:
+            if self._outboxes.get(peer) is send:
+                del self._outboxes[peer]
+            send.close()
+            if stream is not None:
+                await close_quietly(stream)
+
+    def _introduce(self, peer: ID) -> None:
+        """A peer that speaks the protocol: our seed if it is the first, else a member to probe."""
+        pid = self._intern(peer)
+        if pid is None:
+            return
+        self._connected_ids.add(pid)
+        now = trio.current_time()
+        if not self._joined:
+            self._joined = True
+            self._dispatch(self.core.join(pid, now))
+        elif self.core.state_of(pid) not in (ALIVE, SUSPECT, DEAD):
+            self.core.preload([pid], now)
+        self._kick.set()
+
+    def _dispatch(self, sends: list[tuple[int, Message]]) -> None:
+        now = trio.current_time()
+        for pid, message in sends:
+            peer = self._peers[pid] if 0 <= pid < len(self._peers) else None
+            if peer is None or peer not in self._connected:
+                self.counters["not_connected"] += 1
+                continue
+            outbox = self._open(peer, now)
+            if outbox is None:
+                self.counters["no_stream"] += 1
+                continue
+            try:
+                data = swim.encode(self._sign_message(message), self._name_of)
+            except ValueError as exc:
+                self.counters["too_large"] += 1
+                log.debug("swim message not sent: %s", exc)
+                continue
+            try:
+                outbox.send_nowait(data)
+            except trio.WouldBlock:
+                self.counters["outbox_full"] += 1
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.counters["no_stream"] += 1
+
+    async def _handle_stream(self, stream: INetStream) -> None:
+        """Stream handler of ``/starling/swim/1.0.0``: a peer's outbound stream, read until it ends."""
+        peer = stream.muxed_conn.peer_id
+        now = trio.current_time()
+        banned_until = self._banned.get(peer)
+        if banned_until is not None and now < banned_until:
+            self.counters["refused_banned"] += 1
+            await close_quietly(stream, reset=True)
+            return
+        self._banned.pop(peer, None)
+        pid = self._intern(peer)
+        if pid is None or (len(self._inbound) >= MAX_INBOUND and peer not in self._inbound):
+            self.counters["refused_full"] += 1
+            await close_quietly(stream, reset=True)
+            return
+        older = self._inbound.pop(peer, None)
+        if older is not None:
+            older.cancel()
+        garbage = False
+        channel = PlainFrameChannel(LibP2PByteStream(stream), max_frame_size=swim.MAX_MESSAGE_BYTES)
+        with trio.CancelScope() as scope:
+            self._inbound[peer] = scope
+            try:
+                while True:
+                    data = b""
+                    with trio.move_on_after(IDLE_TIMEOUT_S):
+                        data = await channel.recv()
+                    if not data:
+                        break  # idle, or closed by the peer
+                    message = swim.decode(data, pid, self._id_of, self._verify)
+                    self.counters["received"] += 1
+                    self._remember_claims(message)
+                    self._dispatch(self.core.receive(trio.current_time(), message))
+                    self._kick.set()
+            except ProtocolError as exc:
+                if exc.reason not in (Reason.CLOSED, Reason.TRUNCATED, Reason.BROKEN):
+                    garbage = True
+                    self.counters["garbage"] += 1
+                    self._banned[peer] = trio.current_time() + GARBAGE_BAN_S
+                    if len(self._banned) > self.max_members:
+                        self._banned = {p: t for p, t in self._banned.items() if t > now}
+                    log.warning("dropped the swim stream of %s: %s", peer, exc)
+            except Exception as exc:  # a reset stream, a muxer error: the peer's sender reopens
+                self.counters["read_failed"] += 1
+                log.debug("swim stream from %s ended: %r", peer, exc)
+        if self._inbound.get(peer) is scope:
+            del self._inbound[peer]
+        await close_quietly(stream, reset=garbage)
+
+
+def _in_trio() -> bool:
+    try:
+        trio.current_time()
+    except RuntimeError:
+        return False
+    return True

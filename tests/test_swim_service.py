@@ -1,0 +1,284 @@
+"""SWIM membership wired into the daemon (issue #24): ``node.membership = "swim"``.
+
+The service tests run 3-4 real libp2p hosts on 127.0.0.1 in one trio loop, each with its own
+:class:`node.swarm.swim_service.SwimService` (what the daemon runs in SWIM mode), with a faster protocol period
+than the default so that a death is decided in seconds. The replicator tests check what SWIM mode changes
+there: member states from SWIM, and the member record re-signed only when it changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from multiaddr import Multiaddr
+
+from node.config.load import NodeConfig
+from node.swarm.crdt import MemberState, SwarmState, peer_id_of
+from node.swarm.membership import MembershipConfig
+from node.swarm.replicator import StateReplicator
+from node.swarm.swim_service import PROTOCOL_ID, SwimService
+from p2p.host import build_host
+from p2p.wire import LibP2PByteStream, PlainFrameChannel
+
+# Half-second periods: a dead member is suspect within probe_timeout_s of its connection closing, and gone
+# within the suspicion timeout after that, at most suspicion_max_mult x suspicion_mult x period_s = 12 s.
+FAST = MembershipConfig(period_s=0.5, ack_timeout_s=0.4, probe_timeout_s=1.5)
+SUSPECT_BOUND_S = 0.5 + FAST.probe_timeout_s  # the connection poll, then the probe's deadline
+GONE_BOUND_S = FAST.suspicion_max_mult * FAST.suspicion_mult * FAST.period_s
+SLACK_S = 10.0  # a loaded 2-core machine: the bounds are the protocol's, the slack is the event loop's
+
+
+async def eventually(predicate: Callable[[], bool], what: str, *, timeout: float,
+                     detail: Callable[[], object] = lambda: "") -> None:
+    with trio.move_on_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+        return
+    pytest.fail(f"not within {timeout:.0f}s: {what} {detail()}")
+
+
+@dataclass
+class Node:
+    host: Any
+    swim: SwimService
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    @property
+    def name(self) -> str:
+        return self.host.get_id().to_base58()
+
+
+class Swarm:
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.nodes: list[Node] = []
+
+    async def add(self) -> Node:
+        key = create_new_key_pair()
+        host = build_host(key)
+        node = Node(host, SwimService(host, key, config=FAST))
+
+        async def run(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with node.scope:
+                async with host.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                    await node.swim.run(task_status=task_status)
+
+        await self.nursery.start(run)
+        self.nodes.append(node)
+        return node
+
+    async def connect(self, *pairs: tuple[Node, Node]) -> None:
+        async def one(a: Node, b: Node) -> None:
+            await a.host.connect(info_from_p2p_addr(b.host.get_addrs()[0]))
+
+        with trio.fail_after(15):
+            async with trio.open_nursery() as nursery:
+                for a, b in pairs:
+                    nursery.start_soon(one, a, b)
+
+
+@asynccontextmanager
+async def swarm() -> AsyncIterator[Swarm]:
+    async with trio.open_nursery() as nursery:
+        yield Swarm(nursery)
+        nursery.cancel_scope.cancel()
+
+
+def sees(a: Node, b: Node, state: MemberState) -> bool:
+    return a.swim.member_state(b.name) is state
+
+
+async def test_swim_daemons_see_each_other_alive_and_a_killed_one_turns_suspect_then_gone() -> None:
+    async with swarm() as s:
+        n0, n1, n2, n3 = [await s.add() for _ in range(4)]
+        # n2 is not connected to n3: it learns of n3, and of its death, from the others' piggy-backed news.
+        await s.connect((n1, n0), (n2, n0), (n3, n0), (n3, n1))
+        nodes = [n0, n1, n2, n3]
+        await eventually(lambda: all(sees(a, b, MemberState.ALIVE) for a in nodes for b in nodes if a is not b),
+                         "every node holds every other alive", timeout=20,
+                         detail=lambda: [([a.swim.state_name(b.name) for b in nodes], dict(a.swim.counters))
+                                         for a in nodes])
+        n3.scope.cancel()  # the daemon dies: its host closes, its connections with it
+        survivors = [n0, n1, n2]
+        await eventually(lambda: all(not sees(a, n3, MemberState.ALIVE) for a in survivors),
+                         "the killed node no longer shown alive", timeout=SUSPECT_BOUND_S + SLACK_S)
+        assert any(a.swim.counters["became_suspect"] for a in survivors)  # suspect first, not dead at once
+        await eventually(lambda: all(sees(a, n3, MemberState.GONE) for a in survivors),
+                         "the killed node gone everywhere", timeout=GONE_BOUND_S + SLACK_S)
+        # Nobody mistook a live member for a dead one meanwhile.
+        assert all(sees(a, b, MemberState.ALIVE) for a in survivors for b in survivors if a is not b)
+        assert n2.swim.counters["disconnect_probes"] == 0  # it never was connected to n3
+
+
+async def test_a_garbage_frame_drops_the_stream_not_the_service() -> None:
+    async with swarm() as s:
+        a, b = await s.add(), await s.add()
+        await s.connect((b, a))
+        await eventually(lambda: sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE),
+                         "a and b hold each other alive", timeout=15)
+        rogue = build_host(create_new_key_pair())
+        async with rogue.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            with trio.fail_after(15):
+                await rogue.connect(info_from_p2p_addr(a.host.get_addrs()[0]))
+                stream = await rogue.new_stream(a.host.get_id(), [PROTOCOL_ID])
+                channel = PlainFrameChannel(LibP2PByteStream(stream))
+                await channel.send(b"\xc1 not msgpack at all")
+                await eventually(lambda: a.swim.counters["garbage"] == 1, "the garbage noticed", timeout=10)
+                # The stream is dropped: the rogue's writes fail or its read ends (reset or closed). A stream
+                # left open would keep taking frames and never end the read: `dropped` stays False.
+                dropped = False
+                with trio.move_on_after(10):
+                    try:
+                        for _ in range(20):
+                            await channel.send(b"more")
+                            await trio.sleep(0.05)
+                        await channel.recv()
+                    except Exception:  # noqa: BLE001  (our ProtocolError, or libp2p's own for a reset stream)
+                        pass
+                    dropped = True
+                assert dropped
+                # And its new streams are refused for a while (or fail to open at all): no second garbage read.
+                try:
+                    again = await rogue.new_stream(a.host.get_id(), [PROTOCOL_ID])
+                    await PlainFrameChannel(LibP2PByteStream(again)).send(b"\xc1")
+                except Exception:  # noqa: S110  (libp2p's errors for a refused stream)
+                    pass
+                await trio.sleep(0.5)
+                assert a.swim.counters["garbage"] == 1
+        # The service goes on: b's probes are still answered, a and b still hold each other alive.
+        received = a.swim.counters["received"]
+        await eventually(lambda: a.swim.counters["received"] > received + 2, "a keeps receiving", timeout=10)
+        assert sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE)
+        assert a.swim.member_state(rogue.get_id().to_base58()) is MemberState.GONE
+
+
+# ---------------------------------------------------------------------------------------------------
+# The replicator in SWIM mode
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def swim_replicator(fields: dict[str, Any], liveness: Callable[[str], MemberState],
+                    clock: Clock) -> StateReplicator:
+    key = create_new_key_pair()
+    state = SwarmState(key, clock=clock)
+    return StateReplicator(build_host(key), state, "s", path=None, self_fields=lambda: dict(fields),
+                           clock=clock, liveness=liveness, progress_every_s=30.0)
+
+
+def test_swim_mode_re_signs_the_record_only_when_it_changes_and_progress_at_most_every_30_s() -> None:
+    clock = Clock()
+    fields: dict[str, Any] = {"role": "trainer", "addrs": ["/ip4/1.2.3.4/tcp/1"], "step": 1, "outer_step": 0}
+    rep = swim_replicator(fields, lambda peer: MemberState.ALIVE, clock)
+    rep.refresh()
+    first = rep.state.member(rep.state.peer_id)
+    assert first is not None
+    for _ in range(10):  # heartbeats with nothing new: no new signature
+        clock.t += 2.0
+        rep.refresh()
+    assert rep.heartbeats == {"signed": 1, "skipped": 10}
+    fields["step"] = 50  # progress alone: waits for the 30 s since the last record
+    clock.t += 2.0
+    rep.refresh()
+    assert rep.heartbeats["signed"] == 1
+    clock.t += 8.0  # 30 s since the first record
+    rep.refresh()
+    assert rep.heartbeats["signed"] == 2
+    fields["outer_step"] = 1  # not progress: at once
+    clock.t += 1.0
+    rep.refresh()
+    assert rep.heartbeats["signed"] == 3
+    record = rep.state.member(rep.state.peer_id)
+    assert record is not None and record.record.outer_step == 1 and record.record.step == 50
+
+
+def test_gossip_mode_still_re_signs_every_heartbeat() -> None:
+    key = create_new_key_pair()
+    rep = StateReplicator(build_host(key), SwarmState(key), "s", path=None, self_fields=lambda: {"step": 1})
+    for _ in range(3):
+        rep.refresh()
+    assert rep.heartbeats == {"signed": 3}
+
+
+def test_swim_mode_shows_the_states_swim_holds_not_the_records_age() -> None:
+    clock = Clock()
+    held: dict[str, MemberState] = {}
+    rep = swim_replicator({"role": "trainer"}, lambda peer: held.get(peer, MemberState.GONE), clock)
+    rep.refresh()
+    others = []
+    for _ in range(3):
+        other = SwarmState(create_new_key_pair(), clock=clock)
+        assert rep.state.apply([other.update_self(role="trainer").data]).changed
+        others.append(other.peer_id)
+    held.update({others[0]: MemberState.ALIVE, others[1]: MemberState.SUSPECT})  # others[2]: unknown to SWIM
+    clock.t += 3600  # records an hour old: gone by their age, but SWIM says otherwise
+    states = {m["peer_id"]: m["state"] for m in rep.status()["members"]}
+    assert states == {rep.state.peer_id: "alive", others[0]: "alive", others[1]: "suspect", others[2]: "gone"}
+    assert [m.peer_id for m in rep.alive_members()] == [others[0]]
+    assert {m.peer_id for m in rep.members_to_dial()} == {others[0], others[1]}
+
+
+def test_node_membership_is_gossip_or_swim() -> None:
+    assert NodeConfig().membership == "gossip"
+    NodeConfig(membership="swim").validate()
+    with pytest.raises(ValueError, match="node.membership"):
+        NodeConfig(membership="raft").validate()
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole daemons (in one trio loop)
+
+
+async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_without_re_signing_heartbeats(
+        tmp_path: Path) -> None:
+    from node.config.load import load_config
+    from node.daemon import Daemon
+    from starling_testing.daemon import free_port
+
+    port = free_port()
+    keys = [create_new_key_pair() for _ in range(3)]
+    boot = f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id_of(keys[0].public_key)}"
+    daemons = []
+    for i, key in enumerate(keys):
+        home = tmp_path / f"d{i}"
+        home.mkdir()
+        overrides: dict[str, Any] = {"node.listen": [f"/ip4/127.0.0.1/tcp/{port if i == 0 else 0}"],
+                                     "node.membership": "swim", "node.heartbeat_s": 0.5}
+        if i:
+            overrides["node.bootstrap"] = [boot]
+        daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, key, train=False)
+        assert daemon.swim is not None and daemon.replicator.liveness == daemon.swim.member_state
+        daemon.swim = SwimService(daemon.host, key, config=FAST)  # the test's faster periods
+        daemon.replicator.liveness = daemon.swim.member_state
+        daemons.append(daemon)
+    ids = {str(d.peer_id) for d in daemons}
+
+    def alive(d: Any) -> set[str]:
+        return {m["peer_id"] for m in d.status()["members"] if m["state"] == "alive"}
+
+    async with trio.open_nursery() as nursery:
+        for d in daemons:
+            await nursery.start(d.run)
+        await eventually(lambda: all(alive(d) == ids for d in daemons), "every daemon shows all three alive",
+                         timeout=25)
+        # Heartbeats go on every 0.5 s, and most of them sign nothing: the fields did not change.
+        await eventually(lambda: all(d.replicator.heartbeats["skipped"] > d.replicator.heartbeats["signed"] + 3
+                                     for d in daemons), "heartbeats that sign nothing", timeout=15)
+        assert all(alive(d) == ids for d in daemons)
+        for d in daemons:
+            d.stop()
