@@ -693,6 +693,54 @@ async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured
         nursery.cancel_scope.cancel()
 
 
+async def test_a_responder_behind_a_slow_link_gets_the_compression_it_needs_from_a_partner_that_sees_a_fast_one() -> None:
+    """The slower side's view wins (node/averaging/compression_choice.py; bench/wan.py one-slow, where fast
+    partners sent bf16 to a 10 kB/s trainer and stalled its link for minutes). The initiator has never
+    measured this partner and guesses from its fast links (bf16 `none`: 1.2 MB at 1.6 MB/s each way, 0.75 s,
+    within two periods of 0.5 s); the responder knows its own link is slow (1 MB/s typical: bf16 1.2 s, too
+    long; `medium` 0.13 s). It refuses `none` once, naming `medium`; the initiator asks again at once, in
+    the same round, and the exchange completes with `medium` on both sides. The next exchange starts at
+    `medium` with no refusal (the initiator's own hysteresis keeps it: at 1.6 MB/s bf16 does not fit in
+    half the budget). Rates are set as `_learn_rate` would leave them (loopback is far too fast to be slow)."""
+    cfg = SyncConfig(pair_window_s=10)
+    assert cfg.compression == "auto"
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        initiator, responder = sorted(avs, key=lambda av: av.me)  # the smaller PeerID of a pair asks
+        refusals: list[tuple[str, AnswerCode, str]] = []
+        refused = responder.report.refused
+
+        def counting(peer: str, by: str, code: AnswerCode, reason: str, ours: int, theirs: int) -> None:
+            refusals.append((by, code, reason))
+            refused(peer, by, code, reason, ours, theirs)
+
+        responder.report.refused = counting  # type: ignore[method-assign]
+
+        def views() -> None:
+            initiator._rate_bps, responder._rate_bps = 1.6e6, 1e6
+            for av in avs:
+                av.swarm.period = 0.5
+
+        views()
+        assert initiator.admission.link(responder.me).rate_bps is None  # never measured: its typical rate
+        reqs = [request(1, outer_step=4), request(2, outer_step=4)]
+        outcomes = await exchange_both(avs, reqs)
+        assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["medium", "medium"]
+        assert torch.equal(reqs[0].delta_out, reqs[1].delta_out)
+        assert refusals == [("us", AnswerCode.COMPRESSION, refusals[0][2])]
+        assert refusals[0][2].startswith("compression mismatch: wants medium")
+        last = initiator.status()["last_refusal"]
+        assert last is not None and last["by"] == "partner" and last["averaged_since"]
+
+        views()
+        initiator.admission.link(responder.me).rate_bps = 1.6e6
+        responder.admission.link(initiator.me).rate_bps = 1e6
+        outcomes = await exchange_both(avs, [request(3, outer_step=5), request(4, outer_step=5)])
+        assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["medium", "medium"]
+        assert len(refusals) == 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_the_bounds_clip_the_decoded_compressed_delta_and_keep_our_own_term_as_the_wire_carried_it() -> None:
     """A 5x Delta through top-k is measured and clipped as decoded; our own term in the clipped sum is still
     our round trip (the worker's error feedback relies on it)."""

@@ -7,11 +7,26 @@ and 0.08 MB under `high`; rates are bytes/s each way, as node/averaging/averager
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from node.averaging.compression_choice import RELAX_SHARE, STRETCH, choose_compression, transfer_s
+from node.averaging.compression_choice import (
+    AUTO,
+    ORDER,
+    RELAX_SHARE,
+    STRETCH,
+    accepts,
+    after_refusal,
+    choose_compression,
+    preset_for,
+    refusal_reason,
+    transfer_s,
+    wanted_in,
+)
 from node.averaging.stepping import outer_period_s
 from node.config.sync import SyncConfig
+from protocols.avg import AnswerCode
 from protocols.compress import PRESETS
 
 NUMEL = 1_000_000
@@ -93,3 +108,110 @@ def test_the_measured_slow_link_gets_medium_the_preset_that_won_there() -> None:
     outer step, about 40 kB/s each way left to the exchange. `medium` (exchanges of 1.2-1.5 periods)
     reached the lowest loss there, ahead of `high` and of bf16; the rule picks it."""
     assert choose_compression(rate_bps=40e3, period_s=4.6, numel=470_000) == "medium"
+
+
+# --- the slower side's view wins: an `auto` responder's say (issue 23, bench/wan.py one-slow) -------------------
+
+# bench/wan.py's one-slow scenario: the 0.47M-parameter model, 4.6 s of compute per outer step; the slow trainer's
+# link is 0.08 Mbit/s (10 kB/s), its fast partners' 0.4 Mbit/s (about 40 kB/s each way left to an exchange).
+WAN_NUMEL, WAN_PERIOD = 470_000, 4.6
+
+
+def wants(*, link: float | None = None, typical: float | None = None, previous: str | None = None,
+          stage: int = 1, group_size: int = 2, period: float = WAN_PERIOD) -> str:
+    """What an `auto` node wants for one partner: the same rule as an initiator's (`preset_for`)."""
+    return preset_for(AUTO, stage=stage, link_rate_bps=link, typical_rate_bps=typical, period_s=period,
+                      numel=WAN_NUMEL, previous=previous, group_size=group_size, wire_dtype="bf16")
+
+
+def test_a_responder_behind_a_slow_link_refuses_bf16_from_a_partner_that_only_knows_fast_links() -> None:
+    """The fast partner has never measured the slow one and guesses from its own fast links (`medium` at
+    40 kB/s, or `none` before it measured anything); the slow trainer's typical rate (10 kB/s) calls for
+    `high`, and it refuses anything less compressed, taking `high`."""
+    assert wants(typical=40e3) == "medium" and wants() == "none"  # the fast initiator's views
+    slow = wants(typical=10e3)
+    assert slow == "high"
+    assert not accepts(AUTO, 2, "none", slow) and not accepts(AUTO, 2, "medium", slow)
+    assert accepts(AUTO, 2, "high", slow)
+
+
+def test_an_auto_responder_takes_its_own_choice_or_anything_more_compressed() -> None:
+    assert [accepts(AUTO, 2, name, "medium") for name in ORDER] == [False, True, True]
+    assert [accepts(AUTO, 2, name, "none") for name in ORDER] == [True, True, True]
+
+
+def test_a_responder_that_knows_nothing_of_the_link_takes_any_preset_as_before() -> None:
+    """No rate measured with the partner and no typical rate, or no known period: it wants `none`, which
+    every preset satisfies."""
+    assert wants() == "none" and wants(typical=10e3, period=0.0) == "none"
+    assert all(accepts(AUTO, 2, name, wants()) for name in ORDER)
+
+
+def test_groups_of_four_and_fixed_presets_are_unchanged_by_the_responders_say() -> None:
+    """A group's second round and `auto` with groups of four want `none` and take `none` only; a fixed
+    preset takes itself only, whatever it would want."""
+    assert wants(typical=10e3, stage=2) == "none" and wants(typical=10e3, group_size=4) == "none"
+    assert [accepts(AUTO, 4, name, "none") for name in ORDER] == [True, False, False]
+    assert [accepts("medium", 2, name, "medium") for name in ORDER] == [False, True, False]
+    assert [accepts("none", 2, name, "none") for name in ORDER] == [True, False, False]
+
+
+def test_the_refusal_names_the_preset_wanted_in_bounded_words_a_1_2_peer_reads_as_a_compression_refusal() -> None:
+    reason = refusal_reason(AUTO, 2, "none", "medium")
+    assert reason.startswith("compression mismatch: wants medium") and len(reason) <= 300
+    assert AnswerCode.of("refuse", "", reason) is AnswerCode.COMPRESSION  # a 1.2.0 stream: no code, words only
+    assert wanted_in(reason) == "medium"
+    assert wanted_in(refusal_reason(AUTO, 4, "medium", "none")) == "none"
+    assert len(refusal_reason(AUTO, 2, "x" * 16, "high")) <= 300
+    # A fixed preset's words are as they were: they name no wanted preset.
+    fixed = refusal_reason("none", 2, "medium", "none")
+    assert fixed == "compression mismatch: yours 'medium', ours 'none': set the same sync.compression on every trainer"
+    assert wanted_in(fixed) is None
+
+
+@pytest.mark.parametrize("words", [
+    "compression mismatch: wants highest", "compression mismatch: wants huge", "compression mismatch: wants ",
+    "Compression mismatch: wants high", "compression mismatch:  wants high", "no, compression mismatch: wants high",
+    "compression mismatch: yours 'none', ours 'high'; wants high", "compression mismatch: wants " + "h" * 400, "",
+])
+def test_only_a_known_preset_name_in_its_one_place_is_read_from_a_refusal(words: str) -> None:
+    """The words are a partner's free text: anything but a known preset right after the fixed prefix names
+    nothing (the initiator then steps one preset on, `after_refusal`)."""
+    assert wanted_in(words) is None
+
+
+def test_after_a_refusal_the_initiator_only_moves_towards_more_compression() -> None:
+    assert after_refusal("none", "high") == "high"  # straight to the named preset
+    assert after_refusal("none", "medium") == "medium"
+    assert after_refusal("none", None) == "medium"  # nothing readable: one step on
+    assert after_refusal("medium", None) == "high"
+    assert after_refusal("high", None) is None  # nothing more compressed: no retry
+    assert after_refusal("medium", "none") is None  # a named preset less compressed: no retry
+    assert after_refusal("medium", "medium") is None
+    assert after_refusal("auto", "high") is None and after_refusal("huge", None) is None
+
+
+@pytest.mark.parametrize("start", ORDER)
+def test_whatever_a_partner_names_an_exchange_asks_at_most_once_per_preset(start: str) -> None:
+    """Every retry is strictly more compressed than the last request, so however a hostile responder words
+    its refusals (any name, or none), one exchange asks at most `len(ORDER)` times and never loops."""
+    for names in itertools.product([None, *ORDER], repeat=len(ORDER)):
+        asked, retries = start, 0
+        for wanted in names:
+            nxt = after_refusal(asked, wanted)
+            if nxt is None:
+                break
+            assert ORDER.index(nxt) > ORDER.index(asked)
+            asked, retries = nxt, retries + 1
+        assert retries <= len(ORDER) - 1 - ORDER.index(start)
+
+
+def test_a_partner_not_measured_yet_keeps_the_preset_it_asked_for_until_its_own_rate_is_known() -> None:
+    """`previous` is a floor while the partner's rate is unknown: our typical rate comes from other links
+    (the fast partner's guess of 40 kB/s would relax `high` to `medium`), and the partner said what its link
+    needs. Once its own rate is measured the usual hysteresis decides, both ways."""
+    assert wants(typical=40e3, previous="high") == "high"
+    assert wants(previous="high") == "high"  # nothing measured at all
+    assert wants(typical=40e3, previous="none") == "medium"  # a floor, never a ceiling
+    assert wants(link=1e9, typical=40e3, previous="high") == "none"  # its own link, measured fast
+    assert wants(link=10e3, previous="medium") == "high"

@@ -53,8 +53,10 @@ samples credited up to the swarm's H); only values that are no model of ours (no
 Compression: the initiator names the exchange's `sync.compression` preset in its request (and the phi
 fragment), and both sides' wires, outcomes and workers follow it. With a fixed preset a responder refuses any
 other; with `auto` (the default) the initiator picks one per exchange from the partner's measured rate and the
-outer step's compute period (`outer_period`, else the pace; node/averaging/compression_choice.py), and an `auto`
-responder takes whatever known preset the request names, since both ends measured the same link.
+outer step's compute period (`outer_period`, else the pace; node/averaging/compression_choice.py), and the
+slower side's view wins: an `auto` responder refuses a preset less compressed than the one it would choose
+for that initiator (its rate with it, else its typical rate), saying which it wants, and the initiator asks
+again at once with that one (`_try_partner`), which it then starts from with that partner.
 
 Two rules keep heterogeneous machines from drifting apart for good:
 
@@ -92,7 +94,15 @@ from libp2p.peer.id import ID
 
 from node.averaging import stepping
 from node.averaging.admission import Admission, per_ip_key
-from node.averaging.compression_choice import AUTO, accepts, preset_for
+from node.averaging.compression_choice import (
+    AUTO,
+    ORDER,
+    accepts,
+    after_refusal,
+    preset_for,
+    refusal_reason,
+    wanted_in,
+)
 from node.averaging.group_mean import GroupMean, group_sums, restore_pair
 from node.averaging.pairing import scheduled_partners
 from node.averaging.partner_misses import Attempt, PartnerMisses
@@ -474,8 +484,7 @@ class Averager:
         return busy_wait_s(self.cfg.pair_window_s, self._transfer_s, self.cfg.max_transfer_s)
 
     async def _pair(self, pending: _Pending) -> None:
-        deadline = pending.began + (self.cfg.pair_window_s if pending.window_s is None else pending.window_s)
-        while pending.claimed_by is None and trio.current_time() < max(deadline, pending.scheduled_until):
+        while pending.claimed_by is None and trio.current_time() < self._round_ends(pending):
             if pending.in_scheduled_phase(trio.current_time()):
                 await self._meet_scheduled(pending)
                 continue
@@ -577,6 +586,22 @@ class Averager:
                           numel=pending.tensors.phi.size, previous=link.compression,
                           group_size=self.cfg.group_size, wire_dtype=self.cfg.wire_dtype)
 
+    def _compression_wanted(self, partner: str, req: avg.AvgRequest) -> str:
+        """The preset we would ask `partner` for in its request's round, as its responder (the same rule as
+        `_compression_for`, on our view of the link): an `auto` responder takes that or more compressed."""
+        if self.cfg.compression != AUTO:
+            return self.cfg.compression
+        link = self.admission.link(partner)
+        return preset_for(AUTO, stage=req.stage, link_rate_bps=link.rate_bps, typical_rate_bps=self._rate_bps,
+                          period_s=self._outer_period_s(), numel=req.numel, previous=link.compression,
+                          group_size=self.cfg.group_size, wire_dtype=req.wire_dtype)
+
+    def _round_ends(self, pending: _Pending) -> float:
+        """When this round stops looking for a partner (trio clock): its window, or its scheduled phase
+        where a wait for a busy scheduled partner stretched it."""
+        window = self.cfg.pair_window_s if pending.window_s is None else pending.window_s
+        return max(pending.began + window, pending.scheduled_until)
+
     def _request_fields(self, pending: _Pending, compression: str, fragment: int) -> dict[str, Any]:
         return {
             "outer_step": pending.request.outer_step,
@@ -617,13 +642,28 @@ class Averager:
 
     async def _try_partner(self, pending: _Pending, partner: str, *, scheduled: bool = False) -> Attempt:
         """Ask `partner` (`Attempt` says what came of it); the partner's answer is acted on by its code
-        (protocols/avg.py, `AnswerCode`), never by its words."""
+        (protocols/avg.py, `AnswerCode`), never by its words, with one exception: an `auto` partner that
+        refuses our preset as too little compressed for its link names the one it wants, and we ask again
+        at once with it, within the round's window (node/averaging/compression_choice.py, `after_refusal`:
+        always more compressed, so at most `len(ORDER) - 1` retries)."""
+        compression = self._compression_for(partner, pending)
+        outcome = Attempt.FAILED
+        for _ in ORDER:
+            outcome, retry = await self._ask(pending, partner, compression, scheduled=scheduled)
+            if retry is None:
+                break
+            compression = retry
+        return outcome
+
+    async def _ask(self, pending: _Pending, partner: str, compression: str, *,
+                   scheduled: bool) -> tuple[Attempt, str | None]:
+        """One request to `partner` for preset `compression`: what came of it, and the preset to ask again
+        with at once (None: none; `_try_partner`)."""
         pending.initiating_to = partner
         began = trio.current_time()
         claimed_here = False
         numel = pending.tensors.phi.size
         progress = avg.Progress()
-        compression = self._compression_for(partner, pending)
         preset = get_compression(compression)
         fragment = preset.fragment_of(pending.request.outer_step) if preset.lossy else 0
         answered = False  # the partner's answer came: what fails after it is no handshake timeout
@@ -664,6 +704,12 @@ class Averager:
                 await close_quietly(stream)
         except Declined as e:
             self.report.declined()
+            retry = self._retry_compression(pending, partner, compression, e)
+            if retry is not None:
+                self.report.refused(partner, "partner", e.code, e.reason, pending.request.outer_step, e.outer_step)
+                log.debug("partner %s wants more compression than %s: asking again with %s", partner,
+                          compression, retry)
+                return Attempt.REFUSED, retry
             not_ready = e.code.asks_again
             if e.code.busy:
                 # Busy or between outer steps, it shows where its count is (a refusal's may be far off).
@@ -676,16 +722,16 @@ class Averager:
                 self.admission.back_off(partner, soft=True)
             log.debug("partner %s declined: %s", partner, e)
             if not_ready:
-                return Attempt.NOT_READY
+                return Attempt.NOT_READY, None
             if e.code.busy:
-                return Attempt.EXCHANGING if e.code is AnswerCode.EXCHANGING else Attempt.BUSY
+                return (Attempt.EXCHANGING if e.code is AnswerCode.EXCHANGING else Attempt.BUSY), None
             ours = pending.request.outer_step
             self.report.refused(partner, "partner", e.code, e.reason, ours, e.outer_step)
             if e.code is AnswerCode.STEP_GAP:
                 if e.outer_step > ours:
                     self.hooks.on_behind(e.outer_step)
-                return Attempt.APART  # an honest state the catch-up ends: no missed round (partner_misses.py)
-            return Attempt.REFUSED
+                return Attempt.APART, None  # an honest state the catch-up ends: no missed round (partner_misses.py)
+            return Attempt.REFUSED, None
         except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
             self._learn_rate(partner, progress)
             if isinstance(e, trio.TooSlowError) and not answered:  # it said nothing: say which deadline
@@ -695,14 +741,32 @@ class Averager:
             if claimed_here:  # our exchange owned this step and failed: solo, nothing applied
                 pending.result = 1
                 pending.done.set()
-            return Attempt.FAILED
+            return Attempt.FAILED, None
         finally:
             pending.initiating_to = None
         self._learn_rate(partner, progress)
         self._succeed(partner, result, numel, pending.compression)
         pending.result = 2
         pending.done.set()
-        return Attempt.PAIRED
+        return Attempt.PAIRED, None
+
+    def _retry_compression(self, pending: _Pending, partner: str, asked: str, refusal: Declined) -> str | None:
+        """The preset to ask `partner` again with after its refusal (None: no retry): only an `auto`
+        initiator's first round, refused for compression, with a more compressed preset to go to
+        (`after_refusal`) and time left in the round. A preset the refusal named is kept as the partner's
+        last one, so the next exchange starts there (`_compression_for`'s hysteresis relaxes it)."""
+        if (refusal.code is not AnswerCode.COMPRESSION or self.cfg.compression != AUTO or pending.stage != 1
+                or self.cfg.group_size != 2):
+            return None
+        wanted = wanted_in(refusal.reason)
+        retry = after_refusal(asked, wanted)
+        if retry is None:
+            return None
+        if wanted is not None:
+            self.admission.link(partner).compression = retry
+        if pending.claimed_by is not None or trio.current_time() >= self._round_ends(pending):
+            return None
+        return retry
 
     # --- the responder -----------------------------------------------------------------------------------
 
@@ -846,12 +910,13 @@ class Averager:
                     f"outer steps too far apart: yours {req.outer_step}, ours {pending.request.outer_step}")
         if req.wire_dtype not in ("fp32", "bf16", "int8"):
             return (AnswerCode.WIRE_DTYPE, f"unknown wire dtype {req.wire_dtype!r}")
-        if not accepts(self.cfg.compression, self.cfg.group_size, req.compression):
-            # Error feedback and the fragment pull assume what the wire carried: a mix would be silently wrong.
-            groups = f" with sync.group_size = {self.cfg.group_size}" if self.cfg.compression == AUTO else ""
-            return (AnswerCode.COMPRESSION,
-                    f"compression mismatch: yours {req.compression[:16]!r}, ours {self.cfg.compression!r}"
-                    f"{groups}: set the same sync.compression on every trainer")
+        # Error feedback and the fragment pull assume what the wire carried: a mix would be silently wrong.
+        # With `auto`, a preset less compressed than our own choice for this initiator is refused too (the
+        # slower side's view wins, node/averaging/compression_choice.py); the answer names the one we want.
+        wants = self._compression_wanted(partner, req)
+        if not accepts(self.cfg.compression, self.cfg.group_size, req.compression, wants):
+            return (AnswerCode.COMPRESSION, refusal_reason(self.cfg.compression, self.cfg.group_size,
+                                                           req.compression, wants))
         if pending.claimed_by is not None:
             return (AnswerCode.EXCHANGING, "already exchanging")
         if pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled:

@@ -1,4 +1,4 @@
-"""`sync.compression = "auto"`: which preset (protocols/compress.py) the initiator of an exchange uses.
+"""`sync.compression = "auto"`: which preset (protocols/compress.py) an exchange uses; the slower side's view wins.
 
 Why a choice at all: no preset is best everywhere. At equal outer steps `medium` (0.44 B/param) costs
 about 0.21 nats against bf16 `none` (4 B/param), so on a link that moves a bf16 exchange within an outer
@@ -20,14 +20,36 @@ Without a measured rate, or without a known period, it is `none`: a bf16 transfe
 best (small compressed transfers underestimate it where latency dominates), and an unknown period gives
 nothing to compare against. Groups of four always use `none` (sync_config.py: a lossy preset needs pairs).
 
+Who decides (`accepts`, `after_refusal`): the initiator names the preset, from *its* view of the link, but
+the two ends of a link do not always share one. A trainer behind a slow link knows it (its typical rate
+over all partners), while a fast partner that has never completed an exchange with it guesses from its own
+fast partners and asks for bf16 `none`: measured in the network lab (bench/wan.py, one link of 0.08 Mbit/s
+among 0.4 Mbit/s ones), 1.9 MB each way over 10 kB/s that stalled and held the slow link for minutes, and
+the slow trainer averaged almost none of its outer steps. So an `auto` responder applies the same rule
+(`preset_for`, on its rate with that initiator, else its typical rate, and its own period) and refuses a
+request *less* compressed than its own choice, naming what it wants (`refusal_reason`: "compression
+mismatch: wants medium", protocols/avg.py `AnswerCode.COMPRESSION`); anything at least as compressed it
+takes. An `auto` initiator so refused asks again at once, in the same pairing window, with the named
+preset, or one step more compressed where the answer names none it can read (`wanted_in` reads only a
+known preset name in a fixed place), and keeps a named preset as that partner's `previous`, so the next
+exchange starts there and the hysteresis above relaxes it only once the link allows (while the partner's
+own rate is unmeasured, `previous` is a floor: `preset_for`). The initiator only
+ever moves towards more compression within an exchange, so two `auto` nodes that disagree meet in at most
+`len(ORDER) - 1` retries, and a hostile responder can make us send less, never loop us. A responder that
+knows nothing of the link (no rate, or no period) takes any preset, as before; a group's second round is
+`none` on both sides; fixed presets are unchanged (a responder on one takes that preset only).
+
 Pure and numpy only: the averager calls it per exchange and the tests call it alone.
 """
 
 from __future__ import annotations
 
+import re
+
 from protocols.compress import PRESETS
 
-__all__ = ["AUTO", "ORDER", "RELAX_SHARE", "STRETCH", "accepts", "choose_compression", "preset_for", "transfer_s"]
+__all__ = ["AUTO", "ORDER", "RELAX_SHARE", "STRETCH", "WANTS", "accepts", "after_refusal", "choose_compression",
+           "preset_for", "refusal_reason", "transfer_s", "wanted_in"]
 
 AUTO = "auto"  # the `sync.compression` value that lets the initiator choose per exchange
 ORDER = ("none", "medium", "high")  # least compressed first: the order the rule tries them in
@@ -35,6 +57,10 @@ ORDER = ("none", "medium", "high")  # least compressed first: the order the rule
 STRETCH = 2.0
 # A preset less compressed than the last one must fit in this share of that budget (hysteresis).
 RELAX_SHARE = 0.5
+# How an `auto` responder's refusal begins: the preset it wants follows at once (`refusal_reason`, `wanted_in`).
+# "compression mismatch" is the text 1.2.0 peers read as `AnswerCode.COMPRESSION` (protocols/avg.py).
+WANTS = "compression mismatch: wants "
+_WANTED = re.compile(r"([a-z]{1,16})(?![a-z])")
 
 
 def transfer_s(preset: str, numel: int, rate_bps: float, wire_dtype: str = "bf16") -> float:
@@ -82,15 +108,18 @@ def preset_for(
     group_size: int,
     wire_dtype: str,
 ) -> str:
-    """The preset an initiator asks a partner to exchange with: `compression` (`sync.compression`) where it
-    is a fixed preset; with `auto`, `none` in a group's second round (whatever the link: a lossy preset
-    needs pairs), else `choose_compression` on the partner's measured rate, or on our typical rate over all
-    partners (`typical_rate_bps`) while the partner's is not measured yet."""
+    """The preset an initiator asks a partner to exchange with (and an `auto` responder wants at least,
+    `accepts`): `compression` (`sync.compression`) where it is a fixed preset; with `auto`, `none` in a
+    group's second round (whatever the link: a lossy preset needs pairs), else `choose_compression` on the
+    partner's measured rate, or on our typical rate over all partners (`typical_rate_bps`) while the
+    partner's is not measured yet. In that case `previous` (the preset last used with that partner, or
+    the one it asked for when it refused ours, `after_refusal`) is a floor: our other links say nothing
+    of this one, and the partner said what it needs; only a rate measured with it relaxes the preset."""
     if compression != AUTO:
         return compression
     if stage != 1:
         return "none"
-    return choose_compression(
+    chosen = choose_compression(
         rate_bps=link_rate_bps if link_rate_bps is not None else typical_rate_bps,
         period_s=period_s,
         numel=numel,
@@ -98,12 +127,56 @@ def preset_for(
         group_size=group_size,
         wire_dtype=wire_dtype,
     )
+    if link_rate_bps is None and group_size == 2 and previous in ORDER:
+        return max(chosen, previous, key=ORDER.index)
+    return chosen
 
 
-def accepts(compression: str, group_size: int, name: str) -> bool:
+def accepts(compression: str, group_size: int, name: str, wants: str = "none") -> bool:
     """Whether a responder on `compression` (`sync.compression`) takes a request for preset `name`: its own
-    fixed preset only; with `auto` any known preset the initiator chose (it measured the same link: the
-    pair's bottleneck), lossy ones only where groups are pairs (`SyncConfig.validate` says why)."""
+    fixed preset only; with `auto` any known preset at least as compressed as `wants`, the one it would
+    choose itself for that initiator (`preset_for`: the slower side's view wins; `none` where it knows
+    nothing of the link, so that it takes anything), lossy ones only where groups are pairs
+    (`SyncConfig.validate` says why)."""
     if compression != AUTO:
         return name == compression
-    return name in PRESETS and (group_size == 2 or not PRESETS[name].lossy)
+    if name not in PRESETS or (group_size != 2 and PRESETS[name].lossy):
+        return False
+    return name not in ORDER or wants not in ORDER or ORDER.index(name) >= ORDER.index(wants)
+
+
+def refusal_reason(compression: str, group_size: int, name: str, wants: str) -> str:
+    """The words of a responder's `AnswerCode.COMPRESSION` refusal of preset `name` (bounded: a preset
+    name is at most 16 characters on the wire). An `auto` responder names the preset it wants first, in
+    the one place `wanted_in` reads it; a fixed one says what the operator should change, as before."""
+    yours = repr(name[:16])
+    if compression != AUTO:
+        return f"compression mismatch: yours {yours}, ours {compression!r}: set the same sync.compression on every trainer"
+    if group_size != 2:
+        return (f"{WANTS}{wants}; yours {yours}, ours 'auto' with sync.group_size = {group_size}: "
+                "set the same sync.compression on every trainer")
+    return f"{WANTS}{wants}; yours {yours} is less compressed than our link to you allows"
+
+
+def wanted_in(reason: str) -> str | None:
+    """The preset a refusal's words name (`refusal_reason`), or None: only a known preset name, right after
+    `WANTS` at the start of the text, counts. The words are a partner's free text: nothing else is read."""
+    if not reason.startswith(WANTS):
+        return None
+    match = _WANTED.match(reason, len(WANTS), len(WANTS) + 17)
+    return match.group(1) if match is not None and match.group(1) in ORDER else None
+
+
+def after_refusal(asked: str, wanted: str | None) -> str | None:
+    """The preset an `auto` initiator asks again with after a partner refused `asked` for its compression
+    (`AnswerCode.COMPRESSION`), `wanted` the preset the refusal named (`wanted_in`; None: none readable);
+    None: do not ask again. Only ever more compressed than `asked`, so that the retries of one exchange end
+    within `ORDER`: the named preset where it is, one step on where nothing is named, and no retry where
+    the named one is not more compressed (a group of four's responder wants `none`: a mismatch of settings
+    that a retry does not mend)."""
+    if asked not in ORDER:
+        return None
+    rank = ORDER.index(asked)
+    if wanted is not None:
+        return wanted if wanted in ORDER and ORDER.index(wanted) > rank else None
+    return ORDER[rank + 1] if rank + 1 < len(ORDER) else None
