@@ -24,13 +24,13 @@ from node.config.sync import SyncConfig
 from node.ops.status_view import render_status
 from node.worker.task import layout_hash
 from p2p.host import build_host
-from p2p.wire import LibP2PByteStream, ProtocolError, from_map, recv_msg, send_msg, to_map
+from p2p.wire import LibP2PByteStream, ProtocolError, encode_msg, from_map, recv_as, recv_msg, send_msg, to_map
 from protocols import avg
 from protocols.avg import AnswerCode, AvgAnswer, AvgRequest, Clip, Received, make_plans
 from protocols.codec import round_trip
 from protocols.compress import get_compression
 from starling_testing.averaging import FakeSwarm, exchange_both, group_sizes
-from starling_testing.fakes import FakeHost
+from starling_testing.fakes import FakeHost, FakeNetStream
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 LAYOUT = [("w", (1000, 300)), ("b", (300,))]
@@ -739,6 +739,75 @@ async def test_a_responder_behind_a_slow_link_gets_the_compression_it_needs_from
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["medium", "medium"]
         assert len(refusals) == 1
         nursery.cancel_scope.cancel()
+
+
+class AlwaysRefusing(FakeHost):
+    """Connected to one partner that refuses every pairing request for its compression, in `words`, with
+    the 1.3.0 code or (`coded` False) as a 1.2.0 peer does, by its words only; keeps the requests."""
+
+    def __init__(self, partner: ID, words: str, coded: bool) -> None:
+        super().__init__(create_new_key_pair(), peers={partner: "10.0.0.2"})
+        self.answer = AvgAnswer(verdict="refuse", reason=words, outer_step=3,
+                                code=AnswerCode.COMPRESSION.value if coded else "")
+        self.streams: list[FakeNetStream] = []
+
+    async def new_stream(self, peer: ID, protocols: object) -> FakeNetStream:
+        stream = FakeNetStream(encode_msg(self.answer), peer)
+        self.streams.append(stream)
+        return stream
+
+    async def asked(self) -> list[str]:
+        """The preset each request named, in order."""
+        return [(await recv_as(LibP2PByteStream(FakeNetStream(bytes(s.written))), AvgRequest)).compression
+                for s in self.streams]
+
+
+@pytest.mark.parametrize("coded", [True, False], ids=["1.3.0", "1.2.0-words"])
+async def test_a_partner_that_always_wants_more_compression_gets_its_named_preset_and_no_loop(
+    autojump_clock, coded: bool
+) -> None:
+    """A hostile (or confused) partner refuses every preset, naming `high`: the first try asks `none` (we
+    know nothing of the link) and then `high` at once; every later try starts at `high` (the preset it
+    named, kept for it), is refused once more and not retried. Whatever it says, we never ask a less
+    compressed preset than the last within a try, nor more than one retry here."""
+    partner = ID.from_pubkey(create_new_key_pair().public_key)
+    host = AlwaysRefusing(partner, "compression mismatch: wants high; yours 'none'", coded)
+    averager = Averager(host, SyncConfig(pair_window_s=2, datapath=False), FakeSwarm(host))
+    with trio.fail_after(60):
+        assert (await averager.exchange(request(1))).group_size == 1
+    asked = await host.asked()
+    assert asked[:2] == ["none", "high"] and len(asked) >= 3 and set(asked[2:]) == {"high"}
+    assert averager.admission.link(str(partner)).compression == "high"
+
+
+@pytest.mark.parametrize("coded", [True, False], ids=["1.3.0", "1.2.0-words"])
+async def test_a_refusal_that_names_no_preset_moves_one_step_per_retry_and_never_past_high(
+    autojump_clock, coded: bool
+) -> None:
+    """A fixed-preset partner's words name no preset it wants (or a hostile one's name none we know): each
+    try steps one preset on per refusal, `none`, `medium`, `high`, and stops there; nothing is kept for
+    the partner, so the next try starts from our own choice again."""
+    partner = ID.from_pubkey(create_new_key_pair().public_key)
+    words = "compression mismatch: yours 'none', ours 'huge': set the same sync.compression on every trainer"
+    host = AlwaysRefusing(partner, words, coded)
+    averager = Averager(host, SyncConfig(pair_window_s=2, datapath=False), FakeSwarm(host))
+    with trio.fail_after(60):
+        assert (await averager.exchange(request(1))).group_size == 1
+    asked = await host.asked()
+    assert asked[:3] == ["none", "medium", "high"]
+    order = ["none", "medium", "high"]
+    # Within a try each request is more compressed than the one before; a try after `high` starts over.
+    assert all(order.index(b) > order.index(a) or (a == "high" and b == "none") for a, b in zip(asked, asked[1:]))
+    assert averager.admission.link(str(partner)).compression is None
+
+
+async def test_a_fixed_preset_initiator_does_not_retry_a_compression_refusal(autojump_clock) -> None:
+    partner = ID.from_pubkey(create_new_key_pair().public_key)
+    host = AlwaysRefusing(partner, "compression mismatch: wants high", True)
+    averager = Averager(host, SyncConfig(compression="none", pair_window_s=2, datapath=False), FakeSwarm(host))
+    with trio.fail_after(60):
+        assert (await averager.exchange(request(1))).group_size == 1
+    assert set(await host.asked()) == {"none"}
 
 
 async def test_the_bounds_clip_the_decoded_compressed_delta_and_keep_our_own_term_as_the_wire_carried_it() -> None:
