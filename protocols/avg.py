@@ -32,8 +32,12 @@ fragment of phi this exchange carries, chosen by the initiator from its outer st
 (phi's chunking, which differs from Delta's once their encodings differ). A responder with a fixed preset
 refuses another one (node/averaging/averager.py): partners whose error feedback and pull expect different wires must
 not mix silently; one with `sync.compression = auto` takes the preset the request names (the wire is the
-same: the request always named its preset, so `auto` needed no new field and no new version). As for
-1.1.0, the protocol id changed, since a 1.1.0 peer refuses the new fields.
+same: the request always named its preset, so `auto` needed no new field and no new version), unless it
+is less compressed than the one the responder would choose for that link: it then refuses for compression
+and its words name the preset it wants, which an `auto` initiator asks again with
+(node/averaging/compression_choice.py; the words, read only for a known preset name right after a fixed
+prefix, needed no new field either). As for 1.1.0, the protocol id changed, since a 1.1.0 peer refuses the
+new fields.
 
 Version 1.3.0 added `AvgAnswer.code`: why a busy or refuse answer says no, as a machine-readable
 `AnswerCode` beside the human-readable `reason`, so that no node decides what to do next by reading prose
@@ -42,7 +46,8 @@ Swarms upgrade node by node, so this version talks to 1.2.0 as well, without a n
 serves both protocol ids and asks for 1.3.0 first (multistream falls back to 1.2.0 on an older peer, one
 round trip more). On a 1.2.0 stream it leaves `code` out (a 1.2.0 peer refuses unknown fields, and would
 count our answer as malformed), and a 1.2.0 peer's answer, which has only the text, gets its code from the
-texts 1.2.0 sends (`LEGACY_REASONS`: the one place a reason's text is read, to go when 1.2.0 is gone). The
+texts 1.2.0 sends (`LEGACY_REASONS`: with the preset a compression refusal wants, the one place a reason's
+text is read, to go when 1.2.0 is gone). The
 session keys stay bound to the 1.2.0 id (`KEYS_PROTOCOL_ID`): the key schedule did not change.
 """
 

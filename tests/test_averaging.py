@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
@@ -24,7 +25,16 @@ from node.config.sync import SyncConfig
 from node.ops.status_view import render_status
 from node.worker.task import layout_hash
 from p2p.host import build_host
-from p2p.wire import LibP2PByteStream, ProtocolError, encode_msg, from_map, recv_as, recv_msg, send_msg, to_map
+from p2p.wire import (
+    LibP2PByteStream,
+    ProtocolError,
+    encode_msg,
+    from_map,
+    recv_as,
+    recv_msg,
+    send_msg,
+    to_map,
+)
 from protocols import avg
 from protocols.avg import AnswerCode, AvgAnswer, AvgRequest, Clip, Received, make_plans
 from protocols.codec import round_trip
@@ -797,7 +807,7 @@ async def test_a_refusal_that_names_no_preset_moves_one_step_per_retry_and_never
     assert asked[:3] == ["none", "medium", "high"]
     order = ["none", "medium", "high"]
     # Within a try each request is more compressed than the one before; a try after `high` starts over.
-    assert all(order.index(b) > order.index(a) or (a == "high" and b == "none") for a, b in zip(asked, asked[1:]))
+    assert all(order.index(b) > order.index(a) or (a == "high" and b == "none") for a, b in itertools.pairwise(asked))
     assert averager.admission.link(str(partner)).compression is None
 
 

@@ -76,9 +76,10 @@ What this module keeps is the round state machine: when to ask whom, how to answ
 result is. Whom it may ask and answer at all is node/averaging/admission.py's (the link table, per-IP caps,
 bans, back-offs); what it reports is report.py's; what it asks of the rest of the node is a `SwarmView`
 (node/averaging/swarm_view.py). A partner's answer is acted on by its code (protocols/avg.py, `AnswerCode`),
-never by its words. The module stays one (about 900 lines, a tenth of them this docstring) because a round
-is one machine: the asking and the answering side share the pending round, its claim and its events, and a
-crossing request, a held second-round request or a cancelled transfer touches both.
+never by its words (save a known preset named in a compression refusal). The module stays one (about 950
+lines, a tenth of them this docstring) because a round is one machine: the asking and the answering side
+share the pending round, its claim and its events, and a crossing request, a held second-round request or a
+cancelled transfer touches both.
 """
 
 from __future__ import annotations

@@ -37,7 +37,9 @@ own rate is unmeasured, `previous` is a floor: `preset_for`). The initiator only
 ever moves towards more compression within an exchange, so two `auto` nodes that disagree meet in at most
 `len(ORDER) - 1` retries, and a hostile responder can make us send less, never loop us. A responder that
 knows nothing of the link (no rate, or no period) takes any preset, as before; a group's second round is
-`none` on both sides; fixed presets are unchanged (a responder on one takes that preset only).
+`none` on both sides; fixed presets are unchanged (a responder on one takes that preset only). A 1.2.0
+initiator reads the refusal by its words' prefix as a compression refusal but does not ask again: it pairs
+elsewhere that step, while the slow node asking it names its own preset, which an `auto` node takes.
 
 Pure and numpy only: the averager calls it per exchange and the tests call it alone.
 """
