@@ -213,6 +213,8 @@ class _Probe:
     deadline_direct: float
     deadline: float
     indirect: bool = False
+    direct: bool = True  # the direct ping could go (the target is one this node may send to)
+    helpers: int = 0  # indirect probes sent
 
 
 @dataclass(slots=True)
@@ -371,6 +373,8 @@ class Membership:
         #: (node/swarm/swim_service.py): probes, helpers of indirect probes and push-pull partners are then
         #: drawn among connected members only, since a message to anyone else would cost a new connection.
         self.can_probe: Callable[[int], bool] | None = None
+        #: Called when a probe ends with no ack: (target, whether the direct ping could go, helpers asked, now).
+        self.on_probe_failed: Callable[[int, bool, int, float], None] | None = None
         self._grow(me)
         self._set(me, ALIVE, 0, now)
         self._queue.put(Alive(me, 0))
@@ -557,6 +561,8 @@ class Membership:
                 out.extend(self._indirect(seq, p))
             if p.indirect and now >= p.deadline:
                 del self._probes[seq]
+                if self.on_probe_failed is not None:
+                    self.on_probe_failed(p.target, p.direct, p.helpers, now)
                 self._suspect(p.target, now)
         for seq, (_, _, deadline) in list(self._relays.items()):
             if now >= deadline:
@@ -593,7 +599,9 @@ class Membership:
 
     def _start_probe(self, target: int, now: float) -> Sends:
         self._seq += 1
-        self._probes[self._seq] = _Probe(target, now + self.config.ack_timeout_s, now + self.config.probe_timeout_s)
+        ok = self.can_probe
+        self._probes[self._seq] = _Probe(target, now + self.config.ack_timeout_s, now + self.config.probe_timeout_s,
+                                         direct=ok is None or ok(target))
         updates = self._piggyback()
         if now < self._announce_until and not any(u.member == self.me for u in updates):
             # A joiner introduces itself to every member it probes at first: whoever its gossip
@@ -641,6 +649,7 @@ class Membership:
 
     def _indirect(self, seq: int, p: _Probe) -> Sends:
         helpers = self._random_members(self.config.indirect_k, {p.target})
+        p.helpers = len(helpers)
         self.counters["indirect_probes"] += 1
         return [(h, PingReq(self.me, seq, p.target, self._piggyback())) for h in helpers]
 

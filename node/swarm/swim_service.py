@@ -124,6 +124,10 @@ class SwimService:
         self.core = Membership(me, trio.current_time() if _in_trio() else 0.0, rng or random.Random(),
                                config, on_change=self._changed, registry=self.registry)
         self.core.can_probe = self._can_probe
+        self.core.on_probe_failed = self._probe_failed
+        self.lag_s = 0.0  # how late the timer loop last woke (this node's own event loop, starved or busy)
+        self.max_lag_s = 0.0
+        self._disconnected_at: dict[int, float] = {}
         self._connected: set[ID] = set()
         self._connected_ids: set[int] = set()
         self._speaks: set[ID] = set()  # peers whose outbound stream negotiated the protocol
@@ -251,10 +255,20 @@ class SwimService:
     def _can_probe(self, pid: int) -> bool:
         return pid in self._connected_ids
 
+    def _probe_failed(self, pid: int, direct: bool, helpers: int, now: float) -> None:
+        dropped = self._disconnected_at.get(pid)
+        log.info("no ack from %s: direct ping %s, %d helpers asked; %s; this node's loop %.2f s late (max %.2f)",
+                 self._peers[pid] if pid < len(self._peers) else pid, "sent" if direct else "impossible", helpers,
+                 f"its connection dropped {now - dropped:.1f} s ago" if dropped is not None else "connected",
+                 self.lag_s, self.max_lag_s)
+
     def _changed(self, pid: int, old: int, new: int, now: float) -> None:
         if pid < len(self._peers):
             log.debug("member %s: %s -> %s", self._peers[pid], STATE_NAMES[old], STATE_NAMES[new])
         self.counters[f"became_{STATE_NAMES[new]}"] += 1
+        if new == SUSPECT and pid < len(self._peers):
+            log.info("member %s suspect (was %s); this node's loop %.2f s late (max %.2f)", self._peers[pid],
+                     STATE_NAMES[old], self.lag_s, self.max_lag_s)
 
     # ---- running ------------------------------------------------------------------------------------
 
@@ -279,8 +293,12 @@ class SwimService:
             wake = self.core.next_wakeup()
             now = trio.current_time()
             # At least 10 ms between ticks: a timer the core left in the past must not spin the event loop.
-            with trio.move_on_at(max(min(wake, now + 1.0), now + 0.01)):
+            at = max(min(wake, now + 1.0), now + 0.01)
+            with trio.move_on_at(at):
                 await self._kick.wait()
+            if not self._kick.is_set():
+                self.lag_s = trio.current_time() - at
+                self.max_lag_s = max(self.max_lag_s, self.lag_s)
             self._kick = trio.Event()
             self._dispatch(self.core.tick(trio.current_time()))
 
@@ -304,6 +322,7 @@ class SwimService:
                 pid = self._ids.get(peer.to_bytes())
                 if pid is not None:
                     self.counters["disconnect_probes"] += 1
+                    self._disconnected_at[pid] = now
                     self._dispatch(self.core.probe(pid, now))
                     self._kick.set()
             await trio.sleep(CONNECTIONS_POLL_S)
