@@ -63,6 +63,7 @@ from node.swarm.manifest_trust import ManifestAuthority, ManifestPinError, read_
 from node.swarm.nat import NatConfig, NatService
 from node.swarm.replicator import StateReplicator, load_state
 from node.swarm.swim_service import SwimService
+from node.swarm.swim_service import timing as swim_timing
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
@@ -221,7 +222,8 @@ class Daemon:
             authority=authority,
         )
         # node.membership = "swim": liveness from SWIM's probes, records re-signed only when they change.
-        self.swim = SwimService(self.host, key_pair) if node.membership == "swim" else None
+        self.swim = SwimService(self.host, key_pair, config=swim_timing(
+            node.swim_period_s, node.swim_ack_timeout_s, node.swim_suspicion_mult)) if node.membership == "swim" else None
         self.replicator = StateReplicator(
             self.host,
             state,

@@ -239,6 +239,35 @@ def test_node_membership_is_gossip_or_swim() -> None:
         NodeConfig(membership="raft").validate()
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("swim_period_s", 0.0, "node.swim_period_s: must be between 0.1 and 60 seconds"),
+    ("swim_period_s", 600.0, "node.swim_period_s: must be between 0.1 and 60 seconds"),
+    ("swim_ack_timeout_s", 0.01, "node.swim_ack_timeout_s: must be at least 0.05 seconds and less than swim_period_s"),
+    ("swim_ack_timeout_s", 1.0, "node.swim_ack_timeout_s: must be at least 0.05 seconds and less than swim_period_s"),
+    ("swim_suspicion_mult", 0, "node.swim_suspicion_mult: must be between 1 and 32"),
+])
+def test_swim_timing_options_are_validated_with_a_one_line_error(option: str, value: float, message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        NodeConfig(membership="swim", **{option: value}).validate()
+    assert str(caught.value) == message
+
+
+def test_the_daemon_runs_swim_with_the_configured_timing(tmp_path: Path) -> None:
+    from node.config.load import ConfigError, load_config
+    from node.daemon import Daemon
+
+    overrides: dict[str, Any] = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": "swim",
+                                 "node.swim_period_s": 2.5, "node.swim_ack_timeout_s": 0.8,
+                                 "node.swim_suspicion_mult": 6}
+    daemon = Daemon(load_config(tmp_path, overrides=overrides, environ={}), tmp_path, create_new_key_pair(),
+                    train=False)
+    assert daemon.swim is not None
+    config = daemon.swim.core.config
+    assert (config.period_s, config.ack_timeout_s, config.probe_timeout_s, config.suspicion_mult) == (2.5, 0.8, 3.2, 6)
+    with pytest.raises(ConfigError, match="node.swim_ack_timeout_s"):  # the operator's error, not a traceback
+        load_config(tmp_path, overrides={**overrides, "node.swim_ack_timeout_s": 3.0}, environ={})
+
+
 
 # ---------------------------------------------------------------------------------------------------
 # Whole daemons (in one trio loop)

@@ -102,6 +102,15 @@ def _claim_key(claim: Claim) -> tuple[Any, ...]:
     return (4, claim.member, claim.version, claim.outer_step, claim.loss, claim.samples_per_s)
 
 
+def timing(period_s: float, ack_timeout_s: float, suspicion_mult: int) -> MembershipConfig:
+    """The core's configuration from the daemon's options (``node.swim_period_s``, ``node.swim_ack_timeout_s``,
+    ``node.swim_suspicion_mult``); the rest stays at the core's defaults. The final probe deadline is 4 x the
+    ack timeout, as the defaults' 0.5 s and 2 s: an indirect probe's round trip has twice the hops of a
+    direct one, and each may wait behind a busy event loop."""
+    return MembershipConfig(period_s=period_s, ack_timeout_s=ack_timeout_s, probe_timeout_s=4 * ack_timeout_s,
+                            suspicion_mult=suspicion_mult)
+
+
 class SwimService:
     """One daemon's SWIM membership over libp2p (see the module docstring).
 
