@@ -237,6 +237,8 @@ class Daemon:
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial
+        if self.swim is not None:
+            self.connmgr.on_closing = self.swim.closing
         self.connmgr.on_connected = make_on_connected(
             self.discovery.peer_connected, self.replicator.peer_connected, self.nat.peer_connected
         )
@@ -514,6 +516,8 @@ class Daemon:
             "peers": self.nat.peers_status(),
             **replica,  # members, swarm_totals
         }
+        if self.swim is not None:
+            st["swim"] = self.swim.status()
         if self.supervisor is not None:
             st["training"] = self.supervisor.status()
         if self.averager is not None:

@@ -160,6 +160,82 @@ async def test_a_garbage_frame_drops_the_stream_not_the_service() -> None:
         assert a.swim.member_state(rogue.get_id().to_base58()) is MemberState.GONE
 
 
+async def test_a_connection_this_node_closed_is_no_news_and_the_other_side_with_nobody_to_ask_suspects_nobody(
+        ) -> None:
+    async with swarm() as s:
+        a, b = await s.add(), await s.add()
+        await s.connect((b, a))
+        await eventually(lambda: sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE),
+                         "a and b hold each other alive", timeout=15)
+        # a's connection manager closes the connection for its cap (Daemon wires connmgr.on_closing to this).
+        a.swim.closing(b.host.get_id())
+        await a.host.disconnect(b.host.get_id())
+        # a: not news, no probe. b: the connection dropped, so it probes a; with no connection to a and no other
+        # member to ask, nobody could answer either way: no evidence, no suspicion.
+        await eventually(lambda: a.swim.counters["closed_here"] == 1 and b.swim.core.counters["no_evidence"] == 1,
+                         "a noted its own close, b's probe ended", timeout=SUSPECT_BOUND_S + SLACK_S,
+                         detail=lambda: (dict(a.swim.counters), dict(b.swim.counters), dict(b.swim.core.counters)))
+        assert a.swim.counters["disconnect_probes"] == 0 and b.swim.counters["disconnect_probes"] == 1
+        assert a.swim.core.counters["suspected"] == b.swim.core.counters["suspected"] == 0
+        assert sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE)
+
+
+def test_names_of_forgotten_dead_members_are_reclaimed_so_churn_beyond_the_cap_still_lets_members_join() -> None:
+    """The service interns at most ``max_members`` peer names; each member that dies is reaped after
+    ``dead_retention_s`` and its name (and id) given back. Ten rounds of churn through a cap of 16 names:
+    every newcomer is still taken in, and an id reused does not carry its last owner's progress or signature."""
+    from libp2p.peer.id import ID
+
+    from node.swarm.membership import ALIVE, DEAD, Dead, Ping, Progress
+
+    key = create_new_key_pair()
+    service = SwimService(build_host(key), key, config=MembershipConfig(dead_retention_s=60.0), max_members=16)
+    core, now = service.core, 0.0
+    used: set[int] = set()
+    for round_ in range(10):
+        newcomers = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(8)]
+        pids = [service._intern(peer) for peer in newcomers]
+        assert None not in pids, f"round {round_}: the registry is full ({len(service._ids)} names)"
+        ids = [pid for pid in pids if pid is not None]
+        used.update(ids)
+        core.preload(ids, now)
+        for pid in ids:
+            assert core.progress_of(pid) is None  # nothing of an earlier owner of the id
+            core.receive(now, Ping(pid, 1, core.me, (Progress(pid, 1, round_, 1.0, 1.0),)))
+            service._sigs[(4, pid, 1, round_, 1.0, 1.0)] = b"sig"
+        assert all(service.member_state(p.to_base58()) is MemberState.ALIVE for p in newcomers)
+        for pid in ids:  # each leaves: its own dead claim
+            core.receive(now + 1, Ping(pid, 2, core.me, (Dead(pid, 0, pid),)))
+            assert core.state_of(pid) == DEAD
+        now += 100.0  # past dead_retention_s: reaped by the next tick, reclaimed after it
+        core.tick(now)
+        assert service.reclaim(now) == 8
+        assert all(service.member_state(p.to_base58()) is MemberState.GONE for p in newcomers)
+        assert not any(k[1] in ids for k in service._sigs)
+    assert max(used) < 16 and len(service._ids) == 1 and core.state_of(core.me) == ALIVE  # ids reused
+
+
+def test_a_full_registry_forgets_the_members_dead_longest_early() -> None:
+    from libp2p.peer.id import ID
+
+    from node.swarm.membership import Dead, Ping
+
+    key = create_new_key_pair()
+    service = SwimService(build_host(key), key, max_members=16)  # dead_retention_s: 600 s by default
+    core = service.core
+    peers = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(15)]
+    pids = [service._intern(p) for p in peers]
+    core.preload([p for p in pids if p is not None], 0.0)
+    for t, pid in enumerate(pids):
+        core.receive(float(t), Ping(pid, 1, core.me, (Dead(pid, 0, pid),)))  # type: ignore[arg-type]
+    assert service._intern(ID.from_pubkey(create_new_key_pair().public_key)) is None  # full: 16 names
+    service.reclaim(20.0)  # far within the retention time, but the registry is over 7/8 full
+    assert len(service._ids) < 14
+    assert peers[0].to_base58() not in service._by_name  # dead longest: forgotten
+    assert service.state_name(peers[-1].to_base58()) == "dead"  # dead last: still held (stale claims stay out)
+    assert service._intern(ID.from_pubkey(create_new_key_pair().public_key)) is not None
+
+
 # ---------------------------------------------------------------------------------------------------
 # The replicator in SWIM mode
 

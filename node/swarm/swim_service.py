@@ -59,12 +59,14 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from node.status_schema import SwimStatus
 from node.swarm.crdt import MemberState
 from node.swarm.membership import (
     ALIVE,
     DEAD,
     STATE_NAMES,
     SUSPECT,
+    UNKNOWN,
     Membership,
     MembershipConfig,
     Registry,
@@ -81,13 +83,19 @@ WRITE_TIMEOUT_S = 5.0  # one frame written
 IDLE_TIMEOUT_S = 60.0  # an inbound stream with nothing for this long is closed (its sender reopens one)
 REOPEN_S = 5.0  # the least time between two outbound streams opened to the same peer
 GARBAGE_BAN_S = 60.0  # a peer that sent garbage: its new streams are refused this long
+CLOSED_HERE_S = 10.0  # a connection this node closed and saw drop within this long: not news of the member
 CONNECTIONS_POLL_S = 0.5  # how often the connected set is read (a new or a dropped connection)
+LAG_ALLOWANCE_S = 0.05  # a timer loop this late is on time (scheduling noise, a message being handled)
 OUTBOX = 32  # messages waiting for one peer's stream; more are dropped
 MAX_INBOUND = 128  # inbound streams served at once (one per peer; a peer's newer one replaces its older)
-MAX_MEMBERS = 4096  # peer names this node interns (its member table, dead ones included)
+MAX_MEMBERS = 4096  # peer names this node interns (its member table, dead ones included; see reclaim)
+RECLAIM_AT = 7 / 8  # of MAX_MEMBERS names held: the members dead longest are forgotten early
 SIG_CACHE = 16384  # cached claim signatures (own and others')
 VERIFIED_CACHE = 16384  # cached verified claims
 ED25519_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])  # identity multihash of a protobuf ed25519 key
+
+#: Why a message was not sent (the service's counters of the same names).
+DROP_REASONS = ("not_connected", "no_stream", "outbox_full", "too_large")
 
 _STATES = {ALIVE: MemberState.ALIVE, SUSPECT: MemberState.SUSPECT, DEAD: MemberState.GONE}
 
@@ -109,6 +117,11 @@ def timing(period_s: float, ack_timeout_s: float, suspicion_mult: int) -> Member
     direct one, and each may wait behind a busy event loop."""
     return MembershipConfig(period_s=period_s, ack_timeout_s=ack_timeout_s, probe_timeout_s=4 * ack_timeout_s,
                             suspicion_mult=suspicion_mult)
+
+
+def _claim_ids(key: tuple[Any, ...]) -> tuple[int, ...]:
+    """The member ids a :func:`_claim_key` names: the member, and the accuser of a suspect or dead claim."""
+    return (key[1], key[3]) if key[0] in (2, 3) else (key[1],)
 
 
 class SwimService:
@@ -137,6 +150,8 @@ class SwimService:
         self.lag_s = 0.0  # how late the timer loop last woke (this node's own event loop, starved or busy)
         self.max_lag_s = 0.0
         self._disconnected_at: dict[int, float] = {}
+        self._reaped: set[int] = set()  # members the core forgot since the last reclaim
+        self._closing: dict[ID, float] = {}  # peers whose connection this node is closing itself, and since when
         self._connected: set[ID] = set()
         self._connected_ids: set[int] = set()
         self._speaks: set[ID] = set()  # peers whose outbound stream negotiated the protocol
@@ -149,6 +164,7 @@ class SwimService:
         self._verified: OrderedDict[tuple[bytes, bytes, bytes], None] = OrderedDict()
         self._keys: dict[bytes, Ed25519PublicKey] = {}
         self._kick = trio.Event()
+        self._kicked_at = math.inf
         self._nursery: trio.Nursery | None = None
 
     # ---- views ------------------------------------------------------------------------------------
@@ -160,6 +176,31 @@ class SwimService:
         if pid == self.core.me:
             return MemberState.ALIVE
         return _STATES.get(self.core.state_of(pid), MemberState.GONE)
+
+    def status(self) -> SwimStatus:
+        """``status["swim"]``: what the service and its core did since start (node/status_schema.py)."""
+        core, mine = self.core.counters, self.counters
+        dropped = {reason: mine[reason] for reason in DROP_REASONS}
+        held = Counter(STATE_NAMES[self.core.state_of(pid)] for pid in self._ids.values())
+        return {
+            "probes": core["probes"],
+            "indirect_probes": core["indirect_probes"],
+            "acks": core["acks"],
+            "suspects_raised": core["suspected"],
+            "no_evidence": core["no_evidence"],
+            "refutations": core["refuted"],
+            "declared_dead": core["declared_dead"],
+            "messages_sent": mine["sent"],
+            "messages_received": mine["received"],
+            "messages_dropped": sum(dropped.values()),
+            "dropped": dropped,
+            "bytes_sent": mine["bytes_sent"],
+            "bytes_received": mine["bytes_received"],
+            "members": {name: held.get(name, 0) for name in ("alive", "suspect", "dead")},
+            "names": len(self._ids),
+            "local_health": self.core.local_health,
+            "loop_lag_max_s": round(self.max_lag_s, 3),
+        }
 
     def state_name(self, peer_id: str) -> str:
         """The core's own word for a member (alive, suspect, dead, unknown)."""
@@ -177,8 +218,44 @@ class SwimService:
             name = peer.to_base58()
             pid = self.registry.intern(name)
             self._ids[raw], self._by_name[name] = pid, pid
-            self._peers.append(peer)
+            if pid < len(self._peers):
+                self._peers[pid] = peer  # an id given back by reclaim
+            else:
+                self._peers.append(peer)
         return pid
+
+    def reclaim(self, now: float) -> int:
+        """Give back the names of peers the core no longer holds (dead and reaped after ``dead_retention_s``,
+        or never admitted), so that a long-running swarm with churn does not fill the registry: memberlist
+        forgets dead nodes after a reclaim time too. Beyond ``RECLAIM_AT`` of ``max_members`` names, the
+        members dead longest are reaped early to make room. A connected peer keeps its name. Run from the
+        timer loop, never while a message is being decoded (its claims' ids must stay what they were).
+        Returns how many names were given back."""
+        if len(self._ids) >= RECLAIM_AT * self.max_members:
+            for _ in range(len(self._ids) - self._forgettable() - int(RECLAIM_AT * self.max_members) + 1):
+                if not self.core.forget_oldest_dead(now):
+                    break
+        elif not self._reaped:
+            return 0
+        self._reaped.clear()
+        freed: set[int] = set()
+        for raw, pid in list(self._ids.items()):
+            peer = self._peers[pid]
+            if peer in self._connected or not self.core.forget(pid):
+                continue
+            del self._ids[raw]
+            del self._by_name[peer.to_base58()]
+            self.registry.release(pid)
+            self._disconnected_at.pop(pid, None)
+            freed.add(pid)
+        if freed:
+            # Cached signatures name members by id: none may be attached to the claims of the id's next owner.
+            self._sigs = OrderedDict((k, sig) for k, sig in self._sigs.items() if not freed.intersection(_claim_ids(k)))
+            self.counters["names_reclaimed"] += len(freed)
+        return len(freed)
+
+    def _forgettable(self) -> int:
+        return sum(1 for pid in self._ids.values() if self.core.state_of(pid) == UNKNOWN and pid != self.core.me)
 
     def _id_of(self, raw: bytes) -> int | None:
         pid = self._ids.get(raw)
@@ -261,6 +338,17 @@ class SwimService:
 
     # ---- the core's hooks ---------------------------------------------------------------------------
 
+    def closing(self, peer: ID) -> None:
+        """This node is closing its connection to ``peer`` itself (the connection manager's cap): when it
+        drops, that is not news of the member, and it is not probed for it."""
+        if len(self._closing) >= self.max_members:
+            now = trio.current_time()
+            self._closing = {p: t for p, t in self._closing.items() if t > now - CLOSED_HERE_S}
+        self._closing[peer] = trio.current_time()
+        pid = self._ids.get(peer.to_bytes())
+        if pid is not None:
+            self.core.abandon(pid)  # a probe under way may lose its ping or its ack to the close
+
     def _can_probe(self, pid: int) -> bool:
         return pid in self._connected_ids
 
@@ -275,6 +363,8 @@ class SwimService:
         if pid < len(self._peers):
             log.debug("member %s: %s -> %s", self._peers[pid], STATE_NAMES[old], STATE_NAMES[new])
         self.counters[f"became_{STATE_NAMES[new]}"] += 1
+        if new == UNKNOWN:
+            self._reaped.add(pid)  # its name is given back at the next reclaim
         if new == SUSPECT and pid < len(self._peers):
             log.info("member %s suspect (was %s); this node's loop %.2f s late (max %.2f)", self._peers[pid],
                      STATE_NAMES[old], self.lag_s, self.max_lag_s)
@@ -297,6 +387,11 @@ class SwimService:
             for scope in list(self._inbound.values()):
                 scope.cancel()
 
+    def _wake(self) -> None:
+        """Run the core's timers now (news arrived, a peer joined or left)."""
+        self._kicked_at = min(self._kicked_at, trio.current_time())
+        self._kick.set()
+
     async def _timers(self) -> None:
         while True:
             wake = self.core.next_wakeup()
@@ -305,11 +400,16 @@ class SwimService:
             at = max(min(wake, now + 1.0), now + 0.01)
             with trio.move_on_at(at):
                 await self._kick.wait()
-            if not self._kick.is_set():
-                self.lag_s = trio.current_time() - at
-                self.max_lag_s = max(self.max_lag_s, self.lag_s)
+            # How late this loop runs: from when it was due (its timer, or the first kick since it last ran)
+            # to now. Time this node could not listen is not a member's silence (Membership.note_lag).
+            woke = trio.current_time()
+            self.lag_s = max(0.0, woke - min(at, self._kicked_at))
+            self.max_lag_s = max(self.max_lag_s, self.lag_s)
+            self._kicked_at = math.inf
             self._kick = trio.Event()
-            self._dispatch(self.core.tick(trio.current_time()))
+            self.core.note_lag(self.lag_s - LAG_ALLOWANCE_S, woke)
+            self._dispatch(self.core.tick(woke))
+            self.reclaim(woke)
 
     async def _watch_connections(self) -> None:
         """py-libp2p tells no one of a closed connection: the connected set is read twice a second."""
@@ -323,17 +423,25 @@ class SwimService:
             now = trio.current_time()
             for peer in new:
                 self._open(peer, now)
+            if new:
+                self._dispatch(self.core.recheck(now))  # perhaps a member to ask now
             for peer in gone:
                 self._speaks.discard(peer)
                 outbox = self._outboxes.pop(peer, None)
                 if outbox is not None:
                     outbox.close()
                 pid = self._ids.get(peer.to_bytes())
-                if pid is not None:
+                if self._closing.pop(peer, -math.inf) > now - CLOSED_HERE_S:
+                    # This node closed it (its connection manager, for the cap): no news of the member, and a
+                    # probe of it under way may have lost its ping or its ack to the close.
+                    self.counters["closed_here"] += 1
+                    if pid is not None:
+                        self.core.abandon(pid)
+                elif pid is not None:
                     self.counters["disconnect_probes"] += 1
                     self._disconnected_at[pid] = now
                     self._dispatch(self.core.probe(pid, now))
-                    self._kick.set()
+                    self._wake()
             await trio.sleep(CONNECTIONS_POLL_S)
 
     def _open(self, peer: ID, now: float) -> trio.MemorySendChannel[bytes] | None:
@@ -371,6 +479,7 @@ class SwimService:
                     with trio.fail_after(WRITE_TIMEOUT_S):
                         await channel.send(frame)
                     self.counters["sent"] += 1
+                    self.counters["bytes_sent"] += len(frame)
         except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self.counters["write_failed"] += 1
             log.debug("swim stream to %s ended: %r", peer, exc)
@@ -396,7 +505,7 @@ class SwimService:
             self._dispatch(self.core.join(pid, now))
         elif self.core.state_of(pid) not in (ALIVE, SUSPECT, DEAD):
             self.core.preload([pid], now)
-        self._kick.set()
+        self._wake()
 
     def _dispatch(self, sends: list[tuple[int, Message]]) -> None:
         now = trio.current_time()
@@ -451,11 +560,12 @@ class SwimService:
                         data = await channel.recv()
                     if not data:
                         break  # idle, or closed by the peer
+                    self.counters["bytes_received"] += len(data)
                     message = swim.decode(data, pid, self._id_of, self._verify)
                     self.counters["received"] += 1
                     self._remember_claims(message)
                     self._dispatch(self.core.receive(trio.current_time(), message))
-                    self._kick.set()
+                    self._wake()
             except ProtocolError as exc:
                 if exc.reason not in (Reason.CLOSED, Reason.TRUNCATED, Reason.BROKEN):
                     garbage = True
