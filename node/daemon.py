@@ -234,6 +234,7 @@ class Daemon:
             local_manifest=self._local_manifest,
             heartbeat_s=node.heartbeat_s,
             liveness=self.swim.member_state if self.swim is not None else None,
+            last_heard=self.swim.last_heard if self.swim is not None else None,
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial

@@ -235,7 +235,8 @@ class MemberStatus(TypedDict):
     addrs: list[str]
     manifest_hash: str
     incompatible: bool
-    last_seen: float  # this node's clock when the record was last refreshed
+    last_seen: float  # this node's clock when it last heard from the member: its newest record (gossip mode), or
+    # SWIM's last evidence that it lives (swim mode: a message or an ack from it; its record is re-signed rarely)
     last_seen_s: float  # seconds since then
     heartbeat: float  # the author's wall time when it wrote the record
     received_at: float  # our wall time when it arrived

@@ -8,6 +8,7 @@ there: member states from SWIM, and the member record re-signed only when it cha
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -306,6 +307,34 @@ def test_swim_mode_shows_the_states_swim_holds_not_the_records_age() -> None:
     assert states == {rep.state.peer_id: "alive", others[0]: "alive", others[1]: "suspect", others[2]: "gone"}
     assert [m.peer_id for m in rep.alive_members()] == [others[0]]
     assert {m.peer_id for m in rep.members_to_dial()} == {others[0], others[1]}
+
+
+def test_swim_mode_shows_last_seen_from_swims_evidence_not_from_the_records_age() -> None:
+    clock = Clock()
+    heard: dict[str, float] = {}
+    rep = swim_replicator({"role": "trainer"}, lambda peer: MemberState.ALIVE, clock)
+    rep.last_heard = heard.get
+    rep.refresh()
+    other = SwarmState(create_new_key_pair(), clock=clock)
+    assert rep.state.apply([other.update_self(role="trainer").data]).changed
+    never = SwarmState(create_new_key_pair(), clock=clock)
+    assert rep.state.apply([never.update_self(role="trainer").data]).changed
+    clock.t += 3600  # both records an hour old (nothing changed, so nothing re-signed)
+    heard[other.peer_id] = clock.t - 1.5  # SWIM heard from it 1.5 s ago (an ack)
+    members = {m["peer_id"]: m for m in rep.status()["members"]}
+    assert members[other.peer_id]["last_seen_s"] == 1.5 and members[other.peer_id]["last_seen"] == clock.t - 1.5
+    assert members[never.peer_id]["last_seen_s"] == 3600.0  # no evidence from SWIM: the record's age
+
+
+async def test_the_service_says_when_it_last_heard_from_a_member() -> None:
+    async with swarm() as s:
+        a, b = await s.add(), await s.add()
+        assert a.swim.last_heard(b.name) is None
+        await s.connect((b, a))
+        await eventually(lambda: a.swim.core.counters["acks"] >= 2, "a's probes of b answered", timeout=15)
+        first = a.swim.last_heard(b.name)
+        assert first is not None and first <= time.time()
+        await eventually(lambda: (a.swim.last_heard(b.name) or 0) > first, "heard again", timeout=15)
 
 
 def test_node_membership_is_gossip_or_swim() -> None:

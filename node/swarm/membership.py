@@ -643,6 +643,11 @@ class Membership:
             out.extend(self._pushpull())
         return out
 
+    def probe_target(self, seq: int) -> int | None:
+        """The member this node's running probe ``seq`` is of (None: no such probe, or it ended)."""
+        p = self._probes.get(seq)
+        return None if p is None else p.target
+
     def abandon(self, pid: int) -> None:
         """Drop the running probes of ``pid``: whatever they find is no evidence (a daemon closed the
         connection to it itself, for its connection cap; the ping or its ack may have been cut)."""

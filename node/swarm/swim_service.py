@@ -48,6 +48,7 @@ import dataclasses
 import logging
 import math
 import random
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -141,6 +142,8 @@ class SwimService:
         self._ids: dict[bytes, int] = {}  # peer ID bytes -> id
         self._by_name: dict[str, int] = {}  # base58 -> id
         self._peers: list[ID] = []  # id -> peer ID
+        self._heard: dict[int, float] = {}  # member id -> trio time of the last evidence it lives (last_heard)
+        self._reaped: set[int] = set()  # members the core forgot since the last reclaim
         me = self._intern(self._me)
         assert me is not None
         self.core = Membership(me, trio.current_time() if _in_trio() else 0.0, rng or random.Random(),
@@ -150,7 +153,6 @@ class SwimService:
         self.lag_s = 0.0  # how late the timer loop last woke (this node's own event loop, starved or busy)
         self.max_lag_s = 0.0
         self._disconnected_at: dict[int, float] = {}
-        self._reaped: set[int] = set()  # members the core forgot since the last reclaim
         self._closing: dict[ID, float] = {}  # peers whose connection this node is closing itself, and since when
         self._connected: set[ID] = set()
         self._connected_ids: set[int] = set()
@@ -202,6 +204,19 @@ class SwimService:
             "loop_lag_max_s": round(self.max_lag_s, 3),
         }
 
+    def last_heard(self, peer_id: str) -> float | None:
+        """When (wall time) this node last had SWIM's evidence that ``peer_id`` lives: a message from it, an
+        ack to a probe of it (direct or through a helper), its introduction, or news that made it alive here
+        (a join, a refutation). None if none since this node started. Why not the record's age: in swim mode a
+        record is re-signed only when it changes, so its age says nothing of the member's liveness."""
+        pid = self._by_name.get(peer_id)
+        if pid is None:
+            return None
+        if pid == self.core.me:
+            return time.time()
+        heard = self._heard.get(pid)
+        return None if heard is None else time.time() - (trio.current_time() - heard)
+
     def state_name(self, peer_id: str) -> str:
         """The core's own word for a member (alive, suspect, dead, unknown)."""
         pid = self._by_name.get(peer_id)
@@ -247,6 +262,7 @@ class SwimService:
             del self._by_name[peer.to_base58()]
             self.registry.release(pid)
             self._disconnected_at.pop(pid, None)
+            self._heard.pop(pid, None)
             freed.add(pid)
         if freed:
             # Cached signatures name members by id: none may be attached to the claims of the id's next owner.
@@ -365,6 +381,8 @@ class SwimService:
         self.counters[f"became_{STATE_NAMES[new]}"] += 1
         if new == UNKNOWN:
             self._reaped.add(pid)  # its name is given back at the next reclaim
+        elif new == ALIVE:
+            self._heard[pid] = now  # news that it lives: a join, a refutation
         if new == SUSPECT and pid < len(self._peers):
             log.info("member %s suspect (was %s); this node's loop %.2f s late (max %.2f)", self._peers[pid],
                      STATE_NAMES[old], self.lag_s, self.max_lag_s)
@@ -500,6 +518,7 @@ class SwimService:
             return
         self._connected_ids.add(pid)
         now = trio.current_time()
+        self._heard[pid] = now  # it negotiated our protocol just now
         if not self._joined:
             self._joined = True
             self._dispatch(self.core.join(pid, now))
@@ -564,7 +583,12 @@ class SwimService:
                     message = swim.decode(data, pid, self._id_of, self._verify)
                     self.counters["received"] += 1
                     self._remember_claims(message)
-                    self._dispatch(self.core.receive(trio.current_time(), message))
+                    now = trio.current_time()
+                    self._heard[pid] = now
+                    target = self.core.probe_target(message.seq) if isinstance(message, Ack) else None
+                    self._dispatch(self.core.receive(now, message))
+                    if target is not None and self.core.probe_target(message.seq) is None:
+                        self._heard[target] = now  # the ack of our probe of it (direct, or a helper's)
                     self._wake()
             except ProtocolError as exc:
                 if exc.reason not in (Reason.CLOSED, Reason.TRUNCATED, Reason.BROKEN):
