@@ -21,6 +21,12 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   since more would shorten nothing and each costs every node slots). Why: one node with a bad link alone
   takes long to kill anyone; several agreeing take little; and the time grows with log N because the
   refutation needs log N periods to reach the suspect and come back.
+* **Local health** (Lifeguard). A node whose own event loop runs late (a starved machine) or that had to
+  refute a suspicion of itself raises its local health score (0 to ``max_local_health``); each ack lowers
+  it. Its probe timeouts and its probe period are stretched by (1 + score), and the time its loop could not
+  run is given back to the probes and suspicions under way (:meth:`Membership.note_lag`): an ack that sits
+  unread in a stalled node's socket is not the member's silence. A probe that nobody could carry (the
+  daemon sends only to connected members: no connection to the target, no helper) is no evidence either.
 * **Dissemination.** Every state change (alive / suspect / dead claims) enters a bounded broadcast queue
   and rides on the probe traffic (pings, ping-reqs and acks) already being sent, the least transmitted
   first, each retransmitted ``retransmit_mult x ceil(log10(N + 1))`` times, at most ``max_updates`` updates

@@ -22,7 +22,14 @@ Transport (docs/benchmarks.md, "Scale: SWIM's transport"): one long-lived stream
   ping cannot go out, the indirect ones go through helpers; if none of them reaches it either, it becomes
   suspect, then dead after SWIM's suspicion timeout (a live member refutes as soon as the suspicion reaches
   it through any connection it has). Without this, a member that died took its connections with it and
-  nobody would probe it again.
+  nobody would probe it again. Two exceptions, since neither is evidence of death: a connection this node
+  closed itself (the connection manager's cap: ``closing``, wired to ``ConnectionManager.on_closing``) is
+  not probed, and its probes under way are dropped; and a probe that nobody could carry (no connection to
+  the member, no other member connected to ask) ends without suspicion, to be tried again when a
+  connection appears (``Membership.recheck``).
+* A starved event loop (a saturated machine) must not read as silent members: the timer loop measures how
+  late it wakes and gives that time back to the probes and suspicions under way, and Lifeguard's local
+  health score stretches the timeouts while it runs late (``Membership.note_lag``).
 * A peer joins the table once an outbound stream to it has negotiated the protocol (so a peer that does
   not speak SWIM is never probed and declared dead): the first one is this node's seed (``join``: its
   table is pulled page by page), later ones are held alive (``preload``) and probed.
@@ -39,7 +46,13 @@ Hostile peers: every read has a deadline (an idle inbound stream is closed after
 sender reopens one when it next has something to say), every write too; a peer that sends anything the
 codec refuses (:class:`p2p.wire.ProtocolError`) has its stream reset and its new streams refused for
 ``GARBAGE_BAN_S``, as the other protocols close a stream on garbage; the daemon goes on. The registry of
-peer names is bounded (``max_members``): claims about peers beyond it are skipped by the codec.
+peer names is bounded (``max_members``): claims about peers beyond it are skipped by the codec; the names
+of members the core forgot (dead for ``dead_retention_s``, or never admitted) are given back
+(:meth:`SwimService.reclaim`), and past 7/8 of the bound the members dead longest are forgotten early, so
+that churn never fills it.
+
+What it did is in ``status["swim"]`` (:meth:`SwimService.status`); ``last_heard`` gives the status's
+``last_seen`` of each member, SWIM's last evidence that it lives.
 """
 
 from __future__ import annotations
