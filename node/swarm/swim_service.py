@@ -269,8 +269,8 @@ class SwimService:
         freed: set[int] = set()
         for raw, pid in list(self._ids.items()):
             peer = self._peers[pid]
-            if peer in self._connected or not self.core.forget(pid):
-                continue
+            if peer in self._connected or peer in self._inbound or peer in self._outboxes or not self.core.forget(pid):
+                continue  # a peer we hold a connection or a stream with keeps its name
             del self._ids[raw]
             del self._by_name[peer.to_base58()]
             self.registry.release(pid)
@@ -593,6 +593,9 @@ class SwimService:
                     if not data:
                         break  # idle, or closed by the peer
                     self.counters["bytes_received"] += len(data)
+                    pid = self._intern(peer)  # (the same id as long as this stream lives: see reclaim)
+                    if pid is None:
+                        break
                     message = swim.decode(data, pid, self._id_of, self._verify)
                     self.counters["received"] += 1
                     self._remember_claims(message)
