@@ -161,6 +161,33 @@ async def test_a_garbage_frame_drops_the_stream_not_the_service() -> None:
         assert a.swim.member_state(rogue.get_id().to_base58()) is MemberState.GONE
 
 
+async def test_a_member_is_probed_only_once_both_of_its_streams_are_up() -> None:
+    """At a join every node opens streams to several new peers at once, and on a busy machine negotiating
+    one takes seconds: a ping (or its ack) waiting for a stream that is not up yet turned a live member
+    suspect (4-6 members at 16 daemons). Here ``c`` accepts a's stream but has not opened its own to a (the
+    path of its acks): a holds it as a member and does not probe it, while it goes on probing b."""
+    async with swarm() as s:
+        a, b = await s.add(), await s.add()
+        await s.connect((b, a))
+        c = build_host(create_new_key_pair())
+
+        async def swallow(stream: Any) -> None:  # reads what a sends, never answers (its stream to a: not yet)
+            with trio.move_on_after(60):
+                while await stream.read(65536):
+                    pass
+
+        c.set_stream_handler(PROTOCOL_ID, swallow)
+        async with c.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            with trio.fail_after(15):
+                await c.connect(info_from_p2p_addr(a.host.get_addrs()[0]))
+            await eventually(lambda: a.swim.state_name(c.get_id().to_base58()) == "alive", "a holds c", timeout=15)
+            acks = a.swim.core.counters["acks"]
+            await eventually(lambda: a.swim.core.counters["acks"] >= acks + 6, "a probes b six more times",
+                             timeout=30)
+            assert a.swim.state_name(c.get_id().to_base58()) == "alive"
+            assert a.swim.core.counters["suspected"] == 0 and a.swim.core.counters["probes"] == a.swim.core.counters["acks"]
+
+
 async def test_a_connection_this_node_closed_is_no_news_and_the_other_side_with_nobody_to_ask_suspects_nobody(
         ) -> None:
     async with swarm() as s:

@@ -170,6 +170,7 @@ class SwimService:
         self._connected: set[ID] = set()
         self._connected_ids: set[int] = set()
         self._speaks: set[ID] = set()  # peers whose outbound stream negotiated the protocol
+        self._ready: set[ID] = set()  # connected peers whose two streams were both up once (see _can_probe)
         self._joined = False
         self._outboxes: dict[ID, trio.MemorySendChannel[bytes]] = {}
         self._opened_at: dict[ID, float] = {}
@@ -379,7 +380,19 @@ class SwimService:
             self.core.abandon(pid)  # a probe under way may lose its ping or its ack to the close
 
     def _can_probe(self, pid: int) -> bool:
-        return pid in self._connected_ids
+        """Whether this node may send to ``pid`` as a probe target, a helper or a push-pull partner: it is
+        connected, and both one-way streams are up: ours to it (the ping's path) and its own to us (the
+        ack's). Why both: while a new connection's streams are still being negotiated (seconds on a busy
+        machine, as at a join where every node opens streams to several new peers at once), a ping or its
+        ack waits in an outbox, and a member probed then turned suspect although alive (see _check_ready)."""
+        return pid in self._connected_ids and self._peers[pid] in self._ready
+
+    def _check_ready(self, peer: ID) -> None:
+        """Both streams with ``peer`` are up: it may be probed from now on, while its connection lasts (a
+        stream that ends later does not take it out: a member that died with its connection still listed
+        here must go on being probed, which is what finds it dead)."""
+        if peer in self._speaks and peer in self._inbound:
+            self._ready.add(peer)
 
     def _probe_failed(self, pid: int, direct: bool, helpers: int, now: float) -> None:
         dropped = self._disconnected_at.get(pid)
@@ -449,15 +462,20 @@ class SwimService:
             gone = self._connected - now_connected
             new = now_connected - self._connected
             self._connected = now_connected
+            self._ready &= now_connected
             self._connected_ids = {pid for pid in (self._ids.get(p.to_bytes()) for p in now_connected)
                                    if pid is not None}
             now = trio.current_time()
             for peer in new:
                 self._open(peer, now)
+            for pid in self._connected_ids:  # a member whose stream of ours ended: a new one (at most every REOPEN_S)
+                if self._peers[pid] not in self._outboxes and pid != self.core.me:
+                    self._open(self._peers[pid], now)
             if new:
                 self._dispatch(self.core.recheck(now))  # perhaps a member to ask now
             for peer in gone:
                 self._speaks.discard(peer)
+                self._ready.discard(peer)
                 outbox = self._outboxes.pop(peer, None)
                 if outbox is not None:
                     outbox.close()
@@ -503,6 +521,7 @@ class SwimService:
             if stream is None:
                 return
             self._speaks.add(peer)
+            self._check_ready(peer)
             self._introduce(peer)
             channel = PlainFrameChannel(LibP2PByteStream(stream), max_frame_size=swim.MAX_MESSAGE_BYTES)
             async with recv:
@@ -585,6 +604,7 @@ class SwimService:
         channel = PlainFrameChannel(LibP2PByteStream(stream), max_frame_size=swim.MAX_MESSAGE_BYTES)
         with trio.CancelScope() as scope:
             self._inbound[peer] = scope
+            self._check_ready(peer)
             try:
                 while True:
                     data = b""
