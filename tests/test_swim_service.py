@@ -409,7 +409,9 @@ async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_withou
         tmp_path: Path) -> None:
     from node.config.load import load_config
     from node.daemon import Daemon
+    from node.status_schema import NodeStatus
     from starling_testing.daemon import free_port
+    from tests.test_status_schema import schema_errors
 
     port = free_port()
     keys = [create_new_key_pair() for _ in range(3)]
@@ -419,13 +421,13 @@ async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_withou
         home = tmp_path / f"d{i}"
         home.mkdir()
         overrides: dict[str, Any] = {"node.listen": [f"/ip4/127.0.0.1/tcp/{port if i == 0 else 0}"],
-                                     "node.membership": "swim", "node.heartbeat_s": 0.5}
+                                     "node.membership": "swim", "node.heartbeat_s": 0.5,
+                                     "node.swim_period_s": FAST.period_s, "node.swim_ack_timeout_s": FAST.ack_timeout_s}
         if i:
             overrides["node.bootstrap"] = [boot]
         daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, key, train=False)
         assert daemon.swim is not None and daemon.replicator.liveness == daemon.swim.member_state
-        daemon.swim = SwimService(daemon.host, key, config=FAST)  # the test's faster periods
-        daemon.replicator.liveness = daemon.swim.member_state
+        assert daemon.replicator.last_heard == daemon.swim.last_heard
         daemons.append(daemon)
     ids = {str(d.peer_id) for d in daemons}
 
@@ -441,5 +443,14 @@ async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_withou
         await eventually(lambda: all(d.replicator.heartbeats["skipped"] > d.replicator.heartbeats["signed"] + 3
                                      for d in daemons), "heartbeats that sign nothing", timeout=15)
         assert all(alive(d) == ids for d in daemons)
+        # The status: SWIM's counters under `swim`, as the schema says; each peer's last_seen is SWIM's
+        # evidence (its acks, seconds old), though its record was signed once at the start.
+        await eventually(lambda: all(d.status()["swim"]["acks"] >= 4 for d in daemons), "probes answered",
+                         timeout=15)
+        for d in daemons:
+            st = d.status()
+            assert schema_errors(st, NodeStatus) == []
+            peers = [m for m in st["members"] if not m["self"]]
+            assert all(m["last_seen_s"] < 10 for m in peers), peers
         for d in daemons:
             d.stop()
