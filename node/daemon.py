@@ -63,6 +63,7 @@ from node.swarm.manifest_trust import ManifestAuthority, ManifestPinError, read_
 from node.swarm.nat import NatConfig, NatService
 from node.swarm.replicator import StateReplicator, load_state
 from node.swarm.swim_service import SwimService
+from node.swarm.swim_service import timing as swim_timing
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
@@ -221,7 +222,8 @@ class Daemon:
             authority=authority,
         )
         # node.membership = "swim": liveness from SWIM's probes, records re-signed only when they change.
-        self.swim = SwimService(self.host, key_pair) if node.membership == "swim" else None
+        self.swim = SwimService(self.host, key_pair, config=swim_timing(
+            node.swim_period_s, node.swim_ack_timeout_s, node.swim_suspicion_mult)) if node.membership == "swim" else None
         self.replicator = StateReplicator(
             self.host,
             state,
@@ -232,9 +234,12 @@ class Daemon:
             local_manifest=self._local_manifest,
             heartbeat_s=node.heartbeat_s,
             liveness=self.swim.member_state if self.swim is not None else None,
+            last_heard=self.swim.last_heard if self.swim is not None else None,
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial
+        if self.swim is not None:
+            self.connmgr.on_closing = self.swim.closing
         self.connmgr.on_connected = make_on_connected(
             self.discovery.peer_connected, self.replicator.peer_connected, self.nat.peer_connected
         )
@@ -512,6 +517,8 @@ class Daemon:
             "peers": self.nat.peers_status(),
             **replica,  # members, swarm_totals
         }
+        if self.swim is not None:
+            st["swim"] = self.swim.status()
         if self.supervisor is not None:
             st["training"] = self.supervisor.status()
         if self.averager is not None:

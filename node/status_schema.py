@@ -37,7 +37,7 @@ __all__ = [
     "ExchangeCounts", "IncompatiblePeerStatus", "JoinStatus", "MemberStatus", "MixingStatus", "NatStatus", "NodeStatus", "PeerLinkStatus",
     "PeerPathStatus", "ProgressStatus", "RefusalStatus", "RefusalsStatus", "ReplicaStatus", "ReplicationStatus", "SittingOutStatus",
     "StreamLimitsStatus", "TransferStatus",
-    "SwarmTotals", "SyncStatus", "TrainingStatus",
+    "SwarmTotals", "SwimStatus", "SyncStatus", "TrainingStatus",
 ]  # fmt: skip
 
 
@@ -235,7 +235,8 @@ class MemberStatus(TypedDict):
     addrs: list[str]
     manifest_hash: str
     incompatible: bool
-    last_seen: float  # this node's clock when the record was last refreshed
+    last_seen: float  # this node's clock when it last heard from the member: its newest record (gossip mode), or
+    # SWIM's last evidence that it lives (swim mode: a message or an ack from it; its record is re-signed rarely)
     last_seen_s: float  # seconds since then
     heartbeat: float  # the author's wall time when it wrote the record
     received_at: float  # our wall time when it arrived
@@ -302,6 +303,34 @@ class ReplicaStatus(TypedDict):
 
     members: list[MemberStatus]
     swarm_totals: SwarmTotals
+
+
+class SwimStatus(TypedDict):
+    """``swim``: the SWIM membership service's counters since start (node/swarm/swim_service.py; swim mode only).
+
+    ``probes`` are this node's own (round-robin and on a dropped connection), ``acks`` those answered
+    (directly or through helpers), ``suspects_raised`` the probes that ended with no ack and made the member
+    suspect here; ``refutations`` suspicions of this node it answered with a higher incarnation. A message is
+    dropped (``dropped``, by reason) when its peer is not connected, has no stream, has a full outbox, or it is
+    too large. Bytes are frame payloads on ``/starling/swim/1.0.0``."""
+
+    probes: int
+    indirect_probes: int  # probes that asked helpers (no direct ack in time)
+    acks: int
+    suspects_raised: int
+    no_evidence: int  # probes that ended with nobody asked (no connection to the member, no helper): no suspicion
+    refutations: int
+    declared_dead: int
+    messages_sent: int
+    messages_received: int
+    messages_dropped: int
+    dropped: dict[str, int]  # by reason: not_connected, no_stream, outbox_full, too_large
+    bytes_sent: int
+    bytes_received: int
+    members: dict[str, int]  # held by the SWIM core: alive, suspect, dead (this node included in alive)
+    names: int  # peer names interned (bounded; dead members' reclaimed)
+    local_health: int  # Lifeguard's local health score: 0 healthy; timeouts are stretched by (1 + it)
+    loop_lag_max_s: float  # the most this node's timer loop woke late (a starved or busy event loop)
 
 
 # --- the network: NAT traversal (node/swarm/nat.py) ------------------------------------------------------------
@@ -405,3 +434,4 @@ class NodeStatus(TypedDict):
     training: NotRequired[TrainingStatus]  # trainers only, as the three below
     sync: NotRequired[SyncStatus]
     join: NotRequired[JoinStatus]
+    swim: NotRequired[SwimStatus]  # node.membership = swim only

@@ -115,6 +115,9 @@ class ConnManager:
     #: The host's own connection limit (p2p/host.py's `max_connections`); 2 x `cap` when not given.
     limit: int | None = None
     on_connected: Callable[[ID], None] | None = None
+    #: Told of each connection this manager closes (the cap, a crowded group) before it closes: its loss
+    #: is no news of the peer (node/swarm/swim_service.py does not probe a member for it).
+    on_closing: Callable[[ID], None] | None = None
     # How to dial: host.connect by default; node/swarm/nat.py supplies one that also tries relay circuits,
     # which py-libp2p's swarm never dials by itself.
     dial: Callable[[PeerInfo], Awaitable[None]] | None = None
@@ -327,6 +330,8 @@ class ConnManager:
         return delay
 
     async def _disconnect(self, peer_id: ID) -> None:
+        if self.on_closing is not None:
+            self.on_closing(peer_id)
         with trio.move_on_after(5):
             try:
                 await self.host.disconnect(peer_id)

@@ -462,6 +462,24 @@ def test_a_record_relayed_up_to_a_heartbeat_late_is_not_blamed_on_the_clock() ->
     assert f.level == WARN and f"{short(behind)}: its clock is about 7.0 s behind ours" in f.message
 
 
+def test_in_swim_mode_a_record_signed_long_before_it_arrived_is_not_a_skewed_clock() -> None:
+    """node.membership = swim (the status has a ``swim`` section): a record is re-signed only when it changes,
+    so a node that joined later holds records signed minutes before they reached it; nothing of that is
+    the authors' clocks. A record dated ahead of its arrival still is."""
+    old, quiet, ahead = other_peer_id(), other_peer_id(), other_peer_id()
+    swim = {"probes": 10, "acks": 10}
+    st = status_with(
+        member(old, heartbeat=1_700_000_000.0, received_at=1_700_000_600.0),  # signed 10 min before it came
+        member(quiet, last_seen_s=900.0),  # no record times: nothing to say
+        swim=swim,
+    )
+    [f] = check_clock_skew(st, heartbeat_s=2.0)
+    assert f.level == OK and "swim mode" in f.message
+    st = status_with(member(ahead, heartbeat=1_700_000_030.0, received_at=1_700_000_000.0), swim=swim)
+    [f] = check_clock_skew(st, heartbeat_s=2.0)
+    assert f.level == WARN and "30.0 s ahead of ours" in f.message
+
+
 def test_records_rejected_for_clock_skew_are_an_error() -> None:
     st = status_with(swarm_totals={"rejected": {"clock_skew": 4}})
     findings = check_clock_skew(st)

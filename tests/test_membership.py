@@ -317,3 +317,70 @@ def test_whatever_peers_send_the_bounds_hold(batches: list[tuple[int, list]]) ->
         assert node.state_of(0) == ALIVE and node.incarnation >= incarnation
         incarnation = node.incarnation
         assert all(0 <= node.incarnation_of(m) < 2**32 for m in range(13))
+
+
+# ------------------------------------------------------------------------- evidence and local health (Lifeguard)
+
+
+def _probe_of(out: list) -> tuple[int, Ping]:
+    (target, ping), = [(t, m) for t, m in out if isinstance(m, Ping)]
+    return target, ping
+
+
+def test_a_probe_nobody_could_carry_is_no_evidence_but_one_helpers_could_is() -> None:
+    # The daemon's rule: messages go to connected members only. Member 2's connection dropped (so the
+    # direct ping cannot go); with no other member connected, no helper can be asked either.
+    node = _node()
+    node.can_probe = lambda pid: False
+    assert [t for t, _ in node.probe(2, 1.0)] == [2]  # (the daemon drops a ping to a member not connected)
+    assert node.tick(1.6) == []  # the direct deadline: no helper to ask
+    node.tick(3.1)
+    assert node.state_of(2) == ALIVE and node.counters["no_evidence"] == 1 and node.counters["suspected"] == 0
+    assert [t for t, _ in node.recheck(3.2)] == [2] and node.recheck(3.3) == []  # once a connection appears
+    node.abandon(2)  # (the daemon closed that connection itself: that probe says nothing either)
+    assert node.counters["probes_abandoned"] == 1
+    # With one member connected it is asked to probe, and its silence too is evidence: a member that died
+    # (and took its connections with it) must still turn suspect.
+    node.can_probe = lambda pid: pid == 1
+    node.probe(2, 5.0)
+    out = node.tick(5.6)
+    assert [t for t, m in out if not isinstance(m, Ping)] == [1]
+    node.tick(7.1)
+    assert node.state_of(2) == SUSPECT and node.counters["no_evidence"] == 1
+
+
+def test_time_this_node_could_not_listen_does_not_count_against_a_probe() -> None:
+    node = _node()
+    t0 = node.next_wakeup()
+    target, ping = _probe_of(node.tick(t0))
+    # This node's loop stalled 3 s (past the probe's whole 2 s): the ack may be sitting unread. The timer
+    # loop notes the lag before it runs the timers: the probe is not over.
+    node.note_lag(3.0, t0 + 3.0)
+    node.tick(t0 + 3.0)
+    assert node.state_of(target) == ALIVE and node.counters["indirect_probes"] == 0
+    node.receive(t0 + 3.05, Ack(target, ping.seq, ()))
+    node.tick(t0 + 6.0)
+    assert node.state_of(target) == ALIVE and node.counters["suspected"] == 0
+
+
+def test_local_health_stretches_the_timeouts_and_the_period_and_acks_bring_it_back() -> None:
+    node = _node(members=3)
+    for _ in range(3):
+        node.note_lag(0.3, 0.0)  # over half the 0.5 s ack timeout: a starved loop
+    node.note_lag(0.1, 0.0)  # scheduling noise: no count
+    assert node.local_health == 3
+    t0 = node.next_wakeup()
+    target, ping = _probe_of(node.tick(t0))
+    probe = node._probes[ping.seq]
+    assert (probe.deadline_direct, probe.deadline) == (t0 + 4 * 0.5, t0 + 4 * 2.0)  # x (1 + 3)
+    assert node._next_probe == t0 + 4 * node.config.period_s
+    node.tick(t0 + 1.9)
+    assert node.counters["indirect_probes"] == 0
+    node.receive(t0 + 1.95, Ack(target, ping.seq, ()))
+    assert node.local_health == 2
+    # Refuting a suspicion of itself means this node answered too late for someone: up again.
+    node.receive(t0 + 2.0, Ping(1, 9, 0, (Suspect(0, 0, 1),)))
+    assert node.local_health == 3 and node.incarnation == 1
+    for _ in range(20):
+        node.note_lag(5.0, t0 + 3)
+    assert node.local_health == node.config.max_local_health

@@ -29,6 +29,7 @@ from node.status_schema import (
     RefusalsStatus,
     SittingOutStatus,
     SwarmTotals,
+    SwimStatus,
     SyncStatus,
     TrainingStatus,
 )
@@ -126,6 +127,21 @@ EXPORTED: dict[tuple[str, str], str] = {
     ("muxer", "dropped_bytes"): "muxer_dropped_bytes",
     ("muxer", "offenders"): "muxer_offenders",
     ("swarm_totals", "clock_capped"): "swarm_clock_capped",
+    ("swim", "probes"): "swim_probes",
+    ("swim", "indirect_probes"): "swim_indirect_probes",
+    ("swim", "acks"): "swim_acks",
+    ("swim", "suspects_raised"): "swim_suspects_raised",
+    ("swim", "no_evidence"): "swim_probes_no_evidence",
+    ("swim", "refutations"): "swim_refutations",
+    ("swim", "declared_dead"): "swim_declared_dead",
+    ("swim", "messages_sent"): "swim_messages_sent",
+    ("swim", "messages_received"): "swim_messages_received",
+    ("swim", "messages_dropped"): "swim_messages_dropped",
+    ("swim", "bytes_sent"): "swim_sent_bytes",
+    ("swim", "bytes_received"): "swim_received_bytes",
+    ("swim", "names"): "swim_names",
+    ("swim", "local_health"): "swim_local_health",
+    ("swim", "loop_lag_max_s"): "swim_loop_lag_max_seconds",
 }
 # `refusals` is one family labelled by kind (starling_refusals_total), checked key by key below.
 # Numeric fields left out of the metrics on purpose: identifiers, or what a dashboard gets elsewhere.
@@ -136,7 +152,7 @@ NOT_EXPORTED = {
     ("swarm_totals", "samples"), ("swarm_totals", "tokens"), ("swarm_totals", "crowd_evictions"),
 }  # fmt: skip
 SECTIONS = {"": NodeStatus, "training": TrainingStatus, "sync": SyncStatus, "mixing": MixingStatus,
-            "sitting_out": SittingOutStatus, "muxer": MuxerStatus, "swarm_totals": SwarmTotals}
+            "sitting_out": SittingOutStatus, "muxer": MuxerStatus, "swarm_totals": SwarmTotals, "swim": SwimStatus}
 
 
 def _numeric(tp: Any) -> bool:
@@ -178,6 +194,23 @@ def test_a_network_only_nodes_status_matches_the_schema_and_says_what_it_refused
     assert _refusal_samples(families) == st["refusals"]
     for name in ("muxer_window_overruns", "muxer_dropped_bytes", "muxer_offenders", "swarm_clock_capped"):
         assert families[name].samples[0].value == 0, name
+
+
+def test_a_swim_nodes_status_has_the_swim_counters_in_the_schema_and_in_the_metrics(group: DaemonGroup) -> None:
+    """node.membership = swim: ``swim`` (SWIM's counters) is in the status, typed as the schema says, and every
+    numeric field of it is a metric with the status's value."""
+    boot = group.start("a", "--no-train", "--listen", "/ip4/127.0.0.1/tcp/0", "--set", "node.membership=swim")
+    group.start("b", "--no-train", "--listen", "/ip4/127.0.0.1/tcp/0", "--set", "node.membership=swim",
+                "--bootstrap", boot.addr())
+    st = boot.wait_status(lambda s: s.get("swim", {}).get("acks", 0) >= 2, timeout=60, interval=1)
+    assert schema_errors(st, NodeStatus) == []
+    swim = st["swim"]
+    assert swim["probes"] >= swim["acks"] >= 2 and swim["messages_sent"] >= 2 and swim["bytes_received"] > 0
+    assert swim["members"]["alive"] == 2 and swim["names"] == 2
+    families = _families(st)
+    for (section, key), name in EXPORTED.items():
+        if section == "swim":
+            assert families[name].samples[0].value == pytest.approx(swim[key]), name  # type: ignore[literal-required]
 
 
 def _families(st: NodeStatus) -> dict[str, Any]:

@@ -8,6 +8,7 @@ there: member states from SWIM, and the member record re-signed only when it cha
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -160,6 +161,109 @@ async def test_a_garbage_frame_drops_the_stream_not_the_service() -> None:
         assert a.swim.member_state(rogue.get_id().to_base58()) is MemberState.GONE
 
 
+async def test_a_member_is_probed_only_once_both_of_its_streams_are_up() -> None:
+    """At a join every node opens streams to several new peers at once, and on a busy machine negotiating
+    one takes seconds: a ping (or its ack) waiting for a stream that is not up yet turned a live member
+    suspect (4-6 members at 16 daemons). Here ``c`` accepts a's stream but has not opened its own to a (the
+    path of its acks): a holds it as a member and does not probe it, while it goes on probing b."""
+    async with swarm() as s:
+        a, b = await s.add(), await s.add()
+        await s.connect((b, a))
+        c = build_host(create_new_key_pair())
+
+        async def swallow(stream: Any) -> None:  # reads what a sends, never answers (its stream to a: not yet)
+            with trio.move_on_after(60):
+                while await stream.read(65536):
+                    pass
+
+        c.set_stream_handler(PROTOCOL_ID, swallow)
+        async with c.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            with trio.fail_after(15):
+                await c.connect(info_from_p2p_addr(a.host.get_addrs()[0]))
+            await eventually(lambda: a.swim.state_name(c.get_id().to_base58()) == "alive", "a holds c", timeout=15)
+            acks = a.swim.core.counters["acks"]
+            await eventually(lambda: a.swim.core.counters["acks"] >= acks + 6, "a probes b six more times",
+                             timeout=30)
+            assert a.swim.state_name(c.get_id().to_base58()) == "alive"
+            assert a.swim.core.counters["suspected"] == 0 and a.swim.core.counters["probes"] == a.swim.core.counters["acks"]
+
+
+async def test_a_connection_this_node_closed_is_no_news_and_the_other_side_with_nobody_to_ask_suspects_nobody(
+        ) -> None:
+    async with swarm() as s:
+        a, b = await s.add(), await s.add()
+        await s.connect((b, a))
+        await eventually(lambda: sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE),
+                         "a and b hold each other alive", timeout=15)
+        # a's connection manager closes the connection for its cap (Daemon wires connmgr.on_closing to this).
+        a.swim.closing(b.host.get_id())
+        await a.host.disconnect(b.host.get_id())
+        # a: not news, no probe. b: the connection dropped, so it probes a; with no connection to a and no other
+        # member to ask, nobody could answer either way: no evidence, no suspicion.
+        await eventually(lambda: a.swim.counters["closed_here"] == 1 and b.swim.core.counters["no_evidence"] == 1,
+                         "a noted its own close, b's probe ended", timeout=SUSPECT_BOUND_S + SLACK_S,
+                         detail=lambda: (dict(a.swim.counters), dict(b.swim.counters), dict(b.swim.core.counters)))
+        assert a.swim.counters["disconnect_probes"] == 0 and b.swim.counters["disconnect_probes"] == 1
+        assert a.swim.core.counters["suspected"] == b.swim.core.counters["suspected"] == 0
+        assert sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE)
+
+
+def test_names_of_forgotten_dead_members_are_reclaimed_so_churn_beyond_the_cap_still_lets_members_join() -> None:
+    """The service interns at most ``max_members`` peer names; each member that dies is reaped after
+    ``dead_retention_s`` and its name (and id) given back. Ten rounds of churn through a cap of 16 names:
+    every newcomer is still taken in, and an id reused does not carry its last owner's progress or signature."""
+    from libp2p.peer.id import ID
+
+    from node.swarm.membership import ALIVE, DEAD, Dead, Ping, Progress
+
+    key = create_new_key_pair()
+    service = SwimService(build_host(key), key, config=MembershipConfig(dead_retention_s=60.0), max_members=16)
+    core, now = service.core, 0.0
+    used: set[int] = set()
+    for round_ in range(10):
+        newcomers = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(8)]
+        pids = [service._intern(peer) for peer in newcomers]
+        assert None not in pids, f"round {round_}: the registry is full ({len(service._ids)} names)"
+        ids = [pid for pid in pids if pid is not None]
+        used.update(ids)
+        core.preload(ids, now)
+        for pid in ids:
+            assert core.progress_of(pid) is None  # nothing of an earlier owner of the id
+            core.receive(now, Ping(pid, 1, core.me, (Progress(pid, 1, round_, 1.0, 1.0),)))
+            service._sigs[(4, pid, 1, round_, 1.0, 1.0)] = b"sig"
+        assert all(service.member_state(p.to_base58()) is MemberState.ALIVE for p in newcomers)
+        for pid in ids:  # each leaves: its own dead claim
+            core.receive(now + 1, Ping(pid, 2, core.me, (Dead(pid, 0, pid),)))
+            assert core.state_of(pid) == DEAD
+        now += 100.0  # past dead_retention_s: reaped by the next tick, reclaimed after it
+        core.tick(now)
+        assert service.reclaim(now) == 8
+        assert all(service.member_state(p.to_base58()) is MemberState.GONE for p in newcomers)
+        assert not any(k[1] in ids for k in service._sigs)
+    assert max(used) < 16 and len(service._ids) == 1 and core.state_of(core.me) == ALIVE  # ids reused
+
+
+def test_a_full_registry_forgets_the_members_dead_longest_early() -> None:
+    from libp2p.peer.id import ID
+
+    from node.swarm.membership import Dead, Ping
+
+    key = create_new_key_pair()
+    service = SwimService(build_host(key), key, max_members=16)  # dead_retention_s: 600 s by default
+    core = service.core
+    peers = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(15)]
+    pids = [service._intern(p) for p in peers]
+    core.preload([p for p in pids if p is not None], 0.0)
+    for t, pid in enumerate(pids):
+        core.receive(float(t), Ping(pid, 1, core.me, (Dead(pid, 0, pid),)))  # type: ignore[arg-type]
+    assert service._intern(ID.from_pubkey(create_new_key_pair().public_key)) is None  # full: 16 names
+    service.reclaim(20.0)  # far within the retention time, but the registry is over 7/8 full
+    assert len(service._ids) < 14
+    assert peers[0].to_base58() not in service._by_name  # dead longest: forgotten
+    assert service.state_name(peers[-1].to_base58()) == "dead"  # dead last: still held (stale claims stay out)
+    assert service._intern(ID.from_pubkey(create_new_key_pair().public_key)) is not None
+
+
 # ---------------------------------------------------------------------------------------------------
 # The replicator in SWIM mode
 
@@ -232,11 +336,68 @@ def test_swim_mode_shows_the_states_swim_holds_not_the_records_age() -> None:
     assert {m.peer_id for m in rep.members_to_dial()} == {others[0], others[1]}
 
 
+def test_swim_mode_shows_last_seen_from_swims_evidence_not_from_the_records_age() -> None:
+    clock = Clock()
+    heard: dict[str, float] = {}
+    rep = swim_replicator({"role": "trainer"}, lambda peer: MemberState.ALIVE, clock)
+    rep.last_heard = heard.get
+    rep.refresh()
+    other = SwarmState(create_new_key_pair(), clock=clock)
+    assert rep.state.apply([other.update_self(role="trainer").data]).changed
+    never = SwarmState(create_new_key_pair(), clock=clock)
+    assert rep.state.apply([never.update_self(role="trainer").data]).changed
+    clock.t += 3600  # both records an hour old (nothing changed, so nothing re-signed)
+    heard[other.peer_id] = clock.t - 1.5  # SWIM heard from it 1.5 s ago (an ack)
+    members = {m["peer_id"]: m for m in rep.status()["members"]}
+    assert members[other.peer_id]["last_seen_s"] == 1.5 and members[other.peer_id]["last_seen"] == clock.t - 1.5
+    assert members[never.peer_id]["last_seen_s"] == 3600.0  # no evidence from SWIM: the record's age
+
+
+async def test_the_service_says_when_it_last_heard_from_a_member() -> None:
+    async with swarm() as s:
+        a, b = await s.add(), await s.add()
+        assert a.swim.last_heard(b.name) is None
+        await s.connect((b, a))
+        await eventually(lambda: a.swim.core.counters["acks"] >= 2, "a's probes of b answered", timeout=15)
+        first = a.swim.last_heard(b.name)
+        assert first is not None and first <= time.time()
+        await eventually(lambda: (a.swim.last_heard(b.name) or 0) > first, "heard again", timeout=15)
+
+
 def test_node_membership_is_gossip_or_swim() -> None:
     assert NodeConfig().membership == "gossip"
     NodeConfig(membership="swim").validate()
     with pytest.raises(ValueError, match="node.membership"):
         NodeConfig(membership="raft").validate()
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("swim_period_s", 0.0, "node.swim_period_s: must be between 0.1 and 60 seconds"),
+    ("swim_period_s", 600.0, "node.swim_period_s: must be between 0.1 and 60 seconds"),
+    ("swim_ack_timeout_s", 0.01, "node.swim_ack_timeout_s: must be at least 0.05 seconds and less than swim_period_s"),
+    ("swim_ack_timeout_s", 1.0, "node.swim_ack_timeout_s: must be at least 0.05 seconds and less than swim_period_s"),
+    ("swim_suspicion_mult", 0, "node.swim_suspicion_mult: must be between 1 and 32"),
+])
+def test_swim_timing_options_are_validated_with_a_one_line_error(option: str, value: float, message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        NodeConfig(membership="swim", **{option: value}).validate()
+    assert str(caught.value) == message
+
+
+def test_the_daemon_runs_swim_with_the_configured_timing(tmp_path: Path) -> None:
+    from node.config.load import ConfigError, load_config
+    from node.daemon import Daemon
+
+    overrides: dict[str, Any] = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": "swim",
+                                 "node.swim_period_s": 2.5, "node.swim_ack_timeout_s": 0.8,
+                                 "node.swim_suspicion_mult": 6}
+    daemon = Daemon(load_config(tmp_path, overrides=overrides, environ={}), tmp_path, create_new_key_pair(),
+                    train=False)
+    assert daemon.swim is not None
+    config = daemon.swim.core.config
+    assert (config.period_s, config.ack_timeout_s, config.probe_timeout_s, config.suspicion_mult) == (2.5, 0.8, 3.2, 6)
+    with pytest.raises(ConfigError, match="node.swim_ack_timeout_s"):  # the operator's error, not a traceback
+        load_config(tmp_path, overrides={**overrides, "node.swim_ack_timeout_s": 3.0}, environ={})
 
 
 
@@ -248,7 +409,9 @@ async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_withou
         tmp_path: Path) -> None:
     from node.config.load import load_config
     from node.daemon import Daemon
+    from node.status_schema import NodeStatus
     from starling_testing.daemon import free_port
+    from tests.test_status_schema import schema_errors
 
     port = free_port()
     keys = [create_new_key_pair() for _ in range(3)]
@@ -258,13 +421,13 @@ async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_withou
         home = tmp_path / f"d{i}"
         home.mkdir()
         overrides: dict[str, Any] = {"node.listen": [f"/ip4/127.0.0.1/tcp/{port if i == 0 else 0}"],
-                                     "node.membership": "swim", "node.heartbeat_s": 0.5}
+                                     "node.membership": "swim", "node.heartbeat_s": 0.5,
+                                     "node.swim_period_s": FAST.period_s, "node.swim_ack_timeout_s": FAST.ack_timeout_s}
         if i:
             overrides["node.bootstrap"] = [boot]
         daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, key, train=False)
         assert daemon.swim is not None and daemon.replicator.liveness == daemon.swim.member_state
-        daemon.swim = SwimService(daemon.host, key, config=FAST)  # the test's faster periods
-        daemon.replicator.liveness = daemon.swim.member_state
+        assert daemon.replicator.last_heard == daemon.swim.last_heard
         daemons.append(daemon)
     ids = {str(d.peer_id) for d in daemons}
 
@@ -280,5 +443,16 @@ async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_withou
         await eventually(lambda: all(d.replicator.heartbeats["skipped"] > d.replicator.heartbeats["signed"] + 3
                                      for d in daemons), "heartbeats that sign nothing", timeout=15)
         assert all(alive(d) == ids for d in daemons)
+        # The status: SWIM's counters under `swim`, as the schema says; each peer's last_seen is SWIM's
+        # evidence (its messages and acks), not its record's age (signed once, at the start).
+        await eventually(lambda: all(d.status()["swim"]["acks"] >= 4 for d in daemons), "probes answered",
+                         timeout=15)
+        for d in daemons:
+            st = d.status()
+            assert schema_errors(st, NodeStatus) == []
+            peers = [m for m in st["members"] if not m["self"]]
+            for m in peers:
+                heard = d.swim.last_heard(m["peer_id"])
+                assert heard is not None and m["last_seen"] == pytest.approx(heard, abs=2.0), (m, heard)
         for d in daemons:
             d.stop()

@@ -54,10 +54,17 @@ class NodeConfig:
     discovery_interval: float = opt(10.0, "seconds between DHT lookups for swarm members once settled "
                                           "(doubling, up to 8x, while none finds a new member)")
     heartbeat_s: float = opt(2.0, "seconds between this node's signed heartbeats to the swarm state")
-    suspect_after: float = opt(15.0, "a member silent this long is shown as suspect")
-    gone_after: float = opt(60.0, "a member silent this long is shown as gone (its history is kept)")
+    suspect_after: float = opt(15.0, "gossip mode: a member silent this long is shown as suspect "
+                                     "(swim mode: swim_ack_timeout_s and swim_suspicion_mult decide)")
+    gone_after: float = opt(60.0, "gossip mode: a member silent this long is shown as gone (its history is kept; "
+                                  "swim mode: a suspect that does not refute in time is gone)")
     membership: str = opt("gossip", "how members' liveness is judged: gossip (signed heartbeats every heartbeat_s) "
                                     "| swim (SWIM probes; records re-signed only on change)")
+    swim_period_s: float = opt(1.0, "swim mode: seconds between two probes of a member by this node")
+    swim_ack_timeout_s: float = opt(0.5, "swim mode: a direct probe unanswered this long asks helpers to probe too; "
+                                         "unanswered 4x this long, the member is suspect")
+    swim_suspicion_mult: int = opt(4, "swim mode: a suspect unrefuted for this x max(1, log10 members) x "
+                                      "swim_period_s (up to 6x that while one member alone accuses) is gone")
     founder: str = opt("", "PeerID of the swarm's founder: only its run manifest is adopted ('' = trust the first seen)")
     manifest_hash: str = opt("", "the only run manifest hash this node adopts ('' = any allowed by founder)")
     max_members_per_subnet: int = opt(256, "most swarm members one IPv4 /24 or IPv6 /48 may place in the member table")
@@ -105,6 +112,12 @@ class NodeConfig:
             raise ValueError("node.suspect_after / node.gone_after: need heartbeat_s < suspect_after < gone_after")
         if self.membership not in ("gossip", "swim"):
             raise ValueError(f"node.membership: gossip or swim, got {self.membership[:40]!r}")
+        if not 0.1 <= self.swim_period_s <= 60:
+            raise ValueError("node.swim_period_s: must be between 0.1 and 60 seconds")
+        if not 0.05 <= self.swim_ack_timeout_s < self.swim_period_s:
+            raise ValueError("node.swim_ack_timeout_s: must be at least 0.05 seconds and less than swim_period_s")
+        if not 1 <= self.swim_suspicion_mult <= 32:
+            raise ValueError("node.swim_suspicion_mult: must be between 1 and 32")
         if self.founder and not is_peer_id(self.founder):
             raise ValueError(
                 f"node.founder: {self.founder[:80]!r} is not a PeerID (the 12D3KooW... line `starling init` "

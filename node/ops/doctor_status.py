@@ -78,7 +78,7 @@ def check_reachability(status: NodeStatus) -> list[Finding]:
     ]
 
 
-def _skew_estimate(member: MemberStatus, heartbeat_s: float) -> tuple[float, str] | None:
+def _skew_estimate(member: MemberStatus, heartbeat_s: float, *, rarely_signed: bool = False) -> tuple[float, str] | None:
     """(estimated seconds the member's clock is ahead of ours, negative = behind; how it was estimated).
 
     Best case the status gives the author's heartbeat time and our receipt time: skew ~ heartbeat -
@@ -88,8 +88,17 @@ def _skew_estimate(member: MemberStatus, heartbeat_s: float) -> tuple[float, str
     every `heartbeat_s`, so an age beyond two intervals (one may be lost) means its heartbeat times
     lag our clock, i.e. its clock is at least that much behind. A clock that runs ahead is invisible in
     that view (the receipt time caps last_seen) until records are rejected as too far ahead.
+
+    ``rarely_signed`` (node.membership = swim: a record is re-signed only when it changes, and the status's
+    last_seen is SWIM's evidence, not the record's age): a record may reach us any time after it was signed
+    (a node that joined later gets it by anti-entropy, minutes on), so its lag says nothing of the author's
+    clock; only a record dated ahead of its arrival does.
     """
     hb, received = as_number(member.get("heartbeat")), as_number(member.get("received_at"))
+    if rarely_signed:
+        if hb is None or received is None:
+            return None
+        return max(0.0, hb - received), "record time vs receipt time"
     if hb is not None and received is not None:
         raw = hb - received
         # A record may reach us up to a heartbeat late by anti-entropy (from a third node) and a moment
@@ -133,10 +142,12 @@ def check_clock_skew(status: NodeStatus, *, heartbeat_s: float = 2.0) -> list[Fi
             or (m.get("state") in ("suspect", "gone") and m.get("peer_id") in connected)
         )
     ]
+    # SWIM mode (the status has a `swim` section): records are re-signed only when they change.
+    rarely_signed = isinstance(status.get("swim"), Mapping)
     exact = False
     skewed: list[tuple[float, MemberStatus, str]] = []
     for m in candidates:
-        estimate = _skew_estimate(m, heartbeat_s)
+        estimate = _skew_estimate(m, heartbeat_s, rarely_signed=rarely_signed)
         if estimate is None:
             continue
         skew, how = estimate
@@ -174,7 +185,9 @@ def check_clock_skew(status: NodeStatus, *, heartbeat_s: float = 2.0) -> list[Fi
         )
     if not findings:
         note = (
-            "" if exact or not candidates else "; a clock running ahead shows only once records are rejected"
+            "; swim mode: records are re-signed only when they change, so only a clock running ahead shows"
+            if rarely_signed and candidates
+            else "" if exact or not candidates else "; a clock running ahead shows only once records are rejected"
         )
         seen = (
             f"among {len(candidates)} live peers{note}" if candidates else "(no live peers to compare with)"

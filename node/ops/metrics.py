@@ -44,6 +44,7 @@ from node.status_schema import (
     PeerPathStatus,
     SittingOutStatus,
     SwarmTotals,
+    SwimStatus,
     SyncStatus,
     TrainingStatus,
 )
@@ -128,6 +129,9 @@ def _status_families(status: NodeStatus, max_peer_labels: int) -> list[Metric]:
         families.extend(_member_families(members))
         families.extend(_pairing_families(members))
     families.extend(_refusal_families(status))
+    swim = status.get("swim")
+    if isinstance(swim, Mapping):
+        families.extend(_swim_families(swim))
     reachability = _reachability_label(status.get("reachability"))
     if reachability is not None:
         family = GaugeMetricFamily(
@@ -227,6 +231,44 @@ def _muxer_families(muxer: MuxerStatus) -> Iterator[Metric]:
 def _swarm_totals_families(totals: SwarmTotals) -> Iterator[Metric]:
     yield from _counter("swarm_clock_capped", f"Others' records dated over {MAX_LEAD_S:g} s ahead of our clock: kept, "
                         "but our clock not moved past the bound (protocols/hlc.py)", totals.get("clock_capped"))
+
+
+#: SWIM's counters (status ``swim``, node.membership = swim): key -> (metric name, help).
+SWIM_COUNTERS = {
+    "probes": ("swim_probes", "SWIM probes this node started (round-robin, and on a dropped connection)"),
+    "indirect_probes": ("swim_indirect_probes", "SWIM probes that asked helpers (no direct ack in time)"),
+    "acks": ("swim_acks", "SWIM probes answered, directly or through helpers"),
+    "suspects_raised": ("swim_suspects_raised", "SWIM probes that ended unanswered and made the member suspect"),
+    "no_evidence": ("swim_probes_no_evidence", "SWIM probes nobody could carry (no connection, no helper): no suspicion"),
+    "refutations": ("swim_refutations", "Suspicions of this node it refuted (each raises its local health score)"),
+    "declared_dead": ("swim_declared_dead", "Suspects this node declared dead after the suspicion timeout"),
+    "messages_sent": ("swim_messages_sent", "SWIM messages written"),
+    "messages_received": ("swim_messages_received", "SWIM messages read"),
+    "messages_dropped": ("swim_messages_dropped", "SWIM messages not sent (peer not connected, no stream, full outbox, "
+                         "too large)"),
+    "bytes_sent": ("swim_sent_bytes", "SWIM message bytes written (frame payloads)"),
+    "bytes_received": ("swim_received_bytes", "SWIM message bytes read (frame payloads)"),
+}
+SWIM_GAUGES = {
+    "names": ("swim_names", "Peer names the SWIM service holds (bounded; dead members' names are reclaimed)"),
+    "local_health": ("swim_local_health", "Lifeguard's local health score: 0 healthy; timeouts are x (1 + it)"),
+    "loop_lag_max_s": ("swim_loop_lag_max_seconds", "The most the SWIM timer loop woke late (a starved event loop)"),
+}
+
+
+def _swim_families(swim: SwimStatus) -> Iterator[Metric]:
+    for key, (name, doc) in SWIM_COUNTERS.items():
+        yield from _counter(name, doc, swim.get(key))
+    for key, (name, doc) in SWIM_GAUGES.items():
+        yield from _gauge(name, doc, swim.get(key))
+    members = swim.get("members")
+    if isinstance(members, Mapping):
+        family = GaugeMetricFamily(f"{PREFIX}_swim_members", "Members the SWIM core holds, by state", labels=["state"])
+        for state, count in sorted(members.items()):
+            if isinstance(count, int) and not isinstance(count, bool):
+                family.add_metric([_label(state) or "unknown"], float(count))
+        yield family
+    yield from _reason_counter("swim_dropped", "SWIM messages not sent, by reason", swim.get("dropped"))
 
 
 def _sitting_out_families(sitting_out: SittingOutStatus) -> Iterator[Metric]:

@@ -21,6 +21,12 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   since more would shorten nothing and each costs every node slots). Why: one node with a bad link alone
   takes long to kill anyone; several agreeing take little; and the time grows with log N because the
   refutation needs log N periods to reach the suspect and come back.
+* **Local health** (Lifeguard). A node whose own event loop runs late (a starved machine) or that had to
+  refute a suspicion of itself raises its local health score (0 to ``max_local_health``); each ack lowers
+  it. Its probe timeouts and its probe period are stretched by (1 + score), and the time its loop could not
+  run is given back to the probes and suspicions under way (:meth:`Membership.note_lag`): an ack that sits
+  unread in a stalled node's socket is not the member's silence. A probe that nobody could carry (the
+  daemon sends only to connected members: no connection to the target, no helper) is no evidence either.
 * **Dissemination.** Every state change (alive / suspect / dead claims) enters a bounded broadcast queue
   and rides on the probe traffic (pings, ping-reqs and acks) already being sent, the least transmitted
   first, each retransmitted ``retransmit_mult x ceil(log10(N + 1))`` times, at most ``max_updates`` updates
@@ -159,19 +165,36 @@ class Registry:
         #: of its name): a joiner pages through the swarm's tables by it, asking a different member each page.
         self.buckets = array("H")
 
+        self._free: list[int] = []  # ids released (:meth:`release`), reused before new ones
+
     def intern(self, name: str) -> int:
         pid = self._ids.get(name)
         if pid is None:
-            pid = self._ids[name] = len(self._names)
-            self._names.append(name)
-            self.buckets.append(bucket_of(name))
+            if self._free:
+                pid = self._ids[name] = self._free.pop()
+                self._names[pid] = name
+                self.buckets[pid] = bucket_of(name)
+            else:
+                pid = self._ids[name] = len(self._names)
+                self._names.append(name)
+                self.buckets.append(bucket_of(name))
         return pid
+
+    def release(self, pid: int) -> None:
+        """Forget the name of ``pid`` and reuse the id for the next new name (a daemon's registry, whose
+        dead members are forgotten: the core must have forgotten ``pid`` first, :meth:`Membership.forget`)."""
+        name = self._names[pid]
+        if self._ids.get(name) == pid:
+            del self._ids[name]
+            self._names[pid] = ""
+            self._free.append(pid)
 
     def name(self, pid: int) -> str:
         return self._names[pid]
 
     def __len__(self) -> int:
-        return len(self._names)
+        """Names held now (released ids not counted)."""
+        return len(self._ids)
 
 
 
@@ -205,6 +228,7 @@ class MembershipConfig:
     sync_timeout_s: float = 3.0  # a sync request unanswered this long is sent again (joining)
     sync_serve_per_s: float = 4.0  # pages this node serves per second at most (token bucket)
     max_relays: int = 32  # indirect probes this node runs for others at once
+    max_local_health: int = 8  # Lifeguard's local health score caps here: timeouts and period x (1 + score)
 
 
 @dataclass(slots=True)
@@ -213,6 +237,8 @@ class _Probe:
     deadline_direct: float
     deadline: float
     indirect: bool = False
+    direct: bool = True  # the direct ping could go (the target is one this node may send to)
+    helpers: int = 0  # indirect probes sent
 
 
 @dataclass(slots=True)
@@ -322,6 +348,11 @@ class Membership:
         self.on_change = on_change
         self.incarnation = 0
         self.counters: Counter[str] = Counter()
+        #: Lifeguard's local health multiplier (memberlist's "awareness"): 0 when this node is healthy, raised
+        #: when its own event loop runs late (:meth:`note_lag`) or it had to refute a suspicion of itself,
+        #: lowered by each ack it gets. Probe timeouts and the probe period are stretched by (1 + it): a node
+        #: that cannot answer in time is the likeliest not to hear answers in time either.
+        self.local_health = 0
         # The table, as columns indexed by member id (grown on demand).
         self._state = bytearray()
         self._inc = array("I")
@@ -367,10 +398,14 @@ class Membership:
         #: as it connects; without this, its announcement arriving after that was old news, and members not
         #: connected to it never heard of it (before a push-pull slice came by).
         self._silent: set[int] = set()
+        #: Members whose last probe was no evidence (nobody could carry it), probed again by :meth:`recheck`.
+        self._unverified: set[int] = set()
         #: Which members this node may send to directly (None: all). A daemon sets it to "connected to me"
         #: (node/swarm/swim_service.py): probes, helpers of indirect probes and push-pull partners are then
         #: drawn among connected members only, since a message to anyone else would cost a new connection.
         self.can_probe: Callable[[int], bool] | None = None
+        #: Called when a probe ends with no ack: (target, whether the direct ping could go, helpers asked, now).
+        self.on_probe_failed: Callable[[int, bool, int, float], None] | None = None
         self._grow(me)
         self._set(me, ALIVE, 0, now)
         self._queue.put(Alive(me, 0))
@@ -420,6 +455,27 @@ class Membership:
                 if self._state[pid] == UNKNOWN:
                     self._set(pid, ALIVE, 0, now)
                     self._silent.add(pid)
+
+    def forget(self, pid: int) -> bool:
+        """Drop every trace of ``pid``, which this node holds as unknown (never heard of, or dead and reaped
+        after ``dead_retention_s``), so that its id may name another peer (a daemon's registry is bounded:
+        node/swarm/swim_service.py). False, and nothing done, for a member held in any other state."""
+        if pid == self.me or pid >= len(self._state) or self._state[pid] != UNKNOWN:
+            return False
+        self._inc[pid] = self._pver[pid] = self._pstep[pid] = 0
+        self._ploss[pid] = self._psps[pid] = 0.0
+        self._queue.drop(pid)
+        self._progress_queue.drop(pid)
+        self._silent.discard(pid)
+        self._unverified.discard(pid)
+        self._suspicions.pop(pid, None)
+        for seq in [seq for seq, p in self._probes.items() if p.target == pid]:
+            del self._probes[seq]
+        return True
+
+    def forget_oldest_dead(self, now: float) -> bool:
+        """Treat the member dead longest as reaped now (before ``dead_retention_s``): room for a newcomer."""
+        return self._evict_one_dead(now)
 
     def queued_news(self) -> int:
         """How many updates wait in the broadcast queue (each still to ride on some messages)."""
@@ -551,12 +607,24 @@ class Membership:
         if self._left:
             return out
         # Probes: the direct deadline passed -> indirect; the final one -> suspect.
+        ok = self.can_probe
         for seq, p in list(self._probes.items()):
+            if p.direct and ok is not None and not ok(p.target):
+                p.direct = False  # its connection dropped meanwhile: the ping may never have arrived
             if not p.indirect and now >= p.deadline_direct:
                 p.indirect = True
                 out.extend(self._indirect(seq, p))
             if p.indirect and now >= p.deadline:
                 del self._probes[seq]
+                if self.on_probe_failed is not None:
+                    self.on_probe_failed(p.target, p.direct, p.helpers, now)
+                if not p.direct and p.helpers == 0:
+                    # Nobody was asked: the ping could not go (no connection to it) and no member could be
+                    # asked to try. Silence that nobody could have broken says nothing about the member; it
+                    # is probed again once this node has a member to ask (:meth:`recheck`).
+                    self.counters["no_evidence"] += 1
+                    self._unverified.add(p.target)
+                    continue
                 self._suspect(p.target, now)
         for seq, (_, _, deadline) in list(self._relays.items()):
             if now >= deadline:
@@ -572,7 +640,7 @@ class Membership:
         if now >= self._join_next and self._join_server is not None:
             out.extend(self._join_request(now))
         if now >= self._next_probe:
-            self._next_probe = max(self._next_probe + self.config.period_s, now)
+            self._next_probe = max(self._next_probe + (1 + self.local_health) * self.config.period_s, now)
             target = self._next_target()
             if target is not None:
                 out.extend(self._start_probe(target, now))
@@ -580,6 +648,46 @@ class Membership:
             self._next_pushpull = now + self.config.pushpull_s
             out.extend(self._pushpull())
         return out
+
+    def probe_target(self, seq: int) -> int | None:
+        """The member this node's running probe ``seq`` is of (None: no such probe, or it ended)."""
+        p = self._probes.get(seq)
+        return None if p is None else p.target
+
+    def abandon(self, pid: int) -> None:
+        """Drop the running probes of ``pid``: whatever they find is no evidence (a daemon closed the
+        connection to it itself, for its connection cap; the ping or its ack may have been cut)."""
+        for seq in [seq for seq, p in self._probes.items() if p.target == pid]:
+            del self._probes[seq]
+            self.counters["probes_abandoned"] += 1
+
+    def recheck(self, now: float) -> Sends:
+        """Probe again the members whose last probe nobody could carry (see :meth:`tick`); a daemon calls it
+        when a connection appears, which may give it a member to ask."""
+        out: Sends = []
+        unverified, self._unverified = self._unverified, set()
+        for pid in unverified:
+            out.extend(self.probe(pid, now))
+        return out
+
+    def note_lag(self, lag_s: float, now: float) -> None:
+        """This node's own event loop ran ``lag_s`` late (a daemon measures it where its timers wake).
+
+        Why: on a starved machine an ack may sit unread in this node's socket while the timer that declares
+        the probe failed runs first; the time this node could not listen is not the member's silence. So
+        every running probe and suspicion gets that time back, and a lag of half an ack timeout or more
+        raises the local health score (Lifeguard), which stretches the timeouts of the probes to come."""
+        if lag_s <= 0:
+            return
+        for p in self._probes.values():
+            p.deadline_direct += lag_s
+            p.deadline += lag_s
+        for s in self._suspicions.values():
+            s.start += lag_s
+            s.deadline += lag_s
+        if lag_s >= self.config.ack_timeout_s / 2:
+            self.counters["late_loop"] += 1
+            self.local_health = min(self.config.max_local_health, self.local_health + 1)
 
     def probe(self, pid: int, now: float) -> Sends:
         """Probe ``pid`` now, outside the round-robin (a daemon does when its connection to a member drops:
@@ -593,7 +701,11 @@ class Membership:
 
     def _start_probe(self, target: int, now: float) -> Sends:
         self._seq += 1
-        self._probes[self._seq] = _Probe(target, now + self.config.ack_timeout_s, now + self.config.probe_timeout_s)
+        self.counters["probes"] += 1
+        ok = self.can_probe
+        scale = 1 + self.local_health
+        self._probes[self._seq] = _Probe(target, now + scale * self.config.ack_timeout_s,
+                                         now + scale * self.config.probe_timeout_s, direct=ok is None or ok(target))
         updates = self._piggyback()
         if now < self._announce_until and not any(u.member == self.me for u in updates):
             # A joiner introduces itself to every member it probes at first: whoever its gossip
@@ -641,6 +753,7 @@ class Membership:
 
     def _indirect(self, seq: int, p: _Probe) -> Sends:
         helpers = self._random_members(self.config.indirect_k, {p.target})
+        p.helpers = len(helpers)
         self.counters["indirect_probes"] += 1
         return [(h, PingReq(self.me, seq, p.target, self._piggyback())) for h in helpers]
 
@@ -791,6 +904,8 @@ class Membership:
             probe = self._probes.get(message.seq)
             if probe is not None and (sender == probe.target or probe.indirect):
                 del self._probes[message.seq]
+                self.counters["acks"] += 1
+                self.local_health = max(0, self.local_health - 1)
             relay = self._relays.pop(message.seq, None)
             if relay is not None:
                 requester, seq, _ = relay
@@ -954,6 +1069,8 @@ class Membership:
             return
         if update.incarnation >= self.incarnation:
             self.counters["refuted"] += 1
+            # Suspected although alive: this node answered too late for someone (Lifeguard).
+            self.local_health = min(self.config.max_local_health, self.local_health + 1)
             self._refute(update.incarnation, now)
 
     def _refute(self, incarnation: int, now: float) -> None:

@@ -9,8 +9,9 @@ rest of the swarm:
   comes from SWIM's probes, not from heartbeats: the states shown and the averaging candidates are
   ``liveness(peer)``'s, and this node's record is re-signed only when a field other than the progress
   ones (``PROGRESS_FIELDS``) changes, or for progress at most every ``progress_every_s`` (default
-  ``PROGRESS_EVERY_S``). The quiet-member probes of anti-entropy are off (records no longer come every
-  heartbeat, so every member would look quiet); the rounds stay.
+  ``PROGRESS_EVERY_S``). The status's ``last_seen`` is SWIM's last evidence that the member lives
+  (``last_heard``), not its record's age. The quiet-member probes of anti-entropy are off (records no
+  longer come every heartbeat, so every member would look quiet); the rounds stay.
 * **Gossip.** The member records and the manifest this node writes are published on the gossipsub
   topic ``starling/<swarm>/state``; records from peers are merged as they arrive, in the topic
   validator, so a forged record is refused at the first honest hop instead of being forwarded through
@@ -230,6 +231,7 @@ class StateReplicator:
         pin_path: Path | None = None,
         liveness: Callable[[str], MemberState] | None = None,
         progress_every_s: float = PROGRESS_EVERY_S,
+        last_heard: Callable[[str], float | None] | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -253,6 +255,9 @@ class StateReplicator:
         #: SWIM mode: a member's state (alive, suspect, gone) from the SWIM service; None: from heartbeats.
         self.liveness = liveness
         self.progress_every_s = progress_every_s
+        #: SWIM mode: when (wall time) SWIM last had evidence that a member lives, for ``last_seen`` in the
+        #: status (a record re-signed only on change is no measure of it); None where SWIM has none.
+        self.last_heard = last_heard
         self._last_fields: dict[str, Any] | None = None  # what the last record signed here said
         self._last_signed = -math.inf
         #: Heartbeats that re-signed the record, and those that found nothing worth a signature (SWIM mode).
@@ -400,6 +405,10 @@ class StateReplicator:
 
     def _member_status(self, view: MemberView, now: float) -> MemberStatus:
         r = view.record
+        last_seen = view.last_seen
+        if self.last_heard is not None:
+            heard = self.last_heard(r.peer_id)
+            last_seen = heard if heard is not None else last_seen
         return {
             "peer_id": r.peer_id,
             "self": r.peer_id == self.state.peer_id,
@@ -416,8 +425,8 @@ class StateReplicator:
             "addrs": list(r.addrs),
             "manifest_hash": r.manifest_hash,
             "incompatible": r.peer_id in self._incompatible,
-            "last_seen": round(view.last_seen, 3),
-            "last_seen_s": round(max(0.0, now - view.last_seen), 1),
+            "last_seen": round(last_seen, 3),
+            "last_seen_s": round(max(0.0, now - last_seen), 1),
             # The author's clock against ours, for `starling doctor`'s clock check.
             "heartbeat": round(r.heartbeat, 3),
             "received_at": round(view.received_at, 3),

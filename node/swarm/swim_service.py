@@ -22,7 +22,14 @@ Transport (docs/benchmarks.md, "Scale: SWIM's transport"): one long-lived stream
   ping cannot go out, the indirect ones go through helpers; if none of them reaches it either, it becomes
   suspect, then dead after SWIM's suspicion timeout (a live member refutes as soon as the suspicion reaches
   it through any connection it has). Without this, a member that died took its connections with it and
-  nobody would probe it again.
+  nobody would probe it again. Two exceptions, since neither is evidence of death: a connection this node
+  closed itself (the connection manager's cap: ``closing``, wired to ``ConnectionManager.on_closing``) is
+  not probed, and its probes under way are dropped; and a probe that nobody could carry (no connection to
+  the member, no other member connected to ask) ends without suspicion, to be tried again when a
+  connection appears (``Membership.recheck``).
+* A starved event loop (a saturated machine) must not read as silent members: the timer loop measures how
+  late it wakes and gives that time back to the probes and suspicions under way, and Lifeguard's local
+  health score stretches the timeouts while it runs late (``Membership.note_lag``).
 * A peer joins the table once an outbound stream to it has negotiated the protocol (so a peer that does
   not speak SWIM is never probed and declared dead): the first one is this node's seed (``join``: its
   table is pulled page by page), later ones are held alive (``preload``) and probed.
@@ -39,7 +46,13 @@ Hostile peers: every read has a deadline (an idle inbound stream is closed after
 sender reopens one when it next has something to say), every write too; a peer that sends anything the
 codec refuses (:class:`p2p.wire.ProtocolError`) has its stream reset and its new streams refused for
 ``GARBAGE_BAN_S``, as the other protocols close a stream on garbage; the daemon goes on. The registry of
-peer names is bounded (``max_members``): claims about peers beyond it are skipped by the codec.
+peer names is bounded (``max_members``): claims about peers beyond it are skipped by the codec; the names
+of members the core forgot (dead for ``dead_retention_s``, or never admitted) are given back
+(:meth:`SwimService.reclaim`), and past 7/8 of the bound the members dead longest are forgotten early, so
+that churn never fills it.
+
+What it did is in ``status["swim"]`` (:meth:`SwimService.status`); ``last_heard`` gives the status's
+``last_seen`` of each member, SWIM's last evidence that it lives.
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ import dataclasses
 import logging
 import math
 import random
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -59,12 +73,14 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from node.status_schema import SwimStatus
 from node.swarm.crdt import MemberState
 from node.swarm.membership import (
     ALIVE,
     DEAD,
     STATE_NAMES,
     SUSPECT,
+    UNKNOWN,
     Membership,
     MembershipConfig,
     Registry,
@@ -81,13 +97,19 @@ WRITE_TIMEOUT_S = 5.0  # one frame written
 IDLE_TIMEOUT_S = 60.0  # an inbound stream with nothing for this long is closed (its sender reopens one)
 REOPEN_S = 5.0  # the least time between two outbound streams opened to the same peer
 GARBAGE_BAN_S = 60.0  # a peer that sent garbage: its new streams are refused this long
+CLOSED_HERE_S = 10.0  # a connection this node closed and saw drop within this long: not news of the member
 CONNECTIONS_POLL_S = 0.5  # how often the connected set is read (a new or a dropped connection)
+LAG_ALLOWANCE_S = 0.05  # a timer loop this late is on time (scheduling noise, a message being handled)
 OUTBOX = 32  # messages waiting for one peer's stream; more are dropped
 MAX_INBOUND = 128  # inbound streams served at once (one per peer; a peer's newer one replaces its older)
-MAX_MEMBERS = 4096  # peer names this node interns (its member table, dead ones included)
+MAX_MEMBERS = 4096  # peer names this node interns (its member table, dead ones included; see reclaim)
+RECLAIM_AT = 7 / 8  # of MAX_MEMBERS names held: the members dead longest are forgotten early
 SIG_CACHE = 16384  # cached claim signatures (own and others')
 VERIFIED_CACHE = 16384  # cached verified claims
 ED25519_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])  # identity multihash of a protobuf ed25519 key
+
+#: Why a message was not sent (the service's counters of the same names).
+DROP_REASONS = ("not_connected", "no_stream", "outbox_full", "too_large")
 
 _STATES = {ALIVE: MemberState.ALIVE, SUSPECT: MemberState.SUSPECT, DEAD: MemberState.GONE}
 
@@ -100,6 +122,20 @@ def _claim_key(claim: Claim) -> tuple[Any, ...]:
     if isinstance(claim, Suspect | Dead):
         return (2 if isinstance(claim, Suspect) else 3, claim.member, claim.incarnation, claim.accuser)
     return (4, claim.member, claim.version, claim.outer_step, claim.loss, claim.samples_per_s)
+
+
+def timing(period_s: float, ack_timeout_s: float, suspicion_mult: int) -> MembershipConfig:
+    """The core's configuration from the daemon's options (``node.swim_period_s``, ``node.swim_ack_timeout_s``,
+    ``node.swim_suspicion_mult``); the rest stays at the core's defaults. The final probe deadline is 4 x the
+    ack timeout, as the defaults' 0.5 s and 2 s: an indirect probe's round trip has twice the hops of a
+    direct one, and each may wait behind a busy event loop."""
+    return MembershipConfig(period_s=period_s, ack_timeout_s=ack_timeout_s, probe_timeout_s=4 * ack_timeout_s,
+                            suspicion_mult=suspicion_mult)
+
+
+def _claim_ids(key: tuple[Any, ...]) -> tuple[int, ...]:
+    """The member ids a :func:`_claim_key` names: the member, and the accuser of a suspect or dead claim."""
+    return (key[1], key[3]) if key[0] in (2, 3) else (key[1],)
 
 
 class SwimService:
@@ -119,14 +155,22 @@ class SwimService:
         self._ids: dict[bytes, int] = {}  # peer ID bytes -> id
         self._by_name: dict[str, int] = {}  # base58 -> id
         self._peers: list[ID] = []  # id -> peer ID
+        self._heard: dict[int, float] = {}  # member id -> trio time of the last evidence it lives (last_heard)
+        self._reaped: set[int] = set()  # members the core forgot since the last reclaim
         me = self._intern(self._me)
         assert me is not None
         self.core = Membership(me, trio.current_time() if _in_trio() else 0.0, rng or random.Random(),
                                config, on_change=self._changed, registry=self.registry)
         self.core.can_probe = self._can_probe
+        self.core.on_probe_failed = self._probe_failed
+        self.lag_s = 0.0  # how late the timer loop last woke (this node's own event loop, starved or busy)
+        self.max_lag_s = 0.0
+        self._disconnected_at: dict[int, float] = {}
+        self._closing: dict[ID, float] = {}  # peers whose connection this node is closing itself, and since when
         self._connected: set[ID] = set()
         self._connected_ids: set[int] = set()
         self._speaks: set[ID] = set()  # peers whose outbound stream negotiated the protocol
+        self._ready: set[ID] = set()  # connected peers whose two streams were both up once (see _can_probe)
         self._joined = False
         self._outboxes: dict[ID, trio.MemorySendChannel[bytes]] = {}
         self._opened_at: dict[ID, float] = {}
@@ -136,6 +180,7 @@ class SwimService:
         self._verified: OrderedDict[tuple[bytes, bytes, bytes], None] = OrderedDict()
         self._keys: dict[bytes, Ed25519PublicKey] = {}
         self._kick = trio.Event()
+        self._kicked_at = math.inf
         self._nursery: trio.Nursery | None = None
 
     # ---- views ------------------------------------------------------------------------------------
@@ -147,6 +192,44 @@ class SwimService:
         if pid == self.core.me:
             return MemberState.ALIVE
         return _STATES.get(self.core.state_of(pid), MemberState.GONE)
+
+    def status(self) -> SwimStatus:
+        """``status["swim"]``: what the service and its core did since start (node/status_schema.py)."""
+        core, mine = self.core.counters, self.counters
+        dropped = {reason: mine[reason] for reason in DROP_REASONS}
+        held = Counter(STATE_NAMES[self.core.state_of(pid)] for pid in self._ids.values())
+        return {
+            "probes": core["probes"],
+            "indirect_probes": core["indirect_probes"],
+            "acks": core["acks"],
+            "suspects_raised": core["suspected"],
+            "no_evidence": core["no_evidence"],
+            "refutations": core["refuted"],
+            "declared_dead": core["declared_dead"],
+            "messages_sent": mine["sent"],
+            "messages_received": mine["received"],
+            "messages_dropped": sum(dropped.values()),
+            "dropped": dropped,
+            "bytes_sent": mine["bytes_sent"],
+            "bytes_received": mine["bytes_received"],
+            "members": {name: held.get(name, 0) for name in ("alive", "suspect", "dead")},
+            "names": len(self._ids),
+            "local_health": self.core.local_health,
+            "loop_lag_max_s": round(self.max_lag_s, 3),
+        }
+
+    def last_heard(self, peer_id: str) -> float | None:
+        """When (wall time) this node last had SWIM's evidence that ``peer_id`` lives: a message from it, an
+        ack to a probe of it (direct or through a helper), its introduction, or news that made it alive here
+        (a join, a refutation). None if none since this node started. Why not the record's age: in swim mode a
+        record is re-signed only when it changes, so its age says nothing of the member's liveness."""
+        pid = self._by_name.get(peer_id)
+        if pid is None:
+            return None
+        if pid == self.core.me:
+            return time.time()
+        heard = self._heard.get(pid)
+        return None if heard is None else time.time() - (trio.current_time() - heard)
 
     def state_name(self, peer_id: str) -> str:
         """The core's own word for a member (alive, suspect, dead, unknown)."""
@@ -164,8 +247,45 @@ class SwimService:
             name = peer.to_base58()
             pid = self.registry.intern(name)
             self._ids[raw], self._by_name[name] = pid, pid
-            self._peers.append(peer)
+            if pid < len(self._peers):
+                self._peers[pid] = peer  # an id given back by reclaim
+            else:
+                self._peers.append(peer)
         return pid
+
+    def reclaim(self, now: float) -> int:
+        """Give back the names of peers the core no longer holds (dead and reaped after ``dead_retention_s``,
+        or never admitted), so that a long-running swarm with churn does not fill the registry: memberlist
+        forgets dead nodes after a reclaim time too. Beyond ``RECLAIM_AT`` of ``max_members`` names, the
+        members dead longest are reaped early to make room. A connected peer keeps its name. Run from the
+        timer loop, never while a message is being decoded (its claims' ids must stay what they were).
+        Returns how many names were given back."""
+        if len(self._ids) >= RECLAIM_AT * self.max_members:
+            for _ in range(len(self._ids) - self._forgettable() - int(RECLAIM_AT * self.max_members) + 1):
+                if not self.core.forget_oldest_dead(now):
+                    break
+        elif not self._reaped:
+            return 0
+        self._reaped.clear()
+        freed: set[int] = set()
+        for raw, pid in list(self._ids.items()):
+            peer = self._peers[pid]
+            if peer in self._connected or peer in self._inbound or peer in self._outboxes or not self.core.forget(pid):
+                continue  # a peer we hold a connection or a stream with keeps its name
+            del self._ids[raw]
+            del self._by_name[peer.to_base58()]
+            self.registry.release(pid)
+            self._disconnected_at.pop(pid, None)
+            self._heard.pop(pid, None)
+            freed.add(pid)
+        if freed:
+            # Cached signatures name members by id: none may be attached to the claims of the id's next owner.
+            self._sigs = OrderedDict((k, sig) for k, sig in self._sigs.items() if not freed.intersection(_claim_ids(k)))
+            self.counters["names_reclaimed"] += len(freed)
+        return len(freed)
+
+    def _forgettable(self) -> int:
+        return sum(1 for pid in self._ids.values() if self.core.state_of(pid) == UNKNOWN and pid != self.core.me)
 
     def _id_of(self, raw: bytes) -> int | None:
         pid = self._ids.get(raw)
@@ -248,13 +368,50 @@ class SwimService:
 
     # ---- the core's hooks ---------------------------------------------------------------------------
 
+    def closing(self, peer: ID) -> None:
+        """This node is closing its connection to ``peer`` itself (the connection manager's cap): when it
+        drops, that is not news of the member, and it is not probed for it."""
+        if len(self._closing) >= self.max_members:
+            now = trio.current_time()
+            self._closing = {p: t for p, t in self._closing.items() if t > now - CLOSED_HERE_S}
+        self._closing[peer] = trio.current_time()
+        pid = self._ids.get(peer.to_bytes())
+        if pid is not None:
+            self.core.abandon(pid)  # a probe under way may lose its ping or its ack to the close
+
     def _can_probe(self, pid: int) -> bool:
-        return pid in self._connected_ids
+        """Whether this node may send to ``pid`` as a probe target, a helper or a push-pull partner: it is
+        connected, and both one-way streams are up: ours to it (the ping's path) and its own to us (the
+        ack's). Why both: while a new connection's streams are still being negotiated (seconds on a busy
+        machine, as at a join where every node opens streams to several new peers at once), a ping or its
+        ack waits in an outbox, and a member probed then turned suspect although alive (see _check_ready)."""
+        return pid in self._connected_ids and self._peers[pid] in self._ready
+
+    def _check_ready(self, peer: ID) -> None:
+        """Both streams with ``peer`` are up: it may be probed from now on, while its connection lasts (a
+        stream that ends later does not take it out: a member that died with its connection still listed
+        here must go on being probed, which is what finds it dead)."""
+        if peer in self._speaks and peer in self._inbound:
+            self._ready.add(peer)
+
+    def _probe_failed(self, pid: int, direct: bool, helpers: int, now: float) -> None:
+        dropped = self._disconnected_at.get(pid)
+        log.info("no ack from %s: direct ping %s, %d helpers asked; %s; this node's loop %.2f s late (max %.2f)",
+                 self._peers[pid] if pid < len(self._peers) else pid, "sent" if direct else "impossible", helpers,
+                 f"its connection dropped {now - dropped:.1f} s ago" if dropped is not None else "connected",
+                 self.lag_s, self.max_lag_s)
 
     def _changed(self, pid: int, old: int, new: int, now: float) -> None:
         if pid < len(self._peers):
             log.debug("member %s: %s -> %s", self._peers[pid], STATE_NAMES[old], STATE_NAMES[new])
         self.counters[f"became_{STATE_NAMES[new]}"] += 1
+        if new == UNKNOWN:
+            self._reaped.add(pid)  # its name is given back at the next reclaim
+        elif new == ALIVE:
+            self._heard[pid] = now  # news that it lives: a join, a refutation
+        if new == SUSPECT and pid < len(self._peers):
+            log.info("member %s suspect (was %s); this node's loop %.2f s late (max %.2f)", self._peers[pid],
+                     STATE_NAMES[old], self.lag_s, self.max_lag_s)
 
     # ---- running ------------------------------------------------------------------------------------
 
@@ -274,15 +431,29 @@ class SwimService:
             for scope in list(self._inbound.values()):
                 scope.cancel()
 
+    def _wake(self) -> None:
+        """Run the core's timers now (news arrived, a peer joined or left)."""
+        self._kicked_at = min(self._kicked_at, trio.current_time())
+        self._kick.set()
+
     async def _timers(self) -> None:
         while True:
             wake = self.core.next_wakeup()
             now = trio.current_time()
             # At least 10 ms between ticks: a timer the core left in the past must not spin the event loop.
-            with trio.move_on_at(max(min(wake, now + 1.0), now + 0.01)):
+            at = max(min(wake, now + 1.0), now + 0.01)
+            with trio.move_on_at(at):
                 await self._kick.wait()
+            # How late this loop runs: from when it was due (its timer, or the first kick since it last ran)
+            # to now. Time this node could not listen is not a member's silence (Membership.note_lag).
+            woke = trio.current_time()
+            self.lag_s = max(0.0, woke - min(at, self._kicked_at))
+            self.max_lag_s = max(self.max_lag_s, self.lag_s)
+            self._kicked_at = math.inf
             self._kick = trio.Event()
-            self._dispatch(self.core.tick(trio.current_time()))
+            self.core.note_lag(self.lag_s - LAG_ALLOWANCE_S, woke)
+            self._dispatch(self.core.tick(woke))
+            self.reclaim(woke)
 
     async def _watch_connections(self) -> None:
         """py-libp2p tells no one of a closed connection: the connected set is read twice a second."""
@@ -291,21 +462,35 @@ class SwimService:
             gone = self._connected - now_connected
             new = now_connected - self._connected
             self._connected = now_connected
+            self._ready &= now_connected
             self._connected_ids = {pid for pid in (self._ids.get(p.to_bytes()) for p in now_connected)
                                    if pid is not None}
             now = trio.current_time()
             for peer in new:
                 self._open(peer, now)
+            for pid in self._connected_ids:  # a member whose stream of ours ended: a new one (at most every REOPEN_S)
+                if self._peers[pid] not in self._outboxes and pid != self.core.me:
+                    self._open(self._peers[pid], now)
+            if new:
+                self._dispatch(self.core.recheck(now))  # perhaps a member to ask now
             for peer in gone:
                 self._speaks.discard(peer)
+                self._ready.discard(peer)
                 outbox = self._outboxes.pop(peer, None)
                 if outbox is not None:
                     outbox.close()
                 pid = self._ids.get(peer.to_bytes())
-                if pid is not None:
+                if self._closing.pop(peer, -math.inf) > now - CLOSED_HERE_S:
+                    # This node closed it (its connection manager, for the cap): no news of the member, and a
+                    # probe of it under way may have lost its ping or its ack to the close.
+                    self.counters["closed_here"] += 1
+                    if pid is not None:
+                        self.core.abandon(pid)
+                elif pid is not None:
                     self.counters["disconnect_probes"] += 1
+                    self._disconnected_at[pid] = now
                     self._dispatch(self.core.probe(pid, now))
-                    self._kick.set()
+                    self._wake()
             await trio.sleep(CONNECTIONS_POLL_S)
 
     def _open(self, peer: ID, now: float) -> trio.MemorySendChannel[bytes] | None:
@@ -336,6 +521,7 @@ class SwimService:
             if stream is None:
                 return
             self._speaks.add(peer)
+            self._check_ready(peer)
             self._introduce(peer)
             channel = PlainFrameChannel(LibP2PByteStream(stream), max_frame_size=swim.MAX_MESSAGE_BYTES)
             async with recv:
@@ -343,6 +529,7 @@ class SwimService:
                     with trio.fail_after(WRITE_TIMEOUT_S):
                         await channel.send(frame)
                     self.counters["sent"] += 1
+                    self.counters["bytes_sent"] += len(frame)
         except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self.counters["write_failed"] += 1
             log.debug("swim stream to %s ended: %r", peer, exc)
@@ -363,12 +550,13 @@ class SwimService:
             return
         self._connected_ids.add(pid)
         now = trio.current_time()
+        self._heard[pid] = now  # it negotiated our protocol just now
         if not self._joined:
             self._joined = True
             self._dispatch(self.core.join(pid, now))
         elif self.core.state_of(pid) not in (ALIVE, SUSPECT, DEAD):
             self.core.preload([pid], now)
-        self._kick.set()
+        self._wake()
 
     def _dispatch(self, sends: list[tuple[int, Message]]) -> None:
         now = trio.current_time()
@@ -416,6 +604,7 @@ class SwimService:
         channel = PlainFrameChannel(LibP2PByteStream(stream), max_frame_size=swim.MAX_MESSAGE_BYTES)
         with trio.CancelScope() as scope:
             self._inbound[peer] = scope
+            self._check_ready(peer)
             try:
                 while True:
                     data = b""
@@ -423,11 +612,20 @@ class SwimService:
                         data = await channel.recv()
                     if not data:
                         break  # idle, or closed by the peer
+                    self.counters["bytes_received"] += len(data)
+                    pid = self._intern(peer)  # (the same id as long as this stream lives: see reclaim)
+                    if pid is None:
+                        break
                     message = swim.decode(data, pid, self._id_of, self._verify)
                     self.counters["received"] += 1
                     self._remember_claims(message)
-                    self._dispatch(self.core.receive(trio.current_time(), message))
-                    self._kick.set()
+                    now = trio.current_time()
+                    self._heard[pid] = now
+                    target = self.core.probe_target(message.seq) if isinstance(message, Ack) else None
+                    self._dispatch(self.core.receive(now, message))
+                    if target is not None and self.core.probe_target(message.seq) is None:
+                        self._heard[target] = now  # the ack of our probe of it (direct, or a helper's)
+                    self._wake()
             except ProtocolError as exc:
                 if exc.reason not in (Reason.CLOSED, Reason.TRUNCATED, Reason.BROKEN):
                     garbage = True
