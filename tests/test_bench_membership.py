@@ -13,8 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.long
 def test_the_membership_bench_counts_gossip_and_frames_of_real_daemons() -> None:
+    """In gossip membership (heartbeats on gossipsub; swim, the default, sends almost nothing there), so that
+    the peer-record patch of p2p/gossip.py is what is counted."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "membership.py"), "--nodes", "3", "--settle", "5", "--seconds", "5"],
+        [sys.executable, str(ROOT / "bench" / "membership.py"), "--nodes", "3", "--settle", "5", "--seconds", "5",
+         "--set", "node.membership=gossip"],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-2000:]

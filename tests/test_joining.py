@@ -194,7 +194,9 @@ async def test_a_dht_lookup_that_misses_its_deadline_still_hands_over_the_member
 async def test_suspect_members_addresses_are_given_to_the_connection_manager(tmp_path: Path) -> None:
     """A suspect member is the one a connection helps most; before, only alive members were handed over,
     so on a loaded machine where most members looked suspect nobody dialed anyone."""
-    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    # gossip membership: liveness from the records' age (in swim mode SWIM's probes decide it)
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": "gossip"},
+                      environ={})
     daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=False)
     now = time.time()
     keys = [create_new_key_pair() for _ in range(2)]

@@ -58,8 +58,9 @@ class NodeConfig:
                                      "(swim mode: swim_ack_timeout_s and swim_suspicion_mult decide)")
     gone_after: float = opt(60.0, "gossip mode: a member silent this long is shown as gone (its history is kept; "
                                   "swim mode: a suspect that does not refute in time is gone)")
-    membership: str = opt("gossip", "how members' liveness is judged: gossip (signed heartbeats every heartbeat_s) "
-                                    "| swim (SWIM probes; records re-signed only on change)")
+    membership: str = opt("swim", "how members' liveness is judged: swim (SWIM probes of connected members; records "
+                                  "re-signed only on change; per-node cost flat in N) | gossip (signed heartbeats every "
+                                  "heartbeat_s, heard by every node; every node of a swarm must use the same)")
     swim_period_s: float = opt(1.0, "swim mode: seconds between two probes of a member by this node")
     swim_ack_timeout_s: float = opt(0.5, "swim mode: a direct probe unanswered this long asks helpers to probe too; "
                                          "unanswered 4x this long, the member is suspect")
