@@ -249,11 +249,14 @@ class ConnManager:
             return
         full_groups = self._prune_crowded(connected, nursery)
         # Bootstrap peers are dialed first, and when the target is met only now and then (see the module docstring).
+        # With the target met, only those are looked at: parsing every candidate's addresses twice a second
+        # was idle work that grew with the swarm (every member is a candidate; issue #24).
         want = self.target - len(connected) - len(self._dialing)
         due = [
             c
             for c in self.candidates.values()
-            if c.peer_id not in connected and c.peer_id not in self._dialing and c.next_attempt <= now and c.addrs
+            if (want > 0 or (c.permanent and now - c.last_dialed >= BOOTSTRAP_REFRESH_S))
+            and c.peer_id not in connected and c.peer_id not in self._dialing and c.next_attempt <= now and c.addrs
             and (c.permanent or addr_group(c.addrs) not in full_groups)
         ]
         random.shuffle(due)

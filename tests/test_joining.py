@@ -288,6 +288,38 @@ async def test_a_member_with_its_target_does_not_keep_coming_back_to_the_bootstr
     assert dials == [boot, boot]
 
 
+async def test_a_node_with_its_target_does_not_look_at_every_members_addresses_each_tick(monkeypatch: Any) -> None:
+    """Issue #24: every member is a candidate, and each tick (twice a second) parsed every unconnected
+    candidate's addresses to find its network group, though a node with its target dials none of them:
+    idle work that grew with the swarm. Below the target they are looked at (and dialled) as before."""
+    from p2p import connmgr as connmgr_module
+
+    parsed: list[int] = []
+    real_group = connmgr_module.addr_group
+
+    def counting(addrs: Any) -> str | None:
+        parsed.append(1)
+        return real_group(addrs)
+
+    monkeypatch.setattr(connmgr_module, "addr_group", counting)
+    host = FakeHost(peers={peer(1): "198.51.1.7", peer(2): "198.51.2.7"})  # the target (2) met
+    dials: list[ID] = []
+
+    async def dial(info: PeerInfo) -> None:
+        dials.append(info.peer_id)
+
+    mgr = ConnManager(host, target=2, cap=4, dial=dial, ip_of=lambda p: host.peers.get(p))
+    mgr.add_candidates([PeerInfo(peer(i), ADDR) for i in range(3, 60)], source="state")
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            mgr._tick(nursery)
+        assert parsed == [] and dials == []
+        host.peers.pop(peer(2))  # below the target: candidates are looked at and one is dialled
+        mgr._tick(nursery)
+        await trio.sleep(0.01)
+    assert parsed and len(dials) == 1
+
+
 async def test_a_node_with_no_connection_retries_its_bootstrap_peer_within_seconds() -> None:
     """A stranded newcomer (it knows only the bootstrap node, which refused it) backed off to a minute; a
     refusal costs the full node a TCP accept and close. The same error is logged at WARNING once."""
