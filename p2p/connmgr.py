@@ -135,6 +135,9 @@ class ConnManager:
     _known_connected: set[ID] = field(default_factory=set)
     #: When each connected peer's connection was first seen (any direction, candidate or not).
     _since: dict[ID, float] = field(default_factory=dict)
+    #: Each connected peer's network group, read once per connection: reading every connection's address
+    #: on every tick (twice a second) was most of an idle manager's CPU.
+    _groups: dict[ID, str] = field(default_factory=dict)
 
     # --- inputs ------------------------------------------------------------------------------------------
 
@@ -169,8 +172,15 @@ class ConnManager:
         return True
 
     def _group(self, peer_id: ID) -> str:
-        ip = (self.ip_of or (lambda p: peer_ip(self.host, p)))(peer_id)
-        return group_of(ip)
+        """A connected peer's network group, read from its connection once (see ``_groups``); a connection
+        whose address cannot be read yet is read again next time."""
+        group = self._groups.get(peer_id)
+        if group is None:
+            ip = (self.ip_of or (lambda p: peer_ip(self.host, p)))(peer_id)
+            group = group_of(ip)
+            if ip is not None:
+                self._groups[peer_id] = group
+        return group
 
     # --- views -------------------------------------------------------------------------------------------
 
@@ -233,6 +243,7 @@ class ConnManager:
                 self.on_connected(peer_id)
         for peer_id in self._known_connected - connected:
             opened = self._since.pop(peer_id, now)
+            self._groups.pop(peer_id, None)
             cand = self.candidates.get(peer_id)
             if cand is not None:
                 cand.connected_since = None

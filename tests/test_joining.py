@@ -406,3 +406,26 @@ async def test_the_dht_dials_no_new_connection_once_the_node_has_its_target() ->
     await disc.dht.provider_store.host.new_stream(peer(1), ["/ipfs/kad/1.0.0"])  # connected: fine
     assert opened == [peer(7)] * 4 + [peer(1)]
     assert disc.status()["dials_withheld"] == 4
+
+
+async def test_a_connections_network_group_is_read_once_not_on_every_tick() -> None:
+    """Reading every connection's address twice a second was most of an idle connection manager's CPU
+    (bench/scale.py --profile, issue #24). A connection that closes and comes back is read again."""
+    reads: list[ID] = []
+    host = FakeHost(peers={peer(i): f"198.51.{i}.7" for i in range(1, 5)})
+
+    def ip_of(p: ID) -> str | None:
+        reads.append(p)
+        return host.peers.get(p)
+
+    mgr = ConnManager(host, target=4, cap=8, ip_of=ip_of)
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            mgr._tick(nursery)
+        assert sorted(map(str, reads)) == sorted(str(peer(i)) for i in range(1, 5))
+        host.peers.pop(peer(1))
+        mgr._tick(nursery)
+        host.peers[peer(1)] = "203.0.113.7"  # back, from elsewhere
+        mgr._tick(nursery)
+        mgr._tick(nursery)
+    assert reads.count(peer(1)) == 2
