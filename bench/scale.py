@@ -44,6 +44,7 @@ import platform
 import pstats
 import random
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -52,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from membership import LoopbackSwarm  # noqa: E402  (bench/membership.py, beside this script)
+import membership  # noqa: E402  (bench/membership.py, beside this script)
+from membership import LoopbackSwarm  # noqa: E402
 
 from starling_testing.report import publish  # noqa: E402
 
@@ -70,11 +72,22 @@ COMPONENTS = [
     ("heartbeat: re-sign own record", ("node/swarm/replicator.py", "_heartbeat_loop")),
     ("anti-entropy sessions", ("node/swarm/replicator.py", "_session")),
     ("anti-entropy loop (probes, rounds)", ("node/swarm/replicator.py", "_anti_entropy_loop")),
-    ("DHT (discovery, kad handlers)", ("p2p/discovery.py", "run")),
-    ("DHT (kad handlers)", ("libp2p/kad_dht/", "")),
+    ("DHT: our lookups and announcements", ("p2p/discovery.py", "run")),
+    ("DHT: our GET_PROVIDERS queries", ("p2p/discovery.py", "ask")),
+    ("DHT: closest-peer walks", ("libp2p/kad_dht/peer_routing.py", "_query_single_peer_for_closest")),
+    ("DHT: ADD_PROVIDER sent", ("libp2p/kad_dht/provider_store.py", "send_one")),
+    ("DHT: answering others' queries", ("libp2p/kad_dht/kad_dht.py", "handle_stream")),
+    ("DHT (other kad code)", ("libp2p/kad_dht/", "")),
+    ("SWIM: receive and handle", ("node/swarm/swim_service.py", "_handle_stream")),
+    ("SWIM: write", ("node/swarm/swim_service.py", "_writer")),
+    ("SWIM: timers (probes)", ("node/swarm/swim_service.py", "_timers")),
+    ("SWIM: watch connections", ("node/swarm/swim_service.py", "_watch_connections")),
     ("connection manager", ("p2p/connmgr.py", "run")),
     ("NAT service", ("node/swarm/nat.py", "run")),
+    ("NAT: pings of connected peers", ("node/swarm/nat.py", "_ping_loop")),
+    ("DCUtR auto-drive loop", ("libp2p/relay/circuit_v2/dcutr.py", "_auto_drive_loop")),
     ("learn member addresses", ("node/daemon.py", "_learn_member_addrs")),
+    ("loss history (every member, every second)", ("node/daemon.py", "_keep_history")),
     ("ping, identify", ("libp2p/host/ping.py", "")),
     ("yamux (muxer)", ("libp2p/stream_muxer/yamux/yamux.py", "handle_incoming")),
     ("save state", ("node/swarm/replicator.py", "_save_loop")),
@@ -108,6 +121,25 @@ def machine_busy() -> tuple[float, float]:
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = values[3] + values[4]  # idle + iowait
     return sum(values) - idle, sum(values)
+
+
+def listen_port() -> int:
+    """A free port below the kernel's ephemeral range. Ports are chosen when a daemon's address is made,
+    before it starts: from the ephemeral range (the OS's free port), the outbound connections of 60
+    daemons already running took one before its daemon listened ("port already in use") in two runs of 64."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(1000):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return membership.free_port()
 
 
 def peer_id(addr: str) -> str:
@@ -163,6 +195,7 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Start N daemons, measure join, the settled window and churn; stop them."""
     # At most half of the daemons, so that some are left for the CPU figures.
     profiled = sorted({0, 1, n // 2, n - 1})[: max(1, n // 2)] if args.profile else []
+    membership.free_port = listen_port  # type: ignore[attr-defined]
     swarm = LoopbackSwarm(root, f"scale{n}{args.join}", args.set)
     rng = random.Random(n)
     out: dict[str, Any] = {"n": n, "join_mode": args.join, "few": args.few, "cores": os.cpu_count(),

@@ -138,6 +138,9 @@ class ConnManager:
     _known_connected: set[ID] = field(default_factory=set)
     #: When each connected peer's connection was first seen (any direction, candidate or not).
     _since: dict[ID, float] = field(default_factory=dict)
+    #: Each connected peer's network group, read once per connection: reading every connection's address
+    #: on every tick (twice a second) was most of an idle manager's CPU.
+    _groups: dict[ID, str] = field(default_factory=dict)
 
     # --- inputs ------------------------------------------------------------------------------------------
 
@@ -172,8 +175,15 @@ class ConnManager:
         return True
 
     def _group(self, peer_id: ID) -> str:
-        ip = (self.ip_of or (lambda p: peer_ip(self.host, p)))(peer_id)
-        return group_of(ip)
+        """A connected peer's network group, read from its connection once (see ``_groups``); a connection
+        whose address cannot be read yet is read again next time."""
+        group = self._groups.get(peer_id)
+        if group is None:
+            ip = (self.ip_of or (lambda p: peer_ip(self.host, p)))(peer_id)
+            group = group_of(ip)
+            if ip is not None:
+                self._groups[peer_id] = group
+        return group
 
     # --- views -------------------------------------------------------------------------------------------
 
@@ -236,6 +246,7 @@ class ConnManager:
                 self.on_connected(peer_id)
         for peer_id in self._known_connected - connected:
             opened = self._since.pop(peer_id, now)
+            self._groups.pop(peer_id, None)
             cand = self.candidates.get(peer_id)
             if cand is not None:
                 cand.connected_since = None
@@ -252,11 +263,14 @@ class ConnManager:
             return
         full_groups = self._prune_crowded(connected, nursery)
         # Bootstrap peers are dialed first, and when the target is met only now and then (see the module docstring).
+        # With the target met, only those are looked at: parsing every candidate's addresses twice a second
+        # was idle work that grew with the swarm (every member is a candidate; issue #24).
         want = self.target - len(connected) - len(self._dialing)
         due = [
             c
             for c in self.candidates.values()
-            if c.peer_id not in connected and c.peer_id not in self._dialing and c.next_attempt <= now and c.addrs
+            if (want > 0 or (c.permanent and now - c.last_dialed >= BOOTSTRAP_REFRESH_S))
+            and c.peer_id not in connected and c.peer_id not in self._dialing and c.next_attempt <= now and c.addrs
             and (c.permanent or addr_group(c.addrs) not in full_groups)
         ]
         random.shuffle(due)

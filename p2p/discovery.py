@@ -2,11 +2,32 @@
 
 Every member of swarm S advertises itself as a *provider* of one key derived from S, and looks up the
 other providers of that key. So a peer that knows only a bootstrap node ends up knowing every member:
-the bootstrap node merely seeds its routing table. Provider records are re-announced periodically (the
-DHT forgets them), and lookups run fast at start-up, then settle to `interval`, and back off from there
-(doubling, up to MAX_BACKOFF x `interval`) while they find no member not found before: on a settled
-swarm a lookup every 10 s was 13% of a quiet daemon's traffic (GET_PROVIDERS to every member, answered
-with every member's addresses), for nothing new. A new connection wakes the loop and starts over.
+the bootstrap node merely seeds its routing table. Lookups run fast at start-up, then settle to
+`interval`, and back off from there (doubling, up to MAX_BACKOFF x `interval`) while they find no member
+not found before: on a settled swarm a lookup every 10 s was 13% of a quiet daemon's traffic
+(GET_PROVIDERS to every member, answered with every member's addresses), for nothing new. A new
+connection wakes the loop and starts over while the node is below its target of connections.
+
+Once the node has its target of connections the DHT is no longer how it meets members (their signed
+records, with their addresses, come in state sessions and SWIM, and py-libp2p keeps only 20 providers
+per key anyway), so lookups back off further, up to SETTLED_MAX_S. Measured with 16 idle daemons in
+`node.membership = swim` (issue #24, bench/scale.py --profile): the DHT was 1.7 of the 1.9 MB each daemon
+sent per minute, and with the muxer and Noise work those bytes cost, most of an idle daemon's CPU; and
+what each lookup costs grows with N (more providers and closer peers per answer, each with a signed peer
+record that the asker verifies, and more peers asked). Three things made it so and are changed here:
+
+* a lookup that ran out of LOOKUP_TIMEOUT_S counted as failed even when peers had answered it, and a
+  failed lookup never backs off: on a busy machine every lookup ran out, so every node looked up every
+  `interval` for ever. Now only a lookup that no peer answered counts as failed;
+* each lookup first walked the network for the peers closest to the key (an iterative FIND_NODE of its
+  own, every answer 20 signed peer records) before asking up to MAX_PROVIDER_QUERIES of them for
+  providers. GET_PROVIDERS answers carry closer peers themselves, so the lookup now starts from the
+  routing table's closest peers and follows those answers, and it stops once a round of answers brings
+  no provider not already found;
+* provider records were re-announced every 60 s (a FIND_NODE walk and an ADD_PROVIDER to each of the 20
+  closest peers) although their holders keep them for 48 hours: now every REPROVIDE_S, and during the
+  fast start-up rounds only when the routing table has grown since the last announcement (before, at
+  every one of them: ten announcements in a node's first 20 s).
 
 py-libp2p's DHT ignores `protocol_prefix` (pitfall 5), so two different swarms share one DHT; the key is
 namespaced by the swarm name, and only peers that advertise that key become candidates.
@@ -24,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import trio
@@ -42,10 +64,15 @@ log = logging.getLogger("starling.discovery")
 LOOKUP_TIMEOUT_S = 10.0
 FAST_INTERVAL_S = 2.0
 FAST_ROUNDS = 10
-REPROVIDE_S = 60.0
+#: Seconds between two announcements of this node as a provider once started (the records' holders keep
+#: them for 48 hours; see the module docstring).
+REPROVIDE_S = 600.0
 QUERY_TIMEOUT_S = 5.0
 MAX_PROVIDER_QUERIES = 20
+PROVIDER_QUERY_BATCH = 3  # peers asked for providers at once
 MAX_BACKOFF = 8  # settled lookups that find nobody new space out to 8 x `interval` (80 s by default)
+#: ... and, while the node has its target of connections, out to this (see the module docstring).
+SETTLED_MAX_S = 600.0
 #: Distinct DHT keys whose providers this node stores for others (py-libp2p bounds providers per key, at
 #: 20, but not the keys: a peer announcing random keys would grow the store without limit).
 MAX_PROVIDER_KEYS = 1024
@@ -108,25 +135,46 @@ def swarm_key(swarm: str) -> str:
 
 class LookupPacer:
     """When the next lookup runs: every FAST_INTERVAL_S for the first FAST_ROUNDS, then every `interval`,
-    doubling (up to MAX_BACKOFF x `interval`) while lookups find nobody new; a lookup that finds a new
-    member, or a wake (a new connection), brings it back to `interval`."""
+    doubling while lookups find nobody new, up to MAX_BACKOFF x `interval`, or up to SETTLED_MAX_S while
+    the node has its target of connections (``at_target``); a lookup that finds a new member, or a wake
+    (a new connection while below the target), brings it back to `interval`."""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self.rounds = 0
-        self.backoff = 1
+        self.backoff = 1.0
 
-    def after_lookup(self, *, found_new: bool) -> float:
+    def after_lookup(self, *, found_new: bool, at_target: bool = False) -> float:
         """Record a lookup; the seconds to wait before the next one."""
         self.rounds += 1
         if self.rounds < FAST_ROUNDS:
             return FAST_INTERVAL_S
-        delay = self.interval * self.backoff
-        self.backoff = 1 if found_new else min(self.backoff * 2, MAX_BACKOFF)
-        return self.interval if found_new else delay
+        if found_new:
+            self.backoff = 1.0
+            return self.interval
+        longest = max(self.interval, SETTLED_MAX_S) if at_target else self.interval * MAX_BACKOFF
+        delay = min(self.interval * self.backoff, longest)
+        self.backoff = min(self.backoff * 2, longest / self.interval)
+        return delay
 
     def woken(self) -> None:
-        self.backoff = 1
+        self.backoff = 1.0
+
+
+class ProvidePacer:
+    """When this node announces itself as a provider again: every REPROVIDE_S, and during the start-up's
+    fast rounds whenever its routing table has grown since the last announcement (the first ones reach
+    only the few peers it knows; see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.last = -math.inf
+        self.table_size = 0
+
+    def due(self, now: float, table_size: int, *, starting: bool) -> bool:
+        return now - self.last >= REPROVIDE_S or (starting and table_size > self.table_size)
+
+    def done(self, now: float, table_size: int) -> None:
+        self.last, self.table_size = now, table_size
 
 
 class SwarmDiscovery:
@@ -145,25 +193,31 @@ class SwarmDiscovery:
         self.members_found: set[ID] = set()
         self.lookups = 0
         self.last_error = ""
+        self.provides = 0
         self._wake = trio.Event()
         self._in_table: set[ID] = set()
 
     def peer_connected(self, peer_id: ID) -> None:
-        """Called by the connection manager: a fresh connection is a chance to refresh our records."""
-        self._wake.set()
+        """Called by the connection manager: a fresh connection is a chance to refresh our records, while
+        the node is still short of connections (this one included, it has at most its target). A node
+        that has its target gains nothing from a lookup per newcomer that connects to it."""
+        if len(self.connmgr.connected()) <= self.connmgr.target:
+            self._wake.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self.dht):
             task_status.started()
-            last_provide = -REPROVIDE_S
             pacer = LookupPacer(self.interval)
+            provider = ProvidePacer()
             while True:
                 await self._add_connected_to_routing_table()
                 now = trio.current_time()
-                if now - last_provide >= REPROVIDE_S or pacer.rounds < FAST_ROUNDS:
+                if provider.due(now, self.dht.get_routing_table_size(), starting=pacer.rounds < FAST_ROUNDS):
                     if await self._provide():
-                        last_provide = now
-                with trio.move_on_after(pacer.after_lookup(found_new=await self._lookup())):
+                        provider.done(now, self.dht.get_routing_table_size())
+                found_new = await self._lookup()
+                with trio.move_on_after(pacer.after_lookup(found_new=found_new,
+                                                           at_target=not self.connmgr.below_target())):
                     await self._wake.wait()
                     pacer.woken()
                 self._wake = trio.Event()
@@ -187,6 +241,7 @@ class SwarmDiscovery:
             return False
         with trio.move_on_after(LOOKUP_TIMEOUT_S):
             try:
+                self.provides += 1
                 return bool(await self.dht.provide(self.key))
             except Exception as e:
                 self.last_error = f"provide: {e}"
@@ -195,7 +250,9 @@ class SwarmDiscovery:
 
     async def _lookup(self) -> bool:
         """One lookup of the swarm's providers, handed to the connection manager. True if it found a
-        member not found before (or failed: a failed lookup is no sign that the swarm has settled).
+        member this node did not know of (found before, a candidate of the connection manager, or
+        connected), or failed: no peer answered it (a failed lookup is no sign that the swarm has
+        settled; one that ran out of time after answers came is: see the module docstring).
 
         What a lookup found before its deadline is handed over even when it does not finish: on a loaded
         machine (16 daemons on 2 cores) no lookup finished within LOOKUP_TIMEOUT_S, and dropping their
@@ -204,47 +261,52 @@ class SwarmDiscovery:
         if self.dht.get_routing_table_size() == 0:
             return True
         found: dict[ID, PeerInfo] = {}
-        failed = True
+        answered: list[ID] = []
         with trio.move_on_after(LOOKUP_TIMEOUT_S):
             try:
-                await self._find_providers(found)
+                await self._find_providers(found, answered)
             except Exception as e:
                 self.last_error = f"lookup: {e}"
                 log.debug("find_providers failed: %s", e)
             else:
                 self.lookups += 1
-                failed = False
+        failed = not answered
         new = False
         fresh = [p for p in found.values() if p.peer_id != self.host.get_id() and p.addrs]
+        known = set(self.connmgr.candidates) | set(self.connmgr.connected())
         for p in fresh:
             if p.peer_id not in self.members_found:
                 log.info("discovered swarm member %s", p.peer_id)
-                new = True
+                new = new or p.peer_id not in known
             self.members_found.add(p.peer_id)
         if len(self.members_found) > MAX_REMEMBERED_PEERS:  # only a log and a status count: start over
             self.members_found = {p.peer_id for p in fresh}
         self.connmgr.add_candidates(fresh, source="dht")
         return new or failed
 
-    async def _find_providers(self, found: dict[ID, PeerInfo]) -> None:
+    async def _find_providers(self, found: dict[ID, PeerInfo], answered: list[ID]) -> None:
         """Providers of the swarm key, added to ``found`` as they come: what we hold locally plus an
-        iterative network lookup.
+        iterative network lookup; the peers that answered are added to ``answered``.
 
         py-libp2p's `find_providers` returns the local provider list whenever it is non-empty, and a node
         that provides the key always has itself in that list, so it would never ask the network again.
-        We run the lookup ourselves (closest peers, then GET_PROVIDERS on each, following closer peers),
-        through the provider store's per-peer query.
+        We run the lookup ourselves, through the provider store's per-peer query: GET_PROVIDERS to the
+        routing table's peers closest to the key, PROVIDER_QUERY_BATCH at a time, following the closer
+        peers their answers name, until a batch's answers bring no provider not already found (or
+        MAX_PROVIDER_QUERIES peers were asked). No separate closest-peer walk first: see the module
+        docstring.
         """
         store = self.dht.provider_store
         key = bytes.fromhex(self.key)
         for p in store.get_providers(key):
             found[p.peer_id] = p
-        closest = await self.dht.peer_routing.find_closest_peers_network(key)
+        closest = self.dht.routing_table.find_local_closest_peers(key, MAX_PROVIDER_QUERIES)
         queue = [p for p in closest if p != self.host.get_id()]
         queried: set[ID] = set()
         while queue and len(queried) < MAX_PROVIDER_QUERIES:
-            batch, queue = queue[:3], queue[3:]
+            batch, queue = queue[:PROVIDER_QUERY_BATCH], queue[PROVIDER_QUERY_BATCH:]
             closer: list[ID] = []
+            before = len(found)
 
             async def ask(peer_id: ID, closer: list[ID] = closer) -> None:
                 queried.add(peer_id)
@@ -254,6 +316,7 @@ class SwarmDiscovery:
                     except Exception as e:
                         log.debug("GET_PROVIDERS from %s: %s", peer_id, e)
                         return
+                    answered.append(peer_id)
                     for p in providers:
                         found.setdefault(p.peer_id, p)
                         store.add_provider(key, p)
@@ -262,6 +325,8 @@ class SwarmDiscovery:
             async with trio.open_nursery() as nursery:
                 for peer_id in batch:
                     nursery.start_soon(ask, peer_id)
+            if answered and len(found) == before:
+                return  # converged: this round of answers named no provider not already found
             for peer_id in closer:
                 if peer_id not in queried and peer_id not in queue and peer_id != self.host.get_id():
                     queue.append(peer_id)

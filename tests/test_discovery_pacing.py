@@ -1,8 +1,28 @@
-"""p2p/discovery.py's LookupPacer: DHT lookups back off on a settled swarm and come back when it changes."""
+"""p2p/discovery.py's pacing: DHT lookups and provider announcements back off on a settled swarm and come
+back when it changes."""
 
 from __future__ import annotations
 
-from p2p.discovery import FAST_INTERVAL_S, FAST_ROUNDS, MAX_BACKOFF, LookupPacer
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from p2p import discovery
+from p2p.connmgr import ConnManager
+from p2p.discovery import (
+    FAST_INTERVAL_S,
+    FAST_ROUNDS,
+    MAX_BACKOFF,
+    SETTLED_MAX_S,
+    LookupPacer,
+    SwarmDiscovery,
+)
+from starling_testing.fakes import FakeHost
 
 
 def test_lookups_are_fast_at_start_then_double_while_nothing_new_is_found_up_to_the_cap() -> None:
@@ -24,3 +44,136 @@ def test_a_new_member_or_a_new_connection_brings_lookups_back_to_the_interval() 
     assert pacer.after_lookup(found_new=False) == 20.0
     pacer.woken()
     assert pacer.after_lookup(found_new=False) == 10.0
+
+
+def test_a_node_with_its_target_of_connections_backs_off_past_the_unsettled_cap() -> None:
+    """Issue #24: once a node has its connections it meets members through state sessions and SWIM, not
+    the DHT; a lookup every 80 s from every node was most of an idle swarm's traffic."""
+    pacer = LookupPacer(10.0)
+    for _ in range(FAST_ROUNDS - 1):
+        pacer.after_lookup(found_new=False, at_target=True)
+    settled = [pacer.after_lookup(found_new=False, at_target=True) for _ in range(9)]
+    assert settled == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, SETTLED_MAX_S, SETTLED_MAX_S, SETTLED_MAX_S]
+    assert pacer.after_lookup(found_new=False, at_target=False) == 10.0 * MAX_BACKOFF  # short of peers again
+    assert pacer.after_lookup(found_new=True, at_target=True) == 10.0
+
+
+# --- SwarmDiscovery.run on a settled swarm, with a fake DHT and virtual time -----------------------------------
+
+
+def peer(i: int) -> ID:
+    return ID(f"peer{i}".encode())
+
+
+ADDR = [multiaddr.Multiaddr("/ip4/198.51.100.7/tcp/4001")]
+
+
+class SettledDHT:
+    """A DHT in a settled swarm of ``n`` members: every peer asked answers with the same providers (every
+    member) after ``answer_s`` seconds, naming the others as closer peers. Counts what it is asked."""
+
+    def __init__(self, n: int, answer_s: float = 0.5) -> None:
+        self.members = [PeerInfo(peer(i), ADDR) for i in range(n)]
+        self.answer_s = answer_s
+        self.provider_store = self.peer_routing = self.routing_table = self
+        self.get_providers_sent = 0
+        self.closest_peer_walks = 0
+        self.provides = 0
+
+    def get_routing_table_size(self) -> int:
+        return len(self.members)
+
+    async def add_peer(self, peer_id: ID, skip_server_mode_check: bool = False) -> bool:
+        return True
+
+    async def provide(self, key: str) -> bool:
+        self.provides += 1
+        return True
+
+    def get_providers(self, key: bytes) -> list[PeerInfo]:
+        return list(self.members)
+
+    def add_provider(self, key: bytes, provider: PeerInfo) -> None:
+        pass
+
+    def find_local_closest_peers(self, key: bytes, count: int = 20) -> list[ID]:
+        return [m.peer_id for m in self.members][:count]
+
+    async def find_closest_peers_network(self, key: bytes) -> list[ID]:  # an iterative FIND_NODE walk
+        self.closest_peer_walks += 1
+        await trio.sleep(self.answer_s)
+        return [m.peer_id for m in self.members][:20]
+
+    async def _get_providers_from_peer_with_closers(self, peer_id: ID, key: bytes) -> tuple[list[PeerInfo], list[ID]]:
+        self.get_providers_sent += 1
+        await trio.sleep(self.answer_s)
+        return list(self.members), [m.peer_id for m in self.members if m.peer_id != peer_id]
+
+
+def settled_node(dht: SettledDHT, connected: int) -> SwarmDiscovery:
+    host = FakeHost(peers={peer(i): "127.0.0.1" for i in range(connected)})
+    mgr = ConnManager(host, target=8)
+    mgr.add_candidates(dht.members, source="state")  # every member learnt from the swarm state
+    disc = SwarmDiscovery.__new__(SwarmDiscovery)  # without the real KadDHT (and its host)
+    disc.host, disc.connmgr, disc.key, disc.interval = host, mgr, discovery.swarm_key("s"), 10.0
+    disc.dht, disc.members_found, disc.lookups, disc.last_error, disc.provides = dht, set(), 0, "", 0
+    disc._wake, disc._in_table = trio.Event(), set()
+    return disc
+
+
+async def run_for(disc: SwarmDiscovery, seconds: float, monkeypatch: Any) -> None:
+    @asynccontextmanager
+    async def no_service(service: Any) -> AsyncIterator[None]:
+        yield
+
+    monkeypatch.setattr(discovery, "background_trio_service", no_service)
+    with trio.move_on_after(seconds):
+        await disc.run()
+
+
+async def test_an_idle_node_with_its_connections_asks_the_dht_little_in_an_hour(
+        monkeypatch: Any, autojump_clock: Any) -> None:
+    """Issue #24: a settled node announced itself every 60 s and looked up every 10 to 80 s (each lookup a
+    closest-peer walk, then 20 GET_PROVIDERS): most of an idle daemon's traffic and CPU, growing with N."""
+    dht = SettledDHT(16)
+    await run_for(settled_node(dht, connected=8), 3600.0, monkeypatch)
+    assert dht.closest_peer_walks == 0
+    assert dht.provides <= 1 + 3600 / 600.0
+    # 10 fast lookups at start-up, then about 10 backing off to one per SETTLED_MAX_S: each one batch.
+    assert dht.get_providers_sent <= 25 * discovery.PROVIDER_QUERY_BATCH
+
+
+async def test_a_lookup_that_ran_out_of_time_after_answers_lets_the_node_back_off(
+        monkeypatch: Any, autojump_clock: Any) -> None:
+    """On a busy machine (16 daemons on 2 cores) every lookup ran past LOOKUP_TIMEOUT_S and counted as
+    failed, and failed lookups never back off: every node looked up every 10 s for ever. Answers that
+    name only members the node knows are a sign that the swarm has settled, finished or not."""
+    dht = SettledDHT(30, answer_s=discovery.QUERY_TIMEOUT_S * 0.9)  # the third batch misses the deadline
+    disc = settled_node(dht, connected=8)
+    original = dht._get_providers_from_peer_with_closers
+
+    async def new_answers_each_time(peer_id: ID, key: bytes) -> tuple[list[PeerInfo], list[ID]]:
+        providers, closer = await original(peer_id, key)  # each answer names a member not named yet ...
+        return [PeerInfo(peer(100 + dht.get_providers_sent), ADDR)] + providers, closer
+
+    dht._get_providers_from_peer_with_closers = new_answers_each_time  # type: ignore[method-assign]
+    for i in range(100, 140):  # ... that the node knows of all the same (from the swarm state)
+        disc.connmgr.add_candidate(PeerInfo(peer(i), ADDR), source="state")
+    assert await disc._lookup() is False
+    assert dht.get_providers_sent > discovery.PROVIDER_QUERY_BATCH  # it did run out of time
+    assert disc.lookups == 0
+
+
+async def test_a_lookup_no_peer_answers_counts_as_failed(monkeypatch: Any, autojump_clock: Any) -> None:
+    dht = SettledDHT(16, answer_s=discovery.LOOKUP_TIMEOUT_S * 2)
+    assert await settled_node(dht, connected=8)._lookup() is True
+
+
+def test_a_new_connection_wakes_lookups_only_while_the_node_is_short_of_connections() -> None:
+    disc = settled_node(SettledDHT(16), connected=8)
+    disc.peer_connected(peer(7))
+    assert disc._wake.is_set()  # the 8th connection: the node was below its target
+    disc._wake = trio.Event()
+    disc.connmgr.host.peers[peer(9)] = "127.0.0.1"  # type: ignore[attr-defined]
+    disc.peer_connected(peer(9))
+    assert not disc._wake.is_set()

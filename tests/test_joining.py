@@ -159,7 +159,7 @@ class SlowDHT:
 
     def __init__(self, providers: list[PeerInfo]) -> None:
         self.provider_store = self
-        self.peer_routing = self
+        self.routing_table = self
         self._providers = providers
 
     def get_routing_table_size(self) -> int:
@@ -168,9 +168,12 @@ class SlowDHT:
     def get_providers(self, key: bytes) -> list[PeerInfo]:
         return self._providers
 
-    async def find_closest_peers_network(self, key: bytes) -> list[ID]:
+    def find_local_closest_peers(self, key: bytes, count: int = 20) -> list[ID]:
+        return [peer(9)]
+
+    async def _get_providers_from_peer_with_closers(self, peer_id: ID, key: bytes) -> tuple[list[PeerInfo], list[ID]]:
         await trio.sleep_forever()
-        return []
+        return [], []
 
 
 async def test_a_dht_lookup_that_misses_its_deadline_still_hands_over_the_members_it_found(monkeypatch: Any) -> None:
@@ -287,6 +290,38 @@ async def test_a_member_with_its_target_does_not_keep_coming_back_to_the_bootstr
     assert dials == [boot, boot]
 
 
+async def test_a_node_with_its_target_does_not_look_at_every_members_addresses_each_tick(monkeypatch: Any) -> None:
+    """Issue #24: every member is a candidate, and each tick (twice a second) parsed every unconnected
+    candidate's addresses to find its network group, though a node with its target dials none of them:
+    idle work that grew with the swarm. Below the target they are looked at (and dialled) as before."""
+    from p2p import connmgr as connmgr_module
+
+    parsed: list[int] = []
+    real_group = connmgr_module.addr_group
+
+    def counting(addrs: Any) -> str | None:
+        parsed.append(1)
+        return real_group(addrs)
+
+    monkeypatch.setattr(connmgr_module, "addr_group", counting)
+    host = FakeHost(peers={peer(1): "198.51.1.7", peer(2): "198.51.2.7"})  # the target (2) met
+    dials: list[ID] = []
+
+    async def dial(info: PeerInfo) -> None:
+        dials.append(info.peer_id)
+
+    mgr = ConnManager(host, target=2, cap=4, dial=dial, ip_of=lambda p: host.peers.get(p))
+    mgr.add_candidates([PeerInfo(peer(i), ADDR) for i in range(3, 60)], source="state")
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            mgr._tick(nursery)
+        assert parsed == [] and dials == []
+        host.peers.pop(peer(2))  # below the target: candidates are looked at and one is dialled
+        mgr._tick(nursery)
+        await trio.sleep(0.01)
+    assert parsed and len(dials) == 1
+
+
 async def test_a_node_with_no_connection_retries_its_bootstrap_peer_within_seconds() -> None:
     """A stranded newcomer (it knows only the bootstrap node, which refused it) backed off to a minute; a
     refusal costs the full node a TCP accept and close. The same error is logged at WARNING once."""
@@ -373,3 +408,26 @@ async def test_the_dht_dials_no_new_connection_once_the_node_has_its_target() ->
     await disc.dht.provider_store.host.new_stream(peer(1), ["/ipfs/kad/1.0.0"])  # connected: fine
     assert opened == [peer(7)] * 4 + [peer(1)]
     assert disc.status()["dials_withheld"] == 4
+
+
+async def test_a_connections_network_group_is_read_once_not_on_every_tick() -> None:
+    """Reading every connection's address twice a second was most of an idle connection manager's CPU
+    (bench/scale.py --profile, issue #24). A connection that closes and comes back is read again."""
+    reads: list[ID] = []
+    host = FakeHost(peers={peer(i): f"198.51.{i}.7" for i in range(1, 5)})
+
+    def ip_of(p: ID) -> str | None:
+        reads.append(p)
+        return host.peers.get(p)
+
+    mgr = ConnManager(host, target=4, cap=8, ip_of=ip_of)
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            mgr._tick(nursery)
+        assert sorted(map(str, reads)) == sorted(str(peer(i)) for i in range(1, 5))
+        host.peers.pop(peer(1))
+        mgr._tick(nursery)
+        host.peers[peer(1)] = "203.0.113.7"  # back, from elsewhere
+        mgr._tick(nursery)
+        mgr._tick(nursery)
+    assert reads.count(peer(1)) == 2
