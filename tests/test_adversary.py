@@ -571,7 +571,9 @@ async def test_a_joining_trainer_answers_busy_without_a_false_manifest_error(
     from node.daemon import Daemon
     from protocols.avg import AvgRequest
 
-    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    # gossip membership: the records injected below are alive by their age (with swim, SWIM's probes decide)
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": "gossip"},
+                      environ={})
     daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
     assert daemon.averager is not None
     founder = SwarmState(create_new_key_pair())

@@ -165,7 +165,9 @@ def test_late_join_donors_are_the_members_whose_record_carries_our_manifest(tmp_
     from node.config.load import load_config
     from node.daemon import Daemon
 
-    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    # gossip membership: the records injected below are alive by their age (with swim, SWIM's probes decide)
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": "gossip"},
+                      environ={})
     daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
     founder = SwarmState(create_new_key_pair())
     daemon.replicator.state.merge(founder.set_manifest(MANIFEST) or b"")
@@ -187,7 +189,9 @@ def test_late_join_donors_are_dialable_from_the_addresses_their_records_carry(tm
     from node.config.load import load_config
     from node.daemon import Daemon
 
-    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    # gossip membership: the records injected below are alive by their age (with swim, SWIM's probes decide)
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": "gossip"},
+                      environ={})
     daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
     daemon.replicator.state.merge(SwarmState(create_new_key_pair()).set_manifest(MANIFEST) or b"")
     donor = SwarmState(create_new_key_pair())
@@ -398,7 +402,9 @@ async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> Non
     from node.config.load import load_config
     from node.daemon import Daemon
 
-    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    # gossip membership: the records injected below are alive by their age (with swim, SWIM's probes decide)
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": "gossip"},
+                      environ={})
     daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
     assert daemon.averager is not None
     founder = SwarmState(create_new_key_pair())

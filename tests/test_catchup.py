@@ -347,6 +347,35 @@ async def test_a_late_join_that_knows_no_one_starts_at_once_instead_of_after_joi
     assert trio.current_time() - began >= 600 and status["state"] == "no donors: starting a fresh model"
 
 
+async def test_a_late_join_waits_for_donors_that_appear_one_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock
+) -> None:
+    """With SWIM membership a joiner holds its seed alive at once and the other trainers a second or two
+    later. Before, the first list was taken: the bootstrap node alone, and the joiner started from one
+    replica instead of the swarm's mean (test_swarm's late joiner found 1 donor of 2)."""
+    asked: list[list[str]] = []
+
+    async def fetch(host, directory, donors, target, *, model, timeout_s, status, on_refused=None):
+        asked.append(list(donors))
+        raise ValueError("stop here: the donors chosen are what this test checks")
+
+    monkeypatch.setattr(latejoin, "fetch_swarm_snapshot", fetch)
+    began = trio.current_time()
+
+    def donors() -> list[str]:
+        late = trio.current_time() - began
+        return ["seed"] + (["b"] if late >= 2.0 else []) + (["c"] if late >= 4.0 else [])
+
+    await latejoin.late_join(None, tmp_path, donors, model=MODEL, max_donors=3, wait_s=60, timeout_s=5, status={})
+    assert sorted(asked[0]) == ["b", "c", "seed"]
+
+    asked.clear()  # no second donor ever: the wait ends DONOR_SETTLE_S after the first, not at wait_s
+    began = trio.current_time()
+    await latejoin.late_join(None, tmp_path, lambda: ["seed"], model=MODEL, max_donors=3, wait_s=60, timeout_s=5,
+                             status={})
+    assert asked == [["seed"]] and trio.current_time() - began <= latejoin.DONOR_SETTLE_S + 1.0
+
+
 def test_a_runaway_that_comes_back_drops_its_later_checkpoints_so_a_restart_does_not_undo_it(tmp_path: Path) -> None:
     donor = trained(tmp_path / "donor", 1)
     runaway = trained(tmp_path / "runaway", 3)

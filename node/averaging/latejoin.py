@@ -43,6 +43,7 @@ log = logging.getLogger("starling.latejoin")
 
 CATCH_UP_INTERVAL_S = 30.0  # the least time between two catch-up attempts
 ALONE_GRACE_S = 1.0  # a late join's wait for donors when this node knows of no one at all
+DONOR_SETTLE_S = 3.0  # after the first donor appears, how long the wait goes on for more (none new: done)
 
 
 def _checkpoint_files(home: Path) -> list[Path]:
@@ -94,6 +95,24 @@ def near_the_swarm(steps: dict[str, int], gap: int) -> list[str]:
     return [peer for peer, step in steps.items() if abs(step - target) <= gap]
 
 
+async def _more_donors(donors: Callable[[], list[str]], found: list[str], max_donors: int, deadline: float) -> list[str]:
+    """Once a first donor is known, give the others `DONOR_SETTLE_S` to appear (while fewer than
+    `max_donors` are known), and return the longest list seen.
+
+    Why: donors are alive trainers, and with SWIM membership (the default) a joiner holds members alive one
+    by one: its seed (the bootstrap node) at once, the others as its join pulls the seed's table and its
+    probes reach them, a second or two later. Taking the first list would take the bootstrap node alone
+    and start from one replica instead of the swarm's mean."""
+    settle_until = min(deadline, trio.current_time() + DONOR_SETTLE_S)
+    while len(found) < max_donors and trio.current_time() < settle_until:
+        await trio.sleep(0.5)
+        now = donors()
+        if len(now) > len(found):
+            found = now
+            settle_until = min(deadline, trio.current_time() + DONOR_SETTLE_S)
+    return found
+
+
 async def late_join(
     host: Any,
     home: Path,
@@ -134,6 +153,7 @@ async def late_join(
     while trio.current_time() < deadline:
         found = donors()
         if found:
+            found = await _more_donors(donors, found, max_donors, deadline)
             break
         if alone is not None and trio.current_time() >= alone_after and alone():
             status["state"] = "alone: starting a fresh model"
