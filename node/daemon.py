@@ -235,6 +235,8 @@ class Daemon:
             heartbeat_s=node.heartbeat_s,
             liveness=self.swim.member_state if self.swim is not None else None,
             last_heard=self.swim.last_heard if self.swim is not None else None,
+            # Swim mode: records by anti-entropy alone (pushed on change), no gossipsub; see the replicator.
+            gossip=self.swim is None,
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial

@@ -401,6 +401,22 @@ def test_the_daemon_runs_swim_with_the_configured_timing(tmp_path: Path) -> None
 
 
 
+def test_the_daemon_replicates_records_without_gossipsub_in_swim_mode_only(tmp_path: Path) -> None:
+    """Swim mode: member records by anti-entropy alone (node/swarm/replicator.py, "Or no gossip"); gossip mode
+    keeps gossipsub, its records being its heartbeats."""
+    from node.config.load import load_config
+    from node.daemon import Daemon
+
+    gossip_on = {}
+    for mode in ("swim", "gossip"):
+        home = tmp_path / mode
+        home.mkdir()
+        overrides: dict[str, Any] = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": mode}
+        daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, create_new_key_pair(), train=False)
+        gossip_on[mode] = daemon.replicator.gossip
+    assert gossip_on == {"swim": False, "gossip": True}
+
+
 # ---------------------------------------------------------------------------------------------------
 # Whole daemons (in one trio loop)
 
