@@ -336,6 +336,27 @@ def test_swim_mode_shows_the_states_swim_holds_not_the_records_age() -> None:
     assert {m.peer_id for m in rep.members_to_dial()} == {others[0], others[1]}
 
 
+def test_swim_mode_dials_members_whose_records_are_held_but_swim_never_heard_of() -> None:
+    """SWIM hears of members only through connections; a member known by its record alone must be dialled,
+    or a joiner connected to the bootstrap alone never meets the rest (64 daemons: one or two connections
+    each for a minute). One SWIM holds dead is not dialled."""
+    clock = Clock()
+    held: dict[str, MemberState] = {}
+    dead: set[str] = set()
+    rep = swim_replicator({"role": "trainer"}, lambda peer: held.get(peer, MemberState.GONE), clock)
+    rep.unheard_of = lambda peer: peer not in held and peer not in dead
+    rep.refresh()
+    others = []
+    for _ in range(3):
+        other = SwarmState(create_new_key_pair(), clock=clock)
+        assert rep.state.apply([other.update_self(role="trainer").data]).changed
+        others.append(other.peer_id)
+    held[others[0]] = MemberState.ALIVE
+    dead.add(others[1])  # held dead by SWIM: gone, and not dialled
+    assert {m.peer_id for m in rep.members_to_dial()} == {others[0], others[2]}
+    assert [m.peer_id for m in rep.alive_members()] == [others[0]]  # not an averaging candidate before SWIM says so
+
+
 def test_swim_mode_shows_last_seen_from_swims_evidence_not_from_the_records_age() -> None:
     clock = Clock()
     heard: dict[str, float] = {}

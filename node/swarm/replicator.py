@@ -243,6 +243,7 @@ class StateReplicator:
         liveness: Callable[[str], MemberState] | None = None,
         progress_every_s: float = PROGRESS_EVERY_S,
         last_heard: Callable[[str], float | None] | None = None,
+        unheard_of: Callable[[str], bool] | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -269,6 +270,9 @@ class StateReplicator:
         #: SWIM mode: when (wall time) SWIM last had evidence that a member lives, for ``last_seen`` in the
         #: status (a record re-signed only on change is no measure of it); None where SWIM has none.
         self.last_heard = last_heard
+        #: SWIM mode: whether SWIM has never heard of a member (not the same as holding it dead); such a
+        #: member, whose record this node holds, is worth a dial (see :meth:`members_to_dial`).
+        self.unheard_of = unheard_of
         self._last_fields: dict[str, Any] | None = None  # what the last record signed here said
         self._last_signed = -math.inf
         #: Heartbeats that re-signed the record, and those that found nothing worth a signature (SWIM mode).
@@ -354,7 +358,15 @@ class StateReplicator:
         ``_quiet_peers``). With alive members only, a node on a loaded machine, where most members looked
         suspect, was given nobody to dial and stayed with the connections it had.
         """
-        return self._compatible_members(MemberState.ALIVE, MemberState.SUSPECT)
+        dial = self._compatible_members(MemberState.ALIVE, MemberState.SUSPECT)
+        if self.unheard_of is None:
+            return dial
+        # SWIM mode: SWIM hears of members only through connections (its seed's table at the join, then
+        # news along connections), so members whose records came by a state session but whom SWIM never
+        # heard of showed as gone and were never dialled: at a 64-daemon join most nodes held one or two
+        # connections for a minute. A connection is how SWIM meets them; one it holds dead is not dialled.
+        unheard = self._compatible_members(MemberState.GONE)
+        return dial + [view for view in unheard if self.unheard_of(view.peer_id)]
 
     def members(self, now: float | None = None) -> list[MemberView]:
         """Every member held, with its state as this node shows it: from the heartbeats (the replica's
