@@ -27,7 +27,7 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -122,6 +122,11 @@ def starling_version() -> str:
     except PackageNotFoundError:
         return "0+unknown"
 
+
+
+def _unheard_of(swim: SwimService) -> Callable[[str], bool]:
+    """Whether SWIM never heard of a member (not: holds it dead), for the replicator's members to dial."""
+    return lambda peer: swim.state_name(peer) == "unknown"
 
 class StartupError(Exception):
     """The daemon cannot start for a reason the operator must fix (exit code 2)."""
@@ -235,6 +240,9 @@ class Daemon:
             heartbeat_s=node.heartbeat_s,
             liveness=self.swim.member_state if self.swim is not None else None,
             last_heard=self.swim.last_heard if self.swim is not None else None,
+            unheard_of=_unheard_of(self.swim) if self.swim is not None else None,
+            # Swim mode: records by anti-entropy alone (pushed on change), no gossipsub; see the replicator.
+            gossip=self.swim is None,
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial

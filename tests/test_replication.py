@@ -470,6 +470,54 @@ async def test_a_node_without_gossip_catches_up_through_anti_entropy_alone() -> 
         assert late.pid in nodes[2].member_ids()
 
 
+def test_exactly_one_side_of_a_new_connection_starts_its_first_session() -> None:
+    reps = [idle_replicator() for _ in range(6)]
+    for a in reps:
+        for b in reps:
+            if a is not b:
+                assert a._opens_first_session(b._me) != b._opens_first_session(a._me)
+
+
+async def test_a_new_connection_gets_one_state_session_not_two_crossing_ones() -> None:
+    """Both sides used to start a session on a new connection; the two crossed and each side sent the other
+    everything it lacked twice (a newcomer got the whole table twice from the node everyone dials)."""
+    async with cluster() as c:
+        # No gossip: a gossip record from a peer not verified yet starts a session of its own (by design).
+        a, b = [await c.add(anti_entropy_s=3600.0, gossip=False) for _ in range(2)]
+        await c.connect((a, b))  # tells both replicators, as the daemon's connection manager does
+
+        def settled() -> bool:
+            return (identical([a, b]) and a.member_ids() == b.member_ids() == {a.pid, b.pid}
+                    and not a.rep._in_flight and not b.rep._in_flight and a.rep._inbound == b.rep._inbound == 0)
+
+        await eventually(settled, "one session, both replicas complete")
+        for _ in range(20):  # the loops' next polls find the connection again: still no second session
+            await trio.sleep(0.1)
+        assert settled()
+        assert (a.rep.stats.sessions_ok, b.rep.stats.sessions_ok) == (1, 1)
+        assert a.rep.stats.records_sent + b.rep.stats.records_sent == 2  # each one's own record, once
+
+
+async def test_without_gossip_no_gossipsub_runs_and_a_changed_record_is_pushed_at_once() -> None:
+    """gossip=False (the daemon's swim mode): no pubsub service at all, and a record this node signs goes out
+    in a session started at once, not with a round (an hour here) nor by gossip."""
+    async with cluster() as c:
+        a = await c.add(gossip=False, anti_entropy_s=3600.0)
+        b = await c.add(gossip=False, anti_entropy_s=3600.0)
+        assert a.rep.pubsub is None and b.rep.pubsub is None
+        await c.connect((a, b))
+        await eventually(lambda: a.member_ids() == b.member_ids() == {a.pid, b.pid}, "the first session")
+        for node in (a, b):
+            protocols = {str(p) for p in node.host.get_mux().get_protocols()}
+            assert not any("meshsub" in p for p in protocols), protocols
+        a.fields["step"] = 42
+        a.rep.refresh()
+        await eventually(
+            lambda: (view := b.state.member(a.pid)) is not None and view.record.step == 42, "the pushed record"
+        )
+        assert b.rep.stats.gossip_received == 0 and a.rep.stats.gossip_published == 0
+
+
 async def test_a_partition_heals_to_identical_state_after_reconnecting() -> None:
     async with cluster() as c:
         nodes = [await c.add() for _ in range(4)]

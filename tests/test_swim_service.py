@@ -336,6 +336,27 @@ def test_swim_mode_shows_the_states_swim_holds_not_the_records_age() -> None:
     assert {m.peer_id for m in rep.members_to_dial()} == {others[0], others[1]}
 
 
+def test_swim_mode_dials_members_whose_records_are_held_but_swim_never_heard_of() -> None:
+    """SWIM hears of members only through connections; a member known by its record alone must be dialled,
+    or a joiner connected to the bootstrap alone never meets the rest (64 daemons: one or two connections
+    each for a minute). One SWIM holds dead is not dialled."""
+    clock = Clock()
+    held: dict[str, MemberState] = {}
+    dead: set[str] = set()
+    rep = swim_replicator({"role": "trainer"}, lambda peer: held.get(peer, MemberState.GONE), clock)
+    rep.unheard_of = lambda peer: peer not in held and peer not in dead
+    rep.refresh()
+    others = []
+    for _ in range(3):
+        other = SwarmState(create_new_key_pair(), clock=clock)
+        assert rep.state.apply([other.update_self(role="trainer").data]).changed
+        others.append(other.peer_id)
+    held[others[0]] = MemberState.ALIVE
+    dead.add(others[1])  # held dead by SWIM: gone, and not dialled
+    assert {m.peer_id for m in rep.members_to_dial()} == {others[0], others[2]}
+    assert [m.peer_id for m in rep.alive_members()] == [others[0]]  # not an averaging candidate before SWIM says so
+
+
 def test_swim_mode_shows_last_seen_from_swims_evidence_not_from_the_records_age() -> None:
     clock = Clock()
     heard: dict[str, float] = {}
@@ -399,6 +420,22 @@ def test_the_daemon_runs_swim_with_the_configured_timing(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="node.swim_ack_timeout_s"):  # the operator's error, not a traceback
         load_config(tmp_path, overrides={**overrides, "node.swim_ack_timeout_s": 3.0}, environ={})
 
+
+
+def test_the_daemon_replicates_records_without_gossipsub_in_swim_mode_only(tmp_path: Path) -> None:
+    """Swim mode: member records by anti-entropy alone (node/swarm/replicator.py, "Or no gossip"); gossip mode
+    keeps gossipsub, its records being its heartbeats."""
+    from node.config.load import load_config
+    from node.daemon import Daemon
+
+    gossip_on = {}
+    for mode in ("swim", "gossip"):
+        home = tmp_path / mode
+        home.mkdir()
+        overrides: dict[str, Any] = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": mode}
+        daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, create_new_key_pair(), train=False)
+        gossip_on[mode] = daemon.replicator.gossip
+    assert gossip_on == {"swim": False, "gossip": True}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ rest of the swarm:
   ones (``PROGRESS_FIELDS``) changes, or for progress at most every ``progress_every_s`` (default
   ``PROGRESS_EVERY_S``). The status's ``last_seen`` is SWIM's last evidence that the member lives
   (``last_heard``), not its record's age. The quiet-member probes of anti-entropy are off (records no
-  longer come every heartbeat, so every member would look quiet); the rounds stay.
+  longer come every heartbeat, so every member would look quiet); the rounds stay. The daemon runs it
+  without gossip there (``gossip=False``, below).
 * **Gossip.** The member records and the manifest this node writes are published on the gossipsub
   topic ``starling/<swarm>/state``; records from peers are merged as they arrive, in the topic
   validator, so a forged record is refused at the first honest hop instead of being forwarded through
@@ -19,10 +20,17 @@ rest of the swarm:
   Counter entries (running totals nobody waits for) go by anti-entropy alone: in py-libp2p each gossip
   message costs every node milliseconds of CPU per copy received, and a trainer wrote one with every
   heartbeat, doubling the gossip a swarm of trainers spends its CPU on.
+* **Or no gossip** (``gossip=False``: the daemon in SWIM mode). No gossipsub runs at all, and a record
+  this node signs is pushed at once in sessions with ``PUSH_PEERS`` connected peers, then spreads with
+  everyone's rounds. Why in SWIM mode: records change rarely there (liveness is SWIM's), so gossip's speed
+  buys little, while its upkeep did not shrink with them: a pubsub stream to every peer, the mesh upkeep
+  every second, IHAVE to peers outside the mesh and every copy of a record checked; at a 64-daemon join it
+  was the largest traffic left (259 kB/min per daemon, docs/benchmarks.md).
 * **Anti-entropy.** It runs ``/starling/state/1.0.0`` sessions (:mod:`protocols.state`): both digests
   are exchanged and each side sends what the other lacks. This is what makes replicas converge, whatever
   gossip lost; a partition heals within one session after the halves reconnect. Sessions start at once
-  on a new connection; every ``anti_entropy_s`` with the connected peer this node has not started one
+  on a new connection (one session, started by the side with the smaller peer ID: two crossing sessions
+  sent a newcomer the whole table twice); every ``anti_entropy_s`` with the connected peer this node has not started one
   with for longest (so every peer is reached within one round per peer, not at random); and, as a
   probe, with any connected member not heard from for half of ``suspect_after`` (see
   :meth:`StateReplicator._quiet_peers`). The probes are what keep the member table right when gossip is
@@ -64,7 +72,8 @@ import math
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -124,6 +133,7 @@ PUBLISH_TIMEOUT_S = 5.0
 GOODBYE_TIMEOUT_S = 4.0  # publishing the departure on stop (2 s was too short on a loaded machine)
 STOP_TIMEOUT_S = 6.0  # everything done on stop, goodbye included (within the CLI's 9 s hard stop)
 POLL_S = 1.0  # how often the anti-entropy loop looks for connections it was not told about
+PUSH_PEERS = 2  # without gossip: peers a record this node signs is pushed to at once (see _push)
 #: Fields of the member record that change with every inner step: in SWIM mode a change of these alone
 #: re-signs the record at most every ``progress_every_s``. (``outer_step`` is not one: the averager's
 #: step-gap check reads it, and it changes once an outer step.)
@@ -210,8 +220,9 @@ class StateReplicator:
     ``self_fields`` returns the fields of this node's member record (addrs, role, version, outer_step,
     step, loss, val_loss, samples_per_s, reachability, manifest_hash); it is called on every heartbeat.
     ``local_manifest`` returns the run manifest this node trains with (None for a network-only node).
-    ``gossip=False`` keeps the node out of the gossip topic (it neither publishes nor receives), so it
-    relies on anti-entropy alone; tests use it to prove that anti-entropy closes every gap.
+    ``gossip=False`` runs no gossipsub (the node neither publishes nor receives), so it relies on
+    anti-entropy alone, its own records pushed on change: the daemon's SWIM mode; tests also use it to
+    prove that anti-entropy closes every gap.
     """
 
     def __init__(
@@ -232,6 +243,7 @@ class StateReplicator:
         liveness: Callable[[str], MemberState] | None = None,
         progress_every_s: float = PROGRESS_EVERY_S,
         last_heard: Callable[[str], float | None] | None = None,
+        unheard_of: Callable[[str], bool] | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -258,6 +270,9 @@ class StateReplicator:
         #: SWIM mode: when (wall time) SWIM last had evidence that a member lives, for ``last_seen`` in the
         #: status (a record re-signed only on change is no measure of it); None where SWIM has none.
         self.last_heard = last_heard
+        #: SWIM mode: whether SWIM has never heard of a member (not the same as holding it dead); such a
+        #: member, whose record this node holds, is worth a dial (see :meth:`members_to_dial`).
+        self.unheard_of = unheard_of
         self._last_fields: dict[str, Any] | None = None  # what the last record signed here said
         self._last_signed = -math.inf
         #: Heartbeats that re-signed the record, and those that found nothing worth a signature (SWIM mode).
@@ -296,11 +311,22 @@ class StateReplicator:
     # ---- inputs from the daemon -----------------------------------------------------------------
 
     def peer_connected(self, peer_id: ID) -> None:
-        """A connection to ``peer_id`` opened: sync with it now (also retries a peer refused before,
-        which may have restarted with the right configuration)."""
-        if peer_id != self._me:
+        """A connection to ``peer_id`` opened: sync with it now, if this side opens the connection's first
+        session (:meth:`_opens_first_session`; also retries a peer refused before, which may have restarted
+        with the right configuration)."""
+        if peer_id != self._me and self._opens_first_session(peer_id):
             self._prompt.add(peer_id)
             self._wake.set()
+
+    def _opens_first_session(self, peer: ID) -> bool:
+        """Whether this node, rather than ``peer``, starts the session a new connection between them gets:
+        the one with the smaller peer ID (both sides compute the same answer).
+
+        Why one side only: a session is symmetric (each side sends what the other lacks), and when both
+        sides started one at once, the two crossed and a newcomer was sent the whole table twice, checking
+        every record's signature twice; the node everyone dials first (the bootstrap) paid that for every
+        newcomer. If this one session fails, the rounds reach the peer as they reach every other."""
+        return self._me.to_bytes() < peer.to_bytes()
 
     def refresh(self) -> None:
         """Re-sign and publish this node's member record now (e.g. right after an outer step) rather
@@ -332,7 +358,15 @@ class StateReplicator:
         ``_quiet_peers``). With alive members only, a node on a loaded machine, where most members looked
         suspect, was given nobody to dial and stayed with the connections it had.
         """
-        return self._compatible_members(MemberState.ALIVE, MemberState.SUSPECT)
+        dial = self._compatible_members(MemberState.ALIVE, MemberState.SUSPECT)
+        if self.unheard_of is None:
+            return dial
+        # SWIM mode: SWIM hears of members only through connections (its seed's table at the join, then
+        # news along connections), so members whose records came by a state session but whom SWIM never
+        # heard of showed as gone and were never dialled: at a 64-daemon join most nodes held one or two
+        # connections for a minute. A connection is how SWIM meets them; one it holds dead is not dialled.
+        unheard = self._compatible_members(MemberState.GONE)
+        return dial + [view for view in unheard if self.unheard_of(view.peer_id)]
 
     def members(self, now: float | None = None) -> list[MemberView]:
         """Every member held, with its state as this node shows it: from the heartbeats (the replica's
@@ -460,21 +494,14 @@ class StateReplicator:
                 self._heartbeat(force=True)  # our own record exists before anyone asks for it
                 self.host.set_stream_handler(protocol.PROTOCOL_ID, self._handle_stream)
                 try:
-                    pubsub, router = self._make_pubsub()
-                    async with background_trio_service(pubsub), background_trio_service(router):
-                        with trio.fail_after(STARTUP_TIMEOUT_S):
-                            await pubsub.wait_until_ready()
-                        subscription = None
-                        if self.gossip:
-                            pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
-                            subscription = await pubsub.subscribe(self.topic)
+                    async with self._gossip_service() as (pubsub, subscription):
                         self.pubsub = pubsub
                         async with trio.open_nursery() as loops:
-                            # Pubsub learns of connections from network events; peers that were already
-                            # connected before it existed must be introduced to it explicitly.
-                            for peer in self._connected():
-                                loops.start_soon(self._introduce, pubsub, peer)
-                            if subscription is not None:
+                            if pubsub is not None:
+                                # Pubsub learns of connections from network events; peers that were already
+                                # connected before it existed must be introduced to it explicitly.
+                                for peer in self._connected():
+                                    loops.start_soon(self._introduce, pubsub, peer)
                                 loops.start_soon(self._drain, subscription)
                                 loops.start_soon(self._publisher, pubsub)
                             loops.start_soon(self._heartbeat_loop)
@@ -490,6 +517,23 @@ class StateReplicator:
                     self.host.remove_stream_handler(protocol.PROTOCOL_ID)
         finally:
             self._save()
+
+    @asynccontextmanager
+    async def _gossip_service(self) -> AsyncIterator[tuple[Pubsub | None, Any]]:
+        """The running pubsub service and this node's subscription to the state topic; ``(None, None)``
+        without gossip: then no gossipsub runs at all (no stream to every peer, no mesh upkeep every
+        second, no IHAVE), since a node that neither publishes nor receives on the topic has no use for it.
+        """
+        if not self.gossip:
+            yield None, None
+            return
+        pubsub, router = self._make_pubsub()
+        async with background_trio_service(pubsub), background_trio_service(router):
+            with trio.fail_after(STARTUP_TIMEOUT_S):
+                await pubsub.wait_until_ready()
+            pubsub.set_topic_validator(self.topic, self._validate_gossip, False)
+            subscription = await pubsub.subscribe(self.topic)
+            yield pubsub, subscription
 
     def _make_pubsub(self) -> tuple[Pubsub, GossipSub]:
         """Gossipsub tuned per py-libp2p-notes pitfall 6: 1 s heartbeat (the default 120 s leaves the
@@ -631,11 +675,24 @@ class StateReplicator:
 
     def _publish(self, signed: SignedRecord) -> None:
         if not self.gossip:
+            self._push()
             return
         try:
             self._outbox_send.send_nowait(signed.data)
         except trio.WouldBlock:
             self.stats.gossip_dropped += 1
+
+    def _push(self) -> None:
+        """Without gossip: start sessions now with ``PUSH_PEERS`` connected peers (those synced with longest
+        ago), so that a record this node just signed leaves at once rather than with the next round, and
+        spreads from there as every node's rounds carry it. Cheap where it is used: in swim mode a record is
+        signed only when it changes."""
+        candidates = self._candidates(self._connected())
+        random.shuffle(candidates)
+        candidates.sort(key=lambda p: self._last_attempt.get(p, -math.inf))
+        if candidates:
+            self._prompt.update(candidates[:PUSH_PEERS])
+            self._wake.set()
 
     async def _publisher(self, pubsub: Pubsub) -> None:
         async for data in self._outbox_recv:
@@ -706,7 +763,7 @@ class StateReplicator:
         async for _message in subscription:
             pass
 
-    async def _goodbye(self, pubsub: Pubsub) -> None:
+    async def _goodbye(self, pubsub: Pubsub | None) -> None:
         """Tell the swarm we are leaving, within GOODBYE_TIMEOUT_S: publish the departure marker and wait
         until pubsub's per-peer queues are empty (publish() only enqueues, and the queues die with the
         service), and at the same time hand it to every connected peer in an anti-entropy session, so that
@@ -714,7 +771,7 @@ class StateReplicator:
         signed = self.state.depart()
         with trio.move_on_after(GOODBYE_TIMEOUT_S):
             async with trio.open_nursery() as nursery:
-                if self.gossip:
+                if pubsub is not None:
                     nursery.start_soon(self._publish_departure, pubsub, signed.data)
                 # Every connected peer, even one with a session in flight: that session may have sent our
                 # record before the departure was signed, and then neither carrier would bring it.
@@ -751,7 +808,7 @@ class StateReplicator:
             while True:
                 connected = self._connected()
                 # Connections nobody told us about (e.g. inbound ones) are synced with promptly too.
-                self._prompt |= connected - self._known_connected
+                self._prompt |= {p for p in connected - self._known_connected if self._opens_first_session(p)}
                 self._known_connected = connected
                 self._last_attempt = {p: t for p, t in self._last_attempt.items() if p in connected}
                 now = trio.current_time()
