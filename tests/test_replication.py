@@ -319,15 +319,17 @@ async def counted_session(a: protocol.Replica, b: protocol.Replica, **kwargs: An
 
 async def test_a_converged_pair_exchanges_two_hellos_of_a_size_independent_of_the_swarm() -> None:
     """Version 1.0.0 sent every member's digest entry in each hello: an idle pair's round grew with N."""
-    costs = {}
+    costs, legacy_costs = {}, {}
     for n in (4, 200):
         a, b = converged_pair(member_records(n))
         i, r, written = await counted_session(a, b)
         assert (i.sent, i.received, r.sent, r.received) == (0, 0, 0, 0)
         assert i.differing_buckets == r.differing_buckets == 0
         costs[n] = written
+        legacy_costs[n] = (await counted_session(a, b, legacy=True))[2]
     assert costs[4] == costs[200]  # the same bytes for 6 and 202 members
-    assert costs[200] < 1000, costs  # two hellos of about 330 bytes; 1.0.0 sent 202 entries in each
+    assert costs[200] < 1000, costs  # two hellos of about 330 bytes
+    assert legacy_costs[200] > 20 * costs[200]  # 1.0.0: 202 entries in each hello
 
 
 async def test_a_pair_differing_in_one_record_moves_it_and_the_entries_of_one_bucket_only() -> None:
