@@ -78,6 +78,7 @@ from protocols.dialback import PROTOCOL_ID as DIALBACK_PROTOCOL
 from protocols.snapshot import PROTOCOL_ID as SNAPSHOT_PROTOCOL
 from protocols.snapshot import ModelShape, SnapshotServer
 from protocols.state import PROTOCOL_ID as STATE_PROTOCOL
+from protocols.state import PROTOCOL_ID_1_0 as STATE_PROTOCOL_1_0
 
 if TYPE_CHECKING:
     from node.bridge.ipc import Adopted
@@ -94,6 +95,7 @@ HISTORY_ANSWER_POINTS = 100_000
 #: The protocols under per-subnet stream limits, as `status`'s `refusals` names their refusals.
 SUBNET_REFUSAL_KINDS = {
     str(STATE_PROTOCOL): "state_sessions_subnet_share",
+    str(STATE_PROTOCOL_1_0): "state_sessions_subnet_share",
     str(SNAPSHOT_PROTOCOL): "snapshot_downloads_subnet_share",
     str(DIALBACK_PROTOCOL): "dialbacks_subnet_share",
 }
@@ -197,7 +199,7 @@ class Daemon:
         self.access.install(self.host)
         # Per-subnet shares of the protocols a peer can make this node work for (see p2p/netgroup.py).
         # Averaging requests have their own per-IP share and IP bans in the averager (node/averaging/admission.py).
-        self.stream_limits = SubnetStreamLimits({SNAPSHOT_PROTOCOL: 1, STATE_PROTOCOL: 4, DIALBACK_PROTOCOL: 2})
+        self.stream_limits = SubnetStreamLimits({SNAPSHOT_PROTOCOL: 1, STATE_PROTOCOL: 4, STATE_PROTOCOL_1_0: 4, DIALBACK_PROTOCOL: 2})
         self.stream_limits.install(self.host)
         self.connmgr = ConnManager(
             self.host,

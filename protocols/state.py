@@ -1,18 +1,29 @@
-"""``/starling/state/1.0.0``: anti-entropy for the swarm state, two digests and the records each side lacks.
+"""``/starling/state/2.0.0``: anti-entropy for the swarm state, bucket hashes first, entries only where they differ.
 
-Gossipsub spreads every new record quickly, but it is only an accelerator: a message can be dropped (a
-full queue, a peer that joined a moment later, a partition). Anti-entropy is what guarantees
+Gossip (where it runs) spreads every new record quickly, but it is only an accelerator: a message can be
+dropped (a full queue, a peer that joined a moment later, a partition). Anti-entropy is what guarantees
 convergence. Every few seconds, and as soon as a connection opens, a node runs one session with a peer:
 
-    initiator -> responder   Hello{version, swarm, manifest_hash, digest}
-    responder -> initiator   Hello{...}  (or Error{code, reason, ...} and close, see below)
+    initiator -> responder   Hello{version, swarm, manifest_hash, salt, buckets}
+    responder -> initiator   Hello{..., the same salt, its buckets}  (or Error{code, reason, ...} and close)
+    --- the session ends here when every bucket hash matches (two converged replicas) ---
+    responder -> initiator   Entries{digest}   its entries in the buckets that differ
+    initiator -> responder   Entries{digest}   its entries in the buckets that differ
     responder -> initiator   Records{records, done} ...  what the initiator lacks, in bounded batches
     initiator -> responder   Records{records, done} ...  what the responder lacks
 
-A digest is ``key -> order`` for every record held (:meth:`node.swarm.crdt.SwarmState.digest`), so each side
-computes exactly which records the other lacks or holds an older version of. Records are signed by
-their authors and verified on arrival; the stream itself is only a carrier, which is why a record
-relayed by any peer is as good as one from its author.
+A digest is ``key -> order`` for every record held (:meth:`node.swarm.crdt.SwarmState.digest`). Version
+1.0.0 sent the whole digest in each hello, one entry per member and counter: a session between two
+replicas that already agreed cost both of them bytes in proportion to the swarm (33 kB/min per idle
+daemon at 16 daemons, 62 at 32, the largest traffic of an idle swim-mode daemon: docs/benchmarks.md).
+Now the digest is split into :data:`BUCKETS` buckets by a hash of the key, and a hello carries one
+:data:`BUCKET_HASH_BYTES`-byte hash per bucket over its sorted ``(key, order)`` entries: a converged pair's
+session is two hellos of constant size, whatever the swarm's size. Where buckets differ, only their entries
+go (and none for a bucket the other side holds nothing in: it lacks all of ours there), and then the
+records of those buckets that each side lacks, exactly what 1.0.0 would have moved (entries of equal
+buckets are equal, and equal entries move no record). The hashes are keyed by a salt the initiator draws
+for each session, so nobody can prepare records whose bucket hashes collide with another replica's (a
+collision would hide a difference for one session only: the next salt differs).
 
 Compatibility is checked before any state moves: both peers must be in the same swarm and, when both
 know one, run the same run manifest. On a mismatch the responder answers with an :class:`Error` that
@@ -20,16 +31,26 @@ names both values and closes; both sides raise :class:`SyncRefused`, whose messa
 so each operator sees what differs. A side that knows no manifest yet (a fresh node) is compatible with
 any: it learns the swarm's manifest through the session.
 
-Everything is bounded: message sizes are checked before decoding, a session carries at most
-``max_records`` records in each direction (any rest follows in the next session), and every message sent
-or received has its own deadline (:data:`STEP_TIMEOUT_S`) within one for the whole session
-(:data:`SESSION_TIMEOUT_S`); a stalled peer raises :class:`trio.TooSlowError`. Two deadlines because a
-single short one for the whole session fails exactly when anti-entropy matters most: on an overloaded
-machine, where gossip is late too, each step of a session may take seconds although the peer is answering.
+Swarms upgrade node by node: a node serves both :data:`PROTOCOL_ID` and :data:`PROTOCOL_ID_1_0` and asks
+for 2.0.0 first (multistream falls back to 1.0.0 on an older peer, one round trip more); on a 1.0.0
+stream, ``legacy=True``, the session is 1.0.0's: :class:`HelloV1` with the whole digest, then the records.
+
+Everything a peer sends is bounded before it is used: message sizes are checked before decoding (a
+hello has a fixed size: its salt and bucket hashes are exact lengths), an entries message holds at most
+``max_digest_entries`` entries, all in buckets that differ, a session carries at most ``max_records``
+records in each direction (any rest follows in the next session), and every message sent or received has
+its own deadline (:data:`STEP_TIMEOUT_S`) within one for the whole session (:data:`SESSION_TIMEOUT_S`); a
+stalled peer raises :class:`trio.TooSlowError`. Two deadlines because a single short one for the whole
+session fails exactly when anti-entropy matters most: on an overloaded machine, where gossip is late too,
+each step of a session may take seconds although the peer is answering.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import secrets
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -48,30 +69,44 @@ from protocols.record import (
 )
 
 __all__ = [
+    "BUCKETS",
+    "BUCKET_HASH_BYTES",
     "BUSY",
     "DEFAULT_MAX_DIGEST_ENTRIES",
+    "HELLO_MAX_BYTES",
     "MANIFEST_MISMATCH",
+    "SALT_BYTES",
     "SWARM_MISMATCH",
     "DEFAULT_MAX_RECORDS",
     "MAX_BATCH_BYTES",
     "MAX_BATCH_RECORDS",
     "PROTOCOL_ID",
+    "PROTOCOL_IDS",
+    "PROTOCOL_ID_1_0",
     "SESSION_TIMEOUT_S",
     "STEP_TIMEOUT_S",
+    "Entries",
     "Error",
     "Hello",
+    "HelloV1",
     "LocalInfo",
     "Records",
     "Replica",
     "SessionResult",
     "SyncRefused",
+    "bucket_hashes",
+    "bucket_of",
     "check_compatible",
     "initiate",
     "refuse_busy",
     "respond",
 ]
 
-PROTOCOL_ID = TProtocol("/starling/state/1.0.0")
+PROTOCOL_ID = TProtocol("/starling/state/2.0.0")
+#: The previous version (whole digests in the hellos), still served and spoken (module docstring).
+PROTOCOL_ID_1_0 = TProtocol("/starling/state/1.0.0")
+#: What an initiator asks for, preferred first.
+PROTOCOL_IDS = (PROTOCOL_ID, PROTOCOL_ID_1_0)
 
 T = TypeVar("T")
 
@@ -88,11 +123,21 @@ MAX_BATCH_BYTES = 256 * 1024
 #: (1024 members, 4096 tombstones) with room to spare.
 DEFAULT_MAX_RECORDS = 4096
 DEFAULT_MAX_DIGEST_ENTRIES = 8192
+#: Buckets of a digest and the bytes of each bucket's hash in a hello. 32 buckets: a hello of about 330
+#: bytes; one record changed since the last session costs the entries of one bucket (1/32 of the table),
+#: not all. 8 bytes: an accidental collision (two different buckets, one hash) is a 2^-64 event per
+#: bucket, and a deliberate one cannot be prepared (the salt is new for every session).
+BUCKETS = 32
+BUCKET_HASH_BYTES = 8
+#: The initiator's random salt for the session's bucket hashes (the key of a keyed BLAKE2b).
+SALT_BYTES = 16
 #: Wire size of one digest entry at most: a key of up to 130 characters and up to five uint64s.
 _DIGEST_ENTRY_BYTES = 192
 _MAX_SWARM_CHARS = 256
 _MAX_VERSION_CHARS = 64
 _MAX_REASON_CHARS = 1024
+#: A 2.0.0 hello, whatever the replica holds: the strings' limits, the salt and the bucket hashes.
+HELLO_MAX_BYTES = 512 + _MAX_SWARM_CHARS + _MAX_VERSION_CHARS + MAX_HASH_CHARS + SALT_BYTES + BUCKETS * BUCKET_HASH_BYTES
 #: A batch message: the records, plus msgpack's per-item and per-message overhead.
 _MAX_RECORDS_MSG_BYTES = MAX_BATCH_BYTES + MAX_BATCH_RECORDS * 8 + 256
 
@@ -108,7 +153,32 @@ BUSY = "busy"
 
 @dataclass(frozen=True)
 class Hello:
-    """Who the sender is (software version, swarm, run manifest) and what it holds (encoded digest)."""
+    """Who the sender is (software version, swarm, run manifest) and a summary of what it holds: one
+    keyed hash per bucket of its digest (:func:`bucket_hashes`), under the initiator's ``salt``."""
+
+    KIND: ClassVar[str] = "hello"
+    VERSION: ClassVar[int] = 2
+
+    version: str = spec(max_len=_MAX_VERSION_CHARS)
+    swarm: str = spec(min_len=1, max_len=_MAX_SWARM_CHARS)
+    manifest_hash: str = spec(max_len=MAX_HASH_CHARS)  # "" while the sender knows no manifest
+    salt: bytes = spec(min_len=SALT_BYTES, max_len=SALT_BYTES)  # the initiator's; the responder echoes it
+    buckets: bytes = spec(min_len=BUCKETS * BUCKET_HASH_BYTES, max_len=BUCKETS * BUCKET_HASH_BYTES)
+
+
+@dataclass(frozen=True)
+class Entries:
+    """The sender's digest entries in the buckets whose hashes differ (protocols.record.encode_digest())."""
+
+    KIND: ClassVar[str] = "entries"
+    VERSION: ClassVar[int] = 2
+
+    digest: bytes = spec()  # bounded by the message size limit and max_digest_entries
+
+
+@dataclass(frozen=True)
+class HelloV1:
+    """1.0.0's hello: who the sender is and its whole digest (``legacy`` sessions only)."""
 
     KIND: ClassVar[str] = "hello"
     VERSION: ClassVar[int] = 1
@@ -176,6 +246,7 @@ class SessionResult:
     rejected: int  # received records the replica refused (forged, malformed, ...)
     peer_version: str
     peer_manifest_hash: str
+    differing_buckets: int = -1  # buckets whose hashes differed (2.0.0); -1 on a 1.0.0 session
 
 
 class SyncRefused(Exception):
@@ -210,7 +281,7 @@ class SyncRefused(Exception):
         return self.code in (MANIFEST_MISMATCH, SWARM_MISMATCH)
 
 
-def check_compatible(local: LocalInfo, peer: Hello) -> SyncRefused | None:
+def check_compatible(local: LocalInfo, peer: Hello | HelloV1) -> SyncRefused | None:
     """The reason this node and a peer that sent ``peer`` must not share state, or None."""
     if peer.swarm != local.swarm:
         return SyncRefused(SWARM_MISMATCH, local=local.swarm, remote=peer.swarm, peer_version=peer.version)
@@ -222,10 +293,81 @@ def check_compatible(local: LocalInfo, peer: Hello) -> SyncRefused | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Buckets
+
+
+@functools.lru_cache(maxsize=16384)
+def bucket_of(key: str) -> int:
+    """The bucket of a digest key: a hash of the key, not keyed, so that it is the same on every node
+    (cached: the keys are the replica's own, bounded by its table, plus at most a session's worth)."""
+    return hashlib.blake2b(key.encode(), digest_size=4).digest()[0] % BUCKETS
+
+
+def bucket_hashes(digest: Mapping[str, tuple[int, ...]], salt: bytes) -> bytes:
+    """One keyed BLAKE2b hash of :data:`BUCKET_HASH_BYTES` bytes per bucket, concatenated: over the
+    bucket's ``(key, order)`` entries sorted by key, each length-prefixed, so that two digests hash alike
+    in a bucket exactly when their entries there are equal (collisions aside)."""
+    groups: list[list[str]] = [[] for _ in range(BUCKETS)]
+    for key in digest:
+        groups[bucket_of(key)].append(key)
+    out = bytearray()
+    for keys in groups:
+        h = hashlib.blake2b(key=salt, digest_size=BUCKET_HASH_BYTES)
+        for key in sorted(keys):
+            order = digest[key]
+            raw = key.encode()
+            h.update(struct.pack(f">HB{len(order)}Q", len(raw), len(order), *order))
+            h.update(raw)
+        out += h.digest()
+    return bytes(out)
+
+
+def _new_salt() -> bytes:
+    """A session's salt (a module function so that the fuzzers can script a responder's echo)."""
+    return secrets.token_bytes(SALT_BYTES)
+
+
+def _empty_hash(salt: bytes) -> bytes:
+    return hashlib.blake2b(key=salt, digest_size=BUCKET_HASH_BYTES).digest()
+
+
+def _split(hashes: bytes) -> list[bytes]:
+    return [hashes[i : i + BUCKET_HASH_BYTES] for i in range(0, BUCKETS * BUCKET_HASH_BYTES, BUCKET_HASH_BYTES)]
+
+
+@dataclass(frozen=True)
+class _Comparison:
+    """Where two replicas' bucket hashes differ, from one side's point of view."""
+
+    mine: dict[str, tuple[int, ...]]  # this side's digest when it hashed it
+    differ: frozenset[int]  # buckets whose hashes differ
+    theirs_empty: frozenset[int]  # of those, the buckets the peer holds nothing in
+
+    def entries_to_send(self) -> dict[str, tuple[int, ...]]:
+        """Our entries in the differing buckets, except where the peer holds nothing (it lacks them all)."""
+        wanted = self.differ - self.theirs_empty
+        return {k: v for k, v in self.mine.items() if bucket_of(k) in wanted}
+
+    def their_digest(self, entries: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The peer's whole digest as far as it matters here: ours where the buckets match, and the
+        entries it sent where they differ; so :meth:`Replica.missing_for` picks only records of the
+        differing buckets, without a change to the replica's interface."""
+        out = {k: v for k, v in self.mine.items() if bucket_of(k) not in self.differ}
+        out.update(entries)
+        return out
+
+
+def _compare(mine: dict[str, tuple[int, ...]], my_hashes: bytes, their_hashes: bytes, salt: bytes) -> _Comparison:
+    ours, theirs, empty = _split(my_hashes), _split(their_hashes), _empty_hash(salt)
+    differ = frozenset(i for i in range(BUCKETS) if ours[i] != theirs[i])
+    return _Comparison(mine, differ, frozenset(i for i in differ if theirs[i] == empty))
+
+
+# --------------------------------------------------------------------------------------------------
 # The two sides
 
 
-def _hello_max_bytes(max_digest_entries: int) -> int:
+def _digest_max_bytes(max_digest_entries: int) -> int:
     return (
         1024
         + _MAX_SWARM_CHARS
@@ -235,15 +377,25 @@ def _hello_max_bytes(max_digest_entries: int) -> int:
     )
 
 
-def _hello(replica: Replica, local: LocalInfo) -> Hello:
-    return Hello(local.version, local.swarm, local.manifest_hash, encode_digest(replica.digest()))
+def _hello_v1(replica: Replica, local: LocalInfo) -> HelloV1:
+    return HelloV1(local.version, local.swarm, local.manifest_hash, encode_digest(replica.digest()))
 
 
-def _their_digest(hello: Hello, max_entries: int) -> dict[str, tuple[int, ...]]:
+def _their_digest(data: bytes, max_entries: int) -> dict[str, tuple[int, ...]]:
     try:
-        return decode_digest(hello.digest, max_entries=max_entries)
+        return decode_digest(data, max_entries=max_entries)
     except RecordError as exc:
         raise ProtocolError(Reason.MALFORMED, f"digest: {exc}") from None
+
+
+def _their_entries(entries: Entries, comparison: _Comparison, max_entries: int) -> dict[str, tuple[int, ...]]:
+    """The peer's entries, refused unless every one lies in a bucket whose hashes differ: entries
+    elsewhere are news this side did not ask for (and could only be a peer's attempt to make it work)."""
+    theirs = _their_digest(entries.digest, max_entries)
+    for key in theirs:
+        if bucket_of(key) not in comparison.differ:
+            raise ProtocolError(Reason.MALFORMED, f"entries: {key[:64]!r} lies in bucket {bucket_of(key)}, whose hashes match")
+    return theirs
 
 
 class _Steps:
@@ -262,6 +414,14 @@ class _Steps:
             return await recv_as(self.stream, types, max_bytes=max_bytes)
 
 
+def _refusal(reply: Error, local: LocalInfo) -> SyncRefused:
+    if reply.code == MANIFEST_MISMATCH:
+        return SyncRefused(MANIFEST_MISMATCH, local=local.manifest_hash, remote=reply.manifest_hash)
+    if reply.code == SWARM_MISMATCH:
+        return SyncRefused(SWARM_MISMATCH, local=local.swarm, remote=reply.swarm)
+    return SyncRefused(reply.code[:64])
+
+
 async def initiate(
     stream: ByteStream,
     replica: Replica,
@@ -271,34 +431,46 @@ async def initiate(
     step_timeout_s: float = STEP_TIMEOUT_S,
     max_records: int = DEFAULT_MAX_RECORDS,
     max_digest_entries: int = DEFAULT_MAX_DIGEST_ENTRIES,
+    legacy: bool = False,
 ) -> SessionResult:
-    """Run the initiator's side of one session over ``stream`` (opened on :data:`PROTOCOL_ID`).
+    """Run the initiator's side of one session over ``stream`` (opened on :data:`PROTOCOL_ID`, or on
+    :data:`PROTOCOL_ID_1_0` with ``legacy``).
 
     Raises :class:`SyncRefused` if the peer is incompatible or busy, :class:`ProtocolError` if it
     breaks the protocol or the stream fails, :class:`trio.TooSlowError` when one step takes longer than
     ``step_timeout_s`` or the whole session longer than ``timeout_s``. The caller closes (or, after an
     error, resets) the stream.
     """
-    hello_max = _hello_max_bytes(max_digest_entries)
     steps = _Steps(stream, step_timeout_s)
     with trio.fail_after(timeout_s):
-        await steps.send(_hello(replica, local), max_bytes=hello_max)
-        reply = await steps.recv((Hello, Error), max_bytes=hello_max)
+        if legacy:
+            return await _initiate_v1(steps, replica, local, max_records, max_digest_entries)
+        salt = _new_salt()
+        mine = dict(replica.digest())
+        my_hashes = bucket_hashes(mine, salt)
+        await steps.send(Hello(local.version, local.swarm, local.manifest_hash, salt, my_hashes), max_bytes=HELLO_MAX_BYTES)
+        reply: Hello | Error = await steps.recv((Hello, Error), max_bytes=HELLO_MAX_BYTES)
         if isinstance(reply, Error):
-            if reply.code == MANIFEST_MISMATCH:
-                raise SyncRefused(MANIFEST_MISMATCH, local=local.manifest_hash, remote=reply.manifest_hash)
-            if reply.code == SWARM_MISMATCH:
-                raise SyncRefused(SWARM_MISMATCH, local=local.swarm, remote=reply.swarm)
-            raise SyncRefused(reply.code[:64])
+            raise _refusal(reply, local)
         # The responder checked too, but a node must not take state from a peer it considers
         # incompatible, whatever the peer thinks.
         problem = check_compatible(local, reply)
         if problem is not None:
             raise problem
-        theirs = _their_digest(reply, max_digest_entries)
+        if reply.salt != salt:
+            raise ProtocolError(Reason.MALFORMED, "hello: the responder hashed its buckets with another salt")
+        comparison = _compare(mine, my_hashes, reply.buckets, salt)
+        if not comparison.differ:
+            return _result(0, (0, 0, 0), reply, comparison)
+        digest_max = _digest_max_bytes(max_digest_entries)
+        theirs = _their_entries(await steps.recv(Entries, max_bytes=digest_max), comparison, max_digest_entries)
+        await steps.send(Entries(encode_digest(comparison.entries_to_send())), max_bytes=digest_max)
+        # Chosen before the responder's records arrive: it sent no entries where we held nothing, so
+        # what it sends now would look missing on its side afterwards, and go straight back.
+        outgoing = replica.missing_for(comparison.their_digest(theirs))[:max_records]
         received = await _receive_records(steps, replica, max_records)
-        sent = await _send_records(steps, replica.missing_for(theirs)[:max_records])
-    return SessionResult(sent, *received, peer_version=reply.version, peer_manifest_hash=reply.manifest_hash)
+        sent = await _send_records(steps, outgoing)
+    return _result(sent, received, reply, comparison)
 
 
 async def respond(
@@ -310,26 +482,79 @@ async def respond(
     step_timeout_s: float = STEP_TIMEOUT_S,
     max_records: int = DEFAULT_MAX_RECORDS,
     max_digest_entries: int = DEFAULT_MAX_DIGEST_ENTRIES,
+    legacy: bool = False,
 ) -> SessionResult:
-    """Run the responder's side of one session (the stream handler of :data:`PROTOCOL_ID`).
+    """Run the responder's side of one session (the stream handler of :data:`PROTOCOL_ID`, or of
+    :data:`PROTOCOL_ID_1_0` with ``legacy``).
 
     On an incompatible peer, answers with an :class:`Error` naming both values, then raises
     :class:`SyncRefused`. Other failures as for :func:`initiate`. The caller closes the stream.
     """
-    hello_max = _hello_max_bytes(max_digest_entries)
     steps = _Steps(stream, step_timeout_s)
     with trio.fail_after(timeout_s):
-        hello = await steps.recv(Hello, max_bytes=hello_max)
-        problem = check_compatible(local, hello)
-        if problem is not None:
-            reason = f"{problem.code}: the responder has {problem.local!r}, the initiator {problem.remote!r}"
-            error = Error(problem.code, _clip(reason), manifest_hash=local.manifest_hash, swarm=local.swarm)
-            await steps.send(error)
-            raise problem
-        theirs = _their_digest(hello, max_digest_entries)
-        await steps.send(_hello(replica, local), max_bytes=hello_max)
-        sent = await _send_records(steps, replica.missing_for(theirs)[:max_records])
+        if legacy:
+            return await _respond_v1(steps, replica, local, max_records, max_digest_entries)
+        hello = await steps.recv(Hello, max_bytes=HELLO_MAX_BYTES)
+        await _refuse_if_incompatible(steps, local, hello)
+        mine = dict(replica.digest())
+        my_hashes = bucket_hashes(mine, hello.salt)
+        await steps.send(
+            Hello(local.version, local.swarm, local.manifest_hash, hello.salt, my_hashes), max_bytes=HELLO_MAX_BYTES
+        )
+        comparison = _compare(mine, my_hashes, hello.buckets, hello.salt)
+        if not comparison.differ:
+            return _result(0, (0, 0, 0), hello, comparison)
+        digest_max = _digest_max_bytes(max_digest_entries)
+        await steps.send(Entries(encode_digest(comparison.entries_to_send())), max_bytes=digest_max)
+        theirs = _their_entries(await steps.recv(Entries, max_bytes=digest_max), comparison, max_digest_entries)
+        sent = await _send_records(steps, replica.missing_for(comparison.their_digest(theirs))[:max_records])
         received = await _receive_records(steps, replica, max_records)
+    return _result(sent, received, hello, comparison)
+
+
+def _result(sent: int, received: tuple[int, int, int], peer: Hello, comparison: _Comparison) -> SessionResult:
+    return SessionResult(sent, *received, peer_version=peer.version, peer_manifest_hash=peer.manifest_hash,
+                         differing_buckets=len(comparison.differ))
+
+
+async def _refuse_if_incompatible(steps: _Steps, local: LocalInfo, hello: Hello | HelloV1) -> None:
+    problem = check_compatible(local, hello)
+    if problem is not None:
+        reason = f"{problem.code}: the responder has {problem.local!r}, the initiator {problem.remote!r}"
+        error = Error(problem.code, _clip(reason), manifest_hash=local.manifest_hash, swarm=local.swarm)
+        await steps.send(error)
+        raise problem
+
+
+async def _initiate_v1(
+    steps: _Steps, replica: Replica, local: LocalInfo, max_records: int, max_digest_entries: int
+) -> SessionResult:
+    """1.0.0's initiator: both whole digests, then the records each side lacks."""
+    hello_max = _digest_max_bytes(max_digest_entries)
+    await steps.send(_hello_v1(replica, local), max_bytes=hello_max)
+    reply: HelloV1 | Error = await steps.recv((HelloV1, Error), max_bytes=hello_max)
+    if isinstance(reply, Error):
+        raise _refusal(reply, local)
+    problem = check_compatible(local, reply)
+    if problem is not None:
+        raise problem
+    theirs = _their_digest(reply.digest, max_digest_entries)
+    received = await _receive_records(steps, replica, max_records)
+    sent = await _send_records(steps, replica.missing_for(theirs)[:max_records])
+    return SessionResult(sent, *received, peer_version=reply.version, peer_manifest_hash=reply.manifest_hash)
+
+
+async def _respond_v1(
+    steps: _Steps, replica: Replica, local: LocalInfo, max_records: int, max_digest_entries: int
+) -> SessionResult:
+    """1.0.0's responder."""
+    hello_max = _digest_max_bytes(max_digest_entries)
+    hello = await steps.recv(HelloV1, max_bytes=hello_max)
+    await _refuse_if_incompatible(steps, local, hello)
+    theirs = _their_digest(hello.digest, max_digest_entries)
+    await steps.send(_hello_v1(replica, local), max_bytes=hello_max)
+    sent = await _send_records(steps, replica.missing_for(theirs)[:max_records])
+    received = await _receive_records(steps, replica, max_records)
     return SessionResult(sent, *received, peer_version=hello.version, peer_manifest_hash=hello.manifest_hash)
 
 

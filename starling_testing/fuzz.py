@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
+from unittest import mock
 
 import msgpack
 import numpy as np
@@ -785,14 +786,26 @@ class AvgInitiator(Target):
 LOCAL = state.LocalInfo(version="0.1.0", swarm=SWARM, manifest_hash=MANIFEST.hash)
 
 
+#: The salt of every scripted session: the initiator's, and what a scripted responder echoes.
+SALT = bytes(range(state.SALT_BYTES))
+#: Bucket hashes that differ from any replica's in every bucket, so that entries and records follow.
+ALL_DIFFER = b"\xff" * (state.BUCKETS * state.BUCKET_HASH_BYTES)
+
+
 def _hello(replica: SwarmState, manifest_hash: str = "") -> state.Hello:
-    return state.Hello("0.1.0", SWARM, manifest_hash, encode_digest(replica.digest()))
+    del replica  # its entries go in _entries(); the hello claims a difference in every bucket
+    return state.Hello("0.1.0", SWARM, manifest_hash, SALT, ALL_DIFFER)
+
+
+def _entries(replica: SwarmState) -> state.Entries:
+    return state.Entries(encode_digest(replica.digest()))
 
 
 def state_messages() -> list[Any]:
-    """One valid message of every kind of /starling/state."""
+    """One valid message of every kind of /starling/state (2.0.0)."""
     return [
         _hello(populated_state(KEYS[3]), MANIFEST.hash),
+        _entries(populated_state(KEYS[3])),
         state.Records(list(replica_records()), done=True),
         state.Records([], done=False),
         state.Error(state.MANIFEST_MISMATCH, "manifests differ", manifest_hash="f" * 64, swarm=SWARM),
@@ -811,7 +824,7 @@ class StateMessages(Target):
         return [[doc(m)] for m in state_messages()]
 
     async def feed(self, data: bytes) -> str:
-        from_map((state.Hello, state.Records, state.Error), decode_msg(data, max_bytes=2 << 20))
+        from_map((state.Hello, state.Entries, state.Records, state.Error), decode_msg(data, max_bytes=2 << 20))
         return "accepted"
 
 
@@ -825,17 +838,18 @@ class StateResponder(Target):
     def seeds(cls) -> list[Seed]:
         records = list(replica_records())
         initiator = populated_state(KEYS[4])
+        fresh = SwarmState(KEYS[5])
         return [
-            [msg(_hello(initiator)), msg(state.Records(records[:3], done=False)),
+            [msg(_hello(initiator)), msg(_entries(initiator)), msg(state.Records(records[:3], done=False)),
              msg(state.Records(records[3:], done=True))],
-            [msg(_hello(initiator, MANIFEST.hash)), msg(state.Records(records, done=True))],
-            [msg(_hello(SwarmState(KEYS[5]))), msg(state.Records([], done=True))],
+            [msg(_hello(initiator, MANIFEST.hash)), msg(_entries(initiator)), msg(state.Records(records, done=True))],
+            [msg(_hello(fresh)), msg(_entries(fresh)), msg(state.Records([], done=True))],
         ]
 
     @classmethod
     def refusals(cls) -> list[Seed]:
         other_run = populated_state(KEYS[4])
-        return [[msg(_hello(other_run, "f" * 64)), msg(state.Records([], done=True))]]
+        return [[msg(_hello(other_run, "f" * 64)), msg(_entries(other_run)), msg(state.Records([], done=True))]]
 
     async def feed(self, data: bytes) -> str:
         replica = SwarmState(KEYS[5])
@@ -855,8 +869,9 @@ class StateInitiator(Target):
         records = list(replica_records())
         responder = populated_state(KEYS[4])
         return [
-            [msg(_hello(responder, MANIFEST.hash)), msg(state.Records(records, done=True))],
-            [msg(_hello(responder)), msg(state.Records(records[:2], done=False)), msg(state.Records([], done=True))],
+            [msg(_hello(responder, MANIFEST.hash)), msg(_entries(responder)), msg(state.Records(records, done=True))],
+            [msg(_hello(responder)), msg(_entries(responder)), msg(state.Records(records[:2], done=False)),
+             msg(state.Records([], done=True))],
         ]
 
     @classmethod
@@ -870,7 +885,8 @@ class StateInitiator(Target):
     async def feed(self, data: bytes) -> str:
         replica = SwarmState(KEYS[5])
         replica.update_self(outer_step=2)
-        result = await state.initiate(ScriptedStream(data), replica, LOCAL, timeout_s=HANG_S, max_records=64)
+        with mock.patch.object(state, "_new_salt", lambda: SALT):  # the scripted responder echoes SALT
+            result = await state.initiate(ScriptedStream(data), replica, LOCAL, timeout_s=HANG_S, max_records=64)
         return "accepted" if not result.rejected else "accepted:with rejected records"
 
 

@@ -74,13 +74,15 @@ async def eventually(predicate: Callable[[], bool], what: str, *, timeout: float
 
 
 class Offer:
-    """A rogue replica for one state session: holds nothing, offers fixed records, takes nothing."""
+    """A rogue replica for one state session: offers fixed records (and says it holds them, so that a
+    2.0.0 session's bucket hashes show the difference), takes nothing."""
 
     def __init__(self, records: Iterable[bytes]) -> None:
         self.records = list(records)
 
     def digest(self) -> Mapping[str, tuple[int, ...]]:
-        return {}
+        signed = [crdt.Verifier().decode(r) for r in self.records]
+        return {s.key: s.order for s in signed}
 
     def missing_for(self, their_digest: Mapping[str, tuple[int, ...]]) -> list[bytes]:
         return list(self.records)

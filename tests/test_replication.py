@@ -1,4 +1,4 @@
-"""Swarm-state replication: the /starling/state/1.0.0 anti-entropy protocol and the StateReplicator.
+"""Swarm-state replication: the /starling/state/2.0.0 anti-entropy protocol (and 1.0.0) and the StateReplicator.
 
 The protocol tests run both sides over in-memory streams. The replicator tests run 3-4 real libp2p hosts
 on 127.0.0.1 in one trio loop, each with its own SwarmState and StateReplicator, with short intervals.
@@ -221,8 +221,10 @@ async def test_more_records_than_the_session_limit_is_a_protocol_error() -> None
     replica = FakeReplica()
 
     async def initiator_sending_too_much() -> None:
-        await send_msg(peer, protocol.Hello("x", SWARM, "", crdt.encode_digest({})))
-        await recv_as(peer, protocol.Hello, max_bytes=1 << 20)
+        await send_msg(peer, all_differ_hello())
+        await recv_as(peer, protocol.Hello, max_bytes=protocol.HELLO_MAX_BYTES)
+        await recv_as(peer, protocol.Entries, max_bytes=1 << 20)
+        await send_msg(peer, protocol.Entries(crdt.encode_digest({})))
         await recv_as(peer, protocol.Records)
         await send_msg(peer, protocol.Records([b"r1", b"r2", b"r3"], done=True))
 
@@ -232,6 +234,251 @@ async def test_more_records_than_the_session_limit_is_a_protocol_error() -> None
             await protocol.respond(TrioByteStream(ours), replica, info(), max_records=2)
     assert excinfo.value.reason is Reason.TOO_LARGE
     assert replica.applied == []
+
+
+async def test_more_records_than_the_session_limit_is_a_protocol_error_in_a_1_0_0_session() -> None:
+    ours, theirs = trio.testing.memory_stream_pair()
+    peer = TrioByteStream(theirs)
+    replica = FakeReplica()
+
+    async def initiator_sending_too_much() -> None:
+        await send_msg(peer, protocol.HelloV1("x", SWARM, "", crdt.encode_digest({})))
+        await recv_as(peer, protocol.HelloV1, max_bytes=1 << 20)
+        await recv_as(peer, protocol.Records)
+        await send_msg(peer, protocol.Records([b"r1", b"r2", b"r3"], done=True))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(initiator_sending_too_much)
+        with pytest.raises(ProtocolError) as excinfo:
+            await protocol.respond(TrioByteStream(ours), replica, info(), max_records=2, legacy=True)
+    assert excinfo.value.reason is Reason.TOO_LARGE
+    assert replica.applied == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2.0.0: bucket hashes first, entries and records only where they differ
+
+
+def all_differ_hello(salt: bytes = b"s" * protocol.SALT_BYTES) -> protocol.Hello:
+    """An initiator's hello whose every bucket hash differs from any replica's."""
+    return protocol.Hello("x", SWARM, "", salt, b"\xff" * (protocol.BUCKETS * protocol.BUCKET_HASH_BYTES))
+
+
+def member_records(n: int) -> list[bytes]:
+    """Member records of ``n`` distinct peers, each signed by its own key."""
+    out = []
+    for i in range(n):
+        author = SwarmState(create_new_key_pair())
+        out.append(author.update_self(role="trainer", step=i).data)
+    return out
+
+
+def converged_pair(records: list[bytes]) -> tuple[SwarmState, SwarmState]:
+    a, b = replica_with_progress(1), replica_with_progress(2)
+    for replica in (a, b):
+        replica.apply(records)
+    a.apply(b.missing_for(a.digest()))
+    b.apply(a.missing_for(b.digest()))
+    assert a.digest() == b.digest()
+    return a, b
+
+
+class Counted:
+    """A byte stream that counts what it writes (what a session costs on the wire)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.inner, self.written = TrioByteStream(stream), 0
+
+    async def read(self, max_bytes: int) -> bytes:
+        return await self.inner.read(max_bytes)
+
+    async def write(self, data: Any) -> None:
+        self.written += len(data)
+        await self.inner.write(data)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def counted_session(a: protocol.Replica, b: protocol.Replica, **kwargs: Any) -> tuple[Any, Any, int]:
+    """One session, ``a`` initiating; returns both results and the bytes both sides wrote."""
+    x, y = trio.testing.memory_stream_pair()
+    ours, theirs = Counted(x), Counted(y)
+    outcome: dict[str, Any] = {}
+
+    async def responder() -> None:
+        outcome["r"] = await protocol.respond(theirs, b, info(), **kwargs)
+        await theirs.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(responder)
+        outcome["i"] = await protocol.initiate(ours, a, info(), **kwargs)
+        await ours.aclose()
+    return outcome["i"], outcome["r"], ours.written + theirs.written
+
+
+async def test_a_converged_pair_exchanges_two_hellos_of_a_size_independent_of_the_swarm() -> None:
+    """Version 1.0.0 sent every member's digest entry in each hello: an idle pair's round grew with N."""
+    costs, legacy_costs = {}, {}
+    for n in (4, 200):
+        a, b = converged_pair(member_records(n))
+        i, r, written = await counted_session(a, b)
+        assert (i.sent, i.received, r.sent, r.received) == (0, 0, 0, 0)
+        assert i.differing_buckets == r.differing_buckets == 0
+        costs[n] = written
+        legacy_costs[n] = (await counted_session(a, b, legacy=True))[2]
+    assert costs[4] == costs[200]  # the same bytes for 6 and 202 members
+    assert costs[200] < 1000, costs  # two hellos of about 330 bytes
+    assert legacy_costs[200] > 20 * costs[200]  # 1.0.0: 202 entries in each hello
+
+
+async def test_a_pair_differing_in_one_record_moves_it_and_the_entries_of_one_bucket_only() -> None:
+    records = member_records(200)
+    a, b = converged_pair(records)
+    author = SwarmState(create_new_key_pair())
+    newer = author.update_self(role="trainer", step=1).data
+    b.apply([newer])  # a new member, known to b only
+    full_digest = len(crdt.encode_digest(a.digest()))
+    i, r, written = await counted_session(a, b)
+    assert i.differing_buckets == r.differing_buckets == 1
+    assert (i.received, i.changed, i.sent, r.sent) == (1, 1, 0, 1)
+    assert a.digest() == b.digest()
+    # Two hellos, the entries of one bucket (about 1/32 of the table) each way and the one record:
+    # far less than the one whole digest 1.0.0 sent in each hello.
+    assert written < 2 * protocol.HELLO_MAX_BYTES + len(newer) + full_digest // 4
+
+
+async def test_a_newcomer_gets_the_whole_table_and_sends_its_own_records_once() -> None:
+    a, b = converged_pair(member_records(50))
+    fresh = replica_with_progress(3)
+    i, r, _ = await counted_session(fresh, b)
+    assert fresh.digest().keys() == b.digest().keys() == a.digest().keys() | fresh.digest().keys()
+    assert i.sent == 2 and r.received == 2 and i.received == r.sent == len(a.digest())
+
+
+async def test_sessions_converge_whatever_the_differences_in_every_bucket() -> None:
+    """Many records on each side only, in every bucket: one session each way leaves both equal."""
+    shared = member_records(40)
+    a, b = converged_pair(shared)
+    a.apply(member_records(60))
+    b.apply(member_records(60))
+    i, r, _ = await counted_session(b, a)
+    assert i.differing_buckets > 16
+    assert a.digest() == b.digest() and len(a.digest()) == 4 + 40 + 120
+    assert (i.sent, i.received) == (60, 60)
+
+
+async def test_a_1_0_0_session_still_converges_both_sides() -> None:
+    a, b = replica_with_progress(10, step=1), replica_with_progress(20, step=2)
+    i, r, _ = await counted_session(a, b, legacy=True)
+    assert a.digest() == b.digest() and (i.sent, r.sent) == (2, 2)
+    assert i.differing_buckets == r.differing_buckets == -1
+
+
+async def responder_fed(*messages: Any, max_bytes: int = 1 << 20, **kwargs: Any) -> ProtocolError:
+    """Run a responder against an initiator that sends ``messages`` (reading whatever comes back);
+    returns the ProtocolError the responder raised."""
+    ours, theirs = trio.testing.memory_stream_pair()
+    peer = TrioByteStream(theirs)
+
+    async def initiator() -> None:
+        for message in messages:
+            await send_msg(peer, message, max_bytes=max_bytes)
+        with trio.move_on_after(1):
+            while await theirs.receive_some(65536):
+                pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(initiator)
+        with pytest.raises(ProtocolError) as excinfo:
+            await protocol.respond(TrioByteStream(ours), replica_with_progress(1), info(), **kwargs)
+        await ours.aclose()
+    return excinfo.value
+
+
+def hello_map(**changes: Any) -> dict[str, Any]:
+    fields = {"t": "hello", "v": 2, "version": "x", "swarm": SWARM, "manifest_hash": "",
+              "salt": b"s" * protocol.SALT_BYTES, "buckets": b"\0" * (protocol.BUCKETS * protocol.BUCKET_HASH_BYTES)}  # fmt: skip
+    fields.update(changes)
+    return fields
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason", "words"),
+    [
+        ({"buckets": b"\0" * 8}, Reason.BAD_FIELD, "buckets: length 8"),
+        ({"buckets": [b"\0" * 8] * 32}, Reason.BAD_FIELD, "buckets: expected bytes, got list"),
+        ({"salt": b""}, Reason.BAD_FIELD, "salt: length 0"),
+        ({"salt": 7}, Reason.BAD_FIELD, "salt: expected bytes, got int"),
+        ({"digest": b""}, Reason.BAD_FIELD, "unknown field 'digest'"),
+        ({"v": 1}, Reason.BAD_VERSION, "Hello version 1, this node speaks 2"),
+        ({"swarm": "s" * 100_000}, Reason.TOO_LARGE, ""),
+    ],
+)
+async def test_a_hostile_hello_is_refused_with_a_named_reason(changes: dict[str, Any], reason: Reason, words: str) -> None:
+    error = await responder_fed(hello_map(**changes))
+    assert error.reason is reason and words in str(error)
+
+
+async def test_entries_in_buckets_whose_hashes_match_are_refused() -> None:
+    """A peer must not make this node consider entries it did not ask for."""
+    responder_state = replica_with_progress(1)
+    salt = b"s" * protocol.SALT_BYTES
+    theirs = protocol.bucket_hashes(responder_state.digest(), salt)
+    # The initiator claims the responder's hashes in every bucket but one, then sends an entry elsewhere.
+    mine = bytearray(theirs)
+    mine[:protocol.BUCKET_HASH_BYTES] = b"\xff" * protocol.BUCKET_HASH_BYTES
+    other_key = next(f"m:{k}" for k in range(10**6) if protocol.bucket_of(f"m:{k}") != 0)
+    ours, peer_end = trio.testing.memory_stream_pair()
+    peer = TrioByteStream(peer_end)
+
+    async def initiator() -> None:
+        await send_msg(peer, protocol.Hello("x", SWARM, "", salt, bytes(mine)))
+        await recv_as(peer, protocol.Hello, max_bytes=protocol.HELLO_MAX_BYTES)
+        await recv_as(peer, protocol.Entries, max_bytes=1 << 20)
+        await send_msg(peer, protocol.Entries(crdt.encode_digest({other_key: (1, 0, 0)})))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(initiator)
+        with pytest.raises(ProtocolError) as excinfo:
+            await protocol.respond(TrioByteStream(ours), responder_state, info())
+    assert excinfo.value.reason is Reason.MALFORMED and "whose hashes match" in str(excinfo.value)
+
+
+async def test_entries_beyond_the_digest_limit_are_refused_before_they_are_used() -> None:
+    too_many = {f"m:{k}": (1, 0, 0) for k in range(50)}
+    error = await responder_fed(all_differ_hello(), protocol.Entries(crdt.encode_digest(too_many)),
+                                max_digest_entries=10)
+    assert error.reason in (Reason.MALFORMED, Reason.TOO_LARGE) and "digest" in str(error)
+
+
+async def test_a_responder_that_hashes_with_another_salt_is_refused() -> None:
+    ours, theirs = trio.testing.memory_stream_pair()
+    peer = TrioByteStream(theirs)
+
+    async def responder() -> None:
+        await recv_as(peer, protocol.Hello, max_bytes=protocol.HELLO_MAX_BYTES)
+        await send_msg(peer, all_differ_hello(salt=b"t" * protocol.SALT_BYTES))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(responder)
+        with pytest.raises(ProtocolError) as excinfo:
+            await protocol.initiate(TrioByteStream(ours), replica_with_progress(1), info())
+    assert excinfo.value.reason is Reason.MALFORMED and "salt" in str(excinfo.value)
+
+
+def test_bucket_hashes_depend_on_every_entry_and_the_salt() -> None:
+    digest = {"m:a": (1, 2, 3), "m:b": (4, 5, 6), "c:a": (1, 1, 1, 1, 1), "manifest": (0, 0, 0)}
+    salt = b"s" * protocol.SALT_BYTES
+    base = protocol.bucket_hashes(digest, salt)
+    assert len(base) == protocol.BUCKETS * protocol.BUCKET_HASH_BYTES
+    assert protocol.bucket_hashes(dict(reversed(digest.items())), salt) == base  # order-free
+    assert protocol.bucket_hashes(digest, b"t" * protocol.SALT_BYTES) != base
+    for key in digest:
+        changed = dict(digest, **{key: (*digest[key][:-1], digest[key][-1] + 1)})
+        hashes = protocol.bucket_hashes(changed, salt)
+        differ = [i for i in range(protocol.BUCKETS) if hashes[i * 8 : i * 8 + 8] != base[i * 8 : i * 8 + 8]]
+        assert differ == [protocol.bucket_of(key)]
 
 
 def test_record_batches_respect_the_count_and_byte_limits() -> None:
@@ -716,7 +963,8 @@ async def test_before_its_first_session_a_restarted_node_takes_gossip_about_memb
         # serving the state protocol, as an overloaded peer that times out would).
         restarted.state.apply(peer.state.missing_for({}))
         for node in (restarted, peer):
-            node.host.remove_stream_handler(protocol.PROTOCOL_ID)
+            for protocol_id in protocol.PROTOCOL_IDS:
+                node.host.remove_stream_handler(protocol_id)
         await c.connect((restarted, peer))
 
         peer.fields["step"] = 5  # the peer's next heartbeats carry it, by gossip only
@@ -732,6 +980,27 @@ async def test_before_its_first_session_a_restarted_node_takes_gossip_about_memb
         await eventually(lambda: restarted.rep.stats.gossip_refused > refused, "the stranger refused")
         assert stranger.peer_id not in restarted.member_ids()
         assert restarted.rep.stats.sessions_ok == 0 and restarted.rep.stats.session_failures["open"] >= 1
+
+
+async def test_a_node_not_upgraded_to_2_0_0_still_syncs_over_1_0_0_both_ways() -> None:
+    """Swarms upgrade node by node: a peer that serves only 1.0.0 is spoken to (and served) in 1.0.0."""
+    async with cluster() as c:
+        new, old = await c.add(gossip=False), await c.add(gossip=False)
+        old.host.remove_stream_handler(protocol.PROTOCOL_ID)  # as a node of the previous release
+        legacy_sessions = []
+
+        async def counted(stream: Any) -> None:
+            legacy_sessions.append(stream)
+            await old.rep._handle_legacy_stream(stream)
+
+        old.host.set_stream_handler(protocol.PROTOCOL_ID_1_0, counted)
+        await c.connect((new, old))
+        for i, node in enumerate((new, old)):
+            node.fields["step"] = 10 + i
+            node.rep.refresh()
+        await eventually(lambda: identical([new, old]) and new.member_ids() == {new.pid, old.pid}, "identical digests")
+        assert legacy_sessions  # new asked for 2.0.0, fell back to 1.0.0
+        assert new.rep.stats.session_failures["open"] == old.rep.stats.session_failures["open"] == 0
 
 
 async def test_a_connected_member_that_goes_quiet_is_probed_so_it_stays_alive_without_gossip() -> None:
@@ -809,7 +1078,7 @@ async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers
     replicator = idle_replicator()
     gate, held = trio.Event(), []
 
-    async def session(peer: ID, stream: Any, *, initiator: bool) -> None:
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False) -> None:
         held.append(peer)
         await gate.wait()
 

@@ -26,8 +26,9 @@ rest of the swarm:
   buys little, while its upkeep did not shrink with them: a pubsub stream to every peer, the mesh upkeep
   every second, IHAVE to peers outside the mesh and every copy of a record checked; at a 64-daemon join it
   was the largest traffic left (259 kB/min per daemon, docs/benchmarks.md).
-* **Anti-entropy.** It runs ``/starling/state/1.0.0`` sessions (:mod:`protocols.state`): both digests
-  are exchanged and each side sends what the other lacks. This is what makes replicas converge, whatever
+* **Anti-entropy.** It runs ``/starling/state/2.0.0`` sessions (:mod:`protocols.state`; 1.0.0 with peers
+  not upgraded yet): both sides' bucket hashes of their digests are exchanged, the entries of the buckets
+  that differ, and each side sends what the other lacks; two converged replicas exchange only the hashes. This is what makes replicas converge, whatever
   gossip lost; a partition heals within one session after the halves reconnect. Sessions start at once
   on a new connection (one session, started by the side with the smaller peer ID: two crossing sessions
   sent a newcomer the whole table twice); every ``anti_entropy_s`` with the connected peer this node has not started one
@@ -493,6 +494,7 @@ class StateReplicator:
                 self._found_after = trio.current_time() + 2 * self.anti_entropy_s
                 self._heartbeat(force=True)  # our own record exists before anyone asks for it
                 self.host.set_stream_handler(protocol.PROTOCOL_ID, self._handle_stream)
+                self.host.set_stream_handler(protocol.PROTOCOL_ID_1_0, self._handle_legacy_stream)
                 try:
                     async with self._gossip_service() as (pubsub, subscription):
                         self.pubsub = pubsub
@@ -515,6 +517,7 @@ class StateReplicator:
                 finally:
                     self.pubsub = None
                     self.host.remove_stream_handler(protocol.PROTOCOL_ID)
+                    self.host.remove_stream_handler(protocol.PROTOCOL_ID_1_0)
         finally:
             self._save()
 
@@ -881,7 +884,7 @@ class StateReplicator:
         try:
             with trio.move_on_after(OPEN_TIMEOUT_S) as open_scope:
                 try:
-                    stream = await self.host.new_stream(peer, [protocol.PROTOCOL_ID])
+                    stream = await self.host.new_stream(peer, list(protocol.PROTOCOL_IDS))
                 except Exception as exc:  # py-libp2p raises many types for a peer it cannot reach
                     self.stats.session_failures["open"] += 1
                     log.debug("cannot open a state stream to %s: %s", peer, exc)
@@ -889,13 +892,18 @@ class StateReplicator:
             if open_scope.cancelled_caught:
                 self.stats.session_failures["timeout"] += 1
                 return
-            await self._session(peer, stream, initiator=True)  # under the protocol's own deadlines
+            legacy = str(stream.get_protocol()) == protocol.PROTOCOL_ID_1_0  # a peer not upgraded yet
+            await self._session(peer, stream, initiator=True, legacy=legacy)  # under the protocol's own deadlines
         finally:
             self._in_flight.discard(peer)
             self._wake.set()
 
-    async def _handle_stream(self, stream: INetStream) -> None:
-        """Stream handler of ``/starling/state/1.0.0`` (runs in libp2p's task, one per session)."""
+    async def _handle_legacy_stream(self, stream: INetStream) -> None:
+        """Stream handler of ``/starling/state/1.0.0``, for peers not upgraded yet (protocols/state.py)."""
+        await self._handle_stream(stream, legacy=True)
+
+    async def _handle_stream(self, stream: INetStream, *, legacy: bool = False) -> None:
+        """Stream handler of ``/starling/state/2.0.0`` (runs in libp2p's task, one per session)."""
         peer = stream.muxed_conn.peer_id
         if self._inbound >= MAX_INBOUND_SESSIONS or self._inbound_by_peer.get(peer, 0) >= MAX_INBOUND_SESSIONS_PER_PEER:
             self.stats.busy_refusals += 1
@@ -910,14 +918,14 @@ class StateReplicator:
         self._inbound += 1
         self._inbound_by_peer[peer] = self._inbound_by_peer.get(peer, 0) + 1
         try:
-            await self._session(peer, stream, initiator=False)
+            await self._session(peer, stream, initiator=False, legacy=legacy)
         finally:
             self._inbound -= 1
             left = self._inbound_by_peer.pop(peer) - 1
             if left:
                 self._inbound_by_peer[peer] = left
 
-    async def _session(self, peer: ID, stream: INetStream, *, initiator: bool) -> None:
+    async def _session(self, peer: ID, stream: INetStream, *, initiator: bool, legacy: bool = False) -> None:
         """One session on an open stream, either side; records the outcome, never raises for the peer's
         failures."""
         byte_stream = LibP2PByteStream(stream)
@@ -931,6 +939,7 @@ class StateReplicator:
                 self._local_info(),
                 max_records=self._max_records,
                 max_digest_entries=self._max_digest_entries,
+                legacy=legacy,
             )
         except SyncRefused as exc:
             graceful = True  # the Error message must reach the initiator before the stream closes
