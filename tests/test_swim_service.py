@@ -284,6 +284,16 @@ def swim_replicator(fields: dict[str, Any], liveness: Callable[[str], MemberStat
                            clock=clock, liveness=liveness, progress_every_s=30.0)
 
 
+def add_trainers(rep: StateReplicator, clock: Clock, count: int) -> list[str]:
+    """`count` other trainers' records applied to `rep`'s state, as if they had arrived; their peer IDs."""
+    others = []
+    for _ in range(count):
+        other = SwarmState(create_new_key_pair(), clock=clock)
+        assert rep.state.apply([other.update_self(role="trainer").data]).changed
+        others.append(other.peer_id)
+    return others
+
+
 def test_swim_mode_re_signs_the_record_only_when_it_changes_and_progress_at_most_every_30_s() -> None:
     clock = Clock()
     fields: dict[str, Any] = {"role": "trainer", "addrs": ["/ip4/1.2.3.4/tcp/1"], "step": 1, "outer_step": 0}
@@ -323,11 +333,7 @@ def test_swim_mode_shows_the_states_swim_holds_not_the_records_age() -> None:
     held: dict[str, MemberState] = {}
     rep = swim_replicator({"role": "trainer"}, lambda peer: held.get(peer, MemberState.GONE), clock)
     rep.refresh()
-    others = []
-    for _ in range(3):
-        other = SwarmState(create_new_key_pair(), clock=clock)
-        assert rep.state.apply([other.update_self(role="trainer").data]).changed
-        others.append(other.peer_id)
+    others = add_trainers(rep, clock, 3)
     held.update({others[0]: MemberState.ALIVE, others[1]: MemberState.SUSPECT})  # others[2]: unknown to SWIM
     clock.t += 3600  # records an hour old: gone by their age, but SWIM says otherwise
     states = {m["peer_id"]: m["state"] for m in rep.status()["members"]}
@@ -346,11 +352,7 @@ def test_swim_mode_dials_members_whose_records_are_held_but_swim_never_heard_of(
     rep = swim_replicator({"role": "trainer"}, lambda peer: held.get(peer, MemberState.GONE), clock)
     rep.unheard_of = lambda peer: peer not in held and peer not in dead
     rep.refresh()
-    others = []
-    for _ in range(3):
-        other = SwarmState(create_new_key_pair(), clock=clock)
-        assert rep.state.apply([other.update_self(role="trainer").data]).changed
-        others.append(other.peer_id)
+    others = add_trainers(rep, clock, 3)
     held[others[0]] = MemberState.ALIVE
     dead.add(others[1])  # held dead by SWIM: gone, and not dialled
     assert {m.peer_id for m in rep.members_to_dial()} == {others[0], others[2]}
