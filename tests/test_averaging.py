@@ -621,7 +621,7 @@ def asking_with(compression: str) -> AvgRequest:
 async def judged(cfg: SyncConfig, compression: str, *, typical_rate_bps: float | None = 1e9) -> tuple[AnswerCode, str] | None:
     """How an averager on `cfg` in a round answers a request for preset `compression`, its typical rate over
     its partners (`_learn_rate`) `typical_rate_bps` (a fast link by default; None: nothing measured yet)."""
-    av = Averager(LoneHost(), cfg, FakeSwarm())
+    av = Averager(LoneHost(), cfg, FakeSwarm(period=5.0))
     av._rate_bps = typical_rate_bps
     async with in_a_round(av):
         return av.answer_for(asking_with(compression), "peer")
@@ -679,6 +679,8 @@ async def test_two_auto_nodes_probe_first_then_exchange_the_preset_their_measure
         others = [avs[1].me, avs[0].me]
         period = 0.5
         assert transfer_s("medium", NUMEL, 1e6) < period < transfer_s("none", NUMEL, 1e6)
+        for av in avs:
+            av.swarm.period = 1e9  # a FakeSwarm's compute period of an outer step: known, and long
 
         reqs = [request(1, outer_step=4), request(2, outer_step=4)]
         outcomes = await exchange_both(avs, reqs)
@@ -689,7 +691,6 @@ async def test_two_auto_nodes_probe_first_then_exchange_the_preset_their_measure
             assert st["compression"] == "auto" and st["last_compression"] == PROBE
             assert st["last_bytes_per_param"] < 0.1
             assert av.admission.link(other).rate_bps is not None  # the probe taught the link's rate
-            av.swarm.period = 1e9
 
         outcomes = await exchange_both(avs, [request(7, outer_step=5), request(8, outer_step=5)])
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]

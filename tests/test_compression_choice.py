@@ -45,16 +45,16 @@ def test_the_predicted_transfer_is_one_sides_bytes_over_the_rate_each_way() -> N
 def test_without_any_measured_rate_the_first_exchange_is_the_cheapest_probe() -> None:
     """Nothing measured anywhere: the most compressed preset, so that the transfer that teaches the rate does
     not flood a link that may be slow (bench/wan.py one-slow: the 0.08 Mbit/s trainer's first, bf16, exchange
-    could not finish in the run). Whatever the period, known or not."""
+    could not finish in the run)."""
     assert PROBE == ORDER[-1] == "high"
     assert choose_compression(rate_bps=None, period_s=5.0 / STRETCH, numel=NUMEL) == PROBE
     assert choose_compression(rate_bps=0.0, period_s=5.0 / STRETCH, numel=NUMEL) == PROBE
-    assert choose_compression(rate_bps=None, period_s=0.0, numel=NUMEL) == PROBE
 
 
-def test_with_a_measured_rate_but_no_known_period_it_is_none() -> None:
-    """With no period there is nothing to compare the transfer against."""
+def test_without_a_known_period_it_is_none_as_before() -> None:
+    """With no period there is nothing to weigh a transfer against, so nothing a probe would teach."""
     assert choose_compression(rate_bps=0.01 * MB, period_s=0.0 / STRETCH, numel=NUMEL) == "none"
+    assert choose_compression(rate_bps=None, period_s=0.0, numel=NUMEL) == "none"
 
 
 def test_a_link_that_moves_bf16_within_the_period_keeps_none() -> None:
@@ -156,9 +156,10 @@ def test_a_responder_that_has_measured_no_rate_wants_the_probe_as_it_would_ask_f
     assert [accepts(AUTO, 2, name, wants()) for name in ORDER] == [False, False, True]
 
 
-def test_a_responder_with_a_rate_but_no_known_period_takes_any_preset_as_before() -> None:
-    assert wants(typical=10e3, period=0.0) == "none"
-    assert all(accepts(AUTO, 2, name, wants(typical=10e3, period=0.0)) for name in ORDER)
+def test_a_responder_with_no_known_period_takes_any_preset_as_before() -> None:
+    for typical in (10e3, None):
+        assert wants(typical=typical, period=0.0) == "none"
+        assert all(accepts(AUTO, 2, name, wants(typical=typical, period=0.0)) for name in ORDER)
 
 
 def test_groups_of_four_and_fixed_presets_are_unchanged_by_the_responders_say() -> None:

@@ -165,7 +165,7 @@ async def _with_scripted_partner(partner, cfg: SyncConfig, *, pieces: int = 1, p
 
 
 def _slow_cfg() -> SyncConfig:
-    return SyncConfig(wire_dtype="fp32", pair_window_s=3, datapath=False, stall_timeout_s=5.0)
+    return SyncConfig(wire_dtype="fp32", pair_window_s=3, datapath=False, stall_timeout_s=5.0, compression="none")
 
 
 async def _drain(channel: PlainFrameChannel, elems: int) -> None:

@@ -22,8 +22,9 @@ slow. It used to be bf16 `none` (a big transfer measures a link best), and in th
 one-slow at 0.4 Mbit/s) the trainer behind the 0.08 Mbit/s link spent its first exchange on 1.9 MB each way
 that could not finish in the run, and was cut. A probe costs one compressed outer step per node on a fast
 link, after which its measured rate relaxes the preset (a probe that completes too fast to time still
-counts, as a lower bound: averager.py `_learn_rate`). With a measured rate but no known period it is
-`none`: an unknown period gives nothing to compare against. Groups of four always use `none`
+counts, as a lower bound: averager.py `_learn_rate`). Without a known period it is `none`, as before: an
+unknown period gives nothing to weigh a transfer against (in the daemon the period is known from the first
+inner steps, before the first exchange). Groups of four always use `none`
 (sync_config.py: a lossy preset needs pairs).
 
 Who decides (`accepts`, `after_refusal`): the initiator names the preset, from *its* view of the link, but
@@ -42,9 +43,9 @@ exchange starts there and the hysteresis above relaxes it only once the link all
 own rate is unmeasured, `previous` is a floor: `preset_for`). The initiator only
 ever moves towards more compression within an exchange, so two `auto` nodes that disagree meet in at most
 `len(ORDER) - 1` retries, and a hostile responder can make us send less, never loop us. A responder that
-has measured no rate at all wants `PROBE`, as it would ask for itself (a node's first exchange is a probe
+has measured no rate at all (and knows its period) wants `PROBE`, as it would ask for itself (a node's first exchange is a probe
 whichever side asks: the slow trainer's first one used to be the bf16 a fast partner asked for); one with a
-rate but no known period takes any preset, as before; a group's second round is
+no known period takes any preset, as before; a group's second round is
 `none` on both sides; fixed presets are unchanged (a responder on one takes that preset only). A 1.2.0
 initiator reads the refusal by its words' prefix as a compression refusal but does not ask again: it pairs
 elsewhere that step, while the slow node asking it names its own preset, which an `auto` node takes.
@@ -97,12 +98,10 @@ def choose_compression(
     `period_s`: compute seconds of an outer step (H inner steps; 0 or less: unknown).
     `previous`: the preset of the last exchange this node chose for that partner (None: none yet).
     """
-    if group_size != 2 or numel <= 0:
-        return "none"
+    if group_size != 2 or numel <= 0 or period_s <= 0:
+        return "none"  # (no period: nothing to weigh a transfer against, so nothing a probe would teach)
     if rate_bps is None or rate_bps <= 0:
         return PROBE  # nothing measured anywhere: the cheapest transfer teaches the rate
-    if period_s <= 0:
-        return "none"
     last = ORDER.index(previous) if previous in ORDER else 0
     for rank, preset in enumerate(ORDER):
         budget = STRETCH * period_s * (RELAX_SHARE if rank < last else 1.0)
