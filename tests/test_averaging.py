@@ -692,7 +692,10 @@ async def test_two_auto_nodes_probe_first_then_exchange_the_preset_their_measure
             assert st["last_bytes_per_param"] < 0.1
             assert av.admission.link(other).rate_bps is not None  # the probe taught the link's rate
 
+        # One preset at a time back towards bf16 (a small transfer's rate can be a token bucket's burst).
         outcomes = await exchange_both(avs, [request(7, outer_step=5), request(8, outer_step=5)])
+        assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["medium", "medium"]
+        outcomes = await exchange_both(avs, [request(9, outer_step=6), request(10, outer_step=6)])
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]
         assert all(o.phi_range is None for o in outcomes)
         for av in avs:
@@ -704,10 +707,10 @@ async def test_two_auto_nodes_probe_first_then_exchange_the_preset_their_measure
             av.admission.link(other).rate_bps = 1e6
             av.swarm.period = period  # a FakeSwarm's compute period of an outer step
         comp = get_compression("medium")
-        reqs = [request(3, outer_step=6), request(4, outer_step=6)]
+        reqs = [request(3, outer_step=7), request(4, outer_step=7)]
         outcomes = await exchange_both(avs, reqs)
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["medium", "medium"]
-        lo, hi = comp.fragment_range(NUMEL, comp.fragment_of(6))
+        lo, hi = comp.fragment_range(NUMEL, comp.fragment_of(7))
         assert all(o.phi_range == (lo, hi) for o in outcomes)
         assert torch.equal(reqs[0].delta_out, reqs[1].delta_out)
         assert torch.equal(reqs[0].phi_out[lo:hi], reqs[1].phi_out[lo:hi])
@@ -718,7 +721,7 @@ async def test_two_auto_nodes_probe_first_then_exchange_the_preset_their_measure
 
         for av in avs:
             av.swarm.period = 1e9
-        outcomes = await exchange_both(avs, [request(5, outer_step=7), request(6, outer_step=7)])
+        outcomes = await exchange_both(avs, [request(5, outer_step=8), request(6, outer_step=8)])
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]
         nursery.cancel_scope.cancel()
 

@@ -228,5 +228,17 @@ def test_a_partner_not_measured_yet_keeps_the_preset_it_asked_for_until_its_own_
     assert wants(typical=40e3, previous="high") == "high"
     assert wants(previous="high") == "high"  # nothing measured at all
     assert wants(typical=40e3, previous="none") == "medium"  # a floor, never a ceiling
-    assert wants(link=1e9, typical=40e3, previous="high") == "none"  # its own link, measured fast
+    assert wants(link=1e9, typical=40e3, previous="high") == "medium"  # its own link, measured fast: one step
+    assert wants(link=1e9, typical=40e3, previous="medium") == "none"
     assert wants(link=10e3, previous="medium") == "high"
+
+
+def test_a_less_compressed_preset_comes_back_one_step_at_a_time() -> None:
+    """bench/wan.py one-slow on the default lab queue: the 37 kB probe passed within the 64 KiB token bucket's
+    burst, taught a rate far above the 0.4 Mbit/s link's, and fast pairs went straight from `high` to bf16.
+    From `high` the next is at most `medium`, whose bigger transfer measures the link before `none`."""
+    fast = dict(rate_bps=1e3 * MB, period_s=5.0, numel=NUMEL)
+    assert choose_compression(**fast, previous="high") == "medium"
+    assert choose_compression(**fast, previous="medium") == "none"
+    assert choose_compression(**fast, previous="none") == "none"
+    assert choose_compression(rate_bps=0.001 * MB, period_s=5.0, numel=NUMEL, previous="none") == "high"  # more: at once

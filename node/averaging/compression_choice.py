@@ -15,7 +15,8 @@ of compression costs loss at every step. Measured at 0.4 Mbit/s (docs/benchmarks
 `medium`, whose exchanges took 1.2-1.5 periods, reached 2.260 where `high` (well within one period) reached
 2.346 and bf16 `none` (16 periods) 2.644. A preset less compressed than the one used last with that partner
 must fit in half that budget (`RELAX_SHARE`), so that a rate measured around the threshold does not flip the
-preset at every step.
+preset at every step, and it comes back one preset at a time (`high`, then `medium`, then `none`): a rate
+measured on a small transfer can be far too high where a token bucket lets a burst through.
 Without any measured rate (a node's first exchange: no partner measured, no typical rate yet) it is the
 most compressed preset, `PROBE`: the transfer that teaches the rate must not itself flood a link that may be
 slow. It used to be bf16 `none` (a big transfer measures a link best), and in the network lab (bench/wan.py,
@@ -103,7 +104,10 @@ def choose_compression(
     if rate_bps is None or rate_bps <= 0:
         return PROBE  # nothing measured anywhere: the cheapest transfer teaches the rate
     last = ORDER.index(previous) if previous in ORDER else 0
-    for rank, preset in enumerate(ORDER):
+    # One preset at a time back towards `none`: the rate that allows it was measured on a smaller transfer,
+    # which a token bucket's burst can pass at far more than the link's rate (bench/wan.py, default queue:
+    # a 37 kB probe put fast pairs on bf16 over 0.4 Mbit/s); the next preset's bigger transfer measures it.
+    for rank, preset in enumerate(ORDER[max(0, last - 1):], start=max(0, last - 1)):
         budget = STRETCH * period_s * (RELAX_SHARE if rank < last else 1.0)
         if transfer_s(preset, numel, rate_bps, wire_dtype) <= budget:
             return preset
