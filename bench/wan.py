@@ -144,6 +144,7 @@ class Plan:
     variants: list[tuple[str, dict[str, str]]]  # Starling variants: (label, {"section.option": value})
     sync: dict[str, Any] = field(default_factory=dict)  # sync options of every Starling run (quick: faster joins)
     hivemind: str = "auto"  # auto: run hivemind where bench/.venv-hivemind exists; off: leave it out
+    queue_ms: float | None = None  # each shaped link's queue (netlab `limit`); None: tbf's deep default
 
     @property
     def quota_us(self) -> int:
@@ -212,6 +213,15 @@ def unknown_option(sets: dict[str, str]) -> str | None:
 # --- the lab -------------------------------------------------------------------------------------------------
 
 
+def queue_text(queue_ms: float | None) -> str:
+    """How deep each shaped link's queue is, for the section's text (netlab `limit`)."""
+    if queue_ms is None:
+        return ("tbf's bucket holds a 64 KiB GSO packet and its queue as much again: seconds of queue on a "
+                "slow link, 6.6 s at 0.08 Mbit/s")
+    return (f"a shallow queue: {queue_ms:g} ms of traffic at the link rate, GSO capped to one frame "
+            "(`--queue-ms`)")
+
+
 def lab_unavailable() -> str | None:
     """Why this machine cannot run the bench (root, namespaces, tbf, cgroup v1 cpu), or None."""
     reason = netlab.unavailable_reason()
@@ -237,8 +247,9 @@ def tbf_unavailable() -> str | None:
 class WanLab:
     """The lab of every run: a bootstrap host and N trainer hosts on one bridge; links reshaped per phase."""
 
-    def __init__(self, lab: Lab) -> None:
+    def __init__(self, lab: Lab, queue_ms: float | None = None) -> None:
         self.lab = lab
+        self.queue_ms = queue_ms  # None: tbf's default deep queue (seconds on a slow link); else a shallow one
         self.boot = lab.public_host("boot")
         self.hosts = [lab.public_host(f"t{i}") for i in range(N)]
 
@@ -248,7 +259,7 @@ class WanLab:
             if rates is None:
                 self.lab.unlimit(host)
             else:
-                self.lab.limit(host, rates[i])
+                self.lab.limit(host, rates[i], queue_ms=self.queue_ms)
 
     def counters(self) -> dict[str, tuple[int, int]]:
         """{trainer: (bytes it sent, bytes it received)} on its link so far: the bridge-side veth end's rx/tx
@@ -1004,7 +1015,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
         notes.append(why)
     scenarios = []
     with Lab(log_dir=root / "lab-logs", env={"PYTHONPATH": str(ROOT)}) as lab:
-        wl = WanLab(lab)
+        wl = WanLab(lab, plan.queue_ms)
         print("membership: network-only daemons on the same hosts", file=sys.stderr, flush=True)
         members = membership_only(wl, root / "members", plan, 15.0 if plan.quick else 30.0)
         print(f"  {statistics.fmean(members.values()):.0f} B/s sent per host", file=sys.stderr, flush=True)
@@ -1027,7 +1038,8 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
             for name in plan.scenarios:
                 rates = [rate] * N if name == "uniform" else [rate] * (N - 1) + [rate / SLOW_FACTOR]
                 tag = f"{name}-{rate:g}mbit"
-                print(f"{tag}:", file=sys.stderr, flush=True)
+                print(f"{tag}:" + (f" (queues of {plan.queue_ms:g} ms)" if plan.queue_ms is not None else ""),
+                      file=sys.stderr, flush=True)
                 rows = [starling_row(unshaped, None, "Starling defaults, unshaped links (reference)", True)]
                 hm_notes: list[str] = []
                 runs = []
@@ -1125,7 +1137,7 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
         f"{os.cpu_count()}-core {platform.machine()} machine shared with other jobs, {platform.system()} "
         f"{platform.release()}; torch {torch.__version__}).",
         f"{N} trainers, each in its own network-lab namespace behind its own link shaped with tc tbf both ways "
-        f"(each end of its veth), a network-only bootstrap node on an unshaped link; no added latency (netem is "
+        f"(each end of its veth; {queue_text(plan.queue_ms)}), a network-only bootstrap node on an unshaped link; no added latency (netem is "
         f"not available here; the all-reduce's 2(N-1) sequential steps would suffer more from latency than a "
         f"pairwise exchange, so leaving it out favours the baselines). Task stdlib-lm with "
         f"{'the daemon default model' if plan.model == 'default' else 'bench/convergence.py model'} "
@@ -1153,7 +1165,8 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
     ]
     for sc in scenarios:
         head = (f"### {sc.name}: links {', '.join(f'{r:g}' for r in sc.rates)} Mbit/s"
-                + (f" (one link {SLOW_FACTOR:g}x slower)" if sc.name == "one-slow" else ""))
+                + (f" (one link {SLOW_FACTOR:g}x slower)" if sc.name == "one-slow" else "")
+                + (f", queues of {plan.queue_ms:g} ms" if plan.queue_ms is not None else ""))
         body = [head, "", scenario_table(sc.rows, sc.target, sc.wall), ""]
         body += [f"- {n}" for n in sc.notes]
         body += ["", "Targets (issue #23), shipped defaults:", "", *verdicts(sc.name, sc.rows, sc.target)]
@@ -1193,6 +1206,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: hivemind's collaborative optimizer as a contender where bench/.venv-hivemind "
                         "exists (bench/sync.py --parts 3 creates it), otherwise a note; off: leave it out")
     parser.add_argument("--out", type=Path, default=None, help="where PNGs go without --write-docs (default a temp dir)")
+    parser.add_argument("--queue-ms", type=float, default=None,
+                        help="a shallow queue on each shaped link: this many ms of traffic at the link rate (GSO "
+                        "capped to one frame so the bucket can be small); default tbf's deep queue, which holds "
+                        "a 64 KiB GSO packet (6.6 s at 0.08 Mbit/s)")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
     args = parser.parse_args(argv)
     try:
@@ -1209,10 +1226,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if not 1 <= args.cap <= 100:
         parser.error("--cap: between 1 and 100 (% of one core)")
+    if args.queue_ms is not None and not 1 <= args.queue_ms <= 60_000:
+        parser.error("--queue-ms: between 1 and 60000")
     plan = Plan(args.quick, bench_for(args.model, args.quick, args.outer_steps), args.model,
                 args.seconds or (40.0 if args.quick else 240.0), args.calib_seconds or (20.0 if args.quick else 90.0),
                 240.0 if args.quick else 300.0, args.cap, rates, scenarios, variants,
-                {"join_wait_s": 2} if args.quick else {}, args.hivemind)
+                {"join_wait_s": 2} if args.quick else {}, args.hivemind, args.queue_ms)
     reason = lab_unavailable() or tbf_unavailable()
     if reason is not None:
         print(f"bench/wan.py skipped: {reason}", file=sys.stderr)

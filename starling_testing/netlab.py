@@ -61,6 +61,15 @@ FIRST_LAN = 101  # the first NAT's LAN is 192.168.101.0/24
 FIRST_PRIVATE_HOST = 10  # private hosts start at .10; the NAT is .1
 COMMAND_TIMEOUT_S = 10.0  # bound on every setup/teardown command
 STOP_GRACE_S = 3.0  # SIGTERM -> SIGKILL grace for spawned processes
+MTU_FRAME_BYTES = 1514  # a full-sized Ethernet frame on a lab link (MTU 1500 + header), as tbf counts it
+VETH_GSO_BYTES = 65536  # the kernel's default gso_max_size on veth
+SHALLOW_GSO_BYTES = MTU_FRAME_BYTES  # GSO cap of a `queue_ms` link: no packet larger than its queue
+SHALLOW_BURST_BYTES = 2 * MTU_FRAME_BYTES  # the smallest bucket of a `queue_ms` link (tbf rounds it down)
+
+
+def shallow_queue_bytes(rate_mbit: float, queue_ms: float) -> int:
+    """tbf's `limit` for a queue of `queue_ms` at `rate_mbit`: never less than one full-sized frame."""
+    return max(MTU_FRAME_BYTES, int(rate_mbit * 1e6 / 8 * queue_ms / 1000))
 
 _HOST_NAME = re.compile(r"^[a-z][a-z0-9-]{0,11}$")  # short: it also names veth ends (15-char limit)
 _RESERVED_NAMES = {"inet", "lo", "lan", "wan", "br0", "eth0", "probe"}
@@ -524,21 +533,39 @@ class Lab:
         egress: bool = True,
         ingress: bool = True,
         burst_bytes: int | None = None,
+        queue_ms: float | None = None,
     ) -> None:
         """Cap `host`'s uplink with a token bucket (tc tbf); call again to change, `unlimit` to remove.
 
         Egress is shaped on the host's own veth end, ingress on the other end (whose egress it is),
         so both directions are real queues rather than policers that drop.
+
+        By default the bucket holds a 64 KiB GSO packet, and the queue behind it as much again: on a
+        slow link that is seconds of queue (6.6 s at 0.08 Mbit/s), the bufferbloat of a cheap uplink.
+        `queue_ms` models a shallow queue instead (a router that keeps its queue short): GSO on both
+        veth ends is capped to one MTU-sized frame, so the bucket can be two frames, and the queue
+        holds `queue_ms` of traffic at the link rate (never less than one full-sized frame). Larger
+        packets forwarded from a host whose GSO is not capped are segmented by tbf.
         """
         if rate_mbit <= 0:
             raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
+        if queue_ms is not None and queue_ms <= 0:
+            raise ValueError(f"queue_ms must be positive, got {queue_ms}")
         self._check_link(host)
         _require_tool("tc")
         rate_bytes = rate_mbit * 1e6 / 8
-        # The bucket must hold at least a GSO packet (64 KiB on veth) and ~10 ms of traffic.
-        burst = burst_bytes if burst_bytes is not None else max(64 * 1024, int(rate_bytes / 100))
-        tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+        if queue_ms is None:
+            # The bucket must hold at least a GSO packet (64 KiB on veth) and ~10 ms of traffic.
+            burst = burst_bytes if burst_bytes is not None else max(64 * 1024, int(rate_bytes / 100))
+            tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+        else:
+            burst = burst_bytes if burst_bytes is not None else max(SHALLOW_BURST_BYTES, int(rate_bytes / 100))
+            tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
+                   "limit", str(shallow_queue_bytes(rate_mbit, queue_ms))]  # fmt: skip
+        gso = SHALLOW_GSO_BYTES if queue_ms is not None else VETH_GSO_BYTES
         for netns, dev, wanted in self._link_ends(host, egress, ingress):
+            # Both ends, whichever direction is shaped: a packet's size is fixed where it is built.
+            _run_cmd(["ip", "-n", netns, "link", "set", "dev", dev, "gso_max_size", str(gso)])
             if wanted:
                 _run_cmd(["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf])
 
@@ -552,6 +579,7 @@ class Lab:
                 timeout=COMMAND_TIMEOUT_S,
                 check=False,  # "no such qdisc" when that side was never limited
             )
+            _run_cmd(["ip", "-n", netns, "link", "set", "dev", dev, "gso_max_size", str(VETH_GSO_BYTES)])
 
     def set_link(self, host: Host, up: bool) -> None:
         """Take `host`'s uplink down (a partition: its packets vanish) or bring it back up."""

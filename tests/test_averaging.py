@@ -83,7 +83,7 @@ async def pair(stack: AsyncExitStack, cfg_a: SyncConfig, cfg_b: SyncConfig, *, m
 
 @pytest.mark.parametrize("datapath", [True, False], ids=["side-channel", "libp2p-stream"])
 async def test_two_nodes_end_with_the_exact_fp32_sums_that_give_the_exact_mean(datapath: bool) -> None:
-    cfg = SyncConfig(wire_dtype="fp32", datapath=datapath, pair_window_s=10)
+    cfg = SyncConfig(wire_dtype="fp32", datapath=datapath, pair_window_s=10, compression="none")
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
         reqs = [request(1), request(2)]
@@ -102,7 +102,7 @@ async def test_two_nodes_end_with_the_exact_fp32_sums_that_give_the_exact_mean(d
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 async def test_both_partners_compute_bit_identical_sums_with_lossy_wire_dtypes(dtype: str) -> None:
-    cfg = SyncConfig(wire_dtype=dtype, pair_window_s=10)
+    cfg = SyncConfig(wire_dtype=dtype, pair_window_s=10, compression="none")
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
         reqs = [request(5), request(6)]
@@ -272,7 +272,7 @@ async def test_after_an_exchange_both_partners_hold_the_larger_outer_step(steps:
     ids=["nan-delta", "inf-delta", "overflowing-delta", "inf-phi", "nan-phi"],
 )
 async def test_a_partner_that_sends_non_finite_values_is_rejected_with_no_update(tensor: str, value: float) -> None:
-    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=5)
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=5, compression="none")
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
         bad = request(2)
@@ -307,7 +307,7 @@ async def test_a_1000x_norm_update_is_rejected_and_repeated_offences_ban_the_par
 async def test_a_5x_norm_update_is_clipped_to_the_bound_and_still_averaged() -> None:
     """Between the clip and the refusal ratio a partner's Delta still counts, scaled down to the bound
     (node/averaging/robust.py); its own side keeps the plain sum: only the victim's view is clipped."""
-    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=5, clip_ratio=2)
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=5, clip_ratio=2, compression="none")
     async with AsyncExitStack() as stack:
         avs, nursery = await pair(stack, cfg, cfg)
         honest, loud = request(40), request(41)
@@ -326,7 +326,7 @@ async def test_a_partner_that_stops_mid_transfer_costs_one_solo_step_and_no_upda
     from p2p.wire import LibP2PByteStream, PlainFrameChannel, recv_as, send_msg
     from protocols import avg
 
-    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=3, datapath=False)
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=3, datapath=False, compression="none")
     hosts = [build_host(create_new_key_pair()) for _ in range(2)]
     async with AsyncExitStack() as stack:
         for h in hosts:
@@ -618,9 +618,11 @@ def asking_with(compression: str) -> AvgRequest:
                       int8_block=4096, chunk_elems=4096, pubkey=bytes(32), compression=compression)
 
 
-async def judged(cfg: SyncConfig, compression: str) -> tuple[AnswerCode, str] | None:
-    """How an averager on `cfg` in a round answers a request for preset `compression`."""
-    av = Averager(LoneHost(), cfg, FakeSwarm())
+async def judged(cfg: SyncConfig, compression: str, *, typical_rate_bps: float | None = 1e9) -> tuple[AnswerCode, str] | None:
+    """How an averager on `cfg` in a round answers a request for preset `compression`, its typical rate over
+    its partners (`_learn_rate`) `typical_rate_bps` (a fast link by default; None: nothing measured yet)."""
+    av = Averager(LoneHost(), cfg, FakeSwarm(period=5.0))
+    av._rate_bps = typical_rate_bps
     async with in_a_round(av):
         return av.answer_for(asking_with(compression), "peer")
 
@@ -637,6 +639,11 @@ async def test_a_responder_on_auto_takes_the_preset_the_initiator_chose_and_one_
     `auto` responder follows it; a fixed setting still refuses another preset, telling the operator what to do."""
     for preset in ("none", "medium", "high"):
         assert await judged(SyncConfig(compression="auto"), preset) is None
+    # One that has measured no link at all wants the probe (compression_choice.py, `PROBE`): its first exchange.
+    for preset in ("none", "medium"):
+        verdict = await judged(SyncConfig(compression="auto"), preset, typical_rate_bps=None)
+        assert verdict is not None and verdict[1].startswith("compression mismatch: wants high")
+    assert await judged(SyncConfig(compression="auto"), "high", typical_rate_bps=None) is None
     verdict = await judged(SyncConfig(compression="none"), "medium")
     assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
     assert verdict[1] == ("compression mismatch: yours 'medium', ours 'none': set the same sync.compression "
@@ -654,14 +661,16 @@ async def test_a_responder_on_auto_in_groups_of_four_takes_none_only() -> None:
     assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION and "sync.group_size = 4" in verdict[1]
 
 
-async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured_link_calls_for() -> None:
-    """End to end over loopback, both nodes on `auto`: the first exchange (no rate measured) is `none`; once
-    the link is known to be slow against the outer step (a bf16 transfer longer than the compute period, a
-    `medium` one shorter), the next exchange is `medium` on both sides (bit-identical sums, the fragment's phi
-    only); with a long period again the pair returns to `none`. Loopback is far too fast to be slow (a
-    transfer of this model often flows for under the 10 ms a rate needs), so the slow link is its measured
-    rate set to 1 MB/s each way, as `_learn_rate` would leave it: bf16 then takes 1.2 s, `medium` 0.13 s."""
-    from node.averaging.compression_choice import transfer_s
+async def test_two_auto_nodes_probe_first_then_exchange_the_preset_their_measured_link_calls_for() -> None:
+    """End to end over loopback, both nodes on `auto`: the first exchange (no rate measured anywhere) is the
+    cheapest probe, `high`, and it teaches the link's rate, too fast to time on loopback but counted as a
+    lower bound (averager.py `_learn_rate`), so that with a long outer step the next exchange is bf16
+    `none`. Once the link is known to be slow against the outer step (a bf16 transfer longer than the
+    compute period, a `medium` one shorter), the next exchange is `medium` on both sides (bit-identical
+    sums, the fragment's phi only); with a long period again the pair returns to `none`. Loopback is far too
+    fast to be slow, so the slow link is its measured rate set to 1 MB/s each way, as `_learn_rate` would
+    leave it: bf16 then takes 1.2 s, `medium` 0.13 s."""
+    from node.averaging.compression_choice import PROBE, transfer_s
 
     cfg = SyncConfig(pair_window_s=10)
     assert cfg.compression == "auto"
@@ -670,9 +679,23 @@ async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured
         others = [avs[1].me, avs[0].me]
         period = 0.5
         assert transfer_s("medium", NUMEL, 1e6) < period < transfer_s("none", NUMEL, 1e6)
+        for av in avs:
+            av.swarm.period = 1e9  # a FakeSwarm's compute period of an outer step: known, and long
 
         reqs = [request(1, outer_step=4), request(2, outer_step=4)]
         outcomes = await exchange_both(avs, reqs)
+        assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == [PROBE, PROBE]
+        assert torch.equal(reqs[0].delta_out, reqs[1].delta_out)
+        for av, other in zip(avs, others, strict=True):
+            st = av.status()
+            assert st["compression"] == "auto" and st["last_compression"] == PROBE
+            assert st["last_bytes_per_param"] < 0.1
+            assert av.admission.link(other).rate_bps is not None  # the probe taught the link's rate
+
+        # One preset at a time back towards bf16 (a small transfer's rate can be a token bucket's burst).
+        outcomes = await exchange_both(avs, [request(7, outer_step=5), request(8, outer_step=5)])
+        assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["medium", "medium"]
+        outcomes = await exchange_both(avs, [request(9, outer_step=6), request(10, outer_step=6)])
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]
         assert all(o.phi_range is None for o in outcomes)
         for av in avs:
@@ -684,10 +707,10 @@ async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured
             av.admission.link(other).rate_bps = 1e6
             av.swarm.period = period  # a FakeSwarm's compute period of an outer step
         comp = get_compression("medium")
-        reqs = [request(3, outer_step=5), request(4, outer_step=5)]
+        reqs = [request(3, outer_step=7), request(4, outer_step=7)]
         outcomes = await exchange_both(avs, reqs)
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["medium", "medium"]
-        lo, hi = comp.fragment_range(NUMEL, comp.fragment_of(5))
+        lo, hi = comp.fragment_range(NUMEL, comp.fragment_of(7))
         assert all(o.phi_range == (lo, hi) for o in outcomes)
         assert torch.equal(reqs[0].delta_out, reqs[1].delta_out)
         assert torch.equal(reqs[0].phi_out[lo:hi], reqs[1].phi_out[lo:hi])
@@ -698,7 +721,7 @@ async def test_two_auto_nodes_exchange_bf16_first_then_the_preset_their_measured
 
         for av in avs:
             av.swarm.period = 1e9
-        outcomes = await exchange_both(avs, [request(5, outer_step=6), request(6, outer_step=6)])
+        outcomes = await exchange_both(avs, [request(5, outer_step=8), request(6, outer_step=8)])
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]
         nursery.cancel_scope.cancel()
 
@@ -783,6 +806,7 @@ async def test_a_partner_that_always_wants_more_compression_gets_its_named_prese
     partner = ID.from_pubkey(create_new_key_pair().public_key)
     host = AlwaysRefusing(partner, "compression mismatch: wants high; yours 'none'", coded)
     averager = Averager(host, SyncConfig(pair_window_s=2, datapath=False), FakeSwarm(host))
+    averager._rate_bps = 1e9  # it has measured fast links: `auto` asks `none` first (no probe)
     with trio.fail_after(60):
         assert (await averager.exchange(request(1))).group_size == 1
     asked = await host.asked()
@@ -801,6 +825,7 @@ async def test_a_refusal_that_names_no_preset_moves_one_step_per_retry_and_never
     words = "compression mismatch: yours 'none', ours 'huge': set the same sync.compression on every trainer"
     host = AlwaysRefusing(partner, words, coded)
     averager = Averager(host, SyncConfig(pair_window_s=2, datapath=False), FakeSwarm(host))
+    averager._rate_bps = 1e9  # it has measured fast links: `auto` asks `none` first (no probe)
     with trio.fail_after(60):
         assert (await averager.exchange(request(1))).group_size == 1
     asked = await host.asked()
@@ -849,7 +874,7 @@ def test_lossy_compression_needs_pairs_and_a_known_preset() -> None:
 
 def test_auto_guesses_a_new_partners_link_from_our_typical_rate_and_keeps_second_rounds_uncompressed() -> None:
     """A partner never measured gets our typical rate (over all partners) until its own is known; without
-    either it is `none`. A group's second round is always `none`, whatever the link."""
+    either it is the cheapest probe, `high`. A group's second round is always `none`, whatever the link."""
     from node.averaging.compression_choice import preset_for
 
     def asked(compression: str = "auto", *, stage: int = 1, link: float | None = None, typical: float | None = None,
@@ -857,7 +882,7 @@ def test_auto_guesses_a_new_partners_link_from_our_typical_rate_and_keeps_second
         return preset_for(compression, stage=stage, link_rate_bps=link, typical_rate_bps=typical, period_s=0.5,
                           numel=NUMEL, previous=None, group_size=group_size, wire_dtype="bf16")
 
-    assert asked() == "none"
+    assert asked() == "high"  # nothing measured anywhere: the cheapest probe (compression_choice.py, `PROBE`)
     assert asked(typical=1e6) == "medium"  # 1 MB/s each way: bf16 takes 1.2 s, medium 0.13 s, against 0.5 s
     assert asked(link=1e9, typical=1e6) == "none"  # the partner's own rate, once measured
     assert asked(stage=2, typical=1e6) == "none"

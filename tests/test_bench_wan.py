@@ -79,7 +79,7 @@ def test_quick_wan_benchmark_prints_a_row_per_contender_and_cleans_up(tmp_path: 
 
 def test_bad_options_are_refused_with_a_message_not_a_traceback() -> None:
     for args, message in ((["--scenarios", "nope"], "--scenarios"), (["--rate-mbit", "0"], "--rate-mbit"),
-                          (["--starling", "sync.nope"], "--starling")):
+                          (["--starling", "sync.nope"], "--starling"), (["--queue-ms", "0"], "--queue-ms")):
         r = subprocess.run([sys.executable, str(WAN), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -121,3 +121,24 @@ def test_the_rate_share_per_worker_cpu_second_discounts_cpu_the_reference_run_di
     lines = wan.verdicts("uniform", [row, ddp, dil], 2.5)
     rate_line = next(ln for ln in lines if "unshaped inner-step rate" in ln)
     assert "met (108%)" in rate_line and "per worker CPU-second" in rate_line and "84%" in rate_line
+
+
+def test_queue_ms_shapes_every_trainer_link_with_a_shallow_queue_and_labels_the_section() -> None:
+    wan = _load_wan()
+
+    class FakeLab:
+        def __init__(self) -> None:
+            self.limits: list[tuple[str, float, float | None]] = []
+
+        def public_host(self, name: str) -> str:
+            return name
+
+        def limit(self, host: str, rate: float, *, queue_ms: float | None = None) -> None:
+            self.limits.append((host, rate, queue_ms))
+
+    for queue_ms in (None, 300.0):
+        lab = FakeLab()
+        wan.WanLab(lab, queue_ms).shape([0.4, 0.4, 0.4, 0.08])
+        assert lab.limits == [("t0", 0.4, queue_ms), ("t1", 0.4, queue_ms), ("t2", 0.4, queue_ms),
+                              ("t3", 0.08, queue_ms)]
+    assert "300 ms" in wan.queue_text(300.0) and "64 KiB" in wan.queue_text(None)

@@ -181,7 +181,8 @@ async def test_group_size_2_keeps_one_partner_per_outer_step() -> None:
     """`sync.group_size = 2` turns the second round off: four trainers form two pairs, each with the
     pair's plain sums, as before groups existed."""
     async with AsyncExitStack() as stack:
-        avs = await connected(stack, 4, SyncConfig(wire_dtype="fp32", pair_window_s=3, group_size=2))
+        avs = await connected(stack, 4, SyncConfig(wire_dtype="fp32", pair_window_s=3, group_size=2,
+                                                compression="none"))
         reqs = [request(i + 1) for i in range(4)]
         phis = [r.phi.clone() for r in reqs]
         assert group_sizes(await exchange_both(avs, reqs)) == [2, 2, 2, 2]

@@ -312,6 +312,79 @@ def test_limit_caps_throughput_in_both_directions(lab: Lab) -> None:
     download_source.wait(10)
 
 
+# Answers every UDP datagram that starts with b"ping" (and swallows the rest: the flood's sink).
+UDP_SINK = r"""
+import socket, sys
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.bind(("0.0.0.0", int(sys.argv[1])))
+print("listening", flush=True)
+while True:
+    data, addr = u.recvfrom(4096)
+    if data.startswith(b"ping"):
+        u.sendto(data, addr)
+"""
+
+# Floods the link with UDP faster than its rate (so its queue stays full), then times small pings that wait
+# in that queue behind the flood; prints the slowest round trip ("timeout" if one never came back).
+FLOOD_AND_PING = r"""
+import socket, sys, threading, time
+host, port, seconds, rate = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+flood = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flood.connect((host, port))
+ping = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+ping.connect((host, port))
+ping.settimeout(20)
+stop = time.monotonic() + seconds
+def send_flood():
+    while time.monotonic() < stop:
+        flood.send(bytes(1400))
+        time.sleep(1400 / rate)
+threading.Thread(target=send_flood, daemon=True).start()
+time.sleep(seconds / 2)
+worst = 0.0
+for i in range(3):
+    start = time.monotonic()
+    ping.send(b"ping%d" % i)
+    try:
+        while ping.recv(100) != b"ping%d" % i:
+            pass
+    except socket.timeout:
+        print("timeout", flush=True)
+        sys.exit()
+    worst = max(worst, time.monotonic() - start)
+print(f"rtt {worst:.3f}", flush=True)
+"""
+
+
+def test_limit_with_queue_ms_keeps_the_queue_shallow(lab: Lab) -> None:
+    """A shallow queue is a property of the lab: a ping behind a full queue waits about `queue_ms`, where the
+    default bucket (64 KiB for a GSO packet) holds ~6.6 s at this rate. The bound is generous: 4x the queue
+    plus two frames' time on the wire, far below the default queue's delay."""
+    boot, a = lab.public_host("boot"), lab.public_host("a")
+    inet = lab.internet()
+    rate_mbit, queue_ms = 0.08, 300.0
+    lab.limit(a, rate_mbit=rate_mbit, queue_ms=queue_ms)
+    limit = netlab.shallow_queue_bytes(rate_mbit, queue_ms)
+    for host, dev in ((a, "eth0"), (inet, str(a.peer_dev))):
+        qdisc = host.run(["tc", "qdisc", "show", "dev", dev], check=True).stdout
+        assert f"burst {netlab.SHALLOW_BURST_BYTES}b" in qdisc and f"limit {limit}b" in qdisc, qdisc
+        link = host.run(["ip", "-d", "link", "show", dev], check=True).stdout
+        assert f"gso_max_size {netlab.SHALLOW_GSO_BYTES} " in link
+    start(boot, UDP_SINK, "6000")
+    out = a.python(FLOOD_AND_PING, boot.ip, "6000", "6", str(5 * rate_mbit * 1e6 / 8), timeout=60).stdout.split()
+    assert out[:1] == ["rtt"], out
+    frame_s = netlab.MTU_FRAME_BYTES / (rate_mbit * 1e6 / 8)
+    assert float(out[1]) < 4 * queue_ms / 1000 + 2 * frame_s, f"ping behind a {queue_ms:g} ms queue took {out[1]} s"
+    # TCP from a host whose GSO is not capped still gets through (tbf segments its large packets), intact.
+    nbytes = 20_000
+    source = start(boot, BLAST, "send-server", "0.0.0.0", "5002", str(nbytes))
+    got, _ = received_rate(a.spawn_python(BLAST, "recv-client", boot.ip, "5002", str(nbytes)))
+    assert got == nbytes
+    source.wait(10)
+    lab.unlimit(a)
+    assert f"gso_max_size {netlab.VETH_GSO_BYTES} " in a.run(["ip", "-d", "link", "show", "eth0"], check=True).stdout
+
+
 def test_unlimit_removes_the_shaping_on_both_ends(lab: Lab) -> None:
     c = lab.public_host("c")
     inet = lab.internet()

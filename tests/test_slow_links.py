@@ -165,7 +165,7 @@ async def _with_scripted_partner(partner, cfg: SyncConfig, *, pieces: int = 1, p
 
 
 def _slow_cfg() -> SyncConfig:
-    return SyncConfig(wire_dtype="fp32", pair_window_s=3, datapath=False, stall_timeout_s=5.0)
+    return SyncConfig(wire_dtype="fp32", pair_window_s=3, datapath=False, stall_timeout_s=5.0, compression="none")
 
 
 async def _drain(channel: PlainFrameChannel, elems: int) -> None:
@@ -318,3 +318,24 @@ async def test_a_partner_that_never_answers_the_pairing_request_fails_with_a_rea
     assert size == 1
     assert status["last_error"].endswith(
         "TooSlowError: no answer to the pairing request within 0.5s (sync.handshake_timeout_s)")
+
+
+# -- `auto`'s first exchange is a compressed probe, and a probe too fast to time still teaches a rate --------
+
+def test_a_completed_transfer_too_fast_to_time_teaches_a_lower_bound_a_cut_one_nothing() -> None:
+    """`auto` now probes an unmeasured link with its most compressed preset (compression_choice.py, `PROBE`):
+    on loopback such a probe completes in well under 10 ms, too fast to time, and used to teach nothing, so
+    every exchange would have probed again. A completed one counts as at least its bytes over
+    `TIMED_FLOW_S`; a cut one, too fast to time, still teaches nothing."""
+    from node.averaging.averager import TIMED_FLOW_S
+
+    host = FakeHost(create_new_key_pair())
+    averager = Averager(host, SyncConfig(datapath=False), FakeSwarm(host))
+    partner = str(ID.from_pubkey(create_new_key_pair().public_key))
+    fast = Progress()
+    fast.moved(37_000)  # a probe of the 0.47M-parameter model, both ways, in one instant
+    averager._learn_rate(partner, fast)
+    assert averager.admission.link(partner).rate_bps is None and averager._rate_bps is None
+    averager._learn_rate(partner, fast, completed=True)
+    assert averager.admission.link(partner).rate_bps == pytest.approx(37_000 / TIMED_FLOW_S / 2)
+    assert averager._rate_bps == pytest.approx(37_000 / TIMED_FLOW_S / 2)

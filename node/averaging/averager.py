@@ -122,6 +122,9 @@ from protocols.compress import get_compression
 log = logging.getLogger("starling.averager")
 
 RATE_EWMA = 0.5
+# A completed transfer whose bytes flowed for less than this is too fast to time: it shows the link moves at
+# least its bytes over this (`_learn_rate`), so `auto`'s first, compressed probe teaches a fast link too.
+TIMED_FLOW_S = 0.01
 SCHEDULED_SHARE = 0.5  # of the pairing window spent on the scheduled partner only
 SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still training, again after this
 # A second-round request that arrives during our first round is held for at most this share of the
@@ -559,10 +562,14 @@ class Averager:
         rate, assumed or measured, can rule out a slow link that works."""
         return avg.TransferLimits(stall_s=self.cfg.stall_timeout_s, max_s=self.cfg.max_transfer_s)
 
-    def _learn_rate(self, partner: str, progress: avg.Progress) -> None:
+    def _learn_rate(self, partner: str, progress: avg.Progress, *, completed: bool = False) -> None:
         """Fold the rate this transfer's bytes flowed at into the partner's link (EWMA), whether it
-        completed or not: a transfer that was cut still shows what the link does."""
-        rate = progress.rate_bps()
+        completed or not: a transfer that was cut still shows what the link does. A completed one too fast
+        to time counts as a lower bound (`TIMED_FLOW_S`): without it a small probe on a fast link would
+        teach nothing, and `auto` would probe again at every exchange."""
+        rate = progress.rate_bps(TIMED_FLOW_S)
+        if rate is None and completed and progress.bytes > 0:
+            rate = progress.bytes / TIMED_FLOW_S
         if rate is None:
             return
         link = self.admission.link(partner)
@@ -745,7 +752,7 @@ class Averager:
             return Attempt.FAILED, None
         finally:
             pending.initiating_to = None
-        self._learn_rate(partner, progress)
+        self._learn_rate(partner, progress, completed=True)
         self._succeed(partner, result, numel, pending.compression)
         pending.result = 2
         pending.done.set()
@@ -854,7 +861,7 @@ class Averager:
             return
         finally:
             pending.transfer_finished.set()
-        self._learn_rate(partner, progress)
+        self._learn_rate(partner, progress, completed=True)
         self._succeed(partner, result, pending.tensors.phi.size, pending.compression)
         pending.result = 2
         pending.done.set()

@@ -15,10 +15,18 @@ of compression costs loss at every step. Measured at 0.4 Mbit/s (docs/benchmarks
 `medium`, whose exchanges took 1.2-1.5 periods, reached 2.260 where `high` (well within one period) reached
 2.346 and bf16 `none` (16 periods) 2.644. A preset less compressed than the one used last with that partner
 must fit in half that budget (`RELAX_SHARE`), so that a rate measured around the threshold does not flip the
-preset at every step.
-Without a measured rate, or without a known period, it is `none`: a bf16 transfer is what measures a link
-best (small compressed transfers underestimate it where latency dominates), and an unknown period gives
-nothing to compare against. Groups of four always use `none` (sync_config.py: a lossy preset needs pairs).
+preset at every step, and it comes back one preset at a time (`high`, then `medium`, then `none`): a rate
+measured on a small transfer can be far too high where a token bucket lets a burst through.
+Without any measured rate (a node's first exchange: no partner measured, no typical rate yet) it is the
+most compressed preset, `PROBE`: the transfer that teaches the rate must not itself flood a link that may be
+slow. It used to be bf16 `none` (a big transfer measures a link best), and in the network lab (bench/wan.py,
+one-slow at 0.4 Mbit/s) the trainer behind the 0.08 Mbit/s link spent its first exchange on 1.9 MB each way
+that could not finish in the run, and was cut. A probe costs one compressed outer step per node on a fast
+link, after which its measured rate relaxes the preset (a probe that completes too fast to time still
+counts, as a lower bound: averager.py `_learn_rate`). Without a known period it is `none`, as before: an
+unknown period gives nothing to weigh a transfer against (in the daemon the period is known from the first
+inner steps, before the first exchange). Groups of four always use `none`
+(sync_config.py: a lossy preset needs pairs).
 
 Who decides (`accepts`, `after_refusal`): the initiator names the preset, from *its* view of the link, but
 the two ends of a link do not always share one. A trainer behind a slow link knows it (its typical rate
@@ -36,7 +44,9 @@ exchange starts there and the hysteresis above relaxes it only once the link all
 own rate is unmeasured, `previous` is a floor: `preset_for`). The initiator only
 ever moves towards more compression within an exchange, so two `auto` nodes that disagree meet in at most
 `len(ORDER) - 1` retries, and a hostile responder can make us send less, never loop us. A responder that
-knows nothing of the link (no rate, or no period) takes any preset, as before; a group's second round is
+has measured no rate at all (and knows its period) wants `PROBE`, as it would ask for itself (a node's first exchange is a probe
+whichever side asks: the slow trainer's first one used to be the bf16 a fast partner asked for); one with a
+no known period takes any preset, as before; a group's second round is
 `none` on both sides; fixed presets are unchanged (a responder on one takes that preset only). A 1.2.0
 initiator reads the refusal by its words' prefix as a compression refusal but does not ask again: it pairs
 elsewhere that step, while the slow node asking it names its own preset, which an `auto` node takes.
@@ -50,11 +60,12 @@ import re
 
 from protocols.compress import PRESETS
 
-__all__ = ["AUTO", "ORDER", "RELAX_SHARE", "STRETCH", "WANTS", "accepts", "after_refusal", "choose_compression",
+__all__ = ["AUTO", "ORDER", "PROBE", "RELAX_SHARE", "STRETCH", "WANTS", "accepts", "after_refusal", "choose_compression",
            "preset_for", "refusal_reason", "transfer_s", "wanted_in"]
 
 AUTO = "auto"  # the `sync.compression` value that lets the initiator choose per exchange
 ORDER = ("none", "medium", "high")  # least compressed first: the order the rule tries them in
+PROBE = ORDER[-1]  # the preset of an exchange over a link nothing is known of (no rate measured anywhere)
 # A preset fits when its transfer takes at most this many periods (overlapped with the next outer step).
 STRETCH = 2.0
 # A preset less compressed than the last one must fit in this share of that budget (hysteresis).
@@ -88,10 +99,15 @@ def choose_compression(
     `period_s`: compute seconds of an outer step (H inner steps; 0 or less: unknown).
     `previous`: the preset of the last exchange this node chose for that partner (None: none yet).
     """
-    if group_size != 2 or rate_bps is None or rate_bps <= 0 or period_s <= 0 or numel <= 0:
-        return "none"
+    if group_size != 2 or numel <= 0 or period_s <= 0:
+        return "none"  # (no period: nothing to weigh a transfer against, so nothing a probe would teach)
+    if rate_bps is None or rate_bps <= 0:
+        return PROBE  # nothing measured anywhere: the cheapest transfer teaches the rate
     last = ORDER.index(previous) if previous in ORDER else 0
-    for rank, preset in enumerate(ORDER):
+    # One preset at a time back towards `none`: the rate that allows it was measured on a smaller transfer,
+    # which a token bucket's burst can pass at far more than the link's rate (bench/wan.py, default queue:
+    # a 37 kB probe put fast pairs on bf16 over 0.4 Mbit/s); the next preset's bigger transfer measures it.
+    for rank, preset in enumerate(ORDER[max(0, last - 1):], start=max(0, last - 1)):
         budget = STRETCH * period_s * (RELAX_SHARE if rank < last else 1.0)
         if transfer_s(preset, numel, rate_bps, wire_dtype) <= budget:
             return preset
