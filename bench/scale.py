@@ -30,7 +30,15 @@ over the settled window (bench/traffic_probe/sitecustomize.py), prints where the
 and keeps their stats files in DIR. The profiler costs those daemons much of their CPU: the CPU figures leave
 them out, and their profile's absolute seconds are inflated (shares are what to read).
 
+``--trace`` keeps every status round of the join in the JSON: per daemon when it answered, the members it
+held alive, why the others were missing (no record of them at all, record held but shown gone: in swim
+mode SWIM never heard of them or holds them dead, or suspect), its connections, state sessions (ok,
+failures by reason, refused as busy) and SWIM counters; with it the join's ``last_view_complete_s`` says when
+the last daemon's view completed by its own status call (a round of 64 calls takes seconds on a busy
+machine). ``--log-level info --keep-logs DIR`` keeps the daemons' logs (SWIM logs each suspicion's reason).
+
 Usage: python bench/scale.py [--sizes 16 32 64] [--join bootstrap|random] [--churn-rounds 3] [--profile]
+                             [--trace] [--log-level LEVEL] [--keep-logs DIR]
                              [--json PATH] [--set SECTION.OPTION=VALUE ...] [--write-docs]
        python bench/scale.py --from A.json B.json ... --write-docs   (render saved runs)
 """
