@@ -30,7 +30,15 @@ over the settled window (bench/traffic_probe/sitecustomize.py), prints where the
 and keeps their stats files in DIR. The profiler costs those daemons much of their CPU: the CPU figures leave
 them out, and their profile's absolute seconds are inflated (shares are what to read).
 
+``--trace`` keeps every status round of the join in the JSON: per daemon when it answered, the members it
+held alive, why the others were missing (no record of them at all, record held but shown gone: in swim
+mode SWIM never heard of them or holds them dead, or suspect), its connections, state sessions (ok,
+failures by reason, refused as busy) and SWIM counters; with it the join's ``last_view_complete_s`` says when
+the last daemon's view completed by its own status call (a round of 64 calls takes seconds on a busy
+machine). ``--log-level info --keep-logs DIR`` keeps the daemons' logs (SWIM logs each suspicion's reason).
+
 Usage: python bench/scale.py [--sizes 16 32 64] [--join bootstrap|random] [--churn-rounds 3] [--profile]
+                             [--trace] [--log-level LEVEL] [--keep-logs DIR]
                              [--json PATH] [--set SECTION.OPTION=VALUE ...] [--write-docs]
        python bench/scale.py --from A.json B.json ... --write-docs   (render saved runs)
 """
@@ -149,9 +157,15 @@ def peer_id(addr: str) -> str:
 class Views:
     """One round of ``status`` calls, one daemon after another, and what they say about membership."""
 
-    def __init__(self, swarm: LoopbackSwarm, running: list[int]) -> None:
+    def __init__(self, swarm: LoopbackSwarm, running: list[int], t0: float | None = None) -> None:
         self.ids = {i: peer_id(swarm.addr(i)) for i in running}
-        self.status: dict[int, dict[str, Any] | None] = {i: swarm.daemons[i].status(timeout=10) for i in running}
+        self.status: dict[int, dict[str, Any] | None] = {}
+        #: When each daemon answered, in seconds since ``t0`` (the last daemon listening): a round of 64
+        #: status calls on a saturated machine takes seconds, so the round's end is not when a view was read.
+        self.at: dict[int, float] = {}
+        for i in running:
+            self.status[i] = swarm.daemons[i].status(timeout=10)
+            self.at[i] = time.monotonic() - (t0 or 0.0)
 
     def members(self, i: int) -> dict[str, dict[str, Any]]:
         return {m["peer_id"]: m for m in (self.status[i] or {}).get("members", [])}
@@ -163,6 +177,47 @@ class Views:
 
     def suspects(self, i: int) -> set[str]:
         return {p for p, m in self.members(i).items() if m["state"] == "suspect" and p in self.ids.values()}
+
+    def complete(self, i: int) -> bool:
+        """Daemon ``i`` answered and holds every other daemon as alive."""
+        return self.status[i] is not None and self.alive_known(i) == len(self.ids) - 1
+
+    def missing(self, i: int) -> dict[str, list[str]]:
+        """The other daemons daemon ``i`` does not hold as alive, by why: no record of it at all, its record
+        held but the member shown gone (swim mode: SWIM never heard of it, or holds it dead), or suspect."""
+        mine = self.members(i)
+        out: dict[str, list[str]] = {"no_record": [], "gone": [], "suspect": [], "other": []}
+        for j, p in self.ids.items():
+            if j == i:
+                continue
+            m = mine.get(p)
+            if m is None:
+                out["no_record"].append(p)
+            elif m["state"] != "alive":
+                out[m["state"] if m["state"] in out else "other"].append(p)
+        return out
+
+    def trace_row(self, i: int) -> dict[str, Any]:
+        """What daemon ``i`` said, for ``--trace``: its view, connections, state sessions and SWIM counters."""
+        st = self.status[i]
+        if st is None:
+            return {"at": round(self.at.get(i, 0.0), 2), "answered": False}
+        rep = (st.get("swarm_totals") or {}).get("replication") or {}
+        swim_status = st.get("swim") or {}
+        return {
+            "at": round(self.at.get(i, 0.0), 2),
+            "alive": self.alive_known(i),
+            "missing": {k: len(v) for k, v in self.missing(i).items()},
+            "connections": self.connections(i),
+            "sessions_ok": rep.get("sessions_ok"),
+            "session_failures": rep.get("session_failures"),
+            "busy_refusals": rep.get("busy_refusals"),
+            "records_received": rep.get("records_received"),
+            "swim_members": swim_status.get("members"),
+            "swim_suspects_raised": swim_status.get("suspects_raised"),
+            "swim_dropped": swim_status.get("dropped"),
+            "swim_loop_lag_max_s": swim_status.get("loop_lag_max_s"),
+        }
 
     def connections(self, i: int) -> int | None:
         st = self.status[i]
@@ -205,7 +260,7 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         def spawn(i: int, bootstrap: list[str]) -> None:
             if i in profiled:
                 swarm.env["STARLING_PROFILE_OUT"] = str(root / f"n{i}.prof")
-            swarm.spawn(i, bootstrap)
+            swarm.spawn(i, bootstrap, log_level=args.log_level)
             swarm.env.pop("STARLING_PROFILE_OUT", None)
 
         spawn(0, [])
@@ -223,16 +278,34 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         suspect_pairs: set[tuple[int, str]] = set()
         joined_s = None
         views = None
+        trace: list[dict[str, Any]] = []
+        # Per daemon: when (s after the last start) it was last seen incomplete, and first seen complete
+        # after that. Their maxima say when the last view completed, without the poll round's own length.
+        complete_since: dict[int, float | None] = {i: None for i in everyone}
+        names = {peer_id(swarm.addr(i)): i for i in everyone}
         while time.monotonic() - t_last < args.timeout:
-            views = Views(swarm, everyone)
+            t_round = time.monotonic() - t_last
+            views = Views(swarm, everyone, t_last)
             for i in everyone:
                 suspect_pairs |= {(i, p) for p in views.suspects(i)}
+                if not views.complete(i):
+                    complete_since[i] = None
+                elif complete_since[i] is None:
+                    complete_since[i] = views.at[i]
+            if args.trace:
+                trace.append({"t": round(t_round, 2), "took_s": round(time.monotonic() - t_last - t_round, 2),
+                              "daemons": {i: views.trace_row(i) for i in everyone}})
             if views.agree({i: 0.0 for i in everyone}):
                 joined_s = time.monotonic() - t_last
                 break
             known = [views.alive_known(i) for i in everyone]
             log(f"  {time.monotonic() - t_last:5.0f} s: alive members known min/mean {min(known)}/"
-                f"{statistics.mean(known):.1f} of {n - 1}; connections {conn_spread(views, everyone)}")
+                f"{statistics.mean(known):.1f} of {n - 1}; connections {conn_spread(views, everyone)}; "
+                f"round took {time.monotonic() - t_last - t_round:.1f} s")
+            if args.trace:
+                lagging = {i: views.missing(i) for i in everyone if not views.complete(i)}
+                trace[-1]["missing"] = {i: {k: [names.get(p, p) for p in v] for k, v in m.items() if v}
+                                        for i, m in lagging.items()}
             time.sleep(args.poll)
         assert views is not None
         known = [views.alive_known(i) for i in everyone]
@@ -241,7 +314,13 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "known_at_end": spread([float(k) for k in known]),
             "known_mean_at_end": statistics.mean(known),
             "connections_at_end": spread([float(c) for c in (views.connections(i) for i in everyone) if c is not None]),
+            # When the last daemon's view became complete (and stayed so until the join ended), read from
+            # each daemon's own status call rather than the end of the round of calls.
+            "last_view_complete_s": (max(v for v in complete_since.values() if v is not None)
+                                     if all(v is not None for v in complete_since.values()) else None),
         }
+        if args.trace:
+            out["trace"] = trace
         log(f"  all members known: {fmt_s(joined_s)}")
 
         # 2. settled window (no status calls in it)
@@ -331,6 +410,13 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         out["churn"] = rounds
     finally:
         swarm.stop()
+        if args.keep_logs:
+            args.keep_logs.mkdir(parents=True, exist_ok=True)
+            for i in swarm.daemons:
+                if (root / f"n{i}.log").exists():
+                    (args.keep_logs / f"scale{n}-n{i}.log").write_bytes((root / f"n{i}.log").read_bytes())
+            (args.keep_logs / f"scale{n}-ids.json").write_text(
+                json.dumps({i: peer_id(swarm.addr(i)) for i in swarm.daemons}))
     return out
 
 
@@ -474,6 +560,11 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
                    help="a config option for every daemon, as `starling run --set`")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--trace", action="store_true",
+                   help="keep every status round of the join in the JSON (per daemon: view, why members are missing, "
+                        "connections, state sessions, SWIM counters)")
+    p.add_argument("--log-level", default="warning", help="the daemons' log level (default warning)")
+    p.add_argument("--keep-logs", type=Path, metavar="DIR", help="copy the daemons' logs here at the end")
     p.add_argument("--from", dest="from_", type=Path, nargs="+", help="render these saved results, run nothing")
     p.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of docs/benchmarks.md")
     args = p.parse_args()
@@ -482,7 +573,7 @@ def main() -> int:
         if skip or a == "--write-docs":
             skip = False
             continue
-        skip = a in ("--json", "--profile")
+        skip = a in ("--json", "--profile", "--keep-logs")
         if not skip:
             argv.append(a)
     args.command = " ".join(["python bench/scale.py", *argv])

@@ -18,7 +18,8 @@ def test_the_scale_bench_reports_join_idle_cost_and_churn_of_real_daemons(tmp_pa
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "scale.py"), "--sizes", "3", "--timeout", "60", "--settle", "2",
          "--window", "5", "--churn-rounds", "1", "--churn-every", "15", "--poll", "1",
-         "--json", str(tmp_path / "r.json"), "--profile", str(tmp_path / "prof")],
+         "--json", str(tmp_path / "r.json"), "--profile", str(tmp_path / "prof"), "--trace",
+         "--keep-logs", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -27,7 +28,15 @@ def test_the_scale_bench_reports_join_idle_cost_and_churn_of_real_daemons(tmp_pa
     settled = r["settled"]
     assert settled["cpu_s_per_min"]["min"] > 0 and settled["rss_mib"]["min"] > 0
     assert settled["sent_bytes_per_min"]["min"] > 0
-    assert any("meshsub" in p for p in settled["protocol_bytes_per_min_mean"])
+    assert settled["protocol_bytes_per_min_mean"]  # (swim, the default, runs no gossipsub: no meshsub here)
+    # --trace: every status round of the join, each daemon's view and why members are missing.
+    rounds = r["trace"]
+    assert rounds and set(rounds[-1]["daemons"]) == {"0", "1", "2"}
+    row = rounds[-1]["daemons"]["1"]
+    assert {"alive", "missing", "connections", "sessions_ok", "session_failures", "busy_refusals"} <= set(row)
+    assert set(row["missing"]) == {"no_record", "gone", "suspect", "other"}
+    assert r["join"]["all_known_s"] is None or r["join"]["last_view_complete_s"] is not None
+    assert len(list((tmp_path / "logs").glob("scale3-n*.log"))) == 3
     assert settled["connections"]["max"] >= 1
     assert [c["killed"] for c in r["churn"]] == [1]
     assert r["profile"]["daemons"] == 1 and r["profile"]["total_s_per_min"] > 0  # the bootstrap node only

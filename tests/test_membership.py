@@ -384,3 +384,46 @@ def test_local_health_stretches_the_timeouts_and_the_period_and_acks_bring_it_ba
     for _ in range(20):
         node.note_lag(5.0, t0 + 3)
     assert node.local_health == node.config.max_local_health
+
+
+def _join_exchange(seed: Membership, joiner: Membership, until: float) -> int:
+    """Run a join of ``joiner`` through ``seed`` alone (a daemon's joiner connected to its seed only), messages
+    delivered at once, ticking every 0.1 s of simulated time; returns the page requests the joiner sent."""
+    requests = 0
+    joiner.can_probe = lambda pid: pid == seed.me  # connected to its seed alone: nobody else to ask
+    outbox = joiner.join(seed.me, 0.0)
+    t = 0.0
+    while t < until and not joiner.counters["joined"]:
+        for dst, message in outbox:
+            if dst == seed.me and isinstance(message, SyncRequest):
+                requests += 1
+                for back_dst, reply in seed.receive(t, message):
+                    if back_dst == joiner.me:
+                        joiner.receive(t, reply)
+        t += 0.1
+        outbox = [(d, m) for d, m in joiner.tick(t) if isinstance(m, SyncRequest)]
+    return requests
+
+
+def test_a_joiner_gets_a_64_member_table_from_its_seed_in_one_page() -> None:
+    """In a daemon a joiner connected to its seed alone can ask nobody else; when its first request covered
+    1/64 of the hash space, a 64-member table took ~7 pages, and 63 joiners at once waited minutes on the
+    seed's pages per second (docs/benchmarks.md, "SWIM in the daemon")."""
+    seed = _node(members=64)
+    joiner = Membership(100, 0.0, random.Random(1))
+    requests = _join_exchange(seed, joiner, until=60.0)
+    assert joiner.counters["joined"] == 1
+    assert sorted(joiner.members()) == sorted([*range(64), 100])
+    assert requests == 1
+
+
+def test_a_joiner_answered_busy_backs_off_instead_of_asking_every_page_interval() -> None:
+    """A seed over its pages per second answers "busy"; a joiner that can ask nobody else asked again every
+    ``join_page_s`` (0.5 s), so 63 joiners sent their seed ~126 requests a second it could not serve."""
+    seed = _node(members=64, sync_serve_per_s=1e-6)  # never a token: every request answered "busy"
+    joiner = Membership(100, 0.0, random.Random(1))
+    requests = _join_exchange(seed, joiner, until=60.0)
+    assert joiner.counters["joined"] == 0 and seed.counters["sync_busy"] == requests
+    # One request per join_page_s would be 120 in these 60 s; backing off up to join_busy_max_s it is a
+    # handful plus one per 8 s at most.
+    assert requests <= 6 + 60 / MembershipConfig().join_busy_max_s / 0.5

@@ -43,8 +43,10 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
 * **Joins** go through a seed: the joiner announces itself to the seed (whose ``Alive`` news spreads by
   gossip) and pulls the swarm's table in pages, by hash bucket of the peer names (:class:`Registry`), which
   every node computes alike: page k is asked of a random member already known, one page per
-  ``join_page_s``, each at most ``join_page_entries`` entries, the bucket span adapted so that pages come
-  about half full. A full view costs the joiner O(N) once; each member serves at most ``sync_serve_per_s``
+  ``join_page_s``, each at most ``join_page_entries`` entries (the first asks for the whole hash space, so a
+  swarm of up to that many members comes in one page), the bucket span then adapted so that pages come
+  about half full; a joiner answered "busy" asks again after exponentially longer waits (up to
+  ``join_busy_max_s``). A full view costs the joiner O(N) once; each member serves at most ``sync_serve_per_s``
   pages a second (excess answered "busy", asked elsewhere) and, spread this way, a handful per join swarm-
   wide rather than the seed serving all N. Entries a sync hands over are applied but not gossiped on (the
   swarm knows them; a joiner re-sending its whole table would crowd out its own announcement). A member
@@ -223,7 +225,13 @@ class MembershipConfig:
     pushpull_dead_every: int = 4  # one push-pull out of this many goes to a member held dead, if any
     join_page_entries: int = 256  # table entries per page of a joiner's sync
     join_page_s: float = 0.5  # one page request per this many seconds while joining
-    join_span: int = BUCKETS // 64  # hash buckets a joiner's first page request covers (then adapted)
+    # Hash buckets a joiner's first page request covers (then adapted): the whole space, since the server
+    # cuts a page at ``join_page_entries`` anyway. Starting at 1/64 of it, a joiner of a 64-member swarm asked
+    # ~7 pages of its seed (the span doubling from nearly empty pages), and in a daemon, where a joiner
+    # connected to its seed alone can ask nobody else, 63 joiners at once waited on the seed's
+    # ``sync_serve_per_s`` for minutes (docs/benchmarks.md, "SWIM in the daemon").
+    join_span: int = BUCKETS
+    join_busy_max_s: float = 8.0  # a joiner answered "busy" asks again after up to this long (see _receive_sync)
     join_announce_s: float = 120.0  # a joiner's probes carry its own Alive this long after joining
     sync_timeout_s: float = 3.0  # a sync request unanswered this long is sent again (joining)
     sync_serve_per_s: float = 4.0  # pages this node serves per second at most (token bucket)
@@ -386,6 +394,7 @@ class Membership:
         self._join_span = self.config.join_span
         self._join_next = math.inf
         self._join_seq = -1
+        self._join_busy = 0  # "busy" answers in a row to this joiner's page requests
         self._sync_tokens = self.config.sync_serve_per_s
         self._sync_tokens_t = now
         self._my_progress: Progress | None = None
@@ -929,11 +938,18 @@ class Membership:
         if isinstance(message, SyncReply):
             if message.seq == self._join_seq and sender == self._join_server:
                 if message.busy:
-                    self._join_next = now + self.config.join_page_s  # another member, soon
+                    # Another member, soon; but a joiner whose only reachable member is a busy seed (in a
+                    # daemon, one connected to its seed alone) backs off: asking every join_page_s, 63
+                    # joiners sent their seed ~126 requests a second it could only answer "busy".
+                    self._join_busy += 1
+                    wait = min(self.config.join_busy_max_s, self.config.join_page_s * 2 ** (self._join_busy - 1))
+                    self._join_next = now + wait * self.rng.uniform(0.5, 1.0)
                 elif message.next_cursor < 0 or message.next_cursor >= BUCKETS:
+                    self._join_busy = 0
                     self._join_server, self._join_next, self._join_seq = None, math.inf, -1
                     self.counters["joined"] += 1
                 else:
+                    self._join_busy = 0
                     if message.next_cursor <= self._join_cursor:
                         self.counters["join_page_stuck"] += 1
                         self._join_cursor += 1
