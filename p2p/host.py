@@ -35,6 +35,7 @@ from p2p.limits import (
     MuxerOffences,
     drop_after_handlers,
     release_inbound_slots_on_close,
+    survive_removed_handlers,
     use_registered_muxers,
     yamux_with_limits,
 )
@@ -207,6 +208,7 @@ def build_host(
     release_inbound_slots_on_close(host.get_network())  # else 64 connect/disconnect cycles lock us out
     use_registered_muxers(host.get_network().upgrader)  # else a plain Yamux, whatever muxer_opt says
     drop_after_handlers(host)  # else a stream we answered buffers what the peer sends, window after window
+    survive_removed_handlers(host)  # else a handler removed mid-negotiation ends the whole connection
     return host
 
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+from libp2p.protocol_muxer.exceptions import MultiselectError
 from libp2p.stream_muxer.yamux.yamux import (
     GO_AWAY_PROTOCOL_ERROR,
     TYPE_GO_AWAY,
@@ -210,6 +211,28 @@ def drop_after_handlers(host: Any) -> None:
         set_handler(protocol_id, handled)
 
     host.set_stream_handler = set_stream_handler
+
+
+def survive_removed_handlers(host: Any) -> None:
+    """Narrow, instance-level patch: a protocol whose handler is removed while a peer's stream is still
+    negotiating it fails that stream, not the connection.
+
+    py-libp2p 0.8.1's ``Multiselect.negotiate`` checks ``protocol in self.handlers``, awaits the write of its
+    answer, then reads ``self.handlers[protocol]``: a ``remove_stream_handler`` in between (a service
+    stopping, the daemon shutting down) raises ``KeyError``, which ends the connection's stream nursery and
+    printed a traceback in 8 of 64 daemons stopped at once (bench/scale.py). As :class:`MultiselectError`
+    the host resets that one stream and logs it at debug, as for any failed negotiation. (Upstream: look
+    the handler up once, ``self.handlers.get``, and answer "na" when it is gone.)
+    """
+    negotiate = host.multiselect.negotiate
+
+    async def negotiate_surviving(communicator: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await negotiate(communicator, *args, **kwargs)
+        except KeyError as exc:
+            raise MultiselectError(f"handler of {exc} removed during negotiation") from None
+
+    host.multiselect.negotiate = negotiate_surviving
 
 
 class _WindowedBuffer(bytearray):

@@ -389,3 +389,48 @@ async def test_small_reads_return_the_window_in_one_update_per_half_window_not_o
             await done.wait()
         assert received[-1] >= SMALL_MESSAGES * SMALL_SIZE + 1024 * 1024
         nursery.cancel_scope.cancel()
+
+
+class _RemovingCommunicator:
+    """A peer asking for `protocol` over multistream-select; while the host writes its answer, the
+    handler is removed (a service stopping at that moment)."""
+
+    def __init__(self, host: IHost, protocol: str) -> None:
+        self.host, self.protocol = host, protocol
+        self.reads = ["/multistream/1.0.0", protocol]
+
+    async def read(self) -> str:
+        return self.reads.pop(0)
+
+    async def write(self, msg: str) -> None:
+        if msg == self.protocol:
+            self.host.remove_stream_handler(TProtocol(self.protocol))
+        await trio.lowlevel.checkpoint()
+
+
+async def _noop_handler(stream: Any) -> None:
+    return None
+
+
+async def test_a_handler_removed_while_a_stream_negotiates_it_fails_that_stream_not_the_connection() -> None:
+    """py-libp2p 0.8.1 raised KeyError here, which ended the connection's stream nursery with a traceback
+    (8 of 64 daemons stopped at once printed one); now it is a failed negotiation, which the host answers by
+    resetting the one stream."""
+    from libp2p.protocol_muxer.exceptions import MultiselectError
+    from libp2p.protocol_muxer.multiselect import Multiselect
+
+    host = build_host(create_new_key_pair())
+    protocol = "/starling/test/1.0.0"
+    host.set_stream_handler(TProtocol(protocol), _noop_handler)
+    with pytest.raises(MultiselectError, match="removed during negotiation"):
+        await host.get_mux().negotiate(_RemovingCommunicator(host, protocol))
+
+    unpatched = Multiselect()  # the library's own, as the cause: the KeyError the patch turns into a failure
+    unpatched.add_handler(TProtocol(protocol), _noop_handler)
+
+    class _Holder:
+        def remove_stream_handler(self, pid: TProtocol) -> None:
+            unpatched.remove_handler(pid)
+
+    with pytest.raises(KeyError):
+        await unpatched.negotiate(_RemovingCommunicator(_Holder(), protocol))  # type: ignore[arg-type]
