@@ -535,6 +535,9 @@ class Received:
     own_delta_sq: float = 0.0
     phi_distance_sq: float = 0.0  # |their phi - ours|^2, both as they crossed the wire
     own_phi_sq: float = 0.0  # |our phi|^2 (as it crossed the wire): the scale of "a model" at all
+    # The share of the model the phi values cover: 1 without compression, 1/32 with `high`'s phi fragment,
+    # while the Delta always covers the whole model (top-k of all of it).
+    phi_share: float = 1.0
 
     @property
     def delta_norms(self) -> tuple[float, float]:
@@ -548,7 +551,15 @@ class Received:
 
     @property
     def own_phi_norm(self) -> float:
+        """The norm of our phi where it crossed the wire (a fragment of it under a lossy preset)."""
         return math.sqrt(self.own_phi_sq)
+
+    @property
+    def own_model_norm(self) -> float:
+        """The norm of our whole phi, estimated from the fragment that crossed the wire: the scale a whole
+        Delta is compared with (a fragment's norm is about sqrt(share) of the whole, so comparing the whole
+        Delta with it refused honest partners under `high` as "not a model of ours")."""
+        return self.own_phi_norm / math.sqrt(self.phi_share) if self.phi_share > 0 else self.own_phi_norm
 
 
 class _Fold:
@@ -619,8 +630,8 @@ async def _swap(channel: FrameChannel, t: Tensors, plans: Plans) -> tuple[int, i
     Over the side channel each direction runs in its own thread (``SecureChannel.run_in_threads``: the
     encryption, the socket calls and the sums release the GIL); over a libp2p stream both directions run
     as tasks on the event loop."""
-    seen = Received()
     phi_plan, delta_plan = plans.phi, plans.delta
+    seen = Received(phi_share=phi_plan.numel / delta_plan.numel if delta_plan.numel else 1.0)
     phi_fold = _Fold(t.phi, t.phi_out, phi_plan, seen, is_delta=False)
     delta_fold = _Fold(t.delta, t.delta_out, delta_plan, seen, is_delta=True)
 

@@ -45,6 +45,25 @@ def test_values_longer_than_reject_ratio_times_our_phi_are_no_model_and_refused(
     assert refused.value.reason == reason
 
 
+def test_under_a_phi_fragment_the_whole_delta_is_judged_against_the_whole_model_not_the_fragment() -> None:
+    """Under `high` phi crosses the wire a 32nd at a time while the Delta is the whole model's: a Delta
+    within 4x our whole phi was refused as "not a model of ours" against the fragment's norm (two fresh
+    founders never averaged once `auto` began with `high`). The phi distance is still judged on the
+    fragment it was measured on."""
+    bound = UpdateBound(clip_ratio=2, reject_ratio=4, max_inner_steps=10)
+    fragment = Received(their_delta_sq=300.0**2, own_delta_sq=1.0, phi_distance_sq=10.0**2,
+                        own_phi_sq=(100.0 / 32**0.5)**2, phi_share=1 / 32)  # our whole phi: norm 100
+    bound.judge(fragment, 10, 10)  # 300 < 4 x 100: a model (clipped, not refused)
+    with pytest.raises(Rejected) as refused:
+        bound.judge(Received(their_delta_sq=401.0**2, own_delta_sq=1.0, own_phi_sq=(100.0 / 32**0.5)**2,
+                             phi_share=1 / 32), 10, 10)
+    assert refused.value.reason == "delta_norm"
+    with pytest.raises(Rejected) as refused:  # 80 > 4 x 17.7, the fragment's own norm
+        bound.judge(Received(their_delta_sq=1.0, own_delta_sq=1.0, phi_distance_sq=80.0**2,
+                             own_phi_sq=(100.0 / 32**0.5)**2, phi_share=1 / 32), 10, 10)
+    assert refused.value.reason == "phi_distance"
+
+
 def test_an_honest_partner_far_from_us_is_clipped_never_refused() -> None:
     """A node that trained alone for a while is many references away, and one in its warm-up has a tiny
     reference next to a trained partner's Delta: both honest, so clipped (a bounded pull), not punished."""

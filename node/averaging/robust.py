@@ -111,9 +111,12 @@ class UpdateBound:
         self.remember(own_norm, own_steps)
         if not math.isfinite(phi_distance):
             raise Rejected("non_finite", "partner's phi is too far from ours to measure (overflow)")
-        model = self.reject_ratio * seen.own_phi_norm
+        # The whole Delta against our whole phi's norm, the phi distance against the norm of the same
+        # fragment it was measured on (under a lossy preset phi crosses the wire a fragment at a time).
+        model = self.reject_ratio * seen.own_model_norm
         _refuse_garbage(their_norm, model, self.reject_ratio, "delta_norm", "Delta norm")
-        _refuse_garbage(phi_distance, model, self.reject_ratio, "phi_distance", "phi distance from ours")
+        fragment = self.reject_ratio * seen.own_phi_norm
+        _refuse_garbage(phi_distance, fragment, self.reject_ratio, "phi_distance", "phi distance from ours")
         reference = self.reference(own_norm, own_steps, their_steps)
         return Clip(_scale(their_norm, self.clip_ratio * reference),
                     _scale(phi_distance, self.clip_phi_ratio * reference))
