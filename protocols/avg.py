@@ -534,10 +534,10 @@ class Received:
     their_delta_sq: float = 0.0
     own_delta_sq: float = 0.0
     phi_distance_sq: float = 0.0  # |their phi - ours|^2, both as they crossed the wire
-    own_phi_sq: float = 0.0  # |our phi|^2 (as it crossed the wire): the scale of "a model" at all
-    # The share of the model the phi values cover: 1 without compression, 1/32 with `high`'s phi fragment,
-    # while the Delta always covers the whole model (top-k of all of it).
-    phi_share: float = 1.0
+    own_phi_sq: float = 0.0  # |our phi|^2 where it crossed the wire (our values, not their code): the scale of "a model"
+    # |our whole phi|^2 where only a fragment of phi crosses the wire (a lossy preset), None otherwise: the
+    # Delta always covers the whole model (top-k of all of it), so it is judged against the whole phi.
+    model_phi_sq: float | None = None
 
     @property
     def delta_norms(self) -> tuple[float, float]:
@@ -556,10 +556,10 @@ class Received:
 
     @property
     def own_model_norm(self) -> float:
-        """The norm of our whole phi, estimated from the fragment that crossed the wire: the scale a whole
-        Delta is compared with (a fragment's norm is about sqrt(share) of the whole, so comparing the whole
-        Delta with it refused honest partners under `high` as "not a model of ours")."""
-        return self.own_phi_norm / math.sqrt(self.phi_share) if self.phi_share > 0 else self.own_phi_norm
+        """The norm of our whole phi: the scale a whole Delta is compared with (a fragment's norm can be any
+        small share of the whole, a run of biases or norms; comparing the whole Delta with it refused honest
+        partners under `high` as "not a model of ours")."""
+        return self.own_phi_norm if self.model_phi_sq is None else math.sqrt(self.model_phi_sq)
 
 
 class _Fold:
@@ -619,11 +619,11 @@ class _Fold:
                 self.seen.finite = False
                 return
             self.seen.phi_distance_sq += dist_sq
-            self.seen.own_phi_sq += float(np.dot(own, own))
+            self.seen.own_phi_sq += float(np.dot(mine, mine))  # our phi itself: a wrapped (modulo) code is no scale
         np.add(theirs, own, out=theirs)
 
 
-async def _swap(channel: FrameChannel, t: Tensors, plans: Plans) -> tuple[int, int, Received]:
+async def _swap(channel: FrameChannel, t: Tensors, plans: Plans, seen: Received) -> tuple[int, int, Received]:
     """Send our phi and Delta while receiving theirs into the outputs (both directions at once, or the
     socket buffers fill up and both sides wait forever), turning them into the sums as they land.
 
@@ -631,7 +631,6 @@ async def _swap(channel: FrameChannel, t: Tensors, plans: Plans) -> tuple[int, i
     encryption, the socket calls and the sums release the GIL); over a libp2p stream both directions run
     as tasks on the event loop."""
     phi_plan, delta_plan = plans.phi, plans.delta
-    seen = Received(phi_share=phi_plan.numel / delta_plan.numel if delta_plan.numel else 1.0)
     phi_fold = _Fold(t.phi, t.phi_out, phi_plan, seen, is_delta=False)
     delta_fold = _Fold(t.delta, t.delta_out, delta_plan, seen, is_delta=True)
 
@@ -738,8 +737,12 @@ async def run_transfer(
     distance of its phi from ours on the fragment, and a clip rescales exactly those."""
     began = trio.current_time()
     plans = plan if isinstance(plan, Plans) else Plans.same(plan)
-    t = plans.sliced(t.as_arrays())
-    sent, received, seen = await _swap(channel, t, plans)
+    arrays = t.as_arrays()
+    seen = Received()
+    if plans.phi_range != (0, arrays.phi.size):  # one pass over our phi, off the event loop
+        seen.model_phi_sq = await trio.to_thread.run_sync(lambda: float(np.dot(arrays.phi, arrays.phi)))
+    t = plans.sliced(arrays)
+    sent, received, seen = await _swap(channel, t, plans, seen)
     if not seen.finite:
         raise Rejected("non_finite", "partner sent NaN, infinite or overflowing values")
     clip = validate(seen) if validate is not None else Clip()

@@ -51,16 +51,16 @@ def test_under_a_phi_fragment_the_whole_delta_is_judged_against_the_whole_model_
     founders never averaged once `auto` began with `high`). The phi distance is still judged on the
     fragment it was measured on."""
     bound = UpdateBound(clip_ratio=2, reject_ratio=4, max_inner_steps=10)
-    fragment = Received(their_delta_sq=300.0**2, own_delta_sq=1.0, phi_distance_sq=10.0**2,
-                        own_phi_sq=(100.0 / 32**0.5)**2, phi_share=1 / 32)  # our whole phi: norm 100
+    fragment = Received(their_delta_sq=300.0**2, own_delta_sq=1.0, phi_distance_sq=3.0**2,
+                        own_phi_sq=1.0, model_phi_sq=100.0**2)  # our whole phi: norm 100; its fragment's: 1
     bound.judge(fragment, 10, 10)  # 300 < 4 x 100: a model (clipped, not refused)
     with pytest.raises(Rejected) as refused:
-        bound.judge(Received(their_delta_sq=401.0**2, own_delta_sq=1.0, own_phi_sq=(100.0 / 32**0.5)**2,
-                             phi_share=1 / 32), 10, 10)
+        bound.judge(Received(their_delta_sq=401.0**2, own_delta_sq=1.0, own_phi_sq=1.0, model_phi_sq=100.0**2),
+                    10, 10)
     assert refused.value.reason == "delta_norm"
-    with pytest.raises(Rejected) as refused:  # 80 > 4 x 17.7, the fragment's own norm
-        bound.judge(Received(their_delta_sq=1.0, own_delta_sq=1.0, phi_distance_sq=80.0**2,
-                             own_phi_sq=(100.0 / 32**0.5)**2, phi_share=1 / 32), 10, 10)
+    with pytest.raises(Rejected) as refused:  # 5 > 4 x 1, the fragment's own norm
+        bound.judge(Received(their_delta_sq=1.0, own_delta_sq=1.0, phi_distance_sq=5.0**2,
+                             own_phi_sq=1.0, model_phi_sq=100.0**2), 10, 10)
     assert refused.value.reason == "phi_distance"
 
 
