@@ -31,7 +31,7 @@ from node.swarm import crdt
 from node.swarm.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
 from node.swarm.replicator import StateReplicator, load_state
 from p2p.host import build_host
-from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, send_msg
+from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, recv_msg, send_msg
 from protocols import state as protocol
 from protocols.hlc import Timestamp
 from protocols.state import LocalInfo, SyncRefused
@@ -258,8 +258,6 @@ async def test_a_busy_refusal_on_1_0_0_is_unchanged_and_carries_no_referral() ->
     good = member_record(addrs=("/ip4/10.0.0.1/tcp/4001",))[1]
     ours, theirs = trio.testing.memory_stream_pair()
     await protocol.refuse_busy(TrioByteStream(theirs), info(), referral=[good], legacy=True)
-    from p2p.wire import recv_msg
-
     raw = await recv_msg(TrioByteStream(ours), max_bytes=1 << 20)
     assert raw == {"t": "error", "v": 1, "code": protocol.BUSY, "reason": "too many concurrent state sessions",
                    "manifest_hash": "", "swarm": SWARM}
