@@ -5,7 +5,7 @@ dropped (a full queue, a peer that joined a moment later, a partition). Anti-ent
 convergence. Every few seconds, and as soon as a connection opens, a node runs one session with a peer:
 
     initiator -> responder   Hello{version, swarm, manifest_hash, salt, buckets}
-    responder -> initiator   Hello{..., the same salt, its buckets}  (or Error{code, reason, ...} and close)
+    responder -> initiator   Hello{..., the same salt, its buckets}  (or Error{code, reason, ..., referral} and close)
     --- the session ends here when every bucket hash matches (two converged replicas) ---
     responder -> initiator   Entries{digest}   its entries in the buckets that differ
     initiator -> responder   Entries{digest}   its entries in the buckets that differ
@@ -30,6 +30,15 @@ know one, run the same run manifest. On a mismatch the responder answers with an
 names both values and closes; both sides raise :class:`SyncRefused`, whose message names both hashes,
 so each operator sees what differs. A side that knows no manifest yet (a fresh node) is compatible with
 any: it learns the swarm's manifest through the session.
+
+A responder that serves too many sessions refuses with code ``busy``, and its 2.0.0 :class:`Error`
+carries a *referral*: up to :data:`MAX_REFERRAL_RECORDS` signed member records of other alive members
+(never the asker's own; at most :data:`MAX_REFERRAL_BYTES` in all), preferably ones with addresses. The
+initiator verifies and applies them exactly as records of a session (the caller sees what they did in
+:attr:`SyncRefused.referred`). Why: a newcomer whose only connection is a busy bootstrap otherwise learns
+nobody else to dial until a session gets through, which took two minutes at 64 daemons
+(docs/benchmarks.md); with a referral each refusal names members it can dial at once. A 1.0.0 stream's
+error is :class:`ErrorV1`, unchanged, and carries no referral.
 
 Swarms upgrade node by node: a node serves both :data:`PROTOCOL_ID` and :data:`PROTOCOL_ID_1_0` and asks
 for 2.0.0 first (multistream falls back to 1.0.0 on an older peer, one round trip more); on a 1.0.0
@@ -73,6 +82,7 @@ __all__ = [
     "BUCKET_HASH_BYTES",
     "BUSY",
     "DEFAULT_MAX_DIGEST_ENTRIES",
+    "ERROR_MAX_BYTES",
     "HELLO_MAX_BYTES",
     "MANIFEST_MISMATCH",
     "SALT_BYTES",
@@ -87,9 +97,12 @@ __all__ = [
     "STEP_TIMEOUT_S",
     "Entries",
     "Error",
+    "ErrorV1",
     "Hello",
     "HelloV1",
     "LocalInfo",
+    "MAX_REFERRAL_BYTES",
+    "MAX_REFERRAL_RECORDS",
     "Records",
     "Replica",
     "SessionResult",
@@ -97,6 +110,7 @@ __all__ = [
     "bucket_hashes",
     "bucket_of",
     "check_compatible",
+    "fit_referral",
     "initiate",
     "refuse_busy",
     "respond",
@@ -138,6 +152,13 @@ _MAX_VERSION_CHARS = 64
 _MAX_REASON_CHARS = 1024
 #: A 2.0.0 hello, whatever the replica holds: the strings' limits, the salt and the bucket hashes.
 HELLO_MAX_BYTES = 512 + _MAX_SWARM_CHARS + _MAX_VERSION_CHARS + MAX_HASH_CHARS + SALT_BYTES + BUCKETS * BUCKET_HASH_BYTES
+#: A busy refusal's referral (2.0.0): at most this many signed member records, of at most this many
+#: bytes together. Eight members are enough for a newcomer to spread its dials beyond the bootstrap; 8 KiB
+#: keeps the refusal small, since it is sent exactly when the responder is overloaded.
+MAX_REFERRAL_RECORDS = 8
+MAX_REFERRAL_BYTES = 8 * 1024
+#: A 2.0.0 error message at most: its strings' limits and the referral, plus msgpack's overhead.
+ERROR_MAX_BYTES = 256 + _MAX_REASON_CHARS + MAX_HASH_CHARS + _MAX_SWARM_CHARS + MAX_REFERRAL_BYTES + MAX_REFERRAL_RECORDS * 8
 #: A batch message: the records, plus msgpack's per-item and per-message overhead.
 _MAX_RECORDS_MSG_BYTES = MAX_BATCH_BYTES + MAX_BATCH_RECORDS * 8 + 256
 
@@ -202,7 +223,34 @@ class Records:
 
 @dataclass(frozen=True)
 class Error:
-    """The responder refuses the session; it closes the stream after sending this."""
+    """The responder refuses the session (2.0.0); it closes the stream after sending this.
+
+    A ``busy`` refusal may carry a ``referral``: signed member records of other members, so that the
+    initiator learns whom else to dial (module docstring). Bounded here, after the message size limit
+    (:data:`ERROR_MAX_BYTES`) was checked before decoding: a peer sending more is refused as malformed.
+    """
+
+    KIND: ClassVar[str] = "error"
+    VERSION: ClassVar[int] = 2
+
+    code: str = spec(min_len=1, max_len=64)  # MANIFEST_MISMATCH, SWARM_MISMATCH, BUSY
+    reason: str = spec(max_len=_MAX_REASON_CHARS)  # human-readable, for the initiator's log
+    manifest_hash: str = spec(max_len=MAX_HASH_CHARS, default="")  # the responder's
+    swarm: str = spec(max_len=_MAX_SWARM_CHARS, default="")  # the responder's
+    referral: list[bytes] = spec(max_len=MAX_REFERRAL_RECORDS, default_factory=list)  # encoded signed records
+
+    def __post_init__(self) -> None:
+        for i, record in enumerate(self.referral):
+            if len(record) > MAX_ENVELOPE_BYTES:
+                raise ValueError(f"referral[{i}]: {len(record)} bytes, more than a record may have ({MAX_ENVELOPE_BYTES})")
+        total = sum(len(r) for r in self.referral)
+        if total > MAX_REFERRAL_BYTES:
+            raise ValueError(f"referral: {total} bytes, more than {MAX_REFERRAL_BYTES}")
+
+
+@dataclass(frozen=True)
+class ErrorV1:
+    """1.0.0's refusal (``legacy`` sessions only): as :class:`Error`, without a referral."""
 
     KIND: ClassVar[str] = "error"
     VERSION: ClassVar[int] = 1
@@ -254,11 +302,21 @@ class SyncRefused(Exception):
 
     ``code`` is one of ``manifest_mismatch``, ``swarm_mismatch`` (the peer is incompatible) or ``busy``
     (try later). ``local`` and ``remote`` are the two values that differ (manifest hashes or swarm
-    names); the message names both.
+    names); the message names both. ``referred`` is what the records of a busy refusal's referral did
+    to the initiator's replica (None: the refusal carried none).
     """
 
-    def __init__(self, code: str, *, local: str = "", remote: str = "", peer_version: str = "") -> None:
+    def __init__(
+        self,
+        code: str,
+        *,
+        local: str = "",
+        remote: str = "",
+        peer_version: str = "",
+        referred: ApplyResult | None = None,
+    ) -> None:
         self.code = code
+        self.referred = referred
         self.local = local
         self.remote = remote
         self.peer_version = peer_version
@@ -414,12 +472,18 @@ class _Steps:
             return await recv_as(self.stream, types, max_bytes=max_bytes)
 
 
-def _refusal(reply: Error, local: LocalInfo) -> SyncRefused:
+def _refusal(reply: Error | ErrorV1, local: LocalInfo, replica: Replica | None = None) -> SyncRefused:
+    """The initiator's exception for a responder's error; a busy refusal's referral is applied to
+    ``replica`` first, as records of a session are (verified one by one; a bad one is rejected and
+    counted). Another code's referral is ignored: an incompatible peer's records are not taken."""
     if reply.code == MANIFEST_MISMATCH:
         return SyncRefused(MANIFEST_MISMATCH, local=local.manifest_hash, remote=reply.manifest_hash)
     if reply.code == SWARM_MISMATCH:
         return SyncRefused(SWARM_MISMATCH, local=local.swarm, remote=reply.swarm)
-    return SyncRefused(reply.code[:64])
+    referred = None
+    if reply.code == BUSY and isinstance(reply, Error) and reply.referral and replica is not None:
+        referred = replica.apply(reply.referral)
+    return SyncRefused(reply.code[:64], referred=referred)
 
 
 async def initiate(
@@ -449,9 +513,9 @@ async def initiate(
         mine = dict(replica.digest())
         my_hashes = bucket_hashes(mine, salt)
         await steps.send(Hello(local.version, local.swarm, local.manifest_hash, salt, my_hashes), max_bytes=HELLO_MAX_BYTES)
-        reply: Hello | Error = await steps.recv((Hello, Error), max_bytes=HELLO_MAX_BYTES)
+        reply: Hello | Error = await steps.recv((Hello, Error), max_bytes=max(HELLO_MAX_BYTES, ERROR_MAX_BYTES))
         if isinstance(reply, Error):
-            raise _refusal(reply, local)
+            raise _refusal(reply, local, replica)
         # The responder checked too, but a node must not take state from a peer it considers
         # incompatible, whatever the peer thinks.
         problem = check_compatible(local, reply)
@@ -521,7 +585,8 @@ async def _refuse_if_incompatible(steps: _Steps, local: LocalInfo, hello: Hello 
     problem = check_compatible(local, hello)
     if problem is not None:
         reason = f"{problem.code}: the responder has {problem.local!r}, the initiator {problem.remote!r}"
-        error = Error(problem.code, _clip(reason), manifest_hash=local.manifest_hash, swarm=local.swarm)
+        kind = ErrorV1 if isinstance(hello, HelloV1) else Error
+        error = kind(problem.code, _clip(reason), manifest_hash=local.manifest_hash, swarm=local.swarm)
         await steps.send(error)
         raise problem
 
@@ -532,8 +597,8 @@ async def _initiate_v1(
     """1.0.0's initiator: both whole digests, then the records each side lacks."""
     hello_max = _digest_max_bytes(max_digest_entries)
     await steps.send(_hello_v1(replica, local), max_bytes=hello_max)
-    reply: HelloV1 | Error = await steps.recv((HelloV1, Error), max_bytes=hello_max)
-    if isinstance(reply, Error):
+    reply: HelloV1 | ErrorV1 = await steps.recv((HelloV1, ErrorV1), max_bytes=hello_max)
+    if isinstance(reply, ErrorV1):
         raise _refusal(reply, local)
     problem = check_compatible(local, reply)
     if problem is not None:
@@ -558,12 +623,37 @@ async def _respond_v1(
     return SessionResult(sent, *received, peer_version=hello.version, peer_manifest_hash=hello.manifest_hash)
 
 
-async def refuse_busy(stream: ByteStream, local: LocalInfo) -> None:
-    """Tell an initiator that this node serves too many sessions right now (it retries later)."""
+async def refuse_busy(
+    stream: ByteStream, local: LocalInfo, *, referral: Sequence[bytes] = (), legacy: bool = False
+) -> None:
+    """Tell an initiator that this node serves too many sessions right now (it retries later).
+
+    On 2.0.0, ``referral`` (encoded signed member records of other members, never the initiator's) goes
+    with it, as many as fit :data:`MAX_REFERRAL_RECORDS` and :data:`MAX_REFERRAL_BYTES` in the given
+    order; on a 1.0.0 stream (``legacy``) the refusal is 1.0.0's, without one.
+    """
+    reason = "too many concurrent state sessions"
+    msg: Error | ErrorV1
+    if legacy:
+        msg = ErrorV1(BUSY, reason, local.manifest_hash, local.swarm)
+    else:
+        msg = Error(BUSY, reason, local.manifest_hash, local.swarm, referral=fit_referral(referral))
     with trio.move_on_after(2.0):
-        await send_msg(
-            stream, Error(BUSY, "too many concurrent state sessions", local.manifest_hash, local.swarm)
-        )
+        await send_msg(stream, msg, max_bytes=ERROR_MAX_BYTES)
+
+
+def fit_referral(records: Iterable[bytes]) -> list[bytes]:
+    """The first of ``records`` that fit a referral's bounds, in order (one too large is skipped)."""
+    out: list[bytes] = []
+    total = 0
+    for record in records:
+        if len(out) == MAX_REFERRAL_RECORDS:
+            break
+        if len(record) > MAX_ENVELOPE_BYTES or total + len(record) > MAX_REFERRAL_BYTES:
+            continue
+        out.append(record)
+        total += len(record)
+    return out
 
 
 def _clip(text: str) -> str:

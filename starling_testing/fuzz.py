@@ -810,6 +810,7 @@ def state_messages() -> list[Any]:
         state.Records([], done=False),
         state.Error(state.MANIFEST_MISMATCH, "manifests differ", manifest_hash="f" * 64, swarm=SWARM),
         state.Error(state.BUSY, "too many sessions"),
+        state.Error(state.BUSY, "too many sessions", referral=list(replica_records()[:4])),
     ]
 
 
@@ -880,6 +881,7 @@ class StateInitiator(Target):
             [msg(state.Error(state.MANIFEST_MISMATCH, "differ", manifest_hash="f" * 64, swarm=SWARM))],
             [msg(state.Error(state.SWARM_MISMATCH, "other swarm", swarm="elsewhere"))],
             [msg(state.Error(state.BUSY, "busy"))],
+            [msg(state.Error(state.BUSY, "busy", referral=list(replica_records()[:4])))],
         ]
 
     async def feed(self, data: bytes) -> str:

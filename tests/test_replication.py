@@ -8,6 +8,7 @@ once the test's own updates are in) and drive updates explicitly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -30,7 +31,7 @@ from node.swarm import crdt
 from node.swarm.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
 from node.swarm.replicator import StateReplicator, load_state
 from p2p.host import build_host
-from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, send_msg
+from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, recv_msg, send_msg
 from protocols import state as protocol
 from protocols.hlc import Timestamp
 from protocols.state import LocalInfo, SyncRefused
@@ -163,6 +164,117 @@ async def test_a_busy_responder_is_not_taken_for_an_incompatible_one() -> None:
         with pytest.raises(SyncRefused) as excinfo:
             await protocol.initiate(TrioByteStream(ours), FakeReplica(), info())
     assert excinfo.value.code == protocol.BUSY and not excinfo.value.incompatible
+
+
+def member_record(**fields: Any) -> tuple[SwarmState, bytes]:
+    """A member's replica and its encoded signed member record."""
+    state = SwarmState(create_new_key_pair())
+    return state, state.update_self(**fields).data
+
+
+async def refused_busy_with(error: Any, replica: protocol.Replica) -> SyncRefused | ProtocolError:
+    """Run an initiator against a responder that answers its hello with ``error`` (a message or a map,
+    sent as it is); returns what the initiator raised."""
+    ours, theirs = trio.testing.memory_stream_pair()
+
+    async def busy_responder() -> None:
+        stream = TrioByteStream(theirs)
+        await recv_as(stream, protocol.Hello, max_bytes=1 << 20)
+        await send_msg(stream, error, max_bytes=1 << 20)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(busy_responder)
+        try:
+            await protocol.initiate(TrioByteStream(ours), replica, info())
+        except (SyncRefused, ProtocolError) as exc:
+            return exc
+    pytest.fail("the initiator was not refused")
+
+
+async def test_a_busy_refusal_refers_the_initiator_to_other_members_it_then_holds() -> None:
+    others = [member_record(addrs=(f"/ip4/10.0.0.{i}/tcp/4001",)) for i in range(3)]
+    ours, theirs = trio.testing.memory_stream_pair()
+
+    async def busy_responder() -> None:
+        stream = TrioByteStream(theirs)
+        await recv_as(stream, protocol.Hello, max_bytes=1 << 20)
+        await protocol.refuse_busy(stream, info(), referral=[data for _, data in others])
+
+    newcomer = SwarmState(create_new_key_pair())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(busy_responder)
+        with pytest.raises(SyncRefused) as excinfo:
+            await protocol.initiate(TrioByteStream(ours), newcomer, info())
+    assert excinfo.value.code == protocol.BUSY and not excinfo.value.incompatible
+    assert excinfo.value.referred == ApplyResult(changed=3)
+    for state, _ in others:
+        view = newcomer.member(state.peer_id)
+        assert view is not None and view.record.addrs  # an address to dial
+    assert not newcomer.rejected
+
+
+async def test_a_referral_is_cut_to_its_bounds_by_the_refusing_side() -> None:
+    records = [member_record(addrs=("/ip4/10.0.0.1/tcp/4001",))[1] for _ in range(protocol.MAX_REFERRAL_RECORDS + 4)]
+    assert len(protocol.fit_referral(records)) == protocol.MAX_REFERRAL_RECORDS
+    big = b"x" * (protocol.MAX_REFERRAL_BYTES - 100)
+    fitted = protocol.fit_referral([big, *records])
+    assert fitted[0] == big and sum(map(len, fitted)) <= protocol.MAX_REFERRAL_BYTES and len(fitted) < len(records)
+
+
+async def test_hostile_referrals_are_refused_or_rejected_and_nothing_is_applied() -> None:
+    good = member_record(addrs=("/ip4/10.0.0.1/tcp/4001",))[1]
+    forged = bytearray(good)
+    forged[-1] ^= 0xFF  # the signature's last byte
+    busy = {"t": "error", "v": 2, "code": protocol.BUSY, "reason": "busy"}
+    cases: list[tuple[dict[str, Any], Reason]] = [
+        ({**busy, "referral": [good] * (protocol.MAX_REFERRAL_RECORDS + 1)}, Reason.BAD_FIELD),  # too many
+        ({**busy, "referral": [good[:1] * 1000] * 9}, Reason.BAD_FIELD),  # 9 KB: more than the referral's bytes
+        ({**busy, "referral": [b"x" * (protocol.ERROR_MAX_BYTES + 1)]}, Reason.TOO_LARGE),  # past the message limit
+        ({**busy, "referral": "not a list"}, Reason.BAD_FIELD),
+        ({**busy, "referral": [1, 2]}, Reason.BAD_FIELD),
+    ]
+    for error, reason in cases:
+        newcomer = SwarmState(create_new_key_pair())
+        outcome = await refused_busy_with(error, newcomer)
+        assert isinstance(outcome, ProtocolError) and outcome.reason is reason, (error.get("referral", "")[:1], outcome)
+        assert [m.peer_id for m in newcomer.members()] == []
+    # Forged and malformed records in a well-formed referral: rejected and counted, the good one applied.
+    newcomer = SwarmState(create_new_key_pair())
+    outcome = await refused_busy_with({**busy, "referral": [bytes(forged), b"\x93junk", good]}, newcomer)
+    assert isinstance(outcome, SyncRefused) and outcome.referred == ApplyResult(changed=1, rejected=2)
+    assert len(newcomer.members()) == 1 and sum(newcomer.rejected.values()) == 2
+
+
+async def test_an_incompatible_peers_referral_is_not_taken() -> None:
+    good = member_record(addrs=("/ip4/10.0.0.1/tcp/4001",))[1]
+    error = protocol.Error(protocol.SWARM_MISMATCH, "other swarm", swarm="elsewhere", referral=[good])
+    newcomer = SwarmState(create_new_key_pair())
+    outcome = await refused_busy_with(error, newcomer)
+    assert isinstance(outcome, SyncRefused) and outcome.incompatible and outcome.referred is None
+    assert newcomer.members() == []
+
+
+async def test_a_busy_refusal_on_1_0_0_is_unchanged_and_carries_no_referral() -> None:
+    good = member_record(addrs=("/ip4/10.0.0.1/tcp/4001",))[1]
+    ours, theirs = trio.testing.memory_stream_pair()
+    await protocol.refuse_busy(TrioByteStream(theirs), info(), referral=[good], legacy=True)
+    raw = await recv_msg(TrioByteStream(ours), max_bytes=1 << 20)
+    assert raw == {"t": "error", "v": 1, "code": protocol.BUSY, "reason": "too many concurrent state sessions",
+                   "manifest_hash": "", "swarm": SWARM}
+    # And a 1.0.0 initiator reads it as busy, as before.
+    ours, theirs = trio.testing.memory_stream_pair()
+
+    async def busy_responder() -> None:
+        stream = TrioByteStream(theirs)
+        await recv_as(stream, protocol.HelloV1, max_bytes=1 << 20)
+        await protocol.refuse_busy(stream, info(), referral=[good], legacy=True)
+
+    newcomer = SwarmState(create_new_key_pair())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(busy_responder)
+        with pytest.raises(SyncRefused) as excinfo:
+            await protocol.initiate(TrioByteStream(ours), newcomer, info(), legacy=True)
+    assert excinfo.value.code == protocol.BUSY and excinfo.value.referred is None and newcomer.members() == []
 
 
 async def test_a_silent_peer_runs_into_the_session_deadline() -> None:
@@ -1072,6 +1184,67 @@ class HeldStateStream:
 
     async def reset(self) -> None:
         pass
+
+
+class WrittenStateStream(HeldStateStream):
+    """As :class:`HeldStateStream`, keeping what the handler wrote (the busy refusal)."""
+
+    def __init__(self, peer_id: ID) -> None:
+        super().__init__(peer_id)
+        self.written = bytearray()
+
+    async def write(self, data: bytes) -> None:
+        self.refused = True
+        self.written += data
+
+
+async def written_error(stream: WrittenStateStream, cls: Any) -> Any:
+    ours, theirs = trio.testing.memory_stream_pair()
+    await theirs.send_all(bytes(stream.written))
+    return await recv_as(TrioByteStream(ours), cls, max_bytes=1 << 20)
+
+
+async def test_a_busy_replicator_refers_to_other_alive_members_never_the_asker() -> None:
+    replicator = idle_replicator()
+    gate = trio.Event()
+
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False) -> None:
+        await gate.wait()
+
+    replicator._session = session  # type: ignore[method-assign]
+    asker_key = create_new_key_pair()
+    asker = ID.from_pubkey(asker_key.public_key)
+    asker_state = SwarmState(asker_key)
+    replicator.state.merge(asker_state.update_self(addrs=("/ip4/10.0.0.99/tcp/4001",)).data)
+    dialable = [member_record(addrs=(f"/ip4/10.0.1.{i}/tcp/4001",)) for i in range(10)]
+    silent = [member_record() for _ in range(3)]  # no addresses: behind the dialable ones
+    for _, data in dialable + silent:
+        replicator.state.merge(data)
+    replicator.state.update_self(addrs=("/ip4/10.0.0.1/tcp/4001",))
+    async with trio.open_nursery() as nursery:
+        streams = [WrittenStateStream(asker) for _ in range(3)]  # its share is 2: the third is refused
+        for s in streams:
+            nursery.start_soon(replicator._handle_stream, s)
+        await trio.testing.wait_all_tasks_blocked()
+        refused = [s for s in streams if s.refused]
+        assert len(refused) == 1
+        error = await written_error(refused[0], protocol.Error)
+        gate.set()
+    assert error.code == protocol.BUSY and len(error.referral) == protocol.MAX_REFERRAL_RECORDS
+    referred = {replicator.state.verify(data).record.peer_id for data in error.referral}
+    assert referred <= {state.peer_id for state, _ in dialable}  # dialable members first; not the asker, not itself
+    assert replicator.stats.referred_records == protocol.MAX_REFERRAL_RECORDS
+    # A legacy (1.0.0) stream's refusal carries none.
+    async with trio.open_nursery() as nursery:
+        gate = trio.Event()
+        streams = [WrittenStateStream(asker) for _ in range(3)]
+        for s in streams:
+            nursery.start_soon(functools.partial(replicator._handle_stream, s, legacy=True))
+        await trio.testing.wait_all_tasks_blocked()
+        refused = [s for s in streams if s.refused]
+        legacy_error = await written_error(refused[0], protocol.ErrorV1)
+        gate.set()
+    assert legacy_error.code == protocol.BUSY
 
 
 async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers_are_still_served() -> None:

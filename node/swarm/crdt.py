@@ -696,6 +696,12 @@ class SwarmState:
         now = self._now() if now is None else now
         return [self._view(self._members[pid], now) for pid in sorted(self._members)]
 
+    def member_data(self, peer_id: str) -> bytes | None:
+        """The encoded signed member record held for ``peer_id`` (to hand on, e.g. in a busy refusal's
+        referral: protocols/state.py), or None."""
+        entry = self._members.get(peer_id)
+        return None if entry is None else entry.signed.data
+
     def member(self, peer_id: str, now: float | None = None) -> MemberView | None:
         entry = self._members.get(peer_id)
         return None if entry is None else self._view(entry, self._now() if now is None else now)

@@ -205,6 +205,9 @@ class ReplicationStats:
     manifest_mismatches: int = 0  # refused sessions with incompatible peers (both directions)
     busy_refusals: int = 0  # inbound sessions answered "busy": all slots, or the peer's share, taken
     peer_share_refusals: int = 0  # of those, refused because the peer held its share (slots were left)
+    referred_records: int = 0  # member records sent in the referrals of those refusals (2.0.0)
+    referrals_received: int = 0  # records received in busy refusals' referrals (any outcome)
+    referrals_changed: int = 0  # of those, new to this node
     saves: int = 0
     save_errors: int = 0
     last_save: float | None = None  # wall time
@@ -909,8 +912,10 @@ class StateReplicator:
             self.stats.busy_refusals += 1
             self.stats.peer_share_refusals += self._inbound < MAX_INBOUND_SESSIONS
             byte_stream = LibP2PByteStream(stream)
+            referral = () if legacy else self._referral(peer.to_base58())
+            self.stats.referred_records += len(referral)
             try:
-                await protocol.refuse_busy(byte_stream, self._local_info())
+                await protocol.refuse_busy(byte_stream, self._local_info(), referral=referral, legacy=legacy)
             except ProtocolError:
                 pass
             await _close(byte_stream, graceful=True)
@@ -924,6 +929,16 @@ class StateReplicator:
             left = self._inbound_by_peer.pop(peer) - 1
             if left:
                 self._inbound_by_peer[peer] = left
+
+    def _referral(self, asker: str) -> list[bytes]:
+        """Records for a busy refusal's referral (protocols/state.py): alive members other than this node
+        and the asker, in random order, those that publish addresses first (a newcomer can dial them).
+        Random, so that the newcomers a busy bootstrap refuses spread their dials over the swarm."""
+        views = [view for view in self.alive_members() if view.peer_id != asker]
+        random.shuffle(views)
+        views.sort(key=lambda view: not view.record.addrs)  # stable: random within each group
+        records = (self.state.member_data(view.peer_id) for view in views)
+        return protocol.fit_referral(data for data in records if data is not None)
 
     async def _session(self, peer: ID, stream: INetStream, *, initiator: bool, legacy: bool = False) -> None:
         """One session on an open stream, either side; records the outcome, never raises for the peer's
@@ -979,6 +994,9 @@ class StateReplicator:
             self._check_manifest()
 
     def _refused(self, peer: str, exc: SyncRefused) -> None:
+        if exc.referred is not None:  # the rejected ones are counted by the replica (state.rejected)
+            self.stats.referrals_received += exc.referred.changed + exc.referred.unchanged + exc.referred.rejected
+            self.stats.referrals_changed += exc.referred.changed
         if not exc.incompatible:
             self.stats.session_failures[exc.code] += 1
             return
