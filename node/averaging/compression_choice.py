@@ -173,7 +173,8 @@ def refusal_reason(compression: str, group_size: int, name: str, wants: str) -> 
     if group_size != 2:
         return (f"{WANTS}{wants}; yours {yours}, ours 'auto' with sync.group_size = {group_size}: "
                 "set the same sync.compression on every trainer")
-    return f"{WANTS}{wants}; yours {yours} is less compressed than our link to you allows"
+    # Both causes in the words: our link to the initiator measured slow, or no link measured yet (PROBE).
+    return f"{WANTS}{wants}; yours {yours} is less compressed than our link to you allows (or our first exchange's probe)"
 
 
 def wanted_in(reason: str) -> str | None:
