@@ -619,7 +619,7 @@ class _Fold:
                 self.seen.finite = False
                 return
             self.seen.phi_distance_sq += dist_sq
-            self.seen.own_phi_sq += float(np.dot(mine, mine))  # our phi itself: a wrapped (modulo) code is no scale
+            self.seen.own_phi_sq += float(np.dot(mine, mine))  # a scale: our values, not their wire code
         np.add(theirs, own, out=theirs)
 
 
