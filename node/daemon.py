@@ -275,6 +275,10 @@ class Daemon:
                 deliver=lambda path, outer_step: self.supervisor.adopt_at_next_outer_step(path, outer_step),
                 model=self._worker_model,
                 on_refused=self._donor_lied,
+                # Whether a catch-up may move the count alone (latejoin.py, `CatchUp.follow_instead`).
+                link_rate_bps=lambda: self.averager.typical_rate_bps() if self.averager else None,
+                period_s=lambda: self.averager.outer_period_s() if self.averager else 0.0,
+                follow=lambda outer_step: self.averager.follow(outer_step) if self.averager else None,
             )
             bind = "127.0.0.1" if all(str(a).startswith("/ip4/127.") for a in self.listen_addrs) else "0.0.0.0"
             self.averager = Averager(
@@ -535,6 +539,7 @@ class Daemon:
             sync = st["sync"] = self.averager.status()
             if self.catch_up is not None:
                 sync["catch_ups"] = self.catch_up.catch_ups
+                sync["catch_up_follows"] = self.catch_up.follows
                 sync["catch_up"] = progress_view(self.catch_up.status)
             sync["out_of_reach"] = self._out_of_reach()
             join: JoinStatus = {**progress_view(self.join_status)}

@@ -210,6 +210,7 @@ class SyncStatus(TypedDict):
     sitting_out: SittingOutStatus  # partners that missed rounds in a row, sitting out a back-off
     last_refusal: RefusalStatus | None  # why the latest refused request was refused (None: none yet)
     catch_ups: NotRequired[int]  # snapshots the worker adopted
+    catch_up_follows: NotRequired[int]  # catch-ups that moved the outer-step count alone, without a download
     catch_up: NotRequired[ProgressStatus]
     out_of_reach: NotRequired[OutOfReachStatus | None]  # set while every possible partner is beyond the gap
 

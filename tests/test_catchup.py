@@ -215,6 +215,84 @@ async def test_catch_up_after_0_never_catches_up(tmp_path: Path, fake_download: 
     assert fake_download == [] and cu.unpaired == 10
 
 
+# --- over a slow link: the count alone ---------------------------------------------------------------------
+
+SLOW_MODEL = snap.ModelShape("L", 1_000_000)  # 4 MB of float32 per donor
+
+
+def slow_link_catch_up(tmp_path: Path, own: list[int], others: dict[str, int], *, rate_bps: float | None,
+                       period_s: float = 10.0) -> tuple[CatchUp, list[int]]:
+    """A catch-up whose link measured `rate_bps` (bytes/s each way) and whose outer steps take `period_s`;
+    returns it and the counts it asked the averager to follow."""
+    followed: list[int] = []
+    cu = CatchUp(None, tmp_path, SyncConfig(max_step_gap=4, catch_up_after=3), own_outer_step=lambda: own[0],
+                 trainers=lambda: dict(others), deliver=lambda path, step: None, model=lambda: SLOW_MODEL,
+                 link_rate_bps=lambda: rate_bps, period_s=lambda: period_s, follow=followed.append)
+    return cu, followed
+
+
+async def test_a_trainer_behind_only_in_count_over_a_slow_link_follows_the_swarm_without_a_download(
+    tmp_path: Path, fake_download: list, autojump_clock
+) -> None:
+    """Issue #23, bench/wan.py one-slow: the 10 kB/s trainer averaged most of its outer steps but fell 5
+    behind in count (its exchanges stretched its outer steps), was refused as too far behind, and spent the
+    rest of the run downloading three donors' float32 weights (minutes over its link) while its pairing and
+    SWIM timed out. Its weights were the swarm's: moving its count is enough, and costs no byte."""
+    own = [10]
+    cu, followed = slow_link_catch_up(tmp_path, own, {"a": 15, "b": 16, "c": 15}, rate_bps=10_000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cu.run)
+        cu.note_outer_step(True)  # averaged: its weights are the swarm's
+        cu.behind(16)
+        await trio.sleep(1)
+        assert fake_download == [] and followed == [15]  # the swarm's median, not the refusing partner's word
+        assert cu.follows == 1 and cu.catch_ups == 0
+        assert cu.status["state"] == "followed the swarm's outer step without a download"
+        assert (cu.status["from_outer_step"], cu.status["swarm_outer_step"]) == (10, 15)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_cheap_download_stale_weights_or_a_runaway_still_download_the_swarms_weights(
+    tmp_path: Path, fake_download: list, autojump_clock
+) -> None:
+    """The count alone only where the weights are fresh and the download dear; otherwise, as before, the
+    swarm's weights: a fast link (a second of download: the exact weights are worth it), a node that has
+    not averaged for `catch_up_after` outer steps, a worker gone back to an older checkpoint, a rate never
+    measured, and a runaway ahead of the swarm (its own weights are what is wrong)."""
+    others = {"a": 15, "b": 16, "c": 15}
+    fast, _ = slow_link_catch_up(tmp_path, [10], others, rate_bps=100e6)
+    fast.note_outer_step(True)
+    assert fast.follow_instead(15, 3) is None
+    unknown, _ = slow_link_catch_up(tmp_path, [10], others, rate_bps=None)
+    unknown.note_outer_step(True)
+    assert unknown.follow_instead(15, 3) is None
+    stale, _ = slow_link_catch_up(tmp_path, [10], others, rate_bps=10_000)
+    assert stale.follow_instead(15, 3) is None  # never averaged since it started
+    for had_partner in (True, False, False, False):
+        stale.note_outer_step(had_partner)
+    assert stale.follow_instead(15, 3) is None  # 3 outer steps solo since
+    own = [12]
+    restarted, _ = slow_link_catch_up(tmp_path, own, others, rate_bps=10_000)
+    restarted.note_outer_step(True)
+    assert restarted.follow_instead(15, 3) is not None
+    own[0] = 9  # the worker resumed from an older checkpoint
+    restarted.note_outer_step(False)
+    assert restarted.follow_instead(15, 3) is None
+    runaway, _ = slow_link_catch_up(tmp_path, [30], others, rate_bps=10_000)
+    runaway.note_outer_step(True)
+    assert runaway.follow_instead(15, 3) is None
+
+    own = [10]
+    cu, followed = slow_link_catch_up(tmp_path, own, others, rate_bps=10_000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cu.run)
+        for _ in range(3):
+            cu.note_outer_step(False)
+            await trio.sleep(1)
+        assert [sorted(d) for d in fake_download] == [["a", "b", "c"]] and followed == []
+        nursery.cancel_scope.cancel()
+
+
 # --- the download and the adoption -------------------------------------------------------------------------
 
 

@@ -241,6 +241,8 @@ class Averager:
         self._transfer_s: float | None = None  # our exchanges' typical duration (EWMA), for `_busy_wait_s`
         # Our typical rate each way over all partners (EWMA): `auto`'s guess for a partner not measured yet.
         self._rate_bps: float | None = None
+        # The swarm's outer step to continue from at our next round's end (`follow`; 0: none asked).
+        self._follow_to = 0
         if cfg.assumed_rate_mbps != 100.0 or cfg.deadline_slack != 3.0:
             log.warning("sync.assumed_rate_mbps and sync.deadline_slack are ignored now: a transfer runs as long "
                         "as it moves (sync.stall_timeout_s, sync.max_transfer_s); remove them from the config")
@@ -475,9 +477,30 @@ class Averager:
 
     def _follow_the_swarm(self, outer_step: int, group_outer_step: int | None) -> int | None:
         """The outer step to continue from: the exchange's, or the swarm's where we fell far behind it
-        (node/averaging/stepping.py, `follow_the_swarm`)."""
-        return stepping.follow_the_swarm(self.me, outer_step, group_outer_step, self.swarm.swarm_steps(),
-                                         self.cfg.max_step_gap)
+        (node/averaging/stepping.py, `follow_the_swarm`), or the count the catch-up asked for (`follow`)."""
+        continue_from = stepping.follow_the_swarm(self.me, outer_step, group_outer_step, self.swarm.swarm_steps(),
+                                                  self.cfg.max_step_gap)
+        asked, self._follow_to = self._follow_to, 0
+        if asked > max(outer_step, continue_from or 0):
+            log.info("outer step %d: continuing from the swarm's outer step %d (the catch-up's count)",
+                     outer_step, asked)
+            return asked
+        return continue_from
+
+    def follow(self, outer_step: int) -> None:
+        """Continue from `outer_step` at the end of our next round, where it is ahead of ours: the catch-up
+        moves the count alone when the weights are fresh and a download would be dear (node/averaging/
+        latejoin.py, `CatchUp.follow_instead`). The caller vouches for the step (the swarm's median from
+        the member records, never one partner's word)."""
+        self._follow_to = max(self._follow_to, outer_step)
+
+    def typical_rate_bps(self) -> float | None:
+        """Our typical rate each way over every partner measured (bytes/s, EWMA; None: never measured)."""
+        return self._rate_bps
+
+    def outer_period_s(self) -> float:
+        """Seconds of one of our outer steps as far as we know them (0: unknown)."""
+        return self._outer_period_s()
 
     def _schedule_members(self) -> list[str]:
         """The other trainers the schedule pairs us among: the eligible ones (the swarm state's view; other

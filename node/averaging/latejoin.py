@@ -12,7 +12,11 @@ swarm has nobody to average with, and averaging is what would bring it back. Aft
 `sync.catch_up_after` outer steps in a row that were not averaged (at once when a partner refuses it as
 too far behind: `CatchUp.behind`), the daemon downloads the same
 kind of snapshot from donors near the swarm's median outer step, while training goes on, and the worker
-adopts it at its next outer step (`node.worker.trainer.Trainer.adopt_snapshot`).
+adopts it at its next outer step (`node.worker.trainer.Trainer.adopt_snapshot`). A trainer that is behind
+only in its outer-step count (it averaged within the last `catch_up_after` outer steps, so its weights are
+the swarm's) and whose link would take longer than an outer step to download the snapshot moves its count
+to the swarm's instead (`CatchUp.follow_instead`): the count carries no weights, and over a slow link the
+download is what kept such a trainer out of every exchange.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("starling.latejoin")
 
 CATCH_UP_INTERVAL_S = 30.0  # the least time between two catch-up attempts
+SNAPSHOT_BYTES_PER_PARAM = 4  # a donor serves its slow weights as float32 (protocols/snapshot.py)
 ALONE_GRACE_S = 1.0  # a late join's wait for donors when this node knows of no one at all
 DONOR_SETTLE_S = 3.0  # after the first donor appears, how long the wait goes on for more (none new: done)
 
@@ -249,6 +254,16 @@ class CatchUp:
     (tiny models), the member records lag behind and an eager node would download again and again; a
     refusal as too far behind, or our own outer step going back (a worker restarted from an older
     checkpoint), is fresh evidence and lifts that interval.
+
+    Or no download, only the count (`follow_instead`): where this node is behind the swarm, averaged within
+    its last `catch_up_after` outer steps (and its worker has not gone back to an older checkpoint since),
+    and the snapshot would take longer than an outer step over its link (`link_rate_bps`, the rate its
+    exchanges measured; `period_s`, the swarm's pace), `follow(target)` moves its outer-step count to the
+    swarm's at its next outer step. Why: over a slow link a trainer falls behind in *count* because its
+    exchanges stretch its outer steps, not because its weights drift (bench/wan.py, one-slow: the 10 kB/s
+    trainer averaged 8 of 13 outer steps, then spent the rest of the run downloading three donors' float32
+    weights while every pairing request and SWIM ping over its link timed out). The count carries no
+    weights (node/averaging/stepping.py); the next exchange's pull keeps the weights together, as it did.
     """
 
     def __init__(
@@ -262,8 +277,16 @@ class CatchUp:
         deliver: Callable[[Path, Callable[[], int | None]], None],
         model: Callable[[], ModelShape | None],
         on_refused: Callable[[str], None] | None = None,
+        link_rate_bps: Callable[[], float | None] = lambda: None,
+        period_s: Callable[[], float] = lambda: 0.0,
+        follow: Callable[[int], None] | None = None,
     ) -> None:
         self.host = host
+        # For `follow_instead`: our link's measured rate each way (bytes/s, None: never measured), the
+        # seconds of an outer step (0: unknown), and how to move our outer-step count (None: never).
+        self.link_rate_bps = link_rate_bps
+        self.period_s = period_s
+        self.follow = follow
         # Our worker's model (None before its hello): a donor's snapshot must be exactly that.
         self.model = model
         self.on_refused = on_refused  # told of a donor whose snapshot was not our model (an offence)
@@ -274,6 +297,10 @@ class CatchUp:
         self.deliver = deliver
         self.unpaired = 0  # outer steps in a row that were not averaged
         self.catch_ups = 0  # snapshots the worker adopted
+        self.follows = 0  # times the count alone moved to the swarm's, without a download
+        # Outer steps since the last averaged one (None: none since this daemon or its worker started, or
+        # since the worker went back to an older checkpoint): how fresh our weights are.
+        self.since_averaged: int | None = None
         self.status: dict[str, Any] = {"state": "idle"}
         self._wake = trio.Event()
         self._delivered = False  # a snapshot waits for the worker's next outer step
@@ -289,10 +316,17 @@ class CatchUp:
         a member record's lag, so it lifts `CATCH_UP_INTERVAL_S`: a restart within 30 s of a catch-up
         stepped solo beside its partner for the rest of those 30 s."""
         own = self.own_outer_step()
-        if self._last_own is not None and own < self._last_own:
+        restarted = self._last_own is not None and own < self._last_own
+        if restarted:
             self._next_allowed = -math.inf
         self._last_own = own
         self.unpaired = 0 if had_partner else self.unpaired + 1
+        if had_partner:
+            self.since_averaged = 0
+        elif restarted or self.since_averaged is None:
+            self.since_averaged = None  # weights of an older checkpoint (or never averaged): not the swarm's
+        else:
+            self.since_averaged += 1
         if self.cfg.catch_up_after and self.unpaired >= self.cfg.catch_up_after:
             self._wake.set()
 
@@ -336,6 +370,27 @@ class CatchUp:
         donors = [peer for _, peer in near[: max(1, self.cfg.join_donors)]]
         return (target, donors) if donors else None
 
+    def follow_instead(self, target: int, donors: int) -> str | None:
+        """Why to move only our outer-step count to the swarm's `target` instead of downloading `donors`
+        snapshots, or None to download. All of: a way to follow; we are behind (a runaway ahead has weights
+        of its own and goes back by download); our weights are fresh (averaged within the last
+        `catch_up_after` outer steps, `since_averaged`); and the download is dear (its float32 bytes over
+        our measured rate take longer than an outer step). Unknown rate or period: download, as before."""
+        own = self.own_outer_step()
+        fresh = self.since_averaged is not None and self.since_averaged < max(1, self.cfg.catch_up_after)
+        if self.follow is None or target <= own or not fresh:
+            return None
+        model, rate, period = self.model(), self.link_rate_bps(), self.period_s()
+        if model is None or rate is None or not rate > 0 or not period > 0:
+            return None
+        nbytes = SNAPSHOT_BYTES_PER_PARAM * model.numel * donors
+        seconds = nbytes / rate
+        if seconds <= period:
+            return None  # cheap: take the swarm's weights exactly
+        return (f"averaged {self.since_averaged} outer steps ago, and {donors} snapshots ({nbytes / 1e6:.1f} MB) "
+                f"would take about {seconds:.0f} s at this link's {rate / 1e3:.1f} kB/s, against "
+                f"{period:.1f} s per outer step")
+
     def adopted(self, report: Adopted) -> None:
         """The worker's answer to a delivered snapshot: count and log the catch-up (or why it failed)."""
         self._delivered = False
@@ -345,6 +400,7 @@ class CatchUp:
             return
         self.catch_ups += 1
         self.unpaired = 0
+        self.since_averaged = 0  # the swarm's weights now
         self._last_own = report.outer_step  # a catch-up of a runaway moves back too: no restart
         self.status.update(state="done", outer_step=report.outer_step, step=report.step, error="")
         log.info(
@@ -366,8 +422,25 @@ class CatchUp:
                 self._refused_at = None
                 continue
             self.unpaired = 0  # a retry needs another `catch_up_after` outer steps without a partner
+            reason = self.follow_instead(plan[0], len(plan[1]))
+            if reason is not None:
+                self._follow(plan[0], reason)
+                continue
             self._next_allowed = trio.current_time() + CATCH_UP_INTERVAL_S
             await self._attempt(*plan)
+
+    def _follow(self, target: int, reason: str) -> None:
+        """Move our count to the swarm's `target` at our next outer step (`follow_instead` says why). No
+        `CATCH_UP_INTERVAL_S` after it: it costs nothing, and the next refusal may need it again."""
+        assert self.follow is not None
+        own = self.own_outer_step()
+        self._refused_at = None
+        self.follows += 1
+        self.follow(target)
+        log.info("outer step %d is %d behind the swarm's %d: following its count without a download (%s)",
+                 own, target - own, target, reason)
+        self.status = {"state": "followed the swarm's outer step without a download", "from_outer_step": own,
+                       "swarm_outer_step": target, "error": ""}
 
     async def _attempt(self, target: int, donors: list[str]) -> None:
         model = self.model()
