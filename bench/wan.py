@@ -338,7 +338,7 @@ class StarlingRun:
     curve: list[tuple[float, float]]  # (s since all trainers trained, mean of the trainers' latest val loss)
     sent_curve: list[tuple[float, float]]  # (s, mean bytes sent per trainer on its link since the start)
     nodes: list[NodeRun]
-    bytes_per_outer: float | None  # averaging bytes each way of its last exchange (sync.last_bytes / 2)
+    bytes_per_outer: float | None  # averaging bytes each way of its last bf16 exchange (sync.last_bytes / 2)
 
     def mean(self, attr: str) -> float:
         return statistics.fmean(getattr(n, attr) for n in self.nodes)
@@ -465,7 +465,10 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
             quiet.seconds.get(k, 0.0),
             sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0),
             int(sy1.get("catch_ups") or 0) - int(sy0.get("catch_ups") or 0)))
-    exchanged = [int(sync_of(st).get("last_bytes") or 0) for st in last.values()]
+    # The uncompressed exchange's bytes only: with `auto` a trainer's last exchange may be a compressed one
+    # (its first two with each link are), and the derivation is about bf16 phi and Delta.
+    exchanged = [int(sync_of(st).get("last_bytes") or 0) for st in last.values()
+                 if sync_of(st).get("last_compression") in (None, "none")]
     per_outer = statistics.fmean(b for b in exchanged if b) / 2 if any(exchanged) else None
     run = StarlingRun(label, rates, elapsed, curve, sent_curve, nodes, per_outer)
     print(f"  {label}: {elapsed:.0f} s, val {curve[-1][1]:.4f}, inner steps/s per trainer "
@@ -974,7 +977,7 @@ class Derivation:
             f"a ratio of {REF_RATIO:.1f} (DDP, a ring all-reduce of bf16 gradients: {REF_DDP_RATIO:.0f}). Here: "
             f"{self.params / 1e6:.2f}M parameters, an unshaped inner step of {self.step_s:.3f} s (the "
             f"{N} capped workers' mean rate in the calibration run), {self.bytes_each_way / 1e6:.2f} MB each way per outer "
-            f"step ({'measured: sync.last_bytes / 2' if self.measured_bytes else 'computed: 4 bytes/param'}), "
+            f"step ({'measured: sync.last_bytes / 2 of the trainers whose last exchange was bf16 `none`' if self.measured_bytes else 'computed: 4 bytes/param'}), "
             f"H = {self.h}: the same ratio needs {self.bytes_each_way / 1e6:.2f} MB x 8 / ({REF_RATIO:.1f} x "
             f"{self.h} x {self.step_s:.3f} s) = {r:.3g} Mbit/s ({wire:.0f} s on the wire per "
             f"{self.h * self.step_s:.1f} s of compute; DDP's fp32 all-reduce, {ddp:.0f} s per {self.step_s:.3f} s "

@@ -206,16 +206,19 @@ class LoneHost:
         return []
 
 
-async def test_the_catch_ups_count_moves_the_next_outer_step_forward_once_and_never_back(autojump_clock) -> None:
-    """Issue #23: a trainer behind only in count over a slow link follows the swarm's count without a
+async def test_the_catch_ups_count_moves_the_next_outer_step_once_forward_or_back(autojump_clock) -> None:
+    """Issue #23: a trainer off the swarm only in count over a slow link takes the swarm's count without a
     download (node/averaging/latejoin.py, `CatchUp.follow_instead`); the averager hands it to the worker at
-    the end of its next round, once, and a count behind ours moves nothing."""
+    the end of its next round, once: ahead of ours as the outer step to follow, behind ours exactly."""
     av = Averager(LoneHost(), SyncConfig(pair_window_s=600, datapath=False), FakeSwarm(partners=[], others=False))
     av.follow(9)
-    assert (await av.exchange(request(1, outer_step=3))).group_outer_step == 9
-    assert (await av.exchange(request(1, outer_step=10))).group_outer_step in (None, 10)  # asked once only
+    outcome = await av.exchange(request(1, outer_step=3))
+    assert (outcome.group_outer_step, outcome.exact_outer_step) == (9, None)
+    outcome = await av.exchange(request(1, outer_step=10))  # asked once only
+    assert outcome.group_outer_step in (None, 10) and outcome.exact_outer_step is None
     av.follow(5)
-    assert (await av.exchange(request(1, outer_step=11))).group_outer_step in (None, 11)
+    outcome = await av.exchange(request(1, outer_step=11))
+    assert outcome.group_size == 1 and outcome.exact_outer_step == 5
 
 
 async def test_with_no_other_trainer_the_outer_step_is_solo_at_once_instead_of_after_the_window(

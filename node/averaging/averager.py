@@ -87,7 +87,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import trio
@@ -241,8 +241,8 @@ class Averager:
         self._transfer_s: float | None = None  # our exchanges' typical duration (EWMA), for `_busy_wait_s`
         # Our typical rate each way over all partners (EWMA): `auto`'s guess for a partner not measured yet.
         self._rate_bps: float | None = None
-        # The swarm's outer step to continue from at our next round's end (`follow`; 0: none asked).
-        self._follow_to = 0
+        # The swarm's outer step to continue from at our next round's end (`follow`; None: none asked).
+        self._follow_to: int | None = None
         if cfg.assumed_rate_mbps != 100.0 or cfg.deadline_slack != 3.0:
             log.warning("sync.assumed_rate_mbps and sync.deadline_slack are ignored now: a transfer runs as long "
                         "as it moves (sync.stall_timeout_s, sync.max_transfer_s); remove them from the config")
@@ -357,7 +357,8 @@ class Averager:
             self.hooks.on_outer_step(False)
             self.report.outer_step(request.outer_step, (), scheduled=False, unpaired=True)
             log.debug("outer step %d: solo after 0.00s (no other trainer to pair with)", request.outer_step)
-            return ExchangeOutcome.solo(self._follow_the_swarm(request.outer_step, None))
+            return self._asked_count(request.outer_step, ExchangeOutcome.solo(
+                self._follow_the_swarm(request.outer_step, None)))
         began = trio.current_time()
         first, second = scheduled_partners(self.me, members, request.outer_step, self.swarm.speeds())
         if self.cfg.group_size < 4:
@@ -411,7 +412,8 @@ class Averager:
         # The first round's preset (a second round, in groups of four, is always `none`).
         preset = get_compression(pending.compression if size >= 2 else "none")
         phi_range = preset.fragment_range(arrays.phi.size, pending.fragment) if preset.lossy else None
-        return ExchangeOutcome(size, continue_from, partner_samples, shift_s, preset.name, phi_range)
+        return self._asked_count(request.outer_step, ExchangeOutcome(
+            size, continue_from, partner_samples, shift_s, preset.name, phi_range))
 
     async def _run_round(self, pending: _Pending) -> None:
         """Look for a partner and exchange with it, for one round; `pending.result` says how it went."""
@@ -477,22 +479,36 @@ class Averager:
 
     def _follow_the_swarm(self, outer_step: int, group_outer_step: int | None) -> int | None:
         """The outer step to continue from: the exchange's, or the swarm's where we fell far behind it
-        (node/averaging/stepping.py, `follow_the_swarm`), or the count the catch-up asked for (`follow`)."""
-        continue_from = stepping.follow_the_swarm(self.me, outer_step, group_outer_step, self.swarm.swarm_steps(),
-                                                  self.cfg.max_step_gap)
-        asked, self._follow_to = self._follow_to, 0
-        if asked > max(outer_step, continue_from or 0):
+        (node/averaging/stepping.py, `follow_the_swarm`)."""
+        return stepping.follow_the_swarm(self.me, outer_step, group_outer_step, self.swarm.swarm_steps(),
+                                         self.cfg.max_step_gap)
+
+    def _asked_count(self, outer_step: int, outcome: ExchangeOutcome) -> ExchangeOutcome:
+        """`outcome` with the count the catch-up asked for (`follow`), once: ahead of where the round left
+        us, as the outer step to follow; behind it, exactly, after a solo step only (a round that averaged
+        was within its partner's gap, and moving back would break the pair's agreement)."""
+        asked, self._follow_to = self._follow_to, None
+        if asked is None:
+            return outcome
+        current = max(outer_step, outcome.group_outer_step or 0)
+        if asked > current:
             log.info("outer step %d: continuing from the swarm's outer step %d (the catch-up's count)",
                      outer_step, asked)
-            return asked
-        return continue_from
+            self._last_outer_step = max(self._last_outer_step, asked)
+            return replace(outcome, group_outer_step=asked)
+        if asked < current and outcome.group_size < 2:
+            log.info("outer step %d: going back to the swarm's outer step %d (the catch-up's count)",
+                     outer_step, asked)
+            self._last_outer_step = asked
+            return replace(outcome, group_outer_step=None, exact_outer_step=asked)
+        return outcome
 
     def follow(self, outer_step: int) -> None:
-        """Continue from `outer_step` at the end of our next round, where it is ahead of ours: the catch-up
+        """Continue from `outer_step` at the end of our next round, ahead of ours or behind it: the catch-up
         moves the count alone when the weights are fresh and a download would be dear (node/averaging/
         latejoin.py, `CatchUp.follow_instead`). The caller vouches for the step (the swarm's median from
         the member records, never one partner's word)."""
-        self._follow_to = max(self._follow_to, outer_step)
+        self._follow_to = outer_step
 
     def typical_rate_bps(self) -> float | None:
         """Our typical rate each way over every partner measured (bytes/s, EWMA; None: never measured)."""

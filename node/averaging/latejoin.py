@@ -12,10 +12,10 @@ swarm has nobody to average with, and averaging is what would bring it back. Aft
 `sync.catch_up_after` outer steps in a row that were not averaged (at once when a partner refuses it as
 too far behind: `CatchUp.behind`), the daemon downloads the same
 kind of snapshot from donors near the swarm's median outer step, while training goes on, and the worker
-adopts it at its next outer step (`node.worker.trainer.Trainer.adopt_snapshot`). A trainer that is behind
-only in its outer-step count (it averaged within the last `catch_up_after` outer steps, so its weights are
-the swarm's) and whose link would take longer than an outer step to download the snapshot moves its count
-to the swarm's instead (`CatchUp.follow_instead`): the count carries no weights, and over a slow link the
+adopts it at its next outer step (`node.worker.trainer.Trainer.adopt_snapshot`). A trainer that is off
+only in its outer-step count, behind or ahead (it averaged within the last `max_step_gap` outer steps,
+so its weights are the swarm's), and whose link would take longer than an outer step to download the
+snapshot moves its count to the swarm's instead (`CatchUp.follow_instead`): the count carries no weights, and over a slow link the
 download is what kept such a trainer out of every exchange.
 """
 
@@ -255,8 +255,8 @@ class CatchUp:
     refusal as too far behind, or our own outer step going back (a worker restarted from an older
     checkpoint), is fresh evidence and lifts that interval.
 
-    Or no download, only the count (`follow_instead`): where this node is behind the swarm, averaged within
-    its last `catch_up_after` outer steps (and its worker has not gone back to an older checkpoint since),
+    Or no download, only the count (`follow_instead`): where this node is off the swarm, averaged within
+    its last `max_step_gap` outer steps (and its worker has not gone back to an older checkpoint since),
     and the snapshot would take longer than an outer step over its link (`link_rate_bps`, the rate its
     exchanges measured; `period_s`, the swarm's pace), `follow(target)` moves its outer-step count to the
     swarm's at its next outer step. Why: over a slow link a trainer falls behind in *count* because its
@@ -307,6 +307,7 @@ class CatchUp:
         self._next_allowed = -math.inf  # trio time before which no new attempt starts
         self._refused_at: int | None = None  # a partner's outer step when it refused us as too far behind
         self._last_own: int | None = None  # our outer step at the previous outer step (or adoption)
+        self._following_back: int | None = None  # a count below ours that we asked to move to (`_follow`)
 
     def note_outer_step(self, had_partner: bool) -> None:
         """Called by the averager at the end of every outer step: `had_partner`, whether it was averaged.
@@ -316,7 +317,12 @@ class CatchUp:
         a member record's lag, so it lifts `CATCH_UP_INTERVAL_S`: a restart within 30 s of a catch-up
         stepped solo beside its partner for the rest of those 30 s."""
         own = self.own_outer_step()
-        restarted = self._last_own is not None and own < self._last_own
+        went_back = self._last_own is not None and own < self._last_own
+        # A count we asked to move back (`_follow`) is no restart: it is what we asked for.
+        followed_back = went_back and self._following_back is not None and own >= self._following_back
+        restarted = went_back and not followed_back
+        if went_back:
+            self._following_back = None
         if restarted:
             self._next_allowed = -math.inf
         self._last_own = own
@@ -372,13 +378,17 @@ class CatchUp:
 
     def follow_instead(self, target: int, donors: int) -> str | None:
         """Why to move only our outer-step count to the swarm's `target` instead of downloading `donors`
-        snapshots, or None to download. All of: a way to follow; we are behind (a runaway ahead has weights
-        of its own and goes back by download); our weights are fresh (averaged within the last
-        `catch_up_after` outer steps, `since_averaged`); and the download is dear (its float32 bytes over
-        our measured rate take longer than an outer step). Unknown rate or period: download, as before."""
+        snapshots, or None to download. All of: a way to follow; our weights are fresh (averaged within the
+        last `max_step_gap` outer steps, `since_averaged`: the spread of progress the gap rule lets partners
+        average across anyway, so only the count is off, behind the swarm's or ahead of it; a node whose
+        count moved and that still does not average for `catch_up_after` more outer steps is past it and
+        downloads); and the download is dear (its float32 bytes over our measured rate take longer than
+        an outer step). Unknown rate or period: download, as before. Ahead happens too: over the slow link
+        in bench/wan.py a trainer whose exchanges failed stepped solo at its compute pace while its
+        partners' steps waited on their exchanges, and its count ran 5 past the swarm's in 150 s."""
         own = self.own_outer_step()
-        fresh = self.since_averaged is not None and self.since_averaged < max(1, self.cfg.catch_up_after)
-        if self.follow is None or target <= own or not fresh:
+        fresh = self.since_averaged is not None and self.since_averaged <= max(1, self.cfg.max_step_gap)
+        if self.follow is None or target == own or not fresh:
             return None
         model, rate, period = self.model(), self.link_rate_bps(), self.period_s()
         if model is None or rate is None or not rate > 0 or not period > 0:
@@ -436,9 +446,10 @@ class CatchUp:
         own = self.own_outer_step()
         self._refused_at = None
         self.follows += 1
+        self._following_back = target if target < own else None
         self.follow(target)
-        log.info("outer step %d is %d behind the swarm's %d: following its count without a download (%s)",
-                 own, target - own, target, reason)
+        log.info("outer step %d is %d %s the swarm's %d: following its count without a download (%s)",
+                 own, abs(target - own), "behind" if target > own else "ahead of", target, reason)
         self.status = {"state": "followed the swarm's outer step without a download", "from_outer_step": own,
                        "swarm_outer_step": target, "error": ""}
 

@@ -87,6 +87,9 @@ class ExchangeOutcome:
     `compression` is the `sync.compression` preset the wire used, and `phi_range` the [lo, hi) of phi it
     carried (a fragment; None: all of it): the worker's error feedback and pull need both
     (node/worker/trainer.py, `Trainer.apply_result`); `phi_out` outside the range holds nothing of this exchange.
+
+    `exact_outer_step`, after a solo step only: continue from exactly this outer step, below ours too (a
+    catch-up that moves the count alone, node/averaging/latejoin.py `CatchUp.follow_instead`). None: as above.
     """
 
     group_size: int
@@ -95,6 +98,7 @@ class ExchangeOutcome:
     shift_s: float = 0.0
     compression: str = "none"
     phi_range: tuple[int, int] | None = None
+    exact_outer_step: int | None = None
 
     @classmethod
     def solo(cls, group_outer_step: int | None = None, shift_s: float = 0.0) -> ExchangeOutcome:

@@ -80,6 +80,8 @@ class Result:
     shift_s: float = 0.0  # move the next publish by this much, to meet the swarm's phase
     compression: str = "none"  # the sync.compression preset the exchange's wire used (protocols/compress.py)
     phi_range: list[int] | None = None  # [lo, hi): the phi fragment exchanged (None: all of it)
+    # A solo step's count, exactly (below ours too): a catch-up that moves the count alone (latejoin.py).
+    exact_outer_step: int | None = None
 
 
 @dataclass

@@ -571,6 +571,7 @@ class WorkerSupervisor:
             shift_s=outcome.shift_s,
             compression=outcome.compression if size >= 2 else "none",
             phi_range=list(outcome.phi_range) if size >= 2 and outcome.phi_range is not None else None,
+            exact_outer_step=outcome.exact_outer_step if size < 2 else None,
         )
 
     def _record_period(self, period: float) -> float:

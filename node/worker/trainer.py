@@ -485,6 +485,7 @@ class Trainer:
         compression: str = "none",
         phi_range: tuple[int, int] | None = None,
         sum_phi_is_scratch: bool = False,
+        exact_outer_step: int | None = None,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
         size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
@@ -500,7 +501,9 @@ class Trainer:
         (`group_outer_step`), as the partner's does: counters of paired nodes stay together. A solo step
         follows a `group_outer_step` too (the largest the daemon saw among ready trainers), so that a node
         that sat out keeps the counter that keys the pairing schedule. The inner
-        `step` (and so the learning rate) is this node's own and does not change.
+        `step` (and so the learning rate) is this node's own and does not change. `exact_outer_step` (a solo
+        step's only) sets the counter outright, lower too: a catch-up that moves the count alone because
+        this node's weights are the swarm's but its count ran away from it (node/averaging/latejoin.py).
 
         `compression` (a `sync.compression` preset) says what the wire carried: with a lossy one the
         error-feedback residual is updated (`_feed_back`), and `phi_range` = [lo, hi) is the fragment whose
@@ -517,6 +520,8 @@ class Trainer:
         self.pending = None
         if group_outer_step is not None:
             published_at = max(published_at, group_outer_step)
+        if exact_outer_step is not None and group_size < 2:
+            published_at = max(0, exact_outer_step)
         self.outer_step = published_at + 1
         return group_size
 
