@@ -316,6 +316,7 @@ class NodeRun:
     last_exchange_s: float | None  # sync.last_duration_s at the end
     restarts: int
     catch_ups: int  # snapshots its worker adopted in the window (sync.catch_ups)
+    follows: int = 0  # catch-ups that moved the count alone, without a download (sync.catch_up_follows)
 
     @property
     def rate(self) -> float:
@@ -464,7 +465,8 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
             int(sy1.get("bytes_sent") or 0) - int(sy0.get("bytes_sent") or 0), quiet.bytes.get(k, 0),
             quiet.seconds.get(k, 0.0),
             sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0),
-            int(sy1.get("catch_ups") or 0) - int(sy0.get("catch_ups") or 0)))
+            int(sy1.get("catch_ups") or 0) - int(sy0.get("catch_ups") or 0),
+            int(sy1.get("catch_up_follows") or 0) - int(sy0.get("catch_up_follows") or 0)))
     # The uncompressed exchange's bytes only: with `auto` a trainer's last exchange may be a compressed one
     # (its first two with each link are), and the derivation is about bf16 phi and Delta.
     exchanged = [int(sync_of(st).get("last_bytes") or 0) for st in last.values()
@@ -855,8 +857,10 @@ def starling_row(run: StarlingRun, unshaped: StarlingRun | None, label: str, ref
     steps = ", ".join(str(n.steps) for n in run.nodes)
     last = ", ".join("-" if n.last_exchange_s is None else f"{n.last_exchange_s:.1f}" for n in run.nodes)
     catch_ups = ", ".join(str(n.catch_ups) for n in run.nodes)
+    follows = ", ".join(str(n.follows) for n in run.nodes)
     note = (f"inner steps {steps}; last exchange (s) {last}" + (f"; worker restarts {restarts}" if restarts else "")
-            + (f"; catch-ups {catch_ups}" if any(n.catch_ups for n in run.nodes) else ""))
+            + (f"; catch-ups {catch_ups}" if any(n.catch_ups for n in run.nodes) else "")
+            + (f"; counts followed without a download {follows}" if any(n.follows for n in run.nodes) else ""))
     averaged = [n.averaged / max(1, n.averaged + n.solo + n.failed) for n in run.nodes]
     ref_cpu = [x for x in (n.per_cpu for n in unshaped.nodes) if x is not None] if unshaped else []
     per_cpu = ([x / statistics.fmean(ref_cpu) for x in (n.per_cpu for n in run.nodes) if x is not None]
