@@ -21,6 +21,7 @@ from node.swarm.membership import (
     Membership,
     MembershipConfig,
     Ping,
+    PingReq,
     Progress,
     Suspect,
     SyncReply,
@@ -384,6 +385,29 @@ def test_local_health_stretches_the_timeouts_and_the_period_and_acks_bring_it_ba
     for _ in range(20):
         node.note_lag(5.0, t0 + 3)
     assert node.local_health == node.config.max_local_health
+
+
+def test_a_probe_that_fails_with_no_helper_to_ask_counts_against_this_nodes_health() -> None:
+    # A joiner connected to its seed alone (member 1): when its ping goes unanswered nobody can say whether
+    # the seed or the joiner failed, so the failure stretches the joiner's next timeouts (memberlist's rule).
+    node = _node(members=3)
+    node.can_probe = lambda pid: pid == 1
+    node._next_probe = other_probes = float("inf")  # only the probes this test starts
+    assert [t for t, _ in node.probe(1, 1.0)] == [1]
+    assert node.tick(1.6) == []  # the direct deadline: no helper to ask
+    node.tick(3.1)
+    assert node.state_of(1) == SUSPECT and node.local_health == 1
+    _, ping = _probe_of(node.probe(1, 4.0))
+    assert node._probes[ping.seq].deadline == 4.0 + 2 * node.config.probe_timeout_s
+    # With a helper asked, its silence is the evidence (it is connected too): this node's health is not
+    # the question, as before.
+    other = _node(members=3)
+    other.can_probe = lambda pid: pid in (1, 2)
+    other._next_probe = other_probes
+    other.probe(2, 1.0)
+    assert [t for t, m in other.tick(1.6) if isinstance(m, PingReq)] == [1]
+    other.tick(3.1)
+    assert other.state_of(2) == SUSPECT and other.local_health == 0
 
 
 def _join_exchange(seed: Membership, joiner: Membership, until: float) -> int:

@@ -21,9 +21,10 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   since more would shorten nothing and each costs every node slots). Why: one node with a bad link alone
   takes long to kill anyone; several agreeing take little; and the time grows with log N because the
   refutation needs log N periods to reach the suspect and come back.
-* **Local health** (Lifeguard). A node whose own event loop runs late (a starved machine) or that had to
-  refute a suspicion of itself raises its local health score (0 to ``max_local_health``); each ack lowers
-  it. Its probe timeouts and its probe period are stretched by (1 + score), and the time its loop could not
+* **Local health** (Lifeguard). A node whose own event loop runs late (a starved machine), that had to
+  refute a suspicion of itself, or whose probe failed with no helper to ask (memberlist's rule where no
+  helper can nack: nobody could tell whether the target or this node failed) raises its local health score
+  (0 to ``max_local_health``); each ack lowers it. Its probe timeouts and its probe period are stretched by (1 + score), and the time its loop could not
   run is given back to the probes and suspicions under way (:meth:`Membership.note_lag`): an ack that sits
   unread in a stalled node's socket is not the member's silence. A probe that nobody could carry (the
   daemon sends only to connected members: no connection to the target, no helper) is no evidence either.
@@ -634,6 +635,11 @@ class Membership:
                     self.counters["no_evidence"] += 1
                     self._unverified.add(p.target)
                     continue
+                if p.helpers == 0:
+                    # Only our own ping went, and nobody could tell us whether it or we failed (memberlist's
+                    # rule where no helper can nack: any failed probe counts against this node's health).
+                    # A joiner connected to an overloaded seed alone otherwise suspected it every 2 s.
+                    self.local_health = min(self.config.max_local_health, self.local_health + 1)
                 self._suspect(p.target, now)
         for seq, (_, _, deadline) in list(self._relays.items()):
             if now >= deadline:
