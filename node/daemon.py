@@ -483,6 +483,8 @@ class Daemon:
         rounds = 0
         while True:
             members = self.replicator.members_to_dial()
+            if self.swim is not None:  # members SWIM never heard of: ask a connected member (SwimService.look_up)
+                self.swim.look_up(m.record.peer_id for m in members)
             if rounds % 12 == 0:
                 handed = {}
             rounds += 1

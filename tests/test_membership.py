@@ -410,6 +410,38 @@ def test_a_probe_that_fails_with_no_helper_to_ask_counts_against_this_nodes_heal
     assert other.state_of(2) == SUSPECT and other.local_health == 0
 
 
+def test_a_sparsely_connected_node_finds_its_one_possible_helper() -> None:
+    # A joiner holds 64 members but is connected to two (the daemon sends to connected members only): when
+    # its probe of one goes unanswered, the other is asked, every time (16 random draws of the table found it
+    # about two times in five).
+    for seed in range(20):
+        node = Membership(0, 0.0, random.Random(seed))
+        node.preload(range(64), 0.0)
+        node.can_probe = lambda pid: pid in (1, 2)
+        node._next_probe = float("inf")  # only the probe this test starts
+        node.probe(1, 1.0)
+        assert [t for t, m in node.tick(1.6) if isinstance(m, PingReq)] == [2], seed
+
+
+def test_a_member_never_heard_of_is_looked_up_in_its_hash_bucket_at_a_connected_member() -> None:
+    # Member 7 joined while this node's gossip missed it: the daemon knows it from its record in the swarm
+    # state and asks a member it may send to for 7's bucket of the table, a page of one bucket.
+    node = Membership(0, 0.0, random.Random(1))
+    node.preload(range(3), 0.0)
+    node.can_probe = lambda pid: pid == 1
+    server = Membership(1, 0.0, random.Random(2))
+    server.preload([0, 2, 7], 0.0)
+    assert node.look_up([0, 2], 1.0) == []  # itself, and a member it holds: nothing to ask
+    (dst, request), = node.look_up([7], 1.0)
+    assert dst == 1 and isinstance(request, SyncRequest) and request.until == request.cursor + 1
+    (back, reply), = server.receive(1.0, request)
+    assert back == 0 and isinstance(reply, SyncReply)
+    node.receive(1.1, reply)
+    assert node.state_of(7) == ALIVE and node.counters["lookups"] == 1
+    node.can_probe = lambda pid: False
+    assert node.look_up([8], 2.0) == []  # nobody to ask
+
+
 def _join_exchange(seed: Membership, joiner: Membership, until: float) -> int:
     """Run a join of ``joiner`` through ``seed`` alone (a daemon's joiner connected to its seed only), messages
     delivered at once, ticking every 0.1 s of simulated time; returns the page requests the joiner sent."""

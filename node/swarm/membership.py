@@ -685,6 +685,31 @@ class Membership:
             out.extend(self.probe(pid, now))
         return out
 
+    def look_up(self, pids: Iterable[int], now: float) -> Sends:
+        """Ask members this node may send to for the entries of members it has never heard of: for each, one
+        page request of that member's hash bucket alone, to a random member (answered as a joiner's page is,
+        within the server's ``sync_serve_per_s``; the reply's entries are applied like any page's).
+
+        Why: a member hears of a joiner by gossip, whose retransmissions are limited; one that missed it (at a
+        64-daemon join, on a starved machine) held the joiner unknown until a push-pull slice happened to carry
+        it, a minute and more, although a daemon knew of it from its signed record in the swarm state (which
+        names the member to look up here). A bucket holds about N / 65,536 members: the reply is one entry or
+        a few. Members held in any state, and this node, are skipped."""
+        out: Sends = []
+        if self._left:
+            return out
+        for pid in pids:
+            if pid == self.me or self.state_of(pid) != UNKNOWN:
+                continue
+            server = self._random_members(1, {pid})
+            if not server:
+                break
+            self._seq += 1
+            self.counters["lookups"] += 1
+            bucket = self._bucket(pid)
+            out.append((server[0], SyncRequest(self.me, self._seq, bucket, (), until=bucket + 1)))
+        return out
+
     def note_lag(self, lag_s: float, now: float) -> None:
         """This node's own event loop ran ``lag_s`` late (a daemon measures it where its timers wake).
 
@@ -764,6 +789,13 @@ class Membership:
                 out.append(pid)
                 if len(out) == k:
                     break
+        if len(out) < k and ok is not None:
+            # A daemon may send to its connected members only, a few of the table: 16 draws found the one
+            # other member a joiner was connected to among 64 a fifth of the time, and its probes of its seed
+            # asked no helper. So draw from those it may send to, found by one pass over the table.
+            rest = [pid for pid in range(size) if state[pid] == ALIVE and pid != self.me and pid not in exclude
+                    and pid not in out and ok(pid)]
+            out.extend(self.rng.sample(rest, min(k - len(out), len(rest))))
         return out
 
     def _indirect(self, seq: int, p: _Probe) -> Sends:
