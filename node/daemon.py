@@ -58,7 +58,7 @@ from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
 from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
-from node.swarm.crdt import Manifest
+from node.swarm.crdt import Manifest, MemberState
 from node.swarm.manifest_trust import ManifestAuthority, ManifestPinError, read_manifest_pin
 from node.swarm.nat import NatConfig, NatService
 from node.swarm.replicator import StateReplicator, load_state
@@ -483,8 +483,8 @@ class Daemon:
         rounds = 0
         while True:
             members = self.replicator.members_to_dial()
-            if self.swim is not None:  # members SWIM never heard of: ask a connected member (SwimService.look_up)
-                self.swim.look_up(m.record.peer_id for m in members)
+            if self.swim is not None:  # members SWIM never heard of or holds dead: ask a connected member about them
+                self.swim.look_up(m.record.peer_id for m in self.replicator.members() if m.state is MemberState.GONE)
             if rounds % 12 == 0:
                 handed = {}
             rounds += 1

@@ -442,6 +442,31 @@ def test_a_member_never_heard_of_is_looked_up_in_its_hash_bucket_at_a_connected_
     assert node.look_up([8], 2.0) == []  # nobody to ask
 
 
+def test_a_member_held_dead_is_looked_up_revived_by_a_newer_incarnation_or_told_on_until_it_refutes() -> None:
+    node = Membership(0, 0.0, random.Random(1))
+    node.preload(range(3), 0.0)
+    node.can_probe = lambda pid: pid == 1
+    node.receive(0.5, Ping(1, 1, 0, (Dead(2, 0, 1),)))  # member 1 declared 2 dead; its refutation missed us
+    assert node.state_of(2) == DEAD
+    server = Membership(1, 0.0, random.Random(2))
+    server.preload(range(3), 0.0)
+    server.receive(0.6, Ping(2, 1, 1, (Alive(2, 1),)))  # 2 refuted: incarnation 1
+    (_, request), = node.look_up([2], 1.0)
+    (_, reply), = server.receive(1.0, request)
+    node.receive(1.1, reply)
+    assert node.state_of(2) == ALIVE and node.incarnation_of(2) == 1
+    # A server that holds the same incarnation alive is told of the death (with this node's own claim), and
+    # gossips it on: that is how the member hears of it and refutes.
+    stale = Membership(1, 0.0, random.Random(3))
+    stale.preload(range(3), 0.0)
+    node.receive(1.5, Ping(1, 2, 0, (Dead(2, 1, 1),)))
+    (_, request), = node.look_up([2], 2.0)
+    assert request.entries == (Dead(2, 1, 0),)
+    stale.receive(2.0, Ping(2, 2, 1, (Alive(2, 1),)))
+    stale.receive(2.1, request)
+    assert stale.state_of(2) == DEAD and any(isinstance(u, Dead) and u.member == 2 for u in stale._piggyback())
+
+
 def _join_exchange(seed: Membership, joiner: Membership, until: float) -> int:
     """Run a join of ``joiner`` through ``seed`` alone (a daemon's joiner connected to its seed only), messages
     delivered at once, ticking every 0.1 s of simulated time; returns the page requests the joiner sent."""

@@ -686,28 +686,35 @@ class Membership:
         return out
 
     def look_up(self, pids: Iterable[int], now: float) -> Sends:
-        """Ask members this node may send to for the entries of members it has never heard of: for each, one
+        """Ask members this node may send to about members it has never heard of or holds dead: for each, one
         page request of that member's hash bucket alone, to a random member (answered as a joiner's page is,
-        within the server's ``sync_serve_per_s``; the reply's entries are applied like any page's).
+        within the server's ``sync_serve_per_s``; the reply's entries are applied like any page's). A request
+        about a member held dead carries this node's claim of its death, which the server takes as gossip.
 
-        Why: a member hears of a joiner by gossip, whose retransmissions are limited; one that missed it (at a
-        64-daemon join, on a starved machine) held the joiner unknown until a push-pull slice happened to carry
-        it, a minute and more, although a daemon knew of it from its signed record in the swarm state (which
-        names the member to look up here). A bucket holds about N / 65,536 members: the reply is one entry or
-        a few. Members held in any state, and this node, are skipped."""
+        Why: a member hears of a joiner, and of a refutation, by gossip whose retransmissions are limited. At
+        a 64-daemon join on a starved machine one that missed a joiner held it unknown, and one that declared
+        a member dead and missed its refutation held it dead, until a push-pull slice happened to carry it, a
+        minute and more, although a daemon knew the member from its signed record in the swarm state (which
+        names the members to look up here). The reply brings the member's newer incarnation where the server
+        holds one; where it holds the same, our death claim reaches the server and spreads from there, until
+        the member hears it and refutes (SWIM's own way). A bucket holds about N / 65,536 members: the reply
+        is one entry or a few. Members held alive or suspect, and this node, are skipped."""
         out: Sends = []
         if self._left:
             return out
         for pid in pids:
-            if pid == self.me or self.state_of(pid) != UNKNOWN:
+            state = self.state_of(pid)
+            if pid == self.me or state not in (UNKNOWN, DEAD):
                 continue
-            server = self._random_members(1, {pid})
+            server = self._random_members(1, set())  # (pid itself is not alive: never drawn)
             if not server:
                 break
             self._seq += 1
             self.counters["lookups"] += 1
             bucket = self._bucket(pid)
-            out.append((server[0], SyncRequest(self.me, self._seq, bucket, (), until=bucket + 1)))
+            ours = self._entry(pid)
+            out.append((server[0], SyncRequest(self.me, self._seq, bucket, (ours,) if ours is not None else (),
+                                               until=bucket + 1)))
         return out
 
     def note_lag(self, lag_s: float, now: float) -> None:

@@ -240,8 +240,8 @@ class SwimService:
         return STATE_NAMES[self.core.state_of(pid)] if pid is not None else "unknown"
 
     def look_up(self, peer_ids: Iterable[str]) -> int:
-        """Ask connected members about members SWIM has never heard of although the swarm state holds their
-        signed records (``peer_ids``, base58; :meth:`Membership.look_up` says why), at most
+        """Ask connected members about members SWIM has never heard of or holds dead although the swarm state
+        holds their signed records (``peer_ids``, base58; :meth:`Membership.look_up` says why), at most
         ``LOOKUPS_PER_CALL`` a call; the same member again only after a wait that doubles from 10 s to 5 min,
         so that a member that crashed long ago (forgotten here, its record kept) is not asked about forever
         every few seconds. Returns the requests sent."""
@@ -253,7 +253,7 @@ class SwimService:
         for name in names:
             if len(pids) >= LOOKUPS_PER_CALL:
                 break
-            if self.state_name(name) != "unknown" or self._lookups.get(name, (-math.inf, 0.0))[0] > now:
+            if self.state_name(name) not in ("unknown", "dead") or self._lookups.get(name, (-math.inf, 0.0))[0] > now:
                 continue
             try:
                 peer = ID.from_base58(name)
