@@ -58,7 +58,7 @@ from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
 from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
-from node.swarm.crdt import Manifest
+from node.swarm.crdt import Manifest, MemberState
 from node.swarm.manifest_trust import ManifestAuthority, ManifestPinError, read_manifest_pin
 from node.swarm.nat import NatConfig, NatService
 from node.swarm.replicator import StateReplicator, load_state
@@ -201,6 +201,8 @@ class Daemon:
         # Averaging requests have their own per-IP share and IP bans in the averager (node/averaging/admission.py).
         self.stream_limits = SubnetStreamLimits({SNAPSHOT_PROTOCOL: 1, STATE_PROTOCOL: 4, STATE_PROTOCOL_1_0: 4, DIALBACK_PROTOCOL: 2})
         self.stream_limits.install(self.host)
+        #: Set when a busy refusal referred this node to members new to it: `_learn_member_addrs` looks at once.
+        self._members_referred = trio.Event()
         self.connmgr = ConnManager(
             self.host,
             target=node.target_peers,
@@ -245,6 +247,9 @@ class Daemon:
             unheard_of=_unheard_of(self.swim) if self.swim is not None else None,
             # Swim mode: records by anti-entropy alone (pushed on change), no gossipsub; see the replicator.
             gossip=self.swim is None,
+            # Over its cap, a newcomer is referred on rather than sent the whole table (the replicator's _hands_on).
+            crowded=lambda: len(self.connmgr.connected()) > self.connmgr.cap,
+            on_referred=lambda: self._members_referred.set(),
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial
@@ -482,6 +487,8 @@ class Daemon:
         rounds = 0
         while True:
             members = self.replicator.members_to_dial()
+            if self.swim is not None:  # members SWIM never heard of or holds dead: ask a connected member about them
+                self.swim.look_up(m.record.peer_id for m in self.replicator.members() if m.state is MemberState.GONE)
             if rounds % 12 == 0:
                 handed = {}
             rounds += 1
@@ -493,7 +500,11 @@ class Daemon:
                 if addrs:
                     self.connmgr.add_candidate(PeerInfo(ID.from_base58(m.record.peer_id), addrs), source="state")
             handed = {m.record.peer_id: handed[m.record.peer_id] for m in members if m.record.peer_id in handed}
-            await trio.sleep(5.0)
+            # Every 5 s, or at once when a referral brought new members: a newcomer whose only connection is
+            # a busy bootstrap node has nobody else to dial until then.
+            with trio.move_on_after(5.0):
+                await self._members_referred.wait()
+            self._members_referred = trio.Event()
 
     # --- status ------------------------------------------------------------------------------------------
 

@@ -261,6 +261,7 @@ class ReplicationStatus(TypedDict):
     referred_records: int  # member records sent in the referrals of those refusals (state 2.0.0)
     referrals_received: int  # records received in busy refusals' referrals (any outcome)
     referrals_changed: int  # of those, new to this node
+    newcomers_handed_on: int  # of the busy refusals, newcomers referred on while this node was crowded (over its cap)
     saves: int
     save_errors: int
     last_save: float | None  # wall time

@@ -21,6 +21,7 @@ from node.swarm.membership import (
     Membership,
     MembershipConfig,
     Ping,
+    PingReq,
     Progress,
     Suspect,
     SyncReply,
@@ -384,6 +385,86 @@ def test_local_health_stretches_the_timeouts_and_the_period_and_acks_bring_it_ba
     for _ in range(20):
         node.note_lag(5.0, t0 + 3)
     assert node.local_health == node.config.max_local_health
+
+
+def test_a_probe_that_fails_with_no_helper_to_ask_counts_against_this_nodes_health() -> None:
+    # A joiner connected to its seed alone (member 1): when its ping goes unanswered nobody can say whether
+    # the seed or the joiner failed, so the failure stretches the joiner's next timeouts (memberlist's rule).
+    node = _node(members=3)
+    node.can_probe = lambda pid: pid == 1
+    node._next_probe = other_probes = float("inf")  # only the probes this test starts
+    assert [t for t, _ in node.probe(1, 1.0)] == [1]
+    assert node.tick(1.6) == []  # the direct deadline: no helper to ask
+    node.tick(3.1)
+    assert node.state_of(1) == SUSPECT and node.local_health == 1
+    _, ping = _probe_of(node.probe(1, 4.0))
+    assert node._probes[ping.seq].deadline == 4.0 + 2 * node.config.probe_timeout_s
+    # With a helper asked, its silence is the evidence (it is connected too): this node's health is not
+    # the question, as before.
+    other = _node(members=3)
+    other.can_probe = lambda pid: pid in (1, 2)
+    other._next_probe = other_probes
+    other.probe(2, 1.0)
+    assert [t for t, m in other.tick(1.6) if isinstance(m, PingReq)] == [1]
+    other.tick(3.1)
+    assert other.state_of(2) == SUSPECT and other.local_health == 0
+
+
+def test_a_sparsely_connected_node_finds_its_one_possible_helper() -> None:
+    # A joiner holds 64 members but is connected to two (the daemon sends to connected members only): when
+    # its probe of one goes unanswered, the other is asked, every time (16 random draws of the table found it
+    # about two times in five).
+    for seed in range(20):
+        node = Membership(0, 0.0, random.Random(seed))
+        node.preload(range(64), 0.0)
+        node.can_probe = lambda pid: pid in (1, 2)
+        node._next_probe = float("inf")  # only the probe this test starts
+        node.probe(1, 1.0)
+        assert [t for t, m in node.tick(1.6) if isinstance(m, PingReq)] == [2], seed
+
+
+def test_a_member_never_heard_of_is_looked_up_in_its_hash_bucket_at_a_connected_member() -> None:
+    # Member 7 joined while this node's gossip missed it: the daemon knows it from its record in the swarm
+    # state and asks a member it may send to for 7's bucket of the table, a page of one bucket.
+    node = Membership(0, 0.0, random.Random(1))
+    node.preload(range(3), 0.0)
+    node.can_probe = lambda pid: pid == 1
+    server = Membership(1, 0.0, random.Random(2))
+    server.preload([0, 2, 7], 0.0)
+    assert node.look_up([0, 2], 1.0) == []  # itself, and a member it holds: nothing to ask
+    (dst, request), = node.look_up([7], 1.0)
+    assert dst == 1 and isinstance(request, SyncRequest) and request.until == request.cursor + 1
+    (back, reply), = server.receive(1.0, request)
+    assert back == 0 and isinstance(reply, SyncReply)
+    node.receive(1.1, reply)
+    assert node.state_of(7) == ALIVE and node.counters["lookups"] == 1
+    node.can_probe = lambda pid: False
+    assert node.look_up([8], 2.0) == []  # nobody to ask
+
+
+def test_a_member_held_dead_is_looked_up_revived_by_a_newer_incarnation_or_told_on_until_it_refutes() -> None:
+    node = Membership(0, 0.0, random.Random(1))
+    node.preload(range(3), 0.0)
+    node.can_probe = lambda pid: pid == 1
+    node.receive(0.5, Ping(1, 1, 0, (Dead(2, 0, 1),)))  # member 1 declared 2 dead; its refutation missed us
+    assert node.state_of(2) == DEAD
+    server = Membership(1, 0.0, random.Random(2))
+    server.preload(range(3), 0.0)
+    server.receive(0.6, Ping(2, 1, 1, (Alive(2, 1),)))  # 2 refuted: incarnation 1
+    (_, request), = node.look_up([2], 1.0)
+    (_, reply), = server.receive(1.0, request)
+    node.receive(1.1, reply)
+    assert node.state_of(2) == ALIVE and node.incarnation_of(2) == 1
+    # A server that holds the same incarnation alive is told of the death (with this node's own claim), and
+    # gossips it on: that is how the member hears of it and refutes.
+    stale = Membership(1, 0.0, random.Random(3))
+    stale.preload(range(3), 0.0)
+    node.receive(1.5, Ping(1, 2, 0, (Dead(2, 1, 1),)))
+    (_, request), = node.look_up([2], 2.0)
+    assert request.entries == (Dead(2, 1, 0),)
+    stale.receive(2.0, Ping(2, 2, 1, (Alive(2, 1),)))
+    stale.receive(2.1, request)
+    assert stale.state_of(2) == DEAD and any(isinstance(u, Dead) and u.member == 2 for u in stale._piggyback())
 
 
 def _join_exchange(seed: Membership, joiner: Membership, until: float) -> int:

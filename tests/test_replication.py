@@ -1247,6 +1247,47 @@ async def test_a_busy_replicator_refers_to_other_alive_members_never_the_asker()
     assert legacy_error.code == protocol.BUSY
 
 
+async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serves_members() -> None:
+    """Over its connection cap, a newcomer (no record of it held) gets a referral, not the whole table, though
+    session slots are free; a member whose record it holds still gets a session, and so does a newcomer
+    when the node is not crowded."""
+    replicator = idle_replicator()
+    crowded = True
+    replicator.crowded = lambda: crowded
+    sessions: list[ID] = []
+
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False) -> None:
+        sessions.append(peer)
+
+    replicator._session = session  # type: ignore[method-assign]
+    for _, data in [member_record(addrs=(f"/ip4/10.0.1.{i}/tcp/4001",)) for i in range(10)]:
+        replicator.state.merge(data)
+    member_key = create_new_key_pair()
+    replicator.state.merge(SwarmState(member_key).update_self(addrs=("/ip4/10.0.0.99/tcp/4001",)).data)
+    member = ID.from_pubkey(member_key.public_key)
+    newcomer = ID.from_pubkey(create_new_key_pair().public_key)
+
+    handed_on = WrittenStateStream(newcomer)
+    await replicator._handle_stream(handed_on)
+    error = await written_error(handed_on, protocol.Error)
+    assert error.code == protocol.BUSY and len(error.referral) == protocol.MAX_REFERRAL_RECORDS
+    assert sessions == [] and replicator.stats.newcomers_handed_on == 1 and replicator.stats.peer_share_refusals == 0
+    await replicator._handle_stream(WrittenStateStream(member))
+    crowded = False
+    await replicator._handle_stream(WrittenStateStream(newcomer))
+    assert sessions == [member, newcomer] and replicator.stats.busy_refusals == 1
+    # A 1.0.0 refusal carries no referral, so a 1.0.0 newcomer is served as before.
+    crowded = True
+    await replicator._handle_stream(WrittenStateStream(newcomer), legacy=True)
+    assert sessions[-1] == newcomer and replicator.stats.newcomers_handed_on == 1
+    # The side referred on is told when a referral brought members new to it (the daemon dials them at once).
+    told: list[bool] = []
+    replicator.on_referred = lambda: told.append(True)
+    replicator._refused(str(member), SyncRefused(protocol.BUSY, referred=ApplyResult(unchanged=8)))
+    replicator._refused(str(member), SyncRefused(protocol.BUSY, referred=ApplyResult(changed=2, unchanged=6)))
+    assert told == [True] and replicator.stats.referrals_changed == 2
+
+
 async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers_are_still_served() -> None:
     replicator = idle_replicator()
     gate, held = trio.Event(), []

@@ -243,6 +243,40 @@ def test_names_of_forgotten_dead_members_are_reclaimed_so_churn_beyond_the_cap_s
     assert max(used) < 16 and len(service._ids) == 1 and core.state_of(core.me) == ALIVE  # ids reused
 
 
+async def test_members_never_heard_of_or_held_dead_are_looked_up_a_few_at_a_time_with_a_wait_that_doubles() -> None:
+    """The daemon hands the service every member its swarm state holds whom SWIM shows gone; the service asks a
+    member it may send to about those it never heard of or holds dead, at most LOOKUPS_PER_CALL a call, and
+    the same one again only after 10 s, then 20 s, and so on: a member that crashed long ago, whose record
+    stays, is not asked about forever every 5 s."""
+    from libp2p.peer.id import ID
+
+    from node.swarm.membership import Dead, Ping, SyncRequest
+    from node.swarm.swim_service import LOOKUP_WAIT_S, LOOKUPS_PER_CALL
+
+    key = create_new_key_pair()
+    service = SwimService(build_host(key), key)
+    sent: list[tuple[int, Any]] = []
+    service._dispatch = sent.extend  # type: ignore[method-assign]
+    helper = ID.from_pubkey(create_new_key_pair().public_key)
+    helper_id = service._intern(helper)
+    assert helper_id is not None
+    now = trio.current_time()
+    service.core.preload([helper_id], now)
+    service.core.can_probe = lambda pid: pid == helper_id
+    strangers = [ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(LOOKUPS_PER_CALL + 1)]
+    names = [*strangers, helper.to_base58()]
+    assert service.look_up(names) == LOOKUPS_PER_CALL  # the helper, held alive, is not asked about
+    assert service.look_up(names) == 1 and service.look_up(names) == 0  # the rest wait
+    assert all(dst == helper_id and isinstance(m, SyncRequest) for dst, m in sent)
+    # One of them turns out dead (a claim by the helper): still asked about, once its wait is over, after twice as long.
+    dead = service._by_name[strangers[0]]
+    service.core.preload([dead], now)
+    service.core.receive(now, Ping(helper_id, 1, service.core.me, (Dead(dead, 0, helper_id),)))
+    service._lookups = {name: (now - 1.0, wait) for name, (_, wait) in service._lookups.items()}
+    assert service.look_up([strangers[0]]) == 1 and sent[-1][1].entries == (Dead(dead, 0, service.core.me),)
+    assert service._lookups == {strangers[0]: (pytest.approx(trio.current_time() + 2 * LOOKUP_WAIT_S[0]), 2 * LOOKUP_WAIT_S[0])}
+
+
 def test_a_full_registry_forgets_the_members_dead_longest_early() -> None:
     from libp2p.peer.id import ID
 

@@ -21,9 +21,10 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   since more would shorten nothing and each costs every node slots). Why: one node with a bad link alone
   takes long to kill anyone; several agreeing take little; and the time grows with log N because the
   refutation needs log N periods to reach the suspect and come back.
-* **Local health** (Lifeguard). A node whose own event loop runs late (a starved machine) or that had to
-  refute a suspicion of itself raises its local health score (0 to ``max_local_health``); each ack lowers
-  it. Its probe timeouts and its probe period are stretched by (1 + score), and the time its loop could not
+* **Local health** (Lifeguard). A node whose own event loop runs late (a starved machine), that had to
+  refute a suspicion of itself, or whose probe failed with no helper to ask (memberlist's rule where no
+  helper can nack: nobody could tell whether the target or this node failed) raises its local health score
+  (0 to ``max_local_health``); each ack lowers it. Its probe timeouts and its probe period are stretched by (1 + score), and the time its loop could not
   run is given back to the probes and suspicions under way (:meth:`Membership.note_lag`): an ack that sits
   unread in a stalled node's socket is not the member's silence. A probe that nobody could carry (the
   daemon sends only to connected members: no connection to the target, no helper) is no evidence either.
@@ -634,6 +635,11 @@ class Membership:
                     self.counters["no_evidence"] += 1
                     self._unverified.add(p.target)
                     continue
+                if p.helpers == 0:
+                    # Only our own ping went, and nobody could tell us whether it or we failed (memberlist's
+                    # rule where no helper can nack: any failed probe counts against this node's health).
+                    # A joiner connected to an overloaded seed alone otherwise suspected it every 2 s.
+                    self.local_health = min(self.config.max_local_health, self.local_health + 1)
                 self._suspect(p.target, now)
         for seq, (_, _, deadline) in list(self._relays.items()):
             if now >= deadline:
@@ -677,6 +683,38 @@ class Membership:
         unverified, self._unverified = self._unverified, set()
         for pid in unverified:
             out.extend(self.probe(pid, now))
+        return out
+
+    def look_up(self, pids: Iterable[int], now: float) -> Sends:
+        """Ask members this node may send to about members it has never heard of or holds dead: for each, one
+        page request of that member's hash bucket alone, to a random member (answered as a joiner's page is,
+        within the server's ``sync_serve_per_s``; the reply's entries are applied like any page's). A request
+        about a member held dead carries this node's claim of its death, which the server takes as gossip.
+
+        Why: a member hears of a joiner, and of a refutation, by gossip whose retransmissions are limited. At
+        a 64-daemon join on a starved machine one that missed a joiner held it unknown, and one that declared
+        a member dead and missed its refutation held it dead, until a push-pull slice happened to carry it, a
+        minute and more, although a daemon knew the member from its signed record in the swarm state (which
+        names the members to look up here). The reply brings the member's newer incarnation where the server
+        holds one; where it holds the same, our death claim reaches the server and spreads from there, until
+        the member hears it and refutes (SWIM's own way). A bucket holds about N / 65,536 members: the reply
+        is one entry or a few. Members held alive or suspect, and this node, are skipped."""
+        out: Sends = []
+        if self._left:
+            return out
+        for pid in pids:
+            state = self.state_of(pid)
+            if pid == self.me or state not in (UNKNOWN, DEAD):
+                continue
+            server = self._random_members(1, set())  # (pid itself is not alive: never drawn)
+            if not server:
+                break
+            self._seq += 1
+            self.counters["lookups"] += 1
+            bucket = self._bucket(pid)
+            ours = self._entry(pid)
+            out.append((server[0], SyncRequest(self.me, self._seq, bucket, (ours,) if ours is not None else (),
+                                               until=bucket + 1)))
         return out
 
     def note_lag(self, lag_s: float, now: float) -> None:
@@ -758,6 +796,13 @@ class Membership:
                 out.append(pid)
                 if len(out) == k:
                     break
+        if len(out) < k and ok is not None:
+            # A daemon may send to its connected members only, a few of the table: 16 draws found the one
+            # other member a joiner was connected to among 64 a fifth of the time, and its probes of its seed
+            # asked no helper. So draw from those it may send to, found by one pass over the table.
+            rest = [pid for pid in range(size) if state[pid] == ALIVE and pid != self.me and pid not in exclude
+                    and pid not in out and ok(pid)]
+            out.extend(self.rng.sample(rest, min(k - len(out), len(rest))))
         return out
 
     def _indirect(self, seq: int, p: _Probe) -> Sends:

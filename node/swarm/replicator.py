@@ -208,6 +208,7 @@ class ReplicationStats:
     referred_records: int = 0  # member records sent in the referrals of those refusals (2.0.0)
     referrals_received: int = 0  # records received in busy refusals' referrals (any outcome)
     referrals_changed: int = 0  # of those, new to this node
+    newcomers_handed_on: int = 0  # of the busy refusals, newcomers referred on because this node was crowded
     saves: int = 0
     save_errors: int = 0
     last_save: float | None = None  # wall time
@@ -248,6 +249,8 @@ class StateReplicator:
         progress_every_s: float = PROGRESS_EVERY_S,
         last_heard: Callable[[str], float | None] | None = None,
         unheard_of: Callable[[str], bool] | None = None,
+        crowded: Callable[[], bool] | None = None,
+        on_referred: Callable[[], None] | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -277,6 +280,12 @@ class StateReplicator:
         #: SWIM mode: whether SWIM has never heard of a member (not the same as holding it dead); such a
         #: member, whose record this node holds, is worth a dial (see :meth:`members_to_dial`).
         self.unheard_of = unheard_of
+        #: Whether this node holds more connections than it keeps (its connection manager's cap): it then hands
+        #: a newcomer on (see :meth:`_hands_on`) rather than serving it the whole table.
+        self.crowded = crowded
+        #: Called when a busy refusal's referral brought members new to this node: the daemon hands their
+        #: addresses to its connection manager at once rather than at its next 5 s look.
+        self.on_referred = on_referred
         self._last_fields: dict[str, Any] | None = None  # what the last record signed here said
         self._last_signed = -math.inf
         #: Heartbeats that re-signed the record, and those that found nothing worth a signature (SWIM mode).
@@ -908,9 +917,13 @@ class StateReplicator:
     async def _handle_stream(self, stream: INetStream, *, legacy: bool = False) -> None:
         """Stream handler of ``/starling/state/2.0.0`` (runs in libp2p's task, one per session)."""
         peer = stream.muxed_conn.peer_id
-        if self._inbound >= MAX_INBOUND_SESSIONS or self._inbound_by_peer.get(peer, 0) >= MAX_INBOUND_SESSIONS_PER_PEER:
+        full = self._inbound >= MAX_INBOUND_SESSIONS
+        over_share = self._inbound_by_peer.get(peer, 0) >= MAX_INBOUND_SESSIONS_PER_PEER
+        handed_on = not (full or over_share) and self._hands_on(peer, legacy)
+        if full or over_share or handed_on:
             self.stats.busy_refusals += 1
-            self.stats.peer_share_refusals += self._inbound < MAX_INBOUND_SESSIONS
+            self.stats.peer_share_refusals += over_share and not full
+            self.stats.newcomers_handed_on += handed_on
             byte_stream = LibP2PByteStream(stream)
             referral = () if legacy else self._referral(peer.to_base58())
             self.stats.referred_records += len(referral)
@@ -929,6 +942,19 @@ class StateReplicator:
             left = self._inbound_by_peer.pop(peer) - 1
             if left:
                 self._inbound_by_peer[peer] = left
+
+    def _hands_on(self, peer: ID, legacy: bool) -> bool:
+        """Whether to refer ``peer`` on (a busy refusal with its referral) although a session slot is free: this
+        node is crowded and holds no record of the peer, a newcomer that would be sent the whole table.
+
+        Why: every newcomer dials the bootstrap node first, so at a 64-daemon join it held 63 connections, and
+        each newcomer's first session asked it for all 63 records; with eight such sessions at once on a
+        starved machine they timed out one after another (10 s a step), while the newcomers, whose only
+        connection it was, learnt nobody else to dial for a minute (docs/benchmarks.md, "Scale"). A referral
+        costs one message and names members the newcomer can dial and sync with at once; the crowded node
+        closes most of these connections for its cap anyway. Not on 1.0.0, whose refusal carries no referral."""
+        return (not legacy and self.crowded is not None and not self.state.holds(peer.to_base58())
+                and self.crowded())
 
     def _referral(self, asker: str) -> list[bytes]:
         """Records for a busy refusal's referral (protocols/state.py): alive members other than this node
@@ -997,6 +1023,8 @@ class StateReplicator:
         if exc.referred is not None:  # the rejected ones are counted by the replica (state.rejected)
             self.stats.referrals_received += exc.referred.changed + exc.referred.unchanged + exc.referred.rejected
             self.stats.referrals_changed += exc.referred.changed
+            if exc.referred.changed and self.on_referred is not None:
+                self.on_referred()
         if not exc.incompatible:
             self.stats.session_failures[exc.code] += 1
             return

@@ -101,6 +101,8 @@ CLOSED_HERE_S = 10.0  # a connection this node closed and saw drop within this l
 CONNECTIONS_POLL_S = 0.5  # how often the connected set is read (a new or a dropped connection)
 LAG_ALLOWANCE_S = 0.05  # a timer loop this late is on time (scheduling noise, a message being handled)
 OUTBOX = 32  # messages waiting for one peer's stream; more are dropped
+LOOKUPS_PER_CALL = 8  # members never heard of asked about at most per look_up call (see SwimService.look_up)
+LOOKUP_WAIT_S = (10.0, 300.0)  # the same member asked about again after this long, doubling up to the second
 MAX_INBOUND = 128  # inbound streams served at once (one per peer; a peer's newer one replaces its older)
 MAX_MEMBERS = 4096  # peer names this node interns (its member table, dead ones included; see reclaim)
 RECLAIM_AT = 7 / 8  # of MAX_MEMBERS names held: the members dead longest are forgotten early
@@ -157,6 +159,7 @@ class SwimService:
         self._peers: list[ID] = []  # id -> peer ID
         self._heard: dict[int, float] = {}  # member id -> trio time of the last evidence it lives (last_heard)
         self._reaped: set[int] = set()  # members the core forgot since the last reclaim
+        self._lookups: dict[str, tuple[float, float]] = {}  # member never heard of -> (next look-up, wait)
         me = self._intern(self._me)
         assert me is not None
         self.core = Membership(me, trio.current_time() if _in_trio() else 0.0, rng or random.Random(),
@@ -235,6 +238,36 @@ class SwimService:
         """The core's own word for a member (alive, suspect, dead, unknown)."""
         pid = self._by_name.get(peer_id)
         return STATE_NAMES[self.core.state_of(pid)] if pid is not None else "unknown"
+
+    def look_up(self, peer_ids: Iterable[str]) -> int:
+        """Ask connected members about members SWIM has never heard of or holds dead although the swarm state
+        holds their signed records (``peer_ids``, base58; :meth:`Membership.look_up` says why), at most
+        ``LOOKUPS_PER_CALL`` a call; the same member again only after a wait that doubles from 10 s to 5 min,
+        so that a member that crashed long ago (forgotten here, its record kept) is not asked about forever
+        every few seconds. Returns the requests sent."""
+        now = trio.current_time()
+        names = [name for name in peer_ids][: self.max_members]
+        wanted = set(names)
+        self._lookups = {name: due for name, due in self._lookups.items() if name in wanted}
+        pids: list[int] = []
+        for name in names:
+            if len(pids) >= LOOKUPS_PER_CALL:
+                break
+            if self.state_name(name) not in ("unknown", "dead") or self._lookups.get(name, (-math.inf, 0.0))[0] > now:
+                continue
+            try:
+                peer = ID.from_base58(name)
+            except Exception:  # not a peer ID (records are checked, but this must not raise for one)
+                continue
+            pid = self._intern(peer)
+            if pid is None:
+                break  # the registry is full
+            pids.append(pid)
+            wait = min(LOOKUP_WAIT_S[1], 2 * self._lookups.get(name, (0.0, LOOKUP_WAIT_S[0] / 2))[1])
+            self._lookups[name] = (now + wait, wait)
+        sends = self.core.look_up(pids, now)
+        self._dispatch(sends)
+        return len(sends)
 
     # ---- names and signatures ---------------------------------------------------------------------
 
