@@ -101,7 +101,7 @@ class PeerLinkStatus(TypedDict):
     rounds: int
     bytes_sent: int
     bytes_received: int
-    rate_mbps: float | None  # each way while bytes flowed (EWMA); None before any was measured
+    rate_mbps: float | None  # each way: recent transfers' bytes over the seconds they flowed; None before any was measured
     failures: int
     path: str  # datapath (side channel) or stream (libp2p); "" before the first transfer
     clipped: int

@@ -339,3 +339,31 @@ def test_a_completed_transfer_too_fast_to_time_teaches_a_lower_bound_a_cut_one_n
     averager._learn_rate(partner, fast, completed=True)
     assert averager.admission.link(partner).rate_bps == pytest.approx(37_000 / TIMED_FLOW_S / 2)
     assert averager._rate_bps == pytest.approx(37_000 / TIMED_FLOW_S / 2)
+
+
+def test_a_probe_that_passed_in_a_token_buckets_burst_does_not_outweigh_the_transfer_that_timed_the_link() -> None:
+    """bench/wan.py, uniform at 0.4 Mbit/s (50 kB/s each way, a 64 KiB tbf bucket): the 37 kB probe passed
+    in the burst, timed at 2.5 MB/s each way, and the next `medium` transfer (207 kB each way, 2.9 s) at 71
+    kB/s. An average of the two rates (1.3 MB/s) made `auto` relax to bf16 `none`, 38 s a transfer on that
+    link, for three outer steps running: 5-6 outer steps in 180 s against 20. Bytes over the seconds they
+    flowed (84 kB/s here) keep `medium`, the preset that fits 2 periods of 3 s."""
+    from node.averaging.averager import Averager as _Averager
+    from node.averaging.compression_choice import preset_for
+
+    host = FakeHost(create_new_key_pair())
+    averager = _Averager(host, SyncConfig(datapath=False), FakeSwarm(host))
+    partner = str(ID.from_pubkey(create_new_key_pair().public_key))
+
+    def transfer(nbytes: int, seconds: float) -> Progress:
+        p = Progress()
+        p.bytes, p.first, p.last = nbytes, 100.0, 100.0 + seconds
+        return p
+
+    averager._learn_rate(partner, transfer(2 * 37_000, 0.015), completed=True)  # the probe, both ways
+    averager._learn_rate(partner, transfer(2 * 207_000, 2.9), completed=True)  # `medium`, both ways
+    rate = averager.admission.link(partner).rate_bps
+    assert rate is not None and rate == pytest.approx((0.5 * 37_000 + 207_000) / (0.5 * 0.015 + 2.9))
+    assert rate < 100_000 and averager._rate_bps == pytest.approx(rate)
+    chosen = preset_for("auto", stage=1, link_rate_bps=rate, typical_rate_bps=averager._rate_bps, period_s=3.0,
+                        numel=470_000, previous="medium", group_size=2, wire_dtype="bf16")
+    assert chosen == "medium"

@@ -94,7 +94,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node.averaging import stepping
-from node.averaging.admission import Admission, per_ip_key
+from node.averaging.admission import RATE_KEEP, Admission, FlowRate, per_ip_key
 from node.averaging.compression_choice import (
     AUTO,
     ORDER,
@@ -121,7 +121,6 @@ from protocols.compress import get_compression
 
 log = logging.getLogger("starling.averager")
 
-RATE_EWMA = 0.5
 # A completed transfer whose bytes flowed for less than this is too fast to time: it shows the link moves at
 # least its bytes over this (`_learn_rate`), so `auto`'s first, compressed probe teaches a fast link too.
 TIMED_FLOW_S = 0.01
@@ -239,8 +238,9 @@ class Averager:
         self._last_paired: dict[str, int] = {}  # partner -> our exchange count when we last averaged with it
         self._last_outer_step = 0  # the outer step our latest exchange ended at (after any adoption)
         self._transfer_s: float | None = None  # our exchanges' typical duration (EWMA), for `_busy_wait_s`
-        # Our typical rate each way over all partners (EWMA): `auto`'s guess for a partner not measured yet.
+        # Our typical rate each way over all partners (`FlowRate`): `auto`'s guess for a partner not measured yet.
         self._rate_bps: float | None = None
+        self._flow = FlowRate(RATE_KEEP)
         # The swarm's outer step to continue from at our next round's end (`follow`; None: none asked).
         self._follow_to: int | None = None
         if cfg.assumed_rate_mbps != 100.0 or cfg.deadline_slack != 3.0:
@@ -511,7 +511,7 @@ class Averager:
         self._follow_to = outer_step
 
     def typical_rate_bps(self) -> float | None:
-        """Our typical rate each way over every partner measured (bytes/s, EWMA; None: never measured)."""
+        """Our typical rate each way over every partner measured (bytes/s over the seconds they flowed, `FlowRate`; None: never measured)."""
         return self._rate_bps
 
     def outer_period_s(self) -> float:
@@ -602,19 +602,23 @@ class Averager:
         return avg.TransferLimits(stall_s=self.cfg.stall_timeout_s, max_s=self.cfg.max_transfer_s)
 
     def _learn_rate(self, partner: str, progress: avg.Progress, *, completed: bool = False) -> None:
-        """Fold the rate this transfer's bytes flowed at into the partner's link (EWMA), whether it
-        completed or not: a transfer that was cut still shows what the link does. A completed one too fast
+        """Fold this transfer's bytes and the time they flowed into the partner's link and our typical rate
+        (`FlowRate`), whether it completed or not: a transfer that was cut still shows what the link does. A completed one too fast
         to time counts as a lower bound (`TIMED_FLOW_S`): without it a small probe on a fast link would
         teach nothing, and `auto` would probe again at every exchange."""
-        rate = progress.rate_bps(TIMED_FLOW_S)
-        if rate is None and completed and progress.bytes > 0:
-            rate = progress.bytes / TIMED_FLOW_S
-        if rate is None:
+        if progress.rate_bps(TIMED_FLOW_S) is not None:
+            assert progress.first is not None and progress.last is not None
+            seconds = progress.last - progress.first
+        elif completed and progress.bytes > 0:
+            seconds = TIMED_FLOW_S
+        else:
             return
+        # Bytes over the seconds they flowed, across transfers (`FlowRate`): a probe that passed in a token
+        # bucket's burst weighs its few milliseconds, not as much as a whole exchange.
+        each_way = progress.bytes / 2
         link = self.admission.link(partner)
-        each_way = rate / 2
-        link.rate_bps = each_way if link.rate_bps is None else (1 - RATE_EWMA) * link.rate_bps + RATE_EWMA * each_way
-        self._rate_bps = each_way if self._rate_bps is None else (1 - RATE_EWMA) * self._rate_bps + RATE_EWMA * each_way
+        link.rate_bps = link.flow.add(each_way, seconds)
+        self._rate_bps = self._flow.add(each_way, seconds)
 
     def _outer_period_s(self) -> float:
         """Compute seconds of one of our outer steps as far as we know them (0: unknown)."""
@@ -980,7 +984,7 @@ class Averager:
 
     def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0, compression: str = "none") -> None:
         self._transfer_s = result.duration_s if self._transfer_s is None else (
-            (1 - RATE_EWMA) * self._transfer_s + RATE_EWMA * result.duration_s)
+            RATE_KEEP * self._transfer_s + (1 - RATE_KEEP) * result.duration_s)
         self.admission.succeeded(partner, sent=result.bytes_sent, received=result.bytes_received, path=result.path,
                                  compression=compression, clipped=result.clip.clipped)
         self.report.exchanged(partner, result, numel, compression)

@@ -16,7 +16,9 @@ of compression costs loss at every step. Measured at 0.4 Mbit/s (docs/benchmarks
 2.346 and bf16 `none` (16 periods) 2.644. A preset less compressed than the one used last with that partner
 must fit in half that budget (`RELAX_SHARE`), so that a rate measured around the threshold does not flip the
 preset at every step, and it comes back one preset at a time (`high`, then `medium`, then `none`): a rate
-measured on a small transfer can be far too high where a token bucket lets a burst through.
+measured on a small transfer can be far too high where a token bucket lets a burst through. The rate itself
+weighs each transfer by the seconds it flowed (node/averaging/admission.py, `FlowRate`), so the next, bigger
+transfer corrects a burst's reading at once instead of halving it.
 Without any measured rate (a node's first exchange: no partner measured, no typical rate yet) it is the
 most compressed preset, `PROBE`: the transfer that teaches the rate must not itself flood a link that may be
 slow. It used to be bf16 `none` (a big transfer measures a link best), and in the network lab (bench/wan.py,
