@@ -284,6 +284,7 @@ class Daemon:
                 link_rate_bps=lambda: self.averager.typical_rate_bps() if self.averager else None,
                 period_s=lambda: self.averager.outer_period_s() if self.averager else 0.0,
                 follow=lambda outer_step: self.averager.follow(outer_step) if self.averager else None,
+                worker_restarts=lambda: int(self._training().get("restarts") or 0),
             )
             bind = "127.0.0.1" if all(str(a).startswith("/ip4/127.") for a in self.listen_addrs) else "0.0.0.0"
             self.averager = Averager(

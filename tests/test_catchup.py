@@ -294,6 +294,13 @@ async def test_a_cheap_download_or_stale_weights_still_download_the_swarms_weigh
     assert stale.follow_instead(15, 3) is not None  # 4 outer steps solo since: within the gap
     stale.note_outer_step(False)
     assert stale.follow_instead(15, 3) is None  # 5: beyond it
+    restarts = [0]
+    killed, _ = slow_link_catch_up(tmp_path, [10], others, rate_bps=10_000)
+    killed.worker_restarts = lambda: restarts[0]
+    killed.note_outer_step(True)
+    assert killed.follow_instead(15, 3) is not None
+    restarts[0] = 1  # its worker was killed and resumed a checkpoint at the same outer step
+    assert killed.follow_instead(15, 3) is None
     own = [12]
     restarted, _ = slow_link_catch_up(tmp_path, own, others, rate_bps=10_000)
     restarted.note_outer_step(True)

@@ -95,7 +95,8 @@ def test_two_daemons_on_the_device_average_resume_and_export(tmp_path: Path, dev
             assert st["training"]["device"].startswith(device)
         assert b.stop() == 0
         b_again = group.start("b", *TINY, *dev, "--swarm", f"gpu-{device}", "--bootstrap", a.addr())
-        st = b_again.wait_status(lambda s: (s["training"].get("resumed_step") or 0) > 0, timeout=120)
+        # (A status served before the worker's hello has no `training` section yet.)
+        st = b_again.wait_status(lambda s: ((s.get("training") or {}).get("resumed_step") or 0) > 0, timeout=120)
         assert st["training"]["device"].startswith(device)
         b_again.wait_status(lambda s: s["sync"]["rounds"] >= 1, timeout=120)
         assert b_again.stop() == 0 and a.stop() == 0

@@ -280,6 +280,7 @@ class CatchUp:
         link_rate_bps: Callable[[], float | None] = lambda: None,
         period_s: Callable[[], float] = lambda: 0.0,
         follow: Callable[[int], None] | None = None,
+        worker_restarts: Callable[[], int] = lambda: 0,
     ) -> None:
         self.host = host
         # For `follow_instead`: our link's measured rate each way (bytes/s, None: never measured), the
@@ -287,6 +288,10 @@ class CatchUp:
         self.link_rate_bps = link_rate_bps
         self.period_s = period_s
         self.follow = follow
+        # How many times the daemon restarted its worker: a restart resumes older weights (a checkpoint),
+        # whatever the outer step it resumes at says.
+        self.worker_restarts = worker_restarts
+        self._restarts_when_fresh = 0  # `worker_restarts()` when our weights were last the swarm's
         # Our worker's model (None before its hello): a donor's snapshot must be exactly that.
         self.model = model
         self.on_refused = on_refused  # told of a donor whose snapshot was not our model (an offence)
@@ -329,6 +334,7 @@ class CatchUp:
         self.unpaired = 0 if had_partner else self.unpaired + 1
         if had_partner:
             self.since_averaged = 0
+            self._restarts_when_fresh = self.worker_restarts()
         elif restarted or self.since_averaged is None:
             self.since_averaged = None  # weights of an older checkpoint (or never averaged): not the swarm's
         else:
@@ -387,7 +393,11 @@ class CatchUp:
         in bench/wan.py a trainer whose exchanges failed stepped solo at its compute pace while its
         partners' steps waited on their exchanges, and its count ran 5 past the swarm's in 150 s."""
         own = self.own_outer_step()
-        fresh = self.since_averaged is not None and self.since_averaged <= max(1, self.cfg.max_step_gap)
+        # A worker restarted since resumed a checkpoint: older weights even where its outer step did not go
+        # back (tests/test_diagnostics_daemons.py: killed a second after a catch-up, it resumed the catch-up's
+        # own checkpoint, at the same outer step, while the tiny swarm ran on by 9 outer steps).
+        fresh = (self.since_averaged is not None and self.since_averaged <= max(1, self.cfg.max_step_gap)
+                 and self.worker_restarts() == self._restarts_when_fresh)
         if self.follow is None or target == own or not fresh:
             return None
         model, rate, period = self.model(), self.link_rate_bps(), self.period_s()
@@ -411,6 +421,7 @@ class CatchUp:
         self.catch_ups += 1
         self.unpaired = 0
         self.since_averaged = 0  # the swarm's weights now
+        self._restarts_when_fresh = self.worker_restarts()
         self._last_own = report.outer_step  # a catch-up of a runaway moves back too: no restart
         self.status.update(state="done", outer_step=report.outer_step, step=report.step, error="")
         log.info(
