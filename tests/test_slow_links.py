@@ -346,7 +346,7 @@ def test_a_probe_that_passed_in_a_token_buckets_burst_does_not_outweigh_the_tran
     in the burst, timed at 2.5 MB/s each way, and the next `medium` transfer (207 kB each way, 2.9 s) at 71
     kB/s. An average of the two rates (1.3 MB/s) made `auto` relax to bf16 `none`, 38 s a transfer on that
     link, for three outer steps running: 5-6 outer steps in 180 s against 20. Bytes over the seconds they
-    flowed (84 kB/s here) keep `medium`, the preset that fits 2 periods of 3 s."""
+    flowed (78 kB/s here) keep `medium`, the preset that fits 2 periods of 3 s."""
     from node.averaging.averager import Averager as _Averager
     from node.averaging.compression_choice import preset_for
 

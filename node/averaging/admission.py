@@ -60,7 +60,7 @@ class FlowRate:
     the weight of a whole bf16 exchange. In bench/wan.py (uniform, 0.4 Mbit/s, 64 KiB bucket) the 37 kB
     probe timed at about 2.5 MB/s each way and the next `medium` transfer at 71 kB/s; halfway between, 1.3
     MB/s, made `auto` choose bf16 `none` for three exchanges of 38 s each, and the trainers made 5-6 outer
-    steps in 180 s instead of 20. Weighted by their seconds, the two give 84 kB/s, and `medium` stays."""
+    steps in 180 s instead of 20. Weighted by their seconds, the two give 78 kB/s (the probe's sums halved once), and `medium` stays."""
 
     def __init__(self, keep: float) -> None:
         self.keep = keep
