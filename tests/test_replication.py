@@ -29,7 +29,7 @@ from multiaddr import Multiaddr
 
 from node.swarm import crdt
 from node.swarm.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
-from node.swarm.replicator import StateReplicator, load_state
+from node.swarm.replicator import REFERRAL_DRAWS, StateReplicator, load_state
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, recv_msg, send_msg
 from protocols import state as protocol
@@ -1245,6 +1245,35 @@ async def test_a_busy_replicator_refers_to_other_alive_members_never_the_asker()
         legacy_error = await written_error(refused[0], protocol.ErrorV1)
         gate.set()
     assert legacy_error.code == protocol.BUSY
+
+
+def test_a_referral_looks_at_a_bounded_sample_of_members_and_holds_only_valid_alive_ones() -> None:
+    """A crowded bootstrap refers every newcomer: each referral looks at most at REFERRAL_DRAWS members' views
+    (the liveness asked once per member looked at), not every member's, and still holds up to 8 signed records
+    of alive members with addresses, never the asker or the node itself, within the referral's bytes."""
+    replicator = idle_replicator()
+    members = [member_record(addrs=(f"/ip4/10.0.{i // 250}.{i % 250}/tcp/4001",)) for i in range(240)]
+    for _, data in members:
+        replicator.state.merge(data)
+    replicator.state.update_self(addrs=("/ip4/10.0.0.1/tcp/4001",))
+    suspect = {state.peer_id for state, _ in members[::4]}  # a quarter held suspect by SWIM
+    asked: list[str] = []
+
+    def liveness(peer_id: str) -> MemberState:
+        asked.append(peer_id)
+        return MemberState.SUSPECT if peer_id in suspect else MemberState.ALIVE
+
+    replicator.liveness = liveness
+    asker = members[1][0].peer_id
+    for _ in range(5):
+        asked.clear()
+        referral = replicator._referral(asker)
+        assert len(asked) <= REFERRAL_DRAWS < len(members)
+        assert len(referral) == protocol.MAX_REFERRAL_RECORDS and sum(map(len, referral)) <= protocol.MAX_REFERRAL_BYTES
+        for data in referral:
+            record = replicator.state.verify(data).record  # signed, verifies
+            assert isinstance(record, MemberRecord) and record.addrs
+            assert record.peer_id not in suspect and record.peer_id not in (asker, replicator.state.peer_id)
 
 
 async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serves_members() -> None:

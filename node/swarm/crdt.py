@@ -76,9 +76,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -695,6 +696,14 @@ class SwarmState:
         """Every member held (self included), sorted by peer ID, with its liveness state."""
         now = self._now() if now is None else now
         return [self._view(self._members[pid], now) for pid in sorted(self._members)]
+
+    def sample_member_ids(self, k: int, *, exclude: Collection[str] = ()) -> list[str]:
+        """Up to ``k`` IDs of members held (self included unless excluded), drawn at random without
+        replacement, in random order: for callers that need a few members, not all of them (building a view
+        is the per-member cost; drawing costs a copy of the IDs)."""
+        ids = list(self._members)
+        drawn = random.sample(ids, min(k + len(exclude), len(ids)))
+        return [pid for pid in drawn if pid not in exclude][:k]
 
     def member_data(self, peer_id: str) -> bytes | None:
         """The encoded signed member record held for ``peer_id`` (to hand on, e.g. in a busy refusal's

@@ -127,6 +127,9 @@ MAX_INBOUND_SESSIONS = 8  # sessions it serves at once; more are answered "busy"
 # out of anti-entropy for as long as it liked (per-subnet shares, p2p/netgroup.py, exempt loopback).
 MAX_INBOUND_SESSIONS_PER_PEER = 2
 OUTBOX_SIZE = 64  # records waiting to be published; beyond it they are dropped (anti-entropy carries them)
+#: Members a busy refusal's referral is drawn among (:meth:`StateReplicator._referral`): 4x the referral's 8
+#: records, so that with a quarter of the swarm alive and dialable it still fills, and bounded whatever N.
+REFERRAL_DRAWS = 32
 MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
 OPEN_TIMEOUT_S = 10.0  # opening a state stream (dial if needed, protocol negotiation)
 STARTUP_TIMEOUT_S = 10.0
@@ -405,6 +408,17 @@ class StateReplicator:
             and view.peer_id not in self._incompatible
             and (not ours or not view.record.manifest_hash or view.record.manifest_hash == ours)
         ]
+
+    def _compatible_member(self, peer_id: str) -> MemberView | None:
+        """One member's view as :meth:`members` shows it, if :meth:`_compatible_members` would list it in
+        some state (None: not held, this node, left, incompatible, or another swarm's manifest)."""
+        view = self.state.member(peer_id, self._clock())
+        ours = self._manifest_hash()
+        if (view is None or peer_id == self.state.peer_id or peer_id in self._incompatible
+                or view.state is MemberState.LEFT
+                or (ours and view.record.manifest_hash and view.record.manifest_hash != ours)):
+            return None
+        return view if self.liveness is None else dataclasses.replace(view, state=self.liveness(peer_id))
 
     def status(self) -> ReplicaStatus:
         """``{"members": [...], "swarm_totals": {...}}`` for ``starling status --json``."""
@@ -958,10 +972,17 @@ class StateReplicator:
 
     def _referral(self, asker: str) -> list[bytes]:
         """Records for a busy refusal's referral (protocols/state.py): alive members other than this node
-        and the asker, in random order, those that publish addresses first (a newcomer can dial them).
-        Random, so that the newcomers a busy bootstrap refuses spread their dials over the swarm."""
-        views = [view for view in self.alive_members() if view.peer_id != asker]
-        random.shuffle(views)
+        and the asker, drawn at random among :data:`REFERRAL_DRAWS` members, those that publish addresses
+        first (a newcomer can dial them).
+
+        Random, so that the newcomers a busy bootstrap refuses spread their dials over the swarm. A sample,
+        not every member's view sorted: a crowded bootstrap refers every newcomer, so at a 64-daemon join
+        this ran once per joiner on the node the join already starves, and built, shuffled and sorted all N
+        members' views each time to keep 8. Now the work per refusal is at most ``REFERRAL_DRAWS`` views
+        (plus a copy of the member IDs to draw from), whatever N."""
+        me = self.state.peer_id
+        drawn = self.state.sample_member_ids(REFERRAL_DRAWS, exclude=(me, asker))
+        views = [view for view in map(self._compatible_member, drawn) if view is not None and view.state is MemberState.ALIVE]
         views.sort(key=lambda view: not view.record.addrs)  # stable: random within each group
         records = (self.state.member_data(view.peer_id) for view in views)
         return protocol.fit_referral(data for data in records if data is not None)
