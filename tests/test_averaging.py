@@ -851,6 +851,24 @@ async def test_a_refusal_that_names_no_preset_moves_one_step_per_retry_and_never
     assert averager.admission.link(str(partner)).compression is None
 
 
+async def test_a_refusal_naming_a_preset_holds_it_until_a_transfer_measures_the_link_again(autojump_clock) -> None:
+    """bench/wan.py, one-slow at 0.4 Mbit/s: a fast trainer had timed the slow trainer's link on a `high`
+    probe that passed in a token bucket's burst, so its hysteresis relaxed to `medium` at every exchange,
+    and every exchange began with a refusal naming `high` and a retry through that link's queue. The
+    refusal now says our rate of that link is no evidence: the named preset holds until a transfer times
+    the link again."""
+    partner = ID.from_pubkey(create_new_key_pair().public_key)
+    host = AlwaysRefusing(partner, "compression mismatch: wants high; yours 'medium'", True)
+    averager = Averager(host, SyncConfig(pair_window_s=4, datapath=False), FakeSwarm(host, period=3.0))
+    link = averager.admission.link(str(partner))
+    link.rate_bps, link.compression = 2.5e6, "high"  # the burst's reading, after a `high` exchange
+    with trio.fail_after(60):
+        assert (await averager.exchange(request(1))).group_size == 1
+    asked = await host.asked()
+    assert asked[:2] == ["medium", "high"] and len(asked) >= 3 and set(asked[2:]) == {"high"}
+    assert link.compression == "high" and link.rate_bps is None
+
+
 async def test_a_fixed_preset_initiator_does_not_retry_a_compression_refusal(autojump_clock) -> None:
     partner = ID.from_pubkey(create_new_key_pair().public_key)
     host = AlwaysRefusing(partner, "compression mismatch: wants high", True)

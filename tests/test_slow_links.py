@@ -367,3 +367,81 @@ def test_a_probe_that_passed_in_a_token_buckets_burst_does_not_outweigh_the_tran
     chosen = preset_for("auto", stage=1, link_rate_bps=rate, typical_rate_bps=averager._rate_bps, period_s=3.0,
                         numel=470_000, previous="medium", group_size=2, wire_dtype="bf16")
     assert chosen == "medium"
+
+
+async def test_a_round_whose_partners_are_all_transferring_waits_for_them_past_the_window_not_solo(
+    autojump_clock,
+) -> None:
+    """bench/wan.py, one-slow at 0.4 Mbit/s: exchanges took 4-5 s against the 5 s pairing window, and 11 of
+    the fast trainers' 15 solo steps came right after "already exchanging" in the open phase. Only the
+    scheduled partner used to be waited for; now a round in its open phase (here a bye: no scheduled
+    partner) keeps asking partners that answer "exchanging" for as long as a scheduled one would be waited
+    for (`busy_wait_s`: 1.5 x our own typical transfer), since the worker trains on meanwhile."""
+    from node.averaging.pairing import scheduled_partners
+
+    peers = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2)]
+    host = _EveryoneExchanging(create_new_key_pair(), peers)
+    window = 1.0
+    averager = Averager(host, SyncConfig(pair_window_s=window, datapath=False), FakeSwarm(host))
+    averager._transfer_s = 10.0  # our exchanges take 10 s: a busy partner is waited for up to 15 s
+    members = sorted(str(p) for p in peers)
+    request = small_request(1)
+    request.outer_step = next(s for s in range(100) if scheduled_partners(averager.me, members, s)[0] is None)
+    began = trio.current_time()
+    with trio.fail_after(60):
+        assert (await averager.exchange(request)).group_size == 1  # they never stopped exchanging
+    last_ask = host.asked[-1][1] - began
+    assert window < 10.0 <= last_ask <= 15.0
+    assert {peer for peer, _ in host.asked} == set(members)  # the open phase: either partner
+
+
+async def test_a_round_stops_at_its_window_where_no_partner_is_transferring(autojump_clock) -> None:
+    """The wait above is for partners *transferring*; one that is busy otherwise (asking someone else,
+    waiting for its scheduled partner) is asked until the window ends, as before."""
+    from node.averaging.pairing import scheduled_partners
+
+    class _EveryoneBusy(_EveryoneExchanging):
+        async def new_stream(self, peer: ID, protocols: Sequence[str]) -> FakeNetStream:
+            self.asked.append((str(peer), trio.current_time()))
+            busy = avg.AvgAnswer(verdict="busy", reason="asking someone else", code=avg.AnswerCode.ASKING_OTHER.value)
+            return FakeNetStream(encode_msg(busy), peer)
+
+    peers = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2)]
+    host = _EveryoneBusy(create_new_key_pair(), peers)
+    averager = Averager(host, SyncConfig(pair_window_s=1.0, datapath=False), FakeSwarm(host))
+    averager._transfer_s = 10.0
+    request = small_request(1)
+    request.outer_step = next(s for s in range(100)
+                              if scheduled_partners(averager.me, sorted(str(p) for p in peers), s)[0] is None)
+    began = trio.current_time()
+    with trio.fail_after(60):
+        assert (await averager.exchange(request)).group_size == 1
+    assert host.asked and host.asked[-1][1] - began < 1.0
+
+
+async def test_a_new_partner_is_asked_at_most_one_preset_beyond_what_this_node_has_completed() -> None:
+    """bench/wan.py, one-slow at 0.4 Mbit/s: a fast trainer's first exchange, a `high` probe, passed in a
+    token bucket's burst; its next partner, never measured, was asked bf16 `none` on that typical rate:
+    3.8 MB that took 54 s of a 180 s run. A partner not measured yet now starts at most one preset less
+    compressed than any exchange this node completed (`first_ask_floor`): `medium` after `high`, and
+    `none` once a `medium` or `none` exchange has measured the rate."""
+    from types import SimpleNamespace
+
+    from node.averaging.compression_choice import first_ask_floor
+
+    assert first_ask_floor(None) is None
+    assert first_ask_floor("high") == "medium"
+    assert first_ask_floor("medium") == "none" and first_ask_floor("none") == "none"
+
+    host = FakeHost(create_new_key_pair())
+    averager = Averager(host, SyncConfig(datapath=False), FakeSwarm(host, period=3.0))
+    probed, new = (str(ID.from_pubkey(create_new_key_pair().public_key)) for _ in range(2))
+    burst = Progress()
+    burst.bytes, burst.first, burst.last = 2 * 37_000, 100.0, 100.015  # the probe at 2.5 MB/s each way
+    averager._learn_rate(probed, burst, completed=True)
+    result = avg.TransferResult(bytes_sent=37_000, bytes_received=37_000, duration_s=0.015, path="datapath")
+    averager._succeed(probed, result, 470_000, "high")
+    ask = SimpleNamespace(stage=1, numel=470_000, wire_dtype="bf16")
+    assert averager._compression_wanted(new, ask) == "medium"  # not `none`, which the burst's rate allows
+    averager._succeed(probed, result, 470_000, "medium")
+    assert averager._compression_wanted(new, ask) == "none"

@@ -100,6 +100,7 @@ from node.averaging.compression_choice import (
     ORDER,
     accepts,
     after_refusal,
+    first_ask_floor,
     preset_for,
     refusal_reason,
     wanted_in,
@@ -179,6 +180,7 @@ class _Pending:
     scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
     next_partner: str | None = None  # the schedule's partner for the outer step's next round (groups of four)
     scheduled_until: float = 0.0  # end of the scheduled phase
+    busy_until: float = 0.0  # the open phase waits this long for partners that answered "exchanging"
     probed: bool = False  # the larger PeerID asked its scheduled partner once, its request not having come
     saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
     # Between-steps answers: how far (s) each asked trainer's publish was from ours (theirs - ours), and
@@ -241,6 +243,9 @@ class Averager:
         # Our typical rate each way over all partners (`FlowRate`): `auto`'s guess for a partner not measured yet.
         self._rate_bps: float | None = None
         self._flow = FlowRate(RATE_KEEP)
+        # The least compressed preset of any exchange this node completed (None: none yet): how far the
+        # evidence behind `_rate_bps` reaches, for a partner not measured yet (`first_ask_floor`).
+        self._widest: str | None = None
         # The swarm's outer step to continue from at our next round's end (`follow`; None: none asked).
         self._follow_to: int | None = None
         if cfg.assumed_rate_mbps != 100.0 or cfg.deadline_slack != 3.0:
@@ -537,7 +542,14 @@ class Averager:
             if partner is None:
                 await trio.sleep(random.uniform(0.1, 0.4))
                 continue
-            self.misses.note(partner, await self._try_partner(pending, partner))
+            outcome = await self._try_partner(pending, partner)
+            self.misses.note(partner, outcome)
+            if outcome is Attempt.EXCHANGING and pending.window_s is None:
+                # Busy transferring: it will be free within about our own typical transfer. Waiting
+                # costs no compute (the worker trains on meanwhile); stepping solo costs the average.
+                # bench/wan.py, one-slow at 0.4 Mbit/s: exchanges of 4-5 s against a 5 s window, and
+                # 11 of 15 solo steps of the fast trainers came right after "already exchanging".
+                pending.busy_until = max(pending.busy_until, pending.began + self._busy_wait_s())
             if pending.claimed_by is None:
                 await trio.sleep(random.uniform(0.05, 0.2))
         if pending.claimed_by is None:
@@ -634,8 +646,17 @@ class Averager:
         link = self.admission.link(partner)
         return preset_for(self.cfg.compression, stage=pending.stage, link_rate_bps=link.rate_bps,
                           typical_rate_bps=self._rate_bps, period_s=self._outer_period_s(),
-                          numel=pending.tensors.phi.size, previous=link.compression,
+                          numel=pending.tensors.phi.size, previous=self._previous(partner),
                           group_size=self.cfg.group_size, wire_dtype=self.cfg.wire_dtype)
+
+    def _previous(self, partner: str) -> str | None:
+        """The preset `preset_for` starts from with `partner`: the last one used or asked for with it,
+        else, for a partner we never exchanged with, the floor our completed exchanges allow
+        (`first_ask_floor`)."""
+        link = self.admission.link(partner)
+        if link.compression is not None or link.rate_bps is not None:
+            return link.compression
+        return first_ask_floor(self._widest)
 
     def _compression_wanted(self, partner: str, req: avg.AvgRequest) -> str:
         """The preset we would ask `partner` for in its request's round, as its responder (the same rule as
@@ -644,14 +665,14 @@ class Averager:
             return self.cfg.compression
         link = self.admission.link(partner)
         return preset_for(AUTO, stage=req.stage, link_rate_bps=link.rate_bps, typical_rate_bps=self._rate_bps,
-                          period_s=self._outer_period_s(), numel=req.numel, previous=link.compression,
+                          period_s=self._outer_period_s(), numel=req.numel, previous=self._previous(partner),
                           group_size=self.cfg.group_size, wire_dtype=req.wire_dtype)
 
     def _round_ends(self, pending: _Pending) -> float:
-        """When this round stops looking for a partner (trio clock): its window, or its scheduled phase
-        where a wait for a busy scheduled partner stretched it."""
+        """When this round stops looking for a partner (trio clock): its window, or later where a wait
+        for a partner busy transferring stretched it (the scheduled one, or any in the open phase)."""
         window = self.cfg.pair_window_s if pending.window_s is None else pending.window_s
-        return max(pending.began + window, pending.scheduled_until)
+        return max(pending.began + window, pending.scheduled_until, pending.busy_until)
 
     def _request_fields(self, pending: _Pending, compression: str, fragment: int) -> dict[str, Any]:
         return {
@@ -805,7 +826,8 @@ class Averager:
         """The preset to ask `partner` again with after its refusal (None: no retry): only an `auto`
         initiator's first round, refused for compression, with a more compressed preset to go to
         (`after_refusal`) and time left in the round. A preset the refusal named is kept as the partner's
-        last one, so the next exchange starts there (`_compression_for`'s hysteresis relaxes it)."""
+        last one, so the next exchange starts there, and as a floor until a transfer measures the link
+        again (`_compression_for`'s hysteresis relaxes it only then)."""
         if (refusal.code is not AnswerCode.COMPRESSION or self.cfg.compression != AUTO or pending.stage != 1
                 or self.cfg.group_size != 2):
             return None
@@ -814,7 +836,13 @@ class Averager:
         if retry is None:
             return None
         if wanted is not None:
-            self.admission.link(partner).compression = retry
+            link = self.admission.link(partner)
+            link.compression = retry
+            # The partner measured this link slower than we did: our rate (often a probe that passed in a
+            # token bucket's burst) is not evidence until a transfer measures it again, so the named preset
+            # is a floor till then (`preset_for`). Without this a fast trainer asked the 0.08 Mbit/s one
+            # for `medium` at every exchange, each a refusal and a retry through that link's queue.
+            link.rate_bps = None
         if pending.claimed_by is not None or trio.current_time() >= self._round_ends(pending):
             return None
         return retry
@@ -987,6 +1015,8 @@ class Averager:
             RATE_KEEP * self._transfer_s + (1 - RATE_KEEP) * result.duration_s)
         self.admission.succeeded(partner, sent=result.bytes_sent, received=result.bytes_received, path=result.path,
                                  compression=compression, clipped=result.clip.clipped)
+        if compression in ORDER and (self._widest is None or ORDER.index(compression) < ORDER.index(self._widest)):
+            self._widest = compression
         self.report.exchanged(partner, result, numel, compression)
         total = result.bytes_sent + result.bytes_received
         if self.metrics is not None:
