@@ -642,6 +642,27 @@ async def judged(cfg: SyncConfig, compression: str, *, typical_rate_bps: float |
         return av.answer_for(asking_with(compression), "peer")
 
 
+async def test_while_the_scheduled_partner_is_busy_transferring_anyone_but_the_last_partner_may_pair() -> None:
+    """bench/wan.py, one-slow at 0.4 Mbit/s: a trainer whose scheduled partner was busy transferring answered
+    every other free trainer "waiting for the partner the schedule gives it", and they stepped solo. During
+    that wait it now takes anyone but the partner it last averaged with (the pair that ends first going back
+    to each other is what the wait prevents); before the wait is stretched, only the scheduled partner."""
+    av = Averager(LoneHost(), SyncConfig(compression="none"), FakeSwarm(period=5.0))
+    async with in_a_round(av):
+        pending = av._pending
+        assert pending is not None
+        pending.scheduled, pending.scheduled_until = "scheduled", trio.current_time() + 100
+        av._last_paired.update({"other": 1, "last": 2})
+        for asker in ("other", "last", "new"):
+            verdict = av.answer_for(asking_with("none"), asker)
+            assert verdict is not None and verdict[0] is AnswerCode.SCHEDULED
+        pending.scheduled_busy = True  # its scheduled partner answered "exchanging"
+        assert av.answer_for(asking_with("none"), "other") is None
+        assert av.answer_for(asking_with("none"), "new") is None
+        verdict = av.answer_for(asking_with("none"), "last")
+        assert verdict is not None and verdict[0] is AnswerCode.SCHEDULED
+
+
 async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:
     verdict = await judged(SyncConfig(compression="high"), "medium")
     assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
