@@ -445,27 +445,3 @@ async def test_a_new_partner_is_asked_at_most_one_preset_beyond_what_this_node_h
     assert averager._compression_wanted(new, ask) == "medium"  # not `none`, which the burst's rate allows
     averager._succeed(probed, result, 470_000, "medium")
     assert averager._compression_wanted(new, ask) == "none"
-
-
-async def test_the_wait_for_a_busy_partner_follows_our_longest_recent_transfer_not_a_mean_of_probes() -> None:
-    """Over a slow link a trainer's exchanges mix compressed ones that pass in a token bucket's burst (0.01 s)
-    with `medium` ones of 4-5 s; a mean of them fell below the pairing window, so the wait for a partner
-    busy transferring did nothing (bench/wan.py, one-slow at 0.4 Mbit/s). The longest of the recent ones
-    bounds it; older ones are forgotten."""
-    from node.averaging.averager import RECENT_TRANSFERS
-
-    host = FakeHost(create_new_key_pair())
-    averager = Averager(host, SyncConfig(pair_window_s=5.0, datapath=False), FakeSwarm(host))
-    partner = str(ID.from_pubkey(create_new_key_pair().public_key))
-
-    def took(seconds: float) -> None:
-        averager._succeed(partner, avg.TransferResult(path="datapath", bytes_sent=1, bytes_received=1,
-                                                      duration_s=seconds), 10, "high")
-
-    assert averager._busy_wait_s() == 5.0  # nothing measured: the window
-    for seconds in (0.01, 5.0, 0.01, 0.01):
-        took(seconds)
-    assert averager._busy_wait_s() == pytest.approx(7.5)
-    for _ in range(RECENT_TRANSFERS):
-        took(0.01)
-    assert averager._busy_wait_s() == 5.0

@@ -84,7 +84,6 @@ cancelled transfer touches both.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import random
@@ -132,22 +131,20 @@ SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still trai
 # handshake deadline (the asker's wait for our answer; past it the asker counts a failure against us).
 HOLD_SHARE = 0.5
 HOLD_MARGIN_S = 0.5  # past our first round's window: the second round begins right after it ends
-# How long a partner that is busy *transferring* is waited for: this many times the longest of our own
-# recent transfers, when that is longer than the pairing window.
+# How long a scheduled partner that is busy *transferring* is waited for: this many times our own typical
+# transfer (an EWMA of our exchanges' durations), when that is longer than the pairing window.
 BUSY_WAIT_FACTOR = 1.5
-RECENT_TRANSFERS = 8  # our exchanges whose longest duration bounds that wait
 
 
 def busy_wait_s(window_s: float, transfer_s: float | None, max_transfer_s: float) -> float:
-    """How long a round may wait for a partner that is still transferring its previous outer step (it
-    answers "already exchanging"): `BUSY_WAIT_FACTOR` times the longest of our own recent transfers
-    (`transfer_s`, None: none measured yet), up to `sync.max_transfer_s`, and never less than the pairing
-    window.
+    """How long a round may wait for a scheduled partner that is still transferring its previous outer step
+    (it answers "already exchanging"): `BUSY_WAIT_FACTOR` times our own typical transfer (`transfer_s`, None:
+    none measured yet), up to `sync.max_transfer_s`, and never less than the pairing window.
 
     Why wait at all: on a slow link an exchange lasts minutes, the worker trains on meanwhile (so the wait
     costs no compute), and pairs end their transfers seconds apart. Giving up after the pairing window sent
     the pair that finished first back to each other in the open phase, step after step: fixed pairs, the
-    islands the schedule exists to prevent. The bound is our own recent transfer times (partners' links are
+    islands the schedule exists to prevent. The bound is our own typical transfer time (partners' links are
     alike or the schedule pairs like with like)."""
     if transfer_s is None:
         return window_s
@@ -243,12 +240,7 @@ class Averager:
         self._last_publish_at: float | None = None  # trio clock: our latest publish
         self._last_paired: dict[str, int] = {}  # partner -> our exchange count when we last averaged with it
         self._last_outer_step = 0  # the outer step our latest exchange ended at (after any adoption)
-        # The longest of our recent exchanges' durations, for `_busy_wait_s` (None: none yet). The longest,
-        # not a mean: a partner we wait for may be in the longest kind of transfer we make, and a mean of a
-        # slow link's compressed probes (a token bucket's burst: 0.01 s) and its `medium` exchanges (4-5 s)
-        # put the wait below the pairing window, where it did nothing (bench/wan.py, one-slow at 0.4 Mbit/s).
-        self._recent_transfers: collections.deque[float] = collections.deque(maxlen=RECENT_TRANSFERS)
-        self._transfer_s: float | None = None
+        self._transfer_s: float | None = None  # our exchanges' typical duration (EWMA), for `_busy_wait_s`
         # Our typical rate each way over all partners (`FlowRate`): `auto`'s guess for a partner not measured yet.
         self._rate_bps: float | None = None
         self._flow = FlowRate(RATE_KEEP)
@@ -554,7 +546,7 @@ class Averager:
             outcome = await self._try_partner(pending, partner)
             self.misses.note(partner, outcome)
             if outcome is Attempt.EXCHANGING and pending.window_s is None:
-                # Busy transferring: it will be free within about our own longest recent transfer. Waiting
+                # Busy transferring: it will be free within about our own typical transfer. Waiting
                 # costs no compute (the worker trains on meanwhile); stepping solo costs the average.
                 # bench/wan.py, one-slow at 0.4 Mbit/s: exchanges of 4-5 s against a 5 s window, and
                 # 11 of 15 solo steps of the fast trainers came right after "already exchanging".
@@ -1031,8 +1023,8 @@ class Averager:
     # --- bookkeeping -------------------------------------------------------------------------------------
 
     def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0, compression: str = "none") -> None:
-        self._recent_transfers.append(result.duration_s)
-        self._transfer_s = max(self._recent_transfers)
+        self._transfer_s = result.duration_s if self._transfer_s is None else (
+            RATE_KEEP * self._transfer_s + (1 - RATE_KEEP) * result.duration_s)
         self.admission.succeeded(partner, sent=result.bytes_sent, received=result.bytes_received, path=result.path,
                                  compression=compression, clipped=result.clip.clipped)
         if compression in ORDER and (self._widest is None or ORDER.index(compression) < ORDER.index(self._widest)):
