@@ -25,8 +25,7 @@ class SyncConfig:
     pace: str = opt("swarm", "swarm: an outer step every H inner steps of the swarm's fastest trainer (slower machines "
                     "take fewer) | steps: every H inner steps of this machine")
     max_step_gap: int = opt(4, "refuse partners whose outer step differs from ours by more than this")
-    pair_window_s: float = opt(5.0, "seconds to look for a partner before taking a solo outer step (longer while "
-                               "partners are busy transferring: up to 1.5x this node's typical transfer)")
+    pair_window_s: float = opt(5.0, "seconds to look for a partner before taking a solo outer step")
     group_size: int = opt(2, "2: average with one partner per outer step | 4: a second round joins two pairs "
                           "into a group of four (every trainer of a swarm should use the same)")
     handshake_timeout_s: float = opt(5.0, "seconds a partner has to answer a pairing request")
