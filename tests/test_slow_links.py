@@ -369,56 +369,6 @@ def test_a_probe_that_passed_in_a_token_buckets_burst_does_not_outweigh_the_tran
     assert chosen == "medium"
 
 
-async def test_a_round_whose_partners_are_all_transferring_waits_for_them_past_the_window_not_solo(
-    autojump_clock,
-) -> None:
-    """bench/wan.py, one-slow at 0.4 Mbit/s: exchanges took 4-5 s against the 5 s pairing window, and 11 of
-    the fast trainers' 15 solo steps came right after "already exchanging" in the open phase. Only the
-    scheduled partner used to be waited for; now a round in its open phase (here a bye: no scheduled
-    partner) keeps asking partners that answer "exchanging" for as long as a scheduled one would be waited
-    for (`busy_wait_s`: 1.5 x our own typical transfer), since the worker trains on meanwhile."""
-    from node.averaging.pairing import scheduled_partners
-
-    peers = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2)]
-    host = _EveryoneExchanging(create_new_key_pair(), peers)
-    window = 1.0
-    averager = Averager(host, SyncConfig(pair_window_s=window, datapath=False), FakeSwarm(host))
-    averager._transfer_s = 10.0  # our exchanges take 10 s: a busy partner is waited for up to 15 s
-    members = sorted(str(p) for p in peers)
-    request = small_request(1)
-    request.outer_step = next(s for s in range(100) if scheduled_partners(averager.me, members, s)[0] is None)
-    began = trio.current_time()
-    with trio.fail_after(60):
-        assert (await averager.exchange(request)).group_size == 1  # they never stopped exchanging
-    last_ask = host.asked[-1][1] - began
-    assert window < 10.0 <= last_ask <= 15.0
-    assert {peer for peer, _ in host.asked} == set(members)  # the open phase: either partner
-
-
-async def test_a_round_stops_at_its_window_where_no_partner_is_transferring(autojump_clock) -> None:
-    """The wait above is for partners *transferring*; one that is busy otherwise (asking someone else,
-    waiting for its scheduled partner) is asked until the window ends, as before."""
-    from node.averaging.pairing import scheduled_partners
-
-    class _EveryoneBusy(_EveryoneExchanging):
-        async def new_stream(self, peer: ID, protocols: Sequence[str]) -> FakeNetStream:
-            self.asked.append((str(peer), trio.current_time()))
-            busy = avg.AvgAnswer(verdict="busy", reason="asking someone else", code=avg.AnswerCode.ASKING_OTHER.value)
-            return FakeNetStream(encode_msg(busy), peer)
-
-    peers = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2)]
-    host = _EveryoneBusy(create_new_key_pair(), peers)
-    averager = Averager(host, SyncConfig(pair_window_s=1.0, datapath=False), FakeSwarm(host))
-    averager._transfer_s = 10.0
-    request = small_request(1)
-    request.outer_step = next(s for s in range(100)
-                              if scheduled_partners(averager.me, sorted(str(p) for p in peers), s)[0] is None)
-    began = trio.current_time()
-    with trio.fail_after(60):
-        assert (await averager.exchange(request)).group_size == 1
-    assert host.asked and host.asked[-1][1] - began < 1.0
-
-
 async def test_a_new_partner_is_asked_at_most_one_preset_beyond_what_this_node_has_completed() -> None:
     """bench/wan.py, one-slow at 0.4 Mbit/s: a fast trainer's first exchange, a `high` probe, passed in a
     token bucket's burst; its next partner, never measured, was asked bf16 `none` on that typical rate:

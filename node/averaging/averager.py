@@ -180,7 +180,6 @@ class _Pending:
     scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
     next_partner: str | None = None  # the schedule's partner for the outer step's next round (groups of four)
     scheduled_until: float = 0.0  # end of the scheduled phase
-    busy_until: float = 0.0  # the open phase waits this long for partners that answered "exchanging"
     scheduled_busy: bool = False  # the scheduled partner answered "exchanging": its phase was stretched
     probed: bool = False  # the larger PeerID asked its scheduled partner once, its request not having come
     saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
@@ -543,14 +542,7 @@ class Averager:
             if partner is None:
                 await trio.sleep(random.uniform(0.1, 0.4))
                 continue
-            outcome = await self._try_partner(pending, partner)
-            self.misses.note(partner, outcome)
-            if outcome is Attempt.EXCHANGING and pending.window_s is None:
-                # Busy transferring: it will be free within about our own typical transfer. Waiting
-                # costs no compute (the worker trains on meanwhile); stepping solo costs the average.
-                # bench/wan.py, one-slow at 0.4 Mbit/s: exchanges of 4-5 s against a 5 s window, and
-                # 11 of 15 solo steps of the fast trainers came right after "already exchanging".
-                pending.busy_until = max(pending.busy_until, pending.began + self._busy_wait_s())
+            self.misses.note(partner, await self._try_partner(pending, partner))
             if pending.claimed_by is None:
                 await trio.sleep(random.uniform(0.05, 0.2))
         if pending.claimed_by is None:
@@ -675,10 +667,10 @@ class Averager:
                           group_size=self.cfg.group_size, wire_dtype=req.wire_dtype)
 
     def _round_ends(self, pending: _Pending) -> float:
-        """When this round stops looking for a partner (trio clock): its window, or later where a wait
-        for a partner busy transferring stretched it (the scheduled one, or any in the open phase)."""
+        """When this round stops looking for a partner (trio clock): its window, or its scheduled phase
+        where a wait for a busy scheduled partner stretched it."""
         window = self.cfg.pair_window_s if pending.window_s is None else pending.window_s
-        return max(pending.began + window, pending.scheduled_until, pending.busy_until)
+        return max(pending.began + window, pending.scheduled_until)
 
     def _request_fields(self, pending: _Pending, compression: str, fragment: int) -> dict[str, Any]:
         return {
