@@ -70,8 +70,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-from convergence import QUICK as QUICK_BENCH  # bench/convergence.py, beside this script
+# This checkout's modules first, not an installed copy's: the daemons run from `starling_testing`'s tree
+# (their working directory), and a run from a second worktree ran the first one's code without it.
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from convergence import QUICK as QUICK_BENCH  # noqa: E402  # bench/convergence.py, beside this script
 from convergence import BenchConfig, run_ddp, run_outer
 from swarm import (
     CGROUP_CPU,

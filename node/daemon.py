@@ -423,16 +423,17 @@ class Daemon:
                 "catch_up_off": not self.cfg.sync.catch_up_after, "max_step_gap": gap}
 
     def _possible_partners(self) -> list[Any]:
-        """Alive trainers with our manifest (`alive_members` checks it) and (unless the config allows bulk
-        over relays) a direct or hole-punched path: bulk tensors never cross a relay. None at all makes the
-        outer step solo at once. A trainer the averager says sits out (banned, or it missed round after
-        round: node/averaging/partner_misses.py) does not count: a record that claims the trainer role from a peer
-        that never averages made every outer step wait out the whole pairing window."""
+        """Alive or suspect trainers (`partner_candidates` says why) with our manifest (it checks it) and
+        (unless the config allows bulk over relays) a direct or hole-punched path: bulk tensors never cross
+        a relay. None at all makes the outer step solo at once. A trainer the averager says sits out
+        (banned, or it missed round after round: node/averaging/partner_misses.py) does not count: a record
+        that claims the trainer role from a peer that never averages made every outer step wait out the
+        whole pairing window."""
         allow_relay = self.cfg.sync.allow_relay_bulk
         averager = self.averager
         return [
             m
-            for m in self.replicator.alive_members()
+            for m in self.replicator.partner_candidates()
             if m.record.role == "trainer"
             and m.record.manifest_hash  # a trainer whose task is not loaded yet can only refuse
             and m.record.peer_id != str(self.peer_id)

@@ -642,6 +642,27 @@ async def judged(cfg: SyncConfig, compression: str, *, typical_rate_bps: float |
         return av.answer_for(asking_with(compression), "peer")
 
 
+async def test_while_the_scheduled_partner_is_busy_transferring_anyone_but_the_last_partner_may_pair() -> None:
+    """bench/wan.py, one-slow at 0.4 Mbit/s: a trainer whose scheduled partner was busy transferring answered
+    every other free trainer "waiting for the partner the schedule gives it", and they stepped solo. During
+    that wait it now takes anyone but the partner it last averaged with (the pair that ends first going back
+    to each other is what the wait prevents); before the wait is stretched, only the scheduled partner."""
+    av = Averager(LoneHost(), SyncConfig(compression="none"), FakeSwarm(period=5.0))
+    async with in_a_round(av):
+        pending = av._pending
+        assert pending is not None
+        pending.scheduled, pending.scheduled_until = "scheduled", trio.current_time() + 100
+        av._last_paired.update({"other": 1, "last": 2})
+        for asker in ("other", "last", "new"):
+            verdict = av.answer_for(asking_with("none"), asker)
+            assert verdict is not None and verdict[0] is AnswerCode.SCHEDULED
+        pending.scheduled_busy = True  # its scheduled partner answered "exchanging"
+        assert av.answer_for(asking_with("none"), "other") is None
+        assert av.answer_for(asking_with("none"), "new") is None
+        verdict = av.answer_for(asking_with("none"), "last")
+        assert verdict is not None and verdict[0] is AnswerCode.SCHEDULED
+
+
 async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:
     verdict = await judged(SyncConfig(compression="high"), "medium")
     assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION
@@ -849,6 +870,24 @@ async def test_a_refusal_that_names_no_preset_moves_one_step_per_retry_and_never
     # Within a try each request is more compressed than the one before; a try after `high` starts over.
     assert all(order.index(b) > order.index(a) or (a == "high" and b == "none") for a, b in itertools.pairwise(asked))
     assert averager.admission.link(str(partner)).compression is None
+
+
+async def test_a_refusal_naming_a_preset_holds_it_until_a_transfer_measures_the_link_again(autojump_clock) -> None:
+    """bench/wan.py, one-slow at 0.4 Mbit/s: a fast trainer had timed the slow trainer's link on a `high`
+    probe that passed in a token bucket's burst, so its hysteresis relaxed to `medium` at every exchange,
+    and every exchange began with a refusal naming `high` and a retry through that link's queue. The
+    refusal now says our rate of that link is no evidence: the named preset holds until a transfer times
+    the link again."""
+    partner = ID.from_pubkey(create_new_key_pair().public_key)
+    host = AlwaysRefusing(partner, "compression mismatch: wants high; yours 'medium'", True)
+    averager = Averager(host, SyncConfig(pair_window_s=4, datapath=False), FakeSwarm(host, period=3.0))
+    link = averager.admission.link(str(partner))
+    link.rate_bps, link.compression = 2.5e6, "high"  # the burst's reading, after a `high` exchange
+    with trio.fail_after(60):
+        assert (await averager.exchange(request(1))).group_size == 1
+    asked = await host.asked()
+    assert asked[:2] == ["medium", "high"] and len(asked) >= 3 and set(asked[2:]) == {"high"}
+    assert link.compression == "high" and link.rate_bps is None
 
 
 async def test_a_fixed_preset_initiator_does_not_retry_a_compression_refusal(autojump_clock) -> None:

@@ -367,3 +367,31 @@ def test_a_probe_that_passed_in_a_token_buckets_burst_does_not_outweigh_the_tran
     chosen = preset_for("auto", stage=1, link_rate_bps=rate, typical_rate_bps=averager._rate_bps, period_s=3.0,
                         numel=470_000, previous="medium", group_size=2, wire_dtype="bf16")
     assert chosen == "medium"
+
+
+async def test_a_new_partner_is_asked_at_most_one_preset_beyond_what_this_node_has_completed() -> None:
+    """bench/wan.py, one-slow at 0.4 Mbit/s: a fast trainer's first exchange, a `high` probe, passed in a
+    token bucket's burst; its next partner, never measured, was asked bf16 `none` on that typical rate:
+    3.8 MB that took 54 s of a 180 s run. A partner not measured yet now starts at most one preset less
+    compressed than any exchange this node completed (`first_ask_floor`): `medium` after `high`, and
+    `none` once a `medium` or `none` exchange has measured the rate."""
+    from types import SimpleNamespace
+
+    from node.averaging.compression_choice import first_ask_floor
+
+    assert first_ask_floor(None) is None
+    assert first_ask_floor("high") == "medium"
+    assert first_ask_floor("medium") == "none" and first_ask_floor("none") == "none"
+
+    host = FakeHost(create_new_key_pair())
+    averager = Averager(host, SyncConfig(datapath=False), FakeSwarm(host, period=3.0))
+    probed, new = (str(ID.from_pubkey(create_new_key_pair().public_key)) for _ in range(2))
+    burst = Progress()
+    burst.bytes, burst.first, burst.last = 2 * 37_000, 100.0, 100.015  # the probe at 2.5 MB/s each way
+    averager._learn_rate(probed, burst, completed=True)
+    result = avg.TransferResult(bytes_sent=37_000, bytes_received=37_000, duration_s=0.015, path="datapath")
+    averager._succeed(probed, result, 470_000, "high")
+    ask = SimpleNamespace(stage=1, numel=470_000, wire_dtype="bf16")
+    assert averager._compression_wanted(new, ask) == "medium"  # not `none`, which the burst's rate allows
+    averager._succeed(probed, result, 470_000, "medium")
+    assert averager._compression_wanted(new, ask) == "none"

@@ -376,6 +376,19 @@ def test_swim_mode_shows_the_states_swim_holds_not_the_records_age() -> None:
     assert {m.peer_id for m in rep.members_to_dial()} == {others[0], others[1]}
 
 
+def test_a_suspect_trainer_is_still_an_averaging_candidate_a_gone_one_is_not() -> None:
+    """bench/wan.py, one-slow at 0.4 Mbit/s: the trainer behind the slow link suspected its partners in
+    turn (its probes' answers waited behind its own transfers), found "no other trainer to pair with" and
+    stepped solo at once while all three trained. Suspect is not dead: it stays a partner candidate."""
+    clock = Clock()
+    held: dict[str, MemberState] = {}
+    rep = swim_replicator({"role": "trainer"}, lambda peer: held.get(peer, MemberState.GONE), clock)
+    rep.refresh()
+    others = add_trainers(rep, clock, 3)
+    held.update({others[0]: MemberState.ALIVE, others[1]: MemberState.SUSPECT})  # others[2]: gone
+    assert {m.peer_id for m in rep.partner_candidates()} == {others[0], others[1]}
+
+
 def test_swim_mode_dials_members_whose_records_are_held_but_swim_never_heard_of() -> None:
     """SWIM hears of members only through connections; a member known by its record alone must be dialled,
     or a joiner connected to the bootstrap alone never meets the rest (64 daemons: one or two connections

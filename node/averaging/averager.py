@@ -100,6 +100,7 @@ from node.averaging.compression_choice import (
     ORDER,
     accepts,
     after_refusal,
+    first_ask_floor,
     preset_for,
     refusal_reason,
     wanted_in,
@@ -179,6 +180,7 @@ class _Pending:
     scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
     next_partner: str | None = None  # the schedule's partner for the outer step's next round (groups of four)
     scheduled_until: float = 0.0  # end of the scheduled phase
+    scheduled_busy: bool = False  # the scheduled partner answered "exchanging": its phase was stretched
     probed: bool = False  # the larger PeerID asked its scheduled partner once, its request not having come
     saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
     # Between-steps answers: how far (s) each asked trainer's publish was from ours (theirs - ours), and
@@ -241,6 +243,9 @@ class Averager:
         # Our typical rate each way over all partners (`FlowRate`): `auto`'s guess for a partner not measured yet.
         self._rate_bps: float | None = None
         self._flow = FlowRate(RATE_KEEP)
+        # The least compressed preset of any exchange this node completed (None: none yet): how far the
+        # evidence behind `_rate_bps` reaches, for a partner not measured yet (`first_ask_floor`).
+        self._widest: str | None = None
         # The swarm's outer step to continue from at our next round's end (`follow`; None: none asked).
         self._follow_to: int | None = None
         if cfg.assumed_rate_mbps != 100.0 or cfg.deadline_slack != 3.0:
@@ -571,6 +576,7 @@ class Averager:
             # Still moving its previous outer step over a slow link: keep the schedule's pairing and wait
             # for it (`_busy_wait_s`), asking again at a pace that costs nothing next to such a transfer.
             pending.scheduled_until = max(pending.scheduled_until, pending.began + self._busy_wait_s())
+            pending.scheduled_busy = True
             if trio.current_time() < pending.scheduled_until:
                 await trio.sleep(random.uniform(*SCHEDULED_RETRY_S) * 3)
                 return
@@ -584,6 +590,10 @@ class Averager:
         NAT: only with the side channel on and over a direct connection (a relayed one's remote address is
         the relay's, so a punch towards it could only fail)."""
         return self.cfg.datapath and self.swarm.path_of(partner) in DIRECT_PATHS
+
+    def _last_partner(self) -> str | None:
+        """The partner of our latest averaged exchange (None: none yet)."""
+        return max(self._last_paired, key=self._last_paired.__getitem__, default=None)
 
     def _choose_partner(self) -> str | None:
         """A ready eligible partner for the open phase: the least recently paired, random among ties
@@ -634,8 +644,17 @@ class Averager:
         link = self.admission.link(partner)
         return preset_for(self.cfg.compression, stage=pending.stage, link_rate_bps=link.rate_bps,
                           typical_rate_bps=self._rate_bps, period_s=self._outer_period_s(),
-                          numel=pending.tensors.phi.size, previous=link.compression,
+                          numel=pending.tensors.phi.size, previous=self._previous(partner),
                           group_size=self.cfg.group_size, wire_dtype=self.cfg.wire_dtype)
+
+    def _previous(self, partner: str) -> str | None:
+        """The preset `preset_for` starts from with `partner`: the last one used or asked for with it,
+        else, for a partner we never exchanged with, the floor our completed exchanges allow
+        (`first_ask_floor`)."""
+        link = self.admission.link(partner)
+        if link.compression is not None or link.rate_bps is not None:
+            return link.compression
+        return first_ask_floor(self._widest)
 
     def _compression_wanted(self, partner: str, req: avg.AvgRequest) -> str:
         """The preset we would ask `partner` for in its request's round, as its responder (the same rule as
@@ -644,7 +663,7 @@ class Averager:
             return self.cfg.compression
         link = self.admission.link(partner)
         return preset_for(AUTO, stage=req.stage, link_rate_bps=link.rate_bps, typical_rate_bps=self._rate_bps,
-                          period_s=self._outer_period_s(), numel=req.numel, previous=link.compression,
+                          period_s=self._outer_period_s(), numel=req.numel, previous=self._previous(partner),
                           group_size=self.cfg.group_size, wire_dtype=req.wire_dtype)
 
     def _round_ends(self, pending: _Pending) -> float:
@@ -805,7 +824,8 @@ class Averager:
         """The preset to ask `partner` again with after its refusal (None: no retry): only an `auto`
         initiator's first round, refused for compression, with a more compressed preset to go to
         (`after_refusal`) and time left in the round. A preset the refusal named is kept as the partner's
-        last one, so the next exchange starts there (`_compression_for`'s hysteresis relaxes it)."""
+        last one, so the next exchange starts there, and as a floor until a transfer measures the link
+        again (`_compression_for`'s hysteresis relaxes it only then)."""
         if (refusal.code is not AnswerCode.COMPRESSION or self.cfg.compression != AUTO or pending.stage != 1
                 or self.cfg.group_size != 2):
             return None
@@ -814,7 +834,13 @@ class Averager:
         if retry is None:
             return None
         if wanted is not None:
-            self.admission.link(partner).compression = retry
+            link = self.admission.link(partner)
+            link.compression = retry
+            # The partner measured this link slower than we did: our rate (often a probe that passed in a
+            # token bucket's burst) is not evidence until a transfer measures it again, so the named preset
+            # is a floor till then (`preset_for`). Without this a fast trainer asked the 0.08 Mbit/s one
+            # for `medium` at every exchange, each a refusal and a retry through that link's queue.
+            link.rate_bps = None
         if pending.claimed_by is not None or trio.current_time() >= self._round_ends(pending):
             return None
         return retry
@@ -970,7 +996,13 @@ class Averager:
                                                            req.compression, wants))
         if pending.claimed_by is not None:
             return (AnswerCode.EXCHANGING, "already exchanging")
-        if pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled:
+        if (pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled
+                and not (pending.scheduled_busy and partner != self._last_partner())):
+            # While the scheduled partner is busy transferring, another trainer may pair with us, just
+            # not the one we last averaged with: the pair that ends its transfer first would go back to
+            # each other step after step (fixed pairs, what the wait exists to prevent), while anyone
+            # else mixes. bench/wan.py, one-slow at 0.4 Mbit/s: a fast trainer stepped solo after
+            # "waiting for the partner the schedule gives it" from two free trainers, 8 times in 180 s.
             return (AnswerCode.SCHEDULED, "waiting for the partner the schedule gives it")
         if pending.initiating_to is not None:
             if pending.initiating_to == partner and partner < self.me:
@@ -987,6 +1019,8 @@ class Averager:
             RATE_KEEP * self._transfer_s + (1 - RATE_KEEP) * result.duration_s)
         self.admission.succeeded(partner, sent=result.bytes_sent, received=result.bytes_received, path=result.path,
                                  compression=compression, clipped=result.clip.clipped)
+        if compression in ORDER and (self._widest is None or ORDER.index(compression) < ORDER.index(self._widest)):
+            self._widest = compression
         self.report.exchanged(partner, result, numel, compression)
         total = result.bytes_sent + result.bytes_received
         if self.metrics is not None:

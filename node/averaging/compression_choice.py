@@ -18,7 +18,9 @@ must fit in half that budget (`RELAX_SHARE`), so that a rate measured around the
 preset at every step, and it comes back one preset at a time (`high`, then `medium`, then `none`): a rate
 measured on a small transfer can be far too high where a token bucket lets a burst through. The rate itself
 weighs each transfer by the seconds it flowed (node/averaging/admission.py, `FlowRate`), so the next, bigger
-transfer corrects a burst's reading at once instead of halving it.
+transfer corrects a burst's reading at once instead of halving it. A partner never exchanged with starts
+at most one preset less compressed than any exchange this node completed (`first_ask_floor`): its preset is
+chosen on our typical rate, which only those transfers measured.
 Without any measured rate (a node's first exchange: no partner measured, no typical rate yet) it is the
 most compressed preset, `PROBE`: the transfer that teaches the rate must not itself flood a link that may be
 slow. It used to be bf16 `none` (a big transfer measures a link best), and in the network lab (bench/wan.py,
@@ -63,7 +65,7 @@ import re
 from protocols.compress import PRESETS
 
 __all__ = ["AUTO", "ORDER", "PROBE", "RELAX_SHARE", "STRETCH", "WANTS", "accepts", "after_refusal", "choose_compression",
-           "preset_for", "refusal_reason", "transfer_s", "wanted_in"]
+           "first_ask_floor", "preset_for", "refusal_reason", "transfer_s", "wanted_in"]
 
 AUTO = "auto"  # the `sync.compression` value that lets the initiator choose per exchange
 ORDER = ("none", "medium", "high")  # least compressed first: the order the rule tries them in
@@ -114,6 +116,22 @@ def choose_compression(
         if transfer_s(preset, numel, rate_bps, wire_dtype) <= budget:
             return preset
     return ORDER[-1]
+
+
+def first_ask_floor(widest: str | None) -> str | None:
+    """The least compressed preset to ask of (or take from) a partner never exchanged with, given `widest`,
+    the least compressed preset of any exchange this node completed (None: none yet, so no floor; the rate
+    is then unmeasured too and `choose_compression` probes): one step less compressed than `widest`.
+
+    Why: such a partner's preset is chosen on our typical rate, and that rate was measured on transfers no
+    bigger than `widest`'s. One step beyond them is what `choose_compression` allows a measured link (a
+    token bucket's burst passes a small transfer at many times the link's rate); more is a guess. Measured
+    in bench/wan.py (one-slow at 0.4 Mbit/s): after one `high` probe that passed in a burst, a fast trainer
+    asked its next, new partner for bf16 `none`, 3.8 MB that took 54 s of a 180 s run, where `medium` took
+    4-5 s."""
+    if widest not in ORDER:
+        return None
+    return ORDER[max(0, ORDER.index(widest) - 1)]
 
 
 def preset_for(

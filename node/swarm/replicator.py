@@ -366,6 +366,16 @@ class StateReplicator:
         and whose published manifest hash (when both are known) equals this node's."""
         return self._compatible_members(MemberState.ALIVE)
 
+    def partner_candidates(self) -> list[MemberView]:
+        """Members an averager may pair with: :meth:`alive_members` and the suspect ones too.
+
+        Suspect is not dead: on a slow link a probe's answer waits behind the node's own transfers, and a
+        trainer behind a 0.08 Mbit/s link suspected its three partners in turn (bench/wan.py, one-slow at
+        0.4 Mbit/s), found "no other trainer to pair with" and stepped solo at once while all three trained.
+        A member that is really gone is declared so within the suspicion timeout; until then a request to
+        it fails like any other (a back-off, and the round's other partners)."""
+        return self._compatible_members(MemberState.ALIVE, MemberState.SUSPECT)
+
     def members_to_dial(self) -> list[MemberView]:
         """Members worth a connection: those :meth:`alive_members` would list, and the suspect ones too.
 
