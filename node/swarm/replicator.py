@@ -395,40 +395,27 @@ class StateReplicator:
         return dial + [view for view in unheard if self.unheard_of(view.peer_id)]
 
     def members(self, now: float | None = None) -> list[MemberView]:
-        """Every member held, with its state as this node shows it: from the heartbeats (the replica's
-        own view) or, in SWIM mode, from ``liveness`` (a departure and this node itself excepted)."""
-        views = self.state.members(self._clock() if now is None else now)
-        if self.liveness is None:
-            return views
-        me = self.state.peer_id
-        return [
-            view if view.state is MemberState.LEFT
-            else dataclasses.replace(view, state=MemberState.ALIVE if view.peer_id == me else self.liveness(view.peer_id))
-            for view in views
-        ]
+        """Every member held, with its state as this node shows it (:meth:`_shown`)."""
+        return [self._shown(view) for view in self.state.members(self._clock() if now is None else now)]
+
+    def _shown(self, view: MemberView) -> MemberView:
+        """``view`` with its state as this node shows it: from the heartbeats (the replica's own view) or, in
+        SWIM mode, from ``liveness`` (a departure and this node itself excepted)."""
+        if self.liveness is None or view.state is MemberState.LEFT:
+            return view
+        me = view.peer_id == self.state.peer_id
+        return dataclasses.replace(view, state=MemberState.ALIVE if me else self.liveness(view.peer_id))
+
+    def _compatible(self, view: MemberView, ours: str) -> bool:
+        """Whether ``view`` is another member that may average with us: not this node, not known to be
+        incompatible, and of our manifest ``ours`` where both are known."""
+        return (view.peer_id != self.state.peer_id
+                and view.peer_id not in self._incompatible
+                and (not ours or not view.record.manifest_hash or view.record.manifest_hash == ours))
 
     def _compatible_members(self, *states: MemberState) -> list[MemberView]:
         ours = self._manifest_hash()
-        me = self.state.peer_id
-        return [
-            view
-            for view in self.members()
-            if view.state in states
-            and view.peer_id != me
-            and view.peer_id not in self._incompatible
-            and (not ours or not view.record.manifest_hash or view.record.manifest_hash == ours)
-        ]
-
-    def _compatible_member(self, peer_id: str) -> MemberView | None:
-        """One member's view as :meth:`members` shows it, if :meth:`_compatible_members` would list it in
-        some state (None: not held, this node, left, incompatible, or another swarm's manifest)."""
-        view = self.state.member(peer_id, self._clock())
-        ours = self._manifest_hash()
-        if (view is None or peer_id == self.state.peer_id or peer_id in self._incompatible
-                or view.state is MemberState.LEFT
-                or (ours and view.record.manifest_hash and view.record.manifest_hash != ours)):
-            return None
-        return view if self.liveness is None else dataclasses.replace(view, state=self.liveness(peer_id))
+        return [view for view in self.members() if view.state in states and self._compatible(view, ours)]
 
     def status(self) -> ReplicaStatus:
         """``{"members": [...], "swarm_totals": {...}}`` for ``starling status --json``."""
@@ -992,7 +979,10 @@ class StateReplicator:
         (plus a copy of the member IDs to draw from), whatever N."""
         me = self.state.peer_id
         drawn = self.state.sample_member_ids(REFERRAL_DRAWS, exclude=(me, asker))
-        views = [view for view in map(self._compatible_member, drawn) if view is not None and view.state is MemberState.ALIVE]
+        now, ours = self._clock(), self._manifest_hash()
+        held = (self.state.member(pid, now) for pid in drawn)
+        views = [view for view in (self._shown(v) for v in held if v is not None)
+                 if view.state is MemberState.ALIVE and self._compatible(view, ours)]
         views.sort(key=lambda view: not view.record.addrs)  # stable: random within each group
         records = (self.state.member_data(view.peer_id) for view in views)
         return protocol.fit_referral(data for data in records if data is not None)
