@@ -88,7 +88,7 @@ CONCLUSIVE_FAILURES = frozenset(
     {DialStatus.REFUSED, DialStatus.TIMEOUT, DialStatus.UNREACHABLE, DialStatus.FAILED, DialStatus.NO_ADDRESS}
 )
 #: Which failure explains the most when a helper tried several targets.
-_FAILURE_RANK = [DialStatus.REFUSED, DialStatus.TIMEOUT, DialStatus.UNREACHABLE, DialStatus.FAILED]
+_FAILURE_RANK = [DialStatus.REFUSED, DialStatus.TIMEOUT, DialStatus.UNREACHABLE, DialStatus.FAILED, DialStatus.ERROR]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -519,8 +519,13 @@ class DialbackService:
                         await send_msg(stream, DialbackProbe(nonce=nonce))
                         ack = await recv_as(stream, ProbeAck, MAX_MSG_BYTES)
                         await stream.aclose()
-                except Exception as e:  # it answered as the right peer id but not as a dial-back peer
-                    return DialStatus.FAILED, f"probe not accepted: {type(e).__name__}: {e}"[:200]
+                except Exception as e:
+                    # The connection above reached the asker's own peer id at that address (the security
+                    # handshake proves it), so the address is reachable whatever became of the probe
+                    # stream: a stream reset or refused on a node that is starting up (seen in the network
+                    # lab: nodes judged themselves private for minutes) says nothing about NATs. Unverified,
+                    # so inconclusive: the asker asks again soon.
+                    return DialStatus.ERROR, f"connected, but the probe stream failed: {type(e).__name__}: {e}"[:200]
                 finally:
                     with trio.move_on_after(2):
                         await prober.disconnect(asker)  # promptly, so the asker does not keep a dead peer

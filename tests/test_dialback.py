@@ -167,6 +167,29 @@ async def test_a_probe_over_the_helpers_own_connection_does_not_count() -> None:
         assert outcome.status is DialStatus.UNVERIFIED
 
 
+async def test_a_probe_stream_that_breaks_after_reaching_the_asker_leaves_reachability_unknown() -> None:
+    """Seen in the network lab: at start-up a helper connected to the asker's own peer id, the probe stream
+    was then reset, and the helper said `failed`; two such answers made a reachable node judge itself
+    private for five minutes (no side channel offered, a punch tried at every exchange). The connection
+    proved the address reachable, so the answer is inconclusive and a later ask decides."""
+    async with running_hosts(2) as (asker, helper):
+        ask, serve = DialbackService(asker), DialbackService(helper)
+        ask.register()
+        serve.register()
+
+        async def reset_probes(stream: INetStream) -> None:
+            await stream.reset()
+
+        asker.set_stream_handler(dialback.PROTOCOL_ID, reset_probes)  # the asker's end of probes breaks
+        await connect(asker, helper)
+        outcome = await ask.ask(helper.get_id(), addrs_of(asker))
+        assert outcome.status is DialStatus.ERROR, outcome
+        assert "probe stream failed" in outcome.detail
+        assert not outcome.conclusive
+        assert verdict([outcome, DialbackOutcome("h2", DialStatus.ERROR, at=2.0)], own_ips=OWN,
+                       available=2).reachability == "unknown"
+
+
 async def test_a_probe_with_an_unknown_nonce_is_refused() -> None:
     async with running_hosts(2) as (asker, stranger):
         DialbackService(asker).register()
