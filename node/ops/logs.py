@@ -25,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+FORMAT = "%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s"
 JOURNAL_FORMAT = "%(levelname)s %(name)s: %(message)s"
 #: A periodic INFO summary replaces the per-round INFO lines (those are DEBUG): a journal at `info`
 #: keeps a heartbeat of progress, 12 lines an hour, instead of one line per outer step.
