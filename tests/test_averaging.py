@@ -462,6 +462,51 @@ async def test_a_trainer_one_outer_step_behind_joins_the_others_count_and_their_
         nursery.cancel_scope.cancel()
 
 
+async def test_after_averaging_a_trainer_publishes_next_the_outer_step_a_waiting_trainer_showed_it() -> None:
+    """Over slow links pairs whose exchanges take different times drift a count or two apart, and then
+    compute different schedules (fast trainers stepped solo in runs of three, waiting for a scheduled partner
+    that paired by another count). A trainer that asks us during our round is waiting in its outer step, so
+    after we average we continue from just below it: our next publish is its outer step. Our partner, which
+    never heard of it, keeps the pair's count."""
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=2.0, max_step_gap=4)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await three_connected(stack, cfg)
+        names = [a.me for a in avs]
+        from node.averaging.pairing import scheduled_partner
+
+        # A and B (counts s) are each other's scheduled partners; C, two steps ahead, is scheduled with A
+        # and is the smaller PeerID of that pair, so it asks A at once.
+        a, b, c, s = next((x, y, z, s) for x, y, z in itertools.permutations(range(3)) for s in range(30)
+                          if names[z] < names[x]
+                          and scheduled_partner(names[x], [names[y], names[z]], s) == names[y]
+                          and scheduled_partner(names[z], [names[x], names[y]], s + 2) == names[x])
+        outcomes: dict[int, object] = {}
+
+        async def one(i: int, step: int, delay: float) -> None:
+            await trio.sleep(delay)
+            outcomes[i] = await avs[i].exchange(request(i, outer_step=step))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as n:
+                n.start_soon(one, a, s, 0.0)
+                n.start_soon(one, c, s + 2, 0.1)  # asks A while A waits for B
+                n.start_soon(one, b, s, 0.5)  # comes within A's scheduled phase (1 s)
+        assert outcomes[a].group_size == 2 and outcomes[b].group_size == 2  # type: ignore[attr-defined]
+        assert outcomes[a].group_outer_step == s + 1  # type: ignore[attr-defined]  # next publish: s + 2
+        assert outcomes[b].group_outer_step == s  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+
+
+def test_the_outer_step_moves_up_to_meet_a_waiting_trainer_only_within_our_gap() -> None:
+    from node.averaging.stepping import meet_the_waiting
+
+    assert meet_the_waiting(5, 5, 8, max_gap=4) == 7  # publish 8 next, where it waits
+    assert meet_the_waiting(5, 5, 6, max_gap=4) == 5  # 6 is our next publish anyway
+    assert meet_the_waiting(6, 5, 4, max_gap=4) == 6  # never down
+    assert meet_the_waiting(5, 5, None, max_gap=4) == 5
+    assert meet_the_waiting(5, 5, 10, max_gap=4) == 5  # beyond our gap: not believed
+
+
 def test_a_node_that_found_nobody_ready_moves_towards_the_others_phase() -> None:
     """Trainers between outer steps say how long ago they published and whether they averaged. A node late
     by 4 s of a 15 s pace moves its next publish 4 s earlier towards trainers that averaged (they keep their

@@ -296,6 +296,48 @@ async def test_a_scheduled_partner_still_transferring_over_a_slow_link_is_waited
     assert host.asked[-1][1] - began >= 3 * SCHEDULED_RETRY_S[0]
 
 
+async def test_the_wait_for_a_busy_scheduled_partner_counts_from_its_first_answer_not_from_our_publish(
+    autojump_clock,
+) -> None:
+    """The larger PeerID of a pair waits to be asked and asks only as its scheduled phase ends; a partner
+    that answers "exchanging" then may have begun a whole transfer just before. The wait (`busy_wait_s`)
+    is counted from that answer: counted from our publish it ended a fraction of a transfer before the
+    partner came free (traced over slow links: solo steps by 0.1-0.5 s)."""
+    from node.averaging.pairing import scheduled_partners
+
+    theirs, ours = sorted((create_new_key_pair() for _ in range(2)), key=lambda k: str(ID.from_pubkey(k.public_key)))
+    scheduled = ID.from_pubkey(theirs.public_key)  # the smaller: we are the one that waits to be asked
+    host = _EveryoneExchanging(ours, [scheduled])
+    window = 1.0
+    averager = Averager(host, SyncConfig(pair_window_s=window, datapath=False), FakeSwarm(host))
+    step = next(s for s in range(100) if scheduled_partners(averager.me, [str(scheduled)], s)[0] == str(scheduled))
+    request = small_request(1)
+    request.outer_step = step
+    began = trio.current_time()
+    with trio.fail_after(30):
+        assert (await averager.exchange(request)).group_size == 1
+    first_answer = host.asked[0][1]
+    assert first_answer - began > 0.2  # asked only near the end of the scheduled phase (half the window)
+    # The wait (here the window: no transfer of ours measured) runs from that first answer.
+    assert trio.current_time() - first_answer >= window
+
+
+def test_the_wait_for_a_busy_partner_follows_the_longest_of_our_recent_transfers() -> None:
+    """With one slower link among the partners, a busy partner is often moving its exchange with that link's
+    trainer: the wait follows our longest recent transfer (the slow partner's), not a typical fast one."""
+    from node.averaging.averager import RECENT_TRANSFERS
+
+    host = FakeHost(create_new_key_pair(), peers={})
+    averager = Averager(host, SyncConfig(pair_window_s=2.0, datapath=False), FakeSwarm(host))
+    assert averager._busy_wait_s() == 2.0  # nothing measured: the window
+    for seconds in (4.0, 7.0, 3.5, 4.2):
+        averager._transfers_s.append(seconds)
+    assert averager._busy_wait_s() == pytest.approx(1.5 * 7.0)
+    for _ in range(RECENT_TRANSFERS):  # the slow one falls out of the recent ones
+        averager._transfers_s.append(4.0)
+    assert averager._busy_wait_s() == pytest.approx(6.0)
+
+
 def test_the_wait_for_a_busy_partner_follows_our_own_transfer_time_and_never_drops_below_the_window() -> None:
     from node.averaging.averager import busy_wait_s
 

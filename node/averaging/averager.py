@@ -84,6 +84,7 @@ cancelled transfer touches both.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import random
@@ -131,21 +132,26 @@ SCHEDULED_RETRY_S = (0.15, 0.3)  # asking a scheduled partner that is still trai
 # handshake deadline (the asker's wait for our answer; past it the asker counts a failure against us).
 HOLD_SHARE = 0.5
 HOLD_MARGIN_S = 0.5  # past our first round's window: the second round begins right after it ends
-# How long a scheduled partner that is busy *transferring* is waited for: this many times our own typical
-# transfer (an EWMA of our exchanges' durations), when that is longer than the pairing window.
+# How long a scheduled partner that is busy *transferring* is waited for: this many times the longest of our
+# own recent transfers, when that is longer than the pairing window (`busy_wait_s`).
 BUSY_WAIT_FACTOR = 1.5
+RECENT_TRANSFERS = 8  # of our own, whose longest bounds that wait
 
 
 def busy_wait_s(window_s: float, transfer_s: float | None, max_transfer_s: float) -> float:
     """How long a round may wait for a scheduled partner that is still transferring its previous outer step
-    (it answers "already exchanging"): `BUSY_WAIT_FACTOR` times our own typical transfer (`transfer_s`, None:
-    none measured yet), up to `sync.max_transfer_s`, and never less than the pairing window.
+    (it answers "already exchanging"): `BUSY_WAIT_FACTOR` times the longest of our own recent transfers
+    (`transfer_s`, None: none measured yet), up to `sync.max_transfer_s`, and never less than the pairing
+    window; counted from its first such answer (`_meet_scheduled`).
 
     Why wait at all: on a slow link an exchange lasts minutes, the worker trains on meanwhile (so the wait
     costs no compute), and pairs end their transfers seconds apart. Giving up after the pairing window sent
     the pair that finished first back to each other in the open phase, step after step: fixed pairs, the
-    islands the schedule exists to prevent. The bound is our own typical transfer time (partners' links are
-    alike or the schedule pairs like with like)."""
+    islands the schedule exists to prevent. The bound is our own transfers' time (partners' links are alike
+    or the schedule pairs like with like), the longest recent one rather than a typical one: where one
+    link is slower, the busy partner is often moving its exchange with that link's trainer, and a wait
+    from our typical (fast) transfer gave up a fraction of a second before it came free (traced with one
+    link at 0.08 Mbit/s among 0.4 Mbit/s ones)."""
     if transfer_s is None:
         return window_s
     return max(window_s, min(BUSY_WAIT_FACTOR * transfer_s, max_transfer_s))
@@ -239,7 +245,8 @@ class Averager:
         self._last_publish_at: float | None = None  # trio clock: our latest publish
         self._last_paired: dict[str, int] = {}  # partner -> our exchange count when we last averaged with it
         self._last_outer_step = 0  # the outer step our latest exchange ended at (after any adoption)
-        self._transfer_s: float | None = None  # our exchanges' typical duration (EWMA), for `_busy_wait_s`
+        # Our latest exchanges' transfer times, for `_busy_wait_s` (the longest of them).
+        self._transfers_s: collections.deque[float] = collections.deque(maxlen=RECENT_TRANSFERS)
         # Our typical rate each way over all partners (`FlowRate`): `auto`'s guess for a partner not measured yet.
         self._rate_bps: float | None = None
         self._flow = FlowRate(RATE_KEEP)
@@ -378,6 +385,7 @@ class Averager:
             next_partner=second,
         )
         self._last_publish_at = began
+        log.debug("outer step %d published: the schedule gives %s", request.outer_step, first or "a bye")
         partners: list[str] = []
         joins_later = first is None and second is not None
         if not joins_later:
@@ -397,6 +405,8 @@ class Averager:
         else:
             group_outer_step = stepping.group_outer_step(request.outer_step, pending.partner_outer_step,
                                                          self.cfg.max_step_gap)
+            group_outer_step = stepping.meet_the_waiting(group_outer_step, request.outer_step,
+                                                         pending.largest_seen or None, self.cfg.max_step_gap)
             partner_samples = self._credit(pending)[1]
             # Meet halfway: the one that waited longer published earlier and moves its next publish later.
             shift_s = (pending.waited_s - pending.partner_waited_s) / 2
@@ -529,7 +539,7 @@ class Averager:
         return sorted(set(self.swarm.eligible_partners()) - {self.me})
 
     def _busy_wait_s(self) -> float:
-        return busy_wait_s(self.cfg.pair_window_s, self._transfer_s, self.cfg.max_transfer_s)
+        return busy_wait_s(self.cfg.pair_window_s, max(self._transfers_s, default=None), self.cfg.max_transfer_s)
 
     async def _pair(self, pending: _Pending) -> None:
         while pending.claimed_by is None and trio.current_time() < self._round_ends(pending):
@@ -575,7 +585,11 @@ class Averager:
         if outcome is Attempt.EXCHANGING and pending.window_s is None:
             # Still moving its previous outer step over a slow link: keep the schedule's pairing and wait
             # for it (`_busy_wait_s`), asking again at a pace that costs nothing next to such a transfer.
-            pending.scheduled_until = max(pending.scheduled_until, pending.began + self._busy_wait_s())
+            if not pending.scheduled_busy:
+                # From the first time it says so, not from our publish: a partner that began a transfer just
+                # as we published (or as our scheduled phase ended, when we are the one that waits to be
+                # asked) still has a whole one to go.
+                pending.scheduled_until = max(pending.scheduled_until, trio.current_time() + self._busy_wait_s())
             pending.scheduled_busy = True
             if trio.current_time() < pending.scheduled_until:
                 await trio.sleep(random.uniform(*SCHEDULED_RETRY_S) * 3)
@@ -753,6 +767,7 @@ class Averager:
                 pending.compression, pending.fragment = compression, fragment
                 pending.progress = progress
                 claimed_here = True
+                log.debug("partner %s accepted %s after %.2fs", partner, compression, trio.current_time() - began)
                 return True
 
             try:
@@ -871,8 +886,10 @@ class Averager:
         pending = self._pending
         if pending is not None:
             pending.saw_ready = True  # whoever asks has published: our phase is not off everyone's
-            pending.largest_seen = max(pending.largest_seen, request.outer_step)
         verdict = self._judge(request, pending, partner)
+        if pending is not None and (verdict is None or verdict[0].busy):
+            # Only a trainer of our run (manifest, layout and step gap passed) shows us where the count is.
+            pending.largest_seen = max(pending.largest_seen, request.outer_step)
         if (verdict is not None and verdict[0] is AnswerCode.NOT_IN_ROUND and pending is not None
                 and partner == pending.next_partner):
             # Held only when nothing but our stage stands between the request and a yes: a banned, relayed
@@ -897,6 +914,8 @@ class Averager:
             await close_quietly(stream)
             return
         assert pending is not None
+        log.debug("accepting %s's request for %s (read in %.2fs)", partner, request.compression,
+                  trio.current_time() - arrived)
         pending.mark_paired(partner, trio.current_time())
         self._note_partner(pending, request)
         began = trio.current_time()
@@ -1015,8 +1034,7 @@ class Averager:
     # --- bookkeeping -------------------------------------------------------------------------------------
 
     def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0, compression: str = "none") -> None:
-        self._transfer_s = result.duration_s if self._transfer_s is None else (
-            RATE_KEEP * self._transfer_s + (1 - RATE_KEEP) * result.duration_s)
+        self._transfers_s.append(result.duration_s)
         self.admission.succeeded(partner, sent=result.bytes_sent, received=result.bytes_received, path=result.path,
                                  compression=compression, clipped=result.clip.clipped)
         if compression in ORDER and (self._widest is None or ORDER.index(compression) < ORDER.index(self._widest)):

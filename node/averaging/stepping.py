@@ -2,9 +2,11 @@
 
 The outer-step counter keys the pairing schedule (node/averaging/pairing.py) and `sync.max_step_gap`
 refuses partners too far apart, so counters must not drift apart; the counter carries no weights (the lr
-follows the inner step), so moving it is safe. Three rules, each a pure function of what the round saw:
+follows the inner step), so moving it is safe. Four rules, each a pure function of what the round saw:
 
 - `group_outer_step`: partners continue from the larger of their two outer steps (within our own gap).
+- `meet_the_waiting`: and after an averaged round, so that the next publish is the largest outer step a
+  trainer of the run showed meanwhile (it is waiting there).
 - `follow_the_swarm`: a node fallen more than half the gap behind the swarm jumps to the swarm's count.
 - `phase_shift`: a node that found nobody ready moves its next publish towards the phase of the trainers
   that were between outer steps (node/averaging/averager.py's docstring says why).
@@ -66,6 +68,27 @@ def group_outer_step(ours: int, theirs: int | None, max_gap: int) -> int:
     if theirs > ours:
         log.debug("adopting the partner's outer step %d (ours was %d)", theirs, ours)
     return max(ours, theirs)
+
+
+def meet_the_waiting(continue_from: int, ours: int, seen: int | None, max_gap: int) -> int:
+    """The outer step to continue from after an averaged round (`continue_from`, the pair's), moved up so
+    that our next publish is the largest outer step that a trainer of our run showed us during the round
+    (`seen`: its request or its busy answer; within our own gap of `ours`, else ignored).
+
+    Why: on links where an exchange outlasts the compute of an outer step, pairs whose exchanges take
+    different times (one partner's link 5x slower) advance their counts at different rates, a step or two
+    apart within a minute; the schedule is keyed by the count, so the two groups then compute different
+    matchings, and a trainer that waits for its scheduled partner finds it pairing by another schedule
+    (traced in the network lab: fast trainers stepping solo in runs of three). A trainer that asked us while
+    we were exchanging is most likely still waiting in that outer step, for us (its schedule gives it us),
+    so we publish that very step next; counts then spread as a maximum does through gossip, and groups
+    that hear of each other keep one count. (A solo round already follows the largest count it saw:
+    `group_outer_step` in the averager.)"""
+    if seen is None or abs(seen - ours) > max_gap or seen - 1 <= continue_from:
+        return continue_from
+    log.debug("continuing from outer step %d so as to publish %d, where a trainer waited (ours was %d)",
+              seen - 1, seen, ours)
+    return seen - 1
 
 
 def follow_the_swarm(me: str, outer_step: int, group_step: int | None, swarm_steps: Mapping[str, int],
