@@ -331,6 +331,24 @@ def _throwaway_host(psk: str | None = None) -> IHost:
     return build_host(create_new_key_pair(), max_connections=4, dial_timeout=DIAL_TIMEOUT_S, psk=psk)
 
 
+def _note_tcp_opened(host: IHost) -> trio.Event:
+    """An event set once a connection of `host` (a throwaway prober) reaches its security handshake, that
+    is, once a TCP connection opened. Wraps the upgrader of this one host instance (as p2p/auth.py does for
+    the node's own host); a host without one is left alone and the event never set."""
+    opened = trio.Event()
+    upgrader = getattr(host.get_network(), "upgrader", None)
+    upgrade_security = getattr(upgrader, "upgrade_security", None)
+    if upgrade_security is None:
+        return opened
+
+    async def noting(raw_conn: Any, is_initiator: bool, peer_id: Any = None) -> Any:
+        opened.set()
+        return await upgrade_security(raw_conn, is_initiator, peer_id)
+
+    upgrader.upgrade_security = noting
+    return opened
+
+
 @dataclass
 class _Pending:
     helper: ID
@@ -503,6 +521,7 @@ class DialbackService:
     async def probe(self, target: multiaddr.Multiaddr, asker: ID, nonce: bytes) -> tuple[DialStatus, str]:
         """Dial `asker` at `target` from a throwaway host and hand it the nonce; (status, detail)."""
         prober = self.make_prober()
+        opened = _note_tcp_opened(prober)
         try:
             async with prober.run([]):
                 try:
@@ -510,6 +529,13 @@ class DialbackService:
                         await prober.connect(PeerInfo(asker, [target]))
                 except Exception as e:
                     status, detail = classify_dial_error(e)
+                    if status is DialStatus.TIMEOUT and opened.is_set():
+                        # The address took the TCP connection: no NAT in the way (one that drops unsolicited
+                        # SYNs never lets it open), only a handshake slower than our deadline. Seen on a
+                        # 0.08 Mbit/s link whose queue held seconds of a transfer: that trainer judged
+                        # itself private. Inconclusive, like any answer that says nothing of NATs.
+                        return DialStatus.ERROR, (f"the TCP connection opened, but the handshake did not finish "
+                                                  f"within {self.dial_timeout:.0f} s (a slow or congested link)")
                     if status is DialStatus.TIMEOUT:
                         detail = f"no answer within {self.dial_timeout:.0f} s"
                     return status, detail
