@@ -12,6 +12,8 @@ starves an odd one out. For up to `sync.pair_window_s`:
    busy with someone else ends this phase at once: the views disagreed.
 2. *Open phase* (the rest): any ready eligible partner, least recently paired first; requests from
    anyone are accepted. This is where a bye, a new member or a node whose view differs finds a partner.
+   A scheduled partner still transferring its previous outer step stretches the scheduled phase (a wait,
+   `busy_wait_s`), and an open phase of the same length follows that wait.
 
 No node ever waits for more than one partner, and a partner that refuses, fails or misses its deadline
 costs a back-off for that partner and, at worst, a solo step here. Crossing requests (A asks B while B
@@ -187,6 +189,7 @@ class _Pending:
     next_partner: str | None = None  # the schedule's partner for the outer step's next round (groups of four)
     scheduled_until: float = 0.0  # end of the scheduled phase
     scheduled_busy: bool = False  # the scheduled partner answered "exchanging": its phase was stretched
+    busy_until: float | None = None  # the end of that wait (an open phase follows it: `_round_ends`)
     probed: bool = False  # the larger PeerID asked its scheduled partner once, its request not having come
     saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
     # Between-steps answers: how far (s) each asked trainer's publish was from ours (theirs - ours), and
@@ -589,10 +592,13 @@ class Averager:
                 # From the first time it says so, not from our publish: a partner that began a transfer just
                 # as we published (or as our scheduled phase ended, when we are the one that waits to be
                 # asked) still has a whole one to go.
-                pending.scheduled_until = max(pending.scheduled_until, trio.current_time() + self._busy_wait_s())
+                pending.busy_until = trio.current_time() + self._busy_wait_s()
+                pending.scheduled_until = max(pending.scheduled_until, pending.busy_until)
             pending.scheduled_busy = True
             if trio.current_time() < pending.scheduled_until:
-                await trio.sleep(random.uniform(*SCHEDULED_RETRY_S) * 3)
+                # (Never past the wait: the open phase after it has its whole length.)
+                await trio.sleep(min(random.uniform(*SCHEDULED_RETRY_S) * 3,
+                                     pending.scheduled_until - trio.current_time()))
                 return
         if outcome is Attempt.NOT_READY:
             await trio.sleep(random.uniform(*SCHEDULED_RETRY_S))
@@ -684,7 +690,13 @@ class Averager:
         """When this round stops looking for a partner (trio clock): its window, or its scheduled phase
         where a wait for a busy scheduled partner stretched it."""
         window = self.cfg.pair_window_s if pending.window_s is None else pending.window_s
-        return max(pending.began + window, pending.scheduled_until)
+        ends = max(pending.began + window, pending.scheduled_until)
+        if pending.busy_until is not None and pending.open_phase:
+            # After the wait for a busy scheduled partner, an open phase as long as a window's: the trainer
+            # that waits beside us for the other member of that busy pair (our last partner, most often: it
+            # was our partner because both pairs had one count) was not ours to take while we waited.
+            ends = max(ends, pending.busy_until + (1 - SCHEDULED_SHARE) * window)
+        return ends
 
     def _request_fields(self, pending: _Pending, compression: str, fragment: int) -> dict[str, Any]:
         return {
