@@ -13,7 +13,7 @@ starves an odd one out. For up to `sync.pair_window_s`:
 2. *Open phase* (the rest): any ready eligible partner, least recently paired first; requests from
    anyone are accepted. This is where a bye, a new member or a node whose view differs finds a partner.
    A scheduled partner still transferring its previous outer step stretches the scheduled phase (a wait,
-   `busy_wait_s`), and an open phase of the same length follows that wait.
+   `busy_wait_s`), and an open phase as long as a round's (half the window) follows that wait.
 
 No node ever waits for more than one partner, and a partner that refuses, fails or misses its deadline
 costs a back-off for that partner and, at worst, a solo step here. Crossing requests (A asks B while B
@@ -692,7 +692,7 @@ class Averager:
         window = self.cfg.pair_window_s if pending.window_s is None else pending.window_s
         ends = max(pending.began + window, pending.scheduled_until)
         if pending.busy_until is not None and pending.open_phase:
-            # After the wait for a busy scheduled partner, an open phase as long as a window's: the trainer
+            # After the wait for a busy scheduled partner, an open phase as long as a round's: the trainer
             # that waits beside us for the other member of that busy pair (our last partner, most often: it
             # was our partner because both pairs had one count) was not ours to take while we waited.
             ends = max(ends, pending.busy_until + (1 - SCHEDULED_SHARE) * window)
