@@ -31,7 +31,10 @@ from p2p.wire import LibP2PByteStream, PlainFrameChannel
 
 # Half-second periods: a dead member is suspect within probe_timeout_s of its connection closing, and gone
 # within the suspicion timeout after that, at most suspicion_max_mult x suspicion_mult x period_s = 12 s.
-FAST = MembershipConfig(period_s=0.5, ack_timeout_s=0.4, probe_timeout_s=1.5)
+# Push-pull every 5 s (30 s by default): a node not connected to a member learns of it from gossip, whose
+# few retransmissions can all go elsewhere at N = 4 (CI, once: a node still held a member unknown after
+# 20 s); the push-pull is the protocol's bound on that, so it is scaled down with the rest.
+FAST = MembershipConfig(period_s=0.5, ack_timeout_s=0.4, probe_timeout_s=1.5, pushpull_s=5.0)
 SUSPECT_BOUND_S = 0.5 + FAST.probe_timeout_s  # the connection poll, then the probe's deadline
 GONE_BOUND_S = FAST.suspicion_max_mult * FAST.suspicion_mult * FAST.period_s
 SLACK_S = 10.0  # a loaded 2-core machine: the bounds are the protocol's, the slack is the event loop's
