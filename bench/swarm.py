@@ -28,6 +28,10 @@ Scenarios (`--scenarios`, default all three):
     .venv/bin/python bench/swarm.py --write-docs     # also writes the `## Swarm` section of docs/benchmarks.md
     .venv/bin/python bench/swarm.py --quick          # a smoke run (tiny model, about a minute a scenario)
     .venv/bin/python bench/swarm.py --scenarios convergence
+    .venv/bin/python bench/swarm.py --scenarios convergence --repeats 1 --sync compression=none --keep /tmp/conv
+
+`--sync KEY=VALUE` (repeatable) sets a sync option on every daemon of every scenario (a diagnosis: which
+option a result depends on); `--keep DIR` runs in DIR and leaves it, the daemons' homes and logs with it.
 
 Throttling needs root and the cgroup v1 cpu controller (/sys/fs/cgroup/cpu); without them the rows that
 need it are skipped with a note. Every daemon is stopped and every cgroup removed on the way out, also on
@@ -60,6 +64,7 @@ from convergence import QUICK as QUICK_BENCH  # bench/convergence.py, beside thi
 from convergence import BenchConfig, relative_spread, run_ddp, run_outer
 
 from node.config.home import Home
+from node.config.sync import SyncConfig
 from node.config.train import TrainConfig
 from node.worker.checkpoint import CheckpointError, read_checkpoint
 from node.worker.trainer import Trainer
@@ -676,6 +681,7 @@ class Plan:
     # the slow nodes' daemons take CPU that their workers' fast partners would have on separate machines;
     # a cap that binds in both runs gives the fast workers the same compute with and without them.
     fast_quota_us: int = 0
+    throttled_row: bool = True  # the convergence scenario's row with half the workers throttled
 
     def quotas(self) -> dict[str, int]:
         return {"slow": SLOW_QUOTA_US, **({"fast": self.fast_quota_us} if self.fast_quota_us else {})}
@@ -758,7 +764,9 @@ def scenario_convergence(plan: Plan, tmp: Path, out: Results) -> None:
         return mean_row(runs)
 
     rows = [repeated(SWARM_ROW, True, "conv-swarm")]
-    if can_throttle():
+    if not plan.throttled_row:
+        out.notes.append("heterogeneous convergence row left out (--no-throttled-row)")
+    elif can_throttle():
         rows.append(run_daemons_to_target(bc, n, tmp / "conv-hetero", HETERO_ROW, connected=True, slow=n // 2,
                                           sync=sync, timeout_s=timeout))
         _progress(rows[-1])
@@ -948,6 +956,19 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+def parse_sync_overrides(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:
+    """``--sync KEY=VALUE`` items as a dict, each KEY a SyncConfig field (the daemon checks the value)."""
+    known = {f.name for f in dataclasses.fields(SyncConfig)}
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().removeprefix("sync.")
+        if not sep or key not in known:
+            parser.error(f"--sync {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(known))}")
+        out[key] = value.strip()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated: {', '.join(SCENARIOS)}")
@@ -959,7 +980,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs of each homogeneous convergence row, averaged (default 3; quick 1)")
     parser.add_argument("--fast-cap", type=float, default=0.0, metavar="PCT",
                         help="hetero: cap the fast workers too, at PCT %% of a core (default 0: uncapped)")
+    parser.add_argument("--sync", action="append", default=[], metavar="KEY=VALUE",
+                        help="a sync option for every daemon, e.g. compression=none (repeatable; a diagnosis)")
+    parser.add_argument("--no-throttled-row", action="store_true",
+                        help="convergence: leave out the row with half the workers throttled")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="run in DIR (new or empty) and keep it: the daemons' homes and logs")
     args = parser.parse_args(argv)
+    sync_overrides = parse_sync_overrides(parser, args.sync)
+    if args.write_docs and (sync_overrides or args.no_throttled_row):
+        parser.error("--write-docs: the section holds the defaults' run; --sync and --no-throttled-row are diagnoses")
+    if args.keep is not None and args.keep.exists() and (not args.keep.is_dir() or any(args.keep.iterdir())):
+        parser.error(f"--keep: {args.keep} exists and is not an empty directory")
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown or not scenarios:
@@ -976,9 +1008,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--fast-cap must be between 0 and 100 (percent of a core)")
     if args.fast_cap:
         plan = dataclasses.replace(plan, fast_quota_us=int(args.fast_cap / 100 * SLOW_PERIOD_US))
+    plan = dataclasses.replace(plan, sync={**plan.sync, **sync_overrides}, throttled_row=not args.no_throttled_row)
     res = Results()
     started = time.monotonic()
-    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="starling-bench-swarm-") as tmp:
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    workdir = (contextlib.nullcontext(str(args.keep)) if args.keep is not None
+               else tempfile.TemporaryDirectory(prefix="starling-bench-swarm-"))
+    with sigterm_as_interrupt(), workdir as tmp:
         for name in scenarios:
             print(f"{name}...", file=sys.stderr, flush=True)
             try:
