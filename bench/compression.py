@@ -13,6 +13,8 @@ pull is gamma/2 * (phi_partner - phi_own) on every coordinate in fp32, beside th
 
     .venv/bin/python bench/compression.py                 # N = 4, all presets, prints a markdown table
     .venv/bin/python bench/compression.py --quick         # a smoke run
+    .venv/bin/python bench/compression.py --presets none --first high,medium [--first-own-exact]
+                                  # `auto`'s ramp on a fast link: its first steps lossy, then `none`
 """
 
 from __future__ import annotations
@@ -62,22 +64,27 @@ def wire(x: torch.Tensor, codec: object) -> torch.Tensor:
     return out
 
 
-def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str = "bf16") -> CompressionResult:
+def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str = "bf16",
+               first: tuple[str, ...] = (), first_own_exact: bool = False) -> CompressionResult:
+    """`first`: the presets of the first outer steps, `name` after them (what `auto` does on a fast link: a
+    `high` probe, then `medium`, then `none`); `first_own_exact`: those steps apply each trainer's own Delta
+    in full (`apply_result(own_exact=True)`, what the daemon does on `auto`'s ramp)."""
     started = time.monotonic()
-    preset = get_compression(name)
     cfg = bc.train_config("noloco")
     trainers = [Trainer(cfg, home / pid, pid) for pid in replica_ids(n)]
     numel = trainers[0].numel
-    dcodec, pcodec = preset.delta_codec(wire_dtype), preset.phi_codec(wire_dtype)
     phis = [torch.empty(numel) for _ in trainers]
     deltas = [torch.empty(numel) for _ in trainers]
     pairing = torch.Generator().manual_seed(bc.seed + 1)
     errors: list[float] = []
     for outer in range(bc.outer_steps):
+        step_name = first[outer] if outer < len(first) else name
+        preset = get_compression(step_name)
+        dcodec, pcodec = preset.delta_codec(wire_dtype), preset.phi_codec(wire_dtype)
         publish_all(trainers, phis, deltas)
         for group in random_groups(n, pairing):
             if len(group) == 1:  # an odd one out: a solo step, nothing on the wire
-                trainers[group[0]].apply_result(1, compression=name)
+                trainers[group[0]].apply_result(1, compression=step_name)
                 continue
             a, b = group
             lo, hi = preset.fragment_range(numel, preset.fragment_of(outer)) if preset.lossy else (0, numel)
@@ -88,8 +95,9 @@ def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str =
                 t = trainers[me]
                 exact = (phis[other] - phis[me]) * (bc.gamma / 2)
                 before = t.outer.momentum.clone()
-                t.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression=name,
-                               phi_range=(lo, hi) if preset.lossy else None)
+                t.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression=step_name,
+                               phi_range=(lo, hi) if preset.lossy else None,
+                               own_exact=first_own_exact and outer < len(first))
                 # The pull is what the momentum got beyond alpha*m + beta*mean(Delta as the wire carried it).
                 pull = t.outer.momentum - (before * bc.alpha + sum_delta * (bc.beta / 2))
                 norm = float(exact.norm())
@@ -97,7 +105,8 @@ def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str =
                     errors.append(float((pull - exact).norm()) / norm)
     vals = [t.evaluate() for t in trainers]
     val_avg = averaged_model_loss(trainers)
-    return CompressionResult(name, bc.seed, preset.bytes_per_param(numel, wire_dtype), sum(vals) / n, val_avg,
+    label = "+".join([*first, name]) + (" (own exact first)" if first_own_exact else "") if first else name
+    return CompressionResult(label, bc.seed, get_compression(name).bytes_per_param(numel, wire_dtype), sum(vals) / n, val_avg,
                              relative_spread([t.phi for t in trainers]), float(np.mean(errors)) if errors else 0.0,
                              time.monotonic() - started)
 
@@ -118,7 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-steps", type=int, default=None)
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (model init, shards and pairing)")
+    parser.add_argument("--first", default="", metavar="P1,P2,...",
+                        help="presets of the first outer steps, each preset of --presets after them (e.g. high,medium: "
+                             "what sync.compression = auto does on a fast link)")
+    parser.add_argument("--first-own-exact", action="store_true",
+                        help="the --first steps apply each trainer's own Delta in full (the daemon's rule on auto's ramp)")
     args = parser.parse_args(argv)
+    first = tuple(p.strip() for p in args.first.split(",") if p.strip())
+    unknown = [p for p in (*first, *args.presets.split(",")) if p not in PRESETS]
+    if unknown:
+        parser.error(f"unknown preset(s) {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
     bc = QUICK if args.quick else BenchConfig()
     if args.outer_steps is not None:
         bc = dataclasses.replace(bc, outer_steps=args.outer_steps)
@@ -128,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed in (int(s) for s in args.seeds.split(",")):
             for name in args.presets.split(","):
                 sbc = dataclasses.replace(bc, seed=seed)
-                r = run_preset(sbc, args.replicas, name, Path(tmp) / f"{name}-{seed}")
+                r = run_preset(sbc, args.replicas, name, Path(tmp) / f"{name}-{seed}", first=first,
+                               first_own_exact=args.first_own_exact)
                 print(f"{name} seed {seed}: {r.val_mean:.4f} spread {r.spread:.2e} pull error {r.pull_error:.2f} "
                       f"({r.seconds:.0f}s)", file=sys.stderr, flush=True)
                 results.append(r)

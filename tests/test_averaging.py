@@ -750,7 +750,12 @@ async def test_two_auto_nodes_probe_first_then_exchange_the_preset_their_measure
     compute period, a `medium` one shorter), the next exchange is `medium` on both sides (bit-identical
     sums, the fragment's phi only); with a long period again the pair returns to `none`. Loopback is far too
     fast to be slow, so the slow link is its measured rate set to 1 MB/s each way, as `_learn_rate` would
-    leave it: bf16 then takes 1.2 s, `medium` 0.13 s."""
+    leave it: bf16 then takes 1.2 s, `medium` 0.13 s.
+
+    The probe and the `medium` step back were lossy only while the link was unknown: their outcomes tell the
+    worker to apply its own Delta in full (`own_exact`, compression_choice.py `keeps_own_exact`; a `none`
+    exchange never does). (The slow link's `medium` is not judged here: its transfer on loopback measures
+    the link fast again. tests/test_compression_choice.py judges the rule on rates.)"""
     from node.averaging.compression_choice import PROBE, transfer_s
 
     cfg = SyncConfig(pair_window_s=10)
@@ -766,6 +771,7 @@ async def test_two_auto_nodes_probe_first_then_exchange_the_preset_their_measure
         reqs = [request(1, outer_step=4), request(2, outer_step=4)]
         outcomes = await exchange_both(avs, reqs)
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == [PROBE, PROBE]
+        assert [o.own_exact for o in outcomes] == [True, True]
         assert torch.equal(reqs[0].delta_out, reqs[1].delta_out)
         for av, other in zip(avs, others, strict=True):
             st = av.status()
@@ -776,9 +782,10 @@ async def test_two_auto_nodes_probe_first_then_exchange_the_preset_their_measure
         # One preset at a time back towards bf16 (a small transfer's rate can be a token bucket's burst).
         outcomes = await exchange_both(avs, [request(7, outer_step=5), request(8, outer_step=5)])
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["medium", "medium"]
+        assert [o.own_exact for o in outcomes] == [True, True]
         outcomes = await exchange_both(avs, [request(9, outer_step=6), request(10, outer_step=6)])
         assert group_sizes(outcomes) == [2, 2] and [o.compression for o in outcomes] == ["none", "none"]
-        assert all(o.phi_range is None for o in outcomes)
+        assert all(o.phi_range is None and not o.own_exact for o in outcomes)
         for av in avs:
             st = av.status()
             assert st["compression"] == "auto" and st["last_compression"] == "none"

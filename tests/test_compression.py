@@ -315,3 +315,43 @@ def test_equal_replicas_feel_no_pull_through_a_lossy_wire(tmp_path: Path) -> Non
     tr.apply_result(2, sum_phi, 2 * carried, compression="medium", phi_range=(lo, hi))
     # First step (zero momentum): phi moves by exactly beta * mean Delta as carried, pull 0.
     assert torch.allclose(tr.phi, before + TINY.beta * carried, atol=1e-7)
+
+
+def test_an_own_exact_lossy_step_applies_our_whole_delta_and_keeps_no_residual(tmp_path: Path) -> None:
+    """`auto`'s probe and its way back to `none` (compression_choice.py `keeps_own_exact`): the wire carried
+    Q(D) both ways, but this replica applies its own D in full beside the partner's Q(D_p), with the same
+    fragment pull as any lossy step, and keeps no residual: nothing of its own update is delayed. The
+    reference is the same replica (same seed and peer id) given the sums that step means outright."""
+    preset = get_compression("high")
+    dcodec, pcodec = preset.delta_codec("bf16"), preset.phi_codec("bf16")
+    x, ref = Trainer(TINY, tmp_path / "x", "peer-a"), Trainer(TINY, tmp_path / "ref", "peer-a")
+    partner = Trainer(TINY, tmp_path / "p", "peer-b")
+    slots = {}
+    for t in (x, ref, partner):
+        while not t.publish_due():
+            t.inner_step()
+        slots[t] = (torch.empty(t.numel), torch.empty(t.numel))
+        t.publish(*slots[t])
+    assert torch.equal(slots[x][1], slots[ref][1]) and torch.equal(slots[x][0], slots[ref][0])
+    own_phi, own_d = slots[x]
+    lo, hi = preset.fragment_range(x.numel, preset.fragment_of(0))
+    sum_phi = torch.full((x.numel,), float("nan"))
+    sum_phi[lo:hi] = wire(own_phi[lo:hi], pcodec) + wire(slots[partner][0][lo:hi], pcodec)
+    sum_delta = wire(own_d, dcodec) + wire(slots[partner][1], dcodec)
+    assert x.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi),
+                          own_exact=True) == 2
+    # The same step outright: our D plus the partner's Q(D_p), and the lossy pull gamma/2 (Q(phi_p) - Q(phi)).
+    exact_phi = sum_phi.clone()
+    exact_phi[lo:hi] += 2 * (own_phi[lo:hi] - wire(own_phi[lo:hi], pcodec))
+    ref.apply_result(2, exact_phi, own_d + wire(slots[partner][1], dcodec), compression="none", phi_range=(lo, hi))
+    assert torch.allclose(x.phi, ref.phi, atol=1e-6)
+    assert torch.allclose(x.outer.momentum, ref.outer.momentum, atol=1e-6)
+    assert x.residual is None  # nothing delayed, and no residual buffer kept
+    # Without own_exact the same step keeps the top-k's remainder for later: the difference is real.
+    y = Trainer(TINY, tmp_path / "y", "peer-a")
+    while not y.publish_due():
+        y.inner_step()
+    y.publish(torch.empty(y.numel), torch.empty(y.numel))
+    y.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi))
+    assert y.residual is not None and y.residual.abs().sum() > 0
+    assert not torch.allclose(y.phi, x.phi, atol=1e-6)

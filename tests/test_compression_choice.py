@@ -20,6 +20,7 @@ from node.averaging.compression_choice import (
     accepts,
     after_refusal,
     choose_compression,
+    keeps_own_exact,
     preset_for,
     refusal_reason,
     transfer_s,
@@ -242,3 +243,21 @@ def test_a_less_compressed_preset_comes_back_one_step_at_a_time() -> None:
     assert choose_compression(**fast, previous="medium") == "none"
     assert choose_compression(**fast, previous="none") == "none"
     assert choose_compression(rate_bps=0.001 * MB, period_s=5.0, numel=NUMEL, previous="none") == "high"  # more: at once
+
+
+def test_only_the_ramp_of_a_fast_link_applies_our_own_delta_in_full() -> None:
+    """`keeps_own_exact`: a lossy exchange after which the link, as measured now, would already relax the
+    preset (the probe on a fast link, the `medium` step back to `none`) applies our own Delta in full; a
+    lossy preset that the link keeps (a slow link's steady `medium`), `none`, a fixed preset, or a link
+    with no rate or no period keep error feedback, as before."""
+    fast = dict(rate_bps=10 * MB, period_s=5.0 / STRETCH, numel=NUMEL)  # bf16 0.4 s of 5
+    assert keeps_own_exact(AUTO, "high", **fast) and keeps_own_exact(AUTO, "medium", **fast)
+    assert not keeps_own_exact(AUTO, "none", **fast)
+    assert not keeps_own_exact("medium", "medium", **fast)  # the operator's steady lossy wire
+    slow = dict(rate_bps=1 * MB, period_s=2.0 / STRETCH, numel=NUMEL)  # medium fits, bf16 does not
+    assert not keeps_own_exact(AUTO, "medium", **slow)
+    assert keeps_own_exact(AUTO, "high", **slow)  # a probe that measured a link medium fits: relaxes at once
+    # Hysteresis as `choose_compression`'s: bf16 at 0.8 of the period fits, but not half of it: medium stays.
+    assert not keeps_own_exact(AUTO, "medium", rate_bps=1 * MB, period_s=5.0 / STRETCH, numel=NUMEL)
+    assert not keeps_own_exact(AUTO, "high", rate_bps=None, period_s=5.0, numel=NUMEL)
+    assert not keeps_own_exact(AUTO, "high", rate_bps=10 * MB, period_s=0.0, numel=NUMEL)

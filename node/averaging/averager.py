@@ -104,6 +104,7 @@ from node.averaging.compression_choice import (
     accepts,
     after_refusal,
     first_ask_floor,
+    keeps_own_exact,
     preset_for,
     refusal_reason,
     wanted_in,
@@ -430,8 +431,10 @@ class Averager:
         # The first round's preset (a second round, in groups of four, is always `none`).
         preset = get_compression(pending.compression if size >= 2 else "none")
         phi_range = preset.fragment_range(arrays.phi.size, pending.fragment) if preset.lossy else None
+        own_exact = size == 2 and second is None and self._own_exact(str(pending.claimed_by), preset.name,
+                                                                     arrays.phi.size)
         return self._asked_count(request.outer_step, ExchangeOutcome(
-            size, continue_from, partner_samples, shift_s, preset.name, phi_range))
+            size, continue_from, partner_samples, shift_s, preset.name, phi_range, own_exact=own_exact))
 
     async def _run_round(self, pending: _Pending) -> None:
         """Look for a partner and exchange with it, for one round; `pending.result` says how it went."""
@@ -666,6 +669,17 @@ class Averager:
                           typical_rate_bps=self._rate_bps, period_s=self._outer_period_s(),
                           numel=pending.tensors.phi.size, previous=self._previous(partner),
                           group_size=self.cfg.group_size, wire_dtype=self.cfg.wire_dtype)
+
+    def _own_exact(self, partner: str, used: str, numel: int) -> bool:
+        """Whether the worker applies its own Delta in full after this lossy exchange with `partner`
+        (compression_choice.py `keeps_own_exact`): the link, measured by this very transfer, would already
+        carry a less compressed preset."""
+        own = keeps_own_exact(self.cfg.compression, used, rate_bps=self.admission.link(partner).rate_bps,
+                              period_s=self._outer_period_s(), numel=numel, wire_dtype=self.cfg.wire_dtype)
+        if own:
+            log.debug("exchange with %s was %s only while the link was unknown: our own Delta applies in full",
+                      partner, used)
+        return own
 
     def _previous(self, partner: str) -> str | None:
         """The preset `preset_for` starts from with `partner`: the last one used or asked for with it,

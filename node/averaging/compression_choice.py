@@ -65,7 +65,7 @@ import re
 from protocols.compress import PRESETS
 
 __all__ = ["AUTO", "ORDER", "PROBE", "RELAX_SHARE", "STRETCH", "WANTS", "accepts", "after_refusal", "choose_compression",
-           "first_ask_floor", "preset_for", "refusal_reason", "transfer_s", "wanted_in"]
+           "first_ask_floor", "keeps_own_exact", "preset_for", "refusal_reason", "transfer_s", "wanted_in"]
 
 AUTO = "auto"  # the `sync.compression` value that lets the initiator choose per exchange
 ORDER = ("none", "medium", "high")  # least compressed first: the order the rule tries them in
@@ -116,6 +116,34 @@ def choose_compression(
         if transfer_s(preset, numel, rate_bps, wire_dtype) <= budget:
             return preset
     return ORDER[-1]
+
+
+def keeps_own_exact(compression: str, used: str, *, rate_bps: float | None, period_s: float, numel: int,
+                    wire_dtype: str = "bf16") -> bool:
+    """Whether, after an exchange under the lossy preset `used`, this node applies its own Delta in full
+    instead of the wire's compressed copy plus error feedback (node/worker/trainer.py, `own_exact`): with
+    `auto`, where the link as measured now (`rate_bps`, this exchange's transfer included) would relax the
+    preset at once (`choose_compression`, hysteresis included). Such an exchange was lossy only because the
+    link was not known yet: the probe, or a step of the way back to `none` (one preset at a time).
+
+    Why: error feedback delays what the wire did not carry, and a delay is what a short ramp cannot afford.
+    After a lossy exchange the fast weights restart from phi, which holds only the top entries of the
+    Delta; the worker re-learns the rest in its next inner steps, and when the residual is finally sent in
+    full (the first `none` exchange) it lands on top of that: measured in memory (bench/compression.py
+    `--presets none --first high,medium`, the ramp `auto` takes on a fast link, over the Swarm section's 20
+    outer steps, seeds 0 and 1), the replicas ended 0.08 nats worse than with `none` throughout (2.023 and
+    2.026 against 1.941 and 1.943), and the real daemons' convergence row no better than no communication.
+    With the own Delta applied in full on the ramp's exchanges (`--first-own-exact`; the partner still
+    gets the compressed copy, as the wire carried it), 1.933 and 1.940: the ramp costs nothing. On a link slow enough that the lossy preset stays (`choose_compression` keeps it),
+    error feedback is what keeps the steady compressed exchanges unbiased, so it stays. A fixed preset is
+    the operator's choice of a steady lossy wire: error feedback as before."""
+    if compression != AUTO or used not in ORDER or used == ORDER[0]:
+        return False
+    if rate_bps is None or rate_bps <= 0 or period_s <= 0:
+        return False
+    relaxed = choose_compression(rate_bps=rate_bps, period_s=period_s, numel=numel, previous=used,
+                                 wire_dtype=wire_dtype)
+    return ORDER.index(relaxed) < ORDER.index(used)
 
 
 def first_ask_floor(widest: str | None) -> str | None:

@@ -90,6 +90,10 @@ class ExchangeOutcome:
 
     `exact_outer_step`, after a solo step only: continue from exactly this outer step, below ours too (a
     catch-up that moves the count alone, node/averaging/latejoin.py `CatchUp.follow_instead`). None: as above.
+
+    `own_exact`: the exchange was lossy only because the link was not known yet (`sync.compression = auto`'s
+    probe or its way back to `none`, node/averaging/compression_choice.py `keeps_own_exact`): the worker
+    applies its own Delta in full rather than the wire's copy plus error feedback.
     """
 
     group_size: int
@@ -99,6 +103,7 @@ class ExchangeOutcome:
     compression: str = "none"
     phi_range: tuple[int, int] | None = None
     exact_outer_step: int | None = None
+    own_exact: bool = False
 
     @classmethod
     def solo(cls, group_outer_step: int | None = None, shift_s: float = 0.0) -> ExchangeOutcome:

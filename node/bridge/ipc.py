@@ -82,6 +82,8 @@ class Result:
     phi_range: list[int] | None = None  # [lo, hi): the phi fragment exchanged (None: all of it)
     # A solo step's count, exactly (below ours too): a catch-up that moves the count alone (latejoin.py).
     exact_outer_step: int | None = None
+    # A lossy exchange of `auto`'s ramp: apply our own Delta in full, no error feedback (Trainer.apply_result).
+    own_exact: bool = False
 
 
 @dataclass

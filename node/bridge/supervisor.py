@@ -572,6 +572,7 @@ class WorkerSupervisor:
             compression=outcome.compression if size >= 2 else "none",
             phi_range=list(outcome.phi_range) if size >= 2 and outcome.phi_range is not None else None,
             exact_outer_step=outcome.exact_outer_step if size < 2 else None,
+            own_exact=bool(outcome.own_exact) if size >= 2 else False,
         )
 
     def _record_period(self, period: float) -> float:

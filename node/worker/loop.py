@@ -232,7 +232,7 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
     used = trainer.apply_result(msg.group_size, _view(slots.phi_out), _view(slots.delta_out), msg.group_outer_step,
                                 partner_samples=msg.partner_samples, scratch=_view(slots.delta),
                                 compression=msg.compression, phi_range=phi_range, sum_phi_is_scratch=True,
-                                exact_outer_step=msg.exact_outer_step)
+                                exact_outer_step=msg.exact_outer_step, own_exact=msg.own_exact)
     trainer.set_pace(msg.period_s, msg.shift_s)
     log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
     if trainer.outer_step % trainer.cfg.eval_every == 0:

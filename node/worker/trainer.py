@@ -414,7 +414,8 @@ class Trainer:
             out.add_(self.residual)
         return out
 
-    def _feed_back(self, own: torch.Tensor, group_size: int, compression: Compression) -> None:
+    def _feed_back(self, own: torch.Tensor, group_size: int, compression: Compression,
+                   sum_delta: torch.Tensor | None = None, own_exact: bool = False) -> None:
         """Update the residual after an outer step on D = `own` (rewritten in place to what was applied).
 
         A lossy group step: the wire carried Q(D) (top-k), so ``e = D - Q(D)`` and ``own`` becomes Q(D), the
@@ -422,13 +423,23 @@ class Trainer:
         here and not in the daemon: the worker holds D and e, and the codec is deterministic numpy, so the
         same ``round_trip`` gives bit for bit what the daemon's transfer carried, with no model-sized buffer
         in the daemon and no race with its sending thread, which reads the Delta slot while the sums form.
-        A solo step, or a group over an uncompressed wire: D was applied in full, so ``e = 0``."""
+        A solo step, or a group over an uncompressed wire: D was applied in full, so ``e = 0``.
+
+        `own_exact` (a lossy pair step of `auto`'s ramp, node/averaging/compression_choice.py
+        `keeps_own_exact` says why): D is applied in full here too, so ``e = 0``, ``own`` stays D and the
+        sum's own term becomes D: ``sum_delta += D - Q(D)`` (the partner's term stays as the wire carried
+        it). The residual's buffer is the temporary, freed afterwards (a fast link's ramp leaves no 4 B/param
+        behind; a link that keeps a lossy preset allocates it again at its first steady exchange)."""
         if group_size >= 2 and compression.lossy:
             if self.residual is None:
                 self.residual = torch.zeros(self.numel, dtype=torch.float32)
             self.residual.copy_(own)
             round_trip(compression.delta_codec("bf16"), own, own)
             self.residual.sub_(own)
+            if own_exact and sum_delta is not None:
+                sum_delta.add_(self.residual)  # D - Q(D): the sum's own term is D
+                own.add_(self.residual)  # back to D
+                self.residual = None
         elif self.residual is not None:
             self.residual.zero_()
 
@@ -486,6 +497,7 @@ class Trainer:
         phi_range: tuple[int, int] | None = None,
         sum_phi_is_scratch: bool = False,
         exact_outer_step: int | None = None,
+        own_exact: bool = False,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
         size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
@@ -510,12 +522,15 @@ class Trainer:
         phi was exchanged: the pull applies there only (`sum_phi` outside it is not read).
 
         `sum_phi_is_scratch`: `sum_phi` may be overwritten (the worker's phi_out slot, which nobody reads once
-        the exchange is over): the NoLoCo pull then needs no model-sized temporary (node/worker/outer.py)."""
+        the exchange is over): the NoLoCo pull then needs no model-sized temporary (node/worker/outer.py).
+
+        `own_exact`: after a lossy pair step, apply our own Delta in full instead of the wire's copy plus
+        error feedback (`_feed_back`; the daemon says when: `auto`'s probe and its way back to `none`)."""
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
         with torch_threads(self.host_threads):
             group_size = self._outer_step(group_size, sum_phi, sum_delta, partner_samples, scratch, compression,
-                                          phi_range, sum_phi_is_scratch)
+                                          phi_range, sum_phi_is_scratch, own_exact)
         published_at = self.pending
         self.pending = None
         if group_outer_step is not None:
@@ -527,7 +542,7 @@ class Trainer:
 
     def _outer_step(self, group_size: int, sum_phi: torch.Tensor | None, sum_delta: torch.Tensor | None,
                     partner_samples: int, scratch: torch.Tensor | None, compression: str,
-                    phi_range: tuple[int, int] | None, sum_phi_is_scratch: bool) -> int:
+                    phi_range: tuple[int, int] | None, sum_phi_is_scratch: bool, own_exact: bool = False) -> int:
         """`apply_result`'s host work: the checks, the outer step on phi and the rebase; returns the group
         size used."""
         if group_size >= 2:
@@ -539,7 +554,7 @@ class Trainer:
                 group_size = 1
         preset = get_compression(compression)
         own_delta = self._own_delta(self._scratch if scratch is None else scratch)
-        self._feed_back(own_delta, group_size, preset)
+        self._feed_back(own_delta, group_size, preset, sum_delta, own_exact and group_size == 2)
         if group_size >= 2 and preset.lossy and sum_phi is not None:
             phi_range = phi_range if phi_range is not None else (0, self.numel)
             self._own_phi_on_wire(sum_phi, phi_range, preset)
