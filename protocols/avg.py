@@ -278,9 +278,13 @@ class AvgPath:
 class Rejected(Exception):
     """The partner's values arrived intact but fail validation (poisoned or outlier update)."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, *, wild: bool = True) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        # False: out of bounds, but within what an honest partner far ahead of a fresh model can show (a phi
+        # fragment's distance beyond 4x the fragment's norm, within 4x the whole model's): the averager
+        # decides whether that is an offence (node/averaging/averager.py, `_fail`).
+        self.wild = wild
 
 
 class Declined(Exception):

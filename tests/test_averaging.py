@@ -1045,3 +1045,31 @@ async def test_an_averager_answers_each_protocol_version_in_the_fields_that_vers
             assert set(raw) - {"t", "v"} <= legacy_fields  # what a 1.2.0 decoder accepts
             assert AnswerCode.of(answer.verdict, answer.code, answer.reason) is AnswerCode.NOT_READY
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_never_averaged_refuses_a_far_phi_without_banning_its_sender() -> None:
+    """A fresh model beside a trained swarm (its late join found no trained member in time) is the one far
+    from everybody: a partner's phi refused as too far from ours (within 4x our whole model, `wild` False)
+    is refused and backed off, but counts as an offence only once our phi is the swarm's (averaged within
+    the step gap). Before, three such refusals banned the honest swarm's trainer for 10 minutes
+    (tests/test_nat_swarm_lab.py under make test). A wild phi is an offence whatever our phi."""
+    from protocols.avg import Rejected
+
+    cfg = SyncConfig(pair_window_s=10, ban_after=3)
+    async with AsyncExitStack() as stack:
+        avs, nursery = await pair(stack, cfg, cfg)
+        me, partner = avs[0], str(avs[1].me)
+        far = Rejected("phi_distance", "phi distance from ours 12.5 is over 4x the norm of our own phi", wild=False)
+        for _ in range(3):
+            me._fail(partner, far, 0.0)
+        assert not me.admission.barred(partner)
+        assert "not counted as an offence" in me.status()["last_error"]
+        me._since_averaged = 0  # averaged just now: our phi is the swarm's
+        for _ in range(3):
+            me._fail(partner, far, 0.0)
+        assert me.admission.barred(partner)
+        other = str(avs[0].me)
+        for _ in range(3):  # a wild phi, seen by a node that never averaged
+            avs[1]._fail(other, Rejected("phi_distance", "phi distance from ours 1e+06", wild=True), 0.0)
+        assert avs[1].admission.barred(other)
+        nursery.cancel_scope.cancel()

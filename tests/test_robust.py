@@ -62,6 +62,11 @@ def test_under_a_phi_fragment_the_whole_delta_is_judged_against_the_whole_model_
         bound.judge(Received(their_delta_sq=1.0, own_delta_sq=1.0, phi_distance_sq=5.0**2,
                              own_phi_sq=1.0, model_phi_sq=100.0**2), 10, 10)
     assert refused.value.reason == "phi_distance"
+    assert not refused.value.wild  # 5 is within 4 x 100, the whole model: what a trained partner can show a fresh one
+    with pytest.raises(Rejected) as refused:
+        bound.judge(Received(their_delta_sq=1.0, own_delta_sq=1.0, phi_distance_sq=401.0**2,
+                             own_phi_sq=1.0, model_phi_sq=100.0**2), 10, 10)
+    assert refused.value.reason == "phi_distance" and refused.value.wild
 
 
 def test_an_honest_partner_far_from_us_is_clipped_never_refused() -> None:

@@ -246,10 +246,11 @@ class Admission:
         status lists, from now on)."""
         return self.link(peer).next_try <= self._clock() and not self.barred(peer)
 
-    def failed(self, peer: str, error: BaseException, *, count: bool = True) -> None:
-        """An exchange with `peer` failed: an invalid update or a malformed message is an offence; a
+    def failed(self, peer: str, error: BaseException, *, count: bool = True, offence: bool = True) -> None:
+        """An exchange with `peer` failed: an invalid update or a malformed message is an offence (unless
+        `offence` is False: the averager's judgement that the refusal says nothing against the peer); a
         counted failure (`count`: not a request that merely timed out before it was read) backs off."""
-        if isinstance(error, Rejected):
+        if isinstance(error, Rejected) and offence:
             self.offence(peer, error.reason)
         elif isinstance(error, ProtocolError) and count and error.reason.value in MALFORMED:
             self.offence(peer, f"protocol_{error.reason.value}")

@@ -121,7 +121,7 @@ from node.status_schema import DIRECT_PATHS, MixingStatus, SyncStatus
 from p2p.datapath import DataPathListener
 from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
-from protocols.avg import AnswerCode, Declined, Tensors
+from protocols.avg import AnswerCode, Declined, Rejected, Tensors
 from protocols.compress import get_compression
 
 log = logging.getLogger("starling.averager")
@@ -249,6 +249,9 @@ class Averager:
         self._last_publish_at: float | None = None  # trio clock: our latest publish
         self._last_paired: dict[str, int] = {}  # partner -> our exchange count when we last averaged with it
         self._last_outer_step = 0  # the outer step our latest exchange ended at (after any adoption)
+        # Our outer steps since the latest averaged one (None: none averaged since the daemon started): whether
+        # our phi is the swarm's model, the scale a partner's phi distance is judged on (`_fail`).
+        self._since_averaged: int | None = None
         # Our latest exchanges' transfer times, for `_busy_wait_s` (the longest of them).
         self._transfers_s: collections.deque[float] = collections.deque(maxlen=RECENT_TRANSFERS)
         # Our typical rate each way over all partners (`FlowRate`): `auto`'s guess for a partner not measured yet.
@@ -425,6 +428,10 @@ class Averager:
             self._last_paired[partner] = self.report.stats["rounds"]
         continue_from = self._follow_the_swarm(request.outer_step, group_outer_step)
         self._last_outer_step = max(request.outer_step, continue_from or 0)
+        if size >= 2:
+            self._since_averaged = 0
+        elif self._since_averaged is not None:
+            self._since_averaged += 1
         self.hooks.on_outer_step(size >= 2)
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   f"averaged in a group of {size}" if size >= 2 else "solo", trio.current_time() - began)
@@ -680,6 +687,11 @@ class Averager:
             log.debug("exchange with %s was %s only while the link was unknown: our own Delta applies in full",
                       partner, used)
         return own
+
+    def _phi_is_the_swarms(self) -> bool:
+        """Whether our phi is the swarm's model: averaged within our last `max(1, sync.max_step_gap)` outer
+        steps (as latejoin.py's `CatchUp` judges weights fresh)."""
+        return self._since_averaged is not None and self._since_averaged <= max(1, self.cfg.max_step_gap)
 
     def _previous(self, partner: str) -> str | None:
         """The preset `preset_for` starts from with `partner`: the last one used or asked for with it,
@@ -1074,7 +1086,18 @@ class Averager:
 
     def _fail(self, partner: str, error: BaseException, duration: float, *, count: bool = True) -> None:
         text = f"{type(error).__name__}: {error}"[:300]
-        self.admission.failed(partner, error, count=count)
+        offence = True
+        if (isinstance(error, Rejected) and error.reason == "phi_distance" and not error.wild
+                and not self._phi_is_the_swarms()):
+            # Refused (its values are not applied) and backed off, but no offence: our phi is no swarm's
+            # model yet, so a partner far from it says as much about us as about it. A fresh node beside a
+            # trained swarm (its late join found no trained member in time) otherwise banned every honest
+            # trainer for `ban_s` after three such refusals (tests/test_nat_swarm_lab.py, 2026-11-27); it
+            # catches up instead (latejoin.py). A wild phi (farther than 4x our whole model's norm) and a
+            # Delta out of bounds are offences whatever our phi.
+            offence = False
+            text += " (not counted as an offence: we have not averaged yet)"
+        self.admission.failed(partner, error, count=count, offence=offence)
         self.report.failed(partner, text, count=count)
         if count and self.metrics is not None:
             self.metrics.observe_round(duration, 0, partner, False)

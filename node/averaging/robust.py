@@ -116,15 +116,17 @@ class UpdateBound:
         model = self.reject_ratio * seen.own_model_norm
         _refuse_garbage(their_norm, model, self.reject_ratio, "delta_norm", "Delta norm")
         fragment = self.reject_ratio * seen.own_phi_norm
-        _refuse_garbage(phi_distance, fragment, self.reject_ratio, "phi_distance", "phi distance from ours")
+        _refuse_garbage(phi_distance, fragment, self.reject_ratio, "phi_distance", "phi distance from ours",
+                        wild=phi_distance > model)
         reference = self.reference(own_norm, own_steps, their_steps)
         return Clip(_scale(their_norm, self.clip_ratio * reference),
                     _scale(phi_distance, self.clip_phi_ratio * reference))
 
 
-def _refuse_garbage(value: float, limit: float, ratio: float, reason: str, what: str) -> None:
+def _refuse_garbage(value: float, limit: float, ratio: float, reason: str, what: str, *, wild: bool = True) -> None:
     if value > limit:
-        raise Rejected(reason, f"{what} {value:.3g} is over {ratio:g}x the norm of our own phi: not a model of ours")
+        raise Rejected(reason, f"{what} {value:.3g} is over {ratio:g}x the norm of our own phi: not a model of ours",
+                       wild=wild)
 
 
 def _scale(value: float, bound: float) -> float:
