@@ -438,8 +438,8 @@ class Averager:
         # The first round's preset (a second round, in groups of four, is always `none`).
         preset = get_compression(pending.compression if size >= 2 else "none")
         phi_range = preset.fragment_range(arrays.phi.size, pending.fragment) if preset.lossy else None
-        own_exact = size == 2 and second is None and self._own_exact(str(pending.claimed_by), preset.name,
-                                                                     arrays.phi.size)
+        # (A lossy preset needs pairs, so a group of four's exchange is never one: size 2 says it all.)
+        own_exact = size == 2 and self._own_exact(str(pending.claimed_by), preset.name, arrays.phi.size)
         return self._asked_count(request.outer_step, ExchangeOutcome(
             size, continue_from, partner_samples, shift_s, preset.name, phi_range, own_exact=own_exact))
 
