@@ -706,6 +706,13 @@ async def test_while_the_scheduled_partner_is_busy_transferring_anyone_but_the_l
         assert av.answer_for(asking_with("none"), "new") is None
         verdict = av.answer_for(asking_with("none"), "last")
         assert verdict is not None and verdict[0] is AnswerCode.SCHEDULED
+        # Once the wait has outlasted the round's own window (a slow link's stretch), the last partner too:
+        # a round without the wait would have ended, and its open phase taken it.
+        pending.began = trio.current_time() - av.cfg.pair_window_s
+        assert av.answer_for(asking_with("none"), "last") is None
+        pending.scheduled_busy = False  # not a busy wait: a scheduled phase keeps its partner, however long
+        verdict = av.answer_for(asking_with("none"), "last")
+        assert verdict is not None and verdict[0] is AnswerCode.SCHEDULED
 
 
 async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:

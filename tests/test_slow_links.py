@@ -324,6 +324,33 @@ async def test_the_wait_for_a_busy_scheduled_partner_counts_from_its_first_answe
     assert trio.current_time() - first_answer >= window
 
 
+async def test_a_wait_for_a_busy_partner_that_outlasts_the_window_asks_the_other_trainers_too(autojump_clock) -> None:
+    """One slow link among fast ones: the two fast trainers that had just averaged with each other each
+    waited up to 15 s for a member of the busy slow pair and stepped solo side by side (bench/wan.py,
+    one-slow at 0.4 Mbit/s). Within the round's window the wait asks its scheduled partner only; past it,
+    it also asks the others (the last partner included) between the asks of the scheduled one."""
+    from node.averaging.pairing import scheduled_partners
+
+    ours, theirs = sorted((create_new_key_pair() for _ in range(2)), key=lambda k: str(ID.from_pubkey(k.public_key)))
+    scheduled, old = ID.from_pubkey(theirs.public_key), ID.from_pubkey(create_new_key_pair().public_key)
+    host = _EveryoneExchanging(ours, [scheduled, old])
+    window = 1.0
+    averager = Averager(host, SyncConfig(pair_window_s=window, datapath=False), FakeSwarm(host))
+    averager._transfers_s.append(10.0)  # a slow link: the wait for a busy partner is 15 s
+    averager._last_paired[str(old)] = 1  # the partner we last averaged with
+    step = next(s for s in range(100)
+                if scheduled_partners(averager.me, [str(scheduled), str(old)], s)[0] == str(scheduled))
+    request = small_request(1)
+    request.outer_step = step
+    began = trio.current_time()
+    with trio.fail_after(60):
+        assert (await averager.exchange(request)).group_size == 1
+    within = {peer for peer, at in host.asked if at < began + window}
+    stretched = [peer for peer, at in host.asked if began + window <= at < began + 15]
+    assert within == {str(scheduled)}
+    assert str(old) in stretched and str(scheduled) in stretched  # both, taking turns
+
+
 def test_the_wait_for_a_busy_partner_follows_the_longest_of_our_recent_transfers() -> None:
     """With one slower link among the partners, a busy partner is often moving its exchange with that link's
     trainer: the wait follows our longest recent transfer (the slow partner's), not a typical fast one."""

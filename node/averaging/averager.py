@@ -558,6 +558,8 @@ class Averager:
         while pending.claimed_by is None and trio.current_time() < self._round_ends(pending):
             if pending.in_scheduled_phase(trio.current_time()):
                 await self._meet_scheduled(pending)
+                if pending.claimed_by is None and self._wait_outlasted_window(pending):
+                    await self._ask_another(pending)
                 continue
             if not pending.open_phase:
                 break
@@ -615,6 +617,29 @@ class Averager:
         else:
             pending.scheduled_until = 0.0  # it refused, failed, or pairs with someone else: open phase
 
+    def _wait_outlasted_window(self, pending: _Pending) -> bool:
+        """Whether this round is in a wait for a busy scheduled partner (`_meet_scheduled`) that has run
+        past the round's own pairing window: the stretch a slow link's transfer adds.
+
+        Why it matters: within the window the wait keeps the schedule's pairing (the busy partner usually
+        comes free by then, and the pair that ended first would otherwise go back to each other). Past it, a
+        round without the wait would have ended, and its open phase taken anyone, the last partner included.
+        bench/wan.py, one-slow at 0.4 Mbit/s (2026-11-27 10:31 run): the two fast trainers that had just
+        averaged with each other each waited up to 15 s for a member of the slow pair (whose exchanges take
+        8-10 s), refused each other as the last partner, and stepped solo side by side; one of them four
+        outer steps running. Averaging with the last partner beats a solo step."""
+        window = self.cfg.pair_window_s if pending.window_s is None else pending.window_s
+        return pending.scheduled_busy and trio.current_time() >= pending.began + window
+
+    async def _ask_another(self, pending: _Pending) -> None:
+        """In a wait for a busy scheduled partner that outlasted the window: ask one other ready partner
+        (the open phase's choice, the last partner included) between the asks of the scheduled one; the
+        responder side of the same rule is in `_judge`."""
+        partner = self._choose_partner(exclude=pending.scheduled)
+        if partner is None:
+            return
+        self.misses.note(partner, await self._try_partner(pending, partner))
+
     def _may_punch(self, partner: str) -> bool:
         """Whether to open a punched side channel with `partner` where its listener (or ours) is behind a
         NAT: only with the side channel on and over a direct connection (a relayed one's remote address is
@@ -625,11 +650,13 @@ class Averager:
         """The partner of our latest averaged exchange (None: none yet)."""
         return max(self._last_paired, key=self._last_paired.__getitem__, default=None)
 
-    def _choose_partner(self) -> str | None:
-        """A ready eligible partner for the open phase: the least recently paired, random among ties
-        (never paired counts as least recent), so that the fallback spreads partners too."""
+    def _choose_partner(self, exclude: str | None = None) -> str | None:
+        """A ready eligible partner for the open phase (never `exclude`): the least recently paired, random
+        among ties (never paired counts as least recent), so that the fallback spreads partners too."""
         pool = {str(p) for p in self.host.get_connected_peers()} & set(self.swarm.eligible_partners())
         pool.discard(self.me)
+        if exclude is not None:
+            pool.discard(exclude)
         ready = [p for p in pool if self.admission.may_ask(p)]
         if not ready:
             return None
@@ -1054,12 +1081,14 @@ class Averager:
         if pending.claimed_by is not None:
             return (AnswerCode.EXCHANGING, "already exchanging")
         if (pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled
-                and not (pending.scheduled_busy and partner != self._last_partner())):
+                and not (pending.scheduled_busy and (partner != self._last_partner()
+                                                     or self._wait_outlasted_window(pending)))):
             # While the scheduled partner is busy transferring, another trainer may pair with us, just
             # not the one we last averaged with: the pair that ends its transfer first would go back to
             # each other step after step (fixed pairs, what the wait exists to prevent), while anyone
             # else mixes. bench/wan.py, one-slow at 0.4 Mbit/s: a fast trainer stepped solo after
             # "waiting for the partner the schedule gives it" from two free trainers, 8 times in 180 s.
+            # Once the wait has outlasted the round's window, the last partner too (`_wait_outlasted_window`).
             return (AnswerCode.SCHEDULED, "waiting for the partner the schedule gives it")
         if pending.initiating_to is not None:
             if pending.initiating_to == partner and partner < self.me:
