@@ -19,6 +19,7 @@ import trio.testing
 
 from node.config.train import TrainConfig
 from node.worker.outer import OuterHyper, noloco_step
+from node.bridge.ckptfile import CheckpointError
 from node.worker.trainer import Trainer
 from p2p.wire import PlainFrameChannel, ProtocolError, Reason, TrioByteStream
 from protocols.codec import ChunkPlan, TopKCodec, get_codec, recv_tensor, round_trip, send_tensor
@@ -266,6 +267,59 @@ def test_error_feedback_conserves_the_update(tmp_path: Path) -> None:
         assert a.residual is not None and a.residual.abs().sum() > 0  # top-k left something behind
     assert a.residual is not None
     assert torch.allclose(sent_sum + a.residual.double(), true_sum, atol=1e-5)
+
+
+def _one_lossy_pair_step(a: Trainer, b: Trainer, outer: int) -> None:
+    """a and b publish and apply one `medium` pair step from the sums their wire would carry."""
+    preset = get_compression("medium")
+    slots = {}
+    for t in (a, b):
+        while not t.publish_due():
+            t.inner_step()
+        slots[t] = (torch.empty(t.numel), torch.empty(t.numel))
+        t.publish(*slots[t])
+    lo, hi = preset.fragment_range(a.numel, preset.fragment_of(outer))
+    sum_phi = torch.full((a.numel,), float("nan"))
+    sum_phi[lo:hi] = sum(wire(slots[t][0][lo:hi], preset.phi_codec("bf16")) for t in (a, b))
+    sum_delta = sum(wire(slots[t][1], preset.delta_codec("bf16")) for t in (a, b))
+    for t in (a, b):
+        t.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="medium", phi_range=(lo, hi))
+
+
+def test_a_restart_keeps_the_error_feedback_residual_so_nothing_of_the_update_is_lost(tmp_path: Path) -> None:
+    """The residual is this node's update not yet carried by the wire: a checkpoint holds it, and a resumed
+    worker's next publish carries it, as the worker that never stopped would have."""
+    a, b = Trainer(TINY, tmp_path / "a", "peer-a"), Trainer(TINY, tmp_path / "b", "peer-b")
+    _one_lossy_pair_step(a, b, 0)
+    assert a.residual is not None and a.residual.abs().sum() > 0
+    a.save_checkpoint()
+    resumed = Trainer(TINY, tmp_path / "a", "peer-a")
+    resumed.resume()
+    assert resumed.residual is not None and torch.equal(resumed.residual, a.residual)
+    for t in (a, resumed):
+        while not t.publish_due():
+            t.inner_step()
+    delta_a, delta_r = torch.empty(a.numel), torch.empty(a.numel)
+    a.publish(torch.empty(a.numel), delta_a)
+    resumed.publish(torch.empty(a.numel), delta_r)
+    assert torch.equal(delta_r, delta_a)  # the same D = Delta + e, bit for bit
+
+
+def test_a_checkpoint_with_an_empty_residual_stores_none_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    """No 4 bytes per parameter for a residual that holds nothing (after a solo or `none` step), and a
+    residual of the wrong size or not finite makes the checkpoint one of another model, set aside."""
+    a, b = Trainer(TINY, tmp_path / "a", "peer-a"), Trainer(TINY, tmp_path / "b", "peer-b")
+    _one_lossy_pair_step(a, b, 0)
+    while not a.publish_due():
+        a.inner_step()
+    a.publish(torch.empty(a.numel), torch.empty(a.numel))
+    a.apply_result(1)  # a solo step applies D in full: the residual is emptied
+    assert a.residual is not None and not a.residual.any()
+    assert "residual" not in a.state_dict()
+    state = a.state_dict()
+    for bad in (torch.zeros(a.numel - 1), torch.full((a.numel,), float("nan"))):
+        with pytest.raises(CheckpointError, match="residual"):
+            a.check_state({**state, "residual": bad})
 
 
 def test_uncompressed_results_keep_no_residual(tmp_path: Path) -> None:
