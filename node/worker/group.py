@@ -313,6 +313,7 @@ class GroupTrainer(Trainer):
         # Rank 0's data position is of another shard: keep ours (fresh if the checkpoint has none).
         own["data"] = mine["data"] if mine else self.stream.state_dict()
         own["rng"] = {"cpu": mine["rng"] if mine else torch.get_rng_state()}
+        own.pop("residual", None)  # rank 0's: only rank 0 takes outer steps
         self.load_state_dict(own)
 
     def state_dict(self) -> dict[str, Any]:
