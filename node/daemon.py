@@ -295,6 +295,7 @@ class Daemon:
                     on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
                     on_outer_step=self.catch_up.note_outer_step,
                     on_behind=self.catch_up.behind,
+                    weights_fresh=self.catch_up.weights_fresh,
                 ),
                 metrics=self.metrics,
                 listen_host=bind,

@@ -1080,3 +1080,24 @@ async def test_a_node_that_never_averaged_refuses_a_far_phi_without_banning_its_
             avs[1]._fail(other, Rejected("phi_distance", "phi distance from ours 1e+06", wild=True), 0.0)
         assert avs[1].admission.barred(other)
         nursery.cancel_scope.cancel()
+
+
+async def test_the_daemons_judge_of_fresh_weights_decides_whether_a_far_phi_is_an_offence() -> None:
+    """In the daemon the catch-up judges whether our weights are the swarm's (it also knows that a worker
+    restarted from an older checkpoint, which the averager's own count of averaged steps does not): a
+    node that averaged a step ago but whose worker went back does not ban an honest partner over its phi."""
+    from node.averaging.swarm_view import AveragerHooks
+    from protocols.avg import Rejected
+
+    fresh = [False]
+    hooks = AveragerHooks(weights_fresh=lambda: fresh[0])
+    av = Averager(LoneHost(), SyncConfig(ban_after=3), FakeSwarm(), hooks=hooks)
+    av._since_averaged = 0  # its own count says: averaged just now
+    far = Rejected("phi_distance", "phi distance from ours 12.5 is over 4x the norm of our own phi", wild=False)
+    for _ in range(3):
+        av._fail("peer", far, 0.0)
+    assert not av.admission.barred("peer")
+    fresh[0] = True
+    for _ in range(3):
+        av._fail("peer", far, 0.0)
+    assert av.admission.barred("peer")

@@ -716,8 +716,11 @@ class Averager:
         return own
 
     def _phi_is_the_swarms(self) -> bool:
-        """Whether our phi is the swarm's model: averaged within our last `max(1, sync.max_step_gap)` outer
-        steps (as latejoin.py's `CatchUp` judges weights fresh)."""
+        """Whether our phi is the swarm's model: the node's judge where it has one (the daemon's catch-up,
+        which also knows of worker restarts and adopted snapshots), else averaged within our last
+        `max(1, sync.max_step_gap)` outer steps."""
+        if self.hooks.weights_fresh is not None:
+            return self.hooks.weights_fresh()
         return self._since_averaged is not None and self._since_averaged <= max(1, self.cfg.max_step_gap)
 
     def _previous(self, partner: str) -> str | None:

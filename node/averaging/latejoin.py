@@ -382,6 +382,16 @@ class CatchUp:
         donors = [peer for _, peer in near[: max(1, self.cfg.join_donors)]]
         return (target, donors) if donors else None
 
+    def weights_fresh(self) -> bool:
+        """Whether our weights are the swarm's: averaged (or caught up) within the last `max(1,
+        sync.max_step_gap)` outer steps, by the worker that still runs. A worker restarted since resumed a
+        checkpoint: older weights even where its outer step did not go back (tests/test_diagnostics_daemons.py:
+        killed a second after a catch-up, it resumed the catch-up's own checkpoint, at the same outer step,
+        while the tiny swarm ran on by 9 outer steps). The averager asks too (`AveragerHooks.weights_fresh`):
+        a node whose weights are not the swarm's does not count a far phi as an offence."""
+        return (self.since_averaged is not None and self.since_averaged <= max(1, self.cfg.max_step_gap)
+                and self.worker_restarts() == self._restarts_when_fresh)
+
     def follow_instead(self, target: int, donors: int) -> str | None:
         """Why to move only our outer-step count to the swarm's `target` instead of downloading `donors`
         snapshots, or None to download. All of: a way to follow; our weights are fresh (averaged within the
@@ -393,12 +403,7 @@ class CatchUp:
         in bench/wan.py a trainer whose exchanges failed stepped solo at its compute pace while its
         partners' steps waited on their exchanges, and its count ran 5 past the swarm's in 150 s."""
         own = self.own_outer_step()
-        # A worker restarted since resumed a checkpoint: older weights even where its outer step did not go
-        # back (tests/test_diagnostics_daemons.py: killed a second after a catch-up, it resumed the catch-up's
-        # own checkpoint, at the same outer step, while the tiny swarm ran on by 9 outer steps).
-        fresh = (self.since_averaged is not None and self.since_averaged <= max(1, self.cfg.max_step_gap)
-                 and self.worker_restarts() == self._restarts_when_fresh)
-        if self.follow is None or target == own or not fresh:
+        if self.follow is None or target == own or not self.weights_fresh():
             return None
         model, rate, period = self.model(), self.link_rate_bps(), self.period_s()
         if model is None or rate is None or not rate > 0 or not period > 0:

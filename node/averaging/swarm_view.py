@@ -68,6 +68,9 @@ class AveragerHooks:
     # `sync.catch_up_after` more outer steps (a restarted worker resumes from a checkpoint up to
     # `train.checkpoint_every` outer steps back, while its partner went on).
     on_behind: Callable[[int], None] = _ignore
+    # Whether our weights are the swarm's (latejoin.py `CatchUp.weights_fresh`, which also knows of worker
+    # restarts and adopted snapshots); None: the averager judges by its own outer steps alone.
+    weights_fresh: Callable[[], bool] | None = None
 
 
 NO_HOOKS = AveragerHooks()
