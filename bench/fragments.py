@@ -69,6 +69,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("f4-medium", 4, "medium"),
     Variant("stale", 1, "none", stale=True),
     Variant("f4-stale", 4, "none", stale=True),
+    Variant("medium-stale", 1, "medium", stale=True),
+    Variant("f4-medium-stale", 4, "medium", stale=True),
 )}
 
 
