@@ -17,9 +17,9 @@ import torch
 import trio
 import trio.testing
 
+from node.bridge.ckptfile import CheckpointError
 from node.config.train import TrainConfig
 from node.worker.outer import OuterHyper, noloco_step
-from node.bridge.ckptfile import CheckpointError
 from node.worker.trainer import Trainer
 from p2p.wire import PlainFrameChannel, ProtocolError, Reason, TrioByteStream
 from protocols.codec import ChunkPlan, TopKCodec, get_codec, recv_tensor, round_trip, send_tensor
