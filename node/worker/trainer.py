@@ -19,6 +19,14 @@ outer steps go at the pace the wire allows; the delayed result is applied with t
 makes training wait once the result lags that many inner steps; `overlap = false` waits right away (the
 blocking baseline).
 
+Streaming fragments (issue #23; `set_fragments`, `publish_fragment`, `apply_result(fragment=...)`): the
+flat vector cut into F contiguous block-aligned fragments, each published, exchanged and applied on its own
+(its Delta, phi, outer step, error feedback and rebase on its slice), one publish in flight per fragment and
+several fragments at once. Why: at a given link rate a fragment's transfer is F times shorter, so a result
+that comes late is F times fresher (docs/benchmarks.md, "Streaming fragments (tried)"). No buffer beyond the
+whole-vector path's: each fragment writes its own slice of theta_published, phi, the momentum and the
+residual. Each fragment keeps its own outer-step count; `outer_step` is then the lowest of them.
+
 Outer-step counters. After an exchange the worker continues from the larger of the two partners' outer
 steps, so paired nodes keep the same counter. A node that fell too far from the swarm to pair gets a
 catch-up instead of a result: the daemon downloaded the swarm's weights (node/averaging/latejoin.py, `CatchUp`) and
