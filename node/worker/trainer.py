@@ -266,7 +266,9 @@ class Trainer:
         Why it is safe: the daemon only reads the phi slot, and only while an exchange is in flight, which
         lasts from a publish until its result (the supervisor answers only once the exchange has returned,
         its side-channel threads included); the worker changes phi only when no exchange is in flight
-        (applying a result, adopting a snapshot). The publish's copy of phi into the slot then is a no-op."""
+        (applying a result, adopting a snapshot). The publish's copy of phi into the slot then is a no-op.
+        With streaming fragments the same holds slice by slice: a fragment's result changes phi on its own
+        slice only, while other fragments may be in flight, so the daemon must read a fragment's slice alone."""
         if buf.shape != self.phi.shape or buf.dtype != self.phi.dtype:
             raise ValueError("the phi buffer must be a flat fp32 tensor of the model's size")
         if buf.data_ptr() != self.phi.data_ptr():
