@@ -45,7 +45,7 @@ from bench.convergence import (
     relative_spread,
     replica_ids,
 )
-from node.worker.outer import OuterHyper, diloco_step, noloco_step
+from node.worker.outer import OuterHyper, OuterOptimizer
 from node.worker.trainer import Trainer
 from protocols.codec import TensorCodec, round_trip
 from protocols.compress import Compression, get_compression
@@ -119,80 +119,55 @@ def wire_sum(xs: list[torch.Tensor], codec: TensorCodec) -> torch.Tensor:
 
 
 class Replica:
-    """One trainer's fragment-wise outer state: its slow weights and momentum are the trainer's own
-    (`phi`, `outer.momentum`), taken slice by slice; theta at each fragment's publish and the error-feedback
-    residual are kept here, model-sized, each fragment writing its own slice."""
+    """One trainer synced fragment by fragment, through the worker's own methods: `Trainer.set_fragments`,
+    `publish_fragment` and `apply_result(fragment=...)`. Why not a copy of the algebra here: the bench then
+    measures the code the daemon will drive, error feedback, the exact pull and the rebase on the slice
+    included, and a change to the worker's outer step shows in these figures."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, fragments: int = 1) -> None:
         self.trainer = trainer
-        self.theta_published = torch.empty(trainer.numel)
-        self.residual: torch.Tensor | None = None  # allocated by the first lossy result, as the worker does
-        self._theta = torch.empty(trainer.numel)
+        self.ranges = trainer.set_fragments(fragments)
+
+    @property
+    def theta_published(self) -> torch.Tensor:
+        """The trainer's theta at each fragment's latest publish (each fragment writes its own slice)."""
+        return self.trainer.theta_published
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """The trainer's error-feedback residual (allocated by the first lossy result)."""
+        return self.trainer.residual
 
     def publish(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record theta on [lo, hi) and return (phi, D) of the fragment as it goes on the wire."""
-        self.trainer.gather_theta(self._theta)
-        self.theta_published[lo:hi] = self._theta[lo:hi]
-        return self.trainer.phi[lo:hi].clone(), self.own_delta(lo, hi)
-
-    def own_delta(self, lo: int, hi: int) -> torch.Tensor:
-        """D = theta_published - phi (+ the residual) on [lo, hi): the operations of `Trainer._own_delta`."""
-        out = torch.sub(self.theta_published[lo:hi], self.trainer.phi[lo:hi])
-        if self.residual is not None:
-            out.add_(self.residual[lo:hi])
-        return out
+        """Publish fragment [lo, hi) and return (phi, D) of the fragment as it goes on the wire."""
+        phi, delta = torch.empty(hi - lo), torch.empty(hi - lo)
+        self.trainer.publish_fragment(lo, hi, phi, delta)
+        return phi, delta
 
     def apply(self, lo: int, hi: int, group_size: int, sum_phi: torch.Tensor | None, sum_delta: torch.Tensor | None,
               preset: Compression, phi_range: tuple[int, int] | None) -> None:
-        """The outer step on fragment [lo, hi) and its rebase: `Trainer.apply_result` on a slice.
+        """The outer step on fragment [lo, hi) and its rebase (`Trainer.apply_result` with the fragment).
 
         `sum_phi` and `sum_delta` are the group's fragment-sized sums; `phi_range` (relative to the fragment)
         is where phi crossed the wire (None: all of it)."""
-        t = self.trainer
-        own = self.own_delta(lo, hi)
-        lossy_group = group_size >= 2 and preset.lossy
-        if lossy_group:  # error feedback (`Trainer._feed_back`): e = D - Q(D), and D becomes Q(D)
-            if self.residual is None:
-                self.residual = torch.zeros(t.numel)
-            res = self.residual[lo:hi]
-            res.copy_(own)
-            round_trip(preset.delta_codec("bf16"), own, own)
-            res.sub_(own)
-        elif self.residual is not None:
-            self.residual[lo:hi].zero_()
-        if group_size >= 2:
-            assert sum_phi is not None and sum_delta is not None
-            if lossy_group:  # `Trainer._own_phi_on_wire`: the pull becomes gamma/2 * (Q(phi_p) - Q(phi))
-                plo, phi_hi = phi_range if phi_range is not None else (0, hi - lo)
-                if phi_hi > plo:
-                    mine = t.phi[lo + plo : lo + phi_hi]
-                    q = wire(mine, preset.phi_codec("bf16"))
-                    torch.sub(mine, q, out=q)
-                    sum_phi[plo:phi_hi].add_(q, alpha=2)
-            fragment_step(t.phi, t.outer.momentum, lo, hi, t.outer.hyper, group_size, sum_delta, sum_phi,
-                          phi_range if lossy_group else None)
-        else:
-            fragment_step(t.phi, t.outer.momentum, lo, hi, t.outer.hyper, 1, own)
-        # The rebase (`Trainer._rebase`) on the fragment: theta <- theta_now + (phi_new - theta_published).
-        t.gather_theta(self._theta)
-        move = self.theta_published[lo:hi]
-        torch.sub(t.phi[lo:hi], move, out=move)
-        self._theta[lo:hi].add_(move)
-        t.scatter_theta(self._theta)
+        self.trainer.apply_result(group_size, sum_phi, sum_delta, compression=preset.name, phi_range=phi_range,
+                                  fragment=(lo, hi))
 
 
 def fragment_step(phi: torch.Tensor, momentum: torch.Tensor, lo: int, hi: int, hyper: OuterHyper, group_size: int,
                   sum_delta: torch.Tensor, sum_phi: torch.Tensor | None = None,
                   phi_range: tuple[int, int] | None = None) -> None:
     """The NoLoCo outer step on fragment [lo, hi) of the flat `phi` and `momentum`, in place, given the
-    group's fragment-sized sums (group_size 1: a solo step on our own Delta, heavy-ball). The state of
-    the step is the momentum's slice: fragments never touch each other's coordinates."""
-    if group_size <= 1:
-        diloco_step(phi[lo:hi], momentum[lo:hi], sum_delta, hyper)
-        return
-    if sum_phi is None:
+    group's fragment-sized sums (group_size 1: a solo step on our own Delta, heavy-ball): the worker's
+    `OuterOptimizer.step` with its `span`. The state of the step is the momentum's slice: fragments never
+    touch each other's coordinates."""
+    outer = OuterOptimizer("noloco", hyper, 0)
+    outer.momentum = momentum  # the caller's, stepped in place
+    if group_size >= 2 and sum_phi is None:
         raise ValueError("a group step needs the group's sum of phi")
-    noloco_step(phi[lo:hi], momentum[lo:hi], sum_delta, sum_phi, hyper, group_size, phi_range=phi_range)
+    # Our own Delta only weights a pair of unequal samples, which this step does not take.
+    outer.step(phi[lo:hi], sum_delta, group_size=group_size, sum_phi=sum_phi, sum_delta=sum_delta,
+               phi_range=phi_range, span=(lo, hi))
 
 
 def run_variant(bc: BenchConfig, n: int, variant: Variant, home: Path, wire_dtype: str = "bf16") -> FragmentResult:
@@ -200,7 +175,7 @@ def run_variant(bc: BenchConfig, n: int, variant: Variant, home: Path, wire_dtyp
     started = time.monotonic()
     preset = get_compression(variant.compression)
     cfg = bc.train_config("noloco")
-    replicas = [Replica(Trainer(cfg, home / pid, pid)) for pid in replica_ids(n)]
+    replicas = [Replica(Trainer(cfg, home / pid, pid), variant.fragments) for pid in replica_ids(n)]
     numel = replicas[0].trainer.numel
     ranges = fragment_ranges(numel, variant.fragments)
     ends = slot_ends(bc.inner_steps, variant.fragments)

@@ -126,7 +126,7 @@ def test_fragments_send_the_same_bytes_per_period_with_a_smaller_peak_and_their_
 def test_a_fragments_late_result_changes_its_slice_only_and_keeps_what_was_learnt_meanwhile(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     t = Trainer(TINY.train_config("noloco"), tmp_path / "r", "r")
-    replica = fragments.Replica(t)
+    replica = fragments.Replica(t, 2)
     (a_lo, a_hi), (lo, hi) = fragments.fragment_ranges(t.numel, 2)
     for _ in range(3):
         t.inner_step()

@@ -174,26 +174,39 @@ class OuterOptimizer:
         samples: tuple[int, int] | None = None,
         phi_range: tuple[int, int] | None = None,
         overwrite_sum_phi: bool = False,
+        span: tuple[int, int] | None = None,
     ) -> None:
         """Update `phi` in place. Solo when `group_size <= 1`; otherwise both of the group's sums (over its
         `group_size` members, this replica included) are required. `samples` = (ours, the partner's) makes a
         pair's Delta term and phi pull sample-weighted (`PairWeights`); None or equal counts give the plain mean.
         `phi_range`: the fragment whose phi was exchanged (`noloco_step`); None: all of it.
-        `overwrite_sum_phi`: `sum_phi` may be used as the pull's scratch (`noloco_step`)."""
-        if phi.shape != self.momentum.shape or own_delta.shape != self.momentum.shape:
-            raise ValueError("phi and Delta must be flat tensors of the optimizer's size")
+        `overwrite_sum_phi`: `sum_phi` may be used as the pull's scratch (`noloco_step`).
+
+        `span` = (lo, hi): a streaming fragment's step (node/worker/trainer.py, `Trainer.publish_fragment`):
+        `phi`, `own_delta` and the sums are that slice of the flat vector (`phi_range` relative to it), and
+        the state is the momentum's slice [lo, hi). Why the momentum is simply sliced: every rule here is
+        per coordinate, so the steps of a partition's fragments, taken with one group's sums, are the
+        whole-vector step bit for bit, and a fragment's step never touches another's coordinates."""
+        momentum = self.momentum
+        if span is not None:
+            lo, hi = span
+            if not 0 <= lo < hi <= self.momentum.numel():
+                raise ValueError(f"span [{lo}, {hi}) is not a fragment of {self.momentum.numel()} elements")
+            momentum = self.momentum[lo:hi]
+        if phi.shape != momentum.shape or own_delta.shape != momentum.shape:
+            raise ValueError("phi and Delta must be flat tensors of the optimizer's size (or of the span's)")
         if group_size <= 1:
             # Solo: mean(Delta) is our own and the gamma term is zero, so both rules are heavy-ball.
-            diloco_step(phi, self.momentum, own_delta, self.hyper)
+            diloco_step(phi, momentum, own_delta, self.hyper)
             return
         if sum_phi is None or sum_delta is None:
             raise ValueError("a group step needs both sum_phi and sum_delta")
         weighted = None if samples is None or group_size != 2 else PairWeights(samples[0], samples[1], own_delta)
         if self.kind == "noloco":
-            noloco_step(phi, self.momentum, sum_delta, sum_phi, self.hyper, group_size, weighted, phi_range,
+            noloco_step(phi, momentum, sum_delta, sum_phi, self.hyper, group_size, weighted, phi_range,
                         overwrite_sum_phi=overwrite_sum_phi)
         else:
-            diloco_step(phi, self.momentum, sum_delta, self.hyper, group_size, weighted)
+            diloco_step(phi, momentum, sum_delta, self.hyper, group_size, weighted)
 
     def state_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "momentum": self.momentum}

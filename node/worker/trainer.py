@@ -19,6 +19,14 @@ outer steps go at the pace the wire allows; the delayed result is applied with t
 makes training wait once the result lags that many inner steps; `overlap = false` waits right away (the
 blocking baseline).
 
+Streaming fragments (issue #23; `set_fragments`, `publish_fragment`, `apply_result(fragment=...)`): the
+flat vector cut into F contiguous block-aligned fragments, each published, exchanged and applied on its own
+(its Delta, phi, outer step, error feedback and rebase on its slice), one publish in flight per fragment and
+several fragments at once. Why: at a given link rate a fragment's transfer is F times shorter, so a result
+that comes late is F times fresher (docs/benchmarks.md, "Streaming fragments (tried)"). No buffer beyond the
+whole-vector path's: each fragment writes its own slice of theta_published, phi, the momentum and the
+residual. Each fragment keeps its own outer-step count; `outer_step` is then the lowest of them.
+
 Outer-step counters. After an exchange the worker continues from the larger of the two partners' outer
 steps, so paired nodes keep the same counter. A node that fell too far from the swarm to pair gets a
 catch-up instead of a result: the daemon downloaded the swarm's weights (node/averaging/latejoin.py, `CatchUp`) and
@@ -36,6 +44,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +147,17 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A streaming fragment's publish awaiting its result (`Trainer.publish_fragment`): at most one per
+    fragment, several fragments at once."""
+
+    outer_step: int  # the fragment's own outer-step count at the publish: its result continues from it
+    step: int  # the inner step of the publish
+    previous_step: int  # the fragment's publish before this one: a checkpoint treats this one as not made
+    samples: int  # sequences the fragment's Delta covers (its weight in a pair's mean)
+
+
 class Trainer:
     """Model, inner optimizer, slow weights, outer optimizer and counters of one replica; no I/O policy.
 
@@ -213,6 +233,14 @@ class Trainer:
         self._last_publish_time: float | None = None
         self.pending: int | None = None  # outer step of the publish awaiting its result
         self._publish_before_pending = 0
+        # Streaming fragments (`set_fragments`): None while the whole vector is synced at once (the
+        # default); else the partition's [lo, hi) ranges, each fragment's own outer-step count and inner step
+        # of its latest publish, and the publishes in flight by fragment index. Small lists: the only
+        # model-sized state of a fragment is its slice of theta_published, phi, the momentum and the residual.
+        self.fragments: list[tuple[int, int]] | None = None
+        self.fragment_outer_steps: list[int] = []
+        self.fragment_publish_steps: list[int] = []
+        self.in_flight: dict[int, InFlight] = {}
         self.val_loss: float | None = None
         self.skipped_steps = 0  # inner steps skipped because the loss was not finite
 
@@ -238,7 +266,9 @@ class Trainer:
         Why it is safe: the daemon only reads the phi slot, and only while an exchange is in flight, which
         lasts from a publish until its result (the supervisor answers only once the exchange has returned,
         its side-channel threads included); the worker changes phi only when no exchange is in flight
-        (applying a result, adopting a snapshot). The publish's copy of phi into the slot then is a no-op."""
+        (applying a result, adopting a snapshot). The publish's copy of phi into the slot then is a no-op.
+        With streaming fragments the same holds slice by slice: a fragment's result changes phi on its own
+        slice only, while other fragments may be in flight, so the daemon must read a fragment's slice alone."""
         if buf.shape != self.phi.shape or buf.dtype != self.phi.dtype:
             raise ValueError("the phi buffer must be a flat fp32 tensor of the model's size")
         if buf.data_ptr() != self.phi.data_ptr():
@@ -261,6 +291,25 @@ class Trainer:
                 n = p.numel()
                 p.copy_(src[offset : offset + n].view_as(p))
                 offset += n
+
+    def _pieces(self, lo: int, hi: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
+        """(parameter, a, b, flat offset of element a) for each parameter that overlaps [lo, hi) of the flat
+        vector: its elements [a, b) lie there."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            a, b = max(lo, offset) - offset, min(hi, offset + n) - offset
+            if a < b:
+                yield p, a, b, offset + a
+            offset += n
+            if offset >= hi:
+                return
+
+    def gather_theta_range(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Copy elements [lo, hi) of the flat parameter vector into `out` (hi - lo elements), reading only
+        the parameters that overlap the range: a fragment's publish gathers its slice, not the model."""
+        for p, a, b, at in self._pieces(lo, hi):
+            out[at - lo : at - lo + b - a].copy_(p.detach().reshape(-1)[a:b])
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """The task's `configure_optimizer(model)` if it has one, else `default_optimizer`; TaskError if the
@@ -385,6 +434,8 @@ class Trainer:
     def publish(self, phi_out: torch.Tensor, delta_out: torch.Tensor) -> Publish:
         """Write phi and Delta = theta - phi (into the shared slots) and remember theta for the rebase."""
         self._require_slow_weights("publish")
+        if self.fragments is not None:
+            raise RuntimeError("publish: this trainer syncs by fragments (publish_fragment)")
         with torch_threads(self.host_threads):
             self.gather_theta(self.theta_published)
             if phi_out.data_ptr() != self.phi.data_ptr():  # equal when phi lives in the slot (share_phi)
@@ -405,17 +456,99 @@ class Trainer:
         return Publish(outer_step=self.outer_step, step=self.step, inner_steps=inner_steps,
                        samples=self.published_samples)
 
-    def _own_delta(self, out: torch.Tensor) -> torch.Tensor:
+    # -- streaming fragments --
+
+    def set_fragments(self, count: int | None) -> list[tuple[int, int]]:
+        """Sync the model as `count` streaming fragments from now on (issue #23; None: the whole vector at
+        once, `publish`); returns the partition's [lo, hi) ranges.
+
+        The partition is the daemon's rule (protocols/compress.py `Compression.fragment_range`: contiguous
+        runs of whole codec blocks), so both partners cut the model alike and a fragment's top-k blocks are
+        the whole vector's. Each fragment keeps its own outer-step count (a fragment's partner continues it,
+        as the whole vector's does) and the inner step of its last publish (what its next Delta covers);
+        `outer_step` is then the lowest count of a fragment, the periods every fragment has completed.
+        The same count again keeps them (a resumed trainer re-declares what its checkpoint restored); a
+        change starts every fragment at `outer_step`. Only with nothing in flight: a publish in flight was
+        made on the old cut."""
+        if self.pending is not None or self.in_flight:
+            raise RuntimeError("set_fragments with a publish in flight")
+        if count is not None and count < 1:
+            raise ValueError(f"{count} fragments: need at least 1")
+        if count is not None and self.fragments is not None and len(self.fragments) == count:
+            return list(self.fragments)
+        since = self.last_publish_step if self.fragments is None else min(self.fragment_publish_steps)
+        if count is None:
+            self.fragments, self.fragment_outer_steps, self.fragment_publish_steps = None, [], []
+            self.last_publish_step = since
+            return [(0, self.numel)]
+        split = Compression("fragments", fragments=count)
+        self.fragments = [split.fragment_range(self.numel, f) for f in range(count)]
+        self.fragment_outer_steps = [self.outer_step] * count
+        self.fragment_publish_steps = [since] * count
+        return list(self.fragments)
+
+    def fragment_index(self, lo: int, hi: int) -> int:
+        """The index of fragment [lo, hi) in the declared partition; ValueError if it is not one of them
+        (or RuntimeError without a partition): a range of another cut would overlap fragments in flight."""
+        if self.fragments is None:
+            raise RuntimeError("no fragments declared (set_fragments)")
+        try:
+            return self.fragments.index((lo, hi))
+        except ValueError:
+            raise ValueError(f"[{lo}, {hi}) is not a fragment of this trainer's partition") from None
+
+    def publish_fragment(self, lo: int, hi: int, phi_out: torch.Tensor, delta_out: torch.Tensor) -> Publish:
+        """Publish fragment [lo, hi): write its phi and D = Delta + residual (hi - lo elements each, e.g. the
+        fragment's slices of the shared slots) and record theta on the slice for its rebase.
+
+        Other fragments may be in flight meanwhile, one publish each: their slices of theta_published,
+        phi, the momentum and the residual are disjoint, so each result touches its own and no buffer
+        beyond the whole-vector path's is needed. The Publish carries the fragment's own outer-step count
+        and the inner steps since the fragment's previous publish (what its Delta covers)."""
+        self._require_slow_weights("publish_fragment")
+        if self.pending is not None:
+            raise RuntimeError("publish_fragment while a whole-vector publish is in flight")
+        f = self.fragment_index(lo, hi)
+        if hi <= lo:
+            raise ValueError(f"fragment {f} is empty (a model of fewer blocks than fragments): nothing to sync")
+        if f in self.in_flight:
+            raise RuntimeError(f"fragment {f} already has a publish in flight")
+        if phi_out.shape != (hi - lo,) or delta_out.shape != (hi - lo,):
+            raise ValueError("phi_out and delta_out must be flat tensors of the fragment's size")
+        span = (lo, hi)
+        with torch_threads(self.host_threads):
+            self.gather_theta_range(lo, hi, self.theta_published[lo:hi])
+            mine = self.phi[lo:hi]
+            if phi_out.data_ptr() != mine.data_ptr():  # equal when phi lives in the slot (share_phi)
+                phi_out.copy_(mine)
+            self._own_delta(delta_out, span)
+        previous = self.fragment_publish_steps[f]
+        inner_steps = self.step - previous
+        samples = inner_steps * self.cfg.batch_size
+        self.in_flight[f] = InFlight(self.fragment_outer_steps[f], self.step, previous, samples)
+        self.fragment_publish_steps[f] = self.step
+        return Publish(outer_step=self.fragment_outer_steps[f], step=self.step, inner_steps=inner_steps,
+                       samples=samples)
+
+    def _own_delta(self, out: torch.Tensor, span: tuple[int, int] | None = None) -> torch.Tensor:
         """What this replica publishes as its Delta: ``theta_published - phi``, plus the error-feedback
-        residual where there is one (D = Delta + e). The same operations at publish and at the result, so
-        the result's recomputation has the bits that were published."""
-        torch.sub(self.theta_published, self.phi, out=out)
+        residual where there is one (D = Delta + e), on fragment `span` or the whole vector. The same
+        operations at publish and at the result, so the result's recomputation has the bits that were
+        published."""
+        if span is None:
+            torch.sub(self.theta_published, self.phi, out=out)
+            if self.residual is not None:
+                out.add_(self.residual)
+            return out
+        lo, hi = span
+        torch.sub(self.theta_published[lo:hi], self.phi[lo:hi], out=out)
         if self.residual is not None:
-            out.add_(self.residual)
+            out.add_(self.residual[lo:hi])
         return out
 
     def _feed_back(self, own: torch.Tensor, group_size: int, compression: Compression,
-                   sum_delta: torch.Tensor | None = None, own_exact: bool = False) -> None:
+                   sum_delta: torch.Tensor | None = None, own_exact: bool = False,
+                   span: tuple[int, int] | None = None) -> None:
         """Update the residual after an outer step on D = `own` (rewritten in place to what was applied).
 
         A lossy group step: the wire carried Q(D) (top-k), so ``e = D - Q(D)`` and ``own`` becomes Q(D), the
@@ -429,21 +562,30 @@ class Trainer:
         `keeps_own_exact` says why): D is applied in full here too, so ``e = 0``, ``own`` stays D and the
         sum's own term becomes D: ``sum_delta += D - Q(D)`` (the partner's term stays as the wire carried
         it). The residual's buffer is the temporary, freed afterwards (a fast link's ramp leaves no 4 B/param
-        behind; a link that keeps a lossy preset allocates it again at its first steady exchange)."""
+        behind; a link that keeps a lossy preset allocates it again at its first steady exchange).
+
+        `span` = (lo, hi): a fragment's step, on the residual's slice alone (`own` and `sum_delta` are the
+        fragment's): the rule is per coordinate. The buffer stays then (other fragments' slices may hold
+        something); `own_exact` zeroes the slice instead."""
         if group_size >= 2 and compression.lossy:
             if self.residual is None:
                 self.residual = torch.zeros(self.numel, dtype=torch.float32)
-            self.residual.copy_(own)
+            residual = self.residual if span is None else self.residual[span[0] : span[1]]
+            residual.copy_(own)
             round_trip(compression.delta_codec("bf16"), own, own)
-            self.residual.sub_(own)
+            residual.sub_(own)
             if own_exact and sum_delta is not None:
-                sum_delta.add_(self.residual)  # D - Q(D): the sum's own term is D
-                own.add_(self.residual)  # back to D
-                self.residual = None
+                sum_delta.add_(residual)  # D - Q(D): the sum's own term is D
+                own.add_(residual)  # back to D
+                if span is None:
+                    self.residual = None
+                else:
+                    residual.zero_()
         elif self.residual is not None:
-            self.residual.zero_()
+            (self.residual if span is None else self.residual[span[0] : span[1]]).zero_()
 
-    def _own_phi_on_wire(self, sum_phi: torch.Tensor, phi_range: tuple[int, int], compression: Compression) -> None:
+    def _own_phi_on_wire(self, sum_phi: torch.Tensor, phi_range: tuple[int, int], compression: Compression,
+                         offset: int = 0) -> None:
         """Rewrite the fragment's sum ``S = Q(phi_p) + Q(phi)`` (both phis as int8 carried them) as
         ``S + 2 * (phi - Q(phi))``, so that the outer step's pull ``gamma/2 * (S - 2*phi)`` becomes
         ``gamma/2 * (Q(phi_p) - Q(phi))``.
@@ -452,11 +594,11 @@ class Trainer:
         term drags every replica towards the int8 grid by up to half a step of its block's absmax at every
         outer step, whatever the spread. Rewritten, it is zero for equal replicas and equal and opposite on
         the two partners (the pair's mean is kept). Only for lossy presets: ``none`` stays bit for bit as it
-        was."""
+        was. `offset`: where `sum_phi` (a fragment's, `phi_range` relative to it) starts in phi."""
         lo, hi = phi_range
         if hi <= lo:
             return
-        mine = self.phi[lo:hi]
+        mine = self.phi[offset + lo : offset + hi]
         wire = torch.empty(hi - lo, dtype=torch.float32)
         round_trip(compression.phi_codec("bf16"), mine, wire)
         torch.sub(mine, wire, out=wire)
@@ -498,6 +640,7 @@ class Trainer:
         sum_phi_is_scratch: bool = False,
         exact_outer_step: int | None = None,
         own_exact: bool = False,
+        fragment: tuple[int, int] | None = None,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
         size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
@@ -525,7 +668,16 @@ class Trainer:
         the exchange is over): the NoLoCo pull then needs no model-sized temporary (node/worker/outer.py).
 
         `own_exact`: after a lossy pair step, apply our own Delta in full instead of the wire's copy plus
-        error feedback (`_feed_back`; the daemon says when: `auto`'s probe and its way back to `none`)."""
+        error feedback (`_feed_back`; the daemon says when: `auto`'s probe and its way back to `none`).
+
+        `fragment` = (lo, hi): the result of that fragment's publish (`publish_fragment`), however late and
+        in whatever order among the fragments in flight. `sum_phi`, `sum_delta` and `scratch` are then the
+        fragment's (hi - lo elements) and `phi_range` is relative to it; the outer step, the error feedback
+        and the rebase act on [lo, hi) alone, and the counters are the fragment's (`_apply_fragment`)."""
+        if fragment is not None:
+            return self._apply_fragment(fragment, group_size, sum_phi, sum_delta, group_outer_step,
+                                        partner_samples, scratch, compression, phi_range, sum_phi_is_scratch,
+                                        exact_outer_step, own_exact)
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
         with torch_threads(self.host_threads):
@@ -540,48 +692,99 @@ class Trainer:
         self.outer_step = published_at + 1
         return group_size
 
+    def _apply_fragment(
+        self, fragment: tuple[int, int], group_size: int, sum_phi: torch.Tensor | None,
+        sum_delta: torch.Tensor | None, group_outer_step: int | None, partner_samples: int,
+        scratch: torch.Tensor | None, compression: str, phi_range: tuple[int, int] | None,
+        sum_phi_is_scratch: bool, exact_outer_step: int | None, own_exact: bool,
+    ) -> int:
+        """`apply_result` for fragment [lo, hi): the outer step on the slices, the rebase of the slice, and
+        the fragment's count continued from the group's as the whole vector's is; `outer_step` becomes the
+        lowest count of a fragment (the periods every fragment has completed: with one fragment, today's)."""
+        lo, hi = fragment
+        f = self.fragment_index(lo, hi)
+        flight = self.in_flight.get(f)
+        if flight is None:
+            raise RuntimeError(f"apply_result without a pending publish of fragment {f} [{lo}, {hi})")
+        for name, t in (("sum_phi", sum_phi), ("sum_delta", sum_delta), ("scratch", scratch)):
+            if t is not None and t.shape != (hi - lo,):
+                raise ValueError(f"{name} must be a flat tensor of the fragment's size ({hi - lo})")
+        with torch_threads(self.host_threads):
+            group_size = self._outer_step(group_size, sum_phi, sum_delta, partner_samples, scratch, compression,
+                                          phi_range, sum_phi_is_scratch, own_exact, fragment, flight.samples)
+        del self.in_flight[f]
+        published_at = flight.outer_step
+        if group_outer_step is not None:
+            published_at = max(published_at, group_outer_step)
+        if exact_outer_step is not None and group_size < 2:
+            published_at = max(0, exact_outer_step)
+        self.fragment_outer_steps[f] = published_at + 1
+        self.outer_step = self._fragments_outer_step()
+        return group_size
+
+    def _fragments_outer_step(self) -> int:
+        """The lowest outer-step count of a non-empty fragment (an empty one, of a model with fewer blocks
+        than fragments, never syncs and would hold the count back)."""
+        assert self.fragments is not None
+        counts = [c for c, (lo, hi) in zip(self.fragment_outer_steps, self.fragments, strict=True) if hi > lo]
+        return min(counts) if counts else self.outer_step
+
     def _outer_step(self, group_size: int, sum_phi: torch.Tensor | None, sum_delta: torch.Tensor | None,
                     partner_samples: int, scratch: torch.Tensor | None, compression: str,
-                    phi_range: tuple[int, int] | None, sum_phi_is_scratch: bool, own_exact: bool = False) -> int:
+                    phi_range: tuple[int, int] | None, sum_phi_is_scratch: bool, own_exact: bool = False,
+                    span: tuple[int, int] | None = None, published_samples: int | None = None) -> int:
         """`apply_result`'s host work: the checks, the outer step on phi and the rebase; returns the group
-        size used."""
+        size used. `span`: a fragment's (its sums, scratch and `phi_range` are the fragment's, and
+        `published_samples` its publish's); None: the whole vector, as it always was."""
+        lo, hi = span if span is not None else (0, self.numel)
         if group_size >= 2:
             if sum_phi is None or sum_delta is None:
                 raise ValueError("a group result needs sum_phi and sum_delta")
-            lo, hi = phi_range if phi_range is not None else (0, self.numel)
-            if not (all_finite(sum_phi[lo:hi]) and all_finite(sum_delta)):
+            plo, phi_hi = phi_range if phi_range is not None else (0, hi - lo)
+            if not (all_finite(sum_phi[plo:phi_hi]) and all_finite(sum_delta)):
                 log.warning("outer step %d: group sums are not finite; taking a solo step", self.outer_step)
                 group_size = 1
         preset = get_compression(compression)
-        own_delta = self._own_delta(self._scratch if scratch is None else scratch)
-        self._feed_back(own_delta, group_size, preset, sum_delta, own_exact and group_size == 2)
+        if scratch is None:
+            scratch = self._scratch if span is None else self._scratch[: hi - lo]
+        own_delta = self._own_delta(scratch, span)
+        self._feed_back(own_delta, group_size, preset, sum_delta, own_exact and group_size == 2, span)
         if group_size >= 2 and preset.lossy and sum_phi is not None:
-            phi_range = phi_range if phi_range is not None else (0, self.numel)
-            self._own_phi_on_wire(sum_phi, phi_range, preset)
-        samples = (self.published_samples, partner_samples) if group_size == 2 and partner_samples > 0 else None
-        self.outer.step(self.phi, own_delta, group_size=group_size, sum_phi=sum_phi, sum_delta=sum_delta,
-                        samples=samples, phi_range=phi_range if group_size >= 2 else None,
-                        overwrite_sum_phi=sum_phi_is_scratch)
-        self._rebase()
+            phi_range = phi_range if phi_range is not None else (0, hi - lo)
+            self._own_phi_on_wire(sum_phi, phi_range, preset, lo)
+        own_samples = self.published_samples if published_samples is None else published_samples
+        samples = (own_samples, partner_samples) if group_size == 2 and partner_samples > 0 else None
+        self.outer.step(self.phi if span is None else self.phi[lo:hi], own_delta, group_size=group_size,
+                        sum_phi=sum_phi, sum_delta=sum_delta, samples=samples,
+                        phi_range=phi_range if group_size >= 2 else None, overwrite_sum_phi=sum_phi_is_scratch,
+                        span=span)
+        self._rebase(span)
         return group_size
 
-    def _rebase(self) -> None:
+    def _rebase(self, span: tuple[int, int] | None = None) -> None:
         """theta <- theta_now + (phi_new - theta_published): keep what was learnt while the exchange ran.
 
         The move ``phi_new - theta_published`` is formed on the host in `theta_published` (not needed once
         the outer step is taken: no model-sized scratch) and added to each parameter where it lives. Why in
         this order and not ``(theta_now - theta_published) + phi_new``: on a GPU that form copied all of
         theta to the host and back, and here theta never leaves the device; one host pass less on the CPU
-        too. Parameter by parameter, with the same bits as the flat form."""
-        torch.sub(self.phi, self.theta_published, out=self.theta_published)
-        offset = 0
+        too. Parameter by parameter, with the same bits as the flat form.
+
+        `span` = (lo, hi): a fragment's rebase, on its slice alone (the other fragments' slices of
+        theta_published may belong to publishes still in flight). A parameter cut by the fragment's edge
+        gets its part through a flat view (parameters are contiguous, as `torch.nn` creates them)."""
+        lo, hi = span if span is not None else (0, self.numel)
+        if span is None:
+            torch.sub(self.phi, self.theta_published, out=self.theta_published)
+        else:
+            torch.sub(self.phi[lo:hi], self.theta_published[lo:hi], out=self.theta_published[lo:hi])
         with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                move = self.theta_published[offset : offset + n].view_as(p)
-                p.add_(move.to(device=p.device, dtype=p.dtype) if p.device != move.device or p.dtype != move.dtype
-                       else move)
-                offset += n
+            for p, a, b, at in self._pieces(lo, hi):
+                move = self.theta_published[at : at + b - a]
+                target = p if b - a == p.numel() else p.view(-1)[a:b]
+                move = move.view_as(target)
+                target.add_(move.to(device=p.device, dtype=p.dtype)
+                            if p.device != move.device or p.dtype != move.dtype else move)
 
     def evaluate(self) -> float:
         self.val_loss = self.task.evaluate(self.model)
@@ -591,7 +794,9 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly; a publish still in flight is treated as not made
-        (phi is the pre-exchange one and theta has all progress, so the next publish carries it)."""
+        (phi is the pre-exchange one and theta has all progress, so the next publish carries it). So are
+        fragments in flight: their slices of phi, the momentum and the residual change only when their
+        results come, and a publish changes no state but the counters that `_fragment_state` rolls back."""
         self._require_slow_weights("checkpoint")
         last_publish = self._publish_before_pending if self.pending is not None else self.last_publish_step
         rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
@@ -614,7 +819,22 @@ class Trainer:
             "rng": rng,
             "val_loss": self.val_loss,
             **self._residual_state(),
+            **self._fragment_state(),
         }
+
+    def _fragment_state(self) -> dict[str, Any]:
+        """The streaming fragments' counters, where fragments are declared: how many, each one's outer-step
+        count and the inner step of its last publish not in flight (the one before, for a fragment in
+        flight). Why kept: a fragment's count keys its partner and its Delta's weight follows its steps
+        since its last publish; a restart that reset them would mis-pair and mis-weight every fragment
+        that was ahead."""
+        if self.fragments is None:
+            return {}
+        steps = list(self.fragment_publish_steps)
+        for f, flight in self.in_flight.items():
+            steps[f] = flight.previous_step
+        return {"fragments": {"count": len(self.fragments), "outer_steps": list(self.fragment_outer_steps),
+                              "publish_steps": steps}}
 
     def _residual_state(self) -> dict[str, Any]:
         """The error-feedback residual, where it holds anything: what the wire has not carried yet of this
@@ -641,6 +861,23 @@ class Trainer:
         if residual is not None and not (isinstance(residual, torch.Tensor) and residual.shape == (self.numel,)
                                          and residual.dtype == torch.float32 and bool(torch.isfinite(residual).all())):
             raise CheckpointError("the error-feedback residual has the wrong size or is not finite")
+        fragments = state.get("fragments")
+        if fragments is not None and not self._valid_fragment_state(fragments, int(state.get("step", 0))):
+            raise CheckpointError("the fragment counters are malformed")
+
+    @staticmethod
+    def _valid_fragment_state(fragments: object, step: int) -> bool:
+        """Whether a checkpoint's `fragments` entry is a count >= 1 and that many non-negative outer-step
+        counts and publish steps no later than the checkpoint's step."""
+        if not isinstance(fragments, dict):
+            return False
+        count, outer_steps, steps = fragments.get("count"), fragments.get("outer_steps"), fragments.get("publish_steps")
+        if not isinstance(count, int) or count < 1 or not isinstance(outer_steps, list) or not isinstance(steps, list):
+            return False
+        if len(outer_steps) != count or len(steps) != count:
+            return False
+        return (all(isinstance(c, int) and c >= 0 for c in outer_steps)
+                and all(isinstance(s, int) and 0 <= s <= step for s in steps))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -661,6 +898,13 @@ class Trainer:
         self.val_loss = state.get("val_loss")
         residual = state.get("residual")  # absent: none held (or a checkpoint from before it was saved)
         self.residual = residual.clone() if isinstance(residual, torch.Tensor) else None
+        self.in_flight = {}
+        self.fragments, self.fragment_outer_steps, self.fragment_publish_steps = None, [], []
+        fragments = state.get("fragments")
+        if isinstance(fragments, dict):
+            self.set_fragments(int(fragments["count"]))
+            self.fragment_outer_steps = [int(c) for c in fragments["outer_steps"]]
+            self.fragment_publish_steps = [int(s) for s in fragments["publish_steps"]]
 
     def _load_optimizer(self, saved: dict[str, Any], fmt: int) -> None:
         """Load the inner optimizer's state (its moments) and keep the configured hyperparameters: torch
@@ -730,6 +974,10 @@ class Trainer:
         self.outer_step = outer_step
         self.last_publish_step = self.step
         self.pending = None
+        self.in_flight = {}
+        if self.fragments is not None:  # every fragment starts from the snapshot's weights and count
+            self.fragment_outer_steps = [outer_step] * len(self.fragments)
+            self.fragment_publish_steps = [self.step] * len(self.fragments)
 
     def start_from_join_snapshot(self) -> Path | None:
         """A late joiner's first start: slow and fast weights and step counters from the swarm snapshot the
