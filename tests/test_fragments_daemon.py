@@ -308,3 +308,17 @@ async def test_a_real_worker_and_its_supervisor_exchange_each_fragment_on_its_sl
         steps = [step for g, step, _ in seen if g == f]
         assert steps == list(range(len(steps)))  # each result reached the worker: its count moved on by one
     assert sup.status()["exchanges"]["group"] >= 4 * count - 1 and sup.status()["exchanges"]["failed"] == 0
+
+
+def test_the_bounds_reference_is_each_fragments_own_history_not_a_median_over_all_fragments() -> None:
+    """A small fragment (norm 1 per step) and a large one (norm 100): the large one's history must not lift
+    the small one's reference, or a partner could send 100x the small fragment's honest update unclipped."""
+    from node.averaging.robust import UpdateBound
+
+    bound = UpdateBound(clip_ratio=2.0, reject_ratio=1e6)
+    for _ in range(5):
+        bound.remember(100.0, 1, fragment=1)
+    bound.remember(1.0, 1, fragment=0)
+    assert bound.reference(1.0, 1, 1, fragment=0) == 1.0
+    assert bound.reference(1.0, 1, 1, fragment=1) == 100.0
+    assert bound.reference(1.0, 1, 1) == 1.0  # the whole model's (fragment 0's) history alone

@@ -60,6 +60,13 @@ slower side's view wins: an `auto` responder refuses a preset less compressed th
 for that initiator (its rate with it, else its typical rate), saying which it wants, and the initiator asks
 again at once with that one (`_try_partner`), which it then starts from with that partner.
 
+Streaming fragments (`sync.fragments` = F > 1): each exchange is one fragment's (the request's slices of
+the slots, node/bridge/supervisor.py), and this machine treats it as an outer step of a model that size:
+the schedule is drawn for (outer step, fragment) (so each fragment sync has its own partner), the request
+names the fragment (protocols/avg.py; a responder in another fragment's round answers `OTHER_FRAGMENT`,
+one with another count refuses), the bounds and `auto` apply to the fragment (its budget is the period over
+F), and the catch-up counts a period of F syncs as one outer step (`_outer_step_ended`).
+
 Two rules keep heterogeneous machines from drifting apart for good:
 
 - When the daemon knows of no other trainer that could pair at all (alive, of our run, with a usable
@@ -253,6 +260,7 @@ class Averager:
         # our phi is the swarm's model, the scale a partner's phi distance is judged on (`_fail`).
         self._since_averaged: int | None = None
         self._period_averaged = False  # streaming fragments: whether a sync of the current period averaged
+        self._period_fragment: int | None = None  # and the fragment of its latest sync (None: none yet)
         # Our latest exchanges' transfer times, for `_busy_wait_s` (the longest of them).
         self._transfers_s: collections.deque[float] = collections.deque(maxlen=RECENT_TRANSFERS)
         # Our typical rate each way over all partners (`FlowRate`): `auto`'s guess for a partner not measured yet.
@@ -356,7 +364,8 @@ class Averager:
         """What the transfer asks once the partner's values are in: how much of them to keep
         (`UpdateBound.judge`). The partner's steps are known only once it has answered, so they are read
         when the values arrive."""
-        return lambda seen: self.bound.judge(seen, pending.own_steps, self._credit(pending)[0])
+        return lambda seen: self.bound.judge(seen, pending.own_steps, self._credit(pending)[0],
+                                             pending.request.fragment)
 
     # --- the supervisor's call ---------------------------------------------------------------------------
 
@@ -447,14 +456,22 @@ class Averager:
     def _outer_step_ended(self, request: ExchangeRequest, averaged: bool) -> None:
         """Count an exchange towards the outer steps averaged or not (`_since_averaged`, and the catch-up's
         `on_outer_step`). With streaming fragments an outer step is a period, one sync of each fragment:
-        it is counted at the last fragment's sync, as averaged when any of the period's syncs was, so that
-        the catch-up's "outer steps in a row not averaged" keeps its meaning instead of running F times as
-        fast."""
+        it is counted once, as averaged when any of the period's syncs was, so that the catch-up's "outer
+        steps in a row not averaged" keeps its meaning instead of running F times as fast. A period ends
+        with its last fragment's sync, or, where the worker skipped that slot (its previous sync still in
+        flight), when a fragment of the next period comes."""
         if request.fragments > 1:
+            if self._period_fragment is not None and request.fragment <= self._period_fragment:
+                self._count_outer_step(self._period_averaged)  # the previous period ended without its last
+                self._period_averaged = False
+            self._period_fragment = request.fragment
             self._period_averaged = self._period_averaged or averaged
             if request.fragment != request.fragments - 1:
                 return
-            averaged, self._period_averaged = self._period_averaged, False
+            averaged, self._period_averaged, self._period_fragment = self._period_averaged, False, None
+        self._count_outer_step(averaged)
+
+    def _count_outer_step(self, averaged: bool) -> None:
         if averaged:
             self._since_averaged = 0
         elif self._since_averaged is not None:

@@ -221,7 +221,7 @@ def train_loop(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop
             elif trainer.fragments is not None and (f := trainer.fragment_due()) is not None:
                 # 2'. A streaming fragment's slot: publish it, or skip it while its previous one is out.
                 _publish_fragment(chan, trainer, slots, f)
-            elif trainer.publish_due():
+            elif trainer.fragments is None and trainer.publish_due():
                 # 2. Publish every H inner steps (only one outer exchange in flight at a time).
                 chan.send(trainer.publish(_view(slots.phi), _view(slots.delta)))
             elif not must_wait:
