@@ -322,3 +322,17 @@ def test_the_bounds_reference_is_each_fragments_own_history_not_a_median_over_al
     assert bound.reference(1.0, 1, 1, fragment=0) == 1.0
     assert bound.reference(1.0, 1, 1, fragment=1) == 100.0
     assert bound.reference(1.0, 1, 1) == 1.0  # the whole model's (fragment 0's) history alone
+
+
+async def test_the_catch_ups_count_reaches_every_fragment_once(autojump_clock: Any) -> None:
+    """Each fragment keeps its own count: the count the catch-up asks for goes to the next sync of every
+    fragment, once each, not to whichever fragment happens to sync next alone."""
+    av = Averager(LoneHost(), SyncConfig(pair_window_s=600, datapath=False, fragments=2),
+                  FakeSwarm(partners=[], others=False))
+    av.follow(9)
+    first = await av.exchange(fragment_request(0, 2, outer_step=3))
+    again = await av.exchange(fragment_request(0, 2, outer_step=10))  # fragment 0 followed already
+    other = await av.exchange(fragment_request(1, 2, outer_step=3))
+    after = await av.exchange(fragment_request(1, 2, outer_step=10))  # both followed: asked no more
+    assert [o.group_outer_step for o in (first, other)] == [9, 9]
+    assert again.group_outer_step in (None, 10) and after.group_outer_step in (None, 10)

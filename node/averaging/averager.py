@@ -271,6 +271,7 @@ class Averager:
         self._widest: str | None = None
         # The swarm's outer step to continue from at our next round's end (`follow`; None: none asked).
         self._follow_to: int | None = None
+        self._followed: set[int] = set()  # streaming fragments that took `_follow_to` already
         if cfg.assumed_rate_mbps != 100.0 or cfg.deadline_slack != 3.0:
             log.warning("sync.assumed_rate_mbps and sync.deadline_slack are ignored now: a transfer runs as long "
                         "as it moves (sync.stall_timeout_s, sync.max_transfer_s); remove them from the config")
@@ -389,7 +390,7 @@ class Averager:
             self._outer_step_ended(request, False)
             self.report.outer_step(request.outer_step, (), scheduled=False, unpaired=True)
             log.debug("outer step %d: solo after 0.00s (no other trainer to pair with)", request.outer_step)
-            return self._asked_count(request.outer_step, ExchangeOutcome.solo(
+            return self._asked_count(request, ExchangeOutcome.solo(
                 self._follow_the_swarm(request.outer_step, None)))
         began = trio.current_time()
         first, second = scheduled_partners(self.me, members, request.outer_step, self.swarm.speeds(),
@@ -450,7 +451,7 @@ class Averager:
         phi_range = preset.fragment_range(arrays.phi.size, pending.fragment) if preset.lossy else None
         # (A lossy preset needs pairs, so a group of four's exchange is never one: size 2 says it all.)
         own_exact = size == 2 and self._own_exact(str(pending.claimed_by), preset.name, arrays.phi.size)
-        return self._asked_count(request.outer_step, ExchangeOutcome(
+        return self._asked_count(request, ExchangeOutcome(
             size, continue_from, partner_samples, shift_s, preset.name, phi_range, own_exact=own_exact))
 
     def _outer_step_ended(self, request: ExchangeRequest, averaged: bool) -> None:
@@ -546,13 +547,22 @@ class Averager:
         return stepping.follow_the_swarm(self.me, outer_step, group_outer_step, self.swarm.swarm_steps(),
                                          self.cfg.max_step_gap)
 
-    def _asked_count(self, outer_step: int, outcome: ExchangeOutcome) -> ExchangeOutcome:
+    def _asked_count(self, request: ExchangeRequest, outcome: ExchangeOutcome) -> ExchangeOutcome:
         """`outcome` with the count the catch-up asked for (`follow`), once: ahead of where the round left
         us, as the outer step to follow; behind it, exactly, after a solo step only (a round that averaged
-        was within its partner's gap, and moving back would break the pair's agreement)."""
-        asked, self._follow_to = self._follow_to, None
+        was within its partner's gap, and moving back would break the pair's agreement). With streaming
+        fragments, once for each fragment (each keeps its own count, and all of them must follow)."""
+        outer_step, asked = request.outer_step, self._follow_to
         if asked is None:
             return outcome
+        if request.fragments > 1 and request.fragment not in self._followed:
+            self._followed.add(request.fragment)
+            if len(self._followed) >= request.fragments:
+                self._follow_to, self._followed = None, set()
+        elif request.fragments > 1:
+            return outcome  # this fragment followed already; the others have not
+        else:
+            self._follow_to = None
         current = max(outer_step, outcome.group_outer_step or 0)
         if asked > current:
             log.info("outer step %d: continuing from the swarm's outer step %d (the catch-up's count)",
@@ -571,7 +581,7 @@ class Averager:
         moves the count alone when the weights are fresh and a download would be dear (node/averaging/
         latejoin.py, `CatchUp.follow_instead`). The caller vouches for the step (the swarm's median from
         the member records, never one partner's word)."""
-        self._follow_to = outer_step
+        self._follow_to, self._followed = outer_step, set()
 
     def typical_rate_bps(self) -> float | None:
         """Our typical rate each way over every partner measured (bytes/s over the seconds they flowed, `FlowRate`; None: never measured)."""
