@@ -393,8 +393,9 @@ class Averager:
             return self._asked_count(request, ExchangeOutcome.solo(
                 self._follow_the_swarm(request.outer_step, None)))
         began = trio.current_time()
-        first, second = scheduled_partners(self.me, members, request.outer_step, self.swarm.speeds(),
-                                           request.fragment if request.fragments > 1 else None)
+        # With streaming fragments, this fragment's draw of the step (one fragment: the step's, as it was).
+        keyed = {"fragment": request.fragment} if request.fragments > 1 else {}
+        first, second = scheduled_partners(self.me, members, request.outer_step, self.swarm.speeds(), **keyed)
         if self.cfg.group_size < 4:
             second = None
         arrays = _arrays(request)
