@@ -336,3 +336,18 @@ async def test_the_catch_ups_count_reaches_every_fragment_once(autojump_clock: A
     after = await av.exchange(fragment_request(1, 2, outer_step=10))  # both followed: asked no more
     assert [o.group_outer_step for o in (first, other)] == [9, 9]
     assert again.group_outer_step in (None, 10) and after.group_outer_step in (None, 10)
+
+
+def test_judging_a_fragment_reads_that_fragments_history_for_the_reference() -> None:
+    """The reference a judged exchange gets is the median of the same fragment's history (a bug once read
+    another variable as the fragment, and every judge fell back to the current norm alone)."""
+    from node.averaging.robust import UpdateBound
+    from protocols.avg import Received
+
+    bound = UpdateBound(clip_ratio=2.0, reject_ratio=1e6, clip_phi_ratio=4.0)
+    for norm in (1.0, 1.0, 1.0):
+        bound.remember(norm, 1, fragment=2)
+    # Our Delta now 0.5, the history's median 1.0: the partner's phi distance of 4.0 is within 4 x 1.0.
+    seen = Received(their_delta_sq=0.25, own_delta_sq=0.25, phi_distance_sq=16.0, own_phi_sq=1e6, model_phi_sq=1e6)
+    assert bound.judge(seen, 1, 1, fragment=2).phi_scale == 1.0
+    assert bound.judge(seen, 1, 1, fragment=3).phi_scale == pytest.approx(0.5)  # no history: 4 x 0.5

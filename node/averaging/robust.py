@@ -126,8 +126,8 @@ class UpdateBound:
         # fragment it was measured on (under a lossy preset phi crosses the wire a fragment at a time).
         model = self.reject_ratio * seen.own_model_norm
         _refuse_garbage(their_norm, model, self.reject_ratio, "delta_norm", "Delta norm")
-        fragment = self.reject_ratio * seen.own_phi_norm
-        _refuse_garbage(phi_distance, fragment, self.reject_ratio, "phi_distance", "phi distance from ours",
+        phi_limit = self.reject_ratio * seen.own_phi_norm
+        _refuse_garbage(phi_distance, phi_limit, self.reject_ratio, "phi_distance", "phi distance from ours",
                         wild=phi_distance > model)
         reference = self.reference(own_norm, own_steps, their_steps, fragment)
         return Clip(_scale(their_norm, self.clip_ratio * reference),
