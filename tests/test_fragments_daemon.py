@@ -351,3 +351,21 @@ def test_judging_a_fragment_reads_that_fragments_history_for_the_reference() -> 
     seen = Received(their_delta_sq=0.25, own_delta_sq=0.25, phi_distance_sq=16.0, own_phi_sq=1e6, model_phi_sq=1e6)
     assert bound.judge(seen, 1, 1, fragment=2).phi_scale == 1.0
     assert bound.judge(seen, 1, 1, fragment=3).phi_scale == pytest.approx(0.5)  # no history: 4 x 0.5
+
+
+def test_with_the_swarms_pace_fragment_f_is_due_at_f_plus_1_over_f_of_the_period(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    trainer = Trainer(TINY, tmp_path, "peer-a")
+    trainer.set_fragments(4)
+    trainer.inner_step()  # (a slot needs a step since the period began, as a publish does)
+    trainer.step_time_s = 0.0
+    trainer.set_pace(8.0)
+    assert trainer.next_publish_at is not None
+    start = trainer.next_publish_at - 8.0
+    for f in range(4):
+        slot = start + 2.0 * (f + 1)
+        assert trainer.fragment_due(now=slot - 0.01) is None
+        assert trainer.fragment_due(now=slot) == f
+        trainer.pass_fragment_slot()
+    # After the last slot a new period begins, a period from now.
+    assert trainer.fragment_slot == 0 and trainer.next_publish_at >= start + 8.0
