@@ -16,7 +16,8 @@ one at a time, in the order of the publishes: a fragment published while another
 for it. Why not several at once: the fragments share one link, so parallel transfers would not end the
 period's syncs sooner (each would crawl at 1/k of the rate), while one at a time brings each result as
 early as the link allows, and the averager's round (its pairing, claims and responder state,
-node/averaging/averager.py) stays the single round it was. A catch-up snapshot answers a publish only
+node/averaging/averager.py) stays the single round it was. `train.exchange_timeout` bounds each exchange
+from its start, not its wait behind the others (at most F - 1 of them). A catch-up snapshot answers a publish only
 when no other fragment is in flight, since adopting it replaces every fragment's slice at once. The daemon therefore never has to worry about the
 worker waiting forever, and the worker never waits on the network beyond the configured bound.
 
