@@ -821,7 +821,7 @@ class Daemon:
         assert self.averager is not None
         hooks = SupervisorHooks(on_metrics=self._record_own_progress, on_adopted=self._on_adopted, pace=self._pace)
         return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange,
-                                task_options=self._task_options(), hooks=hooks)
+                                task_options=self._task_options(), hooks=hooks, fragments=self.cfg.sync.fragments)
 
     def _task_options(self) -> dict[str, Any]:
         """The `[task]` section for the worker's task (empty for a Config built without one)."""

@@ -190,7 +190,9 @@ class SyncStatus(TypedDict):
     last_partner: str | None
     last_duration_s: float | None
     last_bytes: int | None
-    last_bytes_per_param: float | None  # payload bytes sent per parameter in the latest exchange (phi + Delta)
+    # payload bytes sent per parameter in the latest exchange (phi + Delta); with streaming fragments, in the
+    # latest sync of each fragment, over their parameters: per outer step either way (node/averaging/report.py)
+    last_bytes_per_param: float | None
     last_path: str | None
     bytes_sent: int
     bytes_received: int
@@ -204,6 +206,10 @@ class SyncStatus(TypedDict):
     mixing: MixingStatus
     state: str  # idle | pairing | exchanging
     transfer: NotRequired[TransferStatus]  # while exchanging
+    # Streaming fragments (sync.fragments > 1 only): the count, and the fragment the round in progress syncs
+    # (None while idle); `last_*` and `rounds` count fragment syncs then.
+    fragments: NotRequired[int]
+    fragment: NotRequired[int | None]
     rejections: dict[str, int]  # partner updates refused, by reason (node/averaging/robust.py)
     clipped: dict[str, int]  # partner updates clipped, by part: delta | phi
     banned: list[str]

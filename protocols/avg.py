@@ -49,6 +49,16 @@ count our answer as malformed), and a 1.2.0 peer's answer, which has only the te
 texts 1.2.0 sends (`LEGACY_REASONS`: with the preset a compression refusal wants, the one place a reason's
 text is read, to go when 1.2.0 is gone). The
 session keys stay bound to the 1.2.0 id (`KEYS_PROTOCOL_ID`): the key schedule did not change.
+
+Streaming fragments (`sync.fragments` = F > 1, issue #23): an exchange carries one fragment of the model,
+and the request says which, `stream_fragment` of `stream_fragments` (at most `MAX_FRAGMENTS`); `numel`
+is then the fragment's size, and everything else (chunking, presets, phi's `fragment`, the bounds) applies
+to the fragment as if it were the model. The responder refuses a count that differs from its own or an
+index out of range (`AnswerCode.FRAGMENTS`: the two would cut the model differently), and answers a
+request for another fragment than the one its round is syncing with `OTHER_FRAGMENT` (busy: asked again).
+The two fields go on the wire only where F > 1, so with one fragment the request is the one it was, byte
+for byte, and no version changed: a peer that does not know them refuses the request as malformed, which
+is right, since the two would not cut the model alike.
 """
 
 from __future__ import annotations
@@ -104,7 +114,7 @@ from protocols.codec import (
     send_tensor,
     send_tensor_blocking,
 )
-from protocols.compress import get_compression
+from protocols.compress import MAX_FRAGMENTS, get_compression
 
 log = logging.getLogger("starling.avg")
 
@@ -139,6 +149,7 @@ class AnswerCode(enum.Enum):
     SCHEDULED = "scheduled"  # waiting for the partner the schedule gives it
     CROSSING = "crossing"  # it is asking us at the same time, and its request wins
     ASKING_OTHER = "asking_other"  # it is asking someone else
+    OTHER_FRAGMENT = "other_fragment"  # its round syncs another streaming fragment (it gets to ours soon)
     CLAIMED = "claimed"  # (never on the wire) a crossing request claimed our outer step meanwhile
     BUSY = "busy"  # any other busy answer
     # refuse: no, for reasons a retry does not change
@@ -149,6 +160,7 @@ class AnswerCode(enum.Enum):
     STEP_GAP = "step_gap"  # outer steps further apart than `sync.max_step_gap`
     WIRE_DTYPE = "wire_dtype"
     COMPRESSION = "compression"
+    FRAGMENTS = "fragments"  # another `sync.fragments`, or a fragment index out of range
     REFUSED = "refused"  # any other refusal
 
     @property
@@ -164,7 +176,7 @@ class AnswerCode(enum.Enum):
     @property
     def asks_again(self) -> bool:
         """The partner has not begun the round we asked for (it is "not ready"): ask again soon."""
-        return self in (AnswerCode.NOT_READY, AnswerCode.NOT_IN_ROUND)
+        return self in (AnswerCode.NOT_READY, AnswerCode.NOT_IN_ROUND, AnswerCode.OTHER_FRAGMENT)
 
     @classmethod
     def of(cls, verdict: str, code: str, reason: str) -> AnswerCode:
@@ -185,7 +197,7 @@ class AnswerCode(enum.Enum):
 
 _BUSY_CODES = frozenset({AnswerCode.NOT_READY, AnswerCode.NOT_IN_ROUND, AnswerCode.SECOND_ROUND,
                          AnswerCode.EXCHANGING, AnswerCode.SCHEDULED, AnswerCode.CROSSING, AnswerCode.ASKING_OTHER,
-                         AnswerCode.CLAIMED, AnswerCode.BUSY})
+                         AnswerCode.OTHER_FRAGMENT, AnswerCode.CLAIMED, AnswerCode.BUSY})
 
 # The reasons a 1.2.0 node sends (node/averaging/averager.py's `_judge` as it was), by prefix, and their codes.
 LEGACY_REASONS: tuple[tuple[str, AnswerCode], ...] = (
@@ -232,6 +244,31 @@ class AvgRequest:
     compression: str = spec(min_len=1, max_len=16, default="none")
     fragment: int = spec(ge=0, le=1 << 16, default=0)
     phi_chunk_elems: int = spec(ge=0, le=1 << 28, default=0)
+    # Streaming fragments (module docstring): which fragment of how many the tensors are; on the wire only
+    # where `stream_fragments` > 1 (`request_map`). Whether the index is below the count is the responder's
+    # check (a refusal, `AnswerCode.FRAGMENTS`), not a malformed request.
+    stream_fragment: int = spec(ge=0, le=MAX_FRAGMENTS - 1, default=0)
+    stream_fragments: int = spec(ge=1, le=MAX_FRAGMENTS, default=1)
+
+
+def request_map(request: AvgRequest) -> dict[str, object]:
+    """`request` as it goes on the wire: without the streaming-fragment fields where there is one fragment,
+    so that a whole-model request is the one it always was (module docstring)."""
+    fields = to_map(request)
+    if request.stream_fragments == 1 and request.stream_fragment == 0:
+        del fields["stream_fragment"], fields["stream_fragments"]
+    return fields
+
+
+def fragment_refusal(request: AvgRequest, fragments: int) -> str | None:
+    """Why a responder syncing the model in `fragments` streaming fragments refuses `request`
+    (`AnswerCode.FRAGMENTS`), or None where the two cut the model alike and the index is one of them."""
+    if request.stream_fragments != fragments:
+        return (f"fragments mismatch: yours {request.stream_fragments}, ours {fragments} "
+                "(sync.fragments must be the same on every trainer)")
+    if request.stream_fragment >= fragments:
+        return f"fragments mismatch: fragment {request.stream_fragment} out of range for {fragments}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -795,7 +832,7 @@ async def initiate(
                              pubkey=mine.public_key,
                              punch_port=punch.port if punch else 0, **request_fields)
         with trio.fail_after(handshake_timeout):
-            await send_msg(control, request, max_bytes=MAX_CONTROL_BYTES)
+            await send_msg(control, request_map(request), max_bytes=MAX_CONTROL_BYTES)
             answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
         if answer.verdict != "accept":
             raise Declined(AnswerCode.of(answer.verdict, answer.code, answer.reason), answer.reason,

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 
 from protocols.codec import DEFAULT_INT8_BLOCK, TensorCodec, get_codec
 
-__all__ = ["BLOCK", "Compression", "PRESETS", "get_compression"]
+__all__ = ["BLOCK", "Compression", "MAX_FRAGMENTS", "PRESETS", "get_compression", "stream_fragment_range"]
 
 BLOCK = DEFAULT_INT8_BLOCK  # elements per top-k and int8 block; fragment boundaries fall on multiples of it
+# `sync.fragments`' most (streaming fragments, issue #23): the request header's bound too (protocols/avg.py).
+# 64 cuts even a 1B model into fragments of some 16 M parameters, where one more fragment saves little peak.
+MAX_FRAGMENTS = 64
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,16 @@ PRESETS: dict[str, Compression] = {
     "medium": Compression("medium", delta_keep=256, fragments=4),
     "high": Compression("high", delta_keep=64, fragments=32),
 }
+
+
+def stream_fragment_range(numel: int, index: int, count: int) -> tuple[int, int]:
+    """Elements [lo, hi) of streaming fragment `index` of `count` (`sync.fragments`): the same cut as a
+    preset's phi fragments (contiguous runs of whole blocks), so a fragment's top-k blocks are the whole
+    vector's, and the one rule the worker (node/worker/trainer.py, `set_fragments`) and the daemon
+    (node/bridge/supervisor.py) both cut the model by. ``ValueError`` for an index out of range."""
+    if not 1 <= count <= MAX_FRAGMENTS:
+        raise ValueError(f"{count} streaming fragments: between 1 and {MAX_FRAGMENTS}")
+    return Compression("fragments", fragments=count).fragment_range(numel, index)
 
 
 def get_compression(name: str) -> Compression:

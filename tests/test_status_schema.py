@@ -148,7 +148,7 @@ EXPORTED: dict[tuple[str, str], str] = {
 NOT_EXPORTED = {
     ("training", "pid"), ("training", "resumed_step"), ("training", "checkpoint_step"), ("training", "lr"),
     ("training", "last_group_size"), ("sync", "unpaired_rounds"), ("sync", "declined"), ("sync", "datapath_port"),
-    ("sync", "catch_ups"), ("sync", "catch_up_follows"), ("mixing", "window"), ("mixing", "averaged"), ("mixing", "solo"), ("mixing", "scheduled"),
+    ("sync", "catch_ups"), ("sync", "catch_up_follows"), ("sync", "fragments"), ("sync", "fragment"), ("mixing", "window"), ("mixing", "averaged"), ("mixing", "solo"), ("mixing", "scheduled"),
     ("swarm_totals", "samples"), ("swarm_totals", "tokens"), ("swarm_totals", "crowd_evictions"),
 }  # fmt: skip
 SECTIONS = {"": NodeStatus, "training": TrainingStatus, "sync": SyncStatus, "mixing": MixingStatus,

@@ -60,6 +60,13 @@ slower side's view wins: an `auto` responder refuses a preset less compressed th
 for that initiator (its rate with it, else its typical rate), saying which it wants, and the initiator asks
 again at once with that one (`_try_partner`), which it then starts from with that partner.
 
+Streaming fragments (`sync.fragments` = F > 1): each exchange is one fragment's (the request's slices of
+the slots, node/bridge/supervisor.py), and this machine treats it as an outer step of a model that size:
+the schedule is drawn for (outer step, fragment) (so each fragment sync has its own partner), the request
+names the fragment (protocols/avg.py; a responder in another fragment's round answers `OTHER_FRAGMENT`,
+one with another count refuses), the bounds and `auto` apply to the fragment (its budget is the period over
+F), and the catch-up counts a period of F syncs as one outer step (`_outer_step_ended`).
+
 Two rules keep heterogeneous machines from drifting apart for good:
 
 - When the daemon knows of no other trainer that could pair at all (alive, of our run, with a usable
@@ -252,6 +259,8 @@ class Averager:
         # Our outer steps since the latest averaged one (None: none averaged since the daemon started): whether
         # our phi is the swarm's model, the scale a partner's phi distance is judged on (`_fail`).
         self._since_averaged: int | None = None
+        self._period_averaged = False  # streaming fragments: whether a sync of the current period averaged
+        self._period_fragment: int | None = None  # and the fragment of its latest sync (None: none yet)
         # Our latest exchanges' transfer times, for `_busy_wait_s` (the longest of them).
         self._transfers_s: collections.deque[float] = collections.deque(maxlen=RECENT_TRANSFERS)
         # Our typical rate each way over all partners (`FlowRate`): `auto`'s guess for a partner not measured yet.
@@ -262,6 +271,7 @@ class Averager:
         self._widest: str | None = None
         # The swarm's outer step to continue from at our next round's end (`follow`; None: none asked).
         self._follow_to: int | None = None
+        self._followed: set[int] = set()  # streaming fragments that took `_follow_to` already
         if cfg.assumed_rate_mbps != 100.0 or cfg.deadline_slack != 3.0:
             log.warning("sync.assumed_rate_mbps and sync.deadline_slack are ignored now: a transfer runs as long "
                         "as it moves (sync.stall_timeout_s, sync.max_transfer_s); remove them from the config")
@@ -297,6 +307,9 @@ class Averager:
             "sitting_out": self.misses.status(),
             "last_refusal": self.report.last_refusal(),
         })
+        if self.cfg.fragments > 1:
+            st["fragments"] = self.cfg.fragments
+            st["fragment"] = None if pending is None else pending.request.fragment
         if pending is not None and pending.progress is not None and pending.claimed_by not in (None, "solo"):
             # What a slow link's operator wants to see: the transfer is moving, and how fast.
             moved = pending.progress
@@ -352,7 +365,8 @@ class Averager:
         """What the transfer asks once the partner's values are in: how much of them to keep
         (`UpdateBound.judge`). The partner's steps are known only once it has answered, so they are read
         when the values arrive."""
-        return lambda seen: self.bound.judge(seen, pending.own_steps, self._credit(pending)[0])
+        return lambda seen: self.bound.judge(seen, pending.own_steps, self._credit(pending)[0],
+                                             pending.request.fragment)
 
     # --- the supervisor's call ---------------------------------------------------------------------------
 
@@ -373,13 +387,15 @@ class Averager:
         """
         members = self._schedule_members()
         if not members and not self.swarm.anyone_else():
-            self.hooks.on_outer_step(False)
+            self._outer_step_ended(request, False)
             self.report.outer_step(request.outer_step, (), scheduled=False, unpaired=True)
             log.debug("outer step %d: solo after 0.00s (no other trainer to pair with)", request.outer_step)
-            return self._asked_count(request.outer_step, ExchangeOutcome.solo(
+            return self._asked_count(request, ExchangeOutcome.solo(
                 self._follow_the_swarm(request.outer_step, None)))
         began = trio.current_time()
-        first, second = scheduled_partners(self.me, members, request.outer_step, self.swarm.speeds())
+        # With streaming fragments, this fragment's draw of the step (one fragment: the step's, as it was).
+        keyed = {"fragment": request.fragment} if request.fragments > 1 else {}
+        first, second = scheduled_partners(self.me, members, request.outer_step, self.swarm.speeds(), **keyed)
         if self.cfg.group_size < 4:
             second = None
         arrays = _arrays(request)
@@ -428,11 +444,7 @@ class Averager:
             self._last_paired[partner] = self.report.stats["rounds"]
         continue_from = self._follow_the_swarm(request.outer_step, group_outer_step)
         self._last_outer_step = max(request.outer_step, continue_from or 0)
-        if size >= 2:
-            self._since_averaged = 0
-        elif self._since_averaged is not None:
-            self._since_averaged += 1
-        self.hooks.on_outer_step(size >= 2)
+        self._outer_step_ended(request, size >= 2)
         log.debug("outer step %d: %s after %.2fs", request.outer_step,
                   f"averaged in a group of {size}" if size >= 2 else "solo", trio.current_time() - began)
         # The first round's preset (a second round, in groups of four, is always `none`).
@@ -440,8 +452,33 @@ class Averager:
         phi_range = preset.fragment_range(arrays.phi.size, pending.fragment) if preset.lossy else None
         # (A lossy preset needs pairs, so a group of four's exchange is never one: size 2 says it all.)
         own_exact = size == 2 and self._own_exact(str(pending.claimed_by), preset.name, arrays.phi.size)
-        return self._asked_count(request.outer_step, ExchangeOutcome(
+        return self._asked_count(request, ExchangeOutcome(
             size, continue_from, partner_samples, shift_s, preset.name, phi_range, own_exact=own_exact))
+
+    def _outer_step_ended(self, request: ExchangeRequest, averaged: bool) -> None:
+        """Count an exchange towards the outer steps averaged or not (`_since_averaged`, and the catch-up's
+        `on_outer_step`). With streaming fragments an outer step is a period, one sync of each fragment:
+        it is counted once, as averaged when any of the period's syncs was, so that the catch-up's "outer
+        steps in a row not averaged" keeps its meaning instead of running F times as fast. A period ends
+        with its last fragment's sync, or, where the worker skipped that slot (its previous sync still in
+        flight), when a fragment of the next period comes."""
+        if request.fragments > 1:
+            if self._period_fragment is not None and request.fragment <= self._period_fragment:
+                self._count_outer_step(self._period_averaged)  # the previous period ended without its last
+                self._period_averaged = False
+            self._period_fragment = request.fragment
+            self._period_averaged = self._period_averaged or averaged
+            if request.fragment != request.fragments - 1:
+                return
+            averaged, self._period_averaged, self._period_fragment = self._period_averaged, False, None
+        self._count_outer_step(averaged)
+
+    def _count_outer_step(self, averaged: bool) -> None:
+        if averaged:
+            self._since_averaged = 0
+        elif self._since_averaged is not None:
+            self._since_averaged += 1
+        self.hooks.on_outer_step(averaged)
 
     async def _run_round(self, pending: _Pending) -> None:
         """Look for a partner and exchange with it, for one round; `pending.result` says how it went."""
@@ -511,13 +548,22 @@ class Averager:
         return stepping.follow_the_swarm(self.me, outer_step, group_outer_step, self.swarm.swarm_steps(),
                                          self.cfg.max_step_gap)
 
-    def _asked_count(self, outer_step: int, outcome: ExchangeOutcome) -> ExchangeOutcome:
+    def _asked_count(self, request: ExchangeRequest, outcome: ExchangeOutcome) -> ExchangeOutcome:
         """`outcome` with the count the catch-up asked for (`follow`), once: ahead of where the round left
         us, as the outer step to follow; behind it, exactly, after a solo step only (a round that averaged
-        was within its partner's gap, and moving back would break the pair's agreement)."""
-        asked, self._follow_to = self._follow_to, None
+        was within its partner's gap, and moving back would break the pair's agreement). With streaming
+        fragments, once for each fragment (each keeps its own count, and all of them must follow)."""
+        outer_step, asked = request.outer_step, self._follow_to
         if asked is None:
             return outcome
+        if request.fragments > 1 and request.fragment not in self._followed:
+            self._followed.add(request.fragment)
+            if len(self._followed) >= request.fragments:
+                self._follow_to, self._followed = None, set()
+        elif request.fragments > 1:
+            return outcome  # this fragment followed already; the others have not
+        else:
+            self._follow_to = None
         current = max(outer_step, outcome.group_outer_step or 0)
         if asked > current:
             log.info("outer step %d: continuing from the swarm's outer step %d (the catch-up's count)",
@@ -536,15 +582,16 @@ class Averager:
         moves the count alone when the weights are fresh and a download would be dear (node/averaging/
         latejoin.py, `CatchUp.follow_instead`). The caller vouches for the step (the swarm's median from
         the member records, never one partner's word)."""
-        self._follow_to = outer_step
+        self._follow_to, self._followed = outer_step, set()
 
     def typical_rate_bps(self) -> float | None:
         """Our typical rate each way over every partner measured (bytes/s over the seconds they flowed, `FlowRate`; None: never measured)."""
         return self._rate_bps
 
     def outer_period_s(self) -> float:
-        """Seconds of one of our outer steps as far as we know them (0: unknown)."""
-        return self._outer_period_s()
+        """Seconds of one of our outer steps as far as we know them (0: unknown; the whole period, with
+        streaming fragments too)."""
+        return self._outer_period_s() * self.cfg.fragments
 
     def _schedule_members(self) -> list[str]:
         """The other trainers the schedule pairs us among: the eligible ones (the swarm state's view; other
@@ -688,13 +735,17 @@ class Averager:
         self._rate_bps = self._flow.add(each_way, seconds)
 
     def _outer_period_s(self) -> float:
-        """Compute seconds of one of our outer steps as far as we know them (0: unknown)."""
+        """Compute seconds of one of our outer steps as far as we know them (0: unknown); with streaming
+        fragments, of one fragment's share of it (the period over F): `auto`'s budget for a transfer, since
+        the F fragments' transfers share the link one after another (node/bridge/supervisor.py) and each
+        must end before the next fragment's slot. A fragment of 1/F of the model in 1/F of the time: the
+        preset `auto` picks is the whole vector's at the same link rate."""
         try:
             period = float(self.swarm.outer_period())
         except Exception:  # a period that cannot be computed is unknown, as before any speed was measured
             log.exception("the outer step's period could not be computed")
             return 0.0
-        return period if period > 0 and period != float("inf") else 0.0
+        return period / self.cfg.fragments if period > 0 and period != float("inf") else 0.0
 
     def _compression_for(self, partner: str, pending: _Pending) -> str:
         """The preset we ask `partner` to exchange this round with (node/averaging/compression_choice.py)."""
@@ -765,6 +816,8 @@ class Averager:
             "stage": pending.stage,
             "compression": compression,
             "fragment": fragment,
+            "stream_fragment": pending.request.fragment,
+            "stream_fragments": pending.request.fragments,
             **self._contribution(pending),
         }
 
@@ -864,8 +917,9 @@ class Averager:
                           compression, retry)
                 return Attempt.REFUSED, retry
             not_ready = e.code.asks_again
-            if e.code.busy:
-                # Busy or between outer steps, it shows where its count is (a refusal's may be far off).
+            if e.code.busy and e.code is not AnswerCode.OTHER_FRAGMENT:
+                # Busy or between outer steps, it shows where its count is (a refusal's may be far off;
+                # another fragment's round shows that fragment's count, not ours).
                 pending.largest_seen = max(pending.largest_seen, e.outer_step)
                 pending.saw_ready = pending.saw_ready or not not_ready
             if not_ready and e.since_publish_ms > 0:
@@ -898,7 +952,7 @@ class Averager:
         finally:
             pending.initiating_to = None
         self._learn_rate(partner, progress, completed=True)
-        self._succeed(partner, result, numel, pending.compression)
+        self._succeed(partner, result, numel, pending.compression, pending.request)
         pending.result = 2
         pending.done.set()
         return Attempt.PAIRED, None
@@ -955,8 +1009,10 @@ class Averager:
         if pending is not None:
             pending.saw_ready = True  # whoever asks has published: our phase is not off everyone's
         verdict = self._judge(request, pending, partner)
-        if pending is not None and (verdict is None or verdict[0].busy):
-            # Only a trainer of our run (manifest, layout and step gap passed) shows us where the count is.
+        if (pending is not None and (verdict is None or verdict[0].busy)
+                and (verdict is None or verdict[0] is not AnswerCode.OTHER_FRAGMENT)):
+            # Only a trainer of our run (manifest, layout and step gap passed) shows us where the count is
+            # (and only of our fragment: each streaming fragment keeps its own count).
             pending.largest_seen = max(pending.largest_seen, request.outer_step)
         if (verdict is not None and verdict[0] is AnswerCode.NOT_IN_ROUND and pending is not None
                 and partner == pending.next_partner):
@@ -1018,7 +1074,7 @@ class Averager:
         finally:
             pending.transfer_finished.set()
         self._learn_rate(partner, progress, completed=True)
-        self._succeed(partner, result, pending.tensors.phi.size, pending.compression)
+        self._succeed(partner, result, pending.tensors.phi.size, pending.compression, pending.request)
         pending.result = 2
         pending.done.set()
         await close_quietly(stream)
@@ -1056,8 +1112,15 @@ class Averager:
         if req.manifest_hash != ours:
             log.error("refusing %s: run manifest %s differs from ours %s", partner, req.manifest_hash[:12], ours[:12])
             return (AnswerCode.MANIFEST, f"manifest mismatch: yours {req.manifest_hash}, ours {ours}")
+        cut = avg.fragment_refusal(req, self.cfg.fragments)
+        if cut is not None:
+            return (AnswerCode.FRAGMENTS, cut)
         if pending is None:
             return (AnswerCode.NOT_READY, "not ready (training between outer steps)")
+        if req.stream_fragment != pending.request.fragment:
+            # Partners publish a period's fragments in the same order: it reaches ours soon, or we its.
+            return (AnswerCode.OTHER_FRAGMENT,
+                    f"syncing fragment {pending.request.fragment}, not {req.stream_fragment}")
         if req.stage != pending.stage:
             # A second-round request while we are still in our first round: the asker retries ("not
             # ready"); a first-round request while we are in our second: we are busy with our group.
@@ -1103,13 +1166,15 @@ class Averager:
 
     # --- bookkeeping -------------------------------------------------------------------------------------
 
-    def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0, compression: str = "none") -> None:
+    def _succeed(self, partner: str, result: avg.TransferResult, numel: int = 0, compression: str = "none",
+                 request: ExchangeRequest | None = None) -> None:
         self._transfers_s.append(result.duration_s)
         self.admission.succeeded(partner, sent=result.bytes_sent, received=result.bytes_received, path=result.path,
                                  compression=compression, clipped=result.clip.clipped)
         if compression in ORDER and (self._widest is None or ORDER.index(compression) < ORDER.index(self._widest)):
             self._widest = compression
-        self.report.exchanged(partner, result, numel, compression)
+        fragment = (request.fragment, request.fragments) if request is not None and request.fragments > 1 else None
+        self.report.exchanged(partner, result, numel, compression, fragment)
         total = result.bytes_sent + result.bytes_received
         if self.metrics is not None:
             self.metrics.observe_round(result.duration_s, total, partner, True)

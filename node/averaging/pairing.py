@@ -167,9 +167,15 @@ def matching(members: Iterable[str], round_no: int, speeds: Mapping[str, float] 
 
 
 def schedule(members: Iterable[str], round_no: int,
-             speeds: Mapping[str, float] | None = None) -> dict[str, tuple[str | None, str | None]]:
+             speeds: Mapping[str, float] | None = None,
+             fragment: int | None = None) -> dict[str, tuple[str | None, str | None]]:
     """Everyone's two partners at outer step `round_no`: (the first round's, the second round's), either
     None where there is none.
+
+    `fragment`: the streaming fragment the step syncs (`sync.fragments` > 1, node/averaging/averager.py):
+    the keys and the bye's turn are then drawn for (outer step, fragment), so that each fragment sync of a
+    period has its own partner, drawn as freshly as the outer steps' are; None (one fragment): the outer
+    step's, as it always was.
 
     The first round is the trie matching of the members' keys for this outer step (prefixed by their
     speed tier in the tiered share of steps); where the count is odd and at most `BYE_ROTATION_MAX`, the
@@ -183,7 +189,8 @@ def schedule(members: Iterable[str], round_no: int,
     it (docs/benchmarks.md, "Heterogeneous machines, in-process"): the pairs' consensus error ate what the
     slow machines' samples brought."""
     names = set(members)
-    keys = _keys(names, "round", round_no)
+    keys = _keys(names, "round", round_no) if fragment is None else _keys(names, "round", round_no, "fragment",
+                                                                          fragment)
     if _tiered(round_no):
         keys = {n: (_tier_code(speed_tier((speeds or {}).get(n))) << KEY_BITS) | k for n, k in keys.items()}
     pairs, bye = trie_matching((k, n) for n, k in keys.items())
@@ -191,7 +198,8 @@ def schedule(members: Iterable[str], round_no: int,
         # The rotation's bye steps out of its pair, and the trie's leftover takes its place: three
         # partners move, not the whole trie (as leaving the bye out of the trie would move its root path).
         rank = _keys(names, "byes")
-        rotating = sorted(names, key=lambda n: (rank[n], n))[round_no % len(names)]
+        turn = round_no if fragment is None else round_no + fragment  # fragments of a step: byes move on
+        rotating = sorted(names, key=lambda n: (rank[n], n))[turn % len(names)]
         if rotating != bye:
             i = next(i for i, pair in enumerate(pairs) if rotating in pair)
             other = pairs[i][1] if pairs[i][0] == rotating else pairs[i][0]
@@ -221,9 +229,11 @@ def scheduled_partner(me: str, others: Iterable[str], round_no: int,
 
 
 def scheduled_partners(me: str, others: Iterable[str], round_no: int,
-                       speeds: Mapping[str, float] | None = None) -> tuple[str | None, str | None]:
-    """This node's (first-round, second-round) partners at outer step `round_no` (`schedule`)."""
-    return schedule([me, *others], round_no, speeds).get(me, (None, None))
+                       speeds: Mapping[str, float] | None = None,
+                       fragment: int | None = None) -> tuple[str | None, str | None]:
+    """This node's (first-round, second-round) partners at outer step `round_no` (`schedule`; `fragment`:
+    that streaming fragment's sync of the step)."""
+    return schedule([me, *others], round_no, speeds, fragment).get(me, (None, None))
 
 
 def agreement(views: Mapping[str, Iterable[str]], round_no: int,

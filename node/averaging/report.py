@@ -51,6 +51,8 @@ class Report:
             "last_error": None,
         }
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
+        # Streaming fragments: each fragment's latest sync, (bytes this node sent, its parameters), by index.
+        self._fragment_sent: dict[int, tuple[int, int]] = {}
         self._partners: set[str] = set()
         # (outer step, its partners (none: a solo step), whether the first was the scheduled one), newest last.
         self._recent: collections.deque[tuple[int, tuple[str, ...], bool]] = collections.deque(maxlen=MIXING_WINDOW)
@@ -61,8 +63,15 @@ class Report:
 
     # --- what happened -------------------------------------------------------------------------------------
 
-    def exchanged(self, partner: str, result: TransferResult, numel: int, compression: str) -> None:
-        """An exchange with `partner` completed."""
+    def exchanged(self, partner: str, result: TransferResult, numel: int, compression: str,
+                  fragment: tuple[int, int] | None = None) -> None:
+        """An exchange with `partner` completed; `fragment` = (index, count): it synced that streaming
+        fragment of `numel` parameters.
+
+        `last_bytes_per_param` is per outer step, what a node sends for each parameter once: the bytes of
+        the latest exchange over its parameters, or with streaming fragments the bytes of the latest sync of
+        each fragment over those fragments' parameters (one period syncs every fragment once), so that it
+        reads the same, 4 B/param in bf16 for instance, whatever the count."""
         self._last_success_at = trio.current_time()
         self._partners.add(partner)
         if result.clip.clipped:
@@ -80,9 +89,21 @@ class Report:
             last_path=result.path,
             bytes_sent=self.stats["bytes_sent"] + result.bytes_sent,
             bytes_received=self.stats["bytes_received"] + result.bytes_received,
-            last_bytes_per_param=round(result.bytes_sent / numel, 4) if numel else None,
+            last_bytes_per_param=self._bytes_per_param(result.bytes_sent, numel, fragment),
             last_compression=compression,
         )
+
+    def _bytes_per_param(self, sent: int, numel: int, fragment: tuple[int, int] | None) -> float | None:
+        """`last_bytes_per_param` (`exchanged`): of this exchange, or of each fragment's latest sync."""
+        if fragment is None:
+            self._fragment_sent.clear()
+            return round(sent / numel, 4) if numel else None
+        index, count = fragment
+        if any(f >= count for f in self._fragment_sent):  # the count changed: the old cut's syncs go
+            self._fragment_sent.clear()
+        self._fragment_sent[index] = (sent, numel)
+        params = sum(n for _, n in self._fragment_sent.values())
+        return round(sum(b for b, _ in self._fragment_sent.values()) / params, 4) if params else None
 
     def failed(self, partner: str, text: str, *, count: bool) -> None:
         """An exchange with `partner` failed (`count`: as a failure, not a request that timed out unread)."""

@@ -34,6 +34,13 @@ bounded here, against references that only this node writes:
   Delta or phi distance longer than `reject_ratio` x the norm of our own phi (two models of one
   architecture are at most about the sum of their norms apart; +1000 on every weight is not training).
 
+Streaming fragments (`sync.fragments` > 1): an exchange carries one fragment, and every bound applies to it
+as if it were the model: our own Delta's norm on the fragment is the reference (its history kept per
+fragment, since fragments of different layers have norms of different sizes, and a median over all of
+them would bound a small fragment by a large one's scale), the phi distance and norms are the fragment's,
+and refusing takes our phi's norm on the fragment as the size of a model. Per coordinate nothing changes:
+a partner moves each fragment at most as far as the whole-model bound moves the model.
+
 What the bounds buy: a partner that always sends the most it may along one direction moves our momentum by
 at most beta/2 * clip + gamma/2 * clip references per round, i.e. about (beta + gamma) * clip references of
 phi per round with the momentum's 1 / (1 - alpha) gain. docs/reliability.md measures it against honest
@@ -76,7 +83,8 @@ class UpdateBound:
         self.clip_phi_ratio = clip_phi_ratio
         self.reject_ratio = reject_ratio
         self.max_inner_steps = max_inner_steps
-        self._own_per_step: collections.deque[float] = collections.deque(maxlen=HISTORY)
+        # Our own Delta norm per inner step over recent exchanges, by streaming fragment (0: the whole model).
+        self._own_per_step: dict[int, collections.deque[float]] = {}
 
     def credit(self, own_steps: int, own_samples: int, their_steps: int, their_samples: int) -> Credited:
         """A partner's steps count up to the swarm's H (or ours, if we did more); its samples up to what our
@@ -89,36 +97,39 @@ class UpdateBound:
             samples = min(samples, math.ceil(own_samples * max(steps, 1) / own_steps))
         return Credited(steps, samples)
 
-    def reference(self, own_norm: float, own_steps: int, their_steps: int) -> float:
+    def reference(self, own_norm: float, own_steps: int, their_steps: int, fragment: int = 0) -> float:
         """The norm one exchange may legitimately carry: our Delta per inner step (now, or our recent
-        median if larger) times the inner steps the exchange covers."""
+        median if larger, on the same `fragment`) times the inner steps the exchange covers."""
         per_step = own_norm / own_steps if own_steps > 0 else own_norm
-        history = list(self._own_per_step)
+        history = list(self._own_per_step.get(fragment, ()))
         if history:
             per_step = max(per_step, statistics.median(history))
         steps = max(own_steps, their_steps, 1) if own_steps > 0 else 1
         return per_step * steps
 
-    def remember(self, own_norm: float, own_steps: int) -> None:
-        """Record our own Delta (every exchange that reached the end of the transfer, whoever the partner)."""
+    def remember(self, own_norm: float, own_steps: int, fragment: int = 0) -> None:
+        """Record our own Delta (every exchange that reached the end of the transfer, whoever the partner),
+        on `fragment` (a streaming fragment's index; 0: the whole model)."""
         if math.isfinite(own_norm) and own_norm > 0:
-            self._own_per_step.append(own_norm / own_steps if own_steps > 0 else own_norm)
+            history = self._own_per_step.setdefault(fragment, collections.deque(maxlen=HISTORY))
+            history.append(own_norm / own_steps if own_steps > 0 else own_norm)
 
-    def judge(self, seen: Received, own_steps: int, their_steps: int) -> Clip:
-        """The clip to apply to the partner's values, or Rejected. `their_steps` must be credited already."""
+    def judge(self, seen: Received, own_steps: int, their_steps: int, fragment: int = 0) -> Clip:
+        """The clip to apply to the partner's values, or Rejected. `their_steps` must be credited already;
+        `fragment`: the streaming fragment the values are (0: the whole model)."""
         own_norm, their_norm = seen.delta_norms
         phi_distance = seen.phi_distance
-        self.remember(own_norm, own_steps)
+        self.remember(own_norm, own_steps, fragment)
         if not math.isfinite(phi_distance):
             raise Rejected("non_finite", "partner's phi is too far from ours to measure (overflow)")
         # The whole Delta against our whole phi's norm, the phi distance against the norm of the same
         # fragment it was measured on (under a lossy preset phi crosses the wire a fragment at a time).
         model = self.reject_ratio * seen.own_model_norm
         _refuse_garbage(their_norm, model, self.reject_ratio, "delta_norm", "Delta norm")
-        fragment = self.reject_ratio * seen.own_phi_norm
-        _refuse_garbage(phi_distance, fragment, self.reject_ratio, "phi_distance", "phi distance from ours",
+        phi_limit = self.reject_ratio * seen.own_phi_norm
+        _refuse_garbage(phi_distance, phi_limit, self.reject_ratio, "phi_distance", "phi distance from ours",
                         wild=phi_distance > model)
-        reference = self.reference(own_norm, own_steps, their_steps)
+        reference = self.reference(own_norm, own_steps, their_steps, fragment)
         return Clip(_scale(their_norm, self.clip_ratio * reference),
                     _scale(phi_distance, self.clip_phi_ratio * reference))
 

@@ -63,6 +63,12 @@ class ExchangeRequest:
     layout_hash: str
     inner_steps: int = 0  # inner steps that Delta covers
     samples: int = 0  # sequences they trained on (the weight of this Delta in a pair's mean)
+    # A streaming fragment's exchange (`sync.fragments` > 1): fragment `fragment` of `fragments`. The four
+    # arrays are then that fragment's slices of the slots (other fragments' exchanges and results change
+    # the rest meanwhile), and `outer_step` is the fragment's own count; every check, bound and preset
+    # choice of the exchange applies to the fragment as if it were the model.
+    fragment: int = 0
+    fragments: int = 1
 
 
 @dataclass(frozen=True)

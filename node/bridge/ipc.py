@@ -56,6 +56,8 @@ class Hello:
 @dataclass
 class Attach:
     names: dict[str, str]
+    # `sync.fragments`: the worker syncs the model as this many streaming fragments (1: the whole vector).
+    fragments: int = 1
 
 
 @dataclass
@@ -64,6 +66,10 @@ class Publish:
     step: int
     inner_steps: int = 0  # inner steps this Delta covers (since the previous publish)
     samples: int = 0  # sequences those steps trained on: the weight of this Delta in a pair's mean
+    # A streaming fragment's publish (`sync.fragments` > 1): its index of `fragments`; phi and Delta are in
+    # the fragment's slice of the slots only, and `outer_step` is the fragment's own count.
+    fragment: int = 0
+    fragments: int = 1
 
 
 @dataclass
@@ -84,6 +90,10 @@ class Result:
     exact_outer_step: int | None = None
     # A lossy exchange of `auto`'s ramp: apply our own Delta in full, no error feedback (Trainer.apply_result).
     own_exact: bool = False
+    # The streaming fragment this result answers (as its publish named it): the sums are in the fragment's
+    # slice of the output slots, `phi_range` is relative to it.
+    fragment: int = 0
+    fragments: int = 1
 
 
 @dataclass
@@ -161,8 +171,17 @@ _TYPES: dict[str, type] = {
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
+# Fields added with streaming fragments, left out of a frame where they hold their default: with
+# `sync.fragments` = 1 the conversation is the one it was, frame for frame.
+_QUIET_DEFAULTS = {"fragment": 0, "fragments": 1}
+
+
 def encode_message(msg: Message) -> bytes:
-    return pack_map({"v": PROTOCOL_VERSION, "t": _NAMES[type(msg)], **dataclasses.asdict(msg)}, max_bytes=MAX_FRAME)
+    fields = dataclasses.asdict(msg)
+    for name, default in _QUIET_DEFAULTS.items():
+        if name in fields and fields[name] == default:
+            del fields[name]
+    return pack_map({"v": PROTOCOL_VERSION, "t": _NAMES[type(msg)], **fields}, max_bytes=MAX_FRAME)
 
 
 def _message_of(obj: dict[str, Any]) -> Message:

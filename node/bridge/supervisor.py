@@ -6,7 +6,19 @@ slow weights and outer gradients through four named shared-memory segments it ow
 
 For every `publish` from the worker it calls the daemon's `exchange` function (at most one in flight),
 bounded by `train.exchange_timeout`; whatever happens - a result, an exception, the deadline - the worker
-gets an answer, a solo step when nothing better came. The daemon therefore never has to worry about the
+gets an answer, a solo step when nothing better came.
+
+Streaming fragments (`sync.fragments` = F > 1, issue #23): each publish names a fragment, and the exchange
+gets that fragment's slices of the slots (protocols/compress.py `stream_fragment_range`, the worker's cut),
+while the worker trains on and other fragments' results change the rest. At most one publish per fragment
+is in flight (a second one is a protocol error, as a second whole-vector publish is), and the exchanges run
+one at a time, in the order of the publishes: a fragment published while another's exchange runs waits
+for it. Why not several at once: the fragments share one link, so parallel transfers would not end the
+period's syncs sooner (each would crawl at 1/k of the rate), while one at a time brings each result as
+early as the link allows, and the averager's round (its pairing, claims and responder state,
+node/averaging/averager.py) stays the single round it was. `train.exchange_timeout` bounds each exchange
+from its start, not its wait behind the others (at most F - 1 of them). A catch-up snapshot answers a publish only
+when no other fragment is in flight, since adopting it replaces every fragment's slice at once. The daemon therefore never has to worry about the
 worker waiting forever, and the worker never waits on the network beyond the configured bound.
 
 Catch-up: when the daemon has downloaded the swarm's weights for a node that drifted too far to pair
@@ -68,6 +80,7 @@ from node.bridge.shm import ExchangeSlots, sweep_orphans
 from node.config.train import TrainConfig
 from node.status_schema import TrainingStatus
 from p2p.framing import ProtocolError, Reason
+from protocols.compress import stream_fragment_range
 
 log = logging.getLogger("starling.supervisor")
 
@@ -234,8 +247,10 @@ class WorkerSupervisor:
         hooks: SupervisorHooks | None = None,
         lifetimes: Lifetimes | None = None,
         python: str = sys.executable,
+        fragments: int = 1,
     ) -> None:
         self.cfg = cfg
+        self.fragments = fragments  # sync.fragments: streaming fragments (1: the whole vector at once)
         self.task_options = dict(task_options or {})  # the [task] section, handed to the worker's task
         self.home = home
         self.peer_id = peer_id
@@ -444,24 +459,25 @@ class WorkerSupervisor:
             log.warning("corrupt checkpoint set aside: %s", rejected)
         if hello.resumed_from:
             log.info("worker %d resumed from %s at step %d", hello.pid, hello.resumed_from, hello.step)
-        await chan.send(Attach(names=self._slots.names()))
+        await chan.send(Attach(names=self._slots.names(), fragments=self.fragments))
 
     async def _serve_messages(self, proc: trio.Process, chan: _Channel, nursery: trio.Nursery) -> _Exit:
         """Handle the worker's messages until it exits or falls silent (its metrics double as a
         heartbeat, so silence means a hung worker)."""
-        in_flight = False
+        in_flight: set[int] = set()  # the fragments whose publish awaits its result (0: the whole vector)
+        turn = trio.Lock()  # one exchange at a time, in the order of the publishes (module docstring)
 
         async def exchange_then_answer(publish: Publish) -> None:
-            nonlocal in_flight
             try:
-                result = await self._run_exchange(publish)
+                async with turn:
+                    result = await self._run_exchange(publish)
                 # Cleared before the answer goes out: the worker may publish again the moment it has it.
-                in_flight = False
+                in_flight.discard(publish.fragment)
                 await chan.send(result)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the worker is gone; the message loop sees end of file and restarts it
             finally:
-                in_flight = False
+                in_flight.discard(publish.fragment)
 
         scope = trio.CancelScope()
         with scope:
@@ -471,15 +487,18 @@ class WorkerSupervisor:
                 if msg is None:
                     return await self._exited(proc, "exited")
                 if isinstance(msg, Publish):
-                    if in_flight:
+                    if msg.fragments != self.fragments or not 0 <= msg.fragment < msg.fragments:
+                        raise ProtocolError(Reason.BAD_FIELD, f"publish of fragment {msg.fragment} of {msg.fragments}; "
+                                                              f"sync.fragments is {self.fragments}")
+                    if msg.fragment in in_flight:
                         raise ProtocolError(Reason.BAD_KIND, "publish while an exchange is in flight")
                     self._status["outer_step"] = msg.outer_step  # partners are chosen by it
                     self._status["last_inner_steps"] = msg.inner_steps
                     adoption = self._adoption
-                    if adoption is not None and proc.pid not in adoption.sent_to:
+                    if adoption is not None and proc.pid not in adoption.sent_to and not in_flight:
                         await chan.send(self._adoption_result(msg, adoption, proc.pid))
                         continue
-                    in_flight = True
+                    in_flight.add(msg.fragment)
                     nursery.start_soon(exchange_then_answer, msg)
                 elif isinstance(msg, Fatal):
                     return _Exit(fatal=msg.error)
@@ -529,22 +548,29 @@ class WorkerSupervisor:
         to each worker: a worker that dies before reporting gets it again from its successor."""
         adoption.sent_to.add(pid)
         return Result(outer_step=publish.outer_step, group_size=1, adopt=str(adoption.path),
-                      adopt_outer_step=adoption.outer_step())
+                      adopt_outer_step=adoption.outer_step(), fragment=publish.fragment,
+                      fragments=publish.fragments)
 
     async def _run_exchange(self, publish: Publish) -> Result:
         """Call the daemon's exchange within the deadline; any failure means a solo step."""
         assert self._slots is not None and self._hello is not None
         slots = self._slots
+        phi, delta, phi_out, delta_out = slots.phi.array, slots.delta.array, slots.phi_out.array, slots.delta_out.array
+        if publish.fragments > 1:  # the fragment's slices (views: the sums land in the slots)
+            lo, hi = stream_fragment_range(self._hello.numel, publish.fragment, publish.fragments)
+            phi, delta, phi_out, delta_out = phi[lo:hi], delta[lo:hi], phi_out[lo:hi], delta_out[lo:hi]
         request = ExchangeRequest(
             outer_step=publish.outer_step,
-            phi=slots.phi.array,
-            delta=slots.delta.array,
-            phi_out=slots.phi_out.array,
-            delta_out=slots.delta_out.array,
+            phi=phi,
+            delta=delta,
+            phi_out=phi_out,
+            delta_out=delta_out,
             layout=[(str(name), tuple(shape)) for name, shape in self._hello.layout],
             layout_hash=self._hello.layout_hash,
             inner_steps=publish.inner_steps,
             samples=publish.samples,
+            fragment=publish.fragment,
+            fragments=publish.fragments,
         )
         outcome = ExchangeOutcome(0)  # a failed exchange: a solo step
         counts = self._status["exchanges"]
@@ -573,6 +599,8 @@ class WorkerSupervisor:
             phi_range=list(outcome.phi_range) if size >= 2 and outcome.phi_range is not None else None,
             exact_outer_step=outcome.exact_outer_step if size < 2 else None,
             own_exact=bool(outcome.own_exact) if size >= 2 else False,
+            fragment=publish.fragment,
+            fragments=publish.fragments,
         )
 
     def _record_period(self, period: float) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from node.config.base import opt
-from protocols.compress import PRESETS
+from protocols.compress import MAX_FRAGMENTS, PRESETS
 
 WIRE_DTYPES = ("fp32", "bf16", "int8")
 # `auto` (node/averaging/compression_choice.py): each exchange's initiator picks one of the presets from what it measured.
@@ -22,6 +22,10 @@ class SyncConfig:
                            "and Delta in wire_dtype, 4 B/param in bf16) | medium (top 1/16 of Delta + a quarter of "
                            "phi in int8, 0.44 B/param) | high (top 1/64 + a 32nd, 0.08 B/param); error feedback keeps "
                            "what is not sent. Every trainer of a swarm must use the same")
+    fragments: int = opt(1, "streaming fragments (issue #23): 1 syncs the whole model at each outer step | F (2..64) "
+                         "cuts it into F contiguous fragments, fragment f synced at inner step (f+1)H/F of each "
+                         "outer step with its own partner: a transfer F times shorter, so a result that comes late "
+                         "on a slow link is F times fresher. Every trainer of a swarm must use the same")
     pace: str = opt("swarm", "swarm: an outer step every H inner steps of the swarm's fastest trainer (slower machines "
                     "take fewer) | steps: every H inner steps of this machine")
     max_step_gap: int = opt(4, "refuse partners whose outer step differs from ours by more than this")
@@ -60,6 +64,9 @@ class SyncConfig:
         if self.compression not in ("none", "auto") and self.group_size != 2:
             raise ValueError(f"sync.compression = {self.compression} needs sync.group_size = 2: a group's second "
                              "round re-encodes the pair's mean, which no node's error feedback could account for")
+        if not 1 <= self.fragments <= MAX_FRAGMENTS:
+            raise ValueError(f"sync.fragments: between 1 (the whole model at once) and {MAX_FRAGMENTS}, "
+                             f"got {self.fragments}")
         if self.pace not in PACES:
             raise ValueError(f"sync.pace: one of {', '.join(PACES)}")
         if not 0 <= self.max_step_gap <= 1000:

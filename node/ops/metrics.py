@@ -291,7 +291,8 @@ def _sync_families(sync: SyncStatus, max_peer_labels: int) -> Iterator[Metric]:
     yield from _gauge("sync_distinct_partners", "Distinct peers averaged with so far", sync.get("distinct_partners"))
     yield from _gauge("sync_last_duration_seconds", "Duration of the latest round", sync.get("last_duration_s"))
     yield from _gauge("sync_last_bytes", "Bytes moved by the latest round", sync.get("last_bytes"))
-    yield from _gauge("sync_last_bytes_per_param", "Payload bytes sent per parameter in the latest round (phi + Delta)",
+    yield from _gauge("sync_last_bytes_per_param", "Payload bytes sent per parameter per outer step, in the latest round "
+                      "(phi + Delta; with streaming fragments, the latest sync of each fragment)",
                       sync.get("last_bytes_per_param"))
     yield from _counter("sync_sent_bytes", "Bytes sent in averaging rounds", sync.get("bytes_sent"))
     yield from _counter("sync_received_bytes", "Bytes received in averaging rounds", sync.get("bytes_received"))

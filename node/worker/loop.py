@@ -32,6 +32,15 @@ task that cannot be imported or built, or a missing GPU, stops the start-up with
 With `train.local_ranks > 1` this process is rank 0 of a worker group (`--fd N --group DIR`), and ranks
 1.. run as `python -m node.worker --follow DIR --rank R`: node/worker/group.py says how they train as one.
 
+Streaming fragments (`sync.fragments` = F > 1, named in `attach`; issue #23): the model is cut into F
+fragments (`Trainer.set_fragments`), and fragment f is published at inner step floor((f + 1) H / F) of each
+period, or at (f + 1) / F of the daemon's pace (`Trainer.fragment_due`), its phi and Delta in its slice of
+the slots; `publish` and `result` then name the fragment. Each fragment's publish and result are
+independent of the others', and a fragment whose previous result has not come when its slot does skips
+that slot (`Trainer.fragment_skips`) rather than waiting: the worker never idles for a result, whatever
+`train.overlap` and `train.max_lag` say (they concern the whole vector's single publish). A result's phase
+shift is divided by F: each of the period's F results moves the phase towards its own partner.
+
 The worker dies with the daemon: end-of-file on the socket means the daemon is gone, and the worker then
 writes a checkpoint and exits. SIGTERM/SIGINT mean the same (it runs in its own session, so a Ctrl+C
 meant for the daemon does not interrupt it mid-step; the daemon asks it to stop instead).
@@ -152,7 +161,7 @@ def run_worker(chan: WorkerChannel, init: Init, stop: StopFlag,
         return 0
     slots = ExchangeSlots.attach(attach.names, trainer.numel)
     try:
-        code = train_loop(chan, trainer, slots, stop)
+        code = train_loop(chan, trainer, slots, stop, attach.fragments)
     finally:
         slots.close()
     trainer.close()  # not after an exception: the other ranks may be mid-collective; the supervisor kills them
@@ -181,12 +190,15 @@ def _view(slot: SharedTensor) -> torch.Tensor:
     return torch.from_numpy(slot.array)
 
 
-def train_loop(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: StopFlag) -> int:
+def train_loop(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop: StopFlag,
+               fragments: int = 1) -> int:
     """The worker's loop once attached to its slots: train, publish, apply results and snapshots, report
     metrics and checkpoint, until `stop` or the daemon says stop; returns the exit code. Public because the
-    tests drive it with a scripted daemon on the channel's other end."""
+    tests drive it with a scripted daemon on the channel's other end. `fragments`: `sync.fragments`."""
     cfg = trainer.cfg
     trainer.share_phi(_view(slots.phi))  # one copy of phi, in the slot the daemon sends it from
+    if fragments > 1 or trainer.fragments is not None:  # (a checkpoint may have restored another count)
+        trainer.set_fragments(fragments if fragments > 1 else None)
     meter = _Meter()
     try:
         while not stop.set:
@@ -200,10 +212,16 @@ def train_loop(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop
             if isinstance(msg, Stop):
                 break
             if isinstance(msg, Result):
-                _on_result(chan, trainer, slots, msg)
+                if trainer.fragments is None:
+                    _on_result(chan, trainer, slots, msg)
+                else:
+                    _on_fragment_result(chan, trainer, slots, msg)
             elif msg is not None:
                 log.warning("ignoring unexpected %s from the daemon", type(msg).__name__)
-            elif trainer.publish_due():
+            elif trainer.fragments is not None and (f := trainer.fragment_due()) is not None:
+                # 2'. A streaming fragment's slot: publish it, or skip it while its previous one is out.
+                _publish_fragment(chan, trainer, slots, f)
+            elif trainer.fragments is None and trainer.publish_due():
                 # 2. Publish every H inner steps (only one outer exchange in flight at a time).
                 chan.send(trainer.publish(_view(slots.phi), _view(slots.delta)))
             elif not must_wait:
@@ -241,14 +259,63 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
         _checkpoint(chan, trainer)
 
 
-def _adopt(chan: WorkerChannel, trainer: Trainer, msg: Result) -> None:
-    """A catch-up instead of this outer step; a snapshot that cannot be used means a solo step."""
+def _publish_fragment(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, f: int) -> None:
+    """Fragment f's slot has come: publish it (its slice of the slots), or skip the slot where its previous
+    publish still awaits its result, or where it is empty (a model of fewer blocks than fragments)."""
+    assert trainer.fragments is not None
+    lo, hi = trainer.fragments[f]
+    if hi > lo and f not in trainer.in_flight:
+        publish = trainer.publish_fragment(lo, hi, _view(slots.phi)[lo:hi], _view(slots.delta)[lo:hi])
+        publish.fragment, publish.fragments = f, len(trainer.fragments)
+        chan.send(publish)
+    elif hi > lo:
+        trainer.fragment_skips += 1
+        log.debug("fragment %d skips its slot at step %d: its previous result has not come", f, trainer.step)
+    trainer.pass_fragment_slot()
+
+
+def _on_fragment_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg: Result) -> None:
+    """A streaming fragment's result: the outer step and rebase on its slice (`Trainer.apply_result`'s
+    `fragment`), whatever the other fragments in flight; or a catch-up, which replaces them all (the
+    daemon sends one only while no other fragment is in flight)."""
+    assert trainer.fragments is not None
+    flight = trainer.in_flight.get(msg.fragment) if msg.fragments == len(trainer.fragments) else None
+    if flight is None or msg.outer_step != flight.outer_step:
+        log.warning("ignoring a result for fragment %d of %d at outer step %s (not in flight)", msg.fragment,
+                    msg.fragments, msg.outer_step)
+        return
+    lo, hi = trainer.fragments[msg.fragment]
+    if msg.adopt:
+        _adopt(chan, trainer, msg, (lo, hi))
+        return
+    before = trainer.outer_step
+    phi_range = (int(msg.phi_range[0]), int(msg.phi_range[1])) if msg.phi_range else None
+    used = trainer.apply_result(msg.group_size, _view(slots.phi_out)[lo:hi], _view(slots.delta_out)[lo:hi],
+                                msg.group_outer_step, partner_samples=msg.partner_samples,
+                                scratch=_view(slots.delta)[lo:hi], compression=msg.compression,
+                                phi_range=phi_range, sum_phi_is_scratch=True, exact_outer_step=msg.exact_outer_step,
+                                own_exact=msg.own_exact, fragment=(lo, hi))
+    trainer.set_pace(msg.period_s, msg.shift_s / len(trainer.fragments))
+    log.debug("fragment %d at outer step %d applied (group of %d)", msg.fragment, msg.outer_step, max(1, used))
+    # The model's outer step is the lowest fragment's: evaluate and checkpoint when it moves, as the whole
+    # vector's do (not at each of the period's F results).
+    if trainer.outer_step == before:
+        return
+    if trainer.outer_step % trainer.cfg.eval_every == 0:
+        trainer.evaluate()
+    if trainer.checkpoint_due():
+        _checkpoint(chan, trainer)
+
+
+def _adopt(chan: WorkerChannel, trainer: Trainer, msg: Result, fragment: tuple[int, int] | None = None) -> None:
+    """A catch-up instead of this outer step (or of this `fragment`'s sync); a snapshot that cannot be used
+    means a solo step."""
     previous = (trainer.step, trainer.outer_step)
     try:
         adopted = trainer.adopt_snapshot(Path(msg.adopt), msg.adopt_outer_step)
     except CheckpointError as e:
         log.warning("not adopting the swarm snapshot %s: %s; taking a solo step", msg.adopt, e)
-        trainer.apply_result(1)
+        trainer.apply_result(1, fragment=fragment)
         chan.send(Adopted(previous_step=previous[0], previous_outer_step=previous[1], step=trainer.step,
                           outer_step=trainer.outer_step, error=str(e)[:300]))
         return

@@ -71,7 +71,7 @@ from node.worker.task import (
     task_context,
 )
 from protocols.codec import round_trip
-from protocols.compress import Compression, get_compression
+from protocols.compress import Compression, get_compression, stream_fragment_range
 
 log = logging.getLogger("starling.worker")
 
@@ -241,6 +241,8 @@ class Trainer:
         self.fragment_outer_steps: list[int] = []
         self.fragment_publish_steps: list[int] = []
         self.in_flight: dict[int, InFlight] = {}
+        self.fragment_slot = 0  # the fragment whose slot comes next in the period (`fragment_due`)
+        self.fragment_skips = 0  # slots passed without a publish: the fragment's previous result had not come
         self.val_loss: float | None = None
         self.skipped_steps = 0  # inner steps skipped because the loss was not finite
 
@@ -462,7 +464,7 @@ class Trainer:
         """Sync the model as `count` streaming fragments from now on (issue #23; None: the whole vector at
         once, `publish`); returns the partition's [lo, hi) ranges.
 
-        The partition is the daemon's rule (protocols/compress.py `Compression.fragment_range`: contiguous
+        The partition is the daemon's rule (protocols/compress.py `stream_fragment_range`: contiguous
         runs of whole codec blocks), so both partners cut the model alike and a fragment's top-k blocks are
         the whole vector's. Each fragment keeps its own outer-step count (a fragment's partner continues it,
         as the whole vector's does) and the inner step of its last publish (what its next Delta covers);
@@ -481,11 +483,52 @@ class Trainer:
             self.fragments, self.fragment_outer_steps, self.fragment_publish_steps = None, [], []
             self.last_publish_step = since
             return [(0, self.numel)]
-        split = Compression("fragments", fragments=count)
-        self.fragments = [split.fragment_range(self.numel, f) for f in range(count)]
+        self.fragments = [stream_fragment_range(self.numel, f, count) for f in range(count)]
+        self.fragment_slot = 0
         self.fragment_outer_steps = [self.outer_step] * count
         self.fragment_publish_steps = [since] * count
         return list(self.fragments)
+
+    def fragment_due(self, now: float | None = None) -> int | None:
+        """The fragment whose slot in the period has come (node/worker/loop.py publishes it, or skips it
+        while its previous publish is in flight), else None. Fragment f's slot is inner step
+        floor((f + 1) H / F) of the period, or with the daemon's pace (`period_s`) the moment (f + 1) / F
+        of the period, within the same rules as `publish_due` (half a step early is on time, at most 2H
+        inner steps per period); the last fragment's slot is where `publish_due` puts the whole vector's
+        publish. The period starts at `last_publish_step` (`pass_fragment_slot` moves it)."""
+        if self.fragments is None:
+            return None
+        f, count = self.fragment_slot, len(self.fragments)
+        done = self.step - self.last_publish_step
+        steps = (f + 1) * self.cfg.inner_steps // count
+        if self.period_s <= 0 or self.next_publish_at is None:
+            return f if done >= steps else None
+        if done < 1:
+            return None
+        if done >= 2 * steps:
+            return f
+        now = time.monotonic() if now is None else now
+        slot_at = self.next_publish_at - self.period_s * (1 - (f + 1) / count)
+        return f if now + (self.step_time_s or 0.0) / 2 >= slot_at else None
+
+    def pass_fragment_slot(self) -> None:
+        """The due fragment's slot is taken (published) or skipped: the next fragment's comes next, and
+        after the last one a new period begins, timed as `publish` times an outer step (the machine's
+        speed, the pace's next deadline)."""
+        assert self.fragments is not None
+        self.fragment_slot += 1
+        if self.fragment_slot < len(self.fragments):
+            return
+        self.fragment_slot = 0
+        inner_steps = self.step - self.last_publish_step
+        self.last_publish_step = self.step
+        now = time.monotonic()
+        if self._last_publish_time is not None and inner_steps > 0:
+            self._phase_steps.append(max(now - self._last_publish_time - self.blocked_s, 1e-6) / inner_steps)
+            self.phase_step_s = statistics.median(self._phase_steps)
+        self._last_publish_time, self.blocked_s = now, 0.0
+        if self.period_s > 0:
+            self.next_publish_at = now + self.period_s
 
     def fragment_index(self, lo: int, hi: int) -> int:
         """The index of fragment [lo, hi) in the declared partition; ValueError if it is not one of them
@@ -975,6 +1018,7 @@ class Trainer:
         self.last_publish_step = self.step
         self.pending = None
         self.in_flight = {}
+        self.fragment_slot = 0
         if self.fragments is not None:  # every fragment starts from the snapshot's weights and count
             self.fragment_outer_steps = [outer_step] * len(self.fragments)
             self.fragment_publish_steps = [self.step] * len(self.fragments)
