@@ -20,8 +20,8 @@ from node.bridge.ckptfile import CheckpointError
 from node.config.train import TrainConfig
 from node.worker.outer import OuterHyper, noloco_step
 from node.worker.trainer import Trainer
-from protocols.codec import round_trip
 from protocols.compress import get_compression
+from tests.test_compression import flat, wire
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                    eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)
@@ -32,18 +32,6 @@ MEDIUM = get_compression("medium")
 @pytest.fixture(autouse=True)
 def one_thread() -> None:
     torch.set_num_threads(1)
-
-
-def flat(trainer: Trainer) -> torch.Tensor:
-    out = torch.empty(trainer.numel)
-    trainer.gather_theta(out)
-    return out
-
-
-def wire(x: torch.Tensor, codec: object) -> torch.Tensor:
-    out = torch.empty_like(x)
-    round_trip(codec, x, out)  # type: ignore[arg-type]
-    return out
 
 
 def steps(t: Trainer, n: int) -> None:

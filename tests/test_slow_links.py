@@ -265,6 +265,23 @@ class _EveryoneExchanging(FakeHost):
         return FakeNetStream(encode_msg(busy), peer)
 
 
+def _asking_a_busy_partner(window: float) -> tuple[_EveryoneExchanging, Averager, ID, ID, ExchangeRequest]:
+    """Our averager (pairing window `window`) connected to two trainers that answer "exchanging": the one
+    the schedule gives us and another (`old`); the request is for an outer step where the schedule gives
+    us the first. We are the smaller PeerID of the pair, the one that asks (the larger one waits for it
+    and asks once)."""
+    from node.averaging.pairing import scheduled_partners
+
+    ours, theirs = sorted((create_new_key_pair() for _ in range(2)), key=lambda k: str(ID.from_pubkey(k.public_key)))
+    scheduled, old = ID.from_pubkey(theirs.public_key), ID.from_pubkey(create_new_key_pair().public_key)
+    host = _EveryoneExchanging(ours, [scheduled, old])
+    averager = Averager(host, SyncConfig(pair_window_s=window, datapath=False), FakeSwarm(host))
+    request = small_request(1)
+    request.outer_step = next(s for s in range(100)
+                              if scheduled_partners(averager.me, [str(scheduled), str(old)], s)[0] == str(scheduled))
+    return host, averager, scheduled, old, request
+
+
 async def test_a_scheduled_partner_still_transferring_over_a_slow_link_is_waited_for_not_swapped_for_the_old_one(
     autojump_clock,
 ) -> None:
@@ -274,18 +291,9 @@ async def test_a_scheduled_partner_still_transferring_over_a_slow_link_is_waited
     (`busy_wait_s`: the pairing window here, with no transfer of ours measured yet; longer on a slow link,
     below), though another eligible partner is connected. Only after the wait does an open phase ask anyone."""
     from node.averaging.averager import SCHEDULED_RETRY_S
-    from node.averaging.pairing import scheduled_partners
 
-    # The smaller PeerID of a pair asks (the larger one waits for it and asks once): we are the smaller.
-    ours, theirs = sorted((create_new_key_pair() for _ in range(2)), key=lambda k: str(ID.from_pubkey(k.public_key)))
-    scheduled, old = ID.from_pubkey(theirs.public_key), ID.from_pubkey(create_new_key_pair().public_key)
-    host = _EveryoneExchanging(ours, [scheduled, old])
     window = 1.0
-    averager = Averager(host, SyncConfig(pair_window_s=window, datapath=False), FakeSwarm(host))
-    step = next(s for s in range(100)
-                if scheduled_partners(averager.me, [str(scheduled), str(old)], s)[0] == str(scheduled))
-    request = small_request(1)
-    request.outer_step = step
+    host, averager, scheduled, old, request = _asking_a_busy_partner(window)
     began = trio.current_time()
     with trio.fail_after(30):
         assert (await averager.exchange(request)).group_size == 1  # it never stopped exchanging
@@ -329,19 +337,11 @@ async def test_a_wait_for_a_busy_partner_that_outlasts_the_window_asks_the_other
     waited up to 15 s for a member of the busy slow pair and stepped solo side by side (bench/wan.py,
     one-slow at 0.4 Mbit/s). Within the round's window the wait asks its scheduled partner only; past it,
     it also asks the others (the last partner included) between the asks of the scheduled one."""
-    from node.averaging.pairing import scheduled_partners
 
-    ours, theirs = sorted((create_new_key_pair() for _ in range(2)), key=lambda k: str(ID.from_pubkey(k.public_key)))
-    scheduled, old = ID.from_pubkey(theirs.public_key), ID.from_pubkey(create_new_key_pair().public_key)
-    host = _EveryoneExchanging(ours, [scheduled, old])
     window = 1.0
-    averager = Averager(host, SyncConfig(pair_window_s=window, datapath=False), FakeSwarm(host))
+    host, averager, scheduled, old, request = _asking_a_busy_partner(window)
     averager._transfers_s.append(10.0)  # a slow link: the wait for a busy partner is 15 s
     averager._last_paired[str(old)] = 1  # the partner we last averaged with
-    step = next(s for s in range(100)
-                if scheduled_partners(averager.me, [str(scheduled), str(old)], s)[0] == str(scheduled))
-    request = small_request(1)
-    request.outer_step = step
     began = trio.current_time()
     with trio.fail_after(60):
         assert (await averager.exchange(request)).group_size == 1

@@ -448,13 +448,7 @@ class Trainer:
         self.last_publish_step = self.step
         self.pending = self.outer_step
         self.published_samples = inner_steps * self.cfg.batch_size
-        now = time.monotonic()
-        if self._last_publish_time is not None and inner_steps > 0:
-            self._phase_steps.append(max(now - self._last_publish_time - self.blocked_s, 1e-6) / inner_steps)
-            self.phase_step_s = statistics.median(self._phase_steps)
-        self._last_publish_time, self.blocked_s = now, 0.0
-        if self.period_s > 0:
-            self.next_publish_at = now + self.period_s
+        self._period_began(inner_steps)
         return Publish(outer_step=self.outer_step, step=self.step, inner_steps=inner_steps,
                        samples=self.published_samples)
 
@@ -522,6 +516,12 @@ class Trainer:
         self.fragment_slot = 0
         inner_steps = self.step - self.last_publish_step
         self.last_publish_step = self.step
+        self._period_began(inner_steps)
+
+    def _period_began(self, inner_steps: int) -> None:
+        """A new period (an outer step's publish, or the last fragment slot's) after `inner_steps`: this
+        machine's speed between the two (the median of its recent periods, time blocked on results left
+        out) and, with a pace, the next publish's deadline."""
         now = time.monotonic()
         if self._last_publish_time is not None and inner_steps > 0:
             self._phase_steps.append(max(now - self._last_publish_time - self.blocked_s, 1e-6) / inner_steps)
