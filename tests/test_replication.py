@@ -1317,6 +1317,36 @@ async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serv
     assert told == [True] and replicator.stats.referrals_changed == 2
 
 
+async def test_a_crowded_replicator_with_too_few_members_to_refer_serves_a_newcomer_and_learns_its_record() -> None:
+    """Over its cap but holding fewer members than a referral carries (a bootstrap node whose newcomers all
+    arrived before it held anyone), a newcomer is served a session rather than referred to those few: a
+    refusal would bring this node nothing of the newcomer, and its referrals would stay as short as its
+    table (docs/benchmarks.md, "Scale: real daemons", 2026-11-27). Once its referral fills, newcomers are
+    handed on again."""
+    replicator = idle_replicator()
+    replicator.crowded = lambda: True
+    sessions: list[ID] = []
+
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False) -> None:
+        sessions.append(peer)
+
+    replicator._session = session  # type: ignore[method-assign]
+    few = [member_record(addrs=(f"/ip4/10.0.1.{i}/tcp/4001",)) for i in range(protocol.MAX_REFERRAL_RECORDS - 1)]
+    for _, data in few:
+        replicator.state.merge(data)
+    first = ID.from_pubkey(create_new_key_pair().public_key)
+    await replicator._handle_stream(WrittenStateStream(first))
+    assert sessions == [first]
+    assert replicator.stats.busy_refusals == 0 and replicator.stats.newcomers_handed_on == 0
+    # One more member to refer to: the referral is full, and the next newcomer is handed on with it.
+    replicator.state.merge(member_record(addrs=("/ip4/10.0.2.1/tcp/4001",))[1])
+    later = WrittenStateStream(ID.from_pubkey(create_new_key_pair().public_key))
+    await replicator._handle_stream(later)
+    error = await written_error(later, protocol.Error)
+    assert error.code == protocol.BUSY and len(error.referral) == protocol.MAX_REFERRAL_RECORDS
+    assert sessions == [first] and replicator.stats.newcomers_handed_on == 1
+
+
 async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers_are_still_served() -> None:
     replicator = idle_replicator()
     gate, held = trio.Event(), []
