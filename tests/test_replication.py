@@ -1347,6 +1347,38 @@ async def test_a_crowded_replicator_with_too_few_members_to_refer_serves_a_newco
     assert sessions == [first] and replicator.stats.newcomers_handed_on == 1
 
 
+class OpenedStateStream(WrittenStateStream):
+    """An outbound state stream as ``host.new_stream`` returns it, negotiated on 2.0.0."""
+
+    def get_protocol(self) -> str:
+        return str(protocol.PROTOCOL_ID)
+
+
+async def test_a_state_stream_that_takes_a_crowded_bootstraps_time_to_open_still_gets_its_session(autojump_clock: Any) -> None:
+    """A newcomer's state stream to the bootstrap node took 9-14 s to open at a 64-daemon join (the bootstrap
+    bringing it to its handler): the session waits for it rather than giving up at 10 s and opening another,
+    which left half the newcomers without the referral that was on its way (docs/benchmarks.md, "Scale: real
+    daemons", 2026-11-27)."""
+    replicator = idle_replicator()
+    peer = ID.from_pubkey(create_new_key_pair().public_key)
+    stream = OpenedStateStream(peer)
+    sessions: list[Any] = []
+
+    async def slow_open(peer_id: ID, protocols: Any) -> Any:
+        await trio.sleep(14.0)
+        return stream
+
+    async def session(peer_id: ID, opened: Any, *, initiator: bool, legacy: bool = False) -> None:
+        sessions.append((peer_id, opened, initiator))
+
+    replicator.host.new_stream = slow_open  # type: ignore[method-assign]
+    replicator._session = session  # type: ignore[method-assign]
+    replicator._in_flight.add(peer)
+    await replicator._sync_with(peer)
+    assert sessions == [(peer, stream, True)] and not replicator.stats.session_failures
+    assert peer not in replicator._in_flight
+
+
 async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers_are_still_served() -> None:
     replicator = idle_replicator()
     gate, held = trio.Event(), []

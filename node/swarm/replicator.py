@@ -131,7 +131,13 @@ OUTBOX_SIZE = 64  # records waiting to be published; beyond it they are dropped 
 #: records, so that with a quarter of the swarm alive and dialable it still fills, and bounded whatever N.
 REFERRAL_DRAWS = 32
 MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
-OPEN_TIMEOUT_S = 10.0  # opening a state stream (dial if needed, protocol negotiation)
+#: Opening a state stream (dial if needed, protocol negotiation). Not 10 s: at a 64-daemon join on one machine
+#: the bootstrap node, which every newcomer's first session goes to, took 9-14 s to bring a new stream to its
+#: handler during the first seconds; with 10 s half the newcomers gave up just before their answer (a referral)
+#: came, opened another stream, and the bootstrap answered streams nobody read any more, 1-4 times per newcomer,
+#: while they knew nobody for 30-65 s (docs/benchmarks.md, "Scale: real daemons", 2026-11-27). A node opens one
+#: session with a peer at a time, so a longer wait holds no more of the peer than a retry would.
+OPEN_TIMEOUT_S = 30.0
 STARTUP_TIMEOUT_S = 10.0
 PUBLISH_TIMEOUT_S = 5.0
 GOODBYE_TIMEOUT_S = 4.0  # publishing the departure on stop (2 s was too short on a loaded machine)
