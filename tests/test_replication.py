@@ -29,7 +29,7 @@ from multiaddr import Multiaddr
 
 from node.swarm import crdt
 from node.swarm.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
-from node.swarm.replicator import REFERRAL_DRAWS, StateReplicator, load_state
+from node.swarm.replicator import OPEN_TIMEOUT_S, REFERRAL_DRAWS, StateReplicator, load_state
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, recv_msg, send_msg
 from protocols import state as protocol
@@ -1377,6 +1377,14 @@ async def test_a_state_stream_that_takes_a_crowded_bootstraps_time_to_open_still
     await replicator._sync_with(peer)
     assert sessions == [(peer, stream, True)] and not replicator.stats.session_failures
     assert peer not in replicator._in_flight
+
+
+def test_the_host_lets_a_state_streams_negotiation_run_as_long_as_the_replicator_waits_for_it() -> None:
+    """py-libp2p negotiates an outbound stream's protocol under its own limit (10 s by default), which failed
+    newcomers' state streams to a crowded bootstrap whatever :data:`OPEN_TIMEOUT_S` allowed."""
+    replicator = idle_replicator()
+    config = replicator.host.get_network().connection_config
+    assert config.outbound_stream_protocol_negotiation_timeout >= OPEN_TIMEOUT_S
 
 
 async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers_are_still_served() -> None:
