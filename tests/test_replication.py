@@ -213,6 +213,26 @@ async def test_a_busy_refusal_refers_the_initiator_to_other_members_it_then_hold
     assert not newcomer.rejected
 
 
+async def test_a_busy_refusal_that_a_crowded_node_takes_seconds_to_write_still_delivers_its_referral(
+    autojump_clock: Any,
+) -> None:
+    """A crowded bootstrap took more than 2 s to write a refusal at a 64-daemon join, and the write was cut:
+    the newcomer read a closed stream instead of the members it could dial."""
+    others = [member_record(addrs=(f"/ip4/10.0.0.{i}/tcp/4001",)) for i in range(3)]
+    ours, theirs = trio.testing.memory_stream_pair()
+
+    async def busy_responder() -> None:
+        await recv_as(TrioByteStream(theirs), protocol.Hello, max_bytes=1 << 20)
+        await protocol.refuse_busy(SlowWrites(theirs, 5.0), info(), referral=[data for _, data in others])
+
+    newcomer = SwarmState(create_new_key_pair())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(busy_responder)
+        with pytest.raises(SyncRefused) as excinfo:
+            await protocol.initiate(TrioByteStream(ours), newcomer, info())
+    assert excinfo.value.code == protocol.BUSY and excinfo.value.referred == ApplyResult(changed=3)
+
+
 async def test_a_referral_is_cut_to_its_bounds_by_the_refusing_side() -> None:
     records = [member_record(addrs=("/ip4/10.0.0.1/tcp/4001",))[1] for _ in range(protocol.MAX_REFERRAL_RECORDS + 4)]
     assert len(protocol.fit_referral(records)) == protocol.MAX_REFERRAL_RECORDS
