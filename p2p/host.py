@@ -48,6 +48,13 @@ ADDRS_CACHE_S = 10.0
 
 _SIOCGIFADDR = 0x8915
 
+#: How long py-libp2p may negotiate the protocol of a stream this node opens (its default: 10 s). Callers bound
+#: each open with their own deadline (the replicator's state stream 30 s, SWIM's 10 s); this only keeps the
+#: library from cutting them short: at a 64-daemon join the bootstrap node took 9-14 s to negotiate newcomers'
+#: streams, and a 10 s limit here failed their state sessions whatever the replicator allowed
+#: (docs/benchmarks.md, "Scale: real daemons", 2026-11-27). Streams the peer opens keep the library's 10 s.
+OUTBOUND_NEGOTIATION_TIMEOUT_S = 30.0
+
 
 def interface_ipv4_addrs() -> list[str]:
     """IPv4 addresses of this machine's interfaces that are up (Linux ioctl; no extra dependency)."""
@@ -191,6 +198,7 @@ def build_host(
         low_watermark=0,
         high_watermark=max_connections,
         dial_timeout=dial_timeout,
+        outbound_stream_protocol_negotiation_timeout=OUTBOUND_NEGOTIATION_TIMEOUT_S,
     )
     host = new_host(
         key_pair=key_pair,

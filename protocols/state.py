@@ -128,6 +128,12 @@ T = TypeVar("T")
 STEP_TIMEOUT_S = 10.0
 #: Deadline for one whole session (both hellos and both record streams), however it progresses.
 SESSION_TIMEOUT_S = 60.0
+#: How long a busy refusal (with its referral) may take to write. Not 2 s: a crowded bootstrap node at a 64-daemon
+#: join took longer than that to write one (its event loop was that busy), the write was cut, and the newcomer
+#: read a closed stream instead of the members it could dial (docs/benchmarks.md, "Scale: real daemons",
+#: 2026-11-27). The message is small (MAX_REFERRAL_BYTES at most), so it waits on this node's own loop, not on
+#: the peer's window.
+REFUSAL_WRITE_S = STEP_TIMEOUT_S
 #: Records per batch message and bytes of records per batch: a batch is small enough that a receiver
 #: verifying signatures never holds the event loop for long, large enough to amortise framing.
 MAX_BATCH_RECORDS = 64
@@ -638,7 +644,7 @@ async def refuse_busy(
         msg = ErrorV1(BUSY, reason, local.manifest_hash, local.swarm)
     else:
         msg = Error(BUSY, reason, local.manifest_hash, local.swarm, referral=fit_referral(referral))
-    with trio.move_on_after(2.0):
+    with trio.move_on_after(REFUSAL_WRITE_S):
         await send_msg(stream, msg, max_bytes=ERROR_MAX_BYTES)
 
 

@@ -29,7 +29,7 @@ from multiaddr import Multiaddr
 
 from node.swarm import crdt
 from node.swarm.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
-from node.swarm.replicator import REFERRAL_DRAWS, StateReplicator, load_state
+from node.swarm.replicator import OPEN_TIMEOUT_S, REFERRAL_DRAWS, StateReplicator, load_state
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, recv_msg, send_msg
 from protocols import state as protocol
@@ -211,6 +211,26 @@ async def test_a_busy_refusal_refers_the_initiator_to_other_members_it_then_hold
         view = newcomer.member(state.peer_id)
         assert view is not None and view.record.addrs  # an address to dial
     assert not newcomer.rejected
+
+
+async def test_a_busy_refusal_that_a_crowded_node_takes_seconds_to_write_still_delivers_its_referral(
+    autojump_clock: Any,
+) -> None:
+    """A crowded bootstrap took more than 2 s to write a refusal at a 64-daemon join, and the write was cut:
+    the newcomer read a closed stream instead of the members it could dial."""
+    others = [member_record(addrs=(f"/ip4/10.0.0.{i}/tcp/4001",)) for i in range(3)]
+    ours, theirs = trio.testing.memory_stream_pair()
+
+    async def busy_responder() -> None:
+        await recv_as(TrioByteStream(theirs), protocol.Hello, max_bytes=1 << 20)
+        await protocol.refuse_busy(SlowWrites(theirs, 5.0), info(), referral=[data for _, data in others])
+
+    newcomer = SwarmState(create_new_key_pair())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(busy_responder)
+        with pytest.raises(SyncRefused) as excinfo:
+            await protocol.initiate(TrioByteStream(ours), newcomer, info())
+    assert excinfo.value.code == protocol.BUSY and excinfo.value.referred == ApplyResult(changed=3)
 
 
 async def test_a_referral_is_cut_to_its_bounds_by_the_refusing_side() -> None:
@@ -1315,6 +1335,76 @@ async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serv
     replicator._refused(str(member), SyncRefused(protocol.BUSY, referred=ApplyResult(unchanged=8)))
     replicator._refused(str(member), SyncRefused(protocol.BUSY, referred=ApplyResult(changed=2, unchanged=6)))
     assert told == [True] and replicator.stats.referrals_changed == 2
+
+
+async def test_a_crowded_replicator_with_too_few_members_to_refer_serves_a_newcomer_and_learns_its_record() -> None:
+    """Over its cap but holding fewer members than a referral carries (a bootstrap node whose newcomers all
+    arrived before it held anyone), a newcomer is served a session rather than referred to those few: a
+    refusal would bring this node nothing of the newcomer, and its referrals would stay as short as its
+    table (docs/benchmarks.md, "Scale: real daemons", 2026-11-27). Once its referral fills, newcomers are
+    handed on again."""
+    replicator = idle_replicator()
+    replicator.crowded = lambda: True
+    sessions: list[ID] = []
+
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False) -> None:
+        sessions.append(peer)
+
+    replicator._session = session  # type: ignore[method-assign]
+    few = [member_record(addrs=(f"/ip4/10.0.1.{i}/tcp/4001",)) for i in range(protocol.MAX_REFERRAL_RECORDS - 1)]
+    for _, data in few:
+        replicator.state.merge(data)
+    first = ID.from_pubkey(create_new_key_pair().public_key)
+    await replicator._handle_stream(WrittenStateStream(first))
+    assert sessions == [first]
+    assert replicator.stats.busy_refusals == 0 and replicator.stats.newcomers_handed_on == 0
+    # One more member to refer to: the referral is full, and the next newcomer is handed on with it.
+    replicator.state.merge(member_record(addrs=("/ip4/10.0.2.1/tcp/4001",))[1])
+    later = WrittenStateStream(ID.from_pubkey(create_new_key_pair().public_key))
+    await replicator._handle_stream(later)
+    error = await written_error(later, protocol.Error)
+    assert error.code == protocol.BUSY and len(error.referral) == protocol.MAX_REFERRAL_RECORDS
+    assert sessions == [first] and replicator.stats.newcomers_handed_on == 1
+
+
+class OpenedStateStream(WrittenStateStream):
+    """An outbound state stream as ``host.new_stream`` returns it, negotiated on 2.0.0."""
+
+    def get_protocol(self) -> str:
+        return str(protocol.PROTOCOL_ID)
+
+
+async def test_a_state_stream_that_takes_a_crowded_bootstraps_time_to_open_still_gets_its_session(autojump_clock: Any) -> None:
+    """A newcomer's state stream to the bootstrap node took 9-14 s to open at a 64-daemon join (the bootstrap
+    bringing it to its handler): the session waits for it rather than giving up at 10 s and opening another,
+    which left half the newcomers without the referral that was on its way (docs/benchmarks.md, "Scale: real
+    daemons", 2026-11-27)."""
+    replicator = idle_replicator()
+    peer = ID.from_pubkey(create_new_key_pair().public_key)
+    stream = OpenedStateStream(peer)
+    sessions: list[Any] = []
+
+    async def slow_open(peer_id: ID, protocols: Any) -> Any:
+        await trio.sleep(14.0)
+        return stream
+
+    async def session(peer_id: ID, opened: Any, *, initiator: bool, legacy: bool = False) -> None:
+        sessions.append((peer_id, opened, initiator))
+
+    replicator.host.new_stream = slow_open  # type: ignore[method-assign]
+    replicator._session = session  # type: ignore[method-assign]
+    replicator._in_flight.add(peer)
+    await replicator._sync_with(peer)
+    assert sessions == [(peer, stream, True)] and not replicator.stats.session_failures
+    assert peer not in replicator._in_flight
+
+
+def test_the_host_lets_a_state_streams_negotiation_run_as_long_as_the_replicator_waits_for_it() -> None:
+    """py-libp2p negotiates an outbound stream's protocol under its own limit (10 s by default), which failed
+    newcomers' state streams to a crowded bootstrap whatever :data:`OPEN_TIMEOUT_S` allowed."""
+    replicator = idle_replicator()
+    config = replicator.host.get_network().connection_config
+    assert config.outbound_stream_protocol_negotiation_timeout >= OPEN_TIMEOUT_S
 
 
 async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers_are_still_served() -> None:

@@ -73,7 +73,7 @@ import math
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,7 +131,13 @@ OUTBOX_SIZE = 64  # records waiting to be published; beyond it they are dropped 
 #: records, so that with a quarter of the swarm alive and dialable it still fills, and bounded whatever N.
 REFERRAL_DRAWS = 32
 MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
-OPEN_TIMEOUT_S = 10.0  # opening a state stream (dial if needed, protocol negotiation)
+#: Opening a state stream (dial if needed, protocol negotiation). Not 10 s: at a 64-daemon join on one machine
+#: the bootstrap node, which every newcomer's first session goes to, took 9-14 s to bring a new stream to its
+#: handler during the first seconds; with 10 s half the newcomers gave up just before their answer (a referral)
+#: came, opened another stream, and the bootstrap answered streams nobody read any more, 1-4 times per newcomer,
+#: while they knew nobody for 30-65 s (docs/benchmarks.md, "Scale: real daemons", 2026-11-27). A node opens one
+#: session with a peer at a time, so a longer wait holds no more of the peer than a retry would.
+OPEN_TIMEOUT_S = 30.0
 STARTUP_TIMEOUT_S = 10.0
 PUBLISH_TIMEOUT_S = 5.0
 GOODBYE_TIMEOUT_S = 4.0  # publishing the departure on stop (2 s was too short on a loaded machine)
@@ -930,13 +936,18 @@ class StateReplicator:
         peer = stream.muxed_conn.peer_id
         full = self._inbound >= MAX_INBOUND_SESSIONS
         over_share = self._inbound_by_peer.get(peer, 0) >= MAX_INBOUND_SESSIONS_PER_PEER
-        handed_on = not (full or over_share) and self._hands_on(peer, legacy)
+        referral: Sequence[bytes] | None = None
+        handed_on = False
+        if not (full or over_share) and self._hands_on(peer, legacy):
+            referral = self._referral(peer.to_base58())
+            handed_on = len(referral) >= protocol.MAX_REFERRAL_RECORDS  # else served: see _hands_on
         if full or over_share or handed_on:
             self.stats.busy_refusals += 1
             self.stats.peer_share_refusals += over_share and not full
             self.stats.newcomers_handed_on += handed_on
             byte_stream = LibP2PByteStream(stream)
-            referral = () if legacy else self._referral(peer.to_base58())
+            if referral is None:
+                referral = () if legacy else self._referral(peer.to_base58())
             self.stats.referred_records += len(referral)
             try:
                 await protocol.refuse_busy(byte_stream, self._local_info(), referral=referral, legacy=legacy)
@@ -955,15 +966,26 @@ class StateReplicator:
                 self._inbound_by_peer[peer] = left
 
     def _hands_on(self, peer: ID, legacy: bool) -> bool:
-        """Whether to refer ``peer`` on (a busy refusal with its referral) although a session slot is free: this
-        node is crowded and holds no record of the peer, a newcomer that would be sent the whole table.
+        """Whether ``peer`` may be referred on (a busy refusal with its referral) although a session slot is
+        free: this node is crowded and holds no record of the peer, a newcomer that would be sent the whole
+        table. :meth:`_handle_stream` then refers it on only if the referral is full
+        (:data:`protocols.state.MAX_REFERRAL_RECORDS` members); with fewer, it serves the session.
 
-        Why: every newcomer dials the bootstrap node first, so at a 64-daemon join it held 63 connections, and
-        each newcomer's first session asked it for all 63 records; with eight such sessions at once on a
-        starved machine they timed out one after another (10 s a step), while the newcomers, whose only
-        connection it was, learnt nobody else to dial for a minute (docs/benchmarks.md, "Scale"). A referral
-        costs one message and names members the newcomer can dial and sync with at once; the crowded node
-        closes most of these connections for its cap anyway. Not on 1.0.0, whose refusal carries no referral."""
+        Why refer: every newcomer dials the bootstrap node first, so at a 64-daemon join it held 63
+        connections, and each newcomer's first session asked it for all 63 records; with eight such sessions
+        at once on a starved machine they timed out one after another (10 s a step), while the newcomers, whose
+        only connection it was, learnt nobody else to dial for a minute (docs/benchmarks.md, "Scale"). A
+        referral costs one message and names members the newcomer can dial and sync with at once; the crowded
+        node closes most of these connections for its cap anyway. Not on 1.0.0, whose refusal carries no
+        referral.
+
+        Why only a full referral: a refusal takes nothing from the newcomer, so a crowded node that refers
+        everyone on never learns the newcomers' records, and its referrals stay as short as its table. At a
+        64-daemon join every newcomer connects within seconds, before the bootstrap node holds anyone: it held
+        2 member records from 0 to 46 s after the last start while it referred 51 newcomers on, each to those
+        same 2 members, and half the swarm knew nobody for 40-60 s. While this node holds fewer members to
+        refer than a referral carries, the whole table is that small, so the session costs little, and it
+        brings this node the newcomer's record, which the next newcomers are referred to."""
         return (not legacy and self.crowded is not None and not self.state.holds(peer.to_base58())
                 and self.crowded())
 
