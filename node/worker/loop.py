@@ -245,14 +245,26 @@ def _on_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, msg:
     if msg.adopt:
         _adopt(chan, trainer, msg)
         return
-    # The Delta slot is lent for our own Delta: the exchange is over (see Trainer.apply_result).
-    phi_range = (int(msg.phi_range[0]), int(msg.phi_range[1])) if msg.phi_range else None
-    used = trainer.apply_result(msg.group_size, _view(slots.phi_out), _view(slots.delta_out), msg.group_outer_step,
-                                partner_samples=msg.partner_samples, scratch=_view(slots.delta),
-                                compression=msg.compression, phi_range=phi_range, sum_phi_is_scratch=True,
-                                exact_outer_step=msg.exact_outer_step, own_exact=msg.own_exact)
+    used = _apply(trainer, slots, msg)
     trainer.set_pace(msg.period_s, msg.shift_s)
     log.debug("outer step %d applied (group of %d)", trainer.outer_step, max(1, used))
+    _after_outer_step(chan, trainer)
+
+
+def _apply(trainer: Trainer, slots: ExchangeSlots, msg: Result, span: tuple[int, int] | None = None) -> int:
+    """Apply `msg`'s outer step from the slots (their `span` slice for a streaming fragment); returns the
+    group size used. The Delta slot is lent for our own Delta: the exchange is over (Trainer.apply_result)."""
+    lo, hi = span if span is not None else (0, trainer.numel)
+    phi_range = (int(msg.phi_range[0]), int(msg.phi_range[1])) if msg.phi_range else None
+    return trainer.apply_result(msg.group_size, _view(slots.phi_out)[lo:hi], _view(slots.delta_out)[lo:hi],
+                                msg.group_outer_step, partner_samples=msg.partner_samples,
+                                scratch=_view(slots.delta)[lo:hi], compression=msg.compression,
+                                phi_range=phi_range, sum_phi_is_scratch=True, exact_outer_step=msg.exact_outer_step,
+                                own_exact=msg.own_exact, fragment=span)
+
+
+def _after_outer_step(chan: WorkerChannel, trainer: Trainer) -> None:
+    """Evaluate and checkpoint where the model's outer step calls for it."""
     if trainer.outer_step % trainer.cfg.eval_every == 0:
         trainer.evaluate()
     if trainer.checkpoint_due():
@@ -289,22 +301,13 @@ def _on_fragment_result(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSl
         _adopt(chan, trainer, msg, (lo, hi))
         return
     before = trainer.outer_step
-    phi_range = (int(msg.phi_range[0]), int(msg.phi_range[1])) if msg.phi_range else None
-    used = trainer.apply_result(msg.group_size, _view(slots.phi_out)[lo:hi], _view(slots.delta_out)[lo:hi],
-                                msg.group_outer_step, partner_samples=msg.partner_samples,
-                                scratch=_view(slots.delta)[lo:hi], compression=msg.compression,
-                                phi_range=phi_range, sum_phi_is_scratch=True, exact_outer_step=msg.exact_outer_step,
-                                own_exact=msg.own_exact, fragment=(lo, hi))
+    used = _apply(trainer, slots, msg, (lo, hi))
     trainer.set_pace(msg.period_s, msg.shift_s / len(trainer.fragments))
     log.debug("fragment %d at outer step %d applied (group of %d)", msg.fragment, msg.outer_step, max(1, used))
     # The model's outer step is the lowest fragment's: evaluate and checkpoint when it moves, as the whole
     # vector's do (not at each of the period's F results).
-    if trainer.outer_step == before:
-        return
-    if trainer.outer_step % trainer.cfg.eval_every == 0:
-        trainer.evaluate()
-    if trainer.checkpoint_due():
-        _checkpoint(chan, trainer)
+    if trainer.outer_step != before:
+        _after_outer_step(chan, trainer)
 
 
 def _adopt(chan: WorkerChannel, trainer: Trainer, msg: Result, fragment: tuple[int, int] | None = None) -> None:
