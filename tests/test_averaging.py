@@ -715,6 +715,25 @@ async def test_while_the_scheduled_partner_is_busy_transferring_anyone_but_the_l
         assert verdict is not None and verdict[0] is AnswerCode.SCHEDULED
 
 
+async def test_in_a_busy_wait_the_last_partner_is_taken_once_its_own_wait_has_outlasted_the_window() -> None:
+    """Two trainers that had just averaged with each other publish seconds apart, each waiting for a member
+    of the busy slow pair; each took the other only once its *own* wait had outlasted its window, so the one
+    that published first was refused and stepped solo just before the other would have taken it (bench/wan.py,
+    one-slow at 0.4 Mbit/s). The asker's wait counts too: it says how long it has looked (`waited_ms`)."""
+    av = Averager(LoneHost(), SyncConfig(compression="none"), FakeSwarm(period=5.0))
+    window_ms = int(av.cfg.pair_window_s * 1000)
+    async with in_a_round(av):
+        pending = av._pending
+        assert pending is not None
+        pending.scheduled, pending.scheduled_until = "scheduled", trio.current_time() + 100
+        pending.scheduled_busy = True
+        av._last_paired.update({"last": 1})
+        fresh = dataclasses.replace(asking_with("none"), waited_ms=window_ms - 1)
+        verdict = av.answer_for(fresh, "last")
+        assert verdict is not None and verdict[0] is AnswerCode.SCHEDULED  # within its window: refused
+        assert av.answer_for(dataclasses.replace(fresh, waited_ms=window_ms), "last") is None
+
+
 async def test_the_responder_judges_a_compression_mismatch_with_a_clear_reason() -> None:
     verdict = await judged(SyncConfig(compression="high"), "medium")
     assert verdict is not None and verdict[0] is AnswerCode.COMPRESSION

@@ -254,18 +254,19 @@ class _EveryoneExchanging(FakeHost):
     """Connected to `peers`, each of which answers every pairing request "already exchanging" (busy moving
     its previous outer step); lists whom the averager asked, and when."""
 
-    def __init__(self, key: KeyPair, peers: list[ID]) -> None:
+    def __init__(self, key: KeyPair, peers: list[ID], code: avg.AnswerCode = avg.AnswerCode.EXCHANGING) -> None:
         super().__init__(key, peers={p: "10.0.0.2" for p in peers})
         self.asked: list[tuple[str, float]] = []
+        self.code = code
 
     async def new_stream(self, peer: ID, protocols: Sequence[str]) -> FakeNetStream:
         self.asked.append((str(peer), trio.current_time()))
-        busy = avg.AvgAnswer(verdict="busy", reason="still moving its last outer step",
-                             code=avg.AnswerCode.EXCHANGING.value)
+        busy = avg.AvgAnswer(verdict="busy", reason="still moving its last outer step", code=self.code.value)
         return FakeNetStream(encode_msg(busy), peer)
 
 
-def _asking_a_busy_partner(window: float) -> tuple[_EveryoneExchanging, Averager, ID, ID, ExchangeRequest]:
+def _asking_a_busy_partner(window: float, code: avg.AnswerCode = avg.AnswerCode.EXCHANGING,
+                           ) -> tuple[_EveryoneExchanging, Averager, ID, ID, ExchangeRequest]:
     """Our averager (pairing window `window`) connected to two trainers that answer "exchanging": the one
     the schedule gives us and another (`old`); the request is for an outer step where the schedule gives
     us the first. We are the smaller PeerID of the pair, the one that asks (the larger one waits for it
@@ -274,7 +275,7 @@ def _asking_a_busy_partner(window: float) -> tuple[_EveryoneExchanging, Averager
 
     ours, theirs = sorted((create_new_key_pair() for _ in range(2)), key=lambda k: str(ID.from_pubkey(k.public_key)))
     scheduled, old = ID.from_pubkey(theirs.public_key), ID.from_pubkey(create_new_key_pair().public_key)
-    host = _EveryoneExchanging(ours, [scheduled, old])
+    host = _EveryoneExchanging(ours, [scheduled, old], code)
     averager = Averager(host, SyncConfig(pair_window_s=window, datapath=False), FakeSwarm(host))
     request = small_request(1)
     request.outer_step = next(s for s in range(100)
@@ -349,6 +350,31 @@ async def test_a_wait_for_a_busy_partner_that_outlasts_the_window_asks_the_other
     stretched = [peer for peer, at in host.asked if began + window <= at < began + 15]
     assert within == {str(scheduled)}
     assert str(old) in stretched and str(scheduled) in stretched  # both, taking turns
+
+
+async def test_a_round_among_partners_busy_in_rounds_of_their_own_looks_as_long_as_a_busy_wait_before_a_solo_step(
+    autojump_clock,
+) -> None:
+    """One slow link among fast ones: the scheduled partner waits for a member of the busy slow pair (it answers
+    "waiting for the partner the schedule gives it", no transfer of its own to wait for) and the other fast
+    trainer is in a busy wait of its own. The round used to end at its window, a second before that other
+    trainer would have taken us (bench/wan.py, one-slow at 0.4 Mbit/s, two solo steps side by side). Partners
+    busy in rounds of their own now keep the round looking as long as a busy wait would (`busy_wait_s`: 1.5 x
+    our longest recent transfer); on a fast link that is the window itself, as before."""
+    window = 1.0
+    host, averager, _, _, request = _asking_a_busy_partner(window, avg.AnswerCode.SCHEDULED)
+    averager._transfers_s.append(10.0)  # a slow link: the wait is 15 s
+    began = trio.current_time()
+    with trio.fail_after(60):
+        assert (await averager.exchange(request)).group_size == 1  # nobody ever came free
+    assert trio.current_time() - began >= 15.0
+    assert max(at for _, at in host.asked) - began > 14.0  # still asking near the end
+
+    host, averager, _, _, request = _asking_a_busy_partner(window, avg.AnswerCode.SCHEDULED)
+    began = trio.current_time()
+    with trio.fail_after(60):
+        assert (await averager.exchange(request)).group_size == 1
+    assert trio.current_time() - began < 2 * window  # nothing measured (a fast link): the window, as before
 
 
 def test_the_wait_for_a_busy_partner_follows_the_longest_of_our_recent_transfers() -> None:

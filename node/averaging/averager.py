@@ -13,7 +13,9 @@ starves an odd one out. For up to `sync.pair_window_s`:
 2. *Open phase* (the rest): any ready eligible partner, least recently paired first; requests from
    anyone are accepted. This is where a bye, a new member or a node whose view differs finds a partner.
    A scheduled partner still transferring its previous outer step stretches the scheduled phase (a wait,
-   `busy_wait_s`), and an open phase as long as a round's (half the window) follows that wait.
+   `busy_wait_s`), and an open phase as long as a round's (half the window) follows that wait. A round
+   in which some partner showed it was in a round of its own (busy, or waiting for its scheduled one) looks
+   for as long as such a wait before it steps solo: on a slow link partners come free a transfer apart.
 
 No node ever waits for more than one partner, and a partner that refuses, fails or misses its deadline
 costs a back-off for that partner and, at worst, a solo step here. Crossing requests (A asks B while B
@@ -678,6 +680,18 @@ class Averager:
         window = self.cfg.pair_window_s if pending.window_s is None else pending.window_s
         return pending.scheduled_busy and trio.current_time() >= pending.began + window
 
+    def _asker_outlasted_window(self, req: avg.AvgRequest) -> bool:
+        """Whether a first-round asker says it has looked for a partner for a whole pairing window: past it, a
+        round ends in a solo step unless it is stretched (`_round_ends`), so our last partner is taken too.
+
+        Why the asker's wait and not only ours: two trainers that had just averaged with each other publish
+        seconds apart, and each took the other only once its own wait had outlasted its window. The one
+        that published first asked while the other was still within its window and was refused; by the time
+        the other's window was over, the first had stepped solo (bench/wan.py, one-slow at 0.4 Mbit/s,
+        2026-11-27 14:37 debug run: two such solo steps side by side in 180 s). A peer that overstates its
+        wait gains only a pairing with its last partner, which the open phase allows anyway."""
+        return req.stage == 1 and req.waited_ms / 1000 >= self.cfg.pair_window_s
+
     async def _ask_another(self, pending: _Pending) -> None:
         """In a wait for a busy scheduled partner that outlasted the window: ask one other ready partner
         (the open phase's choice, the last partner included) between the asks of the scheduled one; the
@@ -803,6 +817,11 @@ class Averager:
             # that waits beside us for the other member of that busy pair (our last partner, most often: it
             # was our partner because both pairs had one count) was not ours to take while we waited.
             ends = max(ends, pending.busy_until + (1 - SCHEDULED_SHARE) * window)
+        if pending.saw_ready and pending.open_phase and pending.window_s is None:
+            # Partners are in rounds of their own (busy, or waiting for theirs): one comes free within about
+            # a transfer, and the worker trains on while we wait, so the round looks as long as a wait for a
+            # busy scheduled partner would (`busy_wait_s`: the window itself on a fast link) before a solo step.
+            ends = max(ends, pending.began + self._busy_wait_s())
         return ends
 
     def _request_fields(self, pending: _Pending, compression: str, fragment: int) -> dict[str, Any]:
@@ -1148,13 +1167,15 @@ class Averager:
             return (AnswerCode.EXCHANGING, "already exchanging")
         if (pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled
                 and not (pending.scheduled_busy and (partner != self._last_partner()
-                                                     or self._wait_outlasted_window(pending)))):
+                                                     or self._wait_outlasted_window(pending)
+                                                     or self._asker_outlasted_window(req)))):
             # While the scheduled partner is busy transferring, another trainer may pair with us, just
             # not the one we last averaged with: the pair that ends its transfer first would go back to
             # each other step after step (fixed pairs, what the wait exists to prevent), while anyone
             # else mixes. bench/wan.py, one-slow at 0.4 Mbit/s: a fast trainer stepped solo after
             # "waiting for the partner the schedule gives it" from two free trainers, 8 times in 180 s.
-            # Once the wait has outlasted the round's window, the last partner too (`_wait_outlasted_window`).
+            # Once the wait has outlasted the round's window, the last partner too (`_wait_outlasted_window`),
+            # and once the asker's has (`_asker_outlasted_window`).
             return (AnswerCode.SCHEDULED, "waiting for the partner the schedule gives it")
         if pending.initiating_to is not None:
             if pending.initiating_to == partner and partner < self.me:
