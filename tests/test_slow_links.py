@@ -125,11 +125,12 @@ class SlowWrites:
 
 
 async def _with_scripted_partner(partner, cfg: SyncConfig, *, pieces: int = 1, pause_s: float = 0.0,
-                                 seen: list | None = None, raw_handler=None) -> tuple[int, dict]:
+                                 seen: list | None = None, raw_handler=None, prepare=None) -> tuple[int, dict]:
     """Our averager (`cfg`) exchanges with a host whose avg handler runs `partner(channel, request)` after
     the handshake, its writes slowed to `pieces` slices `pause_s` apart; returns our group size and status
     (and appends our status's sync state and transfer to `seen` every half second meanwhile). With
-    `raw_handler` the host's handler is that instead, handshake included."""
+    `raw_handler` the host's handler is that instead, handshake included; `prepare(averager, partner)` runs
+    before the exchange."""
     hosts = [build_host(create_new_key_pair()) for _ in range(2)]
     async with AsyncExitStack() as stack:
         for h in hosts:
@@ -157,6 +158,8 @@ async def _with_scripted_partner(partner, cfg: SyncConfig, *, pieces: int = 1, p
                 await trio.sleep(0.5)
 
         nursery.start_soon(sample)
+        if prepare is not None:
+            prepare(ours, str(hosts[1].get_id()))
         with trio.fail_after(60):
             outcome = await ours.exchange(small_request(1))
         status = dict(ours.status())
@@ -415,6 +418,72 @@ async def test_a_partner_that_never_answers_the_pairing_request_fails_with_a_rea
     assert size == 1
     assert status["last_error"].endswith(
         "TooSlowError: no answer to the pairing request within 0.5s (sync.handshake_timeout_s)")
+
+
+async def test_a_partner_measured_slow_is_given_a_queue_of_its_bulk_data_to_answer_a_pairing_request() -> None:
+    """A partner busy moving an exchange over a slow link has its answer queued behind that transfer's bytes:
+    the 0.08 Mbit/s trainer's answers took over 5 s (bench/wan.py one-slow), every ask of it failed with
+    "no answer within 5s", and each failure cost it a back-off and the asker a solo step. With the link
+    measured slow, the asker waits as long as `QUEUED_BYTES` take at that rate; unmeasured, the setting."""
+    from node.averaging.averager import QUEUED_BYTES
+
+    cfg = dataclasses.replace(_slow_cfg(), handshake_timeout_s=0.5, pair_window_s=2)
+
+    async def answers_late(stream) -> None:
+        control = LibP2PByteStream(stream)
+        req = await recv_as(control, avg.AvgRequest)
+        await trio.sleep(1.0)  # behind its own bulk data in its link's queue
+        await send_msg(control, avg.AvgAnswer(verdict="busy", reason="already exchanging", outer_step=req.outer_step,
+                                              code=avg.AnswerCode.EXCHANGING.value))
+        await stream.close()
+
+    def measured_slow(averager: Averager, partner: str) -> None:
+        averager.admission.link(partner).rate_bps = QUEUED_BYTES / 3.0  # a queue's worth takes 3 s
+
+    size, status = await _with_scripted_partner(None, cfg, raw_handler=answers_late, prepare=measured_slow)
+    assert size == 1
+    (peer,) = status["per_peer"].values()
+    assert peer["failures"] == 0 and "no answer" not in (status["last_error"] or "")
+
+    size, status = await _with_scripted_partner(None, cfg, raw_handler=answers_late)  # nothing measured
+    assert size == 1
+    assert "no answer to the pairing request within 0.5s (sync.handshake_timeout_s)" in status["last_error"]
+
+
+def test_the_wait_for_a_pairing_answer_follows_the_measured_link_and_stays_bounded() -> None:
+    from node.averaging.averager import MAX_ANSWER_WAIT_S, QUEUED_BYTES
+
+    host = FakeHost(create_new_key_pair(), peers={})
+    averager = Averager(host, SyncConfig(handshake_timeout_s=5.0, datapath=False), FakeSwarm(host))
+    assert averager._answer_deadline_s("never-met") == 5.0
+    averager.admission.link("fast").rate_bps = 1e6  # 8 Mbit/s: a queue's worth in 0.13 s
+    assert averager._answer_deadline_s("fast") == 5.0
+    averager.admission.link("slow").rate_bps = 1e4  # 0.08 Mbit/s
+    assert averager._answer_deadline_s("slow") == pytest.approx(QUEUED_BYTES / 1e4)
+    averager.admission.link("crawl").rate_bps = 10.0
+    assert averager._answer_deadline_s("crawl") == MAX_ANSWER_WAIT_S
+
+
+async def test_a_partner_exchanging_with_someone_else_is_asked_again_after_half_an_exchange_with_it(
+    autojump_clock,
+) -> None:
+    """A slow-link partner that said "exchanging" and was asked again a second later was still moving its
+    transfer; its answer sat seconds in its link's queue while the asker turned away its own scheduled
+    partner ("asking someone else"). The hold is half an exchange with that partner (its mean bytes over
+    the rate measured with it); with nothing measured, the usual second."""
+    from node.averaging.averager import _arrays, _Pending
+    from node.averaging.partner_misses import Attempt
+
+    host, averager, _, old, request = _asking_a_busy_partner(1.0)  # every partner answers "exchanging"
+    assert averager._busy_hold_s(str(old)) == 0.0
+    link = averager.admission.link(str(old))
+    link.rate_bps, link.rounds, link.bytes_sent = 1e4, 2, 200_000  # 100 kB per exchange at 10 kB/s
+    assert averager._busy_hold_s(str(old)) == pytest.approx(5.0)
+    assert await averager._try_partner(_Pending(request, _arrays(request)), str(old)) is Attempt.EXCHANGING
+    await trio.sleep(4.9)
+    assert not averager.admission.may_ask(str(old))
+    await trio.sleep(0.2)
+    assert averager.admission.may_ask(str(old))
 
 
 # -- `auto`'s first exchange is a compressed probe, and a probe too fast to time still teaches a rate --------

@@ -257,12 +257,12 @@ class Admission:
         if count:
             self.back_off(peer)
 
-    def back_off(self, peer: str, *, soft: bool = False) -> None:
-        """Ask `peer` again only later: about a second after it declined (`soft`), else exponentially
-        longer with each failure in a row (`sync.backoff_s`, up to BACKOFF_MAX_S)."""
+    def back_off(self, peer: str, *, soft: bool = False, at_least_s: float = 0.0) -> None:
+        """Ask `peer` again only later: about a second after it declined (`soft`; at least `at_least_s`),
+        else exponentially longer with each failure in a row (`sync.backoff_s`, up to BACKOFF_MAX_S)."""
         link = self.link(peer)
         if soft:
-            link.next_try = self._clock() + random.uniform(0.5, 1.5)
+            link.next_try = self._clock() + max(random.uniform(0.5, 1.5), min(at_least_s, BACKOFF_MAX_S))
             return
         link.failures += 1
         delay = min(BACKOFF_MAX_S, self.cfg.backoff_s * 2 ** (link.failures - 1))

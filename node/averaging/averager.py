@@ -148,6 +148,10 @@ HOLD_MARGIN_S = 0.5  # past our first round's window: the second round begins ri
 # own recent transfers, when that is longer than the pairing window (`busy_wait_s`).
 BUSY_WAIT_FACTOR = 1.5
 RECENT_TRANSFERS = 8  # of our own, whose longest bounds that wait
+# A pairing answer can wait behind this much of the partner's own bulk data in its link's queue: a home
+# uplink's buffer holds seconds of it, the lab's tbf a 64 KiB bucket and as much queue (`_answer_deadline_s`).
+QUEUED_BYTES = 128 * 1024
+MAX_ANSWER_WAIT_S = 60.0  # however slow the partner's link: a pairing request is never waited on longer
 
 
 def busy_wait_s(window_s: float, transfer_s: float | None, max_transfer_s: float) -> float:
@@ -724,6 +728,35 @@ class Averager:
         oldest = min(self._last_paired.get(p, -1) for p in ready)
         return random.choice([p for p in ready if self._last_paired.get(p, -1) == oldest])
 
+    def _answer_deadline_s(self, partner: str) -> float:
+        """How long we wait for `partner` to answer a pairing request: `sync.handshake_timeout_s`, or longer
+        where the link we measured with it is so slow that a queue's worth of its bulk data takes longer.
+
+        Why: a partner busy transferring over a slow link has its answer to us queued behind that transfer's
+        bytes. bench/wan.py, one-slow at 0.4 Mbit/s (2026-11-27 14:49 debug run): the 0.08 Mbit/s trainer's
+        answers took over 5 s while it moved an exchange, each ask of it failed with "no answer within 5s",
+        cost it an exponential back-off and the asker a solo step; the answer, when it came, said "busy" or
+        "accept". A configured guess of the link must not rule out a slow one (issue #23); the rate is
+        measured (`_learn_rate`), and the wait stays bounded (`MAX_ANSWER_WAIT_S`)."""
+        link = self.admission.links.get(partner)
+        base = self.cfg.handshake_timeout_s
+        if link is None or not link.rate_bps:
+            return base
+        return max(base, min(QUEUED_BYTES / link.rate_bps, MAX_ANSWER_WAIT_S))
+
+    def _busy_hold_s(self, partner: str) -> float:
+        """After a partner we asked outside the schedule said it is exchanging with someone else: how long
+        before asking it again. Half of what an exchange with it takes (its mean bytes over the rate we
+        measured with it: where it is in its transfer is unknown); nothing measured, the usual second.
+
+        Why: asking again a second later reached a slow-link partner still moving its transfer, whose
+        answer then sat seconds in its link's queue while we, asking, turned away our own scheduled
+        partner ("asking someone else"), and both stepped solo (bench/wan.py, one-slow at 0.4 Mbit/s)."""
+        link = self.admission.links.get(partner)
+        if link is None or not link.rate_bps or not link.rounds:
+            return 0.0
+        return 0.5 * link.bytes_sent / link.rounds / link.rate_bps
+
     def _transfer_limits(self) -> avg.TransferLimits:
         """A transfer runs as long as it moves (protocols/avg.py, `TransferLimits`): no deadline from a link
         rate, assumed or measured, can rule out a slow link that works."""
@@ -893,7 +926,8 @@ class Averager:
         answered = False  # the partner's answer came: what fails after it is no handshake timeout
         try:
             stream = None
-            with trio.fail_after(self.cfg.handshake_timeout_s):
+            deadline = self._answer_deadline_s(partner)
+            with trio.fail_after(deadline):
                 stream = await self.host.new_stream(ID.from_base58(partner), list(avg.PROTOCOL_IDS))
             self.admission.saw(partner, avg.partner_ip(stream))
 
@@ -918,7 +952,7 @@ class Averager:
                     local_peer_id=self.host.get_id().to_bytes(),
                     remote_peer_id=ID.from_base58(partner).to_bytes(),
                     remote_ip=avg.partner_ip(stream),
-                    handshake_timeout=self.cfg.handshake_timeout_s,
+                    handshake_timeout=deadline,
                     limits=self._transfer_limits(),
                     progress=progress,
                     on_accept=claim,
@@ -945,7 +979,8 @@ class Averager:
                 their_publish = trio.current_time() - min(e.since_publish_ms / 1000, 86400.0)
                 pending.phase_gaps.append((their_publish - pending.began, e.paired))
             if not scheduled:
-                self.admission.back_off(partner, soft=True)
+                hold = self._busy_hold_s(partner) if e.code is AnswerCode.EXCHANGING else 0.0
+                self.admission.back_off(partner, soft=True, at_least_s=hold)
             log.debug("partner %s declined: %s", partner, e)
             if not_ready:
                 return Attempt.NOT_READY, None
@@ -961,8 +996,9 @@ class Averager:
         except Exception as e:  # ProtocolError, TooSlowError, and whatever libp2p raises for a dead stream
             self._learn_rate(partner, progress)
             if isinstance(e, trio.TooSlowError) and not answered:  # it said nothing: say which deadline
-                e = trio.TooSlowError(f"no answer to the pairing request within {self.cfg.handshake_timeout_s:g}s "
-                                      "(sync.handshake_timeout_s)")
+                why = ("sync.handshake_timeout_s" if deadline == self.cfg.handshake_timeout_s
+                       else "longer than sync.handshake_timeout_s: the link with it was measured slow")
+                e = trio.TooSlowError(f"no answer to the pairing request within {deadline:g}s ({why})")
             self._fail(partner, e, trio.current_time() - began)
             if claimed_here:  # our exchange owned this step and failed: solo, nothing applied
                 pending.result = 1
