@@ -486,6 +486,24 @@ async def test_a_partner_exchanging_with_someone_else_is_asked_again_after_half_
     assert averager.admission.may_ask(str(old))
 
 
+async def test_outside_the_schedule_a_partner_measured_slow_is_asked_only_where_every_partner_is() -> None:
+    """bench/wan.py, one-slow at 0.4 Mbit/s: 1 of 49 asks of the 0.08 Mbit/s trainer outside the schedule
+    paired (it is busy with its scheduled partner nearly all the time), and while its answer waited seconds
+    in its link's queue the asker turned away the fast trainer that asked it. The open phase (and the asks
+    beside a busy wait) now choose among the partners that answer within `sync.handshake_timeout_s`."""
+    from node.averaging.averager import QUEUED_BYTES
+
+    _, averager, slow, fast, _ = _asking_a_busy_partner(1.0)
+    averager.admission.link(str(slow)).rate_bps = QUEUED_BYTES / 20  # its answer may take 20 s
+    averager.admission.link(str(fast)).rate_bps = QUEUED_BYTES  # within a second
+    assert {averager._choose_partner() for _ in range(20)} == {str(fast)}
+    averager.admission.back_off(str(fast), soft=True)
+    assert averager._choose_partner() is None  # the fast one backs off: wait, do not ask the slow one
+    assert averager._choose_partner(exclude=str(fast)) == str(slow)  # only slow ones left: asked
+    averager.admission.link(str(fast)).rate_bps = QUEUED_BYTES / 30  # every partner slow (we are the slow one)
+    assert averager._choose_partner() == str(slow)
+
+
 # -- `auto`'s first exchange is a compressed probe, and a probe too fast to time still teaches a rate --------
 
 def test_a_completed_transfer_too_fast_to_time_teaches_a_lower_bound_a_cut_one_nothing() -> None:

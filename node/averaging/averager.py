@@ -717,11 +717,21 @@ class Averager:
 
     def _choose_partner(self, exclude: str | None = None) -> str | None:
         """A ready eligible partner for the open phase (never `exclude`): the least recently paired, random
-        among ties (never paired counts as least recent), so that the fallback spreads partners too."""
+        among ties (never paired counts as least recent), so that the fallback spreads partners too.
+
+        Partners whose answer we wait for longer than `sync.handshake_timeout_s` (a link measured slow,
+        `_answer_deadline_s`) are asked here only where every partner is such: outside the schedule such an
+        ask almost never pairs (one slow trainer among fast ones is busy with its scheduled partner nearly
+        all the time: 1 accept in 49 such asks, bench/wan.py one-slow at 0.4 Mbit/s, 2026-11-27 15:00), and
+        while its answer waits in that link's queue we turn away every other asker ("asking someone
+        else"); two fast trainers stepped solo side by side that way. The schedule still pairs it."""
         pool = {str(p) for p in self.host.get_connected_peers()} & set(self.swarm.eligible_partners())
         pool.discard(self.me)
         if exclude is not None:
             pool.discard(exclude)
+        prompt = {p for p in pool if self._answer_deadline_s(p) <= self.cfg.handshake_timeout_s}
+        if prompt:
+            pool = prompt
         ready = [p for p in pool if self.admission.may_ask(p)]
         if not ready:
             return None
