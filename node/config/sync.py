@@ -32,7 +32,8 @@ class SyncConfig:
     pair_window_s: float = opt(5.0, "seconds to look for a partner before taking a solo outer step")
     group_size: int = opt(2, "2: average with one partner per outer step | 4: a second round joins two pairs "
                           "into a group of four (every trainer of a swarm should use the same)")
-    handshake_timeout_s: float = opt(5.0, "seconds a partner has to answer a pairing request")
+    handshake_timeout_s: float = opt(5.0, "seconds a partner has to answer a pairing request (more for one whose "
+                                          "link was measured slow: a queue of its bulk data at that rate, up to 60 s)")
     stall_timeout_s: float = opt(30.0, "an exchange's transfer is given up when no byte moved either way for this "
                                  "long (a slow link that moves is never cut off)")
     max_transfer_s: float = opt(3600.0, "the longest one exchange's transfer may take, however it moves (seconds)")
