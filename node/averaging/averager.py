@@ -151,7 +151,10 @@ RECENT_TRANSFERS = 8  # of our own, whose longest bounds that wait
 # A pairing answer can wait behind this much of the partner's own bulk data in its link's queue: a home
 # uplink's buffer holds seconds of it, the lab's tbf a 64 KiB bucket and as much queue (`_answer_deadline_s`).
 QUEUED_BYTES = 128 * 1024
-MAX_ANSWER_WAIT_S = 60.0  # however slow the partner's link: a pairing request is never waited on longer
+# However slow the partner's link, a pairing answer is never waited for longer than this many times
+# `sync.handshake_timeout_s` (20 s by default; the lab's 0.08 Mbit/s link needs 13): a peer that had itself
+# measured slow and then sits on requests costs a round that long, not more.
+MAX_ANSWER_WAIT_FACTOR = 4.0
 
 
 def busy_wait_s(window_s: float, transfer_s: float | None, max_transfer_s: float) -> float:
@@ -747,12 +750,17 @@ class Averager:
         answers took over 5 s while it moved an exchange, each ask of it failed with "no answer within 5s",
         cost it an exponential back-off and the asker a solo step; the answer, when it came, said "busy" or
         "accept". A configured guess of the link must not rule out a slow one (issue #23); the rate is
-        measured (`_learn_rate`), and the wait stays bounded (`MAX_ANSWER_WAIT_S`)."""
+        measured (`_learn_rate`), and the wait stays bounded (`MAX_ANSWER_WAIT_FACTOR`).
+
+        Tried before (2026-11-26, docs/benchmarks.md) and not kept: a deadline doubled after each timeout, up
+        to 40 s. It learned from failures, not from the link, so a dead or stalled peer came to cost 40 s; this
+        one grows only with a rate measured while bytes flowed, and outside the schedule a partner measured
+        slow is not asked at all while others are there (`_choose_partner`)."""
         link = self.admission.links.get(partner)
         base = self.cfg.handshake_timeout_s
         if link is None or not link.rate_bps:
             return base
-        return max(base, min(QUEUED_BYTES / link.rate_bps, MAX_ANSWER_WAIT_S))
+        return max(base, min(QUEUED_BYTES / link.rate_bps, MAX_ANSWER_WAIT_FACTOR * base))
 
     def _busy_hold_s(self, partner: str) -> float:
         """After a partner we asked outside the schedule said it is exchanging with someone else: how long

@@ -33,7 +33,7 @@ class SyncConfig:
     group_size: int = opt(2, "2: average with one partner per outer step | 4: a second round joins two pairs "
                           "into a group of four (every trainer of a swarm should use the same)")
     handshake_timeout_s: float = opt(5.0, "seconds a partner has to answer a pairing request (more for one whose "
-                                          "link was measured slow: a queue of its bulk data at that rate, up to 60 s)")
+                                          "link was measured slow: a queue of its bulk data at that rate, up to 4x this)")
     stall_timeout_s: float = opt(30.0, "an exchange's transfer is given up when no byte moved either way for this "
                                  "long (a slow link that moves is never cut off)")
     max_transfer_s: float = opt(3600.0, "the longest one exchange's transfer may take, however it moves (seconds)")
