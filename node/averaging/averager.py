@@ -942,9 +942,9 @@ class Averager:
         preset = get_compression(compression)
         fragment = preset.fragment_of(pending.request.outer_step) if preset.lossy else 0
         answered = False  # the partner's answer came: what fails after it is no handshake timeout
+        deadline = self._answer_deadline_s(partner)
         try:
             stream = None
-            deadline = self._answer_deadline_s(partner)
             with trio.fail_after(deadline):
                 stream = await self.host.new_stream(ID.from_base58(partner), list(avg.PROTOCOL_IDS))
             self.admission.saw(partner, avg.partner_ip(stream))
