@@ -260,8 +260,11 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         def spawn(i: int, bootstrap: list[str]) -> None:
             if i in profiled:
                 swarm.env["STARLING_PROFILE_OUT"] = str(root / f"n{i}.prof")
+                if args.profile_join:
+                    swarm.env["STARLING_PROFILE_FROM_START"] = "1"
             swarm.spawn(i, bootstrap, log_level=args.log_level)
             swarm.env.pop("STARLING_PROFILE_OUT", None)
+            swarm.env.pop("STARLING_PROFILE_FROM_START", None)
 
         spawn(0, [])
         swarm.wait_listening([0], 60)
@@ -271,6 +274,11 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         everyone = list(range(n))
         swarm.wait_listening(everyone, 60 + 3 * n)
         t_last = time.monotonic()
+        # CPU the daemons used to start (to listening), and then to join: on a machine of two cores, what
+        # 64 daemons starting at once cost decides how long the join can take, whatever the protocols do.
+        pids_start = {i: swarm.daemons[i].pid for i in everyone}
+        cpu_listening = {i: proc_cpu(pids_start[i]) for i in everyone}
+        busy_listening = machine_busy()
         since = {i: time.time() for i in everyone}  # nobody's record before its start counts
         log(f"{n} daemons listening; waiting until every one knows every other")
 
@@ -308,8 +316,20 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                                         for i, m in lagging.items()}
             time.sleep(args.poll)
         assert views is not None
+        cpu_joined = {i: proc_cpu(pids_start[i]) for i in everyone}
+        busy_joined = machine_busy()
+        join_wall = time.monotonic() - t_last
         known = [views.alive_known(i) for i in everyone]
         out["join"] = {
+            # CPU seconds per daemon to start (to listening) and over the join (from the last daemon
+            # listening to the end of the join's polls); the machine's busy share over the join.
+            "cpu_s_to_listen": spread([v for v in cpu_listening.values() if v is not None]),
+            "cpu_s_join": spread([cpu_joined[i] - cpu_listening[i] for i in everyone
+                                  if cpu_joined[i] is not None and cpu_listening[i] is not None]),
+            "cpu_s_join_bootstrap": (None if cpu_joined[0] is None or cpu_listening[0] is None
+                                     else cpu_joined[0] - cpu_listening[0]),
+            "join_wall_s": join_wall,
+            "machine_busy_join": (busy_joined[0] - busy_listening[0]) / max(1, busy_joined[1] - busy_listening[1]),
             "all_known_s": joined_s,
             "known_at_end": spread([float(k) for k in known]),
             "known_mean_at_end": statistics.mean(known),
@@ -321,7 +341,16 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         }
         if args.trace:
             out["trace"] = trace
-        log(f"  all members known: {fmt_s(joined_s)}")
+        if profiled and args.profile_join:
+            for i in profiled:
+                swarm.daemons[i].signal(signal.SIGUSR2)
+            time.sleep(2)
+            out["profile_join"] = write_profile(args, root, n, profiled, join_wall / 60, "join")
+            print_profile(out["profile_join"])
+        j = out["join"]
+        log(f"  all members known: {fmt_s(joined_s)}; CPU s per daemon to listen {fmt_spread(j['cpu_s_to_listen'])}, "
+            f"over the join's {join_wall:.0f} s {fmt_spread(j['cpu_s_join'])} (bootstrap "
+            f"{j['cpu_s_join_bootstrap'] or 0:.1f}), machine busy {100 * j['machine_busy_join']:.0f}%")
 
         # 2. settled window (no status calls in it)
         time.sleep(args.settle)
@@ -329,11 +358,12 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         cpu0 = {i: proc_cpu(pids[i]) for i in everyone}
         traffic0 = {i: swarm.traffic(i) for i in everyone}
         busy0 = machine_busy()
-        for i in profiled:
+        window_profiled = [] if args.profile_join else profiled
+        for i in window_profiled:
             swarm.daemons[i].signal(signal.SIGUSR1)
         t0 = time.monotonic()
         time.sleep(args.window)
-        for i in profiled:
+        for i in window_profiled:
             swarm.daemons[i].signal(signal.SIGUSR2)
         minutes = (time.monotonic() - t0) / 60
         cpu1 = {i: proc_cpu(pids[i]) for i in everyone}
@@ -378,14 +408,8 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             f"{'profiled' if boot is None else f'{boot:.1f}'}); daemons {s['daemons_cores']:.2f} cores, machine busy "
             f"{100 * s['machine_busy']:.0f}%; sent kB/min {fmt_spread(s['sent_bytes_per_min'], 1e-3)}; "
             f"RSS MiB {fmt_spread(s['rss_mib'])}; connections {fmt_spread(s['connections'])}")
-        if profiled:
-            args.profile.mkdir(parents=True, exist_ok=True)
-            kept = []
-            for i in profiled:
-                if (root / f"n{i}.prof").exists():
-                    kept.append(args.profile / f"scale{n}-n{i}.prof")
-                    kept[-1].write_bytes((root / f"n{i}.prof").read_bytes())
-            out["profile"] = profile_summary(kept, minutes)
+        if window_profiled:
+            out["profile"] = write_profile(args, root, n, window_profiled, minutes, "window")
             print_profile(out["profile"])
 
         # 3. churn
@@ -418,6 +442,18 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             (args.keep_logs / f"scale{n}-ids.json").write_text(
                 json.dumps({i: peer_id(swarm.addr(i)) for i in swarm.daemons}))
     return out
+
+
+def write_profile(args: argparse.Namespace, root: Path, n: int, profiled: list[int], minutes: float,
+                  what: str) -> dict[str, Any]:
+    """Keep the profiled daemons' stats files in ``--profile`` DIR and summarize them."""
+    args.profile.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for i in profiled:
+        if (root / f"n{i}.prof").exists():
+            kept.append(args.profile / f"scale{n}-{what}-n{i}.prof")
+            kept[-1].write_bytes((root / f"n{i}.prof").read_bytes())
+    return profile_summary(kept, minutes)
 
 
 def conn_values(views: Views, indices: list[int]) -> dict[str, float]:
@@ -557,6 +593,8 @@ def main() -> int:
     p.add_argument("--churn-every", type=float, default=60.0, help="seconds per churn round")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="cProfile up to 4 daemons (the bootstrap node first) over the settled window; their stats files are kept in DIR")
+    p.add_argument("--profile-join", action="store_true",
+                   help="with --profile: profile the daemons from their start to the join's end, not the window")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
                    help="a config option for every daemon, as `starling run --set`")
     p.add_argument("--json", type=Path, help="also write the results here")

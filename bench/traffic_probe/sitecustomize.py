@@ -111,6 +111,8 @@ def _install_profiler(out: str) -> None:
 
     signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)
+    if os.environ.get("STARLING_PROFILE_FROM_START"):
+        profiler.enable()  # bench/scale.py --profile-join: the start and the join, to SIGUSR2
 
 
 if OUT:
