@@ -194,6 +194,18 @@ class ConnManager:
         """Fewer connections than the target: whether other components (the DHT) may open new ones."""
         return len(self.connected()) < self.target
 
+    def short_of_candidates(self) -> bool:
+        """Below the target, with too few candidates never tried to reach it (the connections, the dials
+        under way and the candidates not connected that have not failed since their last stable connection,
+        together, fall short of the target): whether a DHT lookup could give this node anyone new to dial.
+        Members' records, from state sessions, usually give every member at a join (p2p/discovery.py)."""
+        connected = set(self.connected())
+        if len(connected) >= self.target:
+            return False
+        fresh = sum(1 for c in self.candidates.values()
+                    if c.peer_id not in connected and c.peer_id not in self._dialing and not c.failures and c.addrs)
+        return len(connected) + len(self._dialing) + fresh < self.target
+
     def status(self) -> ConnectionsStatus:
         now = self.clock()
         return {

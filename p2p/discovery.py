@@ -29,6 +29,18 @@ record that the asker verifies, and more peers asked). Three things made it so a
   fast start-up rounds only when the routing table has grown since the last announcement (before, at
   every one of them: ten announcements in a node's first 20 s).
 
+At a join the DHT is only a fallback (issue #24). A newcomer's first state session gives it every member's
+signed record with its addresses, which the connection manager dials; what the DHT cost at the same time
+was most of the join's CPU. With 64 daemons on this machine's 2 cores, each newcomer's ten fast lookups and
+its announcements (a closest-peer walk, then ADD_PROVIDER to 20 peers, dialling those it was not connected
+to, each a Noise handshake and every protocol's first streams on both sides) went through the bootstrap
+node while 63 others leaned on it: the join took 90 s, and 31 s with the lookups and announcements off
+(docs/benchmarks.md, "Scale: real daemons"). So a node looks nothing up during its first
+``LOOKUP_GRACE_S``, and then only while the connection manager is short of candidates to reach its
+target (:meth:`p2p.connmgr.ConnManager.short_of_candidates`: a small swarm, or records that did not come);
+it announces itself first once it has its target of connections, whose peers its announcement reaches
+without a dial, or after ``PROVIDE_GRACE_S`` without it, and then every ``REPROVIDE_S``.
+
 py-libp2p's DHT ignores `protocol_prefix` (pitfall 5), so two different swarms share one DHT; the key is
 namespaced by the swarm name, and only peers that advertise that key become candidates.
 
@@ -64,6 +76,10 @@ log = logging.getLogger("starling.discovery")
 LOOKUP_TIMEOUT_S = 10.0
 FAST_INTERVAL_S = 2.0
 FAST_ROUNDS = 10
+#: No lookup in a node's first seconds: its first state session gives it the members (module docstring).
+LOOKUP_GRACE_S = 10.0
+#: A node that does not reach its target of connections announces itself after this all the same.
+PROVIDE_GRACE_S = 30.0
 #: Seconds between two announcements of this node as a provider once started (the records' holders keep
 #: them for 48 hours; see the module docstring).
 REPROVIDE_S = 600.0
@@ -162,19 +178,21 @@ class LookupPacer:
 
 
 class ProvidePacer:
-    """When this node announces itself as a provider again: every REPROVIDE_S, and during the start-up's
-    fast rounds whenever its routing table has grown since the last announcement (the first ones reach
-    only the few peers it knows; see the module docstring)."""
+    """When this node announces itself as a provider: first once it has its target of connections (its
+    announcement then reaches their peers without a dial) or PROVIDE_GRACE_S after its start without it,
+    then every REPROVIDE_S (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: float) -> None:
+        self.start = start
         self.last = -math.inf
-        self.table_size = 0
 
-    def due(self, now: float, table_size: int, *, starting: bool) -> bool:
-        return now - self.last >= REPROVIDE_S or (starting and table_size > self.table_size)
+    def due(self, now: float, *, at_target: bool) -> bool:
+        if self.last == -math.inf:
+            return at_target or now - self.start >= PROVIDE_GRACE_S
+        return now - self.last >= REPROVIDE_S
 
-    def done(self, now: float, table_size: int) -> None:
-        self.last, self.table_size = now, table_size
+    def done(self, now: float) -> None:
+        self.last = now
 
 
 class SwarmDiscovery:
@@ -194,6 +212,7 @@ class SwarmDiscovery:
         self.lookups = 0
         self.last_error = ""
         self.provides = 0
+        self.lookups_skipped = 0  # lookups not run: the connection manager had candidates enough
         self._wake = trio.Event()
         self._in_table: set[ID] = set()
 
@@ -208,16 +227,25 @@ class SwarmDiscovery:
         async with background_trio_service(self.dht):
             task_status.started()
             pacer = LookupPacer(self.interval)
-            provider = ProvidePacer()
+            start = trio.current_time()
+            provider = ProvidePacer(start)
             while True:
                 await self._add_connected_to_routing_table()
                 now = trio.current_time()
-                if provider.due(now, self.dht.get_routing_table_size(), starting=pacer.rounds < FAST_ROUNDS):
+                if provider.due(now, at_target=not self.connmgr.below_target()):
                     if await self._provide():
-                        provider.done(now, self.dht.get_routing_table_size())
-                found_new = await self._lookup()
-                with trio.move_on_after(pacer.after_lookup(found_new=found_new,
-                                                           at_target=not self.connmgr.below_target())):
+                        provider.done(now)
+                if now - start < LOOKUP_GRACE_S:
+                    # Not woken by connections meanwhile: every newcomer is connecting to someone then.
+                    await trio.sleep(start + LOOKUP_GRACE_S - now)
+                    continue
+                if self.connmgr.short_of_candidates():
+                    delay = pacer.after_lookup(found_new=await self._lookup(),
+                                               at_target=not self.connmgr.below_target())
+                else:  # the members' records gave enough to dial: nothing to look up (module docstring)
+                    self.lookups_skipped += 1
+                    delay = FAST_INTERVAL_S if self.connmgr.below_target() else self.interval
+                with trio.move_on_after(delay):
                     await self._wake.wait()
                     pacer.woken()
                 self._wake = trio.Event()
@@ -338,6 +366,7 @@ class SwarmDiscovery:
             "lookups": self.lookups,
             "last_error": self.last_error,
             "dials_withheld": self.dial_gate.refused,
+            "lookups_skipped": self.lookups_skipped,
         }
 
 

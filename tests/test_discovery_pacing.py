@@ -110,13 +110,17 @@ class SettledDHT:
         return list(self.members), [m.peer_id for m in self.members if m.peer_id != peer_id]
 
 
-def settled_node(dht: SettledDHT, connected: int) -> SwarmDiscovery:
+def settled_node(dht: SettledDHT, connected: int, *, records: bool = True) -> SwarmDiscovery:
+    """A node connected to the first ``connected`` members, every member a candidate learnt from the swarm
+    state unless ``records`` is False (no state session has given it any)."""
     host = FakeHost(peers={peer(i): "127.0.0.1" for i in range(connected)})
     mgr = ConnManager(host, target=8)
-    mgr.add_candidates(dht.members, source="state")  # every member learnt from the swarm state
+    if records:
+        mgr.add_candidates(dht.members, source="state")  # every member learnt from the swarm state
     disc = SwarmDiscovery.__new__(SwarmDiscovery)  # without the real KadDHT (and its host)
     disc.host, disc.connmgr, disc.key, disc.interval = host, mgr, discovery.swarm_key("s"), 10.0
     disc.dht, disc.members_found, disc.lookups, disc.last_error, disc.provides = dht, set(), 0, "", 0
+    disc.lookups_skipped = 0
     disc._wake, disc._in_table = trio.Event(), set()
     return disc
 
@@ -177,3 +181,52 @@ def test_a_new_connection_wakes_lookups_only_while_the_node_is_short_of_connecti
     disc.connmgr.host.peers[peer(9)] = "127.0.0.1"  # type: ignore[attr-defined]
     disc.peer_connected(peer(9))
     assert not disc._wake.is_set()
+
+
+# --- the DHT at a join: a fallback for members' records (issue #24) --------------------------------------------
+
+
+async def test_a_joining_node_whose_records_name_members_enough_asks_the_dht_nothing(
+        monkeypatch: Any, autojump_clock: Any) -> None:
+    """At a 64-daemon join each newcomer's ten fast lookups and its announcements went through the bootstrap
+    node while 63 others leaned on it (the join took 90 s, 31 s without them): a newcomer connected to its
+    bootstrap node alone, whose state session gave it every member's record, looks nothing up and does not
+    announce itself while it dials them."""
+    dht = SettledDHT(64)
+    disc = settled_node(dht, connected=1)
+    await run_for(disc, discovery.PROVIDE_GRACE_S - 1, monkeypatch)
+    assert dht.get_providers_sent == 0 and dht.provides == 0
+    assert disc.lookups_skipped > 0
+
+
+async def test_a_node_without_records_looks_members_up_after_the_grace_and_announces_itself(
+        monkeypatch: Any, autojump_clock: Any) -> None:
+    """The DHT stays the way in where no state session gave a member (or too few to reach the target)."""
+    dht = SettledDHT(16)
+    disc = settled_node(dht, connected=1, records=False)
+    await run_for(disc, discovery.LOOKUP_GRACE_S - 0.5, monkeypatch)
+    assert dht.get_providers_sent == 0
+    dht.get_providers_sent = 0
+    await run_for(settled_node(dht, connected=1, records=False), discovery.PROVIDE_GRACE_S + 1, monkeypatch)
+    assert dht.get_providers_sent > 0 and dht.provides == 1
+
+
+async def test_a_node_announces_itself_as_soon_as_it_has_its_target_of_connections(
+        monkeypatch: Any, autojump_clock: Any) -> None:
+    dht = SettledDHT(16)
+    await run_for(settled_node(dht, connected=8), 1.0, monkeypatch)
+    assert dht.provides == 1
+
+
+def test_only_untried_candidates_count_against_a_lookup() -> None:
+    """Candidates that failed (a full peer closed on us, an address that does not answer) may never connect:
+    a node whose candidates all failed is short of them, and looks members up."""
+    host = FakeHost(peers={peer(0): "127.0.0.1"})
+    mgr = ConnManager(host, target=4)
+    assert mgr.short_of_candidates()
+    mgr.add_candidates([PeerInfo(peer(i), ADDR) for i in range(1, 4)], source="state")
+    assert not mgr.short_of_candidates()  # 1 connected + 3 to dial: the target
+    mgr.candidates[peer(3)].failures = 1
+    assert mgr.short_of_candidates()
+    host.peers.update({peer(i): "127.0.0.1" for i in range(1, 4)})
+    assert not mgr.short_of_candidates()  # at the target
