@@ -201,8 +201,9 @@ class Daemon:
         # Averaging requests have their own per-IP share and IP bans in the averager (node/averaging/admission.py).
         self.stream_limits = SubnetStreamLimits({SNAPSHOT_PROTOCOL: 1, STATE_PROTOCOL: 4, STATE_PROTOCOL_1_0: 4, DIALBACK_PROTOCOL: 2})
         self.stream_limits.install(self.host)
-        #: Set when a busy refusal referred this node to members new to it: `_learn_member_addrs` looks at once.
-        self._members_referred = trio.Event()
+        #: Set when a session or a busy refusal's referral brought this node records new to it while it was
+        #: short of connections: `_learn_member_addrs` looks at once.
+        self._new_members_seen = trio.Event()
         self.connmgr = ConnManager(
             self.host,
             target=node.target_peers,
@@ -249,7 +250,7 @@ class Daemon:
             gossip=self.swim is None,
             # Over its cap, a newcomer is referred on rather than sent the whole table (the replicator's _hands_on).
             crowded=lambda: len(self.connmgr.connected()) > self.connmgr.cap,
-            on_referred=lambda: self._members_referred.set(),
+            on_new_members=self._new_members,
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial
@@ -478,6 +479,13 @@ class Daemon:
             # The step counter jumped with the snapshot: those samples were not trained here.
             self._last_progress_step = report.step
 
+    def _new_members(self) -> None:
+        """The replicator merged records new to this node. Below its target of connections, hand their
+        addresses over now: a newcomer's first session gives it the members it has to dial (at a 64-daemon
+        join, up to 5 s sooner than the next look). At the target, the next look is soon enough."""
+        if self.connmgr.below_target():
+            self._new_members_seen.set()
+
     async def _learn_member_addrs(self) -> None:
         """Members' signed records carry their addresses, circuit ones included: give them to the
         connection manager so that NATed members are reachable through their relays, and so that members
@@ -503,11 +511,12 @@ class Daemon:
                 if addrs:
                     self.connmgr.add_candidate(PeerInfo(ID.from_base58(m.record.peer_id), addrs), source="state")
             handed = {m.record.peer_id: handed[m.record.peer_id] for m in members if m.record.peer_id in handed}
-            # Every 5 s, or at once when a referral brought new members: a newcomer whose only connection is
-            # a busy bootstrap node has nobody else to dial until then.
+            # Every 5 s, or at once when a session or a referral brought new members while this node is short
+            # of connections: a newcomer whose only connection is a busy bootstrap node has nobody else to dial
+            # until then.
             with trio.move_on_after(5.0):
-                await self._members_referred.wait()
-            self._members_referred = trio.Event()
+                await self._new_members_seen.wait()
+            self._new_members_seen = trio.Event()
 
     # --- status ------------------------------------------------------------------------------------------
 

@@ -1331,7 +1331,7 @@ async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serv
     assert sessions[-1] == newcomer and replicator.stats.newcomers_handed_on == 1
     # The side referred on is told when a referral brought members new to it (the daemon dials them at once).
     told: list[bool] = []
-    replicator.on_referred = lambda: told.append(True)
+    replicator.on_new_members = lambda: told.append(True)
     replicator._refused(str(member), SyncRefused(protocol.BUSY, referred=ApplyResult(unchanged=8)))
     replicator._refused(str(member), SyncRefused(protocol.BUSY, referred=ApplyResult(changed=2, unchanged=6)))
     assert told == [True] and replicator.stats.referrals_changed == 2

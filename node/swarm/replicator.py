@@ -259,7 +259,7 @@ class StateReplicator:
         last_heard: Callable[[str], float | None] | None = None,
         unheard_of: Callable[[str], bool] | None = None,
         crowded: Callable[[], bool] | None = None,
-        on_referred: Callable[[], None] | None = None,
+        on_new_members: Callable[[], None] | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -292,9 +292,10 @@ class StateReplicator:
         #: Whether this node holds more connections than it keeps (its connection manager's cap): it then hands
         #: a newcomer on (see :meth:`_hands_on`) rather than serving it the whole table.
         self.crowded = crowded
-        #: Called when a busy refusal's referral brought members new to this node: the daemon hands their
-        #: addresses to its connection manager at once rather than at its next 5 s look.
-        self.on_referred = on_referred
+        #: Called when a session or a busy refusal's referral brought records new to this node: the daemon
+        #: hands members' addresses to its connection manager at once rather than at its next 5 s look
+        #: (while it is short of connections: a newcomer whose first session gave it the members).
+        self.on_new_members = on_new_members
         self._last_fields: dict[str, Any] | None = None  # what the last record signed here said
         self._last_signed = -math.inf
         #: Heartbeats that re-signed the record, and those that found nothing worth a signature (SWIM mode).
@@ -1052,6 +1053,8 @@ class StateReplicator:
         self.stats.records_sent += result.sent
         self.stats.records_received += result.received
         self.stats.records_changed += result.changed
+        if result.changed and self.on_new_members is not None:
+            self.on_new_members()
         _remember(self._verified, peer, None)
         self._reassert_if_superseded()
         if self._incompatible.pop(peer, None) is not None:
@@ -1066,8 +1069,8 @@ class StateReplicator:
         if exc.referred is not None:  # the rejected ones are counted by the replica (state.rejected)
             self.stats.referrals_received += exc.referred.changed + exc.referred.unchanged + exc.referred.rejected
             self.stats.referrals_changed += exc.referred.changed
-            if exc.referred.changed and self.on_referred is not None:
-                self.on_referred()
+            if exc.referred.changed and self.on_new_members is not None:
+                self.on_new_members()
         if not exc.incompatible:
             self.stats.session_failures[exc.code] += 1
             return
