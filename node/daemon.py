@@ -251,11 +251,12 @@ class Daemon:
             # Over its cap, a newcomer is referred on rather than sent the whole table (the replicator's _hands_on).
             crowded=lambda: len(self.connmgr.connected()) > self.connmgr.cap,
             on_new_members=self._new_members,
+            on_served=self.connmgr.served,
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial
         if self.swim is not None:
-            self.connmgr.on_closing = self.swim.closing
+            self.connmgr.on_closing = self.swim.tell_closing
         self.connmgr.on_connected = make_on_connected(
             self.discovery.peer_connected, self.replicator.peer_connected, self.nat.peer_connected
         )
@@ -498,8 +499,9 @@ class Daemon:
         rounds = 0
         while True:
             members = self.replicator.members_to_dial()
-            if self.swim is not None:  # members SWIM never heard of or holds dead: ask a connected member about them
-                self.swim.look_up(m.record.peer_id for m in self.replicator.members() if m.state is MemberState.GONE)
+            if self.swim is not None:  # members SWIM never heard of, holds dead or suspect: ask a connected member
+                self.swim.look_up(m.record.peer_id for m in self.replicator.members()
+                                  if m.state in (MemberState.GONE, MemberState.SUSPECT))
             if rounds % 12 == 0:
                 handed = {}
             rounds += 1

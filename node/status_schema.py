@@ -336,6 +336,9 @@ class SwimStatus(TypedDict):
     messages_received: int
     messages_dropped: int
     dropped: dict[str, int]  # by reason: not_connected, no_stream, outbox_full, too_large
+    #: Dropped connections taken as a close (closed_here: this node's, or at the peer's closing notice) or probed
+    #: as news (disconnect_probes); closing notices sent and received (node/swarm/swim_service.py).
+    closes: dict[str, int]
     bytes_sent: int
     bytes_received: int
     members: dict[str, int]  # held by the SWIM core: alive, suspect, dead (this node included in alive)

@@ -11,7 +11,10 @@ A full node still hands out peers: a connection is not closed for the cap during
 first state session, which gives it every member's signed record with its addresses, and its first DHT
 lookups. Closing the newest connection at once, as this did before, left a node beyond a full bootstrap node's
 cap no time to learn anyone (one of the reasons why 64 daemons on one bootstrap node knew 1.3 members on
-average after 240 s: issue #24, bench/scale.py).
+average after 240 s: issue #24, bench/scale.py). The grace ends early once this node has served the
+newcomer that session, or a referral to other members (:meth:`ConnManager.served`): it then has others to
+dial, and a node every newcomer reaches at once (the bootstrap node, the first members they all learn of)
+no longer holds twice its cap of them for 30 s.
 Over the cap, the newest connections past their grace are closed first, so long-lived ones are kept (those
 in their grace push none out). And a
 peer whose connection ended within `STABLE_S` of opening (the other side was full and closed it, or
@@ -69,6 +72,8 @@ PRUNE_GRACE_S = 30.0
 CROWDED_GRACE_S = 10.0
 #: A node with no connections retries its bootstrap peers at least this often.
 ISOLATED_RETRY_S = 5.0
+#: The longest a close waits for ``on_closing`` (telling the peer; see there).
+CLOSING_WAIT_S = 2.0
 #: A connection that ended younger than this counts as a failed dial for the back-off.
 STABLE_S = 2 * PRUNE_GRACE_S
 #: With the target met, a bootstrap peer is redialed at most this often (see the module docstring).
@@ -115,9 +120,10 @@ class ConnManager:
     #: The host's own connection limit (p2p/host.py's `max_connections`); 2 x `cap` when not given.
     limit: int | None = None
     on_connected: Callable[[ID], None] | None = None
-    #: Told of each connection this manager closes (the cap, a crowded group) before it closes: its loss
-    #: is no news of the peer (node/swarm/swim_service.py does not probe a member for it).
-    on_closing: Callable[[ID], None] | None = None
+    #: Awaited (at most `CLOSING_WAIT_S`) before each connection this manager closes (the cap, a crowded
+    #: group): its loss is no news of the peer, and the peer is told so (node/swarm/swim_service.py's
+    #: ``tell_closing``: neither side probes the member for it).
+    on_closing: Callable[[ID], Awaitable[None]] | None = None
     # How to dial: host.connect by default; node/swarm/nat.py supplies one that also tries relay circuits,
     # which py-libp2p's swarm never dials by itself.
     dial: Callable[[PeerInfo], Awaitable[None]] | None = None
@@ -133,6 +139,12 @@ class ConnManager:
     candidates: dict[ID, Candidate] = field(default_factory=dict)
     subnet_pruned: int = 0  # connections closed because their group was over max_per_subnet
     cap_pruned: int = 0  # connections closed because we were over the cap
+    #: Connected peers this node has served what a newcomer needs (a state session, or a referral: ``served``):
+    #: over the cap, their connections need no grace period.
+    _served: set[ID] = field(default_factory=set)
+    #: Connections whose close is under way (it waits up to `CLOSING_WAIT_S` for ``on_closing``): not closed
+    #: again, nor counted, meanwhile. Closing one twice closed it before the peer had been told.
+    _disconnecting: set[ID] = field(default_factory=set)
     _dialing: set[ID] = field(default_factory=set)
     _wake: trio.Event = field(default_factory=trio.Event)
     _known_connected: set[ID] = field(default_factory=set)
@@ -189,6 +201,17 @@ class ConnManager:
 
     def connected(self) -> list[ID]:
         return [p for p in self.host.get_connected_peers() if p != self.host.get_id()]
+
+    def served(self, peer_id: ID) -> None:
+        """This node has given ``peer_id`` what a newcomer needs from it (the swarm state's records, with the
+        members' addresses, in a session; or a referral to members): over the cap its connection may be
+        closed without waiting out `PRUNE_GRACE_S`. Why: at a 64-daemon join, every newcomer reached the
+        bootstrap node, and the first few members each newcomer learnt of, at once; those held 40 to 63
+        connections for the 30 s grace, answered probes late while 60 others leaned on them, and turned
+        suspect in many views (docs/benchmarks.md, "Scale: real daemons"). A peer that has its records has
+        others to dial."""
+        if peer_id in self._known_connected or peer_id in self.host.get_connected_peers():
+            self._served.add(peer_id)
 
     def below_target(self) -> bool:
         """Fewer connections than the target: whether other components (the DHT) may open new ones."""
@@ -257,6 +280,7 @@ class ConnManager:
             if self.on_connected is not None:
                 self.on_connected(peer_id)
         for peer_id in self._known_connected - connected:
+            self._served.discard(peer_id)
             opened = self._since.pop(peer_id, now)
             self._groups.pop(peer_id, None)
             cand = self.candidates.get(peer_id)
@@ -270,10 +294,11 @@ class ConnManager:
                 cand.failures = 0
         self._known_connected = connected
 
-        if len(connected) > self.cap:
-            self._prune(connected, nursery)
+        staying = connected - self._disconnecting
+        if len(staying) > self.cap:
+            self._prune(staying, nursery)
             return
-        full_groups = self._prune_crowded(connected, nursery)
+        full_groups = self._prune_crowded(staying, nursery)
         # Bootstrap peers are dialed first, and when the target is met only now and then (see the module docstring).
         # With the target met, only those are looked at: parsing every candidate's addresses twice a second
         # was idle work that grew with the swarm (every member is a candidate; issue #24).
@@ -308,7 +333,7 @@ class ConnManager:
         slot is free for the next newcomer."""
         now = self.clock()
         kept = {p for p in connected if p in self.candidates and self.candidates[p].permanent}
-        young = {p for p in connected if now - self._since.get(p, now) < PRUNE_GRACE_S}
+        young = {p for p in connected if now - self._since.get(p, now) < PRUNE_GRACE_S and p not in self._served}
         excess = len(connected) - self.cap - len(young)
         victims = sorted(connected - young - kept, key=lambda p: -self._since[p])[:max(0, excess)]
         over_limit = len(connected) - len(victims) - (self._limit() - 1)
@@ -318,7 +343,7 @@ class ConnManager:
         for peer_id in victims:
             log.debug("over the connection cap (%d): closing %s", self.cap, peer_id)
             self.cap_pruned += 1
-            nursery.start_soon(self._disconnect, peer_id)
+            self._start_disconnect(peer_id, nursery)
 
     def _prune_crowded(self, connected: set[ID], nursery: trio.Nursery) -> set[str]:
         """Close the newest connections of any network group above `max_per_subnet` (bootstrap peers are
@@ -341,7 +366,7 @@ class ConnManager:
             for peer_id in victims:
                 log.debug("more than %d connections from %s: closing %s", self.max_per_subnet, group, peer_id)
                 self.subnet_pruned += 1
-                nursery.start_soon(self._disconnect, peer_id)
+                self._start_disconnect(peer_id, nursery)
         return full
 
     def _back_off(self, cand: Candidate, error: str) -> float:
@@ -355,9 +380,20 @@ class ConnManager:
         cand.next_attempt = self.clock() + delay
         return delay
 
+    def _start_disconnect(self, peer_id: ID, nursery: trio.Nursery) -> None:
+        self._disconnecting.add(peer_id)
+        nursery.start_soon(self._disconnect, peer_id)
+
     async def _disconnect(self, peer_id: ID) -> None:
+        try:
+            await self._close(peer_id)
+        finally:
+            self._disconnecting.discard(peer_id)
+
+    async def _close(self, peer_id: ID) -> None:
         if self.on_closing is not None:
-            self.on_closing(peer_id)
+            with trio.move_on_after(CLOSING_WAIT_S):
+                await self.on_closing(peer_id)
         with trio.move_on_after(5):
             try:
                 await self.host.disconnect(peer_id)

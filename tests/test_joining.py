@@ -86,6 +86,56 @@ async def test_a_full_node_keeps_a_newcomer_through_its_grace_period_then_closes
     assert mgr.status()["cap_pruned"] == 1
 
 
+async def test_a_full_node_closes_a_newcomer_it_has_served_without_waiting_out_the_grace() -> None:
+    """At a 64-daemon join the bootstrap node and the first members every newcomer learnt of held 40 to 63
+    connections through the 30 s grace, answered probes late and turned suspect in many views. Once this node
+    has served the newcomer (a state session, or a referral) the newcomer has others to dial: over the cap,
+    its connection goes at the next tick."""
+    clock, host, mgr = _full_node()
+    async with trio.open_nursery() as nursery:
+        mgr._tick(nursery)
+        clock.t += 600
+        host.peers[peer(4)] = "198.51.4.7"  # one over the cap
+        host.peers[peer(5)] = "198.51.5.7"  # and another, not served yet
+        mgr._tick(nursery)
+        await trio.sleep(0)
+        assert not host.disconnected
+        mgr.served(peer(4))
+        clock.t += 1
+        mgr._tick(nursery)
+    assert host.disconnected == [peer(4)]  # served: no grace; peer(5) keeps its grace
+    mgr.served(peer(9))  # not connected: nothing remembered
+    assert peer(9) not in mgr._served
+
+
+async def test_a_close_under_way_is_not_started_again_while_the_peer_is_being_told() -> None:
+    """A close waits for ``on_closing`` (SWIM tells the peer; up to a second), and the manager ticks twice a
+    second: each tick would close the same connection again, the second close ending it before the peer
+    had been told, and counting it twice."""
+    clock, host, mgr = _full_node()
+    told: list[ID] = []
+    answered = trio.Event()
+
+    async def on_closing(peer_id: ID) -> None:
+        told.append(peer_id)
+        await answered.wait()
+
+    mgr.on_closing = on_closing
+    async with trio.open_nursery() as nursery:
+        mgr._tick(nursery)
+        clock.t += 600
+        host.peers[peer(4)] = "198.51.4.7"
+        mgr._tick(nursery)
+        clock.t += PRUNE_GRACE_S
+        for _ in range(4):
+            mgr._tick(nursery)
+            await trio.sleep(0.001)
+            clock.t += 0.5
+        assert told == [peer(4)] and host.disconnected == [] and mgr.status()["cap_pruned"] == 1
+        answered.set()
+    assert host.disconnected == [peer(4)]
+
+
 async def test_newcomers_in_their_grace_period_do_not_push_out_long_lived_connections() -> None:
     clock, host, mgr = _full_node()
     async with trio.open_nursery() as nursery:

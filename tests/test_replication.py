@@ -1316,10 +1316,13 @@ async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serv
     member = ID.from_pubkey(member_key.public_key)
     newcomer = ID.from_pubkey(create_new_key_pair().public_key)
 
+    served: list[ID] = []
+    replicator.on_served = served.append  # the daemon's connection manager: no grace needed any more
     handed_on = WrittenStateStream(newcomer)
     await replicator._handle_stream(handed_on)
     error = await written_error(handed_on, protocol.Error)
     assert error.code == protocol.BUSY and len(error.referral) == protocol.MAX_REFERRAL_RECORDS
+    assert served == [newcomer]
     assert sessions == [] and replicator.stats.newcomers_handed_on == 1 and replicator.stats.peer_share_refusals == 0
     await replicator._handle_stream(WrittenStateStream(member))
     crowded = False

@@ -9,7 +9,16 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   once a period, and a dead one is found within two rounds of this node at worst). No ack within
   ``ack_timeout_s``: it asks ``indirect_k`` other members to ping the target for it (``PingReq``), so that
   one bad path (a lossy link, a NAT between the two) does not make a live member suspect. No ack by
-  ``probe_timeout_s``: the target becomes *suspect*.
+  ``probe_timeout_s``: the target becomes *suspect*. A member this node probed less than ``probe_spacing_s``
+  ago is passed over: where a node may send to few members (a daemon probes connected members only), the
+  round-robin would otherwise ping the same few every period; a newcomer connected to its seed alone pinged
+  it every second, 63 pings a second at the seed of a 64-daemon join (issue #24). And where no helper could
+  be asked (the node may send to the target alone), one missed ack is no suspicion: the node's local health
+  rises (below), and the target is suspected after ``lonely_misses`` such probes in a row with nothing heard
+  from it between them. At that join, 155 of the 221 probes that failed were a newcomer's of the seed, its
+  only connection, which answered late while 63 others joined through it; each made the seed suspect in the
+  newcomer's view and spread. A member whose every neighbour can ask a helper is judged as before, and in a
+  swarm of two a hung member is still suspected, ``lonely_misses`` probes later.
 * **Suspicion with incarnations.** A suspect is not dead yet: the claim spreads, and the suspect, hearing
   it, *refutes* by raising its incarnation number (only a member ever raises its own) and spreading that.
   A live member's newer incarnation beats any suspect or dead claim about an older one; a dead member may
@@ -209,6 +218,9 @@ class MembershipConfig:
     period_s: float = 1.0  # one probe per period
     ack_timeout_s: float = 0.5  # a direct ack later than this: ask others (WAN round trips reach 400 ms)
     probe_timeout_s: float = 2.0  # no ack, direct or indirect, by then: suspect
+    probe_spacing_s: float = 4.0  # a member probed less than this long ago is passed over (see the docstring)
+    lookup_suspect_after_s: float = 5.0  # a member suspect this long may be looked up (see look_up)
+    lonely_misses: int = 3  # failed probes in a row with no helper to ask before a suspicion (see the docstring)
     indirect_k: int = 3  # members asked to probe for us
     suspicion_mult: int = 4  # minimum suspicion timeout = mult x max(1, log10 N) x period_s
     suspicion_max_mult: int = 6  # the timeout starts at this times the minimum
@@ -369,6 +381,7 @@ class Membership:
         self._pstep = array("I")
         self._ploss = array("f")
         self._psps = array("f")
+        self._probed = array("d")  # when this node last started a probe of each member
         self._live = 0  # alive + suspect, me excluded
         self._held = 0  # any state but UNKNOWN, me excluded
         self._dead_t = array("d")  # when members died, in order (for retention), with _dead_id, from _dead_head
@@ -410,6 +423,8 @@ class Membership:
         self._silent: set[int] = set()
         #: Members whose last probe was no evidence (nobody could carry it), probed again by :meth:`recheck`.
         self._unverified: set[int] = set()
+        #: Members whose last probes failed with no helper to ask, and how many in a row (see :meth:`tick`).
+        self._lonely: dict[int, int] = {}
         #: Which members this node may send to directly (None: all). A daemon sets it to "connected to me"
         #: (node/swarm/swim_service.py): probes, helpers of indirect probes and push-pull partners are then
         #: drawn among connected members only, since a message to anyone else would cost a new connection.
@@ -433,6 +448,7 @@ class Membership:
         self._pstep.frombytes(zeros)
         self._ploss.frombytes(zeros)
         self._psps.frombytes(zeros)
+        self._probed.extend([-math.inf] * extra)
 
     def _set(self, pid: int, state: int, inc: int, now: float) -> None:
         old = self._state[pid]
@@ -478,6 +494,8 @@ class Membership:
         self._progress_queue.drop(pid)
         self._silent.discard(pid)
         self._unverified.discard(pid)
+        self._lonely.pop(pid, None)
+        self._probed[pid] = -math.inf
         self._suspicions.pop(pid, None)
         for seq in [seq for seq, p in self._probes.items() if p.target == pid]:
             del self._probes[seq]
@@ -490,6 +508,11 @@ class Membership:
     def queued_news(self) -> int:
         """How many updates wait in the broadcast queue (each still to ride on some messages)."""
         return len(self._queue)
+
+    def suspected_for(self, member: int, now: float) -> float | None:
+        """How long ``member`` has been suspect here (None when it is not)."""
+        s = self._suspicions.get(member)
+        return None if s is None else now - s.start
 
     def suspicion(self, member: int) -> tuple[float, int] | None:
         """The running suspicion of `member`: (when it turns into death, how many members accused it), or
@@ -640,6 +663,14 @@ class Membership:
                     # rule where no helper can nack: any failed probe counts against this node's health).
                     # A joiner connected to an overloaded seed alone otherwise suspected it every 2 s.
                     self.local_health = min(self.config.max_local_health, self.local_health + 1)
+                    # And one such miss is no suspicion yet: ``lonely_misses`` in a row, with nothing heard
+                    # from the member between them, are (see the module docstring).
+                    misses = self._lonely.get(p.target, 0) + 1
+                    if misses < self.config.lonely_misses:
+                        self._lonely[p.target] = misses
+                        self.counters["lonely_misses"] += 1
+                        continue
+                self._lonely.pop(p.target, None)
                 self._suspect(p.target, now)
         for seq, (_, _, deadline) in list(self._relays.items()):
             if now >= deadline:
@@ -656,7 +687,7 @@ class Membership:
             out.extend(self._join_request(now))
         if now >= self._next_probe:
             self._next_probe = max(self._next_probe + (1 + self.local_health) * self.config.period_s, now)
-            target = self._next_target()
+            target = self._next_target(now)
             if target is not None:
                 out.extend(self._start_probe(target, now))
         if now >= self._next_pushpull:
@@ -698,13 +729,20 @@ class Membership:
         names the members to look up here). The reply brings the member's newer incarnation where the server
         holds one; where it holds the same, our death claim reaches the server and spreads from there, until
         the member hears it and refutes (SWIM's own way). A bucket holds about N / 65,536 members: the reply
-        is one entry or a few. Members held alive or suspect, and this node, are skipped."""
+        is one entry or a few. Members held alive, and this node, are skipped.
+
+        A member held suspect for ``lookup_suspect_after_s`` is asked about too, with no claim carried: at a
+        64-daemon join single views held a member suspect for 30 s (then dead) after every other view had its
+        refutation, which the gossip's limited retransmissions never brought them. The reply's newer
+        incarnation ends the suspicion; where the server holds none, the suspicion runs its course."""
         out: Sends = []
         if self._left:
             return out
         for pid in pids:
             state = self.state_of(pid)
-            if pid == self.me or state not in (UNKNOWN, DEAD):
+            if pid == self.me or state not in (UNKNOWN, DEAD, SUSPECT):
+                continue
+            if state == SUSPECT and (self.suspected_for(pid, now) or 0.0) < self.config.lookup_suspect_after_s:
                 continue
             server = self._random_members(1, set())  # (pid itself is not alive: never drawn)
             if not server:
@@ -712,7 +750,7 @@ class Membership:
             self._seq += 1
             self.counters["lookups"] += 1
             bucket = self._bucket(pid)
-            ours = self._entry(pid)
+            ours = self._entry(pid) if state != SUSPECT else None
             out.append((server[0], SyncRequest(self.me, self._seq, bucket, (ours,) if ours is not None else (),
                                                until=bucket + 1)))
         return out
@@ -749,6 +787,7 @@ class Membership:
     def _start_probe(self, target: int, now: float) -> Sends:
         self._seq += 1
         self.counters["probes"] += 1
+        self._probed[target] = now
         ok = self.can_probe
         scale = 1 + self.local_health
         self._probes[self._seq] = _Probe(target, now + scale * self.config.ack_timeout_s,
@@ -760,15 +799,16 @@ class Membership:
             updates = (Alive(self.me, self.incarnation), *updates[:self.config.max_updates - 1])
         return [(target, Ping(self.me, self._seq, target, updates))]
 
-    def _next_target(self) -> int | None:
+    def _next_target(self, now: float) -> int | None:
         state, size = self._state, len(self._state)
         ok = self.can_probe
+        recent = now - self.config.probe_spacing_s
         for _ in range(2):  # the rest of this round, then one fresh round
             while self._round_pos < self._round_size:
                 pid = (self._round_offset + self._round_pos * self._round_stride) % self._round_size
                 self._round_pos += 1
                 if pid != self.me and pid < size and (state[pid] == ALIVE or state[pid] == SUSPECT) and (
-                        ok is None or ok(pid)):
+                        ok is None or ok(pid)) and self._probed[pid] <= recent:
                     return pid
             self._new_round()
         return None
@@ -935,6 +975,7 @@ class Membership:
         if sender == self.me:
             return []
         out: Sends = []
+        self._lonely.pop(sender, None)  # it lives: its misses so far were this node's, or the path's
         if isinstance(message, SyncRequest | SyncReply):
             return self._receive_sync(now, message)
         self._absorb(message.updates, sender, now)

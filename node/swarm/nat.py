@@ -94,6 +94,10 @@ PING_PROTOCOL_ID = TProtocol("/ipfs/ping/1.0.0")
 PING_BYTES = 32
 PING_TIMEOUT_S = 5.0
 MAX_PINGS_AT_ONCE = 8
+#: A new peer's first ping comes at a random time within this many seconds of its connection, not at once:
+#: at a join every newcomer connects to the bootstrap node within seconds, and its 63 pings at once (each a
+#: new stream) came on top of every other protocol's first streams there (issue #24).
+FIRST_PING_SPREAD_S = 5.0
 RELAY_TIMEOUT_S = 10.0  # one RESERVE or CONNECT exchange with a relay
 DIRECT_FIRST_S = 3.0  # in dial(): how long direct addresses get before the circuit addresses are tried
 UNKNOWN_RESERVE_AFTER_S = 30.0  # still unknown after this long: reserve relays anyway, as insurance
@@ -739,14 +743,17 @@ class NatService:
     # --- RTT ------------------------------------------------------------------------------------------
 
     async def _ping_loop(self) -> None:
-        """Ping each connected peer every ping_interval; a new peer within a second of connecting."""
+        """Ping each connected peer every ping_interval; a new peer within FIRST_PING_SPREAD_S of connecting."""
         limiter = trio.Semaphore(MAX_PINGS_AT_ONCE)
         async with trio.open_nursery() as nursery:
             while True:
                 self._forget_departed()
                 now = self.clock()
                 for peer_id in self._connected()[:256]:
-                    state = self._paths.setdefault(peer_id, _PeerPath())
+                    state = self._paths.get(peer_id)
+                    if state is None:
+                        state = self._paths[peer_id] = _PeerPath(
+                            pinged_at=now - self.config.ping_interval + random.uniform(0, FIRST_PING_SPREAD_S))
                     if now - state.pinged_at >= self.config.ping_interval:
                         state.pinged_at = now
                         nursery.start_soon(self._ping_one, peer_id, limiter)

@@ -260,6 +260,7 @@ class StateReplicator:
         unheard_of: Callable[[str], bool] | None = None,
         crowded: Callable[[], bool] | None = None,
         on_new_members: Callable[[], None] | None = None,
+        on_served: Callable[[ID], None] | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -296,6 +297,10 @@ class StateReplicator:
         #: hands members' addresses to its connection manager at once rather than at its next 5 s look
         #: (while it is short of connections: a newcomer whose first session gave it the members).
         self.on_new_members = on_new_members
+        #: Called with a peer that has what a newcomer needs from this node: a session completed with it, or
+        #: a referral handed to it. The connection manager may then close it for its cap without waiting out
+        #: the newcomer's grace period (p2p/connmgr.py ``served``).
+        self.on_served = on_served
         self._last_fields: dict[str, Any] | None = None  # what the last record signed here said
         self._last_signed = -math.inf
         #: Heartbeats that re-signed the record, and those that found nothing worth a signature (SWIM mode).
@@ -954,6 +959,9 @@ class StateReplicator:
                 await protocol.refuse_busy(byte_stream, self._local_info(), referral=referral, legacy=legacy)
             except ProtocolError:
                 pass
+            else:
+                if handed_on and self.on_served is not None:
+                    self.on_served(peer)
             await _close(byte_stream, graceful=True)
             return
         self._inbound += 1
@@ -1050,6 +1058,8 @@ class StateReplicator:
 
     def _synced(self, peer: str, result: protocol.SessionResult) -> None:
         self.stats.sessions_ok += 1
+        if self.on_served is not None:
+            self.on_served(ID.from_base58(peer))
         self.stats.records_sent += result.sent
         self.stats.records_received += result.received
         self.stats.records_changed += result.changed

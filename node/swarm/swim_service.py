@@ -23,10 +23,20 @@ Transport (docs/benchmarks.md, "Scale: SWIM's transport"): one long-lived stream
   suspect, then dead after SWIM's suspicion timeout (a live member refutes as soon as the suspicion reaches
   it through any connection it has). Without this, a member that died took its connections with it and
   nobody would probe it again. Two exceptions, since neither is evidence of death: a connection this node
-  closed itself (the connection manager's cap: ``closing``, wired to ``ConnectionManager.on_closing``) is
+  closed itself (the connection manager's cap: ``tell_closing``, wired to ``ConnManager.on_closing``) is
   not probed, and its probes under way are dropped; and a probe that nobody could carry (no connection to
   the member, no other member connected to ask) ends without suspicion, to be tried again when a
-  connection appears (``Membership.recheck``).
+  connection appears (``Membership.recheck``). The other side of a close is told too: before the
+  connection manager closes a connection for its cap it sends the peer a *closing notice* (an ``Ack`` of
+  sequence number 0, which no probe uses, so a node not upgraded ignores it) and waits up to
+  ``CLOSING_WAIT_S`` for the peer's own notice back (:meth:`SwimService.tell_closing`). A peer that gets one
+  takes the drop that follows as this node's own close: no probe. Why: the peer whose connection a full node
+  closed probed it at once, with no direct path and helpers connected to it but not to the full node (who
+  drop a ping they cannot send), so the probe failed and the full node turned suspect in every view for a
+  poll. At a 64-daemon join, 40 of the 50 probes that followed a dropped connection were newcomers probing
+  the bootstrap node that had closed them for its cap (docs/benchmarks.md, "Scale: real daemons"). The
+  notice back is what makes the close wait until the peer has read it, so that the drop never reaches the
+  peer before the notice does.
 * A starved event loop (a saturated machine) must not read as silent members: the timer loop measures how
   late it wakes and gives that time back to the probes and suspicions under way, and Lifeguard's local
   health score stretches the timeouts while it runs late (``Membership.note_lag``).
@@ -98,6 +108,8 @@ IDLE_TIMEOUT_S = 60.0  # an inbound stream with nothing for this long is closed 
 REOPEN_S = 5.0  # the least time between two outbound streams opened to the same peer
 GARBAGE_BAN_S = 60.0  # a peer that sent garbage: its new streams are refused this long
 CLOSED_HERE_S = 10.0  # a connection this node closed and saw drop within this long: not news of the member
+CLOSING_SEQ = 0  # an Ack of this sequence number is a closing notice (no probe uses it: sequences start at 1)
+CLOSING_WAIT_S = 1.0  # the longest a close waits for the peer's notice back (a peer not upgraded sends none)
 CONNECTIONS_POLL_S = 0.5  # how often the connected set is read (a new or a dropped connection)
 LAG_ALLOWANCE_S = 0.05  # a timer loop this late is on time (scheduling noise, a message being handled)
 OUTBOX = 32  # messages waiting for one peer's stream; more are dropped
@@ -112,6 +124,9 @@ ED25519_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])  # identity multiha
 
 #: Why a message was not sent (the service's counters of the same names).
 DROP_REASONS = ("not_connected", "no_stream", "outbox_full", "too_large")
+#: Connections that dropped and closing notices (``status["swim"]["closes"]``): drops taken as a close (this
+#: node's own, or at the peer's notice), drops probed as news, notices sent, notices received (not answers).
+CLOSE_COUNTERS = ("closed_here", "disconnect_probes", "closing_notices_sent", "closing_notices_received")
 
 _STATES = {ALIVE: MemberState.ALIVE, SUSPECT: MemberState.SUSPECT, DEAD: MemberState.GONE}
 
@@ -169,7 +184,8 @@ class SwimService:
         self.lag_s = 0.0  # how late the timer loop last woke (this node's own event loop, starved or busy)
         self.max_lag_s = 0.0
         self._disconnected_at: dict[int, float] = {}
-        self._closing: dict[ID, float] = {}  # peers whose connection this node is closing itself, and since when
+        self._closing: dict[ID, float] = {}  # peers whose connection is closing (here, or at their notice), since when
+        self._notices: dict[ID, trio.Event] = {}  # closes waiting for the peer's notice back (tell_closing)
         self._connected: set[ID] = set()
         self._connected_ids: set[int] = set()
         self._speaks: set[ID] = set()  # peers whose outbound stream negotiated the protocol
@@ -213,6 +229,7 @@ class SwimService:
             "messages_received": mine["received"],
             "messages_dropped": sum(dropped.values()),
             "dropped": dropped,
+            "closes": {key: mine[key] for key in CLOSE_COUNTERS},
             "bytes_sent": mine["bytes_sent"],
             "bytes_received": mine["bytes_received"],
             "members": {name: held.get(name, 0) for name in ("alive", "suspect", "dead")},
@@ -240,8 +257,9 @@ class SwimService:
         return STATE_NAMES[self.core.state_of(pid)] if pid is not None else "unknown"
 
     def look_up(self, peer_ids: Iterable[str]) -> int:
-        """Ask connected members about members SWIM has never heard of or holds dead although the swarm state
-        holds their signed records (``peer_ids``, base58; :meth:`Membership.look_up` says why), at most
+        """Ask connected members about members SWIM has never heard of, holds dead, or has held suspect for a
+        while although the swarm state holds their signed records (``peer_ids``, base58;
+        :meth:`Membership.look_up` says why), at most
         ``LOOKUPS_PER_CALL`` a call; the same member again only after a wait that doubles from 10 s to 5 min,
         so that a member that crashed long ago (forgotten here, its record kept) is not asked about forever
         every few seconds. Returns the requests sent."""
@@ -253,8 +271,12 @@ class SwimService:
         for name in names:
             if len(pids) >= LOOKUPS_PER_CALL:
                 break
-            if self.state_name(name) not in ("unknown", "dead") or self._lookups.get(name, (-math.inf, 0.0))[0] > now:
+            state = self.state_name(name)
+            if state not in ("unknown", "dead", "suspect") or self._lookups.get(name, (-math.inf, 0.0))[0] > now:
                 continue
+            if state == "suspect" and (self.core.suspected_for(self._by_name[name], now) or 0.0) < \
+                    self.core.config.lookup_suspect_after_s:
+                continue  # a young suspicion: its refutation is likely on its way
             try:
                 peer = ID.from_base58(name)
             except Exception:  # not a peer ID (records are checked, but this must not raise for one)
@@ -411,6 +433,45 @@ class SwimService:
         pid = self._ids.get(peer.to_bytes())
         if pid is not None:
             self.core.abandon(pid)  # a probe under way may lose its ping or its ack to the close
+
+    async def tell_closing(self, peer: ID) -> None:
+        """This node is about to close its connection to ``peer`` (the connection manager's cap): mark it as
+        :meth:`closing` does, send the peer a closing notice and wait (at most ``CLOSING_WAIT_S``) for its
+        notice back, which says it has read ours (see the module docstring)."""
+        self.closing(peer)
+        if peer not in self._ready or peer in self._notices:
+            return  # no stream to tell it on (it has not probed us either), or already telling it
+        answered = self._notices[peer] = trio.Event()
+        try:
+            if self._send_notice(peer):
+                with trio.move_on_after(CLOSING_WAIT_S):
+                    await answered.wait()
+        finally:
+            del self._notices[peer]
+
+    def _send_notice(self, peer: ID) -> bool:
+        outbox = self._outboxes.get(peer)
+        if outbox is None:
+            return False
+        try:
+            outbox.send_nowait(swim.encode(Ack(self.core.me, CLOSING_SEQ), self._name_of))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        self.counters["closing_notices_sent"] += 1
+        return True
+
+    def _noticed(self, peer: ID, now: float) -> None:
+        """A closing notice from ``peer``: the answer to ours, or its own close, which we take as ours (not
+        news when it drops) and answer."""
+        answered = self._notices.get(peer)
+        if answered is not None:
+            answered.set()
+            return
+        self.counters["closing_notices_received"] += 1
+        if self._closing.get(peer, -math.inf) > now - CLOSED_HERE_S:
+            return  # marked already (both sides closing at once): no answer to an answer
+        self.closing(peer)
+        self._send_notice(peer)
 
     def _can_probe(self, pid: int) -> bool:
         """Whether this node may send to ``pid`` as a probe target, a helper or a push-pull partner: it is
@@ -654,6 +715,9 @@ class SwimService:
                     self._remember_claims(message)
                     now = trio.current_time()
                     self._heard[pid] = now
+                    if isinstance(message, Ack) and message.seq == CLOSING_SEQ:
+                        self._noticed(peer, now)
+                        continue
                     target = self.core.probe_target(message.seq) if isinstance(message, Ack) else None
                     self._dispatch(self.core.receive(now, message))
                     if target is not None and self.core.probe_target(message.seq) is None:
