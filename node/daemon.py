@@ -67,7 +67,7 @@ from node.swarm.swim_service import timing as swim_timing
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import AccessControl, SwarmKeyError, read_swarm_key
 from p2p.bootstrap_file import watch_bootstrap_files, write_addr_file
-from p2p.connmgr import ConnManager
+from p2p.connmgr import SILENT_S, ConnManager
 from p2p.discovery import SwarmDiscovery, make_on_connected
 from p2p.fsutil import atomic_write_bytes, tighten_private_folders
 from p2p.host import build_host, foreign_listeners, port_in_use
@@ -257,6 +257,11 @@ class Daemon:
         self.connmgr.dial = self.nat.dial
         if self.swim is not None:
             self.connmgr.on_closing = self.swim.tell_closing
+            # A connection that delivers nothing is dropped and redialed once every connection is silent
+            # (p2p/connmgr.py, SILENT_S): SWIM's probes, answered within seconds, are what says it delivers.
+            self.swim.on_heard = self.connmgr.heard_from
+            self.replicator.on_heard = self.connmgr.heard_from
+            self.connmgr.silent_after = SILENT_S
         self.connmgr.on_connected = make_on_connected(
             self.discovery.peer_connected, self.replicator.peer_connected, self.nat.peer_connected
         )

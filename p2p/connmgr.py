@@ -30,6 +30,18 @@ spare slots were each held for the full 30 s while nine others were refused, bac
 And a node with no connection at all retries its bootstrap peers at least every `ISOLATED_RETRY_S`: a
 refusal costs the refusing host a TCP accept and close, and a stranded node has nothing else to try.
 
+A connection can be up and deliver nothing: at a 64-daemon join one newcomer per run sat 20-40 s on its
+first connection to a crowded node, none of its pings acked and no state session completed, until that node
+closed the connection for its cap; the redial then worked at once (docs/benchmarks.md, "Scale: real
+daemons"; the stall is below Starling's protocols, in py-libp2p on a starved node, and was not found). So
+where the daemon tells this manager what its protocols hear (``heard_from``: a SWIM message, a state
+session's answer) and sets ``silent_after``, a node none of whose connections delivered anything for that
+long (`SILENT_S`), counted from each connection's opening, closes them and dials again (its bootstrap peer
+within seconds, as an isolated node, and any other member it knows). Only when every connection is silent: a
+node with one connection that works is not stranded, and a node whose peers all stopped answering has
+nothing to lose. Not right after a tick that ran late (this node's own loop starved: what its peers sent may
+still be waiting to be read).
+
 Bootstrap peers are dialed first while the node is below its target, and with the target met only every
 `BOOTSTRAP_REFRESH_S` (how two islands of a partitioned swarm find each other again). Redialing them
 whenever the connection was gone, as this did before, kept every member coming back to the bootstrap node
@@ -72,6 +84,12 @@ PRUNE_GRACE_S = 30.0
 CROWDED_GRACE_S = 10.0
 #: A node with no connections retries its bootstrap peers at least this often.
 ISOLATED_RETRY_S = 5.0
+#: With ``silent_after`` set (the daemon, in SWIM mode): connections silent this long are closed and redialed
+#: when all are (see the module docstring). SWIM probes connected members every few seconds and each probe
+#: is answered: a working connection is not this quiet.
+SILENT_S = 15.0
+#: A tick this much later than due: this node's loop was starved, and silence is not judged on it.
+LATE_TICK_S = 2.0
 #: The longest a close waits for ``on_closing`` (telling the peer; see there).
 CLOSING_WAIT_S = 2.0
 #: A connection that ended younger than this counts as a failed dial for the back-off.
@@ -136,9 +154,16 @@ class ConnManager:
     #: py-libp2p's dial error (a wrong PeerID at that address, a likely swarm key mismatch: p2p/auth.py's
     #: `AccessControl.explain_dial`).
     explain: Callable[[ID, float], str | None] | None = None
+    #: Close every connection once all of them delivered nothing for this long (None: never; see the module
+    #: docstring and ``heard_from``).
+    silent_after: float | None = None
     candidates: dict[ID, Candidate] = field(default_factory=dict)
     subnet_pruned: int = 0  # connections closed because their group was over max_per_subnet
     cap_pruned: int = 0  # connections closed because we were over the cap
+    silent_closed: int = 0  # connections closed because every connection was silent (silent_after)
+    #: When a protocol last received something from each peer (``heard_from``); only connected peers' count.
+    _heard: dict[ID, float] = field(default_factory=dict)
+    _last_tick: float | None = None
     #: Connected peers this node has served what a newcomer needs (a state session, or a referral: ``served``):
     #: over the cap, their connections need no grace period.
     _served: set[ID] = field(default_factory=set)
@@ -175,6 +200,11 @@ class ConnManager:
     def add_candidates(self, infos: Iterable[PeerInfo], *, source: str) -> None:
         for info in infos:
             self.add_candidate(info, source=source)
+
+    def heard_from(self, peer_id: ID) -> None:
+        """A protocol received something from ``peer_id`` over its connection (a SWIM message, a state
+        session's answer or refusal): the connection delivers (see ``silent_after``)."""
+        self._heard[peer_id] = self.clock()
 
     def _forget_one(self) -> bool:
         """Make room for a candidate: forget the non-permanent, unconnected one that failed most."""
@@ -241,6 +271,7 @@ class ConnManager:
             "max_per_subnet": self.max_per_subnet,
             "subnet_pruned": self.subnet_pruned,
             "cap_pruned": self.cap_pruned,
+            "silent_closed": self.silent_closed,
         }
 
     def bootstrap_status(self) -> list[BootstrapPeerStatus]:
@@ -283,6 +314,7 @@ class ConnManager:
             self._served.discard(peer_id)
             opened = self._since.pop(peer_id, now)
             self._groups.pop(peer_id, None)
+            self._heard.pop(peer_id, None)
             cand = self.candidates.get(peer_id)
             if cand is not None:
                 cand.connected_since = None
@@ -293,8 +325,14 @@ class ConnManager:
             if cand is not None and cand.failures and now - self._since[peer_id] >= STABLE_S:
                 cand.failures = 0
         self._known_connected = connected
-
+        if len(self._heard) > 2 * len(connected) + 64:  # heard of peers never seen connected: bounded
+            self._heard = {p: t for p, t in self._heard.items() if p in connected}
+        late = self._last_tick is not None and now - self._last_tick > TICK_S + LATE_TICK_S
+        self._last_tick = now
         staying = connected - self._disconnecting
+        if not late and self._all_silent(staying, now):
+            self._close_silent(staying, nursery)
+            return
         if len(staying) > self.cap:
             self._prune(staying, nursery)
             return
@@ -321,6 +359,24 @@ class ConnManager:
             cand.last_dialed = now
             self._dialing.add(cand.peer_id)
             nursery.start_soon(self._dial, cand)
+
+    def _all_silent(self, connected: set[ID], now: float) -> bool:
+        """Whether every connection has delivered nothing for ``silent_after``, counted from its opening
+        (something heard on an earlier connection to the same peer does not count)."""
+        if self.silent_after is None or not connected:
+            return False
+        return all(
+            now - max(self._since[p], self._heard.get(p, -math.inf)) >= self.silent_after for p in connected
+        )
+
+    def _close_silent(self, connected: set[ID], nursery: trio.Nursery) -> None:
+        """Close every (silent) connection; the next ticks see them gone and dial again, the bootstrap peers
+        within `ISOLATED_RETRY_S` (see `_back_off`), and any other member known meanwhile."""
+        for peer_id in connected:
+            log.info("nothing delivered on any connection for %.0f s: closing the one to %s and dialling again",
+                     self.silent_after, peer_id)
+            self.silent_closed += 1
+            self._start_disconnect(peer_id, nursery)
 
     def _limit(self) -> int:
         return self.limit if self.limit is not None else 2 * self.cap

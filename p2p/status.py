@@ -22,6 +22,7 @@ class ConnectionsStatus(TypedDict):
     max_per_subnet: int
     subnet_pruned: int
     cap_pruned: int  # connections closed because the node had more than ``cap``
+    silent_closed: int  # connections closed because every connection had delivered nothing for a while
 
 
 class BootstrapPeerStatus(TypedDict):

@@ -6,7 +6,9 @@ bootstrap node never learnt of each other).
   at the host's connection limit the grace is cut short so that the next newcomer finds a free slot;
   a peer that closes a fresh connection is redialed after a back-off, not at the next tick; a member that
   has its target does not keep coming back to the bootstrap node; a node with no connection retries its
-  bootstrap peers within seconds, py-libp2p's one-minute negative cache notwithstanding;
+  bootstrap peers within seconds, py-libp2p's one-minute negative cache notwithstanding; a node whose every
+  connection has delivered nothing for a while (a stalled first connection to a crowded bootstrap) closes
+  them and dials again;
 - p2p/discovery.py: what a DHT lookup found before its deadline reaches the connection manager; the DHT
   opens no connections beyond the target;
 - node/daemon.py + node/swarm/replicator.py: suspect members' addresses are dialed too.
@@ -36,7 +38,9 @@ from p2p.connmgr import (
     CROWDED_GRACE_S,
     ISOLATED_RETRY_S,
     PRUNE_GRACE_S,
+    SILENT_S,
     STABLE_S,
+    TICK_S,
     ConnManager,
 )
 from p2p.discovery import DialRefused, SwarmDiscovery
@@ -392,6 +396,73 @@ async def test_a_node_with_no_connection_retries_its_bootstrap_peer_within_secon
     host.peers[peer(1)] = "198.51.1.7"  # with a connection, the usual back-off applies
     await mgr._dial(cand)
     assert cand.next_attempt - clock.t > ISOLATED_RETRY_S * 1.2
+
+
+async def ticks(mgr: ConnManager, clock: Clock, nursery: trio.Nursery, seconds: float) -> None:
+    """Run the manager's loop for ``seconds`` of the fake clock, a tick every TICK_S as its loop does."""
+    for _ in range(round(seconds / TICK_S)):
+        clock.t += TICK_S
+        mgr._tick(nursery)
+        await trio.sleep(0.001)  # its dial and disconnect tasks run
+
+
+async def test_a_newcomer_whose_only_connection_delivers_nothing_drops_it_and_redials() -> None:
+    """At a 64-daemon join one newcomer per run sat 20-40 s on a first connection to the crowded bootstrap
+    that delivered nothing (no ack, no session) until the bootstrap closed it for its cap; the redial then
+    worked. Now, once every connection has been silent for SILENT_S (counted from the last message a
+    protocol heard on it), the node closes it and dials again within seconds."""
+    clock = Clock()
+    host = FakeHost()
+    dials: list[float] = []
+
+    async def dial(info: PeerInfo) -> None:
+        dials.append(clock.t)
+        host.peers[info.peer_id] = "198.51.100.7"
+
+    boot = peer(0)
+    mgr = ConnManager(host, target=8, cap=32, clock=clock, dial=dial, ip_of=lambda p: host.peers.get(p),
+                      silent_after=SILENT_S)
+    mgr.add_candidate(PeerInfo(boot, ADDR), source="bootstrap", permanent=True)
+    async with trio.open_nursery() as nursery:
+        await ticks(mgr, clock, nursery, 1)
+        assert dials and boot in host.peers
+        await ticks(mgr, clock, nursery, 5)
+        mgr.heard_from(boot)  # the seed's first SWIM message: then nothing
+        await ticks(mgr, clock, nursery, SILENT_S - 1)
+        assert host.disconnected == []
+        await ticks(mgr, clock, nursery, 1)
+        assert host.disconnected == [boot] and mgr.status()["silent_closed"] == 1
+        closed_at = clock.t
+        while len(dials) < 2 and clock.t - closed_at < 60:
+            await ticks(mgr, clock, nursery, TICK_S)
+        assert len(dials) == 2 and dials[1] - closed_at <= ISOLATED_RETRY_S * 1.2 + TICK_S  # within seconds
+        assert boot in host.peers
+        # The new connection gets its own SILENT_S from its opening (seen at the next tick).
+        await ticks(mgr, clock, nursery, SILENT_S - 1)
+        assert host.disconnected == [boot]
+        await ticks(mgr, clock, nursery, 1 + TICK_S)
+        assert host.disconnected == [boot, boot]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_connection_beside_one_that_delivers_is_kept_and_a_late_tick_judges_nothing() -> None:
+    """Only a node none of whose connections delivers is stranded; and after a tick that ran late (this
+    node's own loop starved) what its peers sent may still be unread, so silence is not judged then."""
+    clock = Clock()
+    host = FakeHost(peers={peer(1): "198.51.1.7", peer(2): "198.51.2.7"})
+    mgr = ConnManager(host, target=2, cap=4, clock=clock, ip_of=lambda p: host.peers.get(p), silent_after=SILENT_S)
+    async with trio.open_nursery() as nursery:
+        for _ in range(3 * round(SILENT_S)):
+            mgr.heard_from(peer(2))  # peer(1) is silent throughout
+            await ticks(mgr, clock, nursery, 1)
+        assert host.disconnected == []
+        clock.t += 3 * SILENT_S  # the loop starved: nothing heard meanwhile, nothing read yet
+        mgr._tick(nursery)
+        await trio.sleep(0.001)
+        assert host.disconnected == []
+        await ticks(mgr, clock, nursery, TICK_S)  # on time again, and still nothing from either: both go
+        assert sorted(host.disconnected, key=str) == [peer(1), peer(2)]
+        nursery.cancel_scope.cancel()
 
 
 def test_a_repeated_bootstrap_dial_error_is_logged_at_warning_once(caplog: Any) -> None:

@@ -496,6 +496,35 @@ def test_the_daemon_runs_swim_with_the_configured_timing(tmp_path: Path) -> None
 
 
 
+async def test_each_message_from_a_peer_tells_that_its_connection_delivers() -> None:
+    """What the connection manager's silent-connection rule reads (p2p/connmgr.py, ``heard_from``)."""
+    async with swarm() as net:
+        a, b = await net.add(), await net.add()
+        heard: list[Any] = []
+        a.swim.on_heard = heard.append
+        await net.connect((a, b))
+        await eventually(lambda: b.host.get_id() in heard, "a heard from b", timeout=SLACK_S)
+
+
+def test_in_swim_mode_the_daemon_drops_connections_that_deliver_nothing_in_gossip_mode_not(tmp_path: Path) -> None:
+    """SWIM's probes, answered within seconds, make silence a sign of a stalled connection; gossip mode has no
+    such steady answers, so its connection manager judges no silence."""
+    from node.config.load import load_config
+    from node.daemon import Daemon
+    from p2p.connmgr import SILENT_S
+
+    silent_after = {}
+    for mode in ("swim", "gossip"):
+        home = tmp_path / mode
+        home.mkdir()
+        overrides: dict[str, Any] = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": mode}
+        daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, create_new_key_pair(), train=False)
+        silent_after[mode] = daemon.connmgr.silent_after
+        if daemon.swim is not None:
+            assert daemon.swim.on_heard == daemon.connmgr.heard_from == daemon.replicator.on_heard
+    assert silent_after == {"swim": SILENT_S, "gossip": None}
+
+
 def test_the_daemon_replicates_records_without_gossipsub_in_swim_mode_only(tmp_path: Path) -> None:
     """Swim mode: member records by anti-entropy alone (node/swarm/replicator.py, "Or no gossip"); gossip mode
     keeps gossipsub, its records being its heartbeats."""

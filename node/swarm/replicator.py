@@ -261,6 +261,7 @@ class StateReplicator:
         crowded: Callable[[], bool] | None = None,
         on_new_members: Callable[[], None] | None = None,
         on_served: Callable[[ID], None] | None = None,
+        on_heard: Callable[[ID], None] | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -301,6 +302,9 @@ class StateReplicator:
         #: a referral handed to it. The connection manager may then close it for its cap without waiting out
         #: the newcomer's grace period (p2p/connmgr.py ``served``).
         self.on_served = on_served
+        #: Called with a peer whose session ended with its answer (synced, or refused): its connection delivers
+        #: (the connection manager's ``heard_from``, which drops connections that deliver nothing).
+        self.on_heard = on_heard
         self._last_fields: dict[str, Any] | None = None  # what the last record signed here said
         self._last_signed = -math.inf
         #: Heartbeats that re-signed the record, and those that found nothing worth a signature (SWIM mode).
@@ -1036,6 +1040,7 @@ class StateReplicator:
             )
         except SyncRefused as exc:
             graceful = True  # the Error message must reach the initiator before the stream closes
+            self._heard(peer)
             self._refused(peer.to_base58(), exc)
         except ProtocolError as exc:
             self.stats.session_failures[exc.reason.value] += 1
@@ -1050,11 +1055,16 @@ class StateReplicator:
             log.warning("unexpected error in a state session with %s: %r", peer, exc, exc_info=True)
         else:
             graceful = True
+            self._heard(peer)
             self._synced(peer.to_base58(), result)
         finally:
             self._report_refusals()
             self._pin_manifest()
             await _close(byte_stream, graceful=graceful)
+
+    def _heard(self, peer: ID) -> None:
+        if self.on_heard is not None:
+            self.on_heard(peer)
 
     def _synced(self, peer: str, result: protocol.SessionResult) -> None:
         self.stats.sessions_ok += 1

@@ -73,7 +73,7 @@ import math
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
@@ -185,6 +185,9 @@ class SwimService:
         self.max_lag_s = 0.0
         self._disconnected_at: dict[int, float] = {}
         self._closing: dict[ID, float] = {}  # peers whose connection is closing (here, or at their notice), since when
+        #: Called with each peer a message arrived from: its connection delivers (the daemon wires the
+        #: connection manager's ``heard_from``, which drops connections that deliver nothing).
+        self.on_heard: Callable[[ID], None] | None = None
         self._notices: dict[ID, trio.Event] = {}  # closes waiting for the peer's notice back (tell_closing)
         self._connected: set[ID] = set()
         self._connected_ids: set[int] = set()
@@ -715,6 +718,8 @@ class SwimService:
                     self._remember_claims(message)
                     now = trio.current_time()
                     self._heard[pid] = now
+                    if self.on_heard is not None:
+                        self.on_heard(peer)
                     if isinstance(message, Ack) and message.seq == CLOSING_SEQ:
                         self._noticed(peer, now)
                         continue
