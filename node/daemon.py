@@ -262,6 +262,7 @@ class Daemon:
             self.swim.on_heard = self.connmgr.heard_from
             self.replicator.on_heard = self.connmgr.heard_from
             self.connmgr.silent_after = SILENT_S
+            self.connmgr.stranded = self._stranded
         self.connmgr.on_connected = make_on_connected(
             self.discovery.peer_connected, self.replicator.peer_connected, self.nat.peer_connected
         )
@@ -484,6 +485,12 @@ class Daemon:
         if not report.error:
             # The step counter jumped with the snapshot: those samples were not trained here.
             self._last_progress_step = report.step
+
+    def _stranded(self) -> bool:
+        """Connected yet holding no member's record but this node's: nobody to dial but the peers it has
+        (p2p/connmgr.py closes and redials such a node's connections once they are `SILENT_S` old)."""
+        state = self.replicator.state
+        return state.member_count() - (state.member_data(str(self.peer_id)) is not None) <= 0
 
     def _new_members(self) -> None:
         """The replicator merged records new to this node. Below its target of connections, hand their

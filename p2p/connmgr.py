@@ -40,7 +40,10 @@ long (`SILENT_S`), counted from each connection's opening, closes them and dials
 within seconds, as an isolated node, and any other member it knows). Only when every connection is silent: a
 node with one connection that works is not stranded, and a node whose peers all stopped answering has
 nothing to lose. Not right after a tick that ran late (this node's own loop starved: what its peers sent may
-still be waiting to be read).
+still be waiting to be read). The same for a node that is *stranded* (``stranded``: the daemon's replica
+holds no member but this node) when its connections are all that old: at the join, nine newcomers held
+their one connection to the bootstrap node for 25-45 s with SWIM's long-lived streams working and every new
+stream (a state session, a dial-back) failing to open, so they heard their seed but learnt nobody.
 
 Bootstrap peers are dialed first while the node is below its target, and with the target met only every
 `BOOTSTRAP_REFRESH_S` (how two islands of a partitioned swarm find each other again). Redialing them
@@ -157,6 +160,8 @@ class ConnManager:
     #: Close every connection once all of them delivered nothing for this long (None: never; see the module
     #: docstring and ``heard_from``).
     silent_after: float | None = None
+    #: Whether this node is stranded: connected, yet knowing no member to dial (see the module docstring).
+    stranded: Callable[[], bool] | None = None
     candidates: dict[ID, Candidate] = field(default_factory=dict)
     subnet_pruned: int = 0  # connections closed because their group was over max_per_subnet
     cap_pruned: int = 0  # connections closed because we were over the cap
@@ -330,7 +335,7 @@ class ConnManager:
         late = self._last_tick is not None and now - self._last_tick > TICK_S + LATE_TICK_S
         self._last_tick = now
         staying = connected - self._disconnecting
-        if not late and self._all_silent(staying, now):
+        if not late and (self._all_silent(staying, now) or self._stranded(staying, now)):
             self._close_silent(staying, nursery)
             return
         if len(staying) > self.cap:
@@ -369,12 +374,18 @@ class ConnManager:
             now - max(self._since[p], self._heard.get(p, -math.inf)) >= self.silent_after for p in connected
         )
 
+    def _stranded(self, connected: set[ID], now: float) -> bool:
+        """Whether this node, with connections all ``silent_after`` old, is stranded (``stranded``)."""
+        if self.silent_after is None or self.stranded is None or not connected:
+            return False
+        return all(now - self._since[p] >= self.silent_after for p in connected) and self.stranded()
+
     def _close_silent(self, connected: set[ID], nursery: trio.Nursery) -> None:
         """Close every (silent) connection; the next ticks see them gone and dial again, the bootstrap peers
         within `ISOLATED_RETRY_S` (see `_back_off`), and any other member known meanwhile."""
         for peer_id in connected:
-            log.info("nothing delivered on any connection for %.0f s: closing the one to %s and dialling again",
-                     self.silent_after, peer_id)
+            log.info("nothing delivered on any connection, or no member learnt, for %.0f s: closing the one "
+                     "to %s and dialling again", self.silent_after, peer_id)
             self.silent_closed += 1
             self._start_disconnect(peer_id, nursery)
 

@@ -445,6 +445,42 @@ async def test_a_newcomer_whose_only_connection_delivers_nothing_drops_it_and_re
         nursery.cancel_scope.cancel()
 
 
+async def test_a_stranded_newcomer_whose_seed_answers_swim_but_gives_no_member_redials_it() -> None:
+    """At a 64-daemon join nine newcomers held their one connection to the bootstrap node for 25-45 s with
+    SWIM's long-lived streams working (so the connection delivered) and every new stream failing to open, so
+    they learnt no member. A node whose connections are all SILENT_S old while it knows no member but itself
+    closes them and dials again; once it knows one, it stays."""
+    clock = Clock()
+    host = FakeHost()
+    boot = peer(0)
+
+    async def dial(info: PeerInfo) -> None:
+        host.peers[info.peer_id] = "198.51.100.7"
+
+    known = False
+    mgr = ConnManager(host, target=8, cap=32, clock=clock, dial=dial, ip_of=lambda p: host.peers.get(p),
+                      silent_after=SILENT_S, stranded=lambda: not known)
+    mgr.add_candidate(PeerInfo(boot, ADDR), source="bootstrap", permanent=True)
+    async with trio.open_nursery() as nursery:
+        await ticks(mgr, clock, nursery, TICK_S)
+        assert boot in host.peers
+        connected_at = clock.t
+        for _ in range(round(2 * SILENT_S)):
+            mgr.heard_from(boot)  # SWIM keeps talking
+            await ticks(mgr, clock, nursery, 1)
+            if host.disconnected:
+                break
+        assert host.disconnected == [boot] and SILENT_S <= clock.t - connected_at <= SILENT_S + 2
+        while boot not in host.peers:
+            await ticks(mgr, clock, nursery, TICK_S)
+        known = True  # its new connection's session gave it the members
+        for _ in range(round(2 * SILENT_S)):
+            mgr.heard_from(boot)
+            await ticks(mgr, clock, nursery, 1)
+        assert host.disconnected == [boot]
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_silent_connection_beside_one_that_delivers_is_kept_and_a_late_tick_judges_nothing() -> None:
     """Only a node none of whose connections delivers is stranded; and after a tick that ran late (this
     node's own loop starved) what its peers sent may still be unread, so silence is not judged then."""

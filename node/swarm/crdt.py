@@ -510,6 +510,10 @@ class SwarmState:
             self.rejected[exc.reason] += 1
             raise
 
+    def member_count(self) -> int:
+        """Member records held, this node's own included if it wrote one (cheap: no views built)."""
+        return len(self._members)
+
     def holds(self, peer_id: str) -> bool:
         """Whether this replica holds a member or counter record of ``peer_id``."""
         return peer_id in self._members or peer_id in self._counters
