@@ -397,21 +397,16 @@ class ConnManager:
         Connections in their grace period are let through above the cap (see the module docstring), and
         push no long-lived one out: each is closed once past its grace, if the node is still full. At the
         host's limit, the oldest of those in their grace past `CROWDED_GRACE_S` are closed too, until one
-        slot is free for the next newcomer. Newcomers in their grace that this node has served (``served``)
-        go first, the newest first, down to the cap: they have others to dial, and the newcomers still
-        waiting for their session keep their grace."""
+        slot is free for the next newcomer."""
         now = self.clock()
         kept = {p for p in connected if p in self.candidates and self.candidates[p].permanent}
-        young = {p for p in connected if now - self._since.get(p, now) < PRUNE_GRACE_S}
-        served = sorted((young & self._served) - kept, key=lambda p: -self._since[p])
-        victims = served[:max(0, len(connected) - self.cap)]
-        young -= set(victims)
-        excess = len(connected) - len(victims) - self.cap - len(young)
-        victims += sorted(connected - young - kept - set(victims), key=lambda p: -self._since[p])[:max(0, excess)]
+        young = {p for p in connected if now - self._since.get(p, now) < PRUNE_GRACE_S and p not in self._served}
+        excess = len(connected) - self.cap - len(young)
+        victims = sorted(connected - young - kept, key=lambda p: -self._since[p])[:max(0, excess)]
         over_limit = len(connected) - len(victims) - (self._limit() - 1)
         if over_limit > 0:
-            waited = (p for p in young - kept if now - self._since.get(p, now) >= CROWDED_GRACE_S)
-            victims += sorted(waited, key=lambda p: self._since[p])[:over_limit]
+            served = (p for p in young - kept if now - self._since.get(p, now) >= CROWDED_GRACE_S)
+            victims += sorted(served, key=lambda p: self._since[p])[:over_limit]
         for peer_id in victims:
             log.debug("over the connection cap (%d): closing %s", self.cap, peer_id)
             self.cap_pruned += 1

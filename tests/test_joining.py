@@ -110,18 +110,6 @@ async def test_a_full_node_closes_a_newcomer_it_has_served_without_waiting_out_t
     assert host.disconnected == [peer(4)]  # served: no grace; peer(5) keeps its grace
     mgr.served(peer(9))  # not connected: nothing remembered
     assert peer(9) not in mgr._served
-    # A bootstrap node all of whose connections are newcomers: those served go, newest first, down to the
-    # cap (not only once the long-lived ones fit in it), and those still waiting keep their grace.
-    clock = Clock()
-    host = FakeHost(peers={peer(i): f"198.51.{i}.7" for i in range(5)})
-    mgr = ConnManager(host, target=2, cap=2, clock=clock, ip_of=lambda p: host.peers.get(p))
-    async with trio.open_nursery() as nursery:
-        mgr._tick(nursery)
-        for i in (0, 1, 2):
-            mgr.served(peer(i))
-        clock.t += 1
-        mgr._tick(nursery)
-    assert sorted(host.disconnected, key=str) == sorted([peer(0), peer(1), peer(2)], key=str)
 
 
 async def test_a_close_under_way_is_not_started_again_while_the_peer_is_being_told() -> None:
