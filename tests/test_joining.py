@@ -153,9 +153,9 @@ async def test_newcomers_in_their_grace_period_do_not_push_out_long_lived_connec
     assert sorted(host.disconnected, key=str) == sorted((peer(i) for i in range(4, 10)), key=str)
 
 
-async def test_a_peer_that_closes_a_fresh_connection_is_redialed_after_a_growing_back_off() -> None:
-    """The other side is full and closes us after its grace period: before, the candidate's failures were
-    reset by the successful dial and it was redialed at the next tick (twice a second, forever)."""
+def _newcomer(**options: Any) -> tuple[Clock, FakeHost, list[float], ConnManager, ID]:
+    """A node that knows only its bootstrap peer (``peer(0)``), whose dials connect at once and are recorded
+    (the fake clock's time of each); ``options`` go to its connection manager."""
     clock = Clock()
     host = FakeHost()
     dials: list[float] = []
@@ -165,8 +165,15 @@ async def test_a_peer_that_closes_a_fresh_connection_is_redialed_after_a_growing
         host.peers[info.peer_id] = "198.51.100.7"
 
     boot = peer(0)
-    mgr = ConnManager(host, target=8, cap=32, clock=clock, dial=dial, ip_of=lambda p: host.peers.get(p))
+    mgr = ConnManager(host, target=8, cap=32, clock=clock, dial=dial, ip_of=lambda p: host.peers.get(p), **options)
     mgr.add_candidate(PeerInfo(boot, ADDR), source="bootstrap", permanent=True)
+    return clock, host, dials, mgr, boot
+
+
+async def test_a_peer_that_closes_a_fresh_connection_is_redialed_after_a_growing_back_off() -> None:
+    """The other side is full and closes us after its grace period: before, the candidate's failures were
+    reset by the successful dial and it was redialed at the next tick (twice a second, forever)."""
+    clock, host, dials, mgr, boot = _newcomer()
     delays = []
     async with trio.open_nursery() as nursery:
         for _ in range(3):
@@ -411,18 +418,7 @@ async def test_a_newcomer_whose_only_connection_delivers_nothing_drops_it_and_re
     that delivered nothing (no ack, no session) until the bootstrap closed it for its cap; the redial then
     worked. Now, once every connection has been silent for SILENT_S (counted from the last message a
     protocol heard on it), the node closes it and dials again within seconds."""
-    clock = Clock()
-    host = FakeHost()
-    dials: list[float] = []
-
-    async def dial(info: PeerInfo) -> None:
-        dials.append(clock.t)
-        host.peers[info.peer_id] = "198.51.100.7"
-
-    boot = peer(0)
-    mgr = ConnManager(host, target=8, cap=32, clock=clock, dial=dial, ip_of=lambda p: host.peers.get(p),
-                      silent_after=SILENT_S)
-    mgr.add_candidate(PeerInfo(boot, ADDR), source="bootstrap", permanent=True)
+    clock, host, dials, mgr, boot = _newcomer(silent_after=SILENT_S)
     async with trio.open_nursery() as nursery:
         await ticks(mgr, clock, nursery, 1)
         assert dials and boot in host.peers
@@ -450,17 +446,8 @@ async def test_a_stranded_newcomer_whose_seed_answers_swim_but_gives_no_member_r
     SWIM's long-lived streams working (so the connection delivered) and every new stream failing to open, so
     they learnt no member. A node whose connections are all SILENT_S old while it knows no member but itself
     closes them and dials again; once it knows one, it stays."""
-    clock = Clock()
-    host = FakeHost()
-    boot = peer(0)
-
-    async def dial(info: PeerInfo) -> None:
-        host.peers[info.peer_id] = "198.51.100.7"
-
     known = False
-    mgr = ConnManager(host, target=8, cap=32, clock=clock, dial=dial, ip_of=lambda p: host.peers.get(p),
-                      silent_after=SILENT_S, stranded=lambda: not known)
-    mgr.add_candidate(PeerInfo(boot, ADDR), source="bootstrap", permanent=True)
+    clock, host, _, mgr, boot = _newcomer(silent_after=SILENT_S, stranded=lambda: not known)
     async with trio.open_nursery() as nursery:
         await ticks(mgr, clock, nursery, TICK_S)
         assert boot in host.peers

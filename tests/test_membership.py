@@ -446,22 +446,21 @@ def test_a_member_probed_moments_ago_is_passed_over_by_the_round_robin() -> None
     passed over; with several to probe the round-robin goes on as before."""
     node = _node(members=3)
     node.can_probe = lambda pid: pid == 1
+    assert _round_robin(node, 12) == [1] * (12 // int(node.config.probe_spacing_s / node.config.period_s))
+    many = _node(members=9)
+    many.can_probe = lambda pid: True
+    assert sorted(_round_robin(many, 8)) == list(range(1, 9))  # one per period, each member once
+
+
+def _round_robin(node: Membership, periods: int) -> list[int]:
+    """The members ``node`` starts probing over ``periods`` probe periods (each probe dropped at once)."""
     targets = []
-    for i in range(12):
+    for i in range(periods):
         now = 10.0 + i * node.config.period_s
         node._next_probe = now
         targets += [t for t, m in node.tick(now) if isinstance(m, Ping)]
         node._probes.clear()
-    assert targets == [1] * (12 // int(node.config.probe_spacing_s / node.config.period_s))
-    many = _node(members=9)
-    many.can_probe = lambda pid: True
-    probed = []
-    for i in range(8):
-        now = 10.0 + i * many.config.period_s
-        many._next_probe = now
-        probed += [t for t, m in many.tick(now) if isinstance(m, Ping)]
-        many._probes.clear()
-    assert sorted(probed) == list(range(1, 9))  # one per period, each member once
+    return targets
 
 
 def test_a_sparsely_connected_node_finds_its_one_possible_helper() -> None:

@@ -1435,3 +1435,18 @@ async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers
         assert replicator.stats.busy_refusals == replicator.stats.peer_share_refusals == 6  # slots were left
         gate.set()
     assert replicator._inbound == 0 and replicator._inbound_by_peer == {}
+
+
+def test_a_session_that_brought_new_records_is_told_to_the_daemon_and_marks_its_peer_served() -> None:
+    """A newcomer's first session gives it the members to dial: the daemon hands them to its connection
+    manager at once (not at its next 5 s look), and the serving side's connection manager may close the
+    connection for its cap without waiting out the newcomer's grace (issue #24, the 64-daemon join)."""
+    replicator = idle_replicator()
+    told: list[bool] = []
+    served: list[ID] = []
+    replicator.on_new_members = lambda: told.append(True)
+    replicator.on_served = served.append
+    peer = ID.from_pubkey(create_new_key_pair().public_key)
+    replicator._synced(peer.to_base58(), protocol.SessionResult(0, 3, 0, 0, "", ""))  # nothing new here
+    replicator._synced(peer.to_base58(), protocol.SessionResult(0, 3, 2, 0, "", ""))
+    assert told == [True] and served == [peer, peer]

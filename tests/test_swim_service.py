@@ -509,16 +509,10 @@ async def test_each_message_from_a_peer_tells_that_its_connection_delivers() -> 
 def test_in_swim_mode_the_daemon_drops_connections_that_deliver_nothing_in_gossip_mode_not(tmp_path: Path) -> None:
     """SWIM's probes, answered within seconds, make silence a sign of a stalled connection; gossip mode has no
     such steady answers, so its connection manager judges no silence."""
-    from node.config.load import load_config
-    from node.daemon import Daemon
     from p2p.connmgr import SILENT_S
 
     silent_after = {}
-    for mode in ("swim", "gossip"):
-        home = tmp_path / mode
-        home.mkdir()
-        overrides: dict[str, Any] = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": mode}
-        daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, create_new_key_pair(), train=False)
+    for mode, daemon in _daemons_in_each_mode(tmp_path):
         silent_after[mode] = daemon.connmgr.silent_after
         if daemon.swim is not None:
             assert daemon.swim.on_heard == daemon.connmgr.heard_from == daemon.replicator.on_heard
@@ -528,17 +522,23 @@ def test_in_swim_mode_the_daemon_drops_connections_that_deliver_nothing_in_gossi
 def test_the_daemon_replicates_records_without_gossipsub_in_swim_mode_only(tmp_path: Path) -> None:
     """Swim mode: member records by anti-entropy alone (node/swarm/replicator.py, "Or no gossip"); gossip mode
     keeps gossipsub, its records being its heartbeats."""
+    gossip_on = {mode: daemon.replicator.gossip for mode, daemon in _daemons_in_each_mode(tmp_path)}
+    assert gossip_on == {"swim": False, "gossip": True}
+
+
+def _daemons_in_each_mode(tmp_path: Path) -> list[tuple[str, Any]]:
+    """A daemon (built, not run) with ``node.membership`` swim, and one with gossip."""
     from node.config.load import load_config
     from node.daemon import Daemon
 
-    gossip_on = {}
+    out = []
     for mode in ("swim", "gossip"):
         home = tmp_path / mode
         home.mkdir()
         overrides: dict[str, Any] = {"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": mode}
-        daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, create_new_key_pair(), train=False)
-        gossip_on[mode] = daemon.replicator.gossip
-    assert gossip_on == {"swim": False, "gossip": True}
+        out.append((mode, Daemon(load_config(home, overrides=overrides, environ={}), home, create_new_key_pair(),
+                                 train=False)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
