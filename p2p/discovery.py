@@ -39,7 +39,8 @@ node while 63 others leaned on it: the join took 90 s, and 31 s with the lookups
 ``LOOKUP_GRACE_S``, and then only while the connection manager is short of candidates to reach its
 target (:meth:`p2p.connmgr.ConnManager.short_of_candidates`: a small swarm, or records that did not come);
 it announces itself first once it has its target of connections, whose peers its announcement reaches
-without a dial, or after ``PROVIDE_GRACE_S`` without it, and then every ``REPROVIDE_S``.
+without a dial, or once past that grace it is short of candidates too (where it needs the DHT, as in a
+small swarm, others do), or after ``PROVIDE_GRACE_S``, and then every ``REPROVIDE_S``.
 
 py-libp2p's DHT ignores `protocol_prefix` (pitfall 5), so two different swarms share one DHT; the key is
 namespaced by the swarm name, and only peers that advertise that key become candidates.
@@ -179,16 +180,19 @@ class LookupPacer:
 
 class ProvidePacer:
     """When this node announces itself as a provider: first once it has its target of connections (its
-    announcement then reaches their peers without a dial) or PROVIDE_GRACE_S after its start without it,
-    then every REPROVIDE_S (see the module docstring)."""
+    announcement then reaches their peers without a dial), or once past LOOKUP_GRACE_S it is short of
+    candidates (the DHT is then its way to more members, and in a small swarm everyone's: five daemons found
+    each other there only after PROVIDE_GRACE_S), or PROVIDE_GRACE_S after its start; then every REPROVIDE_S
+    (see the module docstring)."""
 
     def __init__(self, start: float) -> None:
         self.start = start
         self.last = -math.inf
 
-    def due(self, now: float, *, at_target: bool) -> bool:
+    def due(self, now: float, *, at_target: bool, short: bool = False) -> bool:
         if self.last == -math.inf:
-            return at_target or now - self.start >= PROVIDE_GRACE_S
+            age = now - self.start
+            return at_target or (short and age >= LOOKUP_GRACE_S) or age >= PROVIDE_GRACE_S
         return now - self.last >= REPROVIDE_S
 
     def done(self, now: float) -> None:
@@ -232,7 +236,8 @@ class SwarmDiscovery:
             while True:
                 await self._add_connected_to_routing_table()
                 now = trio.current_time()
-                if provider.due(now, at_target=not self.connmgr.below_target()):
+                if provider.due(now, at_target=not self.connmgr.below_target(),
+                                short=self.connmgr.short_of_candidates()):
                     if await self._provide():
                         provider.done(now)
                 if now - start < LOOKUP_GRACE_S:
