@@ -131,22 +131,31 @@ def machine_busy() -> tuple[float, float]:
     return sum(values) - idle, sum(values)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def listen_port() -> int:
-    """A free port below the kernel's ephemeral range. Ports are chosen when a daemon's address is made,
-    before it starts: from the ephemeral range (the OS's free port), the outbound connections of 60
-    daemons already running took one before its daemon listened ("port already in use") in two runs of 64."""
+    """A free port below the kernel's ephemeral range, never one handed out before in this run. Ports are
+    chosen when a daemon's address is made, before it starts: from the ephemeral range (the OS's free port),
+    the outbound connections of 60 daemons already running took one before its daemon listened ("port
+    already in use") in two runs of 64; and drawn at random below it, two of 64 daemons got the same port
+    about one run in ten (two runs of 2026-11-27 failed so), since the port checked is free again until its
+    daemon listens."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
     for _ in range(1000):
         port = random.randrange(10000, max(10001, low))
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     return membership.free_port()
 
 
