@@ -10,7 +10,8 @@ connection wakes the loop and starts over while the node is below its target of 
 
 Once the node has its target of connections the DHT is no longer how it meets members (their signed
 records, with their addresses, come in state sessions and SWIM, and py-libp2p keeps only 20 providers
-per key anyway), so lookups back off further, up to SETTLED_MAX_S. Measured with 16 idle daemons in
+per key anyway), so it looks nothing up then (below: the DHT as the records' fallback; before that, its
+lookups backed off up to SETTLED_MAX_S, a cap :class:`LookupPacer` still keeps). Measured with 16 idle daemons in
 `node.membership = swim` (issue #24, bench/scale.py --profile): the DHT was 1.7 of the 1.9 MB each daemon
 sent per minute, and with the muxer and Noise work those bytes cost, most of an idle daemon's CPU; and
 what each lookup costs grows with N (more providers and closer peers per answer, each with a signed peer
@@ -25,9 +26,9 @@ record that the asker verifies, and more peers asked). Three things made it so a
   routing table's closest peers and follows those answers, and it stops once a round of answers brings
   no provider not already found;
 * provider records were re-announced every 60 s (a FIND_NODE walk and an ADD_PROVIDER to each of the 20
-  closest peers) although their holders keep them for 48 hours: now every REPROVIDE_S, and during the
-  fast start-up rounds only when the routing table has grown since the last announcement (before, at
-  every one of them: ten announcements in a node's first 20 s).
+  closest peers) although their holders keep them for 48 hours: now every REPROVIDE_S, the first one
+  paced as the next paragraph says (before, at every fast start-up round: ten announcements in a node's
+  first 20 s).
 
 At a join the DHT is only a fallback (issue #24). A newcomer's first state session gives it every member's
 signed record with its addresses, which the connection manager dials; what the DHT cost at the same time
@@ -216,7 +217,7 @@ class SwarmDiscovery:
         self.lookups = 0
         self.last_error = ""
         self.provides = 0
-        self.lookups_skipped = 0  # lookups not run: the connection manager had candidates enough
+        self.lookups_skipped = 0  # lookups not run: the node had its connections, or candidates enough
         self._wake = trio.Event()
         self._in_table: set[ID] = set()
 
@@ -244,9 +245,8 @@ class SwarmDiscovery:
                     # Not woken by connections meanwhile: every newcomer is connecting to someone then.
                     await trio.sleep(start + LOOKUP_GRACE_S - now)
                     continue
-                if self.connmgr.short_of_candidates():
-                    delay = pacer.after_lookup(found_new=await self._lookup(),
-                                               at_target=not self.connmgr.below_target())
+                if self.connmgr.short_of_candidates():  # (so below its target: no settled back-off here)
+                    delay = pacer.after_lookup(found_new=await self._lookup())
                 else:  # the members' records gave enough to dial: nothing to look up (module docstring)
                     self.lookups_skipped += 1
                     delay = FAST_INTERVAL_S if self.connmgr.below_target() else self.interval

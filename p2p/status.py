@@ -43,7 +43,7 @@ class DiscoveryStatus(TypedDict):
     lookups: int
     last_error: str  # "" while none failed
     dials_withheld: int  # DHT queries to unconnected peers not sent: the node had its target of connections
-    lookups_skipped: int  # lookups not run: the connection manager had enough candidates to dial (records)
+    lookups_skipped: int  # lookups not run: the node had its connections, or enough candidates to dial (records)
 
 
 class AuthorizationStatus(TypedDict):

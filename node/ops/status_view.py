@@ -117,7 +117,7 @@ def render_status(st: NodeStatus, rows: int | None = DEFAULT_ROWS) -> str:
         out.append(
             f"discovery: {disc.get('members_found', 0)} members found in the DHT,"
             f" routing table {disc.get('routing_table', 0)}, {disc.get('lookups', 0)} lookups"
-            + (f" ({disc['lookups_skipped']} not needed: members' records gave peers to dial)"
+            + (f" ({disc['lookups_skipped']} not needed: connections or members' records enough)"
                if disc.get("lookups_skipped") else "")
             + (f"  (last error: {disc['last_error']})" if disc.get("last_error") else "")
         )
