@@ -488,9 +488,14 @@ class Daemon:
 
     def _stranded(self) -> bool:
         """Connected yet holding no member's record but this node's: nobody to dial but the peers it has
-        (p2p/connmgr.py closes and redials such a node's connections once they are `SILENT_S` old)."""
+        (p2p/connmgr.py closes and redials such a node's connections once they are `SILENT_S` old). Not
+        while every peer it has is one whose records it refused as incompatible (another swarm or run):
+        a redial would bring the same refusal, a handshake and a session every `SILENT_S` for nothing."""
         state = self.replicator.state
-        return state.member_count() - (state.member_data(str(self.peer_id)) is not None) <= 0
+        if state.member_count() - (state.member_data(str(self.peer_id)) is not None) > 0:
+            return False
+        incompatible = self.replicator.incompatible_peers()
+        return any(p.to_base58() not in incompatible for p in self.connmgr.connected())
 
     def _new_members(self) -> None:
         """The replicator merged records new to this node. Below its target of connections, hand their

@@ -10,8 +10,7 @@ connection wakes the loop and starts over while the node is below its target of 
 
 Once the node has its target of connections the DHT is no longer how it meets members (their signed
 records, with their addresses, come in state sessions and SWIM, and py-libp2p keeps only 20 providers
-per key anyway), so it looks nothing up then (below: the DHT as the records' fallback; before that, its
-lookups backed off up to SETTLED_MAX_S, a cap :class:`LookupPacer` still keeps). Measured with 16 idle daemons in
+per key anyway), so it looks nothing up then (below: the DHT as the records' fallback). Measured with 16 idle daemons in
 `node.membership = swim` (issue #24, bench/scale.py --profile): the DHT was 1.7 of the 1.9 MB each daemon
 sent per minute, and with the muxer and Noise work those bytes cost, most of an idle daemon's CPU; and
 what each lookup costs grows with N (more providers and closer peers per answer, each with a signed peer
@@ -89,8 +88,6 @@ QUERY_TIMEOUT_S = 5.0
 MAX_PROVIDER_QUERIES = 20
 PROVIDER_QUERY_BATCH = 3  # peers asked for providers at once
 MAX_BACKOFF = 8  # settled lookups that find nobody new space out to 8 x `interval` (80 s by default)
-#: ... and, while the node has its target of connections, out to this (see the module docstring).
-SETTLED_MAX_S = 600.0
 #: Distinct DHT keys whose providers this node stores for others (py-libp2p bounds providers per key, at
 #: 20, but not the keys: a peer announcing random keys would grow the store without limit).
 MAX_PROVIDER_KEYS = 1024
@@ -153,16 +150,16 @@ def swarm_key(swarm: str) -> str:
 
 class LookupPacer:
     """When the next lookup runs: every FAST_INTERVAL_S for the first FAST_ROUNDS, then every `interval`,
-    doubling while lookups find nobody new, up to MAX_BACKOFF x `interval`, or up to SETTLED_MAX_S while
-    the node has its target of connections (``at_target``); a lookup that finds a new member, or a wake
-    (a new connection while below the target), brings it back to `interval`."""
+    doubling while lookups find nobody new, up to MAX_BACKOFF x `interval`; a lookup that finds a new
+    member, or a wake (a new connection while below the target), brings it back to `interval`. (A node at
+    its target of connections looks nothing up: :meth:`SwarmDiscovery.run`.)"""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self.rounds = 0
         self.backoff = 1.0
 
-    def after_lookup(self, *, found_new: bool, at_target: bool = False) -> float:
+    def after_lookup(self, *, found_new: bool) -> float:
         """Record a lookup; the seconds to wait before the next one."""
         self.rounds += 1
         if self.rounds < FAST_ROUNDS:
@@ -170,7 +167,7 @@ class LookupPacer:
         if found_new:
             self.backoff = 1.0
             return self.interval
-        longest = max(self.interval, SETTLED_MAX_S) if at_target else self.interval * MAX_BACKOFF
+        longest = self.interval * MAX_BACKOFF
         delay = min(self.interval * self.backoff, longest)
         self.backoff = min(self.backoff * 2, longest / self.interval)
         return delay

@@ -18,7 +18,6 @@ from p2p.discovery import (
     FAST_INTERVAL_S,
     FAST_ROUNDS,
     MAX_BACKOFF,
-    SETTLED_MAX_S,
     LookupPacer,
     SwarmDiscovery,
 )
@@ -44,18 +43,6 @@ def test_a_new_member_or_a_new_connection_brings_lookups_back_to_the_interval() 
     assert pacer.after_lookup(found_new=False) == 20.0
     pacer.woken()
     assert pacer.after_lookup(found_new=False) == 10.0
-
-
-def test_a_node_with_its_target_of_connections_backs_off_past_the_unsettled_cap() -> None:
-    """Issue #24: once a node has its connections it meets members through state sessions and SWIM, not
-    the DHT; a lookup every 80 s from every node was most of an idle swarm's traffic."""
-    pacer = LookupPacer(10.0)
-    for _ in range(FAST_ROUNDS - 1):
-        pacer.after_lookup(found_new=False, at_target=True)
-    settled = [pacer.after_lookup(found_new=False, at_target=True) for _ in range(9)]
-    assert settled == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, SETTLED_MAX_S, SETTLED_MAX_S, SETTLED_MAX_S]
-    assert pacer.after_lookup(found_new=False, at_target=False) == 10.0 * MAX_BACKOFF  # short of peers again
-    assert pacer.after_lookup(found_new=True, at_target=True) == 10.0
 
 
 # --- SwarmDiscovery.run on a settled swarm, with a fake DHT and virtual time -----------------------------------
@@ -143,7 +130,7 @@ async def test_an_idle_node_with_its_connections_asks_the_dht_little_in_an_hour(
     await run_for(settled_node(dht, connected=8), 3600.0, monkeypatch)
     assert dht.closest_peer_walks == 0
     assert dht.provides <= 1 + 3600 / 600.0
-    # 10 fast lookups at start-up, then about 10 backing off to one per SETTLED_MAX_S: each one batch.
+    # At its target it looks nothing up; a few lookups before that at most, each one batch.
     assert dht.get_providers_sent <= 25 * discovery.PROVIDER_QUERY_BATCH
 
 

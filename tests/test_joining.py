@@ -46,6 +46,7 @@ from p2p.connmgr import (
 from p2p.discovery import DialRefused, SwarmDiscovery
 from p2p.host import build_host
 from protocols.hlc import Timestamp
+from protocols.state import MANIFEST_MISMATCH, SyncRefused
 from starling_testing.fakes import FakeHost
 
 
@@ -466,6 +467,22 @@ async def test_a_stranded_newcomer_whose_seed_answers_swim_but_gives_no_member_r
             await ticks(mgr, clock, nursery, 1)
         assert host.disconnected == [boot]
         nursery.cancel_scope.cancel()
+
+
+def test_a_node_whose_only_peers_refused_it_as_incompatible_is_not_stranded(tmp_path: Path) -> None:
+    """A node knowing no member, connected only to peers of another swarm or run, would be judged stranded
+    and redial them every SILENT_S: each time a handshake and the same refused session. It is stranded only
+    while some peer it holds is not known to be incompatible."""
+    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"]}, environ={})
+    daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=False)
+    other_run, same_run = (peer_id_of(create_new_key_pair().public_key) for _ in range(2))
+    connected = [ID.from_base58(other_run)]
+    daemon.connmgr.connected = lambda: connected  # type: ignore[method-assign]
+    assert daemon._stranded()  # nothing known of it yet: a redial may get a working session
+    daemon.replicator._refused(other_run, SyncRefused(MANIFEST_MISMATCH, local="aa", remote="bb"))
+    assert not daemon._stranded()
+    connected.append(ID.from_base58(same_run))  # one peer that may yet give members
+    assert daemon._stranded()
 
 
 async def test_a_silent_connection_beside_one_that_delivers_is_kept_and_a_late_tick_judges_nothing() -> None:
