@@ -92,7 +92,6 @@ COMPONENTS = [
     ("SWIM: watch connections", ("node/swarm/swim_service.py", "_watch_connections")),
     ("connection manager", ("p2p/connmgr.py", "run")),
     ("NAT service", ("node/swarm/nat.py", "run")),
-    ("NAT: pings of connected peers", ("node/swarm/nat.py", "_ping_loop")),
     ("DCUtR auto-drive loop", ("libp2p/relay/circuit_v2/dcutr.py", "_auto_drive_loop")),
     ("learn member addresses", ("node/daemon.py", "_learn_member_addrs")),
     ("loss history (every member, every second)", ("node/daemon.py", "_keep_history")),

@@ -205,7 +205,7 @@ port, bootstrap, dial_file = int(sys.argv[1]), [b for b in sys.argv[2].split(","
 async def main():
     host = build_host(create_new_key_pair())
     connmgr = ConnManager(host, target=8, cap=16, dial_timeout=10)
-    nat = NatService(host, connmgr, NatConfig(ping_interval=2.0))
+    nat = NatService(host, connmgr, NatConfig())
     connmgr.on_connected = nat.peer_connected
     for text in bootstrap:
         connmgr.add_candidate(parse_bootstrap(text), source="bootstrap", permanent=True)

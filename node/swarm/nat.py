@@ -14,8 +14,8 @@ One component, :class:`NatService`, because the four parts feed each other:
    SYNs and keep ports (home routers) and fails through those that answer with RST or randomise ports;
    the failure is recorded with its cause, and the peer stays relayed.
 4. **Paths.** :meth:`NatService.path_of` says how we reach a peer (``direct``, ``hole-punched``,
-   ``relayed``), with the RTT measured by libp2p ping and the throughput reported by whoever moves bulk
-   bytes. Bulk transfers must not go over ``relayed`` paths: a relay is a shared, rate-limited favour.
+   ``relayed``), with the RTT the connection's muxer measures (below) and the throughput reported by
+   whoever moves bulk bytes. Bulk transfers must not go over ``relayed`` paths: a relay is a shared, rate-limited favour.
 
 Two py-libp2p facts shape the code. ``BasicHost.get_addrs()`` truncates a circuit address at its first
 ``/p2p/`` component, so circuit addresses cannot travel in identify or DHT provider records (they would
@@ -27,14 +27,21 @@ Noise and yamux like any other connection.
 What is not the service's policy lives beside it: circuit addresses and HOP answers in
 node/swarm/circuit.py, the DCUtR hooks that report a punch's outcome in node/swarm/holepunch.py. Why the
 service stays one module, though long: the four parts share one view of the connections and each
-other's state (the verdict decides relay service and reservations, the punches and pings the paths).
+other's state (the verdict decides relay service and reservations, the punches the paths).
+
+The RTT shown is py-libp2p Yamux's own: each connection's muxer sends a PING frame 0.5 s after it starts
+and every 30 s after (``Yamux.rtt``, smoothed). This service used to ping every connected peer with libp2p
+ping every 15 s instead, each ping a new stream (multistream-select, a Yamux open and close, about 5 ms of
+CPU for both sides): at a 64-daemon join 3,100 such streams, thousands of negotiations queued behind each
+other at the busiest nodes, for a figure only status shows (issue #24). A muxer PING frame is 12 bytes read
+by the connection's own loop, and it passes over a relayed connection too, which keeps its circuit
+carrying data as the pings did.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +51,6 @@ import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.connection_types import ConnectionType
-from libp2p.custom_types import TProtocol
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -70,7 +76,6 @@ from node.swarm.circuit import (
 from node.swarm.holepunch import ReportingDCUtR, describe_punch_failure
 from p2p.connmgr import ConnManager
 from p2p.host import interface_ipv4_addrs
-from p2p.wire import LibP2PByteStream, ProtocolError, read_exactly
 from protocols.dialback import (
     PROTOCOL_ID as DIALBACK_PROTOCOL_ID,
 )
@@ -90,14 +95,6 @@ log = logging.getLogger("starling.nat")
 Reachability = Literal["public", "private", "unknown"]
 Path = ConnectionPath  # declared with the status that reports it (node/status_schema.py)
 
-PING_PROTOCOL_ID = TProtocol("/ipfs/ping/1.0.0")
-PING_BYTES = 32
-PING_TIMEOUT_S = 5.0
-MAX_PINGS_AT_ONCE = 8
-#: A new peer's first ping comes at a random time within this many seconds of its connection, not at once:
-#: at a join every newcomer connects to the bootstrap node within seconds, and its 63 pings at once (each a
-#: new stream) came on top of every other protocol's first streams there (issue #24).
-FIRST_PING_SPREAD_S = 5.0
 RELAY_TIMEOUT_S = 10.0  # one RESERVE or CONNECT exchange with a relay
 DIRECT_FIRST_S = 3.0  # in dial(): how long direct addresses get before the circuit addresses are tried
 UNKNOWN_RESERVE_AFTER_S = 30.0  # still unknown after this long: reserve relays anyway, as insurance
@@ -109,7 +106,6 @@ MAX_OUTCOMES = 32  # helpers remembered
 # node starts serving only once its own reachability verdict is in, seconds after we meet it.
 RELAY_BACKOFF_S = 5.0
 RELAY_BACKOFF_MAX_S = 600.0
-RTT_SMOOTHING = 0.3  # weight of a new RTT sample
 MIN_RESERVATION_S = 120.0  # a reservation lifetime outside these bounds means a skewed clock
 MAX_RESERVATION_S = 86400.0
 
@@ -125,8 +121,8 @@ class NatConfig:
 
     Relays carry control traffic only (bulk tensors never go over a relay), so the per-circuit byte
     budget is small; a circuit that needs more should have been upgraded to a direct path. py-libp2p
-    checks a circuit's age when data passes; the pings this service sends every ``ping_interval`` keep
-    data passing, so an idle circuit is also cut within a ping interval of its deadline.
+    checks a circuit's age when data passes; the muxer's RTT pings (every 30 s, module docstring) keep
+    data passing, so an idle circuit is also cut within 30 s of its deadline.
     """
 
     relay_service: Literal["auto", "on", "off"] = "auto"  # auto: serve while our reachability is public
@@ -139,7 +135,6 @@ class NatConfig:
     relay_reservation_ttl: int = 900  # a client refreshes at half of it
     hole_punch: bool = True
     dialback_interval: float = 300.0  # re-check reachability this often once known
-    ping_interval: float = 15.0
 
     def __post_init__(self) -> None:
         if self.relay_service not in ("auto", "on", "off"):
@@ -153,7 +148,6 @@ class NatConfig:
             "relay_circuit_seconds": self.relay_circuit_seconds,
             "relay_reservation_ttl": self.relay_reservation_ttl,
             "dialback_interval": self.dialback_interval,
-            "ping_interval": self.ping_interval,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -202,12 +196,9 @@ class Reservation:
 
 @dataclass
 class _PeerPath:
-    rtt_s: float | None = None
     throughput_mbps: float | None = None
     punched: bool = False  # the direct connection came from a hole punch
     note: str = ""  # why a relayed peer is still relayed
-    pinged_at: float = -1e9
-    rtt_path: str = ""  # the path rtt_s was measured on
 
 
 class NatService:
@@ -253,7 +244,7 @@ class NatService:
     # --- hooks and views -----------------------------------------------------------------------------
 
     def peer_connected(self, peer_id: ID) -> None:
-        """A new peer is a new dial-back helper, relay candidate and ping target: look at it soon."""
+        """A new peer is a new dial-back helper and relay candidate: look at it soon."""
         self._wake_reachability.set()
         self._wake_relays.set()
 
@@ -267,15 +258,30 @@ class NatService:
             return "hole-punched" if punching or (state is not None and state.punched) else "direct"
         return "relayed" if relayed else "none"
 
+    def rtt_of(self, peer_id: ID) -> float | None:
+        """Seconds: the smoothed RTT that the muxer of the connection on `peer_id`'s path has measured (a
+        direct one where there is one, as for new streams); None before its first PING frame came back."""
+        direct, _ = self._connection_kinds(peer_id)
+        for conn in self.host.get_network().get_connections(peer_id):
+            if getattr(conn, "is_closed", False) or connection_is_relayed(conn) == direct:
+                continue
+            rtt = getattr(getattr(conn, "muxed_conn", None), "rtt", None)
+            seconds = rtt() if callable(rtt) else 0.0
+            if isinstance(seconds, (int, float)) and seconds > 0:
+                return float(seconds)
+        return None
+
     def peers_status(self) -> list[PeerPathStatus]:
         """Per connected peer: path, RTT (ms) and throughput (Mbit/s) where measured."""
+        self._forget_departed()
         out: list[PeerPathStatus] = []
         for peer_id in sorted(self._connected(), key=str):
             state = self._paths.get(peer_id, _PeerPath())
+            rtt = self.rtt_of(peer_id)
             row: PeerPathStatus = {
                 "peer_id": str(peer_id),
                 "path": self.path_of(peer_id),
-                "rtt_ms": round(state.rtt_s * 1000, 1) if state.rtt_s is not None else None,
+                "rtt_ms": round(rtt * 1000, 1) if rtt is not None else None,
             }
             if state.throughput_mbps is not None:
                 row["throughput_mbps"] = round(state.throughput_mbps, 1)
@@ -300,6 +306,7 @@ class NatService:
         pid = ID.from_base58(peer_id) if isinstance(peer_id, str) else peer_id
         if pid not in self._connected():
             return
+        self._forget_departed()
         state = self._paths.setdefault(pid, _PeerPath())
         mbps = nbytes * 8 / seconds / 1e6
         old = state.throughput_mbps
@@ -409,13 +416,12 @@ class NatService:
             self.dialback.unregister()
 
     async def _run_loops(self, task_status: trio.TaskStatus[None]) -> None:
-        """Three independent loops: a slow dial-back round must not delay reservations or pings."""
+        """Two independent loops: a slow dial-back round must not delay reservations."""
         async with trio.open_nursery() as nursery:
             self._update_relay_service()
             task_status.started()
             nursery.start_soon(self._reachability_loop)
             nursery.start_soon(self._relay_loop)
-            nursery.start_soon(self._ping_loop)
 
     async def _reachability_loop(self) -> None:
         while True:
@@ -709,6 +715,7 @@ class NatService:
     # --- hole punching and paths ----------------------------------------------------------------------
 
     def _on_punch(self, peer_id: ID, ok: bool, errors: list[tuple[str, DialStatus, str]]) -> None:
+        self._forget_departed()
         state = self._paths.setdefault(peer_id, _PeerPath())
         if ok:
             state.punched, state.note = True, ""
@@ -739,56 +746,3 @@ class NatService:
         connected = set(self._connected())
         for peer_id in [p for p in self._paths if p not in connected]:
             del self._paths[peer_id]
-
-    # --- RTT ------------------------------------------------------------------------------------------
-
-    async def _ping_loop(self) -> None:
-        """Ping each connected peer every ping_interval; a new peer within FIRST_PING_SPREAD_S of connecting."""
-        limiter = trio.Semaphore(MAX_PINGS_AT_ONCE)
-        async with trio.open_nursery() as nursery:
-            while True:
-                self._forget_departed()
-                now = self.clock()
-                for peer_id in self._connected()[:256]:
-                    state = self._paths.get(peer_id)
-                    if state is None:
-                        state = self._paths[peer_id] = _PeerPath(
-                            pinged_at=now - self.config.ping_interval + random.uniform(0, FIRST_PING_SPREAD_S))
-                    if now - state.pinged_at >= self.config.ping_interval:
-                        state.pinged_at = now
-                        nursery.start_soon(self._ping_one, peer_id, limiter)
-                await trio.sleep(1.0)
-
-    async def _ping_one(self, peer_id: ID, limiter: trio.Semaphore) -> None:
-        async with limiter:
-            rtt = await self.ping(peer_id)
-        state = self._paths.get(peer_id)
-        if rtt is None or state is None:
-            return
-        path = self.path_of(peer_id)
-        if state.rtt_s is None or state.rtt_path != path:  # a new path: its RTT starts afresh
-            state.rtt_s, state.rtt_path = rtt, path
-        else:
-            state.rtt_s += RTT_SMOOTHING * (rtt - state.rtt_s)
-
-    async def ping(self, peer_id: ID) -> float | None:
-        """One libp2p ping round trip in seconds, over the connection new streams use; None on failure."""
-        with trio.move_on_after(PING_TIMEOUT_S):
-            try:
-                stream = await self.host.new_stream(peer_id, [PING_PROTOCOL_ID])
-            except Exception:
-                return None
-            wrapped = LibP2PByteStream(stream)
-            try:
-                payload = secrets.token_bytes(PING_BYTES)
-                start = trio.current_time()
-                await wrapped.write(payload)
-                echo = await read_exactly(wrapped, PING_BYTES, limit=PING_BYTES)
-                rtt = trio.current_time() - start
-                return rtt if echo == payload else None
-            except ProtocolError:
-                return None
-            finally:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    await wrapped.aclose()
-        return None

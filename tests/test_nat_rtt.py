@@ -1,0 +1,46 @@
+"""The RTT that status shows per connected peer comes from the connection's muxer, not from streams.
+
+Issue #24: the NAT service pinged every connected peer with libp2p ping every 15 s, each ping a new stream
+(multistream-select, a Yamux open and close). At a 64-daemon join that was 3,100 streams, queued at the
+busiest nodes behind every other protocol's negotiations, for a figure only status shows. py-libp2p's
+Yamux already measures each connection's RTT with PING frames of its own."""
+
+from __future__ import annotations
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from multiaddr import Multiaddr
+
+from node.swarm.nat import NatConfig, NatService
+from p2p.connmgr import ConnManager
+from p2p.host import build_host
+
+PING = "/ipfs/ping/1.0.0"
+
+
+async def test_a_connected_peers_rtt_is_shown_without_a_ping_stream() -> None:
+    a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+    pings_at_b = 0
+
+    async def counting(stream: object) -> None:
+        nonlocal pings_at_b
+        pings_at_b += 1
+        await stream.reset()  # type: ignore[attr-defined]
+
+    nat = NatService(a, ConnManager(a, target=2, cap=4), NatConfig())
+    loopback = [Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    with trio.fail_after(30):
+        async with a.run(loopback), b.run(loopback), trio.open_nursery() as nursery:
+            b.set_stream_handler(PING, counting)
+            await nursery.start(nat.run)
+            await a.connect(info_from_p2p_addr(b.get_addrs()[0]))
+            nat.peer_connected(b.get_id())
+            rows: list = []
+            while not rows or rows[0]["rtt_ms"] is None:  # the muxer's first PING frame: 0.5 s in
+                await trio.sleep(0.1)
+                rows = [r for r in nat.peers_status() if r["peer_id"] == str(b.get_id())]
+            assert rows[0]["path"] == "direct" and rows[0]["rtt_ms"] > 0
+            await trio.sleep(6.0)  # past the old first ping (within 5 s of the connection)
+            assert pings_at_b == 0
+            nursery.cancel_scope.cancel()
