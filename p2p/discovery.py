@@ -37,10 +37,15 @@ to, each a Noise handshake and every protocol's first streams on both sides) wen
 node while 63 others leaned on it: the join took 90 s, and 31 s with the lookups and announcements off
 (docs/benchmarks.md, "Scale: real daemons"). So a node looks nothing up during its first
 ``LOOKUP_GRACE_S``, and then only while the connection manager is short of candidates to reach its
-target (:meth:`p2p.connmgr.ConnManager.short_of_candidates`: a small swarm, or records that did not come);
-it announces itself first once it has its target of connections, whose peers its announcement reaches
-without a dial, or once past that grace it is short of candidates too (where it needs the DHT, as in a
-small swarm, others do), or after ``PROVIDE_GRACE_S``, and then every ``REPROVIDE_S``.
+target (:meth:`p2p.connmgr.ConnManager.short_of_candidates`: a small swarm, or records that did not come).
+It announces itself first once past that grace it is short of candidates too (where it needs the DHT, as
+in a small swarm, others do); otherwise at a random time between ``PROVIDE_GRACE_S`` and
+``PROVIDE_LATEST_S`` after its start, and then every ``REPROVIDE_S``. Not sooner: each announcement is a
+closest-peer walk (answers of 20 signed peer records each, all verified) and an ADD_PROVIDER to the 20
+peers closest to the key, the same 20 for every member; at a 64-daemon join, with the first announcement
+at a node's target of connections or 30 s after its start, that was 2,600 DHT streams, most of the
+join's streams in its busiest 20 s, for records that serve later newcomers (py-libp2p keeps 20
+providers per key).
 
 py-libp2p's DHT ignores `protocol_prefix` (pitfall 5), so two different swarms share one DHT; the key is
 namespaced by the swarm name, and only peers that advertise that key become candidates.
@@ -59,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import random
 from collections.abc import Callable, Sequence
 
 import trio
@@ -79,8 +85,10 @@ FAST_INTERVAL_S = 2.0
 FAST_ROUNDS = 10
 #: No lookup in a node's first seconds: its first state session gives it the members (module docstring).
 LOOKUP_GRACE_S = 10.0
-#: A node that does not reach its target of connections announces itself after this all the same.
-PROVIDE_GRACE_S = 30.0
+#: A node's first announcement as a provider comes at a random time between these (seconds after its start),
+#: unless it is short of candidates sooner (module docstring).
+PROVIDE_GRACE_S = 60.0
+PROVIDE_LATEST_S = 300.0
 #: Seconds between two announcements of this node as a provider once started (the records' holders keep
 #: them for 48 hours; see the module docstring).
 REPROVIDE_S = 600.0
@@ -177,20 +185,20 @@ class LookupPacer:
 
 
 class ProvidePacer:
-    """When this node announces itself as a provider: first once it has its target of connections (its
-    announcement then reaches their peers without a dial), or once past LOOKUP_GRACE_S it is short of
-    candidates (the DHT is then its way to more members, and in a small swarm everyone's: five daemons found
-    each other there only after PROVIDE_GRACE_S), or PROVIDE_GRACE_S after its start; then every REPROVIDE_S
-    (see the module docstring)."""
+    """When this node announces itself as a provider: first once past LOOKUP_GRACE_S it is short of
+    candidates (the DHT is then its way to more members, and in a small swarm everyone's: five daemons
+    found each other there only once one announced), else at a random time between PROVIDE_GRACE_S and
+    PROVIDE_LATEST_S after its start (not during the join: see the module docstring); then every
+    REPROVIDE_S."""
 
-    def __init__(self, start: float) -> None:
+    def __init__(self, start: float, rng: random.Random | None = None) -> None:
         self.start = start
+        self.first = start + (rng or random).uniform(PROVIDE_GRACE_S, PROVIDE_LATEST_S)
         self.last = -math.inf
 
-    def due(self, now: float, *, at_target: bool, short: bool = False) -> bool:
+    def due(self, now: float, *, short: bool = False) -> bool:
         if self.last == -math.inf:
-            age = now - self.start
-            return at_target or (short and age >= LOOKUP_GRACE_S) or age >= PROVIDE_GRACE_S
+            return (short and now - self.start >= LOOKUP_GRACE_S) or now >= self.first
         return now - self.last >= REPROVIDE_S
 
     def done(self, now: float) -> None:
@@ -234,8 +242,7 @@ class SwarmDiscovery:
             while True:
                 await self._add_connected_to_routing_table()
                 now = trio.current_time()
-                if provider.due(now, at_target=not self.connmgr.below_target(),
-                                short=self.connmgr.short_of_candidates()):
+                if provider.due(now, short=self.connmgr.short_of_candidates()):
                     if await self._provide():
                         provider.done(now)
                 if now - start < LOOKUP_GRACE_S:

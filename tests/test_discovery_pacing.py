@@ -3,6 +3,8 @@ back when it changes."""
 
 from __future__ import annotations
 
+import random
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -199,11 +201,29 @@ async def test_a_node_without_records_looks_members_up_after_the_grace_and_annou
     assert dht.get_providers_sent > 0 and dht.provides == 1
 
 
-async def test_a_node_announces_itself_as_soon_as_it_has_its_target_of_connections(
+async def test_a_node_with_its_connections_announces_itself_only_after_the_join(
         monkeypatch: Any, autojump_clock: Any) -> None:
+    """At a 64-daemon join, first announcements at a node's target of connections (or 30 s after its start)
+    were 2,600 DHT streams, most of the join's streams in its busiest 20 s: each a closest-peer walk and an
+    ADD_PROVIDER to the same 20 peers. A node that needs no DHT to find members announces itself later."""
     dht = SettledDHT(16)
-    await run_for(settled_node(dht, connected=8), 1.0, monkeypatch)
+    await run_for(settled_node(dht, connected=8), discovery.PROVIDE_GRACE_S - 1, monkeypatch)
+    assert dht.provides == 0
+    dht = SettledDHT(16)
+    await run_for(settled_node(dht, connected=8), discovery.PROVIDE_LATEST_S + 11, monkeypatch)
     assert dht.provides == 1
+
+
+def test_first_announcements_are_spread_between_the_grace_and_the_latest() -> None:
+    rng = random.Random(7)
+    firsts = [discovery.ProvidePacer(0.0, rng).first for _ in range(64)]
+    assert discovery.PROVIDE_GRACE_S <= min(firsts) and max(firsts) <= discovery.PROVIDE_LATEST_S
+    per_minute = Counter(int(t // 60) for t in firsts)
+    assert max(per_minute.values()) <= 64 // 2  # not all in one minute
+    pacer = discovery.ProvidePacer(0.0, rng)
+    assert not pacer.due(discovery.LOOKUP_GRACE_S - 1, short=True)
+    assert pacer.due(discovery.LOOKUP_GRACE_S, short=True)  # short of candidates: it needs the DHT now
+    assert not pacer.due(discovery.LOOKUP_GRACE_S, short=False)
 
 
 def test_only_untried_candidates_count_against_a_lookup() -> None:
