@@ -43,9 +43,9 @@ in a small swarm, others do); otherwise at a random time between ``PROVIDE_GRACE
 ``PROVIDE_LATEST_S`` after its start, and then every ``REPROVIDE_S``. Not sooner: each announcement is a
 closest-peer walk (answers of 20 signed peer records each, all verified) and an ADD_PROVIDER to the 20
 peers closest to the key, the same 20 for every member; at a 64-daemon join, with the first announcement
-at a node's target of connections or 30 s after its start, that was 2,600 DHT streams, most of the
-join's streams in its busiest 20 s, for records that serve later newcomers (py-libp2p keeps 20
-providers per key).
+at a node's target of connections or 30 s after its start, that was 2,600 DHT streams, half the join's
+streams in its last 20 s, for records that serve later newcomers (py-libp2p keeps 20 providers per
+key).
 
 py-libp2p's DHT ignores `protocol_prefix` (pitfall 5), so two different swarms share one DHT; the key is
 namespaced by the swarm name, and only peers that advertise that key become candidates.

@@ -204,7 +204,7 @@ async def test_a_node_without_records_looks_members_up_after_the_grace_and_annou
 async def test_a_node_with_its_connections_announces_itself_only_after_the_join(
         monkeypatch: Any, autojump_clock: Any) -> None:
     """At a 64-daemon join, first announcements at a node's target of connections (or 30 s after its start)
-    were 2,600 DHT streams, most of the join's streams in its busiest 20 s: each a closest-peer walk and an
+    were 2,600 DHT streams, half the join's streams in its last 20 s: each a closest-peer walk and an
     ADD_PROVIDER to the same 20 peers. A node that needs no DHT to find members announces itself later."""
     dht = SettledDHT(16)
     await run_for(settled_node(dht, connected=8), discovery.PROVIDE_GRACE_S - 1, monkeypatch)
