@@ -265,7 +265,10 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                            "timeout_s": args.timeout, "window_s": args.window, "command": args.command,
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     try:
+        started_at: dict[int, float] = {}  # wall time of each daemon's (last) start
+
         def spawn(i: int, bootstrap: list[str]) -> None:
+            started_at[i] = time.time()
             if i in profiled:
                 swarm.env["STARLING_PROFILE_OUT"] = str(root / f"n{i}.prof")
                 if args.profile_join:
@@ -287,7 +290,10 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         pids_start = {i: swarm.daemons[i].pid for i in everyone}
         cpu_listening = {i: proc_cpu(pids_start[i]) for i in everyone}
         busy_listening = machine_busy()
-        since = {i: time.time() for i in everyone}  # nobody's record before its start counts
+        # Nobody's record signed before its start counts. Each daemon's own start, not the last one's: in swim
+        # mode a record is signed again only when it changes, so the bootstrap node's (started half a minute
+        # before the last) was never newer than the last start, and no churn round could ever agree.
+        since = dict(started_at)
         log(f"{n} daemons listening; waiting until every one knows every other")
 
         # 1. join
