@@ -247,6 +247,30 @@ class Views:
         return True
 
 
+def streams_over(before: dict[int, dict | None], after: dict[int, dict | None]) -> dict[str, int]:
+    """Streams opened and accepted between two readings of the daemons' traffic probes, per protocol and
+    summed over the daemons, most first (the probe's ``streams ...`` counters; a daemon not read at both ends
+    is left out). Why: at 64 daemons what slowed the join was the streams queued at its busiest nodes."""
+    total: dict[str, int] = {}
+    for i, end in after.items():
+        start = before.get(i)
+        if start is None or end is None:
+            continue
+        for key, value in end.get("counts", {}).items():
+            if key.startswith("streams "):
+                name = key[len("streams "):]
+                total[name] = total.get(name, 0) + value - start.get("counts", {}).get(key, 0)
+    return dict(sorted(((k, v) for k, v in total.items() if v), key=lambda kv: (-kv[1], kv[0])))
+
+
+def read_traffic(swarm: LoopbackSwarm, i: int) -> dict | None:
+    """Daemon ``i``'s probe counters, or None where it has written none yet (it writes them every second)."""
+    try:
+        return swarm.traffic(i)
+    except (OSError, ValueError):
+        return None
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else {}
 
@@ -290,6 +314,7 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         pids_start = {i: swarm.daemons[i].pid for i in everyone}
         cpu_listening = {i: proc_cpu(pids_start[i]) for i in everyone}
         busy_listening = machine_busy()
+        traffic_listening = {i: read_traffic(swarm, i) for i in everyone}
         # Nobody's record signed before its start counts. Each daemon's own start, not the last one's: in swim
         # mode a record is signed again only when it changes, so the bootstrap node's (started half a minute
         # before the last) was never newer than the last start, and no churn round could ever agree.
@@ -332,6 +357,7 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         assert views is not None
         cpu_joined = {i: proc_cpu(pids_start[i]) for i in everyone}
         busy_joined = machine_busy()
+        streams_join = streams_over(traffic_listening, {i: read_traffic(swarm, i) for i in everyone})
         join_wall = time.monotonic() - t_last
         known = [views.alive_known(i) for i in everyone]
         out["join"] = {
@@ -352,6 +378,9 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             # each daemon's own status call rather than the end of the round of calls.
             "last_view_complete_s": (max(v for v in complete_since.values() if v is not None)
                                      if all(v is not None for v in complete_since.values()) else None),
+            # Streams opened ("<protocol>", "<protocol> failed") and accepted ("accepted <protocol>",
+            # "accepted failed": negotiations that failed) over the join, all daemons together.
+            "streams": streams_join,
         }
         if args.trace:
             out["trace"] = trace
@@ -365,6 +394,8 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         log(f"  all members known: {fmt_s(joined_s)}; CPU s per daemon to listen {fmt_spread(j['cpu_s_to_listen'])}, "
             f"over the join's {join_wall:.0f} s {fmt_spread(j['cpu_s_join'])} (bootstrap "
             f"{j['cpu_s_join_bootstrap'] or 0:.1f}), machine busy {100 * j['machine_busy_join']:.0f}%")
+        log("  streams over the join (all daemons): "
+            + (", ".join(f"{k} {v}" for k, v in list(j["streams"].items())[:12]) or "none counted"))
 
         # 2. settled window (no status calls in it)
         time.sleep(args.settle)

@@ -41,6 +41,7 @@ def test_the_scale_bench_reports_join_idle_cost_and_churn_of_real_daemons(tmp_pa
     assert [c["killed"] for c in r["churn"]] == [1]
     assert r["profile"]["daemons"] == 1 and r["profile"]["total_s_per_min"] > 0  # the bootstrap node only
     assert len(list((tmp_path / "prof").glob("*.prof"))) == 1
+    assert any(k.startswith("opened /starling/") for k in r["join"]["streams"]), r["join"]["streams"]
     table = [line for line in out.stdout.splitlines() if line.startswith("| 3 | bootstrap |")]
     assert len(table) == 1 and table[0].count("|") == 11, out.stdout
 
@@ -56,3 +57,22 @@ def test_the_scale_bench_never_gives_two_daemons_the_same_port() -> None:
         sys.path.remove(str(ROOT / "bench"))
     ports = [scale.listen_port() for _ in range(2000)]
     assert len(set(ports)) == len(ports)
+
+
+def test_the_scale_bench_counts_the_streams_each_protocol_opened_over_the_join() -> None:
+    """At 64 daemons the join was slowed by the streams queued at its busiest nodes (issue #24): the bench sums
+    each daemon's probe counters of streams opened and accepted between the last daemon listening and the end
+    of the join; a daemon not read at both ends is left out, not counted from zero."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import scale  # bench/scale.py
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    before = {0: {"counts": {"streams opened /ipfs/kad/1.0.0": 5, "frames": 9}},
+              1: {"counts": {}}, 2: None}
+    after = {0: {"counts": {"streams opened /ipfs/kad/1.0.0": 7, "streams accepted /starling/state/2.0.0": 3,
+                            "frames": 20}},
+             1: {"counts": {"streams opened /ipfs/kad/1.0.0 failed": 1, "streams opened /ipfs/kad/1.0.0": 2}},
+             2: {"counts": {"streams opened /ipfs/kad/1.0.0": 50}}}
+    assert scale.streams_over(before, after) == {
+        "opened /ipfs/kad/1.0.0": 4, "accepted /starling/state/2.0.0": 3, "opened /ipfs/kad/1.0.0 failed": 1}

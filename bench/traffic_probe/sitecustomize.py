@@ -8,7 +8,10 @@ this module does nothing. It wraps, at class level and only in that process:
 * ``Yamux._write_frame``: muxer frames (each one Noise message, in practice one TCP segment on a quiet
   link) and, of those, WINDOW_UPDATE frames;
 * ``RawConnection.write``: bytes on the TCP connection (after Noise and Yamux framing);
-* for gossipsub, the RPCs that carry the sender's signed peer record.
+* for gossipsub, the RPCs that carry the sender's signed peer record;
+* ``BasicHost.new_stream`` and ``Multiselect.negotiate``: streams this daemon opened, and those peers opened
+  that it negotiated, per protocol, and how many of each failed (bench/scale.py sums them over a join: at
+  64 daemons the streams queued at the busiest nodes were what slowed the join, issue #24).
 
 The counters are written to the output file every second (atomically, as JSON).
 
@@ -32,8 +35,10 @@ PROFILE_OUT = os.environ.get("STARLING_PROFILE_OUT")
 
 
 def _install(out: str) -> None:
+    from libp2p.host import basic_host
     from libp2p.network.connection import raw_connection
     from libp2p.network.stream import net_stream
+    from libp2p.protocol_muxer import multiselect
     from libp2p.stream_muxer.yamux import yamux
 
     counts: collections.Counter[str] = collections.Counter()
@@ -60,6 +65,30 @@ def _install(out: str) -> None:
         counts["tcp bytes"] += len(data)
         return await raw_write(self, data)
 
+    new_stream = basic_host.BasicHost.new_stream
+    negotiate = multiselect.Multiselect.negotiate
+
+    async def counted_new_stream(self, peer_id, protocol_ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        protocol = str(protocol_ids[0]) if protocol_ids else "?"
+        try:
+            stream = await new_stream(self, peer_id, protocol_ids, *args, **kwargs)
+        except BaseException:
+            counts[f"streams opened {protocol} failed"] += 1
+            raise
+        counts[f"streams opened {protocol}"] += 1
+        return stream
+
+    async def counted_negotiate(self, communicator, *args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            protocol, handler = await negotiate(self, communicator, *args, **kwargs)
+        except BaseException:
+            counts["streams accepted failed"] += 1
+            raise
+        counts[f"streams accepted {protocol}"] += 1
+        return protocol, handler
+
+    basic_host.BasicHost.new_stream = counted_new_stream
+    multiselect.Multiselect.negotiate = counted_negotiate
     net_stream.NetStream.write = counted_stream_write
     yamux.Yamux._write_frame = counted_frame
     raw_connection.RawConnection.write = counted_raw
