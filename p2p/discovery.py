@@ -249,7 +249,7 @@ class SwarmDiscovery:
                     # Not woken by connections meanwhile: every newcomer is connecting to someone then.
                     await trio.sleep(start + LOOKUP_GRACE_S - now)
                     continue
-                if self.connmgr.short_of_candidates():  # (so below its target: no settled back-off here)
+                if self.connmgr.short_of_candidates():  # (so below its target)
                     delay = pacer.after_lookup(found_new=await self._lookup())
                 else:  # the members' records gave enough to dial: nothing to look up (module docstring)
                     self.lookups_skipped += 1

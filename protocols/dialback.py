@@ -253,6 +253,33 @@ class Verdict:
     reason: str
 
 
+#: Conclusive answers that must agree for a verdict where more than one helper is available (:func:`verdict`).
+AGREEING_ANSWERS = 2
+
+
+def latest_per_helper(outcomes: Iterable[DialbackOutcome]) -> dict[str, DialbackOutcome]:
+    """Each helper's latest answer: only that one counts."""
+    latest: dict[str, DialbackOutcome] = {}
+    for o in outcomes:
+        if o.helper not in latest or o.at >= latest[o.helper].at:
+            latest[o.helper] = o
+    return latest
+
+
+def helpers_wanted(outcomes: Iterable[DialbackOutcome]) -> int:
+    """How many helpers a round of the reachability check asks while the verdict is unknown: as many as the
+    verdict still needs (``AGREEING_ANSWERS`` conclusive answers that agree), at least one.
+
+    Why not more: each ask is a probe, a connection of its own from a throwaway host (a Noise handshake,
+    identify both ways, and the asker's first streams to a host that speaks dial-back alone). At a
+    64-daemon join every new connection woke the check while the verdict was unknown, and rounds of three
+    asks made 3.4 per node, about 216 of the join's 677 connections (issue #24)."""
+    latest = latest_per_helper(outcomes).values()
+    reached = sum(1 for o in latest if o.status is DialStatus.REACHED)
+    failed = sum(1 for o in latest if o.status in CONCLUSIVE_FAILURES)
+    return max(1, AGREEING_ANSWERS - max(reached, failed))
+
+
 def verdict(outcomes: Iterable[DialbackOutcome], *, own_ips: Collection[str], available: int) -> Verdict:
     """Reachability from the latest outcome per helper.
 
@@ -261,10 +288,7 @@ def verdict(outcomes: Iterable[DialbackOutcome], *, own_ips: Collection[str], av
     otherwise. A confirmation from a helper that saw us at one of our own interface addresses while
     another helper saw us elsewhere comes from our LAN, not from the outside, and is not counted.
     """
-    latest: dict[str, DialbackOutcome] = {}
-    for o in outcomes:
-        if o.helper not in latest or o.at >= latest[o.helper].at:
-            latest[o.helper] = o
+    latest = latest_per_helper(outcomes)
     conclusive = [o for o in latest.values() if o.conclusive]
     behind_nat = any(o.observed_ip and o.observed_ip not in own_ips for o in conclusive)
     reached = [o for o in conclusive if o.status is DialStatus.REACHED]
@@ -272,7 +296,7 @@ def verdict(outcomes: Iterable[DialbackOutcome], *, own_ips: Collection[str], av
     reached = [o for o in reached if o not in lan]
     failed = [o for o in conclusive if o.status in CONCLUSIVE_FAILURES]
     # A LAN helper's view says nothing about the outside, so it does not count as an available helper.
-    need = 1 if max(available - len(lan), len(conclusive) - len(lan)) <= 1 else 2
+    need = 1 if max(available - len(lan), len(conclusive) - len(lan)) <= 1 else AGREEING_ANSWERS
     lan_note = f"; {len(lan)} confirmation(s) from our own LAN ignored" if lan else ""
     if len(reached) >= need:
         where = sorted({o.observed_ip for o in reached if o.observed_ip})

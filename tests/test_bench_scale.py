@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,15 +47,21 @@ def test_the_scale_bench_reports_join_idle_cost_and_churn_of_real_daemons(tmp_pa
     assert len(table) == 1 and table[0].count("|") == 11, out.stdout
 
 
+def _scale() -> Any:
+    """bench/scale.py as a module (it imports bench/membership.py beside it)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import scale
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return scale
+
+
 def test_the_scale_bench_never_gives_two_daemons_the_same_port() -> None:
     """Ports are drawn at random below the ephemeral range and checked free, but a port checked is free again
     until its daemon listens: two of 64 daemons got the same one about one run in ten ("port already in
     use" at a daemon's start, twice on 2026-11-27)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import scale  # bench/scale.py
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    scale = _scale()
     ports = [scale.listen_port() for _ in range(2000)]
     assert len(set(ports)) == len(ports)
 
@@ -63,11 +70,7 @@ def test_the_scale_bench_counts_the_streams_each_protocol_opened_over_the_join()
     """At 64 daemons the join was slowed by the streams queued at its busiest nodes (issue #24): the bench sums
     each daemon's probe counters of streams opened and accepted between the last daemon listening and the end
     of the join; a daemon not read at both ends is left out, not counted from zero."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import scale  # bench/scale.py
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    scale = _scale()
     before = {0: {"counts": {"streams opened /ipfs/kad/1.0.0": 5, "frames": 9}},
               1: {"counts": {}}, 2: None}
     after = {0: {"counts": {"streams opened /ipfs/kad/1.0.0": 7, "streams accepted /starling/state/2.0.0": 3,

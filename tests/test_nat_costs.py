@@ -2,7 +2,7 @@
 comes from the connection's muxer, not from streams; a reachability round asks only the helpers it needs.
 
 Issue #24: the NAT service pinged every connected peer with libp2p ping every 15 s, each ping a new stream
-(multistream-select, a Yamux open and close). At a 64-daemon join that was 3,100 streams, queued at the
+(multistream-select, a Yamux open and close). In a 64-daemon run that was 3,100 streams, queued at the
 busiest nodes behind every other protocol's negotiations, for a figure only status shows. py-libp2p's
 Yamux already measures each connection's RTT with PING frames of its own."""
 
@@ -13,10 +13,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from node.swarm.nat import NatConfig, NatService, helpers_wanted
+from node.swarm.nat import NatConfig, NatService
 from p2p.connmgr import ConnManager
 from p2p.host import build_host
-from protocols.dialback import DialbackOutcome, DialStatus
+from protocols.dialback import DialbackOutcome, DialStatus, helpers_wanted
 
 PING = "/ipfs/ping/1.0.0"
 

@@ -32,8 +32,8 @@ other's state (the verdict decides relay service and reservations, the punches t
 The RTT shown is py-libp2p Yamux's own: each connection's muxer sends a PING frame 0.5 s after it starts
 and every 30 s after (``Yamux.rtt``, smoothed). This service used to ping every connected peer with libp2p
 ping every 15 s instead, each ping a new stream (multistream-select, a Yamux open and close, about 5 ms of
-CPU for both sides): at a 64-daemon join 3,100 such streams, thousands of negotiations queued behind each
-other at the busiest nodes, for a figure only status shows (issue #24). A muxer PING frame is 12 bytes read
+CPU for both sides): 3,100 such streams in a 64-daemon run (its join and a settled minute), queued at the
+busiest nodes behind every other protocol's negotiations, for a figure only status shows (issue #24). A muxer PING frame is 12 bytes read
 by the connection's own loop, and it passes over a relayed connection too, which keeps its circuit
 carrying data as the pings did.
 """
@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -85,6 +85,7 @@ from protocols.dialback import (
     DialStatus,
     Verdict,
     classify_dial_error,
+    helpers_wanted,
     is_relayed_stream,
     protocol_unsupported,
     verdict,
@@ -100,7 +101,6 @@ DIRECT_FIRST_S = 3.0  # in dial(): how long direct addresses get before the circ
 UNKNOWN_RESERVE_AFTER_S = 30.0  # still unknown after this long: reserve relays anyway, as insurance
 FAST_CHECK_S = 2.0  # loop period while reachability is unknown
 REASK_HELPER_S = 10.0  # never ask the same helper again sooner (helpers rate-limit us too)
-HELPERS_PER_ROUND = 2  # at most, per round of the reachability check (see helpers_wanted)
 MAX_OUTCOMES = 32  # helpers remembered
 # A refused reservation is retried after 5 s, then 10, 20, ... 600 s: short at first because a public
 # node starts serving only once its own reachability verdict is in, seconds after we meet it.
@@ -192,24 +192,6 @@ class Reservation:
 
     def expired(self, now: float) -> bool:
         return now >= self.reserved_at + self.lifetime
-
-
-def helpers_wanted(outcomes: Iterable[DialbackOutcome]) -> int:
-    """How many helpers a round of the reachability check asks while the verdict is unknown: as many as the
-    verdict still needs (two conclusive answers that agree, :func:`protocols.dialback.verdict`), at least one.
-
-    Why not three at every round: each ask is a probe, a connection of its own from a throwaway host (a
-    Noise handshake, identify both ways, and the asker's first streams to a host that speaks dial-back
-    alone). At a 64-daemon join every new connection woke the check while the verdict was unknown, and a
-    newcomer whose first helper had answered (enough while it was its only one) asked three more once it
-    had others: 3.4 asks per node, about 216 of the join's 677 connections (issue #24)."""
-    latest: dict[str, DialbackOutcome] = {}
-    for o in outcomes:
-        if o.helper not in latest or o.at >= latest[o.helper].at:
-            latest[o.helper] = o
-    reached = sum(1 for o in latest.values() if o.status is DialStatus.REACHED)
-    failed = sum(1 for o in latest.values() if o.conclusive and o.status is not DialStatus.REACHED)
-    return max(1, min(HELPERS_PER_ROUND, 2 - max(reached, failed)))
 
 
 @dataclass
