@@ -79,6 +79,7 @@ from protocols.snapshot import PROTOCOL_ID as SNAPSHOT_PROTOCOL
 from protocols.snapshot import ModelShape, SnapshotServer
 from protocols.state import PROTOCOL_ID as STATE_PROTOCOL
 from protocols.state import PROTOCOL_ID_1_0 as STATE_PROTOCOL_1_0
+from protocols.state import PROTOCOL_ID_2_0 as STATE_PROTOCOL_2_0
 
 if TYPE_CHECKING:
     from node.bridge.ipc import Adopted
@@ -95,6 +96,7 @@ HISTORY_ANSWER_POINTS = 100_000
 #: The protocols under per-subnet stream limits, as `status`'s `refusals` names their refusals.
 SUBNET_REFUSAL_KINDS = {
     str(STATE_PROTOCOL): "state_sessions_subnet_share",
+    str(STATE_PROTOCOL_2_0): "state_sessions_subnet_share",
     str(STATE_PROTOCOL_1_0): "state_sessions_subnet_share",
     str(SNAPSHOT_PROTOCOL): "snapshot_downloads_subnet_share",
     str(DIALBACK_PROTOCOL): "dialbacks_subnet_share",
@@ -199,7 +201,8 @@ class Daemon:
         self.access.install(self.host)
         # Per-subnet shares of the protocols a peer can make this node work for (see p2p/netgroup.py).
         # Averaging requests have their own per-IP share and IP bans in the averager (node/averaging/admission.py).
-        self.stream_limits = SubnetStreamLimits({SNAPSHOT_PROTOCOL: 1, STATE_PROTOCOL: 4, STATE_PROTOCOL_1_0: 4, DIALBACK_PROTOCOL: 2})
+        self.stream_limits = SubnetStreamLimits({SNAPSHOT_PROTOCOL: 1, STATE_PROTOCOL: 4, STATE_PROTOCOL_2_0: 4,
+                                                 STATE_PROTOCOL_1_0: 4, DIALBACK_PROTOCOL: 2})
         self.stream_limits.install(self.host)
         #: Set when a session or a busy refusal's referral brought this node records new to it while it was
         #: short of connections: `_learn_member_addrs` looks at once.

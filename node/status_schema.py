@@ -264,10 +264,11 @@ class ReplicationStatus(TypedDict):
     manifest_mismatches: int
     busy_refusals: int  # inbound sessions answered "busy" (all slots, or the peer's share, taken)
     peer_share_refusals: int  # of those, refused for the peer's share while slots were left
-    referred_records: int  # member records sent in the referrals of those refusals (state 2.0.0)
+    referred_records: int  # member records sent in the referrals of those refusals (state 2.0.0 and later)
     referrals_received: int  # records received in busy refusals' referrals (any outcome)
     referrals_changed: int  # of those, new to this node
     newcomers_handed_on: int  # of the busy refusals, newcomers referred on while this node was crowded (over its cap)
+    introductions: int  # of records_changed: initiators' own member records taken from their hellos (state 2.1.0)
     saves: int
     save_errors: int
     last_save: float | None  # wall time

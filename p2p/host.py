@@ -27,6 +27,8 @@ from libp2p.abc import IHost
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.rcmgr import Direction
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -257,3 +259,23 @@ def _disable_auto_connector(host: IHost) -> None:
         return None
 
     connector.start = start_disabled  # type: ignore[method-assign]
+
+
+def dialed_by_us(host: IHost, peer: ID) -> bool | None:
+    """Whether this node opened its connection to ``peer``: True when every open connection to it is one we
+    dialled, False when every one was dialled by the peer, None when there are both kinds, none, or a
+    direction py-libp2p did not record (callers then fall back on a rule of their own).
+
+    Why callers care: the side that dialled is the one that wants something of the connection (a newcomer
+    that dials the bootstrap node, a member that dials a candidate), and a node that accepted the connection
+    may be the node every newcomer dials first, with no time to spare for each (node/swarm/replicator.py)."""
+    kinds: set[int] = set()
+    for conn in host.get_network().get_connections(peer):
+        if getattr(conn, "is_closed", False):
+            continue
+        kinds.add(int(getattr(conn, "direction", Direction.UNKNOWN)))
+    if kinds == {Direction.OUTBOUND}:
+        return True
+    if kinds == {Direction.INBOUND}:
+        return False
+    return None

@@ -1,10 +1,10 @@
-"""``/starling/state/2.0.0``: anti-entropy for the swarm state, bucket hashes first, entries only where they differ.
+"""``/starling/state/2.1.0``: anti-entropy for the swarm state, bucket hashes first, entries only where they differ.
 
 Gossip (where it runs) spreads every new record quickly, but it is only an accelerator: a message can be
 dropped (a full queue, a peer that joined a moment later, a partition). Anti-entropy is what guarantees
 convergence. Every few seconds, and as soon as a connection opens, a node runs one session with a peer:
 
-    initiator -> responder   Hello{version, swarm, manifest_hash, salt, buckets}
+    initiator -> responder   IntroHello{version, swarm, manifest_hash, salt, buckets, record}
     responder -> initiator   Hello{..., the same salt, its buckets}  (or Error{code, reason, ..., referral} and close)
     --- the session ends here when every bucket hash matches (two converged replicas) ---
     responder -> initiator   Entries{digest}   its entries in the buckets that differ
@@ -40,9 +40,20 @@ nobody else to dial until a session gets through, which took two minutes at 64 d
 (docs/benchmarks.md); with a referral each refusal names members it can dial at once. A 1.0.0 stream's
 error is :class:`ErrorV1`, unchanged, and carries no referral.
 
-Swarms upgrade node by node: a node serves both :data:`PROTOCOL_ID` and :data:`PROTOCOL_ID_1_0` and asks
-for 2.0.0 first (multistream falls back to 1.0.0 on an older peer, one round trip more); on a 1.0.0
-stream, ``legacy=True``, the session is 1.0.0's: :class:`HelloV1` with the whole digest, then the records.
+On 2.1.0 the initiator's hello (:class:`IntroHello`) also carries its own signed member record, and a
+responder takes it whether it serves the session or refuses it as busy (a record signed by anyone but the
+initiator is not taken: :meth:`Replica.introduce`). Why: every newcomer of a swarm dials the same first node,
+which soon refers them on rather than serve them; on 2.0.0 a refusal took nothing from the newcomer, so the
+node referred every newcomer to the few members it had served first, and those became hubs that held 40-60
+connections at a 64-daemon join while the rest waited (docs/benchmarks.md, "Scale: real daemons"). Now the
+refusing node holds every newcomer that asked, and its referrals spread them over all of them. 2.0.0 is
+2.1.0 without the record; a node serves and speaks both.
+
+Swarms upgrade node by node: a node serves :data:`PROTOCOL_ID`, :data:`PROTOCOL_ID_2_0` and
+:data:`PROTOCOL_ID_1_0` and asks for them in that order (multistream falls back on an older peer, one round
+trip more per version); on a 2.0.0 stream, ``introduce=False``, the initiator's hello is a :class:`Hello`;
+on a 1.0.0 stream, ``legacy=True``, the session is 1.0.0's: :class:`HelloV1` with the whole digest, then the
+records.
 
 Everything a peer sends is bounded before it is used: message sizes are checked before decoding (a
 hello has a fixed size: its salt and bucket hashes are exact lengths), an entries message holds at most
@@ -84,6 +95,7 @@ __all__ = [
     "DEFAULT_MAX_DIGEST_ENTRIES",
     "ERROR_MAX_BYTES",
     "HELLO_MAX_BYTES",
+    "INTRO_HELLO_MAX_BYTES",
     "MANIFEST_MISMATCH",
     "SALT_BYTES",
     "SWARM_MISMATCH",
@@ -93,6 +105,7 @@ __all__ = [
     "PROTOCOL_ID",
     "PROTOCOL_IDS",
     "PROTOCOL_ID_1_0",
+    "PROTOCOL_ID_2_0",
     "SESSION_TIMEOUT_S",
     "STEP_TIMEOUT_S",
     "Entries",
@@ -100,6 +113,7 @@ __all__ = [
     "ErrorV1",
     "Hello",
     "HelloV1",
+    "IntroHello",
     "LocalInfo",
     "MAX_REFERRAL_BYTES",
     "MAX_REFERRAL_RECORDS",
@@ -116,11 +130,13 @@ __all__ = [
     "respond",
 ]
 
-PROTOCOL_ID = TProtocol("/starling/state/2.0.0")
-#: The previous version (whole digests in the hellos), still served and spoken (module docstring).
+PROTOCOL_ID = TProtocol("/starling/state/2.1.0")
+#: The previous versions, still served and spoken (module docstring): 2.0.0, whose initiator's hello carries
+#: no record, and 1.0.0 (whole digests in the hellos).
+PROTOCOL_ID_2_0 = TProtocol("/starling/state/2.0.0")
 PROTOCOL_ID_1_0 = TProtocol("/starling/state/1.0.0")
 #: What an initiator asks for, preferred first.
-PROTOCOL_IDS = (PROTOCOL_ID, PROTOCOL_ID_1_0)
+PROTOCOL_IDS = (PROTOCOL_ID, PROTOCOL_ID_2_0, PROTOCOL_ID_1_0)
 
 T = TypeVar("T")
 
@@ -134,6 +150,10 @@ SESSION_TIMEOUT_S = 60.0
 #: 2026-11-27). The message is small (MAX_REFERRAL_BYTES at most), so it waits on this node's own loop, not on
 #: the peer's window.
 REFUSAL_WRITE_S = STEP_TIMEOUT_S
+#: How long a busy refusal on 2.1.0 waits for the initiator's hello (its record) before it refuses without it.
+#: The initiator sends its hello as soon as the stream is open, so it is normally read at once; a peer that
+#: holds it back only costs this node the wait, within a refusal slot it does not hold.
+INTRO_READ_S = 5.0
 #: Records per batch message and bytes of records per batch: a batch is small enough that a receiver
 #: verifying signatures never holds the event loop for long, large enough to amortise framing.
 MAX_BATCH_RECORDS = 64
@@ -158,6 +178,8 @@ _MAX_VERSION_CHARS = 64
 _MAX_REASON_CHARS = 1024
 #: A 2.0.0 hello, whatever the replica holds: the strings' limits, the salt and the bucket hashes.
 HELLO_MAX_BYTES = 512 + _MAX_SWARM_CHARS + _MAX_VERSION_CHARS + MAX_HASH_CHARS + SALT_BYTES + BUCKETS * BUCKET_HASH_BYTES
+#: A 2.1.0 initiator's hello: a 2.0.0 hello and one signed record.
+INTRO_HELLO_MAX_BYTES = HELLO_MAX_BYTES + MAX_ENVELOPE_BYTES + 16
 #: A busy refusal's referral (2.0.0): at most this many signed member records, of at most this many
 #: bytes together. Eight members are enough for a newcomer to spread its dials beyond the bootstrap; 8 KiB
 #: keeps the refusal small, since it is sent exactly when the responder is overloaded.
@@ -191,6 +213,16 @@ class Hello:
     manifest_hash: str = spec(max_len=MAX_HASH_CHARS)  # "" while the sender knows no manifest
     salt: bytes = spec(min_len=SALT_BYTES, max_len=SALT_BYTES)  # the initiator's; the responder echoes it
     buckets: bytes = spec(min_len=BUCKETS * BUCKET_HASH_BYTES, max_len=BUCKETS * BUCKET_HASH_BYTES)
+
+
+@dataclass(frozen=True)
+class IntroHello(Hello):
+    """2.1.0's initiator hello: a :class:`Hello` and the initiator's own signed member record (empty while it
+    has none), which the responder takes even when it refuses the session as busy (module docstring)."""
+
+    VERSION: ClassVar[int] = 3
+
+    record: bytes = spec(max_len=MAX_ENVELOPE_BYTES, default=b"")
 
 
 @dataclass(frozen=True)
@@ -280,6 +312,11 @@ class Replica(Protocol):
 
     def apply(self, records: Iterable[bytes]) -> ApplyResult: ...
 
+    def introduce(self, record: bytes) -> bool:
+        """Merge ``record`` if it is the session's peer's own member record (a 2.1.0 initiator's hello);
+        whether it was new. Anything else (another signer, another kind, a bad signature) is not taken."""
+        ...
+
 
 @dataclass(frozen=True)
 class LocalInfo:
@@ -288,6 +325,8 @@ class LocalInfo:
     version: str
     swarm: str
     manifest_hash: str  # "" while this node knows no run manifest
+    #: This node's own encoded signed member record, which a 2.1.0 initiator's hello carries (b"": none yet).
+    record: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -502,9 +541,11 @@ async def initiate(
     max_records: int = DEFAULT_MAX_RECORDS,
     max_digest_entries: int = DEFAULT_MAX_DIGEST_ENTRIES,
     legacy: bool = False,
+    introduce: bool = False,
 ) -> SessionResult:
-    """Run the initiator's side of one session over ``stream`` (opened on :data:`PROTOCOL_ID`, or on
-    :data:`PROTOCOL_ID_1_0` with ``legacy``).
+    """Run the initiator's side of one session over ``stream``: opened on :data:`PROTOCOL_ID` with
+    ``introduce`` (the hello carries ``local.record``), on :data:`PROTOCOL_ID_2_0` without, or on
+    :data:`PROTOCOL_ID_1_0` with ``legacy``.
 
     Raises :class:`SyncRefused` if the peer is incompatible or busy, :class:`ProtocolError` if it
     breaks the protocol or the stream fails, :class:`trio.TooSlowError` when one step takes longer than
@@ -518,7 +559,11 @@ async def initiate(
         salt = _new_salt()
         mine = dict(replica.digest())
         my_hashes = bucket_hashes(mine, salt)
-        await steps.send(Hello(local.version, local.swarm, local.manifest_hash, salt, my_hashes), max_bytes=HELLO_MAX_BYTES)
+        if introduce:
+            hello = IntroHello(local.version, local.swarm, local.manifest_hash, salt, my_hashes, local.record)
+            await steps.send(hello, max_bytes=INTRO_HELLO_MAX_BYTES)
+        else:
+            await steps.send(Hello(local.version, local.swarm, local.manifest_hash, salt, my_hashes), max_bytes=HELLO_MAX_BYTES)
         reply: Hello | Error = await steps.recv((Hello, Error), max_bytes=max(HELLO_MAX_BYTES, ERROR_MAX_BYTES))
         if isinstance(reply, Error):
             raise _refusal(reply, local, replica)
@@ -553,9 +598,10 @@ async def respond(
     max_records: int = DEFAULT_MAX_RECORDS,
     max_digest_entries: int = DEFAULT_MAX_DIGEST_ENTRIES,
     legacy: bool = False,
+    introduce: bool = False,
 ) -> SessionResult:
-    """Run the responder's side of one session (the stream handler of :data:`PROTOCOL_ID`, or of
-    :data:`PROTOCOL_ID_1_0` with ``legacy``).
+    """Run the responder's side of one session (the stream handler of :data:`PROTOCOL_ID` with ``introduce``,
+    of :data:`PROTOCOL_ID_2_0` without, or of :data:`PROTOCOL_ID_1_0` with ``legacy``).
 
     On an incompatible peer, answers with an :class:`Error` naming both values, then raises
     :class:`SyncRefused`. Other failures as for :func:`initiate`. The caller closes the stream.
@@ -564,8 +610,10 @@ async def respond(
     with trio.fail_after(timeout_s):
         if legacy:
             return await _respond_v1(steps, replica, local, max_records, max_digest_entries)
-        hello = await steps.recv(Hello, max_bytes=HELLO_MAX_BYTES)
+        hello = await _recv_hello(steps, introduce)
         await _refuse_if_incompatible(steps, local, hello)
+        if isinstance(hello, IntroHello) and hello.record:
+            replica.introduce(hello.record)  # before the digest: then it is not sent back as missing here
         mine = dict(replica.digest())
         my_hashes = bucket_hashes(mine, hello.salt)
         await steps.send(
@@ -580,6 +628,13 @@ async def respond(
         sent = await _send_records(steps, replica.missing_for(comparison.their_digest(theirs))[:max_records])
         received = await _receive_records(steps, replica, max_records)
     return _result(sent, received, hello, comparison)
+
+
+async def _recv_hello(steps: _Steps, introduce: bool) -> Hello:
+    """The initiator's hello: an :class:`IntroHello` on 2.1.0, a :class:`Hello` on 2.0.0."""
+    if introduce:
+        return await steps.recv(IntroHello, max_bytes=INTRO_HELLO_MAX_BYTES)
+    return await steps.recv(Hello, max_bytes=HELLO_MAX_BYTES)
 
 
 def _result(sent: int, received: tuple[int, int, int], peer: Hello, comparison: _Comparison) -> SessionResult:
@@ -630,14 +685,32 @@ async def _respond_v1(
 
 
 async def refuse_busy(
-    stream: ByteStream, local: LocalInfo, *, referral: Sequence[bytes] = (), legacy: bool = False
+    stream: ByteStream,
+    local: LocalInfo,
+    *,
+    referral: Sequence[bytes] = (),
+    legacy: bool = False,
+    introduced_to: Replica | None = None,
 ) -> None:
     """Tell an initiator that this node serves too many sessions right now (it retries later).
 
-    On 2.0.0, ``referral`` (encoded signed member records of other members, never the initiator's) goes
-    with it, as many as fit :data:`MAX_REFERRAL_RECORDS` and :data:`MAX_REFERRAL_BYTES` in the given
-    order; on a 1.0.0 stream (``legacy``) the refusal is 1.0.0's, without one.
+    On 2.0.0 and 2.1.0, ``referral`` (encoded signed member records of other members, never the
+    initiator's) goes with it, as many as fit :data:`MAX_REFERRAL_RECORDS` and :data:`MAX_REFERRAL_BYTES` in
+    the given order; on a 1.0.0 stream (``legacy``) the refusal is 1.0.0's, without one. On 2.1.0, given
+    ``introduced_to``, the initiator's hello is read first (it sent it at once; at most
+    :data:`INTRO_READ_S`) and its record introduced to that replica unless the initiator is incompatible:
+    the refusal takes the newcomer's record although it serves no session (module docstring). A hello that
+    is late or malformed is given up on; the refusal goes either way.
     """
+    if introduced_to is not None and not legacy:
+        with trio.move_on_after(INTRO_READ_S):
+            try:
+                hello = await recv_as(stream, IntroHello, max_bytes=INTRO_HELLO_MAX_BYTES)
+            except ProtocolError:
+                pass
+            else:
+                if hello.record and check_compatible(local, hello) is None:
+                    introduced_to.introduce(hello.record)
     reason = "too many concurrent state sessions"
     msg: Error | ErrorV1
     if legacy:

@@ -143,7 +143,7 @@ async def _refused_stream(host: IHost, info: Any, result: FloodResult) -> tuple[
     stream = await host.new_stream(info.peer_id, [state.PROTOCOL_ID])
     local = state.LocalInfo(version="attacker", swarm="not-the-victims-swarm", manifest_hash="")
     try:
-        await state.initiate(LibP2PByteStream(stream), _NoRecords(), local)
+        await state.initiate(LibP2PByteStream(stream), _NoRecords(), local, introduce=True)
         code = "accepted"
     except state.SyncRefused as e:
         code = e.code

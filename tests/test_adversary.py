@@ -193,7 +193,7 @@ async def test_a_forged_manifest_is_refused_everywhere_and_the_swarms_manifest_n
                 await attacker.connect(info_from_p2p_addr(victim.host.get_addrs()[0]))
                 stream = await attacker.new_stream(victim.host.get_id(), [protocol.PROTOCOL_ID])
                 with trio.fail_after(20):  # a fresh node's hello (no manifest) is compatible with any
-                    await protocol.initiate(LibP2PByteStream(stream), Offer([forged]), info())
+                    await protocol.initiate(LibP2PByteStream(stream), Offer([forged]), info(), introduce=True)
                 await stream.close()
             await eventually(lambda: all(v.state.rejected[crdt.MANIFEST_REFUSED] >= 1 for v in (trainer, boot)),
                              "the forgery reached both victims")

@@ -28,10 +28,33 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from node.swarm import crdt
-from node.swarm.crdt import ApplyResult, Manifest, MemberRecord, MemberState, SwarmState, encode_body
-from node.swarm.replicator import OPEN_TIMEOUT_S, REFERRAL_DRAWS, StateReplicator, load_state
+from node.swarm.crdt import (
+    ApplyResult,
+    Delivery,
+    Manifest,
+    MemberRecord,
+    MemberState,
+    SwarmState,
+    encode_body,
+)
+from node.swarm.replicator import (
+    OPEN_TIMEOUT_S,
+    REFERRAL_DRAWS,
+    DeliveredReplica,
+    StateReplicator,
+    load_state,
+)
 from p2p.host import build_host
-from p2p.wire import LibP2PByteStream, ProtocolError, Reason, TrioByteStream, recv_as, recv_msg, send_msg
+from p2p.wire import (
+    LibP2PByteStream,
+    ProtocolError,
+    Reason,
+    TrioByteStream,
+    encode_msg,
+    recv_as,
+    recv_msg,
+    send_msg,
+)
 from protocols import state as protocol
 from protocols.hlc import Timestamp
 from protocols.state import LocalInfo, SyncRefused
@@ -874,7 +897,9 @@ async def test_a_new_connection_gets_one_state_session_not_two_crossing_ones() -
             await trio.sleep(0.1)
         assert settled()
         assert (a.rep.stats.sessions_ok, b.rep.stats.sessions_ok) == (1, 1)
-        assert a.rep.stats.records_sent + b.rep.stats.records_sent == 2  # each one's own record, once
+        # Each one's own record, once: the initiator's in its hello (2.1.0), the responder's in the session.
+        sent = a.rep.stats.records_sent + b.rep.stats.records_sent
+        assert (sent, a.rep.stats.introductions + b.rep.stats.introductions) == (1, 1)
 
 
 async def test_without_gossip_no_gossipsub_runs_and_a_changed_record_is_pushed_at_once() -> None:
@@ -952,7 +977,7 @@ async def test_forged_records_are_rejected_counted_and_not_spread() -> None:
             await rogue.connect(info_from_p2p_addr(b.host.get_addrs()[0]))
             stream = await rogue.new_stream(b.host.get_id(), [protocol.PROTOCOL_ID])
             forged = forged_member_record(victim.pid, attacker, victim_key=victim.key)
-            result = await protocol.initiate(LibP2PByteStream(stream), FakeReplica([forged]), info())
+            result = await protocol.initiate(LibP2PByteStream(stream), FakeReplica([forged]), info(), introduce=True)
             await stream.close()
         assert result.sent == 1
         assert b.rep.status()["swarm_totals"]["rejected"][crdt.BAD_SIGNATURE] == 1
@@ -1118,7 +1143,8 @@ async def test_a_node_not_upgraded_to_2_0_0_still_syncs_over_1_0_0_both_ways() -
     """Swarms upgrade node by node: a peer that serves only 1.0.0 is spoken to (and served) in 1.0.0."""
     async with cluster() as c:
         new, old = await c.add(gossip=False), await c.add(gossip=False)
-        old.host.remove_stream_handler(protocol.PROTOCOL_ID)  # as a node of the previous release
+        for newer in (protocol.PROTOCOL_ID, protocol.PROTOCOL_ID_2_0):  # as a node of a release before both
+            old.host.remove_stream_handler(newer)
         legacy_sessions = []
 
         async def counted(stream: Any) -> None:
@@ -1131,7 +1157,7 @@ async def test_a_node_not_upgraded_to_2_0_0_still_syncs_over_1_0_0_both_ways() -
             node.fields["step"] = 10 + i
             node.rep.refresh()
         await eventually(lambda: identical([new, old]) and new.member_ids() == {new.pid, old.pid}, "identical digests")
-        assert legacy_sessions  # new asked for 2.0.0, fell back to 1.0.0
+        assert legacy_sessions  # new asked for 2.1.0 and 2.0.0, fell back to 1.0.0
         assert new.rep.stats.session_failures["open"] == old.rep.stats.session_failures["open"] == 0
 
 
@@ -1192,9 +1218,17 @@ class HeldStateStream:
     """An inbound state stream from `peer_id` whose session the test holds open (what a peer keeping
     sessions alive with empty record batches does); records whether it was refused busy."""
 
-    def __init__(self, peer_id: ID) -> None:
+    def __init__(self, peer_id: ID, sent: bytes = b"") -> None:
         self.muxed_conn = _Muxed(peer_id)
         self.refused = False
+        self.unread = bytearray(sent)  # what the initiator sent (a refusal on 2.1.0 reads its hello)
+
+    async def read(self, n: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        size = len(self.unread) if n is None else min(n, len(self.unread))
+        data = bytes(self.unread[:size])
+        del self.unread[:size]
+        return data
 
     async def write(self, data: bytes) -> None:
         self.refused = True  # the only thing the handler writes itself is the busy refusal
@@ -1209,8 +1243,8 @@ class HeldStateStream:
 class WrittenStateStream(HeldStateStream):
     """As :class:`HeldStateStream`, keeping what the handler wrote (the busy refusal)."""
 
-    def __init__(self, peer_id: ID) -> None:
-        super().__init__(peer_id)
+    def __init__(self, peer_id: ID, sent: bytes = b"") -> None:
+        super().__init__(peer_id, sent)
         self.written = bytearray()
 
     async def write(self, data: bytes) -> None:
@@ -1228,7 +1262,8 @@ async def test_a_busy_replicator_refers_to_other_alive_members_never_the_asker()
     replicator = idle_replicator()
     gate = trio.Event()
 
-    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False) -> None:
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False,
+                      introduce: bool = False) -> None:
         await gate.wait()
 
     replicator._session = session  # type: ignore[method-assign]
@@ -1305,7 +1340,8 @@ async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serv
     replicator.crowded = lambda: crowded
     sessions: list[ID] = []
 
-    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False) -> None:
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False,
+                      introduce: bool = False) -> None:
         sessions.append(peer)
 
     replicator._session = session  # type: ignore[method-assign]
@@ -1350,7 +1386,8 @@ async def test_a_crowded_replicator_with_too_few_members_to_refer_serves_a_newco
     replicator.crowded = lambda: True
     sessions: list[ID] = []
 
-    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False) -> None:
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False,
+                      introduce: bool = False) -> None:
         sessions.append(peer)
 
     replicator._session = session  # type: ignore[method-assign]
@@ -1391,7 +1428,8 @@ async def test_a_state_stream_that_takes_a_crowded_bootstraps_time_to_open_still
         await trio.sleep(14.0)
         return stream
 
-    async def session(peer_id: ID, opened: Any, *, initiator: bool, legacy: bool = False) -> None:
+    async def session(peer_id: ID, opened: Any, *, initiator: bool, legacy: bool = False,
+                      introduce: bool = False) -> None:
         sessions.append((peer_id, opened, initiator))
 
     replicator.host.new_stream = slow_open  # type: ignore[method-assign]
@@ -1414,7 +1452,8 @@ async def test_one_peer_holding_sessions_takes_at_most_its_share_and_other_peers
     replicator = idle_replicator()
     gate, held = trio.Event(), []
 
-    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False) -> None:
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False,
+                      introduce: bool = False) -> None:
         held.append(peer)
         await gate.wait()
 
@@ -1450,3 +1489,142 @@ def test_a_session_that_brought_new_records_is_told_to_the_daemon_and_marks_its_
     replicator._synced(peer.to_base58(), protocol.SessionResult(0, 3, 0, 0, "", ""))  # nothing new here
     replicator._synced(peer.to_base58(), protocol.SessionResult(0, 3, 2, 0, "", ""))
     assert told == [True] and served == [peer, peer]
+
+
+def intro_hello(record: bytes, swarm: str = SWARM) -> bytes:
+    """A 2.1.0 initiator's hello on the wire, carrying ``record``."""
+    salt = bytes(protocol.SALT_BYTES)
+    hello = protocol.IntroHello("0.1.0", swarm, "", salt, protocol.bucket_hashes({}, salt), record)
+    return encode_msg(hello, max_bytes=protocol.INTRO_HELLO_MAX_BYTES)
+
+
+def crowded_replicator_with_members(n: int = protocol.MAX_REFERRAL_RECORDS + 2) -> StateReplicator:
+    """A replicator over its connection cap that holds enough members with addresses to refer newcomers on."""
+    replicator = idle_replicator()
+    replicator.crowded = lambda: True
+    for _, data in [member_record(addrs=(f"/ip4/10.0.1.{i}/tcp/4001",)) for i in range(n)]:
+        replicator.state.merge(data)
+    return replicator
+
+
+async def test_a_crowded_node_that_refers_a_newcomer_on_keeps_the_record_its_hello_introduced() -> None:
+    """On 2.1.0 a refusal reads the newcomer's hello first and takes the record it carries, so that later
+    newcomers are referred to this one; on 2.0.0 a refusal takes nothing (its hello has no record)."""
+    replicator = crowded_replicator_with_members()
+    newcomer_key = create_new_key_pair()
+    newcomer = ID.from_pubkey(newcomer_key.public_key)
+    record = SwarmState(newcomer_key).update_self(addrs=("/ip4/10.0.9.9/tcp/4001",)).data
+
+    old_peer = WrittenStateStream(newcomer, sent=intro_hello(record))
+    await replicator._handle_stream_2_0(old_peer)  # a 2.0.0 refusal: the stream is not read
+    assert (await written_error(old_peer, protocol.Error)).code == protocol.BUSY
+    assert not replicator.state.holds(str(newcomer)) and replicator.stats.introductions == 0
+
+    refused = WrittenStateStream(newcomer, sent=intro_hello(record))
+    await replicator._handle_stream(refused)
+    error = await written_error(refused, protocol.Error)
+    assert error.code == protocol.BUSY and len(error.referral) == protocol.MAX_REFERRAL_RECORDS
+    assert replicator.stats.newcomers_handed_on == 2
+    assert replicator.state.holds(str(newcomer)) and replicator.stats.introductions == 1
+    view = replicator.state.member(str(newcomer))
+    assert view is not None and view.record.addrs == ("/ip4/10.0.9.9/tcp/4001",)
+    # Another newcomer's referral may now name it.
+    named: set[str] = set()
+    for _ in range(20):
+        named |= {replicator.state.verify(data).peer_id for data in replicator._referral("someone else")}
+    assert str(newcomer) in named
+
+
+async def test_a_hello_introduces_its_sender_alone_and_an_incompatible_one_nobody() -> None:
+    """A record in a hello that its sender did not sign (another member's, even validly signed) is not taken,
+    nor is the record of an initiator from another swarm; the refusal goes out either way."""
+    replicator = crowded_replicator_with_members()
+    newcomer = ID.from_pubkey(create_new_key_pair().public_key)
+    other_state, others_record = member_record(addrs=("/ip4/10.0.8.8/tcp/4001",))
+    relayed = WrittenStateStream(newcomer, sent=intro_hello(others_record))
+    await replicator._handle_stream(relayed)
+    assert (await written_error(relayed, protocol.Error)).code == protocol.BUSY
+    assert not replicator.state.holds(other_state.peer_id)
+
+    stranger_key = create_new_key_pair()
+    stranger = ID.from_pubkey(stranger_key.public_key)
+    own = SwarmState(stranger_key).update_self(addrs=("/ip4/10.0.7.7/tcp/4001",)).data
+    foreign = WrittenStateStream(stranger, sent=intro_hello(own, swarm="another-swarm"))
+    await replicator._handle_stream(foreign)
+    assert (await written_error(foreign, protocol.Error)).code == protocol.BUSY
+    assert not replicator.state.holds(str(stranger)) and replicator.stats.introductions == 0
+
+    # The same checks where a session is served: the replica as a session sees it takes its peer's record only.
+    replica = DeliveredReplica(replicator.state, Delivery(str(newcomer), "loopback"))
+    assert not replica.introduce(others_record) and not replica.introduce(b"\x00garbage")
+    assert replica.introduced == 0 and not replicator.state.holds(other_state.peer_id)
+
+
+async def test_a_served_2_1_0_session_takes_the_initiators_record_from_its_hello_not_from_its_records() -> None:
+    """A newcomer's own record arrives with its hello; the session then sends nothing back for it."""
+    newcomer, holder = SwarmState(create_new_key_pair()), SwarmState(create_new_key_pair())
+    newcomer.update_self(step=1)
+    holder.update_self(step=2)
+    ours, theirs = trio.testing.memory_stream_pair()
+    responder = DeliveredReplica(holder, Delivery(newcomer.peer_id, "loopback"))
+    own = newcomer.member_data(newcomer.peer_id)
+    assert own is not None
+    results: dict[str, Any] = {}
+
+    async def respond() -> None:
+        results["r"] = await protocol.respond(TrioByteStream(theirs), responder, info(), introduce=True)
+
+    async def initiate() -> None:
+        local = LocalInfo("0.1.0", SWARM, "", own)
+        results["i"] = await protocol.initiate(TrioByteStream(ours), newcomer, local, introduce=True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(respond)
+        nursery.start_soon(initiate)
+    assert responder.introduced == 1 and holder.holds(newcomer.peer_id) and newcomer.holds(holder.peer_id)
+    assert results["i"].sent == 0 and results["r"].received == 0  # its record went in the hello alone
+
+
+def test_referrals_name_each_member_about_as_often_as_any_other() -> None:
+    """A crowded node refers most newcomers of a join within seconds: the members it names are the least named
+    so far, so none becomes the hub every newcomer dials (at random, the few it held first were named again
+    and again)."""
+    replicator = crowded_replicator_with_members(20)
+    for _ in range(10):
+        assert len(replicator._referral("a newcomer")) == protocol.MAX_REFERRAL_RECORDS
+    counts = replicator._times_referred
+    assert sum(counts.values()) == 10 * protocol.MAX_REFERRAL_RECORDS and len(counts) == 20
+    assert max(counts.values()) - min(counts.values()) <= 1
+
+
+async def test_the_side_that_dialled_a_connection_opens_its_first_session() -> None:
+    """The dialler wants the session (a newcomer dials the bootstrap node); the side that accepted may be the node
+    every newcomer dials, which by the smaller-ID rule opened full sessions to half of them, four at a time,
+    while they waited. Exactly one side opens, here the dialler although its ID is the larger."""
+    async with cluster() as c:
+        nodes = [await c.add(anti_entropy_s=3600.0, gossip=False) for _ in range(2)]
+        acceptor, dialler = sorted(nodes, key=lambda n: n.host.get_id().to_bytes())
+        await dialler.host.connect(info_from_p2p_addr(acceptor.host.get_addrs()[0]))
+        assert dialler.rep._opens_first_session(acceptor.host.get_id())
+        assert not acceptor.rep._opens_first_session(dialler.host.get_id())
+
+
+async def test_a_node_not_upgraded_to_2_1_0_still_syncs_over_2_0_0_both_ways() -> None:
+    """A peer of the previous release serves 2.0.0 (no record in the hello): spoken to and served in 2.0.0."""
+    async with cluster() as c:
+        new, old = await c.add(gossip=False), await c.add(gossip=False)
+        old.host.remove_stream_handler(protocol.PROTOCOL_ID)
+        sessions_2_0 = []
+
+        async def counted(stream: Any) -> None:
+            sessions_2_0.append(stream)
+            await old.rep._handle_stream_2_0(stream)
+
+        old.host.set_stream_handler(protocol.PROTOCOL_ID_2_0, counted)
+        await c.connect((new, old))
+        for i, node in enumerate((new, old)):
+            node.fields["step"] = 10 + i
+            node.rep.refresh()
+        await eventually(lambda: identical([new, old]) and new.member_ids() == {new.pid, old.pid}, "identical digests")
+        assert sessions_2_0 and old.rep.stats.introductions == 0  # (its own sessions to new are 2.1.0's here)
+        assert new.rep.stats.session_failures["open"] == old.rep.stats.session_failures["open"] == 0

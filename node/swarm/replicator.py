@@ -30,7 +30,7 @@ rest of the swarm:
   not upgraded yet): both sides' bucket hashes of their digests are exchanged, the entries of the buckets
   that differ, and each side sends what the other lacks; two converged replicas exchange only the hashes. This is what makes replicas converge, whatever
   gossip lost; a partition heals within one session after the halves reconnect. Sessions start at once
-  on a new connection (one session, started by the side with the smaller peer ID: two crossing sessions
+  on a new connection (one session, started by the side that dialled it: two crossing sessions
   sent a newcomer the whole table twice); every ``anti_entropy_s`` with the connected peer this node has not started one
   with for longest (so every peer is reached within one round per peer, not at random); and, as a
   probe, with any connected member not heard from for half of ``suspect_after`` (see
@@ -96,6 +96,7 @@ from node.swarm.crdt import (
     Delivery,
     Manifest,
     ManifestRecord,
+    MemberRecord,
     MemberState,
     MemberView,
     RecordError,
@@ -105,6 +106,7 @@ from node.swarm.crdt import (
 )
 from node.swarm.manifest_trust import ManifestMismatch, ManifestRefused, write_manifest_pin
 from p2p.gossip import idontwant_for_large_messages_only, send_peer_record_once
+from p2p.host import dialed_by_us
 from p2p.limits import stop_receiving
 from p2p.netgroup import group_of, peer_ip, stream_ip
 from p2p.wire import LibP2PByteStream, ProtocolError
@@ -130,6 +132,8 @@ OUTBOX_SIZE = 64  # records waiting to be published; beyond it they are dropped 
 #: Members a busy refusal's referral is drawn among (:meth:`StateReplicator._referral`): 4x the referral's 8
 #: records, so that with a quarter of the swarm alive and dialable it still fills, and bounded whatever N.
 REFERRAL_DRAWS = 32
+#: Members whose referrals are counted (:meth:`StateReplicator._referral`) before the counts start over.
+REFERRALS_COUNTED = 4096
 MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
 #: Opening a state stream (dial if needed, protocol negotiation). Not 10 s: at a 64-daemon join on one machine
 #: the bootstrap node, which every newcomer's first session goes to, took 9-14 s to bring a new stream to its
@@ -187,6 +191,7 @@ class DeliveredReplica:
     def __init__(self, state: SwarmState, delivery: Delivery) -> None:
         self.state = state
         self.delivery = delivery
+        self.introduced = 0  # records new to this node that the peer's hello introduced
 
     def digest(self) -> Any:
         return self.state.digest()
@@ -196,6 +201,19 @@ class DeliveredReplica:
 
     def apply(self, records: Any) -> Any:
         return self.state.apply(records, delivery=self.delivery)
+
+    def introduce(self, record: bytes) -> bool:
+        """Merge ``record`` if it is the session's peer's own member record (protocols/state.py, 2.1.0);
+        whether it was new. One of another signer or kind is not taken: a hello introduces its sender."""
+        try:
+            signed = self.state.verify(record)  # a bad one is counted among the replica's rejections
+        except RecordError:
+            return False
+        if signed.kind != MemberRecord.kind or signed.peer_id != self.delivery.peer_id:
+            return False
+        introduced = self.state.apply([signed], delivery=self.delivery).changed > 0
+        self.introduced += introduced
+        return introduced
 
 
 @dataclass
@@ -218,6 +236,7 @@ class ReplicationStats:
     referrals_received: int = 0  # records received in busy refusals' referrals (any outcome)
     referrals_changed: int = 0  # of those, new to this node
     newcomers_handed_on: int = 0  # of the busy refusals, newcomers referred on because this node was crowded
+    introductions: int = 0  # of records_changed: initiators' own records taken from their hellos (2.1.0)
     saves: int = 0
     save_errors: int = 0
     last_save: float | None = None  # wall time
@@ -322,6 +341,8 @@ class StateReplicator:
         # incompatible (with the reason); both bounded, oldest forgotten first.
         self._verified: OrderedDict[str, None] = OrderedDict()
         self._incompatible: OrderedDict[str, SyncRefused] = OrderedDict()
+        #: How many of this node's referrals named each member (see _referral); at most REFERRALS_COUNTED.
+        self._times_referred: Counter[str] = Counter()
         self._prompt: set[ID] = set()  # peers to sync with as soon as a session slot is free
         self._in_flight: set[ID] = set()
         self._known_connected: set[ID] = set()
@@ -352,13 +373,24 @@ class StateReplicator:
 
     def _opens_first_session(self, peer: ID) -> bool:
         """Whether this node, rather than ``peer``, starts the session a new connection between them gets:
-        the one with the smaller peer ID (both sides compute the same answer).
+        the side that dialled the connection; where that is not clear (connections both ways, or a direction
+        py-libp2p did not record), the side with the smaller peer ID. Both sides compute the same answer.
 
         Why one side only: a session is symmetric (each side sends what the other lacks), and when both
         sides started one at once, the two crossed and a newcomer was sent the whole table twice, checking
         every record's signature twice; the node everyone dials first (the bootstrap) paid that for every
-        newcomer. If this one session fails, the rounds reach the peer as they reach every other."""
-        return self._me.to_bytes() < peer.to_bytes()
+        newcomer. If this one session fails, the rounds reach the peer as they reach every other.
+
+        Why the dialler: it is the side that wants the session (a newcomer dials the bootstrap node for the
+        members; a member dials a candidate it was told of), and the side that accepted may be the node
+        every newcomer dials. With the smaller ID deciding, a bootstrap node opened the first session to
+        every newcomer whose ID was larger, four at a time, each a full session (the initiator is served, it
+        cannot refer the newcomer on as a crowded responder does), while those newcomers waited: at a
+        64-daemon join all twelve that knew nobody 16 s after the last start were of them
+        (docs/benchmarks.md, "Scale: real daemons"). A dial-back prober (protocols/dialback.py), a throwaway
+        host that speaks no state protocol, is a dialler too: the node it probes opens nothing to it."""
+        dialed = dialed_by_us(self.host, peer)
+        return dialed if dialed is not None else self._me.to_bytes() < peer.to_bytes()
 
     def refresh(self) -> None:
         """Re-sign and publish this node's member record now (e.g. right after an outer step) rather
@@ -533,6 +565,7 @@ class StateReplicator:
                 self._found_after = trio.current_time() + 2 * self.anti_entropy_s
                 self._heartbeat(force=True)  # our own record exists before anyone asks for it
                 self.host.set_stream_handler(protocol.PROTOCOL_ID, self._handle_stream)
+                self.host.set_stream_handler(protocol.PROTOCOL_ID_2_0, self._handle_stream_2_0)
                 self.host.set_stream_handler(protocol.PROTOCOL_ID_1_0, self._handle_legacy_stream)
                 try:
                     async with self._gossip_service() as (pubsub, subscription):
@@ -555,8 +588,8 @@ class StateReplicator:
                         await self._goodbye(pubsub)
                 finally:
                     self.pubsub = None
-                    self.host.remove_stream_handler(protocol.PROTOCOL_ID)
-                    self.host.remove_stream_handler(protocol.PROTOCOL_ID_1_0)
+                    for protocol_id in protocol.PROTOCOL_IDS:
+                        self.host.remove_stream_handler(protocol_id)
         finally:
             self._save()
 
@@ -842,7 +875,8 @@ class StateReplicator:
 
     def _local_info(self) -> LocalInfo:
         me = self.state.member(self.state.peer_id)
-        return LocalInfo(me.record.version if me else "", self.swarm, self._manifest_hash())
+        return LocalInfo(me.record.version if me else "", self.swarm, self._manifest_hash(),
+                         self.state.member_data(self.state.peer_id) or b"")
 
     async def _anti_entropy_loop(self) -> None:
         async with trio.open_nursery() as sessions:
@@ -931,18 +965,25 @@ class StateReplicator:
             if open_scope.cancelled_caught:
                 self.stats.session_failures["timeout"] += 1
                 return
-            legacy = str(stream.get_protocol()) == protocol.PROTOCOL_ID_1_0  # a peer not upgraded yet
-            await self._session(peer, stream, initiator=True, legacy=legacy)  # under the protocol's own deadlines
+            negotiated = str(stream.get_protocol())
+            legacy = negotiated == protocol.PROTOCOL_ID_1_0  # a peer not upgraded yet
+            introduce = negotiated == protocol.PROTOCOL_ID  # (2.0.0: a peer not upgraded to 2.1.0)
+            # Under the protocol's own deadlines.
+            await self._session(peer, stream, initiator=True, legacy=legacy, introduce=introduce)
         finally:
             self._in_flight.discard(peer)
             self._wake.set()
 
     async def _handle_legacy_stream(self, stream: INetStream) -> None:
         """Stream handler of ``/starling/state/1.0.0``, for peers not upgraded yet (protocols/state.py)."""
-        await self._handle_stream(stream, legacy=True)
+        await self._handle_stream(stream, legacy=True, introduce=False)
 
-    async def _handle_stream(self, stream: INetStream, *, legacy: bool = False) -> None:
-        """Stream handler of ``/starling/state/2.0.0`` (runs in libp2p's task, one per session)."""
+    async def _handle_stream_2_0(self, stream: INetStream) -> None:
+        """Stream handler of ``/starling/state/2.0.0``, for peers not upgraded to 2.1.0 yet."""
+        await self._handle_stream(stream, introduce=False)
+
+    async def _handle_stream(self, stream: INetStream, *, legacy: bool = False, introduce: bool = True) -> None:
+        """Stream handler of ``/starling/state/2.1.0`` (runs in libp2p's task, one per session)."""
         peer = stream.muxed_conn.peer_id
         full = self._inbound >= MAX_INBOUND_SESSIONS
         over_share = self._inbound_by_peer.get(peer, 0) >= MAX_INBOUND_SESSIONS_PER_PEER
@@ -959,19 +1000,26 @@ class StateReplicator:
             if referral is None:
                 referral = () if legacy else self._referral(peer.to_base58())
             self.stats.referred_records += len(referral)
+            # On 2.1.0 the refusal still takes the newcomer's own record from its hello: later newcomers are
+            # referred to it (protocols/state.py, _referral).
+            replica = self._replica_for(peer, stream) if introduce else None
             try:
-                await protocol.refuse_busy(byte_stream, self._local_info(), referral=referral, legacy=legacy)
+                await protocol.refuse_busy(byte_stream, self._local_info(), referral=referral, legacy=legacy,
+                                           introduced_to=replica)
             except ProtocolError:
                 pass
             else:
                 if handed_on and self.on_served is not None:
                     self.on_served(peer)
+            finally:
+                if replica is not None:
+                    self._count_introduced(replica)
             await _close(byte_stream, graceful=True)
             return
         self._inbound += 1
         self._inbound_by_peer[peer] = self._inbound_by_peer.get(peer, 0) + 1
         try:
-            await self._session(peer, stream, initiator=False, legacy=legacy)
+            await self._session(peer, stream, initiator=False, legacy=legacy, introduce=introduce)
         finally:
             self._inbound -= 1
             left = self._inbound_by_peer.pop(peer) - 1
@@ -1005,7 +1053,13 @@ class StateReplicator:
     def _referral(self, asker: str) -> list[bytes]:
         """Records for a busy refusal's referral (protocols/state.py): alive members other than this node
         and the asker, drawn at random among :data:`REFERRAL_DRAWS` members, those that publish addresses
-        first (a newcomer can dial them).
+        first (a newcomer can dial them), then those this node has named in the fewest referrals.
+
+        The fewest: a referral's members are whom the newcomer dials, and at a 64-daemon join the bootstrap
+        node refers most newcomers within seconds. Drawn at random alone, the members it held longest were
+        named again and again (at first it holds a handful), each became a hub of 40-60 connections whose
+        sessions and probes queued, and newcomers waited on them. Counted, each member is named about as
+        often as any other, and the newcomers' first dials spread over the swarm.
 
         Random, so that the newcomers a busy bootstrap refuses spread their dials over the swarm. A sample,
         not every member's view sorted: a crowded bootstrap refers every newcomer, so at a 64-daemon join
@@ -1018,17 +1072,31 @@ class StateReplicator:
         held = (self.state.member(pid, now) for pid in drawn)
         views = [view for view in (self._shown(v) for v in held if v is not None)
                  if view.state is MemberState.ALIVE and self._compatible(view, ours)]
-        views.sort(key=lambda view: not view.record.addrs)  # stable: random within each group
-        records = (self.state.member_data(view.peer_id) for view in views)
-        return protocol.fit_referral(data for data in records if data is not None)
+        named = self._times_referred
+        views.sort(key=lambda view: (not view.record.addrs, named[view.peer_id]))  # stable: random among ties
+        chosen = [(view.peer_id, data) for view in views if (data := self.state.member_data(view.peer_id))]
+        referral = protocol.fit_referral(data for _, data in chosen)
+        if len(named) > REFERRALS_COUNTED:
+            named.clear()  # counts of members long gone; the next referrals start even again
+        taken = set(referral)
+        for peer_id, data in chosen:
+            if data in taken:
+                named[peer_id] += 1
+        return referral
 
-    async def _session(self, peer: ID, stream: INetStream, *, initiator: bool, legacy: bool = False) -> None:
+    def _replica_for(self, peer: ID, stream: INetStream) -> DeliveredReplica:
+        """The replica as a session with ``peer`` on ``stream`` sees it (the Sybil limits count by both)."""
+        return DeliveredReplica(self.state, Delivery(peer.to_base58(), group_of(stream_ip(stream))))
+
+    async def _session(
+        self, peer: ID, stream: INetStream, *, initiator: bool, legacy: bool = False, introduce: bool = False
+    ) -> None:
         """One session on an open stream, either side; records the outcome, never raises for the peer's
         failures."""
         byte_stream = LibP2PByteStream(stream)
         side = protocol.initiate if initiator else protocol.respond
         graceful = False
-        replica = DeliveredReplica(self.state, Delivery(peer.to_base58(), group_of(stream_ip(stream))))
+        replica = self._replica_for(peer, stream)
         try:
             result = await side(
                 byte_stream,
@@ -1037,6 +1105,7 @@ class StateReplicator:
                 max_records=self._max_records,
                 max_digest_entries=self._max_digest_entries,
                 legacy=legacy,
+                introduce=introduce,
             )
         except SyncRefused as exc:
             graceful = True  # the Error message must reach the initiator before the stream closes
@@ -1058,9 +1127,16 @@ class StateReplicator:
             self._heard(peer)
             self._synced(peer.to_base58(), result)
         finally:
+            self._count_introduced(replica)
             self._report_refusals()
             self._pin_manifest()
             await _close(byte_stream, graceful=graceful)
+
+    def _count_introduced(self, replica: DeliveredReplica) -> None:
+        """A record a hello introduced came through anti-entropy too, and was new: counted as one of those."""
+        self.stats.introductions += replica.introduced
+        self.stats.records_received += replica.introduced
+        self.stats.records_changed += replica.introduced
 
     def _heard(self, peer: ID) -> None:
         if self.on_heard is not None:
