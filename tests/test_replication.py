@@ -38,7 +38,9 @@ from node.swarm.crdt import (
     encode_body,
 )
 from node.swarm.replicator import (
+    MAX_TIMES_NAMED,
     OPEN_TIMEOUT_S,
+    REFERRAL_COUNT_S,
     REFERRAL_DRAWS,
     DeliveredReplica,
     StateReplicator,
@@ -1395,15 +1397,39 @@ async def test_a_crowded_replicator_with_too_few_members_to_refer_serves_a_newco
     for _, data in few:
         replicator.state.merge(data)
     first = ID.from_pubkey(create_new_key_pair().public_key)
-    await replicator._handle_stream(WrittenStateStream(first))
+    await replicator._handle_stream_2_0(WrittenStateStream(first))  # (2.1.0: see the test after this one)
     assert sessions == [first]
     assert replicator.stats.busy_refusals == 0 and replicator.stats.newcomers_handed_on == 0
     # One more member to refer to: the referral is full, and the next newcomer is handed on with it.
     replicator.state.merge(member_record(addrs=("/ip4/10.0.2.1/tcp/4001",))[1])
     later = WrittenStateStream(ID.from_pubkey(create_new_key_pair().public_key))
-    await replicator._handle_stream(later)
+    await replicator._handle_stream_2_0(later)
     error = await written_error(later, protocol.Error)
     assert error.code == protocol.BUSY and len(error.referral) == protocol.MAX_REFERRAL_RECORDS
+    assert sessions == [first] and replicator.stats.newcomers_handed_on == 1
+
+
+async def test_on_2_1_0_a_crowded_node_hands_a_newcomer_on_with_any_member_to_name_and_serves_it_with_none() -> None:
+    """On 2.1.0 a refusal learns the newcomer from its hello, so a crowded node refers it on with whatever members
+    it can name (a session would cost it the whole table, at the moment every newcomer arrives); holding nobody
+    to name, it serves the session."""
+    replicator = idle_replicator()
+    replicator.crowded = lambda: True
+    sessions: list[ID] = []
+
+    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False,
+                      introduce: bool = False) -> None:
+        sessions.append(peer)
+
+    replicator._session = session  # type: ignore[method-assign]
+    first = ID.from_pubkey(create_new_key_pair().public_key)
+    await replicator._handle_stream(WrittenStateStream(first))
+    assert sessions == [first] and replicator.stats.newcomers_handed_on == 0
+    replicator.state.merge(member_record(addrs=("/ip4/10.0.2.1/tcp/4001",))[1])
+    later = WrittenStateStream(ID.from_pubkey(create_new_key_pair().public_key))
+    await replicator._handle_stream(later)
+    error = await written_error(later, protocol.Error)
+    assert error.code == protocol.BUSY and len(error.referral) == 1
     assert sessions == [first] and replicator.stats.newcomers_handed_on == 1
 
 
@@ -1590,11 +1616,19 @@ def test_referrals_name_each_member_about_as_often_as_any_other() -> None:
     so far, so none becomes the hub every newcomer dials (at random, the few it held first were named again
     and again)."""
     replicator = crowded_replicator_with_members(20)
+    now = [1000.0]
+    replicator._clock = lambda: now[0]
     for _ in range(10):
         assert len(replicator._referral("a newcomer")) == protocol.MAX_REFERRAL_RECORDS
     counts = replicator._times_referred
     assert sum(counts.values()) == 10 * protocol.MAX_REFERRAL_RECORDS and len(counts) == 20
     assert max(counts.values()) - min(counts.values()) <= 1
+    # None is named more than MAX_TIMES_NAMED times within REFERRAL_COUNT_S: 20 members fill 20 referrals.
+    for _ in range(10):
+        assert len(replicator._referral("a newcomer")) == protocol.MAX_REFERRAL_RECORDS
+    assert set(counts.values()) == {MAX_TIMES_NAMED} and replicator._referral("a newcomer") == []
+    now[0] += REFERRAL_COUNT_S + 1  # the burst is over: counted anew
+    assert len(replicator._referral("a newcomer")) == protocol.MAX_REFERRAL_RECORDS
 
 
 async def test_the_side_that_dialled_a_connection_opens_its_first_session() -> None:

@@ -182,14 +182,36 @@ async def test_a_member_is_probed_only_once_both_of_its_streams_are_up() -> None
 
         c.set_stream_handler(PROTOCOL_ID, swallow)
         async with c.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
-            with trio.fail_after(15):
-                await c.connect(info_from_p2p_addr(a.host.get_addrs()[0]))
+            with trio.fail_after(15):  # a dials: it opens its stream at once (c has opened none)
+                await a.host.connect(info_from_p2p_addr(c.get_addrs()[0]))
             await eventually(lambda: a.swim.state_name(c.get_id().to_base58()) == "alive", "a holds c", timeout=15)
             acks = a.swim.core.counters["acks"]
             await eventually(lambda: a.swim.core.counters["acks"] >= acks + 6, "a probes b six more times",
                              timeout=30)
             assert a.swim.state_name(c.get_id().to_base58()) == "alive"
             assert a.swim.core.counters["suspected"] == 0 and a.swim.core.counters["probes"] == a.swim.core.counters["acks"]
+
+
+async def test_a_peer_that_dialled_opens_the_first_swim_stream_and_a_dial_back_prober_gets_none() -> None:
+    """A reachability check has a helper dial back from a throwaway host that speaks dial-back alone
+    (protocols/dialback.py): the node it dials opens no SWIM stream to it (one could only fail; at a 64-daemon
+    join most of SWIM's 150-470 failed opens were these). A member that dials opens its own stream at once, and
+    the node it dialled answers with its own once that one arrives: both hold each other alive."""
+    async with swarm() as s:
+        a = await s.add()
+        prober = build_host(create_new_key_pair())
+        async with prober.run([]):
+            with trio.fail_after(15):
+                await prober.connect(info_from_p2p_addr(a.host.get_addrs()[0]))
+            for _ in range(6):  # three of the service's polls of the connected set
+                await trio.sleep(0.25)
+            assert prober.get_id() in a.host.get_connected_peers()
+            assert a.swim.counters["open_failed"] == 0 and prober.get_id() not in a.swim._outboxes
+        b = await s.add()
+        await s.connect((b, a))  # b dialled a
+        await eventually(lambda: sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE), "both alive",
+                         timeout=15)
+        assert a.swim.counters["open_failed"] == b.swim.counters["open_failed"] == 0
 
 
 async def test_a_connection_this_node_closed_is_no_news_and_the_other_side_with_nobody_to_ask_suspects_nobody(

@@ -132,7 +132,13 @@ OUTBOX_SIZE = 64  # records waiting to be published; beyond it they are dropped 
 #: Members a busy refusal's referral is drawn among (:meth:`StateReplicator._referral`): 4x the referral's 8
 #: records, so that with a quarter of the swarm alive and dialable it still fills, and bounded whatever N.
 REFERRAL_DRAWS = 32
-#: Members whose referrals are counted (:meth:`StateReplicator._referral`) before the counts start over.
+#: How often one member may be named in this node's referrals (:meth:`StateReplicator._referral`) within
+#: ``REFERRAL_COUNT_S``: about the connections a newcomer dials (``node.target_peers``' default), so that
+#: a member a crowded node names gets about that many newcomers' dials from it, not most of a join's.
+MAX_TIMES_NAMED = 8
+#: How long referrals are counted before the counts start over (a join's burst of newcomers lasts less), and
+#: how many members are counted at most.
+REFERRAL_COUNT_S = 60.0
 REFERRALS_COUNTED = 4096
 MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
 #: Opening a state stream (dial if needed, protocol negotiation). Not 10 s: at a 64-daemon join on one machine
@@ -343,6 +349,7 @@ class StateReplicator:
         self._incompatible: OrderedDict[str, SyncRefused] = OrderedDict()
         #: How many of this node's referrals named each member (see _referral); at most REFERRALS_COUNTED.
         self._times_referred: Counter[str] = Counter()
+        self._referrals_counted_since = -math.inf
         self._prompt: set[ID] = set()  # peers to sync with as soon as a session slot is free
         self._in_flight: set[ID] = set()
         self._known_connected: set[ID] = set()
@@ -991,7 +998,9 @@ class StateReplicator:
         handed_on = False
         if not (full or over_share) and self._hands_on(peer, legacy):
             referral = self._referral(peer.to_base58())
-            handed_on = len(referral) >= protocol.MAX_REFERRAL_RECORDS  # else served: see _hands_on
+            # Else served (see _hands_on). On 2.1.0 the refusal learns the newcomer from its hello, so any
+            # members to name are worth more than a session; on 2.0.0 only a full referral is.
+            handed_on = len(referral) >= (1 if introduce else protocol.MAX_REFERRAL_RECORDS)
         if full or over_share or handed_on:
             self.stats.busy_refusals += 1
             self.stats.peer_share_refusals += over_share and not full
@@ -1029,8 +1038,8 @@ class StateReplicator:
     def _hands_on(self, peer: ID, legacy: bool) -> bool:
         """Whether ``peer`` may be referred on (a busy refusal with its referral) although a session slot is
         free: this node is crowded and holds no record of the peer, a newcomer that would be sent the whole
-        table. :meth:`_handle_stream` then refers it on only if the referral is full
-        (:data:`protocols.state.MAX_REFERRAL_RECORDS` members); with fewer, it serves the session.
+        table. :meth:`_handle_stream` then refers it on if the referral names anyone (on 2.0.0 only if it is
+        full, :data:`protocols.state.MAX_REFERRAL_RECORDS` members); else it serves the session.
 
         Why refer: every newcomer dials the bootstrap node first, so at a 64-daemon join it held 63
         connections, and each newcomer's first session asked it for all 63 records; with eight such sessions
@@ -1046,20 +1055,25 @@ class StateReplicator:
         2 member records from 0 to 46 s after the last start while it referred 51 newcomers on, each to those
         same 2 members, and half the swarm knew nobody for 40-60 s. While this node holds fewer members to
         refer than a referral carries, the whole table is that small, so the session costs little, and it
-        brings this node the newcomer's record, which the next newcomers are referred to."""
+        brings this node the newcomer's record, which the next newcomers are referred to. On 2.1.0 the
+        refusal brings it too (the newcomer's hello carries it), so a shorter referral is enough there."""
         return (not legacy and self.crowded is not None and not self.state.holds(peer.to_base58())
                 and self.crowded())
 
     def _referral(self, asker: str) -> list[bytes]:
         """Records for a busy refusal's referral (protocols/state.py): alive members other than this node
         and the asker, drawn at random among :data:`REFERRAL_DRAWS` members, those that publish addresses
-        first (a newcomer can dial them), then those this node has named in the fewest referrals.
+        first (a newcomer can dial them), then those this node has named in the fewest referrals; none
+        named :data:`MAX_TIMES_NAMED` times already within :data:`REFERRAL_COUNT_S` (the referral is then
+        shorter, or empty).
 
-        The fewest: a referral's members are whom the newcomer dials, and at a 64-daemon join the bootstrap
-        node refers most newcomers within seconds. Drawn at random alone, the members it held longest were
-        named again and again (at first it holds a handful), each became a hub of 40-60 connections whose
-        sessions and probes queued, and newcomers waited on them. Counted, each member is named about as
-        often as any other, and the newcomers' first dials spread over the swarm.
+        The fewest, and a cap: a referral's members are whom the newcomer dials, and at a 64-daemon join the
+        bootstrap node refers most newcomers within seconds, while it holds a handful of members. Drawn at
+        random, the members it held first were named again and again, each became a hub of 40-60
+        connections whose sessions and probes queued, and newcomers waited on them; counted alone, the
+        handful were still named 20-30 times each when 50 newcomers came within 3 s. With the cap, each
+        refusal names those not yet named enough, and adds the newcomer it refuses (its hello's record) to
+        those the next ones are named.
 
         Random, so that the newcomers a busy bootstrap refuses spread their dials over the swarm. A sample,
         not every member's view sorted: a crowded bootstrap refers every newcomer, so at a 64-daemon join
@@ -1073,11 +1087,13 @@ class StateReplicator:
         views = [view for view in (self._shown(v) for v in held if v is not None)
                  if view.state is MemberState.ALIVE and self._compatible(view, ours)]
         named = self._times_referred
+        if len(named) > REFERRALS_COUNTED or now - self._referrals_counted_since > REFERRAL_COUNT_S:
+            named.clear()  # a new burst of newcomers, or counts of members long gone: even again
+            self._referrals_counted_since = now
+        views = [view for view in views if named[view.peer_id] < MAX_TIMES_NAMED]
         views.sort(key=lambda view: (not view.record.addrs, named[view.peer_id]))  # stable: random among ties
         chosen = [(view.peer_id, data) for view in views if (data := self.state.member_data(view.peer_id))]
         referral = protocol.fit_referral(data for _, data in chosen)
-        if len(named) > REFERRALS_COUNTED:
-            named.clear()  # counts of members long gone; the next referrals start even again
         taken = set(referral)
         for peer_id, data in chosen:
             if data in taken:

@@ -95,6 +95,7 @@ from node.swarm.membership import (
     MembershipConfig,
     Registry,
 )
+from p2p.host import dialed_by_us
 from p2p.wire import LibP2PByteStream, PlainFrameChannel, ProtocolError, Reason, close_quietly
 from protocols import swim
 from protocols.swim import Ack, Alive, Dead, Message, Ping, PingReq, Progress, Suspect
@@ -564,7 +565,8 @@ class SwimService:
                                    if pid is not None}
             now = trio.current_time()
             for peer in new:
-                self._open(peer, now)
+                if self._opens_first(peer):
+                    self._open(peer, now)
             for pid in self._connected_ids:  # a member whose stream of ours ended: a new one (at most every REOPEN_S)
                 if self._peers[pid] not in self._outboxes and pid != self.core.me:
                     self._open(self._peers[pid], now)
@@ -589,6 +591,15 @@ class SwimService:
                     self._dispatch(self.core.probe(pid, now))
                     self._wake()
             await trio.sleep(CONNECTIONS_POLL_S)
+
+    def _opens_first(self, peer: ID) -> bool:
+        """Whether to open our stream to a newly connected ``peer`` at once, rather than when its own stream
+        to us arrives (:meth:`_handle_stream`): yes, unless the peer dialled the connection and SWIM has
+        never heard of it. Why: a node's reachability check has peers dial it back from throwaway hosts
+        that speak the dial-back protocol alone (protocols/dialback.py); a stream to one of those can only
+        fail, and at a 64-daemon join such opens were most of SWIM's 150-470 failed ones. A member that
+        dials us opens its own stream at once (it dialled: this rule says so on its side), and ours follows."""
+        return dialed_by_us(self.host, peer) is not False or self._ids.get(peer.to_bytes()) is not None
 
     def _open(self, peer: ID, now: float) -> trio.MemorySendChannel[bytes] | None:
         """The peer's outbox, starting its writer (which opens the stream) if there is none."""
@@ -697,6 +708,8 @@ class SwimService:
         older = self._inbound.pop(peer, None)
         if older is not None:
             older.cancel()
+        if peer not in self._outboxes:  # a peer that dialled us: our stream follows its (see _opens_first)
+            self._open(peer, now)
         garbage = False
         channel = PlainFrameChannel(LibP2PByteStream(stream), max_frame_size=swim.MAX_MESSAGE_BYTES)
         with trio.CancelScope() as scope:
