@@ -74,6 +74,7 @@ from node.config.sync import SyncConfig
 from node.ops.control import serve_control
 from node.ops.history import HistoryError, LossHistory
 from node.swarm.crdt import (
+    Delivery,
     Manifest,
     RecordError,
     StateFileError,
@@ -81,7 +82,9 @@ from node.swarm.crdt import (
     Verifier,
     decode_digest,
     encode_digest,
+    peer_id_of,
 )
+from node.swarm.replicator import DeliveredReplica
 from node.worker import checkpoint as ckpt
 from node.worker.task import layout_hash
 from p2p.datapath import (
@@ -797,6 +800,10 @@ def _hello(replica: SwarmState, manifest_hash: str = "") -> state.Hello:
     return state.Hello("0.1.0", SWARM, manifest_hash, SALT, ALL_DIFFER)
 
 
+def _intro_hello(record: bytes, manifest_hash: str = "") -> state.IntroHello:
+    return state.IntroHello("0.1.0", SWARM, manifest_hash, SALT, ALL_DIFFER, record)
+
+
 def _entries(replica: SwarmState) -> state.Entries:
     return state.Entries(encode_digest(replica.digest()))
 
@@ -856,6 +863,39 @@ class StateResponder(Target):
         replica = SwarmState(KEYS[5])
         replica.update_self(outer_step=2)
         result = await state.respond(ScriptedStream(data), replica, LOCAL, timeout_s=HANG_S, max_records=64)
+        return "accepted" if not result.rejected else "accepted:with rejected records"
+
+
+class StateResponderIntro(StateResponder):
+    """``state.respond`` on 2.1.0: the initiator's hello introduces it (its own record, which the responder's
+    replica as the session sees it takes only when the initiator signed it)."""
+
+    name = "state.respond 2.1.0"
+
+    @classmethod
+    def seeds(cls) -> list[Seed]:
+        records = list(replica_records())
+        initiator = populated_state(KEYS[4])
+        own = initiator.member_data(initiator.peer_id) or b""
+        someone_elses = records[0]
+        return [
+            [msg(_intro_hello(own)), msg(_entries(initiator)), msg(state.Records(records, done=True))],
+            [msg(_intro_hello(someone_elses)), msg(_entries(initiator)), msg(state.Records([], done=True))],
+            [msg(_intro_hello(b"")), msg(_entries(initiator)), msg(state.Records([], done=True))],
+        ]
+
+    @classmethod
+    def refusals(cls) -> list[Seed]:
+        other_run = populated_state(KEYS[4])
+        own = other_run.member_data(other_run.peer_id) or b""
+        return [[msg(_intro_hello(own, "f" * 64)), msg(_entries(other_run)), msg(state.Records([], done=True))]]
+
+    async def feed(self, data: bytes) -> str:
+        replica = SwarmState(KEYS[5])
+        replica.update_self(outer_step=2)
+        session = DeliveredReplica(replica, Delivery(peer_id_of(KEYS[4].public_key), "loopback"))
+        result = await state.respond(ScriptedStream(data), session, LOCAL, timeout_s=HANG_S, max_records=64,
+                                     introduce=True)
         return "accepted" if not result.rejected else "accepted:with rejected records"
 
 
@@ -1345,7 +1385,7 @@ class CheckpointPayload(CheckpointFile):
 TARGETS: list[type[Target]] = [
     WireDecodeMsg, WireRecvMsg, WireFrames, CodecDecodeInto, CodecRecvTensor,
     AvgMessages, AvgResponder, AvgInitiator,
-    StateMessages, StateResponder, StateInitiator,
+    StateMessages, StateResponder, StateResponderIntro, StateInitiator,
     DialbackMessages, DialbackHandler, DialbackAsk, DialbackTargets,
     CrdtRecord, CrdtDigest, CrdtStateFile, HistoryBytes,
     DatapathListener, ControlSocket, ConfigFile, CheckpointFile, CheckpointPayload,
