@@ -1141,25 +1141,30 @@ async def test_before_its_first_session_a_restarted_node_takes_gossip_about_memb
         assert restarted.rep.stats.sessions_ok == 0 and restarted.rep.stats.session_failures["open"] >= 1
 
 
-async def test_a_node_not_upgraded_to_2_0_0_still_syncs_over_1_0_0_both_ways() -> None:
-    """Swarms upgrade node by node: a peer that serves only 1.0.0 is spoken to (and served) in 1.0.0."""
+@pytest.mark.parametrize("serves, handler", [
+    (protocol.PROTOCOL_ID_1_0, "_handle_legacy_stream"),  # a node of a release before 2.0.0
+    (protocol.PROTOCOL_ID_2_0, "_handle_stream_2_0"),  # before 2.1.0 (no record in the initiator's hello)
+])
+async def test_a_node_of_an_older_release_still_syncs_both_ways(serves: str, handler: str) -> None:
+    """Swarms upgrade node by node: a peer that serves only an older version is spoken to (and served) in it."""
     async with cluster() as c:
         new, old = await c.add(gossip=False), await c.add(gossip=False)
-        for newer in (protocol.PROTOCOL_ID, protocol.PROTOCOL_ID_2_0):  # as a node of a release before both
+        for newer in protocol.PROTOCOL_IDS[:protocol.PROTOCOL_IDS.index(serves)]:
             old.host.remove_stream_handler(newer)
-        legacy_sessions = []
+        sessions = []
 
         async def counted(stream: Any) -> None:
-            legacy_sessions.append(stream)
-            await old.rep._handle_legacy_stream(stream)
+            sessions.append(stream)
+            await getattr(old.rep, handler)(stream)
 
-        old.host.set_stream_handler(protocol.PROTOCOL_ID_1_0, counted)
+        old.host.set_stream_handler(serves, counted)
         await c.connect((new, old))
         for i, node in enumerate((new, old)):
             node.fields["step"] = 10 + i
             node.rep.refresh()
         await eventually(lambda: identical([new, old]) and new.member_ids() == {new.pid, old.pid}, "identical digests")
-        assert legacy_sessions  # new asked for 2.1.0 and 2.0.0, fell back to 1.0.0
+        assert sessions  # new asked for the newer versions first, fell back to the one served
+        assert old.rep.stats.introductions == 0  # (its own sessions to new are 2.1.0's here: it runs this code)
         assert new.rep.stats.session_failures["open"] == old.rep.stats.session_failures["open"] == 0
 
 
@@ -1378,12 +1383,8 @@ async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serv
     assert told == [True] and replicator.stats.referrals_changed == 2
 
 
-async def test_a_crowded_replicator_with_too_few_members_to_refer_serves_a_newcomer_and_learns_its_record() -> None:
-    """Over its cap but holding fewer members than a referral carries (a bootstrap node whose newcomers all
-    arrived before it held anyone), a newcomer is served a session rather than referred to those few: a
-    refusal would bring this node nothing of the newcomer, and its referrals would stay as short as its
-    table (docs/benchmarks.md, "Scale: real daemons", 2026-11-27). Once its referral fills, newcomers are
-    handed on again."""
+def crowded_replicator_recording_sessions() -> tuple[StateReplicator, list[ID]]:
+    """A replicator over its connection cap whose sessions only record the peer they would be with."""
     replicator = idle_replicator()
     replicator.crowded = lambda: True
     sessions: list[ID] = []
@@ -1393,6 +1394,16 @@ async def test_a_crowded_replicator_with_too_few_members_to_refer_serves_a_newco
         sessions.append(peer)
 
     replicator._session = session  # type: ignore[method-assign]
+    return replicator, sessions
+
+
+async def test_a_crowded_replicator_with_too_few_members_to_refer_serves_a_newcomer_and_learns_its_record() -> None:
+    """Over its cap but holding fewer members than a referral carries (a bootstrap node whose newcomers all
+    arrived before it held anyone), a newcomer is served a session rather than referred to those few: a
+    refusal would bring this node nothing of the newcomer, and its referrals would stay as short as its
+    table (docs/benchmarks.md, "Scale: real daemons", 2026-11-27). Once its referral fills, newcomers are
+    handed on again."""
+    replicator, sessions = crowded_replicator_recording_sessions()
     few = [member_record(addrs=(f"/ip4/10.0.1.{i}/tcp/4001",)) for i in range(protocol.MAX_REFERRAL_RECORDS - 1)]
     for _, data in few:
         replicator.state.merge(data)
@@ -1413,15 +1424,7 @@ async def test_on_2_1_0_a_crowded_node_hands_a_newcomer_on_with_any_member_to_na
     """On 2.1.0 a refusal learns the newcomer from its hello, so a crowded node refers it on with whatever members
     it can name (a session would cost it the whole table, at the moment every newcomer arrives); holding nobody
     to name, it serves the session."""
-    replicator = idle_replicator()
-    replicator.crowded = lambda: True
-    sessions: list[ID] = []
-
-    async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False,
-                      introduce: bool = False) -> None:
-        sessions.append(peer)
-
-    replicator._session = session  # type: ignore[method-assign]
+    replicator, sessions = crowded_replicator_recording_sessions()
     first = ID.from_pubkey(create_new_key_pair().public_key)
     await replicator._handle_stream(WrittenStateStream(first))
     assert sessions == [first] and replicator.stats.newcomers_handed_on == 0
@@ -1641,24 +1644,3 @@ async def test_the_side_that_dialled_a_connection_opens_its_first_session() -> N
         await dialler.host.connect(info_from_p2p_addr(acceptor.host.get_addrs()[0]))
         assert dialler.rep._opens_first_session(acceptor.host.get_id())
         assert not acceptor.rep._opens_first_session(dialler.host.get_id())
-
-
-async def test_a_node_not_upgraded_to_2_1_0_still_syncs_over_2_0_0_both_ways() -> None:
-    """A peer of the previous release serves 2.0.0 (no record in the hello): spoken to and served in 2.0.0."""
-    async with cluster() as c:
-        new, old = await c.add(gossip=False), await c.add(gossip=False)
-        old.host.remove_stream_handler(protocol.PROTOCOL_ID)
-        sessions_2_0 = []
-
-        async def counted(stream: Any) -> None:
-            sessions_2_0.append(stream)
-            await old.rep._handle_stream_2_0(stream)
-
-        old.host.set_stream_handler(protocol.PROTOCOL_ID_2_0, counted)
-        await c.connect((new, old))
-        for i, node in enumerate((new, old)):
-            node.fields["step"] = 10 + i
-            node.rep.refresh()
-        await eventually(lambda: identical([new, old]) and new.member_ids() == {new.pid, old.pid}, "identical digests")
-        assert sessions_2_0 and old.rep.stats.introductions == 0  # (its own sessions to new are 2.1.0's here)
-        assert new.rep.stats.session_failures["open"] == old.rep.stats.session_failures["open"] == 0
