@@ -270,8 +270,9 @@ def helpers_wanted(outcomes: Iterable[DialbackOutcome]) -> int:
     """How many helpers a round of the reachability check asks while the verdict is unknown: as many as the
     verdict still needs (``AGREEING_ANSWERS`` conclusive answers that agree), at least one.
 
-    Why not more: each ask is a probe, a connection of its own from a throwaway host (a Noise handshake,
-    identify both ways, and the asker's first streams to a host that speaks dial-back alone). At a
+    Why not more: each ask is a probe, a connection of its own from a throwaway host (a Noise handshake and
+    identify both ways; the asker opens no state or SWIM stream to it, as it did once: the dialler opens
+    those, node/swarm/replicator.py and swim_service.py). At a
     64-daemon join every new connection woke the check while the verdict was unknown, and rounds of three
     asks made 3.4 per node, about 216 of the join's 677 connections (issue #24)."""
     latest = latest_per_helper(outcomes).values()

@@ -708,7 +708,7 @@ class SwimService:
         older = self._inbound.pop(peer, None)
         if older is not None:
             older.cancel()
-        if peer not in self._outboxes:  # a peer that dialled us: our stream follows its (see _opens_first)
+        if peer not in self._outboxes:  # a peer that dialled us: our stream follows its own (see _opens_first)
             self._open(peer, now)
         garbage = False
         channel = PlainFrameChannel(LibP2PByteStream(stream), max_frame_size=swim.MAX_MESSAGE_BYTES)
