@@ -329,6 +329,7 @@ class SwimStatus(TypedDict):
     probes: int
     indirect_probes: int  # probes that asked helpers (no direct ack in time)
     acks: int
+    alive_by_traffic: int  # probes with no ack in time that ended anyway: the member's connection delivered data since
     suspects_raised: int
     no_evidence: int  # probes that ended with nobody asked (no connection to the member, no helper): no suspicion
     refutations: int

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import ipaddress
 import logging
+import math
 import os
 import socket
 import struct
@@ -259,6 +260,19 @@ def _disable_auto_connector(host: IHost) -> None:
         return None
 
     connector.start = start_disabled  # type: ignore[method-assign]
+
+
+def last_data_from(host: IHost, peer: ID) -> float:
+    """When any open connection with ``peer`` last delivered a DATA frame, on any stream (trio clock; -inf:
+    none did, or no connection has a muxer that records it: :class:`p2p.limits.BoundedYamux` does)."""
+    last = -math.inf
+    for conn in host.get_network().get_connections(peer):
+        if getattr(conn, "is_closed", False):
+            continue
+        at = getattr(getattr(conn, "muxed_conn", None), "last_data_at", None)
+        if isinstance(at, (int, float)):
+            last = max(last, float(at))
+    return last
 
 
 def dialed_by_us(host: IHost, peer: ID) -> bool | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import struct
 import time
 from collections.abc import Callable
@@ -319,10 +320,15 @@ class BoundedYamux(Yamux):
         self.streams = _Streams()
         self._incoming_scope: trio.CancelScope | None = None
         self._violation = False
+        #: When a DATA payload last arrived from the peer (trio clock; -inf: never), whatever its stream:
+        #: evidence that the peer's process runs, which SWIM takes in place of a late ack
+        #: (node/swarm/membership.py, "Other traffic is evidence too").
+        self.last_data_at = -math.inf
 
     def _admit(self, stream_id: int, size: int) -> bool:
         """Whether ``size`` bytes that arrived for ``stream_id`` may be buffered (called with
         ``streams_lock`` held, from handle_incoming)."""
+        self.last_data_at = trio.current_time()
         stream = self.streams.get(stream_id)
         if stream is None or stream.recv_closed or self._violation:
             self.offences.dropped_bytes += size

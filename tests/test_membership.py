@@ -350,6 +350,30 @@ def test_a_probe_nobody_could_carry_is_no_evidence_but_one_helpers_could_is() ->
     assert node.state_of(2) == SUSPECT and node.counters["no_evidence"] == 1
 
 
+def test_a_member_that_sent_other_data_since_the_ping_is_not_suspected_but_one_silent_since_is() -> None:
+    # A daemon's connections tell when each member last delivered anything, on any protocol. Member 2 is
+    # slow (its ack waits behind its other traffic) but sent something after the ping went: no helpers, no
+    # suspicion. Member 3 last sent something before the ping: probed as before, suspected.
+    node = _node(period_s=1000.0)  # (no round-robin probe of its own meanwhile)
+    last_data = {2: -1.0, 3: 4.5}
+    node.heard_since = lambda pid, since: last_data.get(pid, -1.0) > since
+    node.probe(2, 1.0)
+    last_data[2] = 1.2  # (after the ping, which went at 1.0)
+    assert node.tick(1.6) == []  # the direct deadline: no helper asked
+    assert node.counters["alive_by_traffic"] == 1 and node.counters["indirect_probes"] == 0
+    node.tick(3.1)
+    assert node.state_of(2) == ALIVE and node.counters["suspected"] == 0
+    node.probe(3, 5.0)
+    assert [t for t, m in node.tick(5.6) if isinstance(m, PingReq)]  # helpers asked: nothing since the ping
+    last_data[3] = 6.0  # and what arrives before the final deadline counts too
+    node.tick(7.1)
+    assert node.state_of(3) == ALIVE and node.counters["alive_by_traffic"] == 2
+    node.probe(3, 8.0)  # silent since: suspected as before
+    node.tick(8.6)
+    node.tick(10.1)
+    assert node.state_of(3) == SUSPECT and node.counters["suspected"] == 1
+
+
 def test_time_this_node_could_not_listen_does_not_count_against_a_probe() -> None:
     node = _node()
     t0 = node.next_wakeup()

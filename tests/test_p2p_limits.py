@@ -7,6 +7,7 @@ see the leak cannot pass silently, and so that we learn when an upstream release
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -30,7 +31,7 @@ from libp2p.stream_muxer.yamux.yamux import (
 )
 
 import p2p.host
-from p2p.host import build_host
+from p2p.host import build_host, last_data_from
 from p2p.limits import MuxerOffences
 
 LOOPBACK = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
@@ -388,6 +389,33 @@ async def test_small_reads_return_the_window_in_one_update_per_half_window_not_o
                 await stream.write(bytes(SMALL_SIZE))
             await done.wait()
         assert received[-1] >= SMALL_MESSAGES * SMALL_SIZE + 1024 * 1024
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_records_when_its_peer_last_sent_data_on_any_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``last_data_from``: when any connection with a peer last delivered a DATA frame, whatever its protocol
+    (SWIM takes it as evidence that the peer runs, in place of a late ack). Each message on a stream of any
+    protocol moves it to the time it arrived; a peer never connected: -inf."""
+    got = trio.Semaphore(0)
+
+    async def reader(stream: Any) -> None:
+        while await stream.read(5):
+            got.release()
+
+    async with trio.open_nursery() as nursery:
+        victim, sender, _ = await _attacked_pair(nursery, monkeypatch, True, reader)
+        stream = await sender.new_stream(victim.get_id(), [PROTOCOL])
+        seen = []
+        for _ in range(2):
+            await trio.sleep(0.2)
+            before = trio.current_time()
+            with trio.fail_after(CYCLE_DEADLINE_S):
+                await stream.write(b"hello")
+                await got.acquire()
+            seen.append(last_data_from(victim, sender.get_id()))
+            assert before <= seen[-1] <= trio.current_time()
+        assert seen[1] > seen[0]
+        assert last_data_from(victim, ID(b"\x00\x24" + bytes(36))) == -math.inf
         nursery.cancel_scope.cancel()
 
 

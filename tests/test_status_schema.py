@@ -130,6 +130,7 @@ EXPORTED: dict[tuple[str, str], str] = {
     ("swim", "probes"): "swim_probes",
     ("swim", "indirect_probes"): "swim_indirect_probes",
     ("swim", "acks"): "swim_acks",
+    ("swim", "alive_by_traffic"): "swim_alive_by_traffic",
     ("swim", "suspects_raised"): "swim_suspects_raised",
     ("swim", "no_evidence"): "swim_probes_no_evidence",
     ("swim", "refutations"): "swim_refutations",

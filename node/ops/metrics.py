@@ -238,6 +238,8 @@ SWIM_COUNTERS = {
     "probes": ("swim_probes", "SWIM probes this node started (round-robin, and on a dropped connection)"),
     "indirect_probes": ("swim_indirect_probes", "SWIM probes that asked helpers (no direct ack in time)"),
     "acks": ("swim_acks", "SWIM probes answered, directly or through helpers"),
+    "alive_by_traffic": ("swim_alive_by_traffic", "SWIM probes unanswered in time that ended anyway: the member's "
+                         "connection delivered other data since the ping"),
     "suspects_raised": ("swim_suspects_raised", "SWIM probes that ended unanswered and made the member suspect"),
     "no_evidence": ("swim_probes_no_evidence", "SWIM probes nobody could carry (no connection, no helper): no suspicion"),
     "refutations": ("swim_refutations", "Suspicions of this node it refuted (each raises its local health score)"),

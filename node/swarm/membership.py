@@ -37,6 +37,15 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   run is given back to the probes and suspicions under way (:meth:`Membership.note_lag`): an ack that sits
   unread in a stalled node's socket is not the member's silence. A probe that nobody could carry (the
   daemon sends only to connected members: no connection to the target, no helper) is no evidence either.
+* **Other traffic is evidence too** (Erlang distribution's rule: any data received counts as a tick). A
+  daemon tells the core whether a member's connections delivered anything, on any protocol, since a ping went
+  (``heard_since``); a probe with no ack by its direct deadline, or its final one, where the member did send
+  something since, ends there: no helpers asked, no suspicion (counted as ``alive_by_traffic``). Why: on a
+  starved machine a busy member's ack waits behind its other frames. At a 64-daemon join the seed's pings
+  reached its SWIM handler 1 to 9 s after the newcomers wrote them (each frame crosses a dozen scheduling
+  points of py-libp2p's Noise and Yamux, each a wait for the CPU), and nearly every newcomer suspected it,
+  while in three failed probes of four the member's connection had delivered data within the probe. A
+  crashed member sends nothing and a hung one nothing new; both are probed as before.
 * **Dissemination.** Every state change (alive / suspect / dead claims) enters a bounded broadcast queue
   and rides on the probe traffic (pings, ping-reqs and acks) already being sent, the least transmitted
   first, each retransmitted ``retransmit_mult x ceil(log10(N + 1))`` times, at most ``max_updates`` updates
@@ -260,6 +269,7 @@ class _Probe:
     indirect: bool = False
     direct: bool = True  # the direct ping could go (the target is one this node may send to)
     helpers: int = 0  # indirect probes sent
+    sent: float = 0.0  # when the direct ping went (evidence of life since then counts: see heard_since)
 
 
 @dataclass(slots=True)
@@ -431,6 +441,10 @@ class Membership:
         self.can_probe: Callable[[int], bool] | None = None
         #: Called when a probe ends with no ack: (target, whether the direct ping could go, helpers asked, now).
         self.on_probe_failed: Callable[[int, bool, int, float], None] | None = None
+        #: Whether anything arrived from a member since a time (None: nothing but SWIM's own acks counts). A
+        #: daemon says whether any of its connections with the member delivered data since then, on any
+        #: protocol (see :meth:`tick`).
+        self.heard_since: Callable[[int, float], bool] | None = None
         self._grow(me)
         self._set(me, ALIVE, 0, now)
         self._queue.put(Alive(me, 0))
@@ -641,9 +655,17 @@ class Membership:
             return out
         # Probes: the direct deadline passed -> indirect; the final one -> suspect.
         ok = self.can_probe
+        heard = self.heard_since
         for seq, p in list(self._probes.items()):
             if p.direct and ok is not None and not ok(p.target):
                 p.direct = False  # its connection dropped meanwhile: the ping may never have arrived
+            if (now >= p.deadline_direct or now >= p.deadline) and heard is not None and heard(p.target, p.sent):
+                # No ack in time, but the member sent this node something else since the ping went: its
+                # process runs, and its answers wait behind its other traffic (see the module docstring).
+                del self._probes[seq]
+                self.counters["alive_by_traffic"] += 1
+                self._lonely.pop(p.target, None)
+                continue
             if not p.indirect and now >= p.deadline_direct:
                 p.indirect = True
                 out.extend(self._indirect(seq, p))
@@ -791,7 +813,8 @@ class Membership:
         ok = self.can_probe
         scale = 1 + self.local_health
         self._probes[self._seq] = _Probe(target, now + scale * self.config.ack_timeout_s,
-                                         now + scale * self.config.probe_timeout_s, direct=ok is None or ok(target))
+                                         now + scale * self.config.probe_timeout_s, direct=ok is None or ok(target),
+                                         sent=now)
         updates = self._piggyback()
         if now < self._announce_until and not any(u.member == self.me for u in updates):
             # A joiner introduces itself to every member it probes at first: whoever its gossip

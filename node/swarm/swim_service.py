@@ -95,7 +95,7 @@ from node.swarm.membership import (
     MembershipConfig,
     Registry,
 )
-from p2p.host import dialed_by_us
+from p2p.host import dialed_by_us, last_data_from
 from p2p.wire import LibP2PByteStream, PlainFrameChannel, ProtocolError, Reason, close_quietly
 from protocols import swim
 from protocols.swim import Ack, Alive, Dead, Message, Ping, PingReq, Progress, Suspect
@@ -182,6 +182,7 @@ class SwimService:
                                config, on_change=self._changed, registry=self.registry)
         self.core.can_probe = self._can_probe
         self.core.on_probe_failed = self._probe_failed
+        self.core.heard_since = self._heard_since
         self.lag_s = 0.0  # how late the timer loop last woke (this node's own event loop, starved or busy)
         self.max_lag_s = 0.0
         self._disconnected_at: dict[int, float] = {}
@@ -225,6 +226,7 @@ class SwimService:
             "probes": core["probes"],
             "indirect_probes": core["indirect_probes"],
             "acks": core["acks"],
+            "alive_by_traffic": core["alive_by_traffic"],
             "suspects_raised": core["suspected"],
             "no_evidence": core["no_evidence"],
             "refutations": core["refuted"],
@@ -484,6 +486,11 @@ class SwimService:
         machine, as at a join where every node opens streams to several new peers at once), a ping or its
         ack waits in an outbox, and a member probed then turned suspect although alive (see _check_ready)."""
         return pid in self._connected_ids and self._peers[pid] in self._ready
+
+    def _heard_since(self, pid: int, since: float) -> bool:
+        """Whether a connection with member ``pid`` delivered data since ``since`` (any protocol: see the core's
+        "Other traffic is evidence too")."""
+        return pid < len(self._peers) and last_data_from(self.host, self._peers[pid]) > since
 
     def _check_ready(self, peer: ID) -> None:
         """Both streams with ``peer`` are up: it may be probed from now on, while its connection lasts (a
