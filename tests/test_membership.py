@@ -374,6 +374,24 @@ def test_a_member_that_sent_other_data_since_the_ping_is_not_suspected_but_one_s
     assert node.state_of(3) == SUSPECT and node.counters["suspected"] == 1
 
 
+def test_a_helper_acks_for_a_target_that_sent_it_other_data_since_its_ping_and_not_for_a_silent_one() -> None:
+    helper = _node(period_s=1000.0)
+    last_data = {2: -1.0}
+    helper.heard_since = lambda pid, since: last_data.get(pid, -1.0) > since
+    # Member 1 asks the helper to probe member 2 (its own ping of 2 went unanswered).
+    out = helper.receive(1.0, PingReq(1, 77, 2))
+    (_, ping), = out
+    assert isinstance(ping, Ping) and ping.target == 2
+    assert helper.tick(1.3) == []  # nothing from 2 yet
+    last_data[2] = 1.4  # 2 sends the helper something, though not the ack
+    acks = [(to, m) for to, m in helper.tick(1.6) if isinstance(m, Ack)]  # (checked every half ack timeout)
+    assert [(to, m.seq) for to, m in acks] == [(1, 77)] and helper.counters["relayed_alive_by_traffic"] == 1
+    # A target silent since the helper's ping: no ack, the relay expires as before.
+    helper.receive(2.0, PingReq(1, 78, 3))
+    assert not [m for t in (2.3, 2.6, 3.0, 3.5, 4.1) for _, m in helper.tick(t) if isinstance(m, Ack)]
+    assert helper._relays == {}
+
+
 def test_time_this_node_could_not_listen_does_not_count_against_a_probe() -> None:
     node = _node()
     t0 = node.next_wakeup()

@@ -38,14 +38,16 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   unread in a stalled node's socket is not the member's silence. A probe that nobody could carry (the
   daemon sends only to connected members: no connection to the target, no helper) is no evidence either.
 * **Other traffic is evidence too** (Erlang distribution's rule: any data received counts as a tick). A
-  daemon tells the core whether a member's connections delivered anything, on any protocol, since a ping went
-  (``heard_since``); a probe with no ack by its direct deadline, or its final one, where the member did send
-  something since, ends there: no helpers asked, no suspicion (counted as ``alive_by_traffic``). Why: on a
-  starved machine a busy member's ack waits behind its other frames. At a 64-daemon join the seed's pings
-  reached its SWIM handler 1 to 9 s after the newcomers wrote them (each frame crosses a dozen scheduling
-  points of py-libp2p's Noise and Yamux, each a wait for the CPU), and nearly every newcomer suspected it,
-  while in three failed probes of four the member's connection had delivered data within the probe. A
-  crashed member sends nothing and a hung one nothing new; both are probed as before.
+  daemon tells the core whether a member's connections delivered anything, on any protocol, since a time
+  (``heard_since``). A probe with no ack by its direct deadline, or by its final one, where the member did
+  send something after the ping went, ends there: no helpers asked, no suspicion (``alive_by_traffic``);
+  a helper running an indirect probe acks for the target on the same evidence. Why: on a starved machine
+  a busy member's ack waits behind its other frames. At a 64-daemon join on two cores the seed's pings
+  reached its SWIM handler 1 to 9 s after the newcomers wrote them (traced: Yamux took each frame in late,
+  and the handler read it later still; the seed's timer loop was never more than 0.24 s late), nearly
+  every newcomer suspected it, and in three failed probes of four the seed's connection had delivered
+  other data during the probe. A crashed member sends nothing and a hung one nothing new: both are
+  probed, and suspected, as before.
 * **Dissemination.** Every state change (alive / suspect / dead claims) enters a bounded broadcast queue
   and rides on the probe traffic (pings, ping-reqs and acks) already being sent, the least transmitted
   first, each retransmitted ``retransmit_mult x ceil(log10(N + 1))`` times, at most ``max_updates`` updates
@@ -273,6 +275,17 @@ class _Probe:
 
 
 @dataclass(slots=True)
+class _Relay:
+    """An indirect probe this node runs for another member (a ``PingReq``)."""
+    requester: int
+    seq: int  # the requester's
+    target: int
+    sent: float  # when our ping of the target went
+    deadline: float
+    check_at: float  # when to look next for other traffic from the target (see heard_since)
+
+
+@dataclass(slots=True)
 class _Suspicion:
     incarnation: int
     start: float
@@ -399,7 +412,7 @@ class Membership:
         self._dead_head = 0
         self._suspicions: dict[int, _Suspicion] = {}
         self._probes: dict[int, _Probe] = {}
-        self._relays: dict[int, tuple[int, int, float]] = {}  # our seq -> (requester, its seq, deadline)
+        self._relays: dict[int, _Relay] = {}  # our seq -> the indirect probe we run for another member
         self._seq = 0
         self._queue = _Queue(self.config.max_queue)
         self._progress_queue = _Queue(self.config.max_progress_queue)
@@ -643,8 +656,8 @@ class Membership:
             t = min(t, p.deadline if p.indirect else p.deadline_direct)
         for s in self._suspicions.values():
             t = min(t, s.deadline)
-        if self._relays:
-            t = min(t, min(r[2] for r in self._relays.values()))
+        for r in self._relays.values():
+            t = min(t, r.deadline, r.check_at)
         if self._progress_pending is not None:
             t = min(t, self._progress_due)
         return t
@@ -694,9 +707,16 @@ class Membership:
                         continue
                 self._lonely.pop(p.target, None)
                 self._suspect(p.target, now)
-        for seq, (_, _, deadline) in list(self._relays.items()):
-            if now >= deadline:
+        for seq, r in list(self._relays.items()):
+            if now >= r.check_at and heard is not None and heard(r.target, r.sent):
+                # The same evidence for a member that asked us: the target lives, its ack is only late.
                 del self._relays[seq]
+                self.counters["relayed_alive_by_traffic"] += 1
+                out.append((r.requester, Ack(self.me, r.seq, self._piggyback())))
+            elif now >= r.deadline:
+                del self._relays[seq]
+            elif now >= r.check_at:
+                r.check_at = now + self.config.ack_timeout_s / 2
         for pid, s in list(self._suspicions.items()):
             if now >= s.deadline:
                 self.counters["declared_dead"] += 1
@@ -1016,7 +1036,9 @@ class Membership:
                 self.counters["relays_refused"] += 1
             elif self._is_member(sender):
                 self._seq += 1
-                self._relays[self._seq] = (sender, message.seq, now + self.config.probe_timeout_s)
+                self._relays[self._seq] = _Relay(sender, message.seq, message.target, now,
+                                                 now + self.config.probe_timeout_s,
+                                                 now + self.config.ack_timeout_s / 2 if self.heard_since else math.inf)
                 out.append((message.target, Ping(self.me, self._seq, message.target, self._piggyback())))
         elif isinstance(message, Ack):
             probe = self._probes.get(message.seq)
@@ -1026,8 +1048,7 @@ class Membership:
                 self.local_health = max(0, self.local_health - 1)
             relay = self._relays.pop(message.seq, None)
             if relay is not None:
-                requester, seq, _ = relay
-                out.append((requester, Ack(self.me, seq, self._piggyback())))
+                out.append((relay.requester, Ack(self.me, relay.seq, self._piggyback())))
         return out
 
     def _receive_sync(self, now: float, message: SyncRequest | SyncReply) -> Sends:
