@@ -293,8 +293,8 @@ def test_names_of_forgotten_dead_members_are_reclaimed_so_churn_beyond_the_cap_s
 async def test_members_never_heard_of_or_held_dead_are_looked_up_a_few_at_a_time_with_a_wait_that_doubles() -> None:
     """The daemon hands the service every member its swarm state holds whom SWIM shows gone; the service asks a
     member it may send to about those it never heard of or holds dead, at most LOOKUPS_PER_CALL a call, and
-    the same one again only after 10 s, then 20 s, and so on: a member that crashed long ago, whose record
-    stays, is not asked about forever every 5 s."""
+    the same one again only after a wait that doubles each time (2.5 s, 5 s, ... up to 5 min): a member that
+    crashed long ago, whose record stays, is not asked about forever every 5 s."""
     from libp2p.peer.id import ID
 
     from node.swarm.membership import Dead, Ping, SyncRequest

@@ -115,7 +115,11 @@ CONNECTIONS_POLL_S = 0.5  # how often the connected set is read (a new or a drop
 LAG_ALLOWANCE_S = 0.05  # a timer loop this late is on time (scheduling noise, a message being handled)
 OUTBOX = 32  # messages waiting for one peer's stream; more are dropped
 LOOKUPS_PER_CALL = 8  # members never heard of asked about at most per look_up call (see SwimService.look_up)
-LOOKUP_WAIT_S = (10.0, 300.0)  # the same member asked about again after this long, doubling up to the second
+#: The same member is asked about again after the first of these, doubling up to the second. Why it starts
+#: short: at a join the member asked may not have heard of the newcomer yet either; at 10 s, single views
+#: missed a newcomer for several seconds after every other view held it (64-daemon join, issue #24). A member gone
+#: for good costs one small request at 2.5, 5, 10, ... s, then one every 5 min.
+LOOKUP_WAIT_S = (2.5, 300.0)
 MAX_INBOUND = 128  # inbound streams served at once (one per peer; a peer's newer one replaces its older)
 MAX_MEMBERS = 4096  # peer names this node interns (its member table, dead ones included; see reclaim)
 RECLAIM_AT = 7 / 8  # of MAX_MEMBERS names held: the members dead longest are forgotten early
@@ -266,7 +270,7 @@ class SwimService:
         """Ask connected members about members SWIM has never heard of, holds dead, or has held suspect for a
         while although the swarm state holds their signed records (``peer_ids``, base58;
         :meth:`Membership.look_up` says why), at most
-        ``LOOKUPS_PER_CALL`` a call; the same member again only after a wait that doubles from 10 s to 5 min,
+        ``LOOKUPS_PER_CALL`` a call; the same member again only after a wait that doubles from 2.5 s to 5 min,
         so that a member that crashed long ago (forgotten here, its record kept) is not asked about forever
         every few seconds. Returns the requests sent."""
         now = trio.current_time()
