@@ -615,6 +615,27 @@ def test_a_joiner_gets_a_64_member_table_from_its_seed_in_one_page() -> None:
     assert requests == 1
 
 
+def test_a_member_that_joined_on_a_partial_table_catches_up_with_a_page_from_another_member() -> None:
+    """A joiner's one page is its seed's table at that moment; at a join, a seed that held half the swarm.
+    ``catch_up`` pulls the table again from a member that has caught up (not while a pull is under way)."""
+    seed = _node(members=8)
+    joiner = Membership(100, 0.0, random.Random(1))
+    _join_exchange(seed, joiner, until=10.0)
+    assert joiner.counters["joined"] == 1 and len(joiner.members()) == 9
+    other = Membership(3, 0.0, random.Random(2))  # a member both hold, which has caught up: it holds 40
+    other.preload(range(40), 0.0)
+    joiner.can_probe = lambda pid: pid == 3
+    out = joiner.catch_up(20.0)
+    (dst, request), = out
+    assert dst == 3 and isinstance(request, SyncRequest) and request.cursor == 0
+    assert joiner.catch_up(20.1) == []  # one pull at a time
+    for _, reply in other.receive(20.2, request):
+        joiner.receive(20.2, reply)
+    assert set(range(40)) <= set(joiner.members())
+    assert joiner.counters["caught_up"] == 1 and joiner.counters["joined"] == 1
+    assert joiner.catch_up(21.0)  # done: another may start
+
+
 def test_a_joiner_answered_busy_backs_off_instead_of_asking_every_page_interval() -> None:
     """A seed over its pages per second answers "busy"; a joiner that can ask nobody else asked again every
     ``join_page_s`` (0.5 s), so 63 joiners sent their seed ~126 requests a second it could not serve."""

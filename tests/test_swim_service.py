@@ -8,6 +8,7 @@ there: member states from SWIM, and the member record re-signed only when it cha
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -312,6 +313,7 @@ async def test_members_never_heard_of_or_held_dead_are_looked_up_a_few_at_a_time
     service.core.can_probe = lambda pid: pid == helper_id
     strangers = [ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(LOOKUPS_PER_CALL + 1)]
     names = [*strangers, helper.to_base58()]
+    service._catch_up_at = math.inf  # (no pull of the whole table instead: see the next test)
     assert service.look_up(names) == LOOKUPS_PER_CALL  # the helper, held alive, is not asked about
     assert service.look_up(names) == 1 and service.look_up(names) == 0  # the rest wait
     assert all(dst == helper_id and isinstance(m, SyncRequest) for dst, m in sent)
@@ -322,6 +324,34 @@ async def test_members_never_heard_of_or_held_dead_are_looked_up_a_few_at_a_time
     service._lookups = {name: (now - 1.0, wait) for name, (_, wait) in service._lookups.items()}
     assert service.look_up([strangers[0]]) == 1 and sent[-1][1].entries == (Dead(dead, 0, service.core.me),)
     assert service._lookups == {strangers[0]: (pytest.approx(trio.current_time() + 2 * LOOKUP_WAIT_S[0]), 2 * LOOKUP_WAIT_S[0])}
+
+
+async def test_more_members_never_heard_of_than_one_call_looks_up_pull_the_table_again_instead() -> None:
+    """A joiner that joined on its seed's partial table held 28 members unknown, looked up 8 every 5 s: when
+    more are due than one call asks about, one page request for the whole table goes to a member it may
+    send to (``Membership.catch_up``), those members wait as if looked up, and no second pull follows
+    within ``CATCH_UP_S``."""
+    from libp2p.peer.id import ID
+
+    from node.swarm.membership import SyncRequest
+    from node.swarm.swim_service import LOOKUPS_PER_CALL
+
+    key = create_new_key_pair()
+    service = SwimService(build_host(key), key)
+    sent: list[tuple[int, Any]] = []
+    service._dispatch = sent.extend  # type: ignore[method-assign]
+    helper = ID.from_pubkey(create_new_key_pair().public_key)
+    helper_id = service._intern(helper)
+    assert helper_id is not None
+    service.core.preload([helper_id], trio.current_time())
+    service.core.can_probe = lambda pid: pid == helper_id
+    strangers = [ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(3 * LOOKUPS_PER_CALL)]
+    assert service.look_up(strangers) == 1
+    (dst, request), = sent
+    assert dst == helper_id and isinstance(request, SyncRequest) and request.cursor == 0
+    assert service.core.counters["catch_ups"] == 1 and set(service._lookups) == set(strangers)
+    service._lookups = {}  # (their waits over) but within CATCH_UP_S: looked up one by one again
+    assert service.look_up(strangers) == LOOKUPS_PER_CALL and service.core.counters["catch_ups"] == 1
 
 
 def test_a_full_registry_forgets_the_members_dead_longest_early() -> None:

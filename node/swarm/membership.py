@@ -432,6 +432,7 @@ class Membership:
         self._join_next = math.inf
         self._join_seq = -1
         self._join_busy = 0  # "busy" answers in a row to this joiner's page requests
+        self._catching_up = False  # the page pull under way is a catch-up (see catch_up), not the join
         self._sync_tokens = self.config.sync_serve_per_s
         self._sync_tokens_t = now
         self._my_progress: Progress | None = None
@@ -625,6 +626,26 @@ class Membership:
         self._join_server, self._join_cursor = seed, 0
         self._announce_until = now + self.config.join_announce_s
         return self._join_request(now, seed)
+
+    def catch_up(self, now: float) -> Sends:
+        """Pull the swarm's table again, page by page as a joiner does, starting at a random member this node
+        may send to; nothing while a pull is under way (or none can be asked).
+
+        Why: a joiner's first page is its seed's table at that moment. At a 64-daemon join a seed answered
+        while it held half the swarm; the joiner, done, learnt the other half from gossip and look-ups, a
+        few members every 5 s, and held 28 members unknown for 10 s more while every other view held them
+        (a daemon asks for this when its swarm state holds more members SWIM never heard of than its
+        look-ups cover: node/swarm/swim_service.py). One page from a member that has caught up costs its
+        server one ``sync_serve_per_s`` token, as a look-up does."""
+        if self._left or self._join_server is not None:
+            return []
+        picked = self._random_members(1, set())
+        if not picked:
+            return []
+        self._join_cursor, self._join_span, self._join_busy = 0, self.config.join_span, 0
+        self._catching_up = True
+        self.counters["catch_ups"] += 1
+        return self._join_request(now, picked[0])
 
     def _join_request(self, now: float, server: int | None = None) -> Sends:
         """Ask for the next page of the swarm's table: the seed first, then a random member each page (so
@@ -1077,7 +1098,8 @@ class Membership:
                 elif message.next_cursor < 0 or message.next_cursor >= BUCKETS:
                     self._join_busy = 0
                     self._join_server, self._join_next, self._join_seq = None, math.inf, -1
-                    self.counters["joined"] += 1
+                    self.counters["caught_up" if self._catching_up else "joined"] += 1
+                    self._catching_up = False
                 else:
                     self._join_busy = 0
                     if message.next_cursor <= self._join_cursor:

@@ -120,6 +120,7 @@ LOOKUPS_PER_CALL = 8  # members never heard of asked about at most per look_up c
 #: missed a newcomer for several seconds after every other view held it (64-daemon join, issue #24). A member gone
 #: for good costs one small request at 2.5, 5, 10, ... s, then one every 5 min.
 LOOKUP_WAIT_S = (2.5, 300.0)
+CATCH_UP_S = 10.0  # the least time between two pulls of the table for members never heard of (see look_up)
 MAX_INBOUND = 128  # inbound streams served at once (one per peer; a peer's newer one replaces its older)
 MAX_MEMBERS = 4096  # peer names this node interns (its member table, dead ones included; see reclaim)
 RECLAIM_AT = 7 / 8  # of MAX_MEMBERS names held: the members dead longest are forgotten early
@@ -180,6 +181,7 @@ class SwimService:
         self._heard: dict[int, float] = {}  # member id -> trio time of the last evidence it lives (last_heard)
         self._reaped: set[int] = set()  # members the core forgot since the last reclaim
         self._lookups: dict[str, tuple[float, float]] = {}  # member never heard of -> (next look-up, wait)
+        self._catch_up_at = -math.inf  # no pull of the table for members never heard of before then
         me = self._intern(self._me)
         assert me is not None
         self.core = Membership(me, trio.current_time() if _in_trio() else 0.0, rng or random.Random(),
@@ -272,21 +274,35 @@ class SwimService:
         :meth:`Membership.look_up` says why), at most
         ``LOOKUPS_PER_CALL`` a call; the same member again only after a wait that doubles from 2.5 s to 5 min,
         so that a member that crashed long ago (forgotten here, its record kept) is not asked about forever
-        every few seconds. Returns the requests sent."""
+        every few seconds. Where more members SWIM never heard of are due than one call asks about, the
+        table is pulled again instead, page by page from a random member (:meth:`Membership.catch_up`), at
+        most every ``CATCH_UP_S``. Returns the requests sent."""
         now = trio.current_time()
         names = [name for name in peer_ids][: self.max_members]
         wanted = set(names)
         self._lookups = {name: due for name, due in self._lookups.items() if name in wanted}
-        pids: list[int] = []
+        due: list[tuple[str, str]] = []
         for name in names:
-            if len(pids) >= LOOKUPS_PER_CALL:
-                break
             state = self.state_name(name)
             if state not in ("unknown", "dead", "suspect") or self._lookups.get(name, (-math.inf, 0.0))[0] > now:
                 continue
             if state == "suspect" and (self.core.suspected_for(self._by_name[name], now) or 0.0) < \
                     self.core.config.lookup_suspect_after_s:
                 continue  # a young suspicion: its refutation is likely on its way
+            due.append((name, state))
+        sends: list[tuple[int, Message]] = []
+        unknown = [name for name, state in due if state == "unknown"]
+        if len(unknown) > LOOKUPS_PER_CALL and now >= self._catch_up_at:
+            sends = self.core.catch_up(now)
+            if sends:
+                self._catch_up_at = now + CATCH_UP_S
+                for name in unknown:
+                    self._waited(name, now)
+                due = [(name, state) for name, state in due if state != "unknown"]
+        pids: list[int] = []
+        for name, _ in due:
+            if len(pids) >= LOOKUPS_PER_CALL:
+                break
             try:
                 peer = ID.from_base58(name)
             except Exception:  # not a peer ID (records are checked, but this must not raise for one)
@@ -295,11 +311,15 @@ class SwimService:
             if pid is None:
                 break  # the registry is full
             pids.append(pid)
-            wait = min(LOOKUP_WAIT_S[1], 2 * self._lookups.get(name, (0.0, LOOKUP_WAIT_S[0] / 2))[1])
-            self._lookups[name] = (now + wait, wait)
-        sends = self.core.look_up(pids, now)
+            self._waited(name, now)
+        sends += self.core.look_up(pids, now)
         self._dispatch(sends)
         return len(sends)
+
+    def _waited(self, name: str, now: float) -> None:
+        """``name`` was asked about now: not again before its wait (doubled) is over."""
+        wait = min(LOOKUP_WAIT_S[1], 2 * self._lookups.get(name, (0.0, LOOKUP_WAIT_S[0] / 2))[1])
+        self._lookups[name] = (now + wait, wait)
 
     # ---- names and signatures ---------------------------------------------------------------------
 
