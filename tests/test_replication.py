@@ -42,6 +42,7 @@ from node.swarm.replicator import (
     OPEN_TIMEOUT_S,
     REFERRAL_COUNT_S,
     REFERRAL_DRAWS,
+    REFUSED_RETRY_S,
     DeliveredReplica,
     StateReplicator,
     load_state,
@@ -1612,6 +1613,46 @@ async def test_a_served_2_1_0_session_takes_the_initiators_record_from_its_hello
         nursery.start_soon(initiate)
     assert responder.introduced == 1 and holder.holds(newcomer.peer_id) and newcomer.holds(holder.peer_id)
     assert results["i"].sent == 0 and results["r"].received == 0  # its record went in the hello alone
+
+
+async def test_a_newcomer_refused_with_nobody_new_to_dial_asks_its_only_peer_again_within_seconds(
+        autojump_clock: Any) -> None:
+    """A newcomer's only connection, refusing it "busy" with a referral that names nobody new (the join's
+    first second, or every member named its share), is asked again after REFUSED_RETRY_S, doubling while
+    it goes on, not at the next round; not where the referral named someone new, nor where the node has
+    other peers to sync with. The retry is then started by the anti-entropy loop (a prompt)."""
+    rep = idle_replicator()
+    rep.anti_entropy_s = 5.0  # (the default; the retries stay under it)
+    bootstrap, other = (ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2))
+    connected = {bootstrap}
+    rep._connected = lambda: set(connected)  # type: ignore[method-assign]
+    now = trio.current_time()
+    rep._retry_soon_if_stuck(bootstrap, SyncRefused("busy", referred=ApplyResult(unchanged=3)))
+    first = rep._retry_at[bootstrap] - now
+    rep._retry_soon_if_stuck(bootstrap, SyncRefused("busy"))
+    second = rep._retry_at[bootstrap] - now
+    assert 0.8 * REFUSED_RETRY_S <= first <= 1.2 * REFUSED_RETRY_S
+    assert 1.6 * REFUSED_RETRY_S <= second <= 2.4 * REFUSED_RETRY_S
+    del rep._retry_at[bootstrap]
+    rep._retry_soon_if_stuck(bootstrap, SyncRefused("busy", referred=ApplyResult(changed=2)))
+    assert bootstrap not in rep._retry_at and bootstrap not in rep._empty_refusals  # someone new to dial
+    connected.add(other)
+    rep._retry_soon_if_stuck(bootstrap, SyncRefused("busy"))
+    assert bootstrap not in rep._retry_at  # others to sync with
+    # The loop starts the round's session at once, and the retry when it is due, long before the next round.
+    connected.discard(other)
+    rep._retry_at[bootstrap] = trio.current_time() + 0.3
+    started: list[float] = []
+
+    async def sync_with(peer: ID) -> None:
+        started.append(trio.current_time())
+        rep._in_flight.discard(peer)
+
+    rep._sync_with = sync_with  # type: ignore[method-assign]
+    t0 = trio.current_time()
+    with trio.move_on_after(2.0):
+        await rep._anti_entropy_loop()
+    assert len(started) == 2 and started[1] - t0 < 2.0 < rep.anti_entropy_s * 0.8
 
 
 def test_referrals_name_each_member_about_as_often_as_any_other() -> None:

@@ -153,6 +153,9 @@ PUBLISH_TIMEOUT_S = 5.0
 GOODBYE_TIMEOUT_S = 4.0  # publishing the departure on stop (2 s was too short on a loaded machine)
 STOP_TIMEOUT_S = 6.0  # everything done on stop, goodbye included (within the CLI's 9 s hard stop)
 POLL_S = 1.0  # how often the anti-entropy loop looks for connections it was not told about
+#: A node with one connection, refused "busy" by that peer with nobody new to dial, asks it again after
+#: this long, doubling each time, up to ``anti_entropy_s`` (see :meth:`StateReplicator._refused`).
+REFUSED_RETRY_S = 1.5
 PUSH_PEERS = 2  # without gossip: peers a record this node signs is pushed to at once (see _push)
 #: Fields of the member record that change with every inner step: in SWIM mode a change of these alone
 #: re-signs the record at most every ``progress_every_s``. (``outer_step`` is not one: the averager's
@@ -351,6 +354,8 @@ class StateReplicator:
         self._times_referred: Counter[str] = Counter()
         self._referrals_counted_since = -math.inf
         self._prompt: set[ID] = set()  # peers to sync with as soon as a session slot is free
+        self._retry_at: dict[ID, float] = {}  # peers to sync with again then (a refusal with nobody new: _refused)
+        self._empty_refusals: dict[ID, int] = {}  # such refusals in a row, by peer
         self._in_flight: set[ID] = set()
         self._known_connected: set[ID] = set()
         #: When this node last started a session with each connected peer (trio time).
@@ -897,6 +902,11 @@ class StateReplicator:
                 now = trio.current_time()
                 if self.liveness is None:  # SWIM probes members itself; records no longer show who is quiet
                     self._prompt |= self._quiet_peers(connected, now)
+                for peer, at in list(self._retry_at.items()):
+                    if now >= at or peer not in connected:
+                        del self._retry_at[peer]
+                        if peer in connected:
+                            self._prompt.add(peer)
                 if now >= next_round:
                     peer = self._least_recently_synced(connected)
                     if peer is not None:
@@ -1127,6 +1137,8 @@ class StateReplicator:
             graceful = True  # the Error message must reach the initiator before the stream closes
             self._heard(peer)
             self._refused(peer.to_base58(), exc)
+            if initiator:
+                self._retry_soon_if_stuck(peer, exc)
         except ProtocolError as exc:
             self.stats.session_failures[exc.reason.value] += 1
             log.debug("state session with %s failed: %s", peer, exc)
@@ -1176,6 +1188,29 @@ class StateReplicator:
         if not self._synced_once:
             self._synced_once = True
             self._check_manifest()
+
+    def _retry_soon_if_stuck(self, peer: ID, exc: SyncRefused) -> None:
+        """After a busy refusal that named nobody new, ask ``peer`` again within ``REFUSED_RETRY_S`` (doubling
+        while such refusals go on, up to ``anti_entropy_s``) where it is this node's only connection.
+
+        Why: a newcomer's only connection is the node it bootstrapped from, which refuses it at a join (busy,
+        or crowded), naming members to dial instead. Refused in the join's first second, before that node
+        holds anyone, or once every member it holds was named its share of times, the referral names
+        nobody; the newcomer then had nobody to dial and nothing to sync until its next round, and its next
+        session queued behind the bootstrap node's others: at a 64-daemon join three newcomers, refused so,
+        still knew nobody 17 s after the last start, when the other 60 knew nearly everyone. A second later
+        the node holds the newcomers that arrived meanwhile (each introduced by its hello) and names them."""
+        if exc.code != "busy" or (exc.referred is not None and exc.referred.changed):
+            self._empty_refusals.pop(peer, None)
+            return
+        if self._connected() - {peer}:
+            return  # others to sync with: the rounds reach them
+        n = self._empty_refusals[peer] = self._empty_refusals.get(peer, 0) + 1
+        if len(self._empty_refusals) > 4 * MAX_OUTBOUND_SESSIONS:
+            self._empty_refusals = {peer: n}
+        delay = min(self.anti_entropy_s, REFUSED_RETRY_S * 2 ** (n - 1)) * random.uniform(0.8, 1.2)
+        self._retry_at[peer] = trio.current_time() + delay
+        self._wake.set()
 
     def _refused(self, peer: str, exc: SyncRefused) -> None:
         if exc.referred is not None:  # the rejected ones are counted by the replica (state.rejected)
