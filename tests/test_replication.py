@@ -1620,7 +1620,8 @@ async def test_a_newcomer_refused_with_nobody_new_to_dial_asks_its_only_peer_aga
     """A newcomer's only connection, refusing it "busy" with a referral that names nobody new (the join's
     first second, or every member named its share), is asked again after REFUSED_RETRY_S, doubling while
     it goes on, not at the next round; not where the referral named someone new, nor where the node has
-    other peers to sync with. The retry is then started by the anti-entropy loop (a prompt)."""
+    other peers to sync with; a state stream that cannot be opened on it is retried the same way. The retry
+    is then started by the anti-entropy loop (a prompt)."""
     rep = idle_replicator()
     rep.anti_entropy_s = 5.0  # (the default; the retries stay under it)
     bootstrap, other = (ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2))
@@ -1639,8 +1640,18 @@ async def test_a_newcomer_refused_with_nobody_new_to_dial_asks_its_only_peer_aga
     connected.add(other)
     rep._retry_soon_if_stuck(bootstrap, SyncRefused("busy"))
     assert bootstrap not in rep._retry_at  # others to sync with
-    # The loop starts the round's session at once, and the retry when it is due, long before the next round.
+    # A state stream that cannot be opened on the only connection is retried so too.
     connected.discard(other)
+    rep._empty_refusals.clear()
+
+    async def cannot_open(peer: ID, protocols: Any) -> Any:
+        raise ConnectionError("stream reset")
+
+    rep.host.new_stream = cannot_open  # type: ignore[method-assign]
+    rep._in_flight.add(bootstrap)
+    await rep._sync_with(bootstrap)
+    assert 0.8 * REFUSED_RETRY_S <= rep._retry_at[bootstrap] - trio.current_time() <= 1.2 * REFUSED_RETRY_S
+    # The loop starts the round's session at once, and the retry when it is due, long before the next round.
     rep._retry_at[bootstrap] = trio.current_time() + 0.3
     started: list[float] = []
 

@@ -978,6 +978,7 @@ class StateReplicator:
                 except Exception as exc:  # py-libp2p raises many types for a peer it cannot reach
                     self.stats.session_failures["open"] += 1
                     log.debug("cannot open a state stream to %s: %s", peer, exc)
+                    self._retry_soon_if_alone(peer)
                     return
             if open_scope.cancelled_caught:
                 self.stats.session_failures["timeout"] += 1
@@ -1153,6 +1154,7 @@ class StateReplicator:
         else:
             graceful = True
             self._heard(peer)
+            self._empty_refusals.pop(peer, None)
             self._synced(peer.to_base58(), result)
         finally:
             self._count_introduced(replica)
@@ -1203,6 +1205,11 @@ class StateReplicator:
         if exc.code != "busy" or (exc.referred is not None and exc.referred.changed):
             self._empty_refusals.pop(peer, None)
             return
+        self._retry_soon_if_alone(peer)
+
+    def _retry_soon_if_alone(self, peer: ID) -> None:
+        """Schedule the next session with ``peer`` (see :meth:`_retry_soon_if_stuck`) where it is this node's
+        only connection; a state stream that could not be opened on it is retried so too."""
         if self._connected() - {peer}:
             return  # others to sync with: the rounds reach them
         n = self._empty_refusals[peer] = self._empty_refusals.get(peer, 0) + 1
