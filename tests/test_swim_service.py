@@ -291,6 +291,23 @@ def test_names_of_forgotten_dead_members_are_reclaimed_so_churn_beyond_the_cap_s
     assert max(used) < 16 and len(service._ids) == 1 and core.state_of(core.me) == ALIVE  # ids reused
 
 
+def _service_with_one_connected_member() -> tuple[SwimService, list[tuple[int, Any]], Any, int]:
+    """A SWIM service (never run) whose sends are recorded, holding one member alive that it may send to:
+    (service, sends, that member's peer ID, its id)."""
+    from libp2p.peer.id import ID
+
+    key = create_new_key_pair()
+    service = SwimService(build_host(key), key)
+    sent: list[tuple[int, Any]] = []
+    service._dispatch = sent.extend  # type: ignore[method-assign]
+    helper = ID.from_pubkey(create_new_key_pair().public_key)
+    helper_id = service._intern(helper)
+    assert helper_id is not None
+    service.core.preload([helper_id], trio.current_time())
+    service.core.can_probe = lambda pid: pid == helper_id
+    return service, sent, helper, helper_id
+
+
 async def test_members_never_heard_of_or_held_dead_are_looked_up_a_few_at_a_time_with_a_wait_that_doubles() -> None:
     """The daemon hands the service every member its swarm state holds whom SWIM shows gone; the service asks a
     member it may send to about those it never heard of or holds dead, at most LOOKUPS_PER_CALL a call, and
@@ -301,16 +318,8 @@ async def test_members_never_heard_of_or_held_dead_are_looked_up_a_few_at_a_time
     from node.swarm.membership import Dead, Ping, SyncRequest
     from node.swarm.swim_service import LOOKUP_WAIT_S, LOOKUPS_PER_CALL
 
-    key = create_new_key_pair()
-    service = SwimService(build_host(key), key)
-    sent: list[tuple[int, Any]] = []
-    service._dispatch = sent.extend  # type: ignore[method-assign]
-    helper = ID.from_pubkey(create_new_key_pair().public_key)
-    helper_id = service._intern(helper)
-    assert helper_id is not None
+    service, sent, helper, helper_id = _service_with_one_connected_member()
     now = trio.current_time()
-    service.core.preload([helper_id], now)
-    service.core.can_probe = lambda pid: pid == helper_id
     strangers = [ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(LOOKUPS_PER_CALL + 1)]
     names = [*strangers, helper.to_base58()]
     service._catch_up_at = math.inf  # (no pull of the whole table instead: see the next test)
@@ -336,15 +345,7 @@ async def test_more_members_never_heard_of_than_one_call_looks_up_pull_the_table
     from node.swarm.membership import SyncRequest
     from node.swarm.swim_service import LOOKUPS_PER_CALL
 
-    key = create_new_key_pair()
-    service = SwimService(build_host(key), key)
-    sent: list[tuple[int, Any]] = []
-    service._dispatch = sent.extend  # type: ignore[method-assign]
-    helper = ID.from_pubkey(create_new_key_pair().public_key)
-    helper_id = service._intern(helper)
-    assert helper_id is not None
-    service.core.preload([helper_id], trio.current_time())
-    service.core.can_probe = lambda pid: pid == helper_id
+    service, sent, _, helper_id = _service_with_one_connected_member()
     strangers = [ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(3 * LOOKUPS_PER_CALL)]
     assert service.look_up(strangers) == 1
     (dst, request), = sent

@@ -633,7 +633,8 @@ class Membership:
 
         Why: a joiner's first page is its seed's table at that moment. At a 64-daemon join a seed answered
         while it held half the swarm; the joiner, done, learnt the other half from gossip and look-ups, a
-        few members every 5 s, and held 28 members unknown for 10 s more while every other view held them
+        few members every 5 s: 28 members unknown to it 17 s after the last start, 5 still at 27 s, while
+        every other view held them
         (a daemon asks for this when its swarm state holds more members SWIM never heard of than its
         look-ups cover: node/swarm/swim_service.py). One page from a member that has caught up costs its
         server one ``sync_serve_per_s`` token, as a look-up does."""
