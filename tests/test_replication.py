@@ -38,6 +38,8 @@ from node.swarm.crdt import (
     encode_body,
 )
 from node.swarm.replicator import (
+    INTRODUCED_FRESH_S,
+    MAX_INBOUND_SESSIONS,
     MAX_TIMES_NAMED,
     OPEN_TIMEOUT_S,
     REFERRAL_COUNT_S,
@@ -1563,6 +1565,27 @@ async def test_a_crowded_node_that_refers_a_newcomer_on_keeps_the_record_its_hel
     for _ in range(20):
         named |= {replicator.state.verify(data).peer_id for data in replicator._referral("someone else")}
     assert str(newcomer) in named
+
+
+async def test_in_swim_mode_a_newcomer_that_introduced_itself_is_referred_to_before_swim_hears_of_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crowded node whose SWIM has not heard of anyone yet (every member shown gone: at a join, its SWIM
+    streams with the newcomers are still being negotiated) names, in its referrals, the newcomers whose own
+    hellos brought it their records within INTRODUCED_FRESH_S; not those it learnt otherwise, nor after that."""
+    replicator = crowded_replicator_with_members()
+    replicator.liveness = lambda peer_id: MemberState.GONE
+    replicator._inbound = MAX_INBOUND_SESSIONS  # every session slot taken: refused, with what it can name
+    assert replicator._referral("someone else") == []  # the members it holds came another way
+    newcomer_key = create_new_key_pair()
+    newcomer = ID.from_pubkey(newcomer_key.public_key)
+    record = SwarmState(newcomer_key).update_self(addrs=("/ip4/10.0.9.9/tcp/4001",)).data
+    refused = WrittenStateStream(newcomer, sent=intro_hello(record))
+    await replicator._handle_stream(refused)
+    assert (await written_error(refused, protocol.Error)).code == protocol.BUSY
+    assert [replicator.state.verify(data).peer_id for data in replicator._referral("someone else")] == [str(newcomer)]
+    later = replicator._clock() + INTRODUCED_FRESH_S
+    monkeypatch.setattr(replicator, "_clock", lambda: later)
+    assert replicator._referral("someone else") == []
 
 
 async def test_a_hello_introduces_its_sender_alone_and_an_incompatible_one_nobody() -> None:

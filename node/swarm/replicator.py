@@ -140,6 +140,9 @@ MAX_TIMES_NAMED = 8
 #: how many members are counted at most.
 REFERRAL_COUNT_S = 60.0
 REFERRALS_COUNTED = 4096
+#: A member whose own hello brought this node its record within this long may be named in referrals although
+#: the liveness in use (SWIM) has not heard of it yet (see :meth:`StateReplicator._referral`).
+INTRODUCED_FRESH_S = 30.0
 MAX_TRACKED_PEERS = 4096  # bound on the verified / incompatible peer memories
 #: Opening a state stream (dial if needed, protocol negotiation). Not 10 s: at a 64-daemon join on one machine
 #: the bootstrap node, which every newcomer's first session goes to, took 9-14 s to bring a new stream to its
@@ -352,6 +355,7 @@ class StateReplicator:
         self._incompatible: OrderedDict[str, SyncRefused] = OrderedDict()
         #: How many of this node's referrals named each member (see _referral); at most REFERRALS_COUNTED.
         self._times_referred: Counter[str] = Counter()
+        self._introduced_at: dict[str, float] = {}  # member -> when its own hello brought its record (new here)
         self._referrals_counted_since = -math.inf
         self._prompt: set[ID] = set()  # peers to sync with as soon as a session slot is free
         self._retry_at: dict[ID, float] = {}  # peers to sync with again then (a refusal with nobody new: _refused)
@@ -1096,7 +1100,8 @@ class StateReplicator:
         now, ours = self._clock(), self._manifest_hash()
         held = (self.state.member(pid, now) for pid in drawn)
         views = [view for view in (self._shown(v) for v in held if v is not None)
-                 if view.state is MemberState.ALIVE and self._compatible(view, ours)]
+                 if (view.state is MemberState.ALIVE or self._just_introduced(view, now))
+                 and self._compatible(view, ours)]
         named = self._times_referred
         if len(named) > REFERRALS_COUNTED or now - self._referrals_counted_since > REFERRAL_COUNT_S:
             named.clear()  # a new burst of newcomers, or counts of members long gone: even again
@@ -1110,6 +1115,22 @@ class StateReplicator:
             if data in taken:
                 named[peer_id] += 1
         return referral
+
+    def _just_introduced(self, view: MemberView, now: float) -> bool:
+        """Whether ``view``'s member, shown gone, introduced itself to this node (its hello carried its record,
+        new here) within ``INTRODUCED_FRESH_S``: alive for a referral, though SWIM has not heard of it yet.
+
+        Why: at a 64-daemon join the bootstrap node refused 55 newcomers within two seconds, each hello
+        bringing the newcomer's record, while its SWIM, whose streams with each newcomer were still being
+        negotiated, held 29 members alive and showed the other 23 it held records of as gone. Referrals
+        named SWIM's alive members only: a newcomer refused in that burst got an empty one, and knew
+        nobody until the connection manager redialled the bootstrap 15 s later. A record its author handed
+        over itself on a live connection seconds ago is evidence that it lives; a member that died since
+        costs the newcomer a failed dial."""
+        if view.state is not MemberState.GONE:
+            return False
+        at = self._introduced_at.get(view.peer_id)
+        return at is not None and now - at < INTRODUCED_FRESH_S
 
     def _replica_for(self, peer: ID, stream: INetStream) -> DeliveredReplica:
         """The replica as a session with ``peer`` on ``stream`` sees it (the Sybil limits count by both)."""
@@ -1163,7 +1184,13 @@ class StateReplicator:
             await _close(byte_stream, graceful=graceful)
 
     def _count_introduced(self, replica: DeliveredReplica) -> None:
-        """A record a hello introduced came through anti-entropy too, and was new: counted as one of those."""
+        """A record a hello introduced came through anti-entropy too, and was new: counted as one of those.
+        Its author is remembered as just heard from, for referrals (``INTRODUCED_FRESH_S``)."""
+        if replica.introduced:
+            now = self._clock()
+            if len(self._introduced_at) >= REFERRALS_COUNTED:
+                self._introduced_at = {p: t for p, t in self._introduced_at.items() if now - t < INTRODUCED_FRESH_S}
+            self._introduced_at[replica.delivery.peer_id] = now
         self.stats.introductions += replica.introduced
         self.stats.records_received += replica.introduced
         self.stats.records_changed += replica.introduced
