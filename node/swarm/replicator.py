@@ -157,7 +157,7 @@ GOODBYE_TIMEOUT_S = 4.0  # publishing the departure on stop (2 s was too short o
 STOP_TIMEOUT_S = 6.0  # everything done on stop, goodbye included (within the CLI's 9 s hard stop)
 POLL_S = 1.0  # how often the anti-entropy loop looks for connections it was not told about
 #: A node with one connection, refused "busy" by that peer with nobody new to dial, asks it again after
-#: this long, doubling each time, up to ``anti_entropy_s`` (see :meth:`StateReplicator._refused`).
+#: this long, doubling each time, up to ``anti_entropy_s`` (see :meth:`StateReplicator._retry_soon_if_stuck`).
 REFUSED_RETRY_S = 1.5
 PUSH_PEERS = 2  # without gossip: peers a record this node signs is pushed to at once (see _push)
 #: Fields of the member record that change with every inner step: in SWIM mode a change of these alone
