@@ -27,6 +27,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
+import node.swarm.replicator as replicator_module
 from node.swarm import crdt
 from node.swarm.crdt import (
     ApplyResult,
@@ -1639,7 +1640,7 @@ async def test_a_served_2_1_0_session_takes_the_initiators_record_from_its_hello
 
 
 async def test_a_newcomer_refused_with_nobody_new_to_dial_asks_its_only_peer_again_within_seconds(
-        autojump_clock: Any) -> None:
+        autojump_clock: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A newcomer's only connection, refusing it "busy" with a referral that names nobody new (the join's
     first second, or every member named its share), is asked again after REFUSED_RETRY_S, doubling while
     it goes on, not at the next round; not where the referral named someone new, nor where the node has
@@ -1647,16 +1648,15 @@ async def test_a_newcomer_refused_with_nobody_new_to_dial_asks_its_only_peer_aga
     is then started by the anti-entropy loop (a prompt)."""
     rep = idle_replicator()
     rep.anti_entropy_s = 5.0  # (the default; the retries stay under it)
+    monkeypatch.setattr(replicator_module.random, "uniform", lambda lo, hi: 1.0)  # no jitter: exact delays
     bootstrap, other = (ID.from_pubkey(create_new_key_pair().public_key) for _ in range(2))
     connected = {bootstrap}
     rep._connected = lambda: set(connected)  # type: ignore[method-assign]
     now = trio.current_time()
     rep._retry_soon_if_stuck(bootstrap, SyncRefused("busy", referred=ApplyResult(unchanged=3)))
-    first = rep._retry_at[bootstrap] - now
+    assert rep._retry_at[bootstrap] - now == REFUSED_RETRY_S
     rep._retry_soon_if_stuck(bootstrap, SyncRefused("busy"))
-    second = rep._retry_at[bootstrap] - now
-    assert 0.8 * REFUSED_RETRY_S <= first <= 1.2 * REFUSED_RETRY_S
-    assert 1.6 * REFUSED_RETRY_S <= second <= 2.4 * REFUSED_RETRY_S
+    assert rep._retry_at[bootstrap] - now == 2 * REFUSED_RETRY_S  # doubled: a second such refusal in a row
     del rep._retry_at[bootstrap]
     rep._retry_soon_if_stuck(bootstrap, SyncRefused("busy", referred=ApplyResult(changed=2)))
     assert bootstrap not in rep._retry_at and bootstrap not in rep._empty_refusals  # someone new to dial
@@ -1673,7 +1673,7 @@ async def test_a_newcomer_refused_with_nobody_new_to_dial_asks_its_only_peer_aga
     rep.host.new_stream = cannot_open  # type: ignore[method-assign]
     rep._in_flight.add(bootstrap)
     await rep._sync_with(bootstrap)
-    assert 0.8 * REFUSED_RETRY_S <= rep._retry_at[bootstrap] - trio.current_time() <= 1.2 * REFUSED_RETRY_S
+    assert rep._retry_at[bootstrap] - trio.current_time() == REFUSED_RETRY_S
     # The loop starts the round's session at once, and the retry when it is due, long before the next round.
     rep._retry_at[bootstrap] = trio.current_time() + 0.3
     started: list[float] = []
