@@ -62,3 +62,27 @@ def test_a_reachability_round_asks_only_the_helpers_the_verdict_still_needs() ->
     assert helpers_wanted([answer("a", DialStatus.REACHED), answer("b", DialStatus.REFUSED)]) == 1  # a tie
     # The latest answer of each helper counts: one that reached us, then gave no conclusive answer, gave none.
     assert helpers_wanted([answer("a", DialStatus.REACHED, 1.0), answer("a", DialStatus.ERROR, 2.0)]) == 2
+
+
+async def test_no_dial_back_is_asked_in_a_nodes_first_seconds_then_one_is() -> None:
+    """Each answer is a dial from a fresh connection (a handshake on both sides, every protocol's first
+    streams): at a 64-daemon join every newcomer asked at once, some 370 dial-back streams and their
+    connections in the swarm's first 20 s beside the join (issue #24). A node asks once past its grace."""
+    host = build_host(create_new_key_pair())
+    now = 100.0
+    nat = NatService(host, ConnManager(host, target=2, cap=4), NatConfig(), clock=lambda: now)
+    helper = build_host(create_new_key_pair()).get_id()
+    asked: list[object] = []
+
+    async def ask(peer: object, offered: list[str]) -> DialbackOutcome:
+        asked.append(peer)
+        return DialbackOutcome(str(peer), DialStatus.REACHED, at=now)
+
+    nat._helpers = lambda: [helper]  # type: ignore[method-assign]
+    nat.dialback.ask = ask  # type: ignore[method-assign]
+    now += NatConfig().dialback_grace_s - 1
+    await nat._check_reachability()
+    assert asked == [] and nat.reachability == "unknown"
+    now += 2
+    await nat._check_reachability()
+    assert asked == [helper]

@@ -3,7 +3,8 @@
 One component, :class:`NatService`, because the four parts feed each other:
 
 1. **Reachability.** Connected peers dial us back from a fresh connection (:mod:`protocols.dialback`);
-   their answers give a verdict, ``public``, ``private`` or ``unknown``.
+   their answers give a verdict, ``public``, ``private`` or ``unknown``. Not asked in a node's first
+   ``dialback_grace_s`` (a swarm starting together would dial each other back during its join).
 2. **Relays.** A public node serves circuit relay v2 (py-libp2p's ``CircuitV2Protocol``) with limits on
    reservations, on bytes and duration per circuit, and on concurrent circuits. A node that is not
    public keeps reservations on ``max_reservations`` relays chosen among its directly connected peers,
@@ -135,6 +136,7 @@ class NatConfig:
     relay_reservation_ttl: int = 900  # a client refreshes at half of it
     hole_punch: bool = True
     dialback_interval: float = 300.0  # re-check reachability this often once known
+    dialback_grace_s: float = 10.0  # no dial-back asked in a node's first seconds (see _check_reachability)
 
     def __post_init__(self) -> None:
         if self.relay_service not in ("auto", "on", "off"):
@@ -152,6 +154,8 @@ class NatConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if not 0 <= self.dialback_grace_s <= 300:
+            raise ValueError(f"dialback_grace_s must be between 0 and 300, got {self.dialback_grace_s}")
         if not 0 <= self.max_reservations <= 8:
             raise ValueError(f"max_reservations must be between 0 and 8, got {self.max_reservations}")
         if self.relay_reservation_ttl < 60:
@@ -460,7 +464,19 @@ class NatService:
         return out
 
     async def _check_reachability(self) -> None:
+        """Ask helpers to dial us back while the verdict is unknown or stale; not in the first
+        ``dialback_grace_s`` after the start.
+
+        Why the grace: each answer is a dial from a fresh connection (a Noise handshake on both sides, then
+        every protocol's first streams), made by the helper's prober at the asker's join, when every
+        newcomer of a swarm starting together asks at once. At a 64-daemon join on this machine's 2 cores
+        the swarm's first 20 s carried some 370 dial-back streams and their connections beside the join;
+        with no dial-back in each node's first 10 s every member was known 17.5-19.6 s after the last start
+        against 28-29 s (docs/benchmarks.md, "Scale: real daemons"). A node behind a NAT learns that it is
+        private 10 s later; it reserves relays anyway once unknown for ``UNKNOWN_RESERVE_AFTER_S``."""
         now = self.clock()
+        if now - self._started < self.config.dialback_grace_s:
+            return
         helpers = self._helpers()
         stale = (
             now - max((o.at for o in self._outcomes.values()), default=-1e9) > self.config.dialback_interval
