@@ -243,8 +243,8 @@ def test_only_untried_candidates_count_against_a_lookup() -> None:
 async def test_the_dht_does_not_walk_the_network_as_it_starts_only_at_its_periodic_refresh(
         autojump_clock: Any) -> None:
     """py-libp2p's DHT refreshed its routing table as soon as it ran (a closest-peer walk for its own id,
-    asking the bootstrap node first): at a 64-daemon join 997 DHT streams in 40 s, 82 without that walk,
-    in the newcomers' first seconds, which this module keeps quiet. Its periodic refresh still runs."""
+    asking the bootstrap node first): in a traced 64-daemon join 997 DHT streams, 82 without that walk, in
+    the newcomers' first seconds, which this module keeps quiet. Its periodic refresh still runs."""
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.kad_dht.kad_dht import ROUTING_TABLE_REFRESH_INTERVAL
 

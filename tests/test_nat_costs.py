@@ -67,7 +67,7 @@ def test_a_reachability_round_asks_only_the_helpers_the_verdict_still_needs() ->
 async def test_no_dial_back_is_asked_in_a_nodes_first_seconds_then_one_is() -> None:
     """Each answer is a dial from a fresh connection (a handshake on both sides, every protocol's first
     streams): at a 64-daemon join every newcomer asked at once, some 370 dial-back streams and their
-    connections in the swarm's first 20 s beside the join (issue #24). A node asks once past its grace."""
+    connections in the join (issue #24). A node asks once past its grace."""
     host = build_host(create_new_key_pair())
     now = 100.0
     nat = NatService(host, ConnManager(host, target=2, cap=4), NatConfig(), clock=lambda: now)

@@ -468,12 +468,12 @@ class NatService:
         ``dialback_grace_s`` after the start.
 
         Why the grace: each answer is a dial from a fresh connection (a Noise handshake on both sides, then
-        every protocol's first streams), made by the helper's prober at the asker's join, when every
-        newcomer of a swarm starting together asks at once. At a 64-daemon join on this machine's 2 cores
-        the swarm's first 20 s carried some 370 dial-back streams and their connections beside the join;
-        with no dial-back in each node's first 10 s every member was known 17.5-19.6 s after the last start
-        against 28-29 s (docs/benchmarks.md, "Scale: real daemons"). A node behind a NAT learns that it is
-        private 10 s later; it reserves relays anyway once unknown for ``UNKNOWN_RESERVE_AFTER_S``."""
+        every protocol's first streams), and in a swarm started together every newcomer asks at once, in the
+        join. A traced 64-daemon join on this machine's 2 cores carried some 370 dial-back streams and their
+        connections; with no dial-back in each node's first 10 s every member was known 17.5-24.6 s after
+        the last start in four traced runs, against 20.1-29.1 s (docs/benchmarks.md, "Scale: real daemons").
+        A node behind a NAT learns that it is private 10 s later; it reserves relays anyway once unknown for
+        ``UNKNOWN_RESERVE_AFTER_S``."""
         now = self.clock()
         if now - self._started < self.config.dialback_grace_s:
             return
