@@ -161,9 +161,9 @@ def skip_startup_refresh(dht: KadDHT) -> None:
     :class:`DialGate`). At a join that is every newcomer's first seconds, the time this module keeps the
     DHT quiet for (module docstring: no lookup in ``LOOKUP_GRACE_S``): in a traced 64-daemon join on this
     machine's 2 cores the swarm opened 997 DHT streams, 82 without this refresh, and each newcomer's walk
-    asked the bootstrap node first. The routing table does not need it: connected
-    peers seed it (:meth:`SwarmDiscovery._add_connected_to_routing_table`), and this node's own lookups,
-    when it is short of candidates, follow the closer peers that answers name."""
+    asked the bootstrap node first. The routing table does not need it: connected peers seed it
+    (:meth:`SwarmDiscovery._add_connected_to_routing_table`), and this node's own lookups, when it is short
+    of candidates, follow the closer peers that answers name."""
     refresh = dht.refresh_routing_table
     started = False
 

@@ -116,7 +116,7 @@ def test_a_peer_without_the_swarm_key_cannot_connect_or_read_state(group: Daemon
     plain = group.start("p", *LOOPBACK, "--swarm", "private", "--bootstrap", addr)  # no key at all
     a_id, b_id = a.wait_status()["peer_id"], b.wait_status()["peer_id"]
     b.wait_status(lambda s: a_id in s["connected_peers"], timeout=30)
-    a.wait_status(lambda s: s["authorization"]["refused_handshakes"] >= 2, timeout=30)
+    a.wait_status(lambda s: s["authorization"]["refused_handshakes"] >= 2, timeout=90)
     time.sleep(2)
     for outsider in (x, plain):
         st = outsider.status()

@@ -45,6 +45,7 @@ from node.swarm.replicator import (
     OPEN_TIMEOUT_S,
     REFERRAL_COUNT_S,
     REFERRAL_DRAWS,
+    REFERRALS_COUNTED,
     REFUSED_RETRY_S,
     DeliveredReplica,
     StateReplicator,
@@ -1587,6 +1588,18 @@ async def test_in_swim_mode_a_newcomer_that_introduced_itself_is_referred_to_bef
     later = replicator._clock() + INTRODUCED_FRESH_S
     monkeypatch.setattr(replicator, "_clock", lambda: later)
     assert replicator._referral("someone else") == []
+
+
+def test_the_newcomers_remembered_as_just_introduced_are_bounded_the_oldest_forgotten_first() -> None:
+    """Every hello from a new peer adds one: a stream of fresh identities (all within INTRODUCED_FRESH_S) must
+    not grow the memory without bound."""
+    from types import SimpleNamespace
+
+    rep = idle_replicator()
+    for i in range(REFERRALS_COUNTED + 10):
+        rep._count_introduced(SimpleNamespace(introduced=1, delivery=SimpleNamespace(peer_id=f"peer{i}")))
+    assert len(rep._introduced_at) == REFERRALS_COUNTED
+    assert "peer0" not in rep._introduced_at and f"peer{REFERRALS_COUNTED + 9}" in rep._introduced_at
 
 
 async def test_a_hello_introduces_its_sender_alone_and_an_incompatible_one_nobody() -> None:

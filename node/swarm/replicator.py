@@ -1188,9 +1188,11 @@ class StateReplicator:
         Its author is remembered as just heard from, for referrals (``INTRODUCED_FRESH_S``)."""
         if replica.introduced:
             now = self._clock()
-            if len(self._introduced_at) >= REFERRALS_COUNTED:
-                self._introduced_at = {p: t for p, t in self._introduced_at.items() if now - t < INTRODUCED_FRESH_S}
-            self._introduced_at[replica.delivery.peer_id] = now
+            introduced = self._introduced_at
+            introduced.pop(replica.delivery.peer_id, None)  # (re-inserted last: the dict stays in time order)
+            while len(introduced) >= REFERRALS_COUNTED:  # the oldest first, fresh or not: a bound, not a cache
+                del introduced[next(iter(introduced))]
+            introduced[replica.delivery.peer_id] = now
         self.stats.introductions += replica.introduced
         self.stats.records_received += replica.introduced
         self.stats.records_changed += replica.introduced
