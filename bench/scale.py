@@ -186,6 +186,12 @@ class Views:
     def suspects(self, i: int) -> set[str]:
         return {p for p, m in self.members(i).items() if m["state"] == "suspect" and p in self.ids.values()}
 
+    def recent_suspects(self, i: int) -> dict[str, float]:
+        """The daemons that daemon ``i`` last turned suspect (swim mode), with when (Unix time): its status keeps
+        the last 16, so a suspicion refuted before a poll, or in the settled window, still counts."""
+        recent = ((self.status[i] or {}).get("swim") or {}).get("recent_suspects") or {}
+        return {p: t for p, t in recent.items() if p in self.ids.values() and isinstance(t, (int, float))}
+
     def complete(self, i: int) -> bool:
         """Daemon ``i`` answered and holds every other daemon as alive."""
         return self.status[i] is not None and self.alive_known(i) == len(self.ids) - 1
@@ -309,6 +315,7 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         everyone = list(range(n))
         swarm.wait_listening(everyone, 60 + 3 * n)
         t_last = time.monotonic()
+        wall_last = time.time()
         # CPU the daemons used to start (to listening), and then to join: on a machine of two cores, what
         # 64 daemons starting at once cost decides how long the join can take, whatever the protocols do.
         pids_start = {i: swarm.daemons[i].pid for i in everyone}
@@ -359,6 +366,7 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         busy_joined = machine_busy()
         streams_join = streams_over(traffic_listening, {i: read_traffic(swarm, i) for i in everyone})
         join_wall = time.monotonic() - t_last
+        wall_joined = time.time()
         known = [views.alive_known(i) for i in everyone]
         out["join"] = {
             # CPU seconds per daemon to start (to listening) and over the join (from the last daemon
@@ -444,6 +452,13 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "alive_known_min": min(views.alive_known(i) for i in everyone),
             "suspect_at_end_max": max(suspects_end),
         }
+        # Suspicions the polls can miss (raised and refuted between two reads, or in the settled window, which
+        # has no status calls): each daemon's status keeps the members it last turned suspect, with when.
+        recent = {(i, p, t) for i in everyone for p, t in views.recent_suspects(i).items() if t >= wall_last}
+        after_join = {p for _, p, t in recent if t >= wall_joined}
+        out["settled"]["suspect_after_join_members"] = len(after_join)
+        out["settled"]["suspect_after_join_views"] = len({(i, p) for i, p, t in recent if t >= wall_joined})
+        out["ever_suspect_members"] = len({p for _, p in suspect_pairs} | {p for _, p, _ in recent})
         out["join"]["ever_suspect_members"] = len({p for _, p in suspect_pairs})
         out["join"]["ever_suspect_max_one_view"] = max(
             [sum(1 for o, _ in suspect_pairs if o == i) for i in everyone] or [0])
@@ -453,6 +468,9 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             f"{'profiled' if boot is None else f'{boot:.1f}'}); daemons {s['daemons_cores']:.2f} cores, machine busy "
             f"{100 * s['machine_busy']:.0f}%; sent kB/min {fmt_spread(s['sent_bytes_per_min'], 1e-3)}; "
             f"RSS MiB {fmt_spread(s['rss_mib'])}; connections {fmt_spread(s['connections'])}")
+        log(f"  members shown suspect since the last start: {out['ever_suspect_members']} "
+            f"({out['join']['ever_suspect_members']} seen by the join's polls, {s['suspect_after_join_members']} "
+            f"turned suspect after the join, in {s['suspect_after_join_views']} views)")
         if window_profiled:
             out["profile"] = write_profile(args, root, n, window_profiled, minutes, "window")
             print_profile(out["profile"])
@@ -600,7 +618,8 @@ def render(results: list[dict[str, Any]], command: str) -> str:
                               "random earlier nodes' addresses") +
         ". *All known*: from the last daemon listening until every daemon holds every other as an alive "
         "member (status polled one daemon after another). *Ever suspect*: members any daemon showed as "
-        "suspect meanwhile. Then a settled window with no status calls: CPU seconds per minute per daemon "
+        "suspect from the last start to the end of the settled window (the polls, and each daemon's list of the "
+        "members it last turned suspect, read at the end), of which *after the join*: after the polls ended. Then a settled window with no status calls: CPU seconds per minute per daemon "
         "(/proc/PID/stat; min/median/max), what the daemons used of the machine's cores, bytes each sends per "
         "minute (TCP, after Noise and Yamux), RSS, connections per daemon (min/median/max). *Churn*: each "
         "minute a tenth of the daemons SIGKILLed and restarted at once; seconds until every view agrees again "
@@ -617,7 +636,8 @@ def render(results: list[dict[str, Any]], command: str) -> str:
             f"not within {r['timeout_s']:.0f} s (alive known: mean {j['known_mean_at_end']:.1f} of {r['n'] - 1})")
         churn = ", ".join(fmt_s(c["agreed_s"]).replace("not within the timeout", "no") for c in r.get("churn", []))
         lines.append(
-            f"| {r['n']} | {r['join_mode']} | {known} | {j.get('ever_suspect_members', 0)} | "
+            f"| {r['n']} | {r['join_mode']} | {known} | {r.get('ever_suspect_members', j.get('ever_suspect_members', 0))} "
+            f"({s.get('suspect_after_join_members', '-')} after the join) | "
             f"{fmt_spread(s.get('cpu_s_per_min', {}))} | {s.get('daemons_cores', 0):.2f} "
             f"({100 * s.get('machine_busy', 0):.0f}%) | {fmt_spread(s.get('sent_bytes_per_min', {}), 1e-3)} | "
             f"{fmt_spread(s.get('rss_mib', {}))} | {fmt_spread(s.get('connections', {}))} | {churn or '-'} |")

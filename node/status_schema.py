@@ -331,6 +331,10 @@ class SwimStatus(TypedDict):
     acks: int
     alive_by_traffic: int  # probes with no ack in time that ended anyway: the member's connection delivered data since
     suspects_raised: int
+    suspects_seen: int  # members turned suspect in this node's view, whoever raised it (a suspicion heard counts)
+    #: The members last turned suspect here (at most 16): peer ID -> when (Unix time), so that a suspicion refuted
+    #: before anyone looked still shows.
+    recent_suspects: dict[str, float]
     no_evidence: int  # probes that ended with nobody asked (no connection to the member, no helper): no suspicion
     refutations: int
     declared_dead: int

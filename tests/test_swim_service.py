@@ -355,6 +355,35 @@ async def test_more_members_never_heard_of_than_one_call_looks_up_pull_the_table
     assert service.look_up(strangers) == LOOKUPS_PER_CALL and service.core.counters["catch_ups"] == 1
 
 
+async def test_the_status_keeps_the_members_last_turned_suspect_here_even_once_refuted() -> None:
+    """A suspicion raised and refuted between two status reads used to leave no trace in the status (the 64-daemon
+    benchmark's polls missed every suspicion after the join). ``recent_suspects`` keeps the members last turned
+    suspect here (whoever accused them), with when, at most RECENT_SUSPECTS of them, the latest;
+    ``suspects_seen`` counts them all."""
+    from libp2p.peer.id import ID
+
+    from node.swarm.membership import Alive, Ping, Suspect
+    from node.swarm.swim_service import RECENT_SUSPECTS
+
+    service, _, helper, helper_id = _service_with_one_connected_member()
+    core, now, before = service.core, trio.current_time(), time.time()
+    core.receive(now, Ping(helper_id, 1, core.me, (Suspect(helper_id, 0, helper_id),)))
+    core.receive(now, Ping(helper_id, 2, core.me, (Alive(helper_id, 1),)))  # refuted
+    status = service.status()
+    assert service.member_state(helper.to_base58()) is MemberState.ALIVE
+    assert list(status["recent_suspects"]) == [helper.to_base58()] and status["recent_suspects"][helper.to_base58()] >= before
+    assert status["suspects_seen"] == 1
+    others = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(RECENT_SUSPECTS + 4)]
+    for peer in others:
+        pid = service._intern(peer)
+        assert pid is not None
+        core.preload([pid], now)
+        core.receive(now, Ping(helper_id, 3, core.me, (Suspect(pid, 0, helper_id),)))
+    status = service.status()
+    assert list(status["recent_suspects"]) == [p.to_base58() for p in others[-RECENT_SUSPECTS:]]
+    assert status["suspects_seen"] == 1 + len(others)
+
+
 def test_a_full_registry_forgets_the_members_dead_longest_early() -> None:
     from libp2p.peer.id import ID
 

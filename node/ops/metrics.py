@@ -241,6 +241,7 @@ SWIM_COUNTERS = {
     "alive_by_traffic": ("swim_alive_by_traffic", "SWIM probes unanswered in time that ended anyway: the member's "
                          "connection delivered other data since the ping"),
     "suspects_raised": ("swim_suspects_raised", "SWIM probes that ended unanswered and made the member suspect"),
+    "suspects_seen": ("swim_suspects_seen", "Members turned suspect in this node's view (raised here or heard)"),
     "no_evidence": ("swim_probes_no_evidence", "SWIM probes nobody could carry (no connection, no helper): no suspicion"),
     "refutations": ("swim_refutations", "Suspicions of this node it refuted (each raises its local health score)"),
     "declared_dead": ("swim_declared_dead", "Suspects this node declared dead after the suspicion timeout"),

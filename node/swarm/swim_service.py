@@ -111,6 +111,7 @@ GARBAGE_BAN_S = 60.0  # a peer that sent garbage: its new streams are refused th
 CLOSED_HERE_S = 10.0  # a connection this node closed and saw drop within this long: not news of the member
 CLOSING_SEQ = 0  # an Ack of this sequence number is a closing notice (no probe uses it: sequences start at 1)
 CLOSING_WAIT_S = 1.0  # the longest a close waits for the peer's notice back (a peer not upgraded sends none)
+RECENT_SUSPECTS = 16  # members last turned suspect here, kept for the status (``recent_suspects``)
 CONNECTIONS_POLL_S = 0.5  # how often the connected set is read (a new or a dropped connection)
 LAG_ALLOWANCE_S = 0.05  # a timer loop this late is on time (scheduling noise, a message being handled)
 OUTBOX = 32  # messages waiting for one peer's stream; more are dropped
@@ -197,6 +198,9 @@ class SwimService:
         #: connection manager's ``heard_from``, which drops connections that deliver nothing).
         self.on_heard: Callable[[ID], None] | None = None
         self._notices: dict[ID, trio.Event] = {}  # closes waiting for the peer's notice back (tell_closing)
+        #: Members last turned suspect here (any accuser): peer -> wall time, the last ``RECENT_SUSPECTS``, so
+        #: that a suspicion refuted between two status reads still shows (``status["swim"]["recent_suspects"]``).
+        self._recent_suspects: OrderedDict[str, float] = OrderedDict()
         self._connected: set[ID] = set()
         self._connected_ids: set[int] = set()
         self._speaks: set[ID] = set()  # peers whose outbound stream negotiated the protocol
@@ -234,6 +238,8 @@ class SwimService:
             "acks": core["acks"],
             "alive_by_traffic": core["alive_by_traffic"],
             "suspects_raised": core["suspected"],
+            "suspects_seen": mine["became_suspect"],
+            "recent_suspects": dict(self._recent_suspects),
             "no_evidence": core["no_evidence"],
             "refutations": core["refuted"],
             "declared_dead": core["declared_dead"],
@@ -539,6 +545,11 @@ class SwimService:
         elif new == ALIVE:
             self._heard[pid] = now  # news that it lives: a join, a refutation
         if new == SUSPECT and pid < len(self._peers):
+            name = self._peers[pid].to_base58()
+            self._recent_suspects.pop(name, None)
+            self._recent_suspects[name] = time.time()
+            while len(self._recent_suspects) > RECENT_SUSPECTS:
+                self._recent_suspects.popitem(last=False)
             log.info("member %s suspect (was %s); this node's loop %.2f s late (max %.2f)", self._peers[pid],
                      STATE_NAMES[old], self.lag_s, self.max_lag_s)
 
