@@ -94,7 +94,7 @@ SILENT_S = 15.0
 #: A tick this much later than due: this node's loop was starved, and silence is not judged on it.
 LATE_TICK_S = 2.0
 #: The longest a close waits for ``on_closing`` (telling the peer; see there).
-CLOSING_WAIT_S = 2.0
+CLOSING_WAIT_S = 6.0  # more than node/swarm/swim_service.py's wait for the peer's notice back (5 s)
 #: A connection that ended younger than this counts as a failed dial for the back-off.
 STABLE_S = 2 * PRUNE_GRACE_S
 #: With the target met, a bootstrap peer is redialed at most this often (see the module docstring).

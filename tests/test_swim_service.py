@@ -256,6 +256,35 @@ async def test_a_peer_told_of_a_close_for_the_cap_does_not_probe_the_node_that_c
         assert sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE)
 
 
+async def test_a_peer_that_reads_the_closing_notice_late_still_takes_the_close_as_no_news() -> None:
+    """A closing notice read late: b's event loop reads a's notice 2.5 s after it was sent (at a 64-daemon join
+    the starved bootstrap node answered 1.3 s after). a's close waits for b's notice back, so the connection
+    drops only once b has read a's: b takes the drop as a's close and probes nobody. With a wait of 1 s, a
+    closed first, b lost the notice with the connection, probed a as news through helpers not connected to it,
+    and turned a live member suspect after the join."""
+    async with swarm() as s:
+        a, b = await s.add(), await s.add()
+        await s.connect((b, a))
+        a_id, b_id = a.host.get_id(), b.host.get_id()
+        await eventually(lambda: b_id in a.swim._ready and a_id in b.swim._ready, "both streams up both ways",
+                         timeout=15)
+        read_notice = b.swim._noticed
+
+        def read_late(peer: Any, now: float) -> None:  # b's loop gets to the notice 2.5 s after it arrived
+            async def later() -> None:
+                await trio.sleep(2.5)
+                read_notice(peer, trio.current_time())
+            s.nursery.start_soon(later)
+
+        b.swim._noticed = read_late  # type: ignore[method-assign]
+        mgr = ConnManager(a.host, on_closing=a.swim.tell_closing)  # as node/daemon.py wires it
+        await mgr._disconnect(b_id)  # what _prune starts for a connection over the cap (it waits for b's notice back)
+        await eventually(lambda: b.swim.counters["closed_here"] + b.swim.counters["disconnect_probes"] >= 1,
+                         "b saw the connection drop", timeout=SLACK_S)
+        assert b.swim.counters["closed_here"] == 1 and b.swim.counters["disconnect_probes"] == 0
+        assert b.swim.core.counters["probes_abandoned"] + b.swim.core.counters["suspected"] == 0
+
+
 def test_names_of_forgotten_dead_members_are_reclaimed_so_churn_beyond_the_cap_still_lets_members_join() -> None:
     """The service interns at most ``max_members`` peer names; each member that dies is reaped after
     ``dead_retention_s`` and its name (and id) given back. Ten rounds of churn through a cap of 16 names:

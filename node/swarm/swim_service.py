@@ -110,7 +110,11 @@ REOPEN_S = 5.0  # the least time between two outbound streams opened to the same
 GARBAGE_BAN_S = 60.0  # a peer that sent garbage: its new streams are refused this long
 CLOSED_HERE_S = 10.0  # a connection this node closed and saw drop within this long: not news of the member
 CLOSING_SEQ = 0  # an Ack of this sequence number is a closing notice (no probe uses it: sequences start at 1)
-CLOSING_WAIT_S = 1.0  # the longest a close waits for the peer's notice back (a peer not upgraded sends none)
+#: The longest a close waits for the peer's notice back (a peer not upgraded sends none). Why this long: at a
+#: 64-daemon join the bootstrap node, starved, answered notices 1.3 s after they were sent; newcomers that closed
+#: their connection to it after 1 s took its notice with the connection (never read), and it probed each of them
+#: as news, through helpers not connected to them, and turned live members suspect after the join.
+CLOSING_WAIT_S = 5.0
 RECENT_SUSPECTS = 16  # members last turned suspect here, kept for the status (``recent_suspects``)
 CONNECTIONS_POLL_S = 0.5  # how often the connected set is read (a new or a dropped connection)
 LAG_ALLOWANCE_S = 0.05  # a timer loop this late is on time (scheduling noise, a message being handled)
