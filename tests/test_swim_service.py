@@ -371,7 +371,7 @@ async def test_more_members_never_heard_of_than_one_call_looks_up_pull_the_table
     within ``CATCH_UP_S``."""
     from libp2p.peer.id import ID
 
-    from node.swarm.membership import SyncRequest
+    from node.swarm.membership import SyncReply, SyncRequest
     from node.swarm.swim_service import LOOKUPS_PER_CALL
 
     service, sent, _, helper_id = _service_with_one_connected_member()
@@ -380,8 +380,34 @@ async def test_more_members_never_heard_of_than_one_call_looks_up_pull_the_table
     (dst, request), = sent
     assert dst == helper_id and isinstance(request, SyncRequest) and request.cursor == 0
     assert service.core.counters["catch_ups"] == 1 and set(service._lookups) == set(strangers)
+    assert service.look_up(strangers) == 0  # (while the pull is under way, they wait for it)
+    service.core.receive(trio.current_time(), SyncReply(helper_id, request.seq, -1))  # the pull's last page
+    assert service.core.counters["caught_up"] == 1 and not service.core.pulling
     service._lookups = {}  # (their waits over) but within CATCH_UP_S: looked up one by one again
     assert service.look_up(strangers) == LOOKUPS_PER_CALL and service.core.counters["catch_ups"] == 1
+
+
+async def test_members_never_heard_of_wait_for_the_pull_of_the_table_under_way_instead_of_being_looked_up() -> None:
+    """A joiner whose pull of its seed's table is under way (its seed answering "busy", at a 64-daemon join)
+    looked up the members its swarm state held and SWIM had not heard of yet, 8 at a time, nearly all from
+    its seed: 350 requests on the starved seed. Now they wait for the pull, which brings them; once it ends,
+    those still unknown are looked up as before."""
+    from libp2p.peer.id import ID
+
+    from node.swarm.membership import SyncReply
+
+    service, sent, _, helper_id = _service_with_one_connected_member()
+    now = trio.current_time()
+    strangers = [ID.from_pubkey(create_new_key_pair().public_key).to_base58() for _ in range(3)]
+    join_request = service.core.join(helper_id, now)  # (the seed: the member it may send to)
+    assert join_request and service.core.pulling
+    assert service.look_up(strangers) == 0 and sent == [] and service._lookups == {}
+    busy = SyncReply(helper_id, service.core._join_seq, 0, busy=True)
+    service.core.receive(now, busy)
+    assert service.core.pulling and service.look_up(strangers) == 0  # "busy": the pull goes on, later
+    service.core.receive(now, SyncReply(helper_id, service.core._join_seq, -1))  # the table's last page
+    assert not service.core.pulling and service.core.counters["joined"] == 1
+    assert service.look_up(strangers) == 3 and len(sent) == 3
 
 
 async def test_the_status_keeps_the_members_last_turned_suspect_here_even_once_refuted() -> None:

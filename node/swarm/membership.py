@@ -627,6 +627,11 @@ class Membership:
         self._announce_until = now + self.config.join_announce_s
         return self._join_request(now, seed)
 
+    @property
+    def pulling(self) -> bool:
+        """Whether a pull of the table is under way (a join's, or a catch-up's: see :meth:`catch_up`)."""
+        return self._join_server is not None
+
     def catch_up(self, now: float) -> Sends:
         """Pull the swarm's table again, page by page as a joiner does, starting at a random member this node
         may send to; nothing while a pull is under way (or none can be asked).

@@ -286,15 +286,23 @@ class SwimService:
         so that a member that crashed long ago (forgotten here, its record kept) is not asked about forever
         every few seconds. Where more members SWIM never heard of are due than one call asks about, the
         table is pulled again instead, page by page from a random member (:meth:`Membership.catch_up`), at
-        most every ``CATCH_UP_S``. Returns the requests sent."""
+        most every ``CATCH_UP_S``; and while a pull is under way (a join's too), members never heard of wait
+        for it. Returns the requests sent."""
         now = trio.current_time()
         names = [name for name in peer_ids][: self.max_members]
         wanted = set(names)
         self._lookups = {name: due for name, due in self._lookups.items() if name in wanted}
         due: list[tuple[str, str]] = []
+        # While a pull of the table is under way (a join, a catch-up), members never heard of wait for it: they
+        # are what it brings. At a 64-daemon join, joiners whose pull waited on their seed's "busy" answers
+        # looked members up 8 at a time meanwhile, nearly all from the seed (the one member they could send
+        # to): 350 requests on the seed, starved, whose probes then went unanswered.
+        pulling = self.core.pulling
         for name in names:
             state = self.state_name(name)
             if state not in ("unknown", "dead", "suspect") or self._lookups.get(name, (-math.inf, 0.0))[0] > now:
+                continue
+            if state == "unknown" and pulling:
                 continue
             if state == "suspect" and (self.core.suspected_for(self._by_name[name], now) or 0.0) < \
                     self.core.config.lookup_suspect_after_s:
