@@ -285,6 +285,31 @@ async def test_a_peer_that_reads_the_closing_notice_late_still_takes_the_close_a
         assert b.swim.core.counters["probes_abandoned"] + b.swim.core.counters["suspected"] == 0
 
 
+async def test_a_dropped_connection_whose_swim_streams_never_came_up_is_no_news_of_the_member() -> None:
+    """A member b dials a and gives up before the connection's SWIM streams are up (at a 64-daemon join,
+    py-libp2p's dial cancelled mid-handshake after a had registered the connection). a had no path to b on it,
+    so its drop says nothing of b: a probes nobody (it probed b at once, through helpers not connected to b,
+    and turned a live member suspect after the join). b here runs no SWIM service, so its streams never come
+    up; a holds b alive, as it would from gossip."""
+    async with swarm() as s:
+        a = await s.add()
+        b_key = create_new_key_pair()
+        b_host = build_host(b_key)
+        async with b_host.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            b_id = b_host.get_id()
+            pid = a.swim._intern(b_id)
+            assert pid is not None
+            a.swim.core.preload([pid], trio.current_time())
+            await b_host.connect(info_from_p2p_addr(a.host.get_addrs()[0]))
+            await eventually(lambda: b_id in a.swim._connected, "a saw b's connection", timeout=SLACK_S)
+            assert b_id not in a.swim._ready
+            await b_host.disconnect(a.host.get_id())
+            await eventually(lambda: b_id not in a.swim._connected, "a saw the connection drop", timeout=SLACK_S)
+        assert a.swim.counters["unready_drops"] == 1 and a.swim.counters["disconnect_probes"] == 0
+        assert a.swim.core.counters["probes"] == 0 and a.swim.core.counters["suspected"] == 0
+        assert a.swim.state_name(b_id.to_base58()) == "alive"
+
+
 def test_names_of_forgotten_dead_members_are_reclaimed_so_churn_beyond_the_cap_still_lets_members_join() -> None:
     """The service interns at most ``max_members`` peer names; each member that dies is reaped after
     ``dead_retention_s`` and its name (and id) given back. Ten rounds of churn through a cap of 16 names:

@@ -22,11 +22,14 @@ Transport (docs/benchmarks.md, "Scale: SWIM's transport"): one long-lived stream
   ping cannot go out, the indirect ones go through helpers; if none of them reaches it either, it becomes
   suspect, then dead after SWIM's suspicion timeout (a live member refutes as soon as the suspicion reaches
   it through any connection it has). Without this, a member that died took its connections with it and
-  nobody would probe it again. Two exceptions, since neither is evidence of death: a connection this node
+  nobody would probe it again. Three exceptions, since none is evidence of death: a connection this node
   closed itself (the connection manager's cap: ``tell_closing``, wired to ``ConnManager.on_closing``) is
-  not probed, and its probes under way are dropped; and a probe that nobody could carry (no connection to
-  the member, no other member connected to ask) ends without suspicion, to be tried again when a
-  connection appears (``Membership.recheck``). The other side of a close is told too: before the
+  not probed, and its probes under way are dropped; a connection on which the SWIM streams never came up
+  is not probed either (a peer that dialled and gave up mid-handshake: py-libp2p registered the
+  connection here, then the dialler cancelled its own side; at a 64-daemon join such drops, probed through
+  helpers not connected to the member, turned live members suspect after the join); and a probe that
+  nobody could carry (no connection to the member, no other member connected to ask) ends without
+  suspicion, to be tried again when a connection appears (``Membership.recheck``). The other side of a close is told too: before the
   connection manager closes a connection for its cap it sends the peer a *closing notice* (an ``Ack`` of
   sequence number 0, which no probe uses, so a node not upgraded ignores it) and waits up to
   ``CLOSING_WAIT_S`` for the peer's own notice back (:meth:`SwimService.tell_closing`). A peer that gets one
@@ -136,8 +139,10 @@ ED25519_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])  # identity multiha
 #: Why a message was not sent (the service's counters of the same names).
 DROP_REASONS = ("not_connected", "no_stream", "outbox_full", "too_large")
 #: Connections that dropped and closing notices (``status["swim"]["closes"]``): drops taken as a close (this
-#: node's own, or at the peer's notice), drops probed as news, notices sent, notices received (not answers).
-CLOSE_COUNTERS = ("closed_here", "disconnect_probes", "closing_notices_sent", "closing_notices_received")
+#: node's own, or at the peer's notice), drops probed as news, drops of connections whose SWIM streams never
+#: came up (not news), notices sent, notices received (not answers).
+CLOSE_COUNTERS = ("closed_here", "disconnect_probes", "unready_drops", "closing_notices_sent",
+                  "closing_notices_received")
 
 _STATES = {ALIVE: MemberState.ALIVE, SUSPECT: MemberState.SUSPECT, DEAD: MemberState.GONE}
 
@@ -611,6 +616,7 @@ class SwimService:
         """py-libp2p tells no one of a closed connection: the connected set is read twice a second."""
         while True:
             now_connected = {p for p in self.host.get_connected_peers() if p != self._me}
+            was_ready = set(self._ready)
             gone = self._connected - now_connected
             new = now_connected - self._connected
             self._connected = now_connected
@@ -639,6 +645,11 @@ class SwimService:
                     self.counters["closed_here"] += 1
                     if pid is not None:
                         self.core.abandon(pid)
+                elif pid is not None and peer not in was_ready:
+                    # Its SWIM streams never came up on it (one that dialled and gave up mid-handshake, whose
+                    # connection py-libp2p registered here first): no path this node ever had, so no news of
+                    # the member; members whose streams to it were up probe it when their connections drop.
+                    self.counters["unready_drops"] += 1
                 elif pid is not None:
                     self.counters["disconnect_probes"] += 1
                     self._disconnected_at[pid] = now
