@@ -19,7 +19,9 @@ Measured, in this order:
 2. **Settled window** (``--settle`` s after the join, then ``--window`` s, no status calls in it): CPU
    seconds per minute of each daemon (/proc/PID/stat), bytes per minute it sends (the traffic probe: TCP
    bytes after Noise and Yamux, and per protocol), the machine's CPU busy share (/proc/stat: on this shared
-   2-core machine, what says the daemons were starved), RSS, and connections per daemon at the end.
+   2-core machine, what says the daemons were starved), RSS, and connections per daemon at the end; and, read
+   once at its end from each daemon's ``swim.recent_suspects``, the members turned suspect anywhere since the
+   last start, the join's polls having missed them (refuted between two polls) or after the join.
 3. **Churn** (``--churn-rounds``, one a minute): a tenth of the daemons (never the bootstrap node) are
    SIGKILLed and restarted at once, same HOME, identity and port; the time until the views agree again:
    every daemon holds every other as alive, with a record the other signed since its last start, and each

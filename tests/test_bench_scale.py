@@ -39,6 +39,9 @@ def test_the_scale_bench_reports_join_idle_cost_and_churn_of_real_daemons(tmp_pa
     assert r["join"]["all_known_s"] is None or r["join"]["last_view_complete_s"] is not None
     assert len(list((tmp_path / "logs").glob("scale3-n*.log"))) == 3
     assert settled["connections"]["max"] >= 1
+    # Suspicions over the whole run: the join's polls, and each daemon's recent_suspects read at the window's end.
+    assert settled["suspect_after_join_members"] >= 0 and settled["suspect_after_join_views"] >= 0
+    assert r["ever_suspect_members"] >= r["join"]["ever_suspect_members"]
     assert [c["killed"] for c in r["churn"]] == [1]
     assert r["profile"]["daemons"] == 1 and r["profile"]["total_s_per_min"] > 0  # the bootstrap node only
     assert len(list((tmp_path / "prof").glob("*.prof"))) == 1
