@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import pstats
@@ -279,6 +280,21 @@ def read_traffic(swarm: LoopbackSwarm, i: int) -> dict | None:
         return None
 
 
+def traffic_since(swarm: LoopbackSwarm, running: list[int], since: float, wait_s: float = 3.0) -> dict[int, dict | None]:
+    """Each daemon's probe counters as written after ``since`` (monotonic: one clock for every process here),
+    waiting up to ``wait_s`` for them. Why: the probe writes once a second, so counters read at once missed
+    the last second's streams (a 3-daemon join, over in a second, showed none of its state streams opened)."""
+    out: dict[int, dict | None] = {}
+    deadline = time.monotonic() + wait_s
+    for i in running:
+        while True:
+            out[i] = read_traffic(swarm, i)
+            if (out[i] is not None and out[i].get("t", -math.inf) >= since) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+    return out
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else {}
 
@@ -366,7 +382,7 @@ def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         assert views is not None
         cpu_joined = {i: proc_cpu(pids_start[i]) for i in everyone}
         busy_joined = machine_busy()
-        streams_join = streams_over(traffic_listening, {i: read_traffic(swarm, i) for i in everyone})
+        streams_join = streams_over(traffic_listening, traffic_since(swarm, everyone, time.monotonic()))
         join_wall = time.monotonic() - t_last
         wall_joined = time.time()
         known = [views.alive_known(i) for i in everyone]

@@ -132,6 +132,7 @@ EXPORTED: dict[tuple[str, str], str] = {
     ("swim", "acks"): "swim_acks",
     ("swim", "alive_by_traffic"): "swim_alive_by_traffic",
     ("swim", "suspects_raised"): "swim_suspects_raised",
+    ("swim", "suspects_seen"): "swim_suspects_seen",
     ("swim", "no_evidence"): "swim_probes_no_evidence",
     ("swim", "refutations"): "swim_refutations",
     ("swim", "declared_dead"): "swim_declared_dead",

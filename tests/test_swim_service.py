@@ -235,17 +235,23 @@ async def test_a_connection_this_node_closed_is_no_news_and_the_other_side_with_
         assert sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE)
 
 
+async def _two_ready(s: Swarm) -> tuple[Node, Node, Any, Any]:
+    """Two nodes of ``s``, b connected to a, once both SWIM streams are up both ways: (a, b, a's ID, b's ID)."""
+    a, b = await s.add(), await s.add()
+    await s.connect((b, a))
+    a_id, b_id = a.host.get_id(), b.host.get_id()
+    await eventually(lambda: b_id in a.swim._ready and a_id in b.swim._ready, "both streams up both ways",
+                     timeout=15)
+    return a, b, a_id, b_id
+
+
 async def test_a_peer_told_of_a_close_for_the_cap_does_not_probe_the_node_that_closed_it() -> None:
     """The other side of a close for the cap: b, whose connection a closes, took the drop for news and probed
     a at once, with no direct path and helpers not connected to a, and turned a suspect (at a 64-daemon join,
     40 of 50 such probes were of the bootstrap node). a's connection manager now tells b first (a closing
     notice, answered) and b takes the drop as a close, not news."""
     async with swarm() as s:
-        a, b = await s.add(), await s.add()
-        await s.connect((b, a))
-        a_id, b_id = a.host.get_id(), b.host.get_id()
-        await eventually(lambda: b_id in a.swim._ready and a_id in b.swim._ready, "both streams up both ways",
-                         timeout=15)
+        a, b, a_id, b_id = await _two_ready(s)
         mgr = ConnManager(a.host, on_closing=a.swim.tell_closing)  # as node/daemon.py wires it
         await mgr._disconnect(b_id)  # what _prune starts for a connection over the cap
         assert a.swim.counters["closing_notices_sent"] == 1 and b.swim.counters["closing_notices_received"] == 1
@@ -263,11 +269,7 @@ async def test_a_peer_that_reads_the_closing_notice_late_still_takes_the_close_a
     closed first, b lost the notice with the connection, probed a as news through helpers not connected to it,
     and turned a live member suspect after the join."""
     async with swarm() as s:
-        a, b = await s.add(), await s.add()
-        await s.connect((b, a))
-        a_id, b_id = a.host.get_id(), b.host.get_id()
-        await eventually(lambda: b_id in a.swim._ready and a_id in b.swim._ready, "both streams up both ways",
-                         timeout=15)
+        a, b, a_id, b_id = await _two_ready(s)
         read_notice = b.swim._noticed
 
         def read_late(peer: Any, now: float) -> None:  # b's loop gets to the notice 2.5 s after it arrived

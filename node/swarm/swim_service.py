@@ -29,11 +29,11 @@ Transport (docs/benchmarks.md, "Scale: SWIM's transport"): one long-lived stream
   connection here, then the dialler cancelled its own side; at a 64-daemon join such drops, probed through
   helpers not connected to the member, turned live members suspect after the join); and a probe that
   nobody could carry (no connection to the member, no other member connected to ask) ends without
-  suspicion, to be tried again when a connection appears (``Membership.recheck``). The other side of a close is told too: before the
-  connection manager closes a connection for its cap it sends the peer a *closing notice* (an ``Ack`` of
-  sequence number 0, which no probe uses, so a node not upgraded ignores it) and waits up to
-  ``CLOSING_WAIT_S`` for the peer's own notice back (:meth:`SwimService.tell_closing`). A peer that gets one
-  takes the drop that follows as this node's own close: no probe. Why: the peer whose connection a full node
+  suspicion, to be tried again when a connection appears (``Membership.recheck``). The other side of a
+  close is told too: before the connection manager closes a connection for its cap it sends the peer a
+  *closing notice* (an ``Ack`` of sequence number 0, which no probe uses, so a node not upgraded ignores
+  it) and waits up to ``CLOSING_WAIT_S`` for the peer's own notice back (:meth:`SwimService.tell_closing`).
+  A peer that gets one takes the drop that follows as this node's own close: no probe. Why: the peer whose connection a full node
   closed probed it at once, with no direct path and helpers connected to it but not to the full node (who
   drop a ping they cannot send), so the probe failed and the full node turned suspect in every view for a
   poll. At a 64-daemon join, 40 of the 50 probes that followed a dropped connection were newcomers probing
@@ -301,7 +301,7 @@ class SwimService:
         # While a pull of the table is under way (a join, a catch-up), members never heard of wait for it: they
         # are what it brings. At a 64-daemon join, joiners whose pull waited on their seed's "busy" answers
         # looked members up 8 at a time meanwhile, nearly all from the seed (the one member they could send
-        # to): 350 requests on the seed, starved, whose probes then went unanswered.
+        # to): 350 requests on the seed, the most loaded daemon of the join.
         pulling = self.core.pulling
         for name in names:
             state = self.state_name(name)
