@@ -616,8 +616,8 @@ class SwimService:
         """py-libp2p tells no one of a closed connection: the connected set is read twice a second."""
         while True:
             now_connected = {p for p in self.host.get_connected_peers() if p != self._me}
-            was_ready = set(self._ready)
             gone = self._connected - now_connected
+            gone_ready = gone & self._ready  # (before the line below forgets them)
             new = now_connected - self._connected
             self._connected = now_connected
             self._ready &= now_connected
@@ -645,7 +645,7 @@ class SwimService:
                     self.counters["closed_here"] += 1
                     if pid is not None:
                         self.core.abandon(pid)
-                elif pid is not None and peer not in was_ready:
+                elif pid is not None and peer not in gone_ready:
                     # Its SWIM streams never came up on it (one that dialled and gave up mid-handshake, whose
                     # connection py-libp2p registered here first): no path this node ever had, so no news of
                     # the member; members whose streams to it were up probe it when their connections drop.
