@@ -218,8 +218,8 @@ async def test_a_peer_that_dialled_opens_the_first_swim_stream_and_a_dial_back_p
 async def test_a_connection_this_node_closed_is_no_news_and_the_other_side_with_nobody_to_ask_suspects_nobody(
         ) -> None:
     async with swarm() as s:
-        a, b = await s.add(), await s.add()
-        await s.connect((b, a))
+        # Both SWIM streams up both ways first: a drop before they are up is no news to b either (see below).
+        a, b, _, _ = await _two_ready(s)
         await eventually(lambda: sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE),
                          "a and b hold each other alive", timeout=15)
         # a's connection manager closes the connection for its cap (Daemon wires connmgr.on_closing to this).
