@@ -330,6 +330,12 @@ class SwimStatus(TypedDict):
     indirect_probes: int  # probes that asked helpers (no direct ack in time)
     acks: int
     alive_by_traffic: int  # probes with no ack in time that ended anyway: the member's connection delivered data since
+    #: Pings (our probes', and those run for others) that waited longer than the ack timeout for answers that
+    #: came slowly (node/swarm/membership.py, "Slow answers are waited for"); members held slow one by one; and
+    #: the wait a member never timed gets now (0: the configured timeout).
+    waits_stretched: int
+    slow_members: int
+    answer_wait_s: float
     suspects_raised: int
     suspects_seen: int  # members turned suspect in this node's view, whoever raised it (a suspicion heard counts)
     #: The members last turned suspect here (at most 16): peer ID -> when (Unix time), so that a suspicion refuted

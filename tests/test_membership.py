@@ -4,6 +4,7 @@ hostile sender. Deterministic seeds; simulated time only."""
 
 from __future__ import annotations
 
+import math
 import random
 
 from hypothesis import HealthCheck, given, settings
@@ -646,3 +647,97 @@ def test_a_joiner_answered_busy_backs_off_instead_of_asking_every_page_interval(
     # One request per join_page_s would be 120 in these 60 s; backing off up to join_busy_max_s it is a
     # handful plus one per 8 s at most.
     assert requests <= 6 + 60 / MembershipConfig().join_busy_max_s / 0.5
+
+
+def test_a_member_whose_answers_came_late_is_waited_for_as_long_as_they_take_and_no_longer() -> None:
+    """At a 64-daemon join on two cores the bootstrap node's acks took 1.5 to 3.3 s for 10 s, past the 2 s a
+    probe waits: a prober that had timed it so still suspected it at its next probe, and every view showed
+    it suspect. An answer's time, late ones included, now sets how long the member's next ping waits (TCP's
+    retransmission timer: smoothed time plus four deviations), at most ``max_answer_wait_s``; quick answers
+    bring it back to the configured timeouts, and a member that stops answering is still suspected."""
+    node = _node(period_s=1000.0, pushpull_s=1000.0)  # (no probe or push-pull of its own meanwhile)
+    _, ping = _probe_of(node.probe(2, 1.0))
+    assert [t for t, m in node.tick(1.6) if isinstance(m, PingReq)]  # as before: helpers asked at 0.5 s
+    node.receive(2.8, Ack(2, ping.seq, ()))  # its own ack, 1.8 s after the ping (within the probe's 2 s)
+    assert node.state_of(2) == ALIVE and math.isclose(node._answer_wait(2), 1.8 + 4 * 0.9)
+    # The next probe of 2 waits 5.4 s for the direct ack (before: helpers at 0.5 s, suspect at 2 s).
+    _, ping = _probe_of(node.probe(2, 10.0))
+    assert node.tick(11.0) == [] and node.tick(12.1) == []
+    assert node.state_of(2) == ALIVE and node.counters["indirect_probes"] == 1
+    node.receive(13.0, Ack(2, ping.seq, ()))  # 3 s late by the configured timeouts
+    assert node.counters["suspected"] == 0 and node.counters["acks"] == 2
+    # A member that stops answering is still suspected: the stretched direct wait, then the indirect stage.
+    _, ping = _probe_of(node.probe(2, 20.0))
+    wait = node._answer_wait(2)
+    assert node.tick(20.0 + wait - 0.01) == []
+    assert [t for t, m in node.tick(20.0 + wait) if isinstance(m, PingReq)]
+    node.tick(20.0 + wait + 1.5)
+    assert node.state_of(2) == SUSPECT and node.counters["suspected"] == 1
+    # Quick answers bring the wait back to the configured timeouts: the member is no longer held slow.
+    for i in range(40):
+        _, ping = _probe_of(node.probe(3, 100.0 + i))
+        node.receive(100.0 + i + 0.01, Ack(3, ping.seq, ()))
+    assert node._answer_wait(3) == 0.0 and 3 not in node._slow
+
+
+def test_an_answer_after_the_probe_gave_up_still_times_the_member_and_the_wait_is_capped() -> None:
+    node = _node(period_s=1000.0)
+    _, ping = _probe_of(node.probe(2, 1.0))
+    node.tick(1.6)
+    node.tick(3.1)
+    assert node.state_of(2) == SUSPECT
+    node.receive(31.0, Ack(2, ping.seq, ()))  # 30 s after the ping: the probe ended long ago
+    assert node._answer_wait(2) == node.config.max_answer_wait_s == 8.0
+    # Only the member asked times itself: an ack of the same seq from another member (a helper, a forger)
+    # times nobody.
+    _, ping = _probe_of(node.probe(3, 40.0))
+    node.receive(42.0, Ack(4, ping.seq, ()))
+    assert 3 not in node._slow and 4 not in node._slow
+
+
+def test_a_seed_that_answered_a_joiners_page_late_is_waited_for_at_the_joiners_first_probe() -> None:
+    """A joiner's first probe of its seed has no ack to go by, but its page request does: the seed's answer
+    (a page, or "busy") times it. At the 64-daemon join the seed answered its joiners late while they came."""
+    joiner = Membership(0, 0.0, random.Random(0), MembershipConfig(period_s=1000.0))
+    (seed, request), = joiner.join(1, 0.0)
+    assert seed == 1 and isinstance(request, SyncRequest)
+    joiner.receive(2.0, SyncReply(1, request.seq, 0, (), None, busy=True))  # 2 s after the request
+    _, ping = _probe_of(joiner.probe(1, 3.0))
+    assert math.isclose(joiner._probes[ping.seq].deadline_direct, 3.0 + 2.0 + 4 * 1.0)
+
+
+def test_the_answer_times_kept_are_bounded() -> None:
+    node = _node(members=2, max_slow_members=8)
+    node.preload(range(2, 300), 0.0)
+    for pid in range(2, 300):  # 298 members, each answering 3 s late
+        _, ping = _probe_of(node.probe(pid, float(pid)))
+        node.receive(pid + 3.0, Ack(pid, ping.seq, ()))
+    assert len(node._slow) == 8 and node.counters["slow_members_forgotten"] == 298 - 8
+    assert sorted(node._slow) == list(range(292, 300))  # the latest timed
+    for pid in range(2, 300):  # pings nobody answers: only the latest are remembered
+        node.probe(pid, 1000.0)
+    assert len(node._asked) == 64
+    node.tick(1010.0)
+    node.tick(1020.0)  # every probe over; the dead are forgotten with their times
+    assert len(node._asked) == 64
+
+
+def test_a_member_never_timed_is_waited_for_as_long_as_the_swarms_answers_take_now() -> None:
+    """At a 64-daemon join every member's answers came 1.5 to 6 s late while the machine was saturated, and
+    a prober's first ping of a member it had never timed was suspected as often as the bootstrap node. The
+    estimate over every answer stretches the wait for everyone while answers are slow, and quick answers
+    bring it back."""
+    node = _node(members=8, period_s=1000.0, pushpull_s=1000.0)
+    for pid in (1, 2, 3):  # three members answer 2 s late
+        _, ping = _probe_of(node.probe(pid, 10.0 * pid))
+        node.tick(10.0 * pid + 0.6)
+        node.receive(10.0 * pid + 2.0, Ack(pid, ping.seq, ()))
+    _, ping = _probe_of(node.probe(5, 40.0))  # never timed
+    assert node.tick(40.6) == [] and node.tick(42.1) == []  # before: helpers at 40.5, suspect at 42.0
+    node.receive(42.5, Ack(5, ping.seq, ()))
+    assert node.state_of(5) == ALIVE and node.counters["suspected"] == 0
+    for i in range(40):  # answers quick again: the configured timeouts hold for a member not held slow
+        _, ping = _probe_of(node.probe(6, 100.0 + i))
+        node.receive(100.0 + i + 0.01, Ack(6, ping.seq, ()))
+    _, ping = _probe_of(node.probe(7, 200.0))
+    assert [t for t, m in node.tick(200.5) if isinstance(m, PingReq)]

@@ -37,7 +37,9 @@ from p2p.wire import LibP2PByteStream, PlainFrameChannel
 # few retransmissions can all go elsewhere at N = 4 (CI, once: a node still held a member unknown after
 # 20 s); the push-pull is the protocol's bound on that, so it is scaled down with the rest.
 FAST = MembershipConfig(period_s=0.5, ack_timeout_s=0.4, probe_timeout_s=1.5, pushpull_s=5.0)
-SUSPECT_BOUND_S = 0.5 + FAST.probe_timeout_s  # the connection poll, then the probe's deadline
+# The connection poll, then the probe's deadlines: the direct one stretched (up to max_answer_wait_s) where
+# answers came slowly, as they may on a loaded machine, then the indirect stage.
+SUSPECT_BOUND_S = 0.5 + FAST.max_answer_wait_s + FAST.probe_timeout_s - FAST.ack_timeout_s
 GONE_BOUND_S = FAST.suspicion_max_mult * FAST.suspicion_mult * FAST.period_s
 SLACK_S = 10.0  # a loaded 2-core machine: the bounds are the protocol's, the slack is the event loop's
 

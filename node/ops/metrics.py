@@ -240,6 +240,7 @@ SWIM_COUNTERS = {
     "acks": ("swim_acks", "SWIM probes answered, directly or through helpers"),
     "alive_by_traffic": ("swim_alive_by_traffic", "SWIM probes unanswered in time that ended anyway: the member's "
                          "connection delivered other data since the ping"),
+    "waits_stretched": ("swim_waits_stretched", "SWIM pings that waited past the ack timeout for slow answers"),
     "suspects_raised": ("swim_suspects_raised", "SWIM probes that ended unanswered and made the member suspect"),
     "suspects_seen": ("swim_suspects_seen", "Members turned suspect in this node's view (raised here or heard)"),
     "no_evidence": ("swim_probes_no_evidence", "SWIM probes nobody could carry (no connection, no helper): no suspicion"),
@@ -254,6 +255,9 @@ SWIM_COUNTERS = {
 }
 SWIM_GAUGES = {
     "names": ("swim_names", "Peer names the SWIM service holds (bounded; dead members' names are reclaimed)"),
+    "slow_members": ("swim_slow_members", "Members whose answers came slowly: their acks are waited for longer"),
+    "answer_wait_s": ("swim_answer_wait_seconds", "How long a ping of a member never timed waits now for its ack "
+                      "(0: the configured ack timeout; longer while the swarm answers slowly)"),
     "local_health": ("swim_local_health", "Lifeguard's local health score: 0 healthy; timeouts are x (1 + it)"),
     "loop_lag_max_s": ("swim_loop_lag_max_seconds", "The most the SWIM timer loop woke late (a starved event loop)"),
 }

@@ -48,6 +48,16 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   every newcomer suspected it, and in three failed probes of four the seed's connection had delivered
   other data during the probe. A crashed member sends nothing and a hung one nothing new: both are
   probed, and suspected, as before.
+* **Slow answers are waited for as long as they take** (TCP's retransmission timer, RFC 6298). Every
+  answer to a request of this node (an ack of its ping, a sync reply, "busy" included, and a late answer
+  after the probe gave up) times the member that gave it, and the swarm as a whole; where the smoothed
+  time plus four mean deviations, of that member's answers or of everyone's, passes the ack timeout, the
+  next direct ping of the member waits that long (at most ``max_answer_wait_s``) before helpers are asked,
+  and the final deadline moves with it. Why: at a 64-daemon join on two cores the members' answers took
+  1.5 to 6 s for ten seconds (the bootstrap node's the longest), their connections silent meanwhile (so
+  traffic was no evidence), and each run a prober suspected one of them; the claim reached every view. A
+  joiner times its seed by the join's page request. Only slow members are held one by one (at most
+  ``max_slow_members``): a member answering in time costs nothing.
 * **Dissemination.** Every state change (alive / suspect / dead claims) enters a bounded broadcast queue
   and rides on the probe traffic (pings, ping-reqs and acks) already being sent, the least transmitted
   first, each retransmitted ``retransmit_mult x ceil(log10(N + 1))`` times, at most ``max_updates`` updates
@@ -161,7 +171,7 @@ __all__ = [
 UNKNOWN, ALIVE, SUSPECT, DEAD = 0, 1, 2, 3
 STATE_NAMES = {UNKNOWN: "unknown", ALIVE: "alive", SUSPECT: "suspect", DEAD: "dead"}
 
-#: Most an incarnation#: Most an incarnation (or progress version) may run ahead of what this node holds: an honest member raises
+#: Most an incarnation (or progress version) may run ahead of what this node holds: an honest member raises
 #: its own by one per refutation; a claim far ahead is a replay from another life or a game, and adopting it
 #: would let one sender burn the counter.
 MAX_INCARNATION_JUMP = 1 << 16
@@ -169,6 +179,10 @@ MAX_INCARNATION_JUMP = 1 << 16
 
 #: The hash space joiners page through (see :class:`Registry`).
 BUCKETS = 1 << 16
+
+#: Requests remembered for timing their answers (see :meth:`Membership._sample`): a few seconds of a node's
+#: pings, relayed pings and sync requests.
+MAX_ASKED = 64
 
 
 def bucket_of(name: str) -> int:
@@ -261,6 +275,17 @@ class MembershipConfig:
     sync_serve_per_s: float = 4.0  # pages this node serves per second at most (token bucket)
     max_relays: int = 32  # indirect probes this node runs for others at once
     max_local_health: int = 8  # Lifeguard's local health score caps here: timeouts and period x (1 + score)
+    max_answer_wait_s: float = 8.0  # a slow member's direct ack is waited for at most this long (see _sample)
+    max_slow_members: int = 256  # members whose answer times this node keeps (only slow ones are kept)
+
+
+def _smoothed(est: tuple[float, float] | None, took: float) -> tuple[float, float]:
+    """RFC 6298's estimator: (smoothed time, mean deviation) after one more sample ``took`` (the first sets
+    the time, and half of it the deviation; then gains 1/8 and 1/4)."""
+    if est is None:
+        return took, took / 2
+    srtt, var = est
+    return 0.875 * srtt + 0.125 * took, 0.75 * var + 0.25 * abs(srtt - took)
 
 
 @dataclass(slots=True)
@@ -413,6 +438,14 @@ class Membership:
         self._suspicions: dict[int, _Suspicion] = {}
         self._probes: dict[int, _Probe] = {}
         self._relays: dict[int, _Relay] = {}  # our seq -> the indirect probe we run for another member
+        #: Our requests that the member asked answers itself (pings, sync requests), by seq: (member, when sent),
+        #: the latest ``MAX_ASKED``; kept after a probe ends, so that a late answer still times the member.
+        self._asked: dict[int, tuple[int, float]] = {}
+        #: Members whose answers came slowly: (smoothed answer time, its mean deviation), at most
+        #: ``max_slow_members``; a member answering within the ack timeout is not kept (see :meth:`_sample`).
+        self._slow: dict[int, tuple[float, float]] = {}
+        #: The same estimate over every answer from any member: how slowly the swarm answers this node now.
+        self._overall: tuple[float, float] | None = None
         self._seq = 0
         self._queue = _Queue(self.config.max_queue)
         self._progress_queue = _Queue(self.config.max_progress_queue)
@@ -523,6 +556,9 @@ class Membership:
         self._silent.discard(pid)
         self._unverified.discard(pid)
         self._lonely.pop(pid, None)
+        self._slow.pop(pid, None)
+        for seq in [seq for seq, (member, _) in self._asked.items() if member == pid]:
+            del self._asked[seq]
         self._probed[pid] = -math.inf
         self._suspicions.pop(pid, None)
         for seq in [seq for seq, p in self._probes.items() if p.target == pid]:
@@ -566,6 +602,16 @@ class Membership:
         if pid >= len(self._state) or self._pver[pid] == 0:
             return None
         return Progress(pid, self._pver[pid], self._pstep[pid], self._ploss[pid], self._psps[pid])
+
+    @property
+    def slow_members(self) -> int:
+        """Members held slow: their answers' estimate stretches the wait for their acks (see :meth:`_answer_wait`)."""
+        return len(self._slow)
+
+    def answer_wait(self) -> float:
+        """How long a direct ping of a member never timed would wait now: 0 where the configured ack timeout
+        holds, else what every member's answers took lately (see :meth:`_answer_wait`), for status."""
+        return self._wait_by(self._overall)
 
     @property
     def size(self) -> int:
@@ -667,6 +713,7 @@ class Membership:
         self._join_next = now + self.config.sync_timeout_s  # resent if unanswered
         self.counters["join_pages_asked"] += 1
         until = min(self._join_cursor + self._join_span, BUCKETS)
+        self._ask(self._seq, server, now)
         return [(server, SyncRequest(self.me, self._seq, self._join_cursor, (Alive(self.me, self.incarnation),),
                                      until=until))]
 
@@ -761,7 +808,7 @@ class Membership:
                 out.extend(self._start_probe(target, now))
         if now >= self._next_pushpull:
             self._next_pushpull = now + self.config.pushpull_s
-            out.extend(self._pushpull())
+            out.extend(self._pushpull(now))
         return out
 
     def probe_target(self, seq: int) -> int | None:
@@ -818,6 +865,7 @@ class Membership:
                 break
             self._seq += 1
             self.counters["lookups"] += 1
+            self._ask(self._seq, server[0], now)
             bucket = self._bucket(pid)
             ours = self._entry(pid) if state != SUSPECT else None
             out.append((server[0], SyncRequest(self.me, self._seq, bucket, (ours,) if ours is not None else (),
@@ -858,16 +906,82 @@ class Membership:
         self.counters["probes"] += 1
         self._probed[target] = now
         ok = self.can_probe
+        c = self.config
         scale = 1 + self.local_health
-        self._probes[self._seq] = _Probe(target, now + scale * self.config.ack_timeout_s,
-                                         now + scale * self.config.probe_timeout_s, direct=ok is None or ok(target),
-                                         sent=now)
+        direct = max(scale * c.ack_timeout_s, self._answer_wait(target))  # (the latter: see _answer_wait)
+        final = direct + scale * (c.probe_timeout_s - c.ack_timeout_s)
+        self._probes[self._seq] = _Probe(target, now + direct, now + final, direct=ok is None or ok(target), sent=now)
+        self._ask(self._seq, target, now)
         updates = self._piggyback()
         if now < self._announce_until and not any(u.member == self.me for u in updates):
             # A joiner introduces itself to every member it probes at first: whoever its gossip
             # missed learns of it from the probe, and spreads the news again.
             updates = (Alive(self.me, self.incarnation), *updates[:self.config.max_updates - 1])
         return [(target, Ping(self.me, self._seq, target, updates))]
+
+    # ------------------------------------------------------------------------------ answer times
+
+    def _ask(self, seq: int, member: int, now: float) -> None:
+        """Remember that request ``seq`` to ``member`` went now (the latest ``MAX_ASKED`` are kept)."""
+        self._asked[seq] = (member, now)
+        if len(self._asked) > MAX_ASKED:
+            del self._asked[next(iter(self._asked))]  # the oldest (seqs are asked in order)
+
+    def _answered(self, seq: int, sender: int, now: float) -> None:
+        """``sender`` answered our request ``seq`` (in time or not): time it."""
+        asked = self._asked.get(seq)
+        if asked is not None and asked[0] == sender:
+            del self._asked[seq]
+            self._sample(sender, now - asked[1])
+
+    def _sample(self, pid: int, took: float) -> None:
+        """One answer of ``pid`` took ``took`` seconds: update its estimate, TCP's retransmission timer's
+        (RFC 6298: a smoothed time and its mean deviation, gains 1/8 and 1/4; the first sample sets the time,
+        and half of it the deviation), and the estimate over every member's answers. A member is held one by
+        one only from an answer past the ack timeout, and dropped once its estimate is within it (no longer
+        wait needed); where ``max_slow_members`` are held, the one timed longest ago goes."""
+        c = self.config
+        self._overall = _smoothed(self._overall, took)
+        est = self._slow.pop(pid, None)
+        if est is None and took <= c.ack_timeout_s:
+            return  # (in time: not held, so a WAN's round trips cost nothing, the simulation's 10,000 views included)
+        srtt, var = _smoothed(est, took)
+        if srtt + 4 * var <= c.ack_timeout_s:
+            return
+        self._slow[pid] = (srtt, var)  # (re)inserted last: the dict's order is the order of the latest samples
+        if len(self._slow) > c.max_slow_members:
+            del self._slow[next(iter(self._slow))]
+            self.counters["slow_members_forgotten"] += 1
+
+    def _answer_wait(self, pid: int) -> float:
+        """How long a direct ping of ``pid`` may wait for its ack by what answers took so far: the smoothed
+        answer time plus four mean deviations, of ``pid``'s answers where it is held slow, and of every
+        member's (the larger), at most ``max_answer_wait_s``; 0 where that is within the ack timeout (the
+        configured timeouts hold).
+
+        Why: on a starved machine a busy member answers, late. At a 64-daemon join on two cores the bootstrap
+        node's acks took 1.5 to 3.3 s for 10 s (the probe gives up at 2 s), and a prober that had timed it so
+        still suspected it at its next probe, and the suspicion spread to every view. A member held slow
+        costs its death being found later by the difference (at most ``max_answer_wait_s`` plus the
+        indirect stage), by probers that timed it slow, and the estimate follows its answers back down once
+        they are quick.
+
+        Every member's answers too: in that join every member's answers came late (a tenth of them past 3 to
+        6 s), and a prober's first ping of a member, which it had never timed, was suspected as often as
+        the bootstrap node. A machine that answers slowly stretches its probes of everyone until its
+        answers are quick again, as Lifeguard's local health does for a node that fails to hear in time. A
+        hostile member answering late can so delay the detection of others' deaths by this node, by at
+        most ``max_answer_wait_s``, and only while its late answers outweigh the others' quick ones."""
+        wait = self._wait_by(self._slow.get(pid), self._overall)
+        if wait:
+            self.counters["waits_stretched"] += 1
+        return wait
+
+    def _wait_by(self, *estimates: tuple[float, float] | None) -> float:
+        """The largest smoothed time plus four deviations of ``estimates``, at most ``max_answer_wait_s``; 0
+        where that is within the ack timeout."""
+        wait = max((srtt + 4 * var for srtt, var in filter(None, estimates)), default=0.0)
+        return 0.0 if wait <= self.config.ack_timeout_s else min(self.config.max_answer_wait_s, wait)
 
     def _next_target(self, now: float) -> int | None:
         state, size = self._state, len(self._state)
@@ -1013,7 +1127,7 @@ class Membership:
         entries = [e for e in (self._entry(pid) for _, pid in found) if e is not None]
         return entries, (-1 if nxt >= BUCKETS else nxt)
 
-    def _pushpull(self) -> Sends:
+    def _pushpull(self, now: float) -> Sends:
         self._pushpulls += 1
         partner: int | None = None
         if self._pushpulls % self.config.pushpull_dead_every == 0:
@@ -1029,6 +1143,7 @@ class Membership:
         self._pp_cursor = 0 if nxt < 0 else nxt
         self._seq += 1
         self.counters["pushpulls"] += 1
+        self._ask(self._seq, partner, now)
         return [(partner, SyncRequest(self.me, self._seq, -1, (Alive(self.me, self.incarnation), *entries),
                                       self._entry(partner)))]
 
@@ -1063,11 +1178,13 @@ class Membership:
                 self.counters["relays_refused"] += 1
             elif self._is_member(sender):
                 self._seq += 1
-                self._relays[self._seq] = _Relay(sender, message.seq, message.target, now,
-                                                 now + self.config.probe_timeout_s,
+                wait = self.config.probe_timeout_s + self._answer_wait(message.target)
+                self._relays[self._seq] = _Relay(sender, message.seq, message.target, now, now + wait,
                                                  now + self.config.ack_timeout_s / 2 if self.heard_since else math.inf)
+                self._ask(self._seq, message.target, now)
                 out.append((message.target, Ping(self.me, self._seq, message.target, self._piggyback())))
         elif isinstance(message, Ack):
+            self._answered(message.seq, sender, now)
             probe = self._probes.get(message.seq)
             if probe is not None and (sender == probe.target or probe.indirect):
                 del self._probes[message.seq]
@@ -1093,6 +1210,7 @@ class Membership:
             # how the halves find out): refute. A stranger's claims about us are not worth an incarnation.
             self._about_me(you, now)
         if isinstance(message, SyncReply):
+            self._answered(message.seq, sender, now)
             if message.seq == self._join_seq and sender == self._join_server:
                 if message.busy:
                     # Another member, soon; but a joiner whose only reachable member is a busy seed (in a
