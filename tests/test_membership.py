@@ -673,11 +673,28 @@ def test_a_member_whose_answers_came_late_is_waited_for_as_long_as_they_take_and
     assert [t for t, m in node.tick(20.0 + wait) if isinstance(m, PingReq)]
     node.tick(20.0 + wait + 1.5)
     assert node.state_of(2) == SUSPECT and node.counters["suspected"] == 1
+    # A direct ack that cannot come is not waited for: with no connection to the slow member, or once it
+    # drops, its helpers are asked at the ack timeout, as for any member.
+    node.receive(30.0, Ping(2, 1, 0))  # (it lives: refuted, alive again)
+    node.receive(30.0, Ack(2, 99, (Alive(2, 1),)))
+    assert node.state_of(2) == ALIVE and node._answer_wait(2) > 2.0
+    connected = {1, 2, 3, 4}
+    node.can_probe = lambda pid: pid in connected
+    connected.discard(2)
+    node.probe(2, 40.0)
+    assert [t for t, m in node.tick(40.5) if isinstance(m, PingReq)]
+    assert node._answer_wait(3) > 2.0  # (while every answer came late, member 3's is waited for too)
+    node.probe(3, 45.0)
+    assert node.tick(45.5) == []  # connected: its ack is waited for
+    connected.discard(3)  # and then its connection drops
+    assert [t for t, m in node.tick(45.6) if isinstance(m, PingReq)]
+    node.tick(48.0)  # (its helpers silent: suspect, as before)
     # Quick answers bring the wait back to the configured timeouts: the member is no longer held slow.
+    node.can_probe = None
     for i in range(40):
-        _, ping = _probe_of(node.probe(3, 100.0 + i))
-        node.receive(100.0 + i + 0.01, Ack(3, ping.seq, ()))
-    assert node._answer_wait(3) == 0.0 and 3 not in node._slow
+        _, ping = _probe_of(node.probe(2, 100.0 + i))
+        node.receive(100.0 + i + 0.01, Ack(2, ping.seq, ()))
+    assert node._answer_wait(2) == 0.0 and 2 not in node._slow
 
 
 def test_an_answer_after_the_probe_gave_up_still_times_the_member_and_the_wait_is_capped() -> None:

@@ -297,6 +297,7 @@ class _Probe:
     direct: bool = True  # the direct ping could go (the target is one this node may send to)
     helpers: int = 0  # indirect probes sent
     sent: float = 0.0  # when the direct ping went (evidence of life since then counts: see heard_since)
+    stretch: float = 0.0  # how much longer than the ack timeout the direct ack is waited for (see _answer_wait)
 
 
 @dataclass(slots=True)
@@ -746,6 +747,9 @@ class Membership:
         for seq, p in list(self._probes.items()):
             if p.direct and ok is not None and not ok(p.target):
                 p.direct = False  # its connection dropped meanwhile: the ping may never have arrived
+                if not p.indirect:  # so its ack is not waited for longer: the helpers are asked now
+                    p.deadline_direct -= p.stretch
+                    p.deadline -= p.stretch
             if (now >= p.deadline_direct or now >= p.deadline) and heard is not None and heard(p.target, p.sent):
                 # No ack in time, but the member sent this node something else since the ping went: its
                 # process runs, and its answers wait behind its other traffic (see the module docstring).
@@ -908,9 +912,12 @@ class Membership:
         ok = self.can_probe
         c = self.config
         scale = 1 + self.local_health
-        direct = max(scale * c.ack_timeout_s, self._answer_wait(target))  # (the latter: see _answer_wait)
-        final = direct + scale * (c.probe_timeout_s - c.ack_timeout_s)
-        self._probes[self._seq] = _Probe(target, now + direct, now + final, direct=ok is None or ok(target), sent=now)
+        can = ok is None or ok(target)
+        # A slow member's direct ack is waited for longer (see _answer_wait); one that cannot go, not at all.
+        stretch = max(0.0, self._answer_wait(target) - scale * c.ack_timeout_s) if can else 0.0
+        direct = scale * c.ack_timeout_s + stretch
+        self._probes[self._seq] = _Probe(target, now + direct, now + direct + scale * (c.probe_timeout_s - c.ack_timeout_s),
+                                         direct=can, sent=now, stretch=stretch)
         self._ask(self._seq, target, now)
         updates = self._piggyback()
         if now < self._announce_until and not any(u.member == self.me for u in updates):
