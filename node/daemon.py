@@ -263,6 +263,7 @@ class Daemon:
             # A connection that delivers nothing is dropped and redialed once every connection is silent
             # (p2p/connmgr.py, SILENT_S): SWIM's probes, answered within seconds, are what says it delivers.
             self.swim.on_heard = self.connmgr.heard_from
+            self.swim.redial = self.connmgr.redial
             self.replicator.on_heard = self.connmgr.heard_from
             self.connmgr.silent_after = SILENT_S
             self.connmgr.stranded = self._stranded

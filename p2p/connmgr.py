@@ -467,6 +467,19 @@ class ConnManager:
             except Exception as e:  # a peer already gone is fine
                 log.debug("disconnect %s: %s", peer_id, e)
 
+    async def redial(self, peer_id: ID) -> bool:
+        """Dial ``peer_id`` now, whatever its back-off, and say whether it is connected after (at most
+        ``dial_timeout``; a failure backs off as any dial's). SWIM asks this before it takes a dropped
+        connection for news of the member (node/swarm/swim_service.py). False at once for a peer that is no
+        candidate with addresses, or is being dialled."""
+        cand = self.candidates.get(peer_id)
+        if cand is None or not cand.addrs or peer_id in self._dialing:
+            return False
+        self._dialing.add(peer_id)  # (_dial takes it out)
+        cand.last_dialed = self.clock()
+        await self._dial(cand)
+        return peer_id in self.connected()
+
     def _forget_failed_dial(self, peer_id: ID) -> None:
         """Take ``peer_id`` out of py-libp2p's negative cache before our own dial of it.
 

@@ -592,3 +592,21 @@ async def test_a_connections_network_group_is_read_once_not_on_every_tick() -> N
         mgr._tick(nursery)
         mgr._tick(nursery)
     assert reads.count(peer(1)) == 2
+
+
+async def test_swims_redial_dials_a_member_at_once_whatever_its_back_off_and_says_if_it_is_connected() -> None:
+    """SWIM asks the connection manager to dial a member whose connection ended under it before it takes the
+    drop for news (node/swarm/swim_service.py): now, not after the back-off a fresh connection's close earns;
+    True only when connected after; False at once for a peer it has no address of."""
+    clock, host, dials, mgr, boot = _newcomer()
+    mgr.candidates[boot].next_attempt = clock.t + 600  # backing off after a close
+    assert await mgr.redial(boot) is True
+    assert dials == [clock.t] and boot in host.peers and mgr.candidates[boot].next_attempt == 0.0
+    assert await mgr.redial(peer(7)) is False  # no candidate, no address
+    host.peers.pop(boot)
+
+    async def refused(info: PeerInfo) -> None:
+        raise OSError("connection refused")
+
+    mgr.dial = refused
+    assert await mgr.redial(boot) is False and mgr.candidates[boot].failures == 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,7 @@ from node.config.load import NodeConfig
 from node.swarm.crdt import MemberState, SwarmState, peer_id_of
 from node.swarm.membership import MembershipConfig
 from node.swarm.replicator import StateReplicator
-from node.swarm.swim_service import PROTOCOL_ID, SwimService
+from node.swarm.swim_service import PROTOCOL_ID, REDIAL_S, SwimService
 from p2p.connmgr import ConnManager
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, PlainFrameChannel
@@ -762,3 +762,57 @@ async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_withou
                 assert heard is not None and m["last_seen"] == pytest.approx(heard, abs=2.0), (m, heard)
         for d in daemons:
             d.stop()
+
+
+def _redial_to(node: Node, addrs: dict[str, Any]) -> Callable[[Any], Awaitable[bool]]:
+    """A ``redial`` for ``node`` as the daemon wires it (the connection manager dials the member's known
+    address and says whether it is connected after), over ``addrs`` (peer name -> multiaddr)."""
+    async def redial(peer: Any) -> bool:
+        try:
+            await node.host.connect(info_from_p2p_addr(addrs[peer.to_base58()]))
+        except Exception:
+            return False
+        return peer in node.host.get_connected_peers()
+    return redial
+
+
+async def test_a_connection_that_ends_under_both_nodes_is_no_news_where_the_member_answers_a_new_dial() -> None:
+    """At 64-daemon joins connections ended under both of their nodes (py-libp2p's muxer ending on both sides,
+    no close by either connection manager) and each node probed the other through helpers not connected to
+    it: a pair of live members held each other suspect in every view. A node now dials the member again
+    first: connected, the drop is no news (``redialled``), and no probe is started."""
+    async with swarm() as s:
+        a, b, a_id, b_id = await _two_ready(s)
+        addrs = {n.name: n.host.get_addrs()[0] for n in (a, b)}
+        a.swim.redial = _redial_to(a, addrs)
+        b.swim.redial = _redial_to(b, addrs)
+        await b.host.disconnect(a_id)  # ended under both: neither told SWIM it was closing it
+        await eventually(lambda: a.swim.counters["redialled"] + a.swim.counters["disconnect_probes"] >= 1
+                         and b.swim.counters["redialled"] + b.swim.counters["disconnect_probes"] >= 1,
+                         "both saw the drop and dialled again", timeout=SLACK_S,
+                         detail=lambda: (dict(a.swim.counters), dict(b.swim.counters)))
+        assert a.swim.counters["redialled"] == b.swim.counters["redialled"] == 1
+        assert a.swim.counters["disconnect_probes"] == b.swim.counters["disconnect_probes"] == 0
+        assert a_id in b.host.get_connected_peers()
+        assert a.swim.core.counters["suspected"] == b.swim.core.counters["suspected"] == 0
+
+
+async def test_a_dropped_member_that_a_new_dial_does_not_reach_within_its_bound_is_probed_as_before() -> None:
+    """The other side of the redial: a member whose host is gone makes the new dial hang; after ``REDIAL_S``
+    the drop is news as it was, and the member is probed (here with nobody else to ask: no evidence)."""
+    async with swarm() as s:
+        a, b, a_id, b_id = await _two_ready(s)
+        dials: list[Any] = []
+
+        async def hangs(peer: Any) -> bool:  # a dial to a host that is gone: no answer at all
+            dials.append(peer)
+            await trio.sleep_forever()
+            return False
+
+        a.swim.redial = hangs
+        started = trio.current_time()
+        await b.host.disconnect(a_id)
+        await eventually(lambda: a.swim.counters["disconnect_probes"] == 1, "a probed b after the dial's bound",
+                         timeout=REDIAL_S + SLACK_S, detail=lambda: dict(a.swim.counters))
+        assert trio.current_time() - started >= REDIAL_S
+        assert dials == [b_id] and a.swim.counters["redialled"] == 0 and not a.swim._redialing

@@ -22,7 +22,12 @@ Transport (docs/benchmarks.md, "Scale: SWIM's transport"): one long-lived stream
   ping cannot go out, the indirect ones go through helpers; if none of them reaches it either, it becomes
   suspect, then dead after SWIM's suspicion timeout (a live member refutes as soon as the suspicion reaches
   it through any connection it has). Without this, a member that died took its connections with it and
-  nobody would probe it again. Three exceptions, since none is evidence of death: a connection this node
+  nobody would probe it again. First, though, the member is dialled again (``SwimService.redial``, at most
+  ``REDIAL_S``): a connection made with it proves it alive (its key answered the handshake), and only a
+  failed dial makes the drop news. Why: at 64-daemon joins connections ended under both of their nodes
+  (py-libp2p's muxer ending on both sides, seconds apart, with no close by either connection manager), and
+  each probed the other through helpers not connected to it; a pair of live members held each other
+  suspect, in every view, until they refuted. Three exceptions, since none is evidence of death: a connection this node
   closed itself (the connection manager's cap: ``tell_closing``, wired to ``ConnManager.on_closing``) is
   not probed, and its probes under way are dropped; a connection on which the SWIM streams never came up
   is not probed either (a peer that dialled and gave up mid-handshake: py-libp2p registered the
@@ -76,7 +81,7 @@ import math
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
@@ -118,6 +123,9 @@ CLOSING_SEQ = 0  # an Ack of this sequence number is a closing notice (no probe 
 #: their connection to it after 1 s took its notice with the connection (never read), and it probed each of them
 #: as news, through helpers not connected to them, and turned live members suspect after the join.
 CLOSING_WAIT_S = 5.0
+#: How long a dropped connection's member may take to be dialled again before the drop is news (see
+#: SwimService.redial): a crashed process refuses at once; a host gone makes the dial wait this long.
+REDIAL_S = 3.0
 RECENT_SUSPECTS = 16  # members last turned suspect here, kept for the status (``recent_suspects``)
 CONNECTIONS_POLL_S = 0.5  # how often the connected set is read (a new or a dropped connection)
 LAG_ALLOWANCE_S = 0.05  # a timer loop this late is on time (scheduling noise, a message being handled)
@@ -140,8 +148,9 @@ ED25519_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])  # identity multiha
 DROP_REASONS = ("not_connected", "no_stream", "outbox_full", "too_large")
 #: Connections that dropped and closing notices (``status["swim"]["closes"]``): drops taken as a close (this
 #: node's own, or at the peer's notice), drops probed as news, drops of connections whose SWIM streams never
-#: came up (not news), notices sent, notices received (not answers).
-CLOSE_COUNTERS = ("closed_here", "disconnect_probes", "unready_drops", "closing_notices_sent",
+#: came up (not news), drops whose member was dialled again at once (not news), notices sent, notices
+#: received (not answers).
+CLOSE_COUNTERS = ("closed_here", "disconnect_probes", "unready_drops", "redialled", "closing_notices_sent",
                   "closing_notices_received")
 
 _STATES = {ALIVE: MemberState.ALIVE, SUSPECT: MemberState.SUSPECT, DEAD: MemberState.GONE}
@@ -206,6 +215,10 @@ class SwimService:
         #: Called with each peer a message arrived from: its connection delivers (the daemon wires the
         #: connection manager's ``heard_from``, which drops connections that deliver nothing).
         self.on_heard: Callable[[ID], None] | None = None
+        #: Awaited (at most ``REDIAL_S``) before a dropped connection counts as news: dial the member again, True
+        #: if connected after (the daemon wires the connection manager's ``redial``). None: probed at once.
+        self.redial: Callable[[ID], Awaitable[bool]] | None = None
+        self._redialing: set[ID] = set()
         self._notices: dict[ID, trio.Event] = {}  # closes waiting for the peer's notice back (tell_closing)
         #: Members last turned suspect here (any accuser): peer -> wall time, the last ``RECENT_SUSPECTS``, so
         #: that a suspicion refuted between two status reads still shows (``status["swim"]["recent_suspects"]``).
@@ -654,11 +667,39 @@ class SwimService:
                     # the member; members whose streams to it were up probe it when their connections drop.
                     self.counters["unready_drops"] += 1
                 elif pid is not None:
-                    self.counters["disconnect_probes"] += 1
-                    self._disconnected_at[pid] = now
-                    self._dispatch(self.core.probe(pid, now))
-                    self._wake()
+                    self._dropped(peer, pid, now)
             await trio.sleep(CONNECTIONS_POLL_S)
+
+    def _dropped(self, peer: ID, pid: int, now: float) -> None:
+        """A connection to member ``pid`` dropped that neither side closed knowingly: dial it again first
+        (:attr:`redial`), and probe it only if that fails."""
+        if self.redial is None or self._nursery is None:
+            self._probe_dropped(pid, now)
+        elif peer not in self._redialing:
+            self._redialing.add(peer)
+            self._nursery.start_soon(self._redial_or_probe, peer, self.redial)
+
+    def _probe_dropped(self, pid: int, now: float) -> None:
+        self.counters["disconnect_probes"] += 1
+        self._disconnected_at[pid] = now
+        self._dispatch(self.core.probe(pid, now))
+        self._wake()
+
+    async def _redial_or_probe(self, peer: ID, redial: Callable[[ID], Awaitable[bool]]) -> None:
+        back = False
+        try:
+            with trio.move_on_after(REDIAL_S):
+                back = await redial(peer)
+        except Exception as exc:  # whatever a dial raises must not end the service: the probe decides
+            log.debug("redial of %s: %r", peer, exc)
+        finally:
+            self._redialing.discard(peer)
+        if back:
+            self.counters["redialled"] += 1
+            return
+        pid = self._ids.get(peer.to_bytes())
+        if pid is not None:
+            self._probe_dropped(pid, trio.current_time())
 
     def _opens_first(self, peer: ID) -> bool:
         """Whether to open our stream to a newly connected ``peer`` at once, rather than when its own stream
