@@ -816,3 +816,31 @@ async def test_a_dropped_member_that_a_new_dial_does_not_reach_within_its_bound_
                          timeout=REDIAL_S + SLACK_S, detail=lambda: dict(a.swim.counters))
         assert trio.current_time() - started >= REDIAL_S
         assert dials == [b_id] and a.swim.counters["redialled"] == 0 and not a.swim._redialing
+
+
+async def test_a_probe_under_way_when_its_connection_ends_waits_for_the_redial_not_for_helpers() -> None:
+    """A probe of b by a is under way when their connection ends under them: its direct path is gone, and its
+    helper (c, not connected to b) could not reach b either. Before, the probe went on through c and turned
+    b suspect while a's new dial of b was under way (bootstrap node, 64-daemon join); now it is dropped and
+    the redial decides: connected again, no suspicion."""
+    async with swarm() as s:
+        a, b, a_id, b_id = await _two_ready(s)
+        c = await s.add()
+        await s.connect((c, a))
+        await eventually(lambda: c.host.get_id() in a.swim._ready and sees(a, c, MemberState.ALIVE),
+                         "c's streams with a up", timeout=15)
+        addrs = {n.name: n.host.get_addrs()[0] for n in (a, b)}
+        dial = _redial_to(a, addrs)
+
+        async def slow(peer: Any) -> bool:  # a starved machine: the new dial takes longer than the probe
+            await trio.sleep(FAST.probe_timeout_s + 1.0)
+            return await dial(peer)
+
+        a.swim.redial = slow
+        b_pid = a.swim._ids[b_id.to_bytes()]
+        a.swim.core.probe(b_pid, trio.current_time())  # under way (its ping not sent: b will not answer it)
+        await b.host.disconnect(a_id)
+        await eventually(lambda: a.swim.counters["redialled"] == 1, "a dialled b again", timeout=REDIAL_S + SLACK_S,
+                         detail=lambda: (dict(a.swim.counters), dict(a.swim.core.counters)))
+        assert a.swim.core.counters["probes_abandoned"] == 1 and a.swim.core.counters["suspected"] == 0
+        assert a.swim.counters["disconnect_probes"] == 0 and sees(a, b, MemberState.ALIVE)

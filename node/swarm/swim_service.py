@@ -672,10 +672,13 @@ class SwimService:
 
     def _dropped(self, peer: ID, pid: int, now: float) -> None:
         """A connection to member ``pid`` dropped that neither side closed knowingly: dial it again first
-        (:attr:`redial`), and probe it only if that fails."""
+        (:attr:`redial`), and probe it only if that fails. A probe of it under way lost its direct path with
+        the connection: it is dropped, and the redial decides (a 64-daemon join had one turn the member
+        suspect through helpers not connected to it while the redial was under way)."""
         if self.redial is None or self._nursery is None:
             self._probe_dropped(pid, now)
         elif peer not in self._redialing:
+            self.core.abandon(pid)
             self._redialing.add(peer)
             self._nursery.start_soon(self._redial_or_probe, peer, self.redial)
 
