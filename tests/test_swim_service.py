@@ -784,16 +784,16 @@ async def test_a_connection_that_ends_under_both_nodes_is_no_news_where_the_memb
     async with swarm() as s:
         a, b, a_id, b_id = await _two_ready(s)
         addrs = {n.name: n.host.get_addrs()[0] for n in (a, b)}
+        # a dials again (b does not: were both to, the first connection back could come before the other's
+        # poll of its connections saw the drop at all).
         a.swim.redial = _redial_to(a, addrs)
-        b.swim.redial = _redial_to(b, addrs)
         await b.host.disconnect(a_id)  # ended under both: neither told SWIM it was closing it
-        await eventually(lambda: a.swim.counters["redialled"] + a.swim.counters["disconnect_probes"] >= 1
-                         and b.swim.counters["redialled"] + b.swim.counters["disconnect_probes"] >= 1,
-                         "both saw the drop and dialled again", timeout=SLACK_S,
+        await eventually(lambda: a.swim.counters["redialled"] + a.swim.counters["disconnect_probes"] >= 1,
+                         "a saw the drop and dialled b again", timeout=SLACK_S,
                          detail=lambda: (dict(a.swim.counters), dict(b.swim.counters)))
-        assert a.swim.counters["redialled"] == b.swim.counters["redialled"] == 1
-        assert a.swim.counters["disconnect_probes"] == b.swim.counters["disconnect_probes"] == 0
+        assert a.swim.counters["redialled"] == 1 and a.swim.counters["disconnect_probes"] == 0
         assert a_id in b.host.get_connected_peers()
+        # (b, which saw the drop too, probed a at once: with no member to ask, no evidence either way.)
         assert a.swim.core.counters["suspected"] == b.swim.core.counters["suspected"] == 0
 
 
