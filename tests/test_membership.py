@@ -697,6 +697,37 @@ def test_a_member_whose_answers_came_late_is_waited_for_as_long_as_they_take_and
     assert node._answer_wait(2) == 0.0 and 2 not in node._slow
 
 
+def test_a_wait_is_counted_stretched_only_where_the_estimate_outlasts_local_health_and_relays_wait_alike() -> None:
+    """``swim.waits_stretched`` counted every ping whose estimate passed the ack timeout, also where local
+    health's stretch was already longer (the wait no longer in fact); and a relayed ping added the whole
+    estimate to the probe timeout where a probe takes the larger of the estimate and the ack timeout."""
+    node = _node(period_s=1000.0, pushpull_s=1000.0)
+    _, ping = _probe_of(node.probe(2, 1.0))
+    node.receive(1.6, Ack(2, ping.seq, ()))  # 0.6 s: the estimate is 0.6 + 4 * 0.3 = 1.8 s
+    assert math.isclose(node._answer_wait(2), 1.8) and node.counters["waits_stretched"] == 0
+    node.local_health = 3  # its own timeouts x 4: the direct ack waited for 2 s, longer than the estimate
+    _, ping = _probe_of(node.probe(2, 10.0))
+    assert node.counters["waits_stretched"] == 0
+    node.receive(10.1, Ack(2, ping.seq, ()))
+    node.local_health = 0  # the estimate wins: counted
+    _, ping = _probe_of(node.probe(2, 20.0))
+    assert node.counters["waits_stretched"] == 1
+    node.receive(20.1, Ack(2, ping.seq, ()))
+    # A relayed ping of 2 (for member 3) is kept the probe timeout plus what the estimate adds past the ack
+    # timeout, as the probe's own stages are, for a late ack to be forwarded.
+    wait = node._answer_wait(2)
+    node.heard_since = None
+    (target, relayed), = node.receive(30.0, PingReq(3, 7, 2))
+    assert target == 2 and node.counters["waits_stretched"] == 2
+    deadline = 30.0 + node.config.probe_timeout_s + wait - node.config.ack_timeout_s
+    node.tick(deadline - 0.01)
+    assert node.receive(deadline - 0.01, Ack(2, relayed.seq, ())) == [(3, Ack(0, 7, ()))]
+    deadline = 40.0 + node.config.probe_timeout_s + node._answer_wait(2) - node.config.ack_timeout_s
+    (target, relayed), = node.receive(40.0, PingReq(3, 8, 2))
+    node.tick(deadline)  # (that late ack made the estimate longer: the deadline is taken anew)
+    assert node.receive(deadline + 0.01, Ack(2, relayed.seq, ())) == []
+
+
 def test_an_answer_after_the_probe_gave_up_still_times_the_member_and_the_wait_is_capped() -> None:
     node = _node(period_s=1000.0)
     _, ping = _probe_of(node.probe(2, 1.0))

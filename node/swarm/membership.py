@@ -915,6 +915,8 @@ class Membership:
         can = ok is None or ok(target)
         # A slow member's direct ack is waited for longer (see _answer_wait); one that cannot go, not at all.
         stretch = max(0.0, self._answer_wait(target) - scale * c.ack_timeout_s) if can else 0.0
+        if stretch:
+            self.counters["waits_stretched"] += 1  # (only where the estimate outlasts local health's stretch)
         direct = scale * c.ack_timeout_s + stretch
         self._probes[self._seq] = _Probe(target, now + direct, now + direct + scale * (c.probe_timeout_s - c.ack_timeout_s),
                                          direct=can, sent=now, stretch=stretch)
@@ -979,10 +981,7 @@ class Membership:
         answers are quick again, as Lifeguard's local health does for a node that fails to hear in time. A
         hostile member answering late can so delay the detection of others' deaths by this node, by at
         most ``max_answer_wait_s``, and only while its late answers outweigh the others' quick ones."""
-        wait = self._wait_by(self._slow.get(pid), self._overall)
-        if wait:
-            self.counters["waits_stretched"] += 1
-        return wait
+        return self._wait_by(self._slow.get(pid), self._overall)
 
     def _wait_by(self, *estimates: tuple[float, float] | None) -> float:
         """The largest smoothed time plus four deviations of ``estimates``, at most ``max_answer_wait_s``; 0
@@ -1185,7 +1184,12 @@ class Membership:
                 self.counters["relays_refused"] += 1
             elif self._is_member(sender):
                 self._seq += 1
-                wait = self.config.probe_timeout_s + self._answer_wait(message.target)
+                # The relayed ping waits as a probe's direct one does: the larger of the ack timeout and
+                # the estimate, then the rest of the probe timeout (so a late ack is still forwarded).
+                stretch = max(0.0, self._answer_wait(message.target) - self.config.ack_timeout_s)
+                if stretch:
+                    self.counters["waits_stretched"] += 1
+                wait = self.config.probe_timeout_s + stretch
                 self._relays[self._seq] = _Relay(sender, message.seq, message.target, now, now + wait,
                                                  now + self.config.ack_timeout_s / 2 if self.heard_since else math.inf)
                 self._ask(self._seq, message.target, now)
