@@ -369,9 +369,12 @@ def test_a_member_that_sent_other_data_since_the_ping_is_not_suspected_but_one_s
     last_data[3] = 6.0  # and what arrives before the final deadline counts too
     node.tick(7.1)
     assert node.state_of(3) == ALIVE and node.counters["alive_by_traffic"] == 2
-    node.probe(3, 8.0)  # silent since: suspected as before
-    node.tick(8.6)
-    node.tick(10.1)
+    # Silent since: suspected as before, once the ping of 5.0, still unanswered, has been waited for
+    # (see the pending-request test below: three times its 3 s, at most max_answer_wait_s).
+    node.probe(3, 8.0)
+    assert node.tick(8.6) == [] and node._answer_wait(3, 8.0) == node.config.max_answer_wait_s
+    assert [t for t, m in node.tick(16.0) if isinstance(m, PingReq)]
+    node.tick(17.5)
     assert node.state_of(3) == SUSPECT and node.counters["suspected"] == 1
 
 
@@ -440,8 +443,8 @@ def test_a_probe_that_fails_with_no_helper_to_ask_counts_against_this_nodes_heal
     assert node.tick(1.6) == []  # the direct deadline: no helper to ask
     node.tick(3.1)
     assert node.local_health == 1 and node.state_of(1) == ALIVE  # one such miss is no suspicion (next test)
-    _, ping = _probe_of(node.probe(1, 4.0))
-    assert node._probes[ping.seq].deadline == 4.0 + 2 * node.config.probe_timeout_s
+    _, ping = _probe_of(node.probe(1, 40.0))  # (past the time its unanswered ping of 1.0 is waited for)
+    assert node._probes[ping.seq].deadline == 40.0 + 2 * node.config.probe_timeout_s
     # With a helper asked, its silence is the evidence (it is connected too): this node's health is not
     # the question, as before.
     other = _node(members=3)
@@ -752,6 +755,38 @@ def test_a_seed_that_answered_a_joiners_page_late_is_waited_for_at_the_joiners_f
     joiner.receive(2.0, SyncReply(1, request.seq, 0, (), None, busy=True))  # 2 s after the request
     _, ping = _probe_of(joiner.probe(1, 3.0))
     assert math.isclose(joiner._probes[ping.seq].deadline_direct, 3.0 + 2.0 + 4 * 1.0)
+
+
+def test_a_member_with_a_request_still_unanswered_is_waited_for_at_least_as_long_as_that_request_waited() -> None:
+    """At a 64-daemon join the bootstrap node slowed down as the newcomers came: a newcomer whose estimate
+    of it was quick (one answer, in time) pinged it with the usual 2 s, while its page request of 5 s
+    before was still unanswered; the ping failed, the seed turned suspect, and its page and its ack came
+    4 to 8 s after they went. A request still pending is what the member's answers take now, at least."""
+    joiner = Membership(0, 0.0, random.Random(0), MembershipConfig(period_s=1000.0, pushpull_s=1000.0))
+    joiner.preload([1, 2, 3], 0.0)
+    _, ping = _probe_of(joiner.probe(1, 0.5))
+    joiner.receive(0.6, Ack(1, ping.seq, ()))  # quick: no estimate stretches anything
+    assert joiner._answer_wait(1, 1.0) == 0.0
+    joiner._seq += 1  # a page request to the seed at 1.0 (as join() asks it), never answered in this test
+    joiner._ask(joiner._seq, 1, 1.0)
+    _, ping = _probe_of(joiner.probe(1, 6.0))  # it has waited 5 s: three times that, at most 8 s
+    assert joiner._answer_wait(1, 6.0) == joiner.config.max_answer_wait_s
+    assert joiner.tick(6.6) == [] and joiner.tick(13.9) == []  # (before: helpers asked at 6.5, suspect at 8)
+    joiner.receive(13.5, Ack(1, ping.seq, ()))  # 7.5 s late, in time now
+    assert joiner.state_of(1) == ALIVE and joiner.counters["suspected"] == 0
+    # That answer came after the page request went: the request was lost (a member answers in order), so it
+    # stretches nothing any more; nor does a ping that could not go, nor a request older than the horizon.
+    assert joiner._pending_since(1, 14.0) is None
+    joiner.can_probe = lambda pid: pid != 2
+    joiner.probe(2, 20.0)  # (no connection: the ping cannot go)
+    assert joiner._pending_since(2, 21.0) is None
+    joiner.can_probe = None
+    joiner.tick(25.0)
+    joiner.receive(25.0, Ping(2, 1, 0))  # (it lives)
+    _, ping = _probe_of(joiner.probe(3, 30.0))  # never answered
+    assert joiner._pending_since(3, 35.0) == 30.0
+    horizon = joiner.config.max_answer_wait_s + joiner.config.probe_timeout_s
+    assert joiner._pending_since(3, 30.0 + horizon + 0.1) is None
 
 
 def test_the_answer_times_kept_are_bounded() -> None:

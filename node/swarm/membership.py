@@ -914,13 +914,14 @@ class Membership:
         scale = 1 + self.local_health
         can = ok is None or ok(target)
         # A slow member's direct ack is waited for longer (see _answer_wait); one that cannot go, not at all.
-        stretch = max(0.0, self._answer_wait(target) - scale * c.ack_timeout_s) if can else 0.0
+        stretch = max(0.0, self._answer_wait(target, now) - scale * c.ack_timeout_s) if can else 0.0
         if stretch:
             self.counters["waits_stretched"] += 1  # (only where the estimate outlasts local health's stretch)
         direct = scale * c.ack_timeout_s + stretch
         self._probes[self._seq] = _Probe(target, now + direct, now + direct + scale * (c.probe_timeout_s - c.ack_timeout_s),
                                          direct=can, sent=now, stretch=stretch)
-        self._ask(self._seq, target, now)
+        if can:  # (a ping that cannot go is no request the member could answer: see _pending_since)
+            self._ask(self._seq, target, now)
         updates = self._piggyback()
         if now < self._announce_until and not any(u.member == self.me for u in updates):
             # A joiner introduces itself to every member it probes at first: whoever its gossip
@@ -942,6 +943,11 @@ class Membership:
         if asked is not None and asked[0] == sender:
             del self._asked[seq]
             self._sample(sender, now - asked[1])
+            # A member answers our requests in the order they reached it (one stream), so its requests asked
+            # before this one and still unanswered were lost (a dropped connection took them): no longer
+            # pending (see _pending_since).
+            for older in [q for q, (member, sent) in self._asked.items() if member == sender and sent <= asked[1]]:
+                del self._asked[older]
 
     def _sample(self, pid: int, took: float) -> None:
         """One answer of ``pid`` took ``took`` seconds: update its estimate, TCP's retransmission timer's
@@ -962,7 +968,7 @@ class Membership:
             del self._slow[next(iter(self._slow))]
             self.counters["slow_members_forgotten"] += 1
 
-    def _answer_wait(self, pid: int) -> float:
+    def _answer_wait(self, pid: int, now: float | None = None) -> float:
         """How long a direct ping of ``pid`` may wait for its ack by what answers took so far: the smoothed
         answer time plus four mean deviations, of ``pid``'s answers where it is held slow, and of every
         member's (the larger), at most ``max_answer_wait_s``; 0 where that is within the ack timeout (the
@@ -980,8 +986,26 @@ class Membership:
         the bootstrap node. A machine that answers slowly stretches its probes of everyone until its
         answers are quick again, as Lifeguard's local health does for a node that fails to hear in time. A
         hostile member answering late can so delay the detection of others' deaths by this node, by at
-        most ``max_answer_wait_s``, and only while its late answers outweigh the others' quick ones."""
-        return self._wait_by(self._slow.get(pid), self._overall)
+        most ``max_answer_wait_s``, and only while its late answers outweigh the others' quick ones.
+
+        And a request still unanswered (at ``now``; see :meth:`_pending_since`): it has waited that long
+        already, so the member's answers take at least that long now, which no answer can say before it
+        comes. It counts as a first answer of that time would (RFC 6298: the time plus twice it as
+        deviation). Why: at a 64-daemon join the bootstrap node slowed down as the newcomers came; a newcomer
+        pinged it with a 2 s wait, its estimate quick from an earlier answer, while its page request of 5 s
+        before was still unanswered. Every such page and ack came, 4 to 8 s after it went."""
+        since = self._pending_since(pid, now) if now is not None else None
+        waited = (now - since, (now - since) / 2) if now is not None and since is not None else None
+        return self._wait_by(self._slow.get(pid), self._overall, waited)
+
+    def _pending_since(self, pid: int, now: float) -> float | None:
+        """When the oldest request of ours that ``pid`` has not answered yet went, or None. Requests are
+        remembered only while ``MAX_ASKED`` newer ones have not pushed them out, those asked before one the
+        member answered since are forgotten (it answers in order: they were lost), and one older than
+        ``max_answer_wait_s + probe_timeout_s`` is taken for lost, not slow: a dead member's last requests
+        stretch its probes by at most ``max_answer_wait_s``, for that long."""
+        horizon = now - self.config.max_answer_wait_s - self.config.probe_timeout_s
+        return min((sent for member, sent in self._asked.values() if member == pid and sent >= horizon), default=None)
 
     def _wait_by(self, *estimates: tuple[float, float] | None) -> float:
         """The largest smoothed time plus four deviations of ``estimates``, at most ``max_answer_wait_s``; 0
@@ -1186,7 +1210,7 @@ class Membership:
                 self._seq += 1
                 # The relayed ping waits as a probe's direct one does: the larger of the ack timeout and
                 # the estimate, then the rest of the probe timeout (so a late ack is still forwarded).
-                stretch = max(0.0, self._answer_wait(message.target) - self.config.ack_timeout_s)
+                stretch = max(0.0, self._answer_wait(message.target, now) - self.config.ack_timeout_s)
                 if stretch:
                     self.counters["waits_stretched"] += 1
                 wait = self.config.probe_timeout_s + stretch
