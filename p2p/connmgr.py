@@ -176,6 +176,8 @@ class ConnManager:
     #: again, nor counted, meanwhile. Closing one twice closed it before the peer had been told.
     _disconnecting: set[ID] = field(default_factory=set)
     _dialing: set[ID] = field(default_factory=set)
+    #: Dials under way that a ``redial`` waits for (set when the dial ends): one per peer being dialled.
+    _dial_ended: dict[ID, trio.Event] = field(default_factory=dict)
     _wake: trio.Event = field(default_factory=trio.Event)
     _known_connected: set[ID] = field(default_factory=set)
     #: When each connected peer's connection was first seen (any direction, candidate or not).
@@ -471,9 +473,16 @@ class ConnManager:
         """Dial ``peer_id`` now, whatever its back-off, and say whether it is connected after (at most
         ``dial_timeout``; a failure backs off as any dial's). SWIM asks this before it takes a dropped
         connection for news of the member (node/swarm/swim_service.py). False at once for a peer that is no
-        candidate with addresses, or is being dialled."""
+        candidate with addresses. A peer being dialled already (this manager redials a bootstrap peer as soon
+        as its connection ends) is not dialled twice: that dial's outcome is the answer. Why: at a 64-daemon
+        join a newcomer's connection to the bootstrap node ended, the manager was dialling it again, and
+        the redial said False at once: the newcomer probed it through its one helper and turned it suspect."""
+        if peer_id in self._dialing:
+            ended = self._dial_ended.setdefault(peer_id, trio.Event())
+            await ended.wait()
+            return peer_id in self.connected()
         cand = self.candidates.get(peer_id)
-        if cand is None or not cand.addrs or peer_id in self._dialing:
+        if cand is None or not cand.addrs:
             return False
         self._dialing.add(peer_id)  # (_dial takes it out)
         cand.last_dialed = self.clock()
@@ -535,4 +544,7 @@ class ConnManager:
                     del self.candidates[cand.peer_id]  # discovery will bring it back if it reappears
         finally:
             self._dialing.discard(cand.peer_id)
+            ended = self._dial_ended.pop(cand.peer_id, None)
+            if ended is not None:
+                ended.set()
             self._wake.set()

@@ -610,3 +610,32 @@ async def test_swims_redial_dials_a_member_at_once_whatever_its_back_off_and_say
 
     mgr.dial = refused
     assert await mgr.redial(boot) is False and mgr.candidates[boot].failures == 1
+
+
+async def test_swims_redial_of_a_peer_being_dialled_already_waits_for_that_dial_instead_of_saying_no() -> None:
+    """At a 64-daemon join a newcomer's connection to the bootstrap node ended and its manager dialled it
+    again at once; SWIM's redial found the peer being dialled and said False at once, so the newcomer probed
+    the bootstrap node through its one helper and turned it suspect. The dial under way is the answer."""
+    clock, host, dials, mgr, boot = _newcomer()
+    go = trio.Event()
+
+    async def slow_dial(info: PeerInfo) -> None:
+        dials.append(clock.t)
+        await go.wait()
+        host.peers[info.peer_id] = "198.51.100.7"
+
+    mgr.dial = slow_dial
+    answers: list[bool] = []
+
+    async def redial() -> None:
+        answers.append(await mgr.redial(boot))
+
+    async with trio.open_nursery() as nursery:
+        mgr._tick(nursery)  # the manager dials its bootstrap peer (no connection)
+        await trio.sleep(0.01)
+        assert boot in mgr._dialing and len(dials) == 1
+        nursery.start_soon(redial)
+        await trio.sleep(0.01)
+        assert answers == [] and len(dials) == 1  # waiting, not dialling twice
+        go.set()
+    assert answers == [True] and not mgr._dial_ended
