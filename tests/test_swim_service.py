@@ -264,6 +264,23 @@ async def test_a_peer_told_of_a_close_for_the_cap_does_not_probe_the_node_that_c
         assert sees(a, b, MemberState.ALIVE) and sees(b, a, MemberState.ALIVE)
 
 
+async def test_a_node_that_has_not_taken_in_the_peers_stream_yet_still_tells_it_of_a_close_for_the_cap() -> None:
+    """At a 64-daemon join the starved bootstrap node closed newcomers for its cap before it had taken in
+    their SWIM streams to it (not "ready" on its side, though up on theirs) and told none of them: each took
+    the drop for news and probed it, through helpers it answered too late, and turned it suspect. Our own
+    stream to the peer is all a notice needs."""
+    async with swarm() as s:
+        a, b, a_id, b_id = await _two_ready(s)
+        a.swim._ready.discard(b_id)  # as if a had not read b's stream yet (its own to b is up)
+        mgr = ConnManager(a.host, on_closing=a.swim.tell_closing)  # as node/daemon.py wires it
+        await mgr._disconnect(b_id)
+        assert a.swim.counters["closing_notices_sent"] == 1
+        await eventually(lambda: b.swim.counters["closed_here"] + b.swim.counters["disconnect_probes"] >= 1,
+                         "b saw the connection drop", timeout=SLACK_S)
+        assert b.swim.counters["closed_here"] == 1 and b.swim.counters["disconnect_probes"] == 0
+        assert b.swim.core.counters["suspected"] == 0 and sees(b, a, MemberState.ALIVE)
+
+
 async def test_a_peer_that_reads_the_closing_notice_late_still_takes_the_close_as_no_news() -> None:
     """A closing notice read late: b's event loop reads a's notice 2.5 s after it was sent (at a 64-daemon join
     the starved bootstrap node answered 1.3 s after). a's close waits for b's notice back, so the connection

@@ -506,10 +506,14 @@ class SwimService:
     async def tell_closing(self, peer: ID) -> None:
         """This node is about to close its connection to ``peer`` (the connection manager's cap): mark it as
         :meth:`closing` does, send the peer a closing notice and wait (at most ``CLOSING_WAIT_S``) for its
-        notice back, which says it has read ours (see the module docstring)."""
+        notice back, which says it has read ours (see the module docstring). Told wherever our stream to
+        it is up or opening, whether or not its stream to us has reached us yet: at a 64-daemon join the
+        bootstrap node, starved, had not yet taken in the streams of newcomers it closed for its cap, so it
+        told none of them, while their side was up; each took the drop for news, probed the node through
+        helpers it answered too late, and turned it suspect."""
         self.closing(peer)
-        if peer not in self._ready or peer in self._notices:
-            return  # no stream to tell it on (it has not probed us either), or already telling it
+        if peer not in self._outboxes or peer in self._notices:
+            return  # no stream to tell it on, or already telling it
         answered = self._notices[peer] = trio.Event()
         try:
             if self._send_notice(peer):
