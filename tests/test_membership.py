@@ -684,8 +684,20 @@ def test_a_member_whose_answers_came_late_is_waited_for_as_long_as_they_take_and
     connected = {1, 2, 3, 4}
     node.can_probe = lambda pid: pid in connected
     connected.discard(2)
+    wait = node._answer_wait(2, 40.0)
     node.probe(2, 40.0)
     assert [t for t, m in node.tick(40.5) if isinstance(m, PingReq)]
+    # Its helpers' acks are waited for as long as its own answers take: they relay its answers to their
+    # pings (at a 64-daemon join a newcomer whose connection to the slow bootstrap node had dropped gave its
+    # helpers 1.5 s, and turned it suspect).
+    deadline = 40.0 + node.config.probe_timeout_s + wait - node.config.ack_timeout_s
+    node.tick(deadline - 0.01)
+    assert node.state_of(2) == ALIVE
+    node.tick(deadline)
+    assert node.state_of(2) == SUSPECT
+    node.receive(deadline, Ping(2, 2, 0))  # (it lives: refuted, alive again)
+    node.receive(deadline, Ack(2, 98, (Alive(2, 2),)))
+    assert node.state_of(2) == ALIVE
     assert node._answer_wait(3) > 2.0  # (while every answer came late, member 3's is waited for too)
     node.probe(3, 45.0)
     assert node.tick(45.5) == []  # connected: its ack is waited for

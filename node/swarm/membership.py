@@ -57,7 +57,10 @@ N squared. Here each node does a *fixed* amount of work per protocol period what
   1.5 to 6 s for ten seconds (the bootstrap node's the longest), their connections silent meanwhile (so
   traffic was no evidence), and each run a prober suspected one of them; the claim reached every view. A
   joiner times its seed by the join's page request. Only slow members are held one by one (at most
-  ``max_slow_members``): a member answering in time costs nothing.
+  ``max_slow_members``): a member answering in time costs nothing. A request still unanswered counts
+  too, as an answer of the time it has waited so far: a member that slows down has answered nothing
+  late yet, and at that join a newcomer's ping of the bootstrap node failed while its page request of
+  seconds before was still pending.
 * **Dissemination.** Every state change (alive / suspect / dead claims) enters a bounded broadcast queue
   and rides on the probe traffic (pings, ping-reqs and acks) already being sent, the least transmitted
   first, each retransmitted ``retransmit_mult x ceil(log10(N + 1))`` times, at most ``max_updates`` updates
@@ -747,9 +750,8 @@ class Membership:
         for seq, p in list(self._probes.items()):
             if p.direct and ok is not None and not ok(p.target):
                 p.direct = False  # its connection dropped meanwhile: the ping may never have arrived
-                if not p.indirect:  # so its ack is not waited for longer: the helpers are asked now
-                    p.deadline_direct -= p.stretch
-                    p.deadline -= p.stretch
+                if not p.indirect:  # so its ack is not waited for longer: the helpers are asked now (their
+                    p.deadline_direct -= p.stretch  # acks still take as long as the member's answers do)
             if (now >= p.deadline_direct or now >= p.deadline) and heard is not None and heard(p.target, p.sent):
                 # No ack in time, but the member sent this node something else since the ping went: its
                 # process runs, and its answers wait behind its other traffic (see the module docstring).
@@ -913,12 +915,16 @@ class Membership:
         c = self.config
         scale = 1 + self.local_health
         can = ok is None or ok(target)
-        # A slow member's direct ack is waited for longer (see _answer_wait); one that cannot go, not at all.
-        stretch = max(0.0, self._answer_wait(target, now) - scale * c.ack_timeout_s) if can else 0.0
-        if stretch:
+        # A slow member's direct ack is waited for longer (see _answer_wait). Where the ping cannot go, the
+        # helpers are asked at once, as for any member, but their acks are waited for that much longer: they
+        # relay the slow member's own answers to their pings.
+        wait = max(0.0, self._answer_wait(target, now) - scale * c.ack_timeout_s)
+        if wait:
             self.counters["waits_stretched"] += 1  # (only where the estimate outlasts local health's stretch)
+        stretch = wait if can else 0.0
         direct = scale * c.ack_timeout_s + stretch
-        self._probes[self._seq] = _Probe(target, now + direct, now + direct + scale * (c.probe_timeout_s - c.ack_timeout_s),
+        self._probes[self._seq] = _Probe(target, now + direct,
+                                         now + scale * c.probe_timeout_s + wait,
                                          direct=can, sent=now, stretch=stretch)
         if can:  # (a ping that cannot go is no request the member could answer: see _pending_since)
             self._ask(self._seq, target, now)
