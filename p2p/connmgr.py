@@ -474,9 +474,11 @@ class ConnManager:
         ``dial_timeout``; a failure backs off as any dial's). SWIM asks this before it takes a dropped
         connection for news of the member (node/swarm/swim_service.py). False at once for a peer that is no
         candidate with addresses. A peer being dialled already (this manager redials a bootstrap peer as soon
-        as its connection ends) is not dialled twice: that dial's outcome is the answer. Why: at a 64-daemon
-        join a newcomer's connection to the bootstrap node ended, the manager was dialling it again, and
-        the redial said False at once: the newcomer probed it through its one helper and turned it suspect."""
+        as its connection ends, while below its target) is not dialled twice: that dial's outcome is the
+        answer. Why: False at once, without a dial, made SWIM take the drop for news and probe the member
+        through helpers not connected to it (at a 64-daemon join a newcomer's redial of the bootstrap node said
+        False within 30 ms and the probe turned the node suspect; whether its dial failed at once, the node
+        full, or the manager was dialling it already, was not logged)."""
         if peer_id in self._dialing:
             ended = self._dial_ended.setdefault(peer_id, trio.Event())
             await ended.wait()
