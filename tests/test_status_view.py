@@ -81,6 +81,9 @@ def test_members_table_counts_partners_for_trainers_and_leaves_others_blank() ->
     assert trainer_row[column:].split()[0] == "2"
     relay_row = line(text, "  " + short(relay["peer_id"]))
     assert relay_row[column : column + len("partners")].strip() == ""
+    # Nor steps, loss or speed: `make run`'s network-only bootstrap node read "0 0 - 0.0", a stuck trainer.
+    step = header.index("step")
+    assert relay_row[step:column].split() == [] and trainer_row[step:column].split()
 
 
 def test_pairing_graph_line_says_one_island_or_names_the_islands() -> None:

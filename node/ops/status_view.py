@@ -192,14 +192,17 @@ def render_status(st: NodeStatus, rows: int | None = DEFAULT_ROWS) -> str:
         table = [["member", "state", "step", "outer", "loss", "samples/s", "partners", "last seen"]
                  + (["shown as"] if reasons else [])]
         for i, m in zip(reasons or range(len(members)), shown_members, strict=True):
+            # A member that does not train (a network-only bootstrap node, a relay) has no steps, loss or speed:
+            # blank, not "0 0 - 0.0", which reads as a trainer that is stuck.
+            trains = m.get("role") == "trainer"
             table.append([
                 short(str(m.get("peer_id", "?"))),
                 # Its records stopped once it was refused: "suspect 31s ago" would hide why.
                 "incompatible" if m.get("incompatible") else str(m.get("state", "?")),
-                _fmt(m.get("step")),
-                _fmt(m.get("outer_step")),
-                _fmt(m.get("loss"), ".4f"),
-                _fmt(m.get("samples_per_s"), ".1f"),
+                _fmt(m.get("step")) if trains else "",
+                _fmt(m.get("outer_step")) if trains else "",
+                _fmt(m.get("loss"), ".4f") if trains else "",
+                _fmt(m.get("samples_per_s"), ".1f") if trains else "",
                 _partner_count(m),
                 (_dur(m["last_seen_s"]) + " ago") if isinstance(m.get("last_seen_s"), (int, float)) else "-",
             ] + ([reasons[i]] if reasons else []))
