@@ -371,7 +371,9 @@ async def test_a_round_among_partners_busy_in_rounds_of_their_own_looks_as_long_
     with trio.fail_after(60):
         assert (await averager.exchange(request)).group_size == 1  # nobody ever came free
     assert trio.current_time() - began >= 15.0
-    assert max(at for _, at in host.asked) - began > 14.0  # still asking near the end
+    # Still asking near the end (the round used to stop at its 1 s window): asks come 0.45-0.9 s apart in a
+    # busy wait, with open-phase tries between; one full suite run saw the last at 13.85 s of the 15.
+    assert max(at for _, at in host.asked) - began > 13.0
 
     host, averager, _, _, request = _asking_a_busy_partner(window, avg.AnswerCode.SCHEDULED)
     began = trio.current_time()
