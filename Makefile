@@ -5,15 +5,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.starling-installed
-APT_PKGS := libgmp-dev nftables iproute2 iptables systemd docker-compose
+APT_PKGS := libgmp-dev libnetfilter-queue-dev nftables iproute2 iptables systemd docker-compose
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-delayline bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
-# Debian packages: libgmp-dev for libp2p's fastecdsa build, nftables/iproute2/iptables for the network lab.
+# Debian packages: libgmp-dev for libp2p's fastecdsa build, nftables/iproute2/iptables for the network lab,
+# libnetfilter-queue-dev for its delay line (the netfilterqueue package builds against it).
 sysdeps:
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -94,6 +95,11 @@ bench-swarm: install
 WAN_ARGS ?=
 bench-wan: install
 	$(PY) bench/wan.py $(WAN_ARGS) --write-docs
+
+# The lab's delay line against its settings (section "The lab's delay line"): ping RTT from 10 to 300 ms, loss,
+# TCP through a 20 Mbit/s link with 50 and 100 ms of RTT against tbf alone, the line's CPU; about 2 min, root.
+bench-delayline: install
+	$(PY) bench/delayline.py --write-docs
 
 # The swarm's own traffic: what 5 network-only daemons on loopback send per second, by protocol (section
 # "The swarm's own traffic"); about 2 min.

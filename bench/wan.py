@@ -149,6 +149,7 @@ class Plan:
     sync: dict[str, Any] = field(default_factory=dict)  # sync options of every Starling run (quick: faster joins)
     hivemind: str = "auto"  # auto: run hivemind where bench/.venv-hivemind exists; off: leave it out
     queue_ms: float | None = None  # each shaped link's queue (netlab `limit`); None: tbf's deep default
+    path: PathShape = field(default_factory=lambda: PathShape())  # latency, jitter and loss between trainers
 
     @property
     def quota_us(self) -> int:
@@ -217,6 +218,44 @@ def unknown_option(sets: dict[str, str]) -> str | None:
 # --- the lab -------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PathShape:
+    """Latency, jitter and loss between two trainers (`--rtt-ms`, `--jitter-ms`, `--loss`), as the lab makes them.
+
+    A packet between two trainers crosses two links (the sender's upload, the receiver's download), each
+    with a delay line (netlab `limit`: starling_testing/delayline.py), and a round trip crosses four: each
+    line holds `rtt_ms / 4` (+- `jitter_ms / 4`) and loses `1 - sqrt(1 - loss)`, so that trainer to trainer the
+    round trip is `rtt_ms` and each way loses `loss`. The bootstrap host's link is not delayed: a trainer's
+    round trip to it is half as long."""
+
+    rtt_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss: float = 0.0  # each way, trainer to trainer
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rtt_ms <= 2000:
+            raise ValueError("--rtt-ms: between 0 and 2000")
+        if not 0 <= self.jitter_ms <= self.rtt_ms:
+            raise ValueError("--jitter-ms: between 0 and --rtt-ms")
+        if not 0 <= self.loss < 0.5:
+            raise ValueError("--loss: a share each way, between 0 and 0.5 (0.005 is 0.5%)")
+
+    @property
+    def is_flat(self) -> bool:
+        return self.rtt_ms == 0 and self.loss == 0
+
+    def line(self) -> dict[str, float]:
+        """netlab `limit`'s delay_ms, jitter_ms and loss for each trainer's link."""
+        return {"delay_ms": self.rtt_ms / 4, "jitter_ms": self.jitter_ms / 4, "loss": 1 - (1 - self.loss) ** 0.5}
+
+    def text(self) -> str:
+        if self.is_flat:
+            return "no added latency"
+        return (f"{self.rtt_ms:g} ms of round trip between trainers (+- {self.jitter_ms:g} ms of jitter), "
+                f"{self.loss:.2%} loss each way, from the lab's delay line on each link (starling_testing/"
+                f"delayline.py: {self.rtt_ms / 4:g} ms each way per link; the kernel has no netem)")
+
+
 def queue_text(queue_ms: float | None) -> str:
     """How deep each shaped link's queue is, for the section's text (netlab `limit`)."""
     if queue_ms is None:
@@ -251,19 +290,21 @@ def tbf_unavailable() -> str | None:
 class WanLab:
     """The lab of every run: a bootstrap host and N trainer hosts on one bridge; links reshaped per phase."""
 
-    def __init__(self, lab: Lab, queue_ms: float | None = None) -> None:
+    def __init__(self, lab: Lab, queue_ms: float | None = None, path: PathShape | None = None) -> None:
         self.lab = lab
         self.queue_ms = queue_ms  # None: tbf's default deep queue (seconds on a slow link); else a shallow one
+        self.path = path or PathShape()  # latency and loss of every shaped phase (the calibration has none)
         self.boot = lab.public_host("boot")
         self.hosts = [lab.public_host(f"t{i}") for i in range(N)]
 
     def shape(self, rates: list[float] | None) -> None:
-        """Each trainer's link to its rate (Mbit/s, both ways), or unshaped (None)."""
+        """Each trainer's link to its rate (Mbit/s, both ways) with the path's latency and loss, or unshaped
+        (None: no rate, no latency)."""
         for i, host in enumerate(self.hosts):
             if rates is None:
                 self.lab.unlimit(host)
             else:
-                self.lab.limit(host, rates[i], queue_ms=self.queue_ms)
+                self.lab.limit(host, rates[i], queue_ms=self.queue_ms, **self.path.line())
 
     def counters(self) -> dict[str, tuple[int, int]]:
         """{trainer: (bytes it sent, bytes it received)} on its link so far: the bridge-side veth end's rx/tx
@@ -1026,7 +1067,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
         notes.append(why)
     scenarios = []
     with Lab(log_dir=root / "lab-logs", env={"PYTHONPATH": str(ROOT)}) as lab:
-        wl = WanLab(lab, plan.queue_ms)
+        wl = WanLab(lab, plan.queue_ms, plan.path)
         print("membership: network-only daemons on the same hosts", file=sys.stderr, flush=True)
         members = membership_only(wl, root / "members", plan, 15.0 if plan.quick else 30.0)
         print(f"  {statistics.fmean(members.values()):.0f} B/s sent per host", file=sys.stderr, flush=True)
@@ -1148,9 +1189,8 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
         f"{os.cpu_count()}-core {platform.machine()} machine shared with other jobs, {platform.system()} "
         f"{platform.release()}; torch {torch.__version__}).",
         f"{N} trainers, each in its own network-lab namespace behind its own link shaped with tc tbf both ways "
-        f"(each end of its veth; {queue_text(plan.queue_ms)}), a network-only bootstrap node on an unshaped link; no added latency (netem is "
-        f"not available here; the all-reduce's 2(N-1) sequential steps would suffer more from latency than a "
-        f"pairwise exchange, so leaving it out favours the baselines). Task stdlib-lm with "
+        f"(each end of its veth; {queue_text(plan.queue_ms)}), a network-only bootstrap node on an unshaped link; "
+        f"{plan.path.text()} (the gloo all-reduces of the baselines are timed on the same links). Task stdlib-lm with "
         f"{'the daemon default model' if plan.model == 'default' else 'bench/convergence.py model'} "
         f"({'quick: a tiny one; ' if plan.quick else ''}train options {cfg}; everything else the shipped "
         f"defaults, nothing about the link). Every worker and every gloo rank runs in its own cgroup v1 cpu "
@@ -1221,9 +1261,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="a shallow queue on each shaped link: this many ms of traffic at the link rate (GSO "
                         "capped to one frame so the bucket can be small); default tbf's deep queue, which holds "
                         "a 64 KiB GSO packet (6.6 s at 0.08 Mbit/s)")
+    parser.add_argument("--rtt-ms", type=float, default=0.0,
+                        help="round trip between trainers, added by the lab's delay line on every shaped link (0)")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="jitter of that round trip, +- ms (0)")
+    parser.add_argument("--loss", type=float, default=0.0, help="packet loss each way between trainers, 0.005 = 0.5%% (0)")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
     args = parser.parse_args(argv)
     try:
+        path = PathShape(args.rtt_ms, args.jitter_ms, args.loss)
         scenarios = [s.strip() for s in (args.scenarios or ("uniform" if args.quick else ",".join(SCENARIOS))).split(",")]
         if not scenarios or any(s not in SCENARIOS for s in scenarios):
             raise ValueError(f"--scenarios: choose from {', '.join(SCENARIOS)}")
@@ -1242,7 +1287,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args.quick, bench_for(args.model, args.quick, args.outer_steps), args.model,
                 args.seconds or (40.0 if args.quick else 240.0), args.calib_seconds or (20.0 if args.quick else 90.0),
                 240.0 if args.quick else 300.0, args.cap, rates, scenarios, variants,
-                {"join_wait_s": 2} if args.quick else {}, args.hivemind, args.queue_ms)
+                {"join_wait_s": 2} if args.quick else {}, args.hivemind, args.queue_ms, path)
     reason = lab_unavailable() or tbf_unavailable()
     if reason is not None:
         print(f"bench/wan.py skipped: {reason}", file=sys.stderr)

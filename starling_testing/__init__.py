@@ -7,6 +7,8 @@ Files and their main names:
 
 * ``netlab.py``: a network lab of Linux network namespaces with real NATs (:class:`Lab`, :class:`Host`,
   :class:`Proc`; ``python -m starling_testing.netlab --sweep`` removes namespaces left by a crash);
+  its links take a rate (tc tbf), and latency, jitter and loss from ``delayline.py``, a userspace delay line
+  on NFQUEUE (this kernel has no netem);
 * ``daemon.py``: real `starling run` daemons on 127.0.0.1 or in a lab (:class:`DaemonProc`,
   :class:`DaemonGroup`, :class:`LabDaemon`, :data:`TINY`), all started by the one launcher
   (``node.ops.launcher.DaemonProcess``) and read through the one status client (``node.ops.control.request_status``);

@@ -51,6 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from starling_testing import delayline
+from starling_testing.delayline import READY_LINE as DELAY_READY_LINE
+from starling_testing.delayline import LineSpec
+
 NatStyle = Literal["home", "hostile"]
 Role = Literal["internet", "public", "nat", "private"]
 
@@ -70,6 +74,9 @@ SHALLOW_BURST_BYTES = 2 * MTU_FRAME_BYTES  # the smallest bucket of a `queue_ms`
 def shallow_queue_bytes(rate_mbit: float, queue_ms: float) -> int:
     """tbf's `limit` for a queue of `queue_ms` at `rate_mbit`: never less than one full-sized frame."""
     return max(MTU_FRAME_BYTES, int(rate_mbit * 1e6 / 8 * queue_ms / 1000))
+
+DELAY_INGRESS_QUEUE = 1  # NFQUEUE numbers are per namespace: a host's download line is alone in its own
+DELAY_UPLOAD_QUEUE_BASE = 100  # upload lines share the far end's namespace: one queue per host there
 
 _HOST_NAME = re.compile(r"^[a-z][a-z0-9-]{0,11}$")  # short: it also names veth ends (15-char limit)
 _RESERVED_NAMES = {"inet", "lo", "lan", "wan", "br0", "eth0", "probe"}
@@ -373,6 +380,15 @@ class Host:
         return self.spawn([sys.executable, "-c", code, *args], log=log)
 
 
+@dataclass(eq=False)
+class _DelayLine:
+    """One direction's delay line: its process, the namespace it runs in, and the iptables rule feeding it."""
+
+    proc: Proc
+    where: Host
+    rule: list[str]
+
+
 # ----------------------------------------------------------------------------------------------
 # The lab
 
@@ -415,6 +431,7 @@ class Lab:
         self._closed = False
         self._entered = False
         self._old_sigterm: object = None
+        self._delay_lines: dict[str, list[_DelayLine]] = {}  # host name -> its running delay lines
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -528,17 +545,30 @@ class Lab:
     def limit(
         self,
         host: Host,
-        rate_mbit: float,
+        rate_mbit: float | None,
         *,
+        up_mbit: float | None = None,
+        delay_ms: float = 0.0,
+        jitter_ms: float = 0.0,
+        loss: float = 0.0,
         egress: bool = True,
         ingress: bool = True,
         burst_bytes: int | None = None,
         queue_ms: float | None = None,
+        seed: int | None = None,
     ) -> None:
         """Cap `host`'s uplink with a token bucket (tc tbf); call again to change, `unlimit` to remove.
 
         Egress is shaped on the host's own veth end, ingress on the other end (whose egress it is),
-        so both directions are real queues rather than policers that drop.
+        so both directions are real queues rather than policers that drop. `rate_mbit` is the rate of
+        both directions, or of the download alone where `up_mbit` gives the upload its own (a home
+        line: 20 down, 5 up); None leaves the rate unshaped (latency or loss alone).
+
+        `delay_ms`, `jitter_ms` and `loss` put a userspace delay line (starling_testing/delayline.py,
+        on NFQUEUE: this kernel has no netem) on each shaped direction of the link: every packet is held
+        `delay_ms` +- a uniform `jitter_ms`, order kept, and dropped with probability `loss`. They are per
+        direction of this link, so a ping from `host` to an unshaped host takes 2 x `delay_ms`, and
+        between two hosts both limited so, 4 x `delay_ms`. `seed` fixes the line's draws.
 
         By default the bucket holds a 64 KiB GSO packet, and the queue behind it as much again: on a
         slow link that is seconds of queue (6.6 s at 0.08 Mbit/s), the bufferbloat of a cheap uplink.
@@ -547,31 +577,93 @@ class Lab:
         holds `queue_ms` of traffic at the link rate (never less than one full-sized frame). Larger
         packets forwarded from a host whose GSO is not capped are segmented by tbf.
         """
-        if rate_mbit <= 0:
-            raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
+        for name, rate in (("rate_mbit", rate_mbit), ("up_mbit", up_mbit)):
+            if rate is not None and rate <= 0:
+                raise ValueError(f"{name} must be positive, got {rate}")
+        if up_mbit is not None and rate_mbit is None:
+            raise ValueError("up_mbit needs rate_mbit (the download's rate)")
         if queue_ms is not None and queue_ms <= 0:
             raise ValueError(f"queue_ms must be positive, got {queue_ms}")
+        line = LineSpec(delay_ms, jitter_ms, loss)  # validates before anything changes
         self._check_link(host)
-        _require_tool("tc")
-        rate_bytes = rate_mbit * 1e6 / 8
-        if queue_ms is None:
-            # The bucket must hold at least a GSO packet (64 KiB on veth) and ~10 ms of traffic.
-            burst = burst_bytes if burst_bytes is not None else max(64 * 1024, int(rate_bytes / 100))
-            tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
-        else:
-            burst = burst_bytes if burst_bytes is not None else max(SHALLOW_BURST_BYTES, int(rate_bytes / 100))
-            tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
-                   "limit", str(shallow_queue_bytes(rate_mbit, queue_ms))]  # fmt: skip
-        gso = SHALLOW_GSO_BYTES if queue_ms is not None else VETH_GSO_BYTES
-        for netns, dev, wanted in self._link_ends(host, egress, ingress):
-            # Both ends, whichever direction is shaped: a packet's size is fixed where it is built.
-            _run_cmd(["ip", "-n", netns, "link", "set", "dev", dev, "gso_max_size", str(gso)])
-            if wanted:
-                _run_cmd(["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf])
+        self.unlimit(host)  # a fresh start: no old bucket or line survives a change of settings
+        if rate_mbit is not None:
+            _require_tool("tc")
+            gso = SHALLOW_GSO_BYTES if queue_ms is not None else VETH_GSO_BYTES
+            up = up_mbit if up_mbit is not None else rate_mbit
+            for (netns, dev, wanted), rate in zip(self._link_ends(host, egress, ingress), (up, rate_mbit), strict=True):
+                # Both ends, whichever direction is shaped: a packet's size is fixed where it is built.
+                _run_cmd(["ip", "-n", netns, "link", "set", "dev", dev, "gso_max_size", str(gso)])
+                if wanted:
+                    tbf = _tbf_args(rate, burst_bytes, queue_ms)
+                    _run_cmd(["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf])
+        if not line.is_noop:
+            self._start_delay_line(host, line, egress=egress, ingress=ingress, seed=seed)
+
+    def _start_delay_line(self, host: Host, line: LineSpec, *, egress: bool, ingress: bool, seed: int | None) -> None:
+        """Run a delay line for each direction of `host`'s link and steer its packets through it.
+
+        Each direction is held where its packets have already left the namespace that sent them: the
+        upload in the far end's namespace (the bridge's: br_netfilter shows bridged packets to iptables,
+        matched by the bridge port they came in on), the download in the host's own, as it arrives. Held
+        in the sender's own namespace, a TCP flow's packets still count against its socket (TCP Small
+        Queues), and a 20 Mbit/s flow behind 50 ms of line fell to 1.8 Mbit/s (measured).
+
+        The rules go in only once the line has bound its queue, and without `--queue-bypass`: packets
+        of a queue nobody reads are dropped, so a dead line shows as a dead link, never as a fast one.
+        """
+        _require_tool("iptables")
+        lines: list[tuple[Host, list[str]]] = []
+        if egress:
+            far = self._host_of_netns(str(host.peer_netns))
+            # NFQUEUE numbers are per namespace; the far end serves many links, so its queue is per host.
+            queue = DELAY_UPLOAD_QUEUE_BASE + list(self.hosts).index(host.name)
+            self._sysctl(far, {"net/bridge/bridge-nf-call-iptables": "1"})
+            lines.append((far, ["PREROUTING", "-m", "physdev", "--physdev-in", str(host.peer_dev),
+                                "-j", "NFQUEUE", "--queue-num", str(queue)]))  # fmt: skip
+        if ingress:
+            lines.append((host, ["PREROUTING", "-i", str(host.uplink),
+                                 "-j", "NFQUEUE", "--queue-num", str(DELAY_INGRESS_QUEUE)]))  # fmt: skip
+        started = self._delay_lines.setdefault(host.name, [])
+        for i, (where, rule) in enumerate(lines):
+            # By path, not `-m`: the script needs only the standard library and netfilterqueue, and running
+            # a module of an already-imported package as __main__ would import it twice.
+            argv = [sys.executable, str(Path(delayline.__file__)), "--queue", line.to_arg(int(rule[-1]))]
+            if seed is not None:
+                argv += ["--seed", str(seed + i)]
+            proc = where.spawn(argv, log=f"delayline-{host.name}.{next(self._log_names)}.log")
+            started.append(_DelayLine(proc, where, rule))
+            proc.wait_for(re.escape(DELAY_READY_LINE), timeout=COMMAND_TIMEOUT_S)
+            _run_cmd(["ip", "netns", "exec", where.netns, "iptables", "-w", "5", "-t", "mangle", "-A", *rule])
+
+    def _host_of_netns(self, netns: str) -> Host:
+        for candidate in (self._inet, *self.hosts.values()):
+            if candidate is not None and candidate.netns == netns:
+                return candidate
+        raise LabError(f"no host of this lab lives in namespace {netns!r}")
+
+    def delay_line_cpu_s(self, host: Host) -> float:
+        """CPU seconds (user + system) that `host`'s delay lines have used so far: what the lab costs."""
+        lines = self._delay_lines.get(host.name)
+        if not lines or any(line.proc.poll() is not None for line in lines):
+            raise LabError(f"{host.name!r} has no running delay line")
+        total = 0.0
+        for line in lines:
+            fields = Path(f"/proc/{line.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
 
     def unlimit(self, host: Host) -> None:
-        """Remove the bandwidth caps set by `limit`."""
+        """Remove the bandwidth caps and the delay lines set by `limit`."""
         self._check_link(host)
+        for line in self._delay_lines.pop(host.name, []):
+            subprocess.run(
+                ["ip", "netns", "exec", line.where.netns, "iptables", "-w", "5", "-t", "mangle", "-D", *line.rule],
+                capture_output=True,
+                timeout=COMMAND_TIMEOUT_S,
+                check=False,  # never added if the line did not get ready
+            )
+            line.proc.stop()
         for netns, dev, _ in self._link_ends(host, True, True):
             subprocess.run(
                 ["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root"],
@@ -700,6 +792,18 @@ class Lab:
         proc = Proc(host=host, argv=cmd, log_path=log_path, popen=popen)
         self.procs.append(proc)
         return proc
+
+
+def _tbf_args(rate_mbit: float, burst_bytes: int | None, queue_ms: float | None) -> list[str]:
+    """tc's words for a token bucket at `rate_mbit` (see `Lab.limit` for the two queue shapes)."""
+    rate_bytes = rate_mbit * 1e6 / 8
+    if queue_ms is None:
+        # The bucket must hold at least a GSO packet (64 KiB on veth) and ~10 ms of traffic.
+        burst = burst_bytes if burst_bytes is not None else max(64 * 1024, int(rate_bytes / 100))
+        return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+    burst = burst_bytes if burst_bytes is not None else max(SHALLOW_BURST_BYTES, int(rate_bytes / 100))
+    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
+            "limit", str(shallow_queue_bytes(rate_mbit, queue_ms))]  # fmt: skip
 
 
 def _nat_ruleset(style: NatStyle) -> str:
