@@ -915,6 +915,12 @@ class AveragerSwarm:
     def reachable(self) -> bool:
         return self._daemon.nat.reachability != "private"
 
+    def rtt_s(self, peer: str) -> float | None:
+        try:
+            return self._daemon.nat.rtt_of(ID.from_base58(peer))
+        except Exception:  # a malformed id or a connection closing under us: no round trip known
+            return None
+
     def pace(self) -> float:
         return float(self._daemon._training().get("period_s") or 0.0)
 

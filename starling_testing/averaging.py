@@ -44,6 +44,7 @@ class FakeSwarm:
         period: float | Callable[[], float] | None = None,
         steps: dict[str, int] | Callable[[], dict[str, int]] | None = None,
         speeds: dict[str, float] | None = None,
+        rtt: float | None | Callable[[], float | None] = None,
     ) -> None:
         self.host = host
         self.manifest = manifest
@@ -55,6 +56,7 @@ class FakeSwarm:
         self.period = period
         self.steps = steps
         self.samples_per_s = speeds
+        self.rtt = rtt
 
     def manifest_hash(self) -> str | None:
         return _now(self.manifest)
@@ -72,6 +74,9 @@ class FakeSwarm:
 
     def reachable(self) -> bool:
         return self.is_reachable
+
+    def rtt_s(self, peer: str) -> float | None:
+        return _now(self.rtt)
 
     def pace(self) -> float:
         return float(_now(self.pace_s))

@@ -12,6 +12,7 @@
     partner_misses.py      PartnerMisses, Attempt: trainers that miss round after round stop counting as partners
     robust.py              UpdateBound: how far one partner's values may move us
     compression_choice.py  choose_compression: `sync.compression = auto`'s preset for each exchange
+    link_model.py          bandwidth_s: a transfer's time less its round trips (RTT and slow start), for `auto`
     latejoin.py            CatchUp, late_join: a trainer takes the swarm's weights instead of its own
 
 Imports the bridge (the exchange it serves, the checkpoint file it writes a snapshot to), the config and the

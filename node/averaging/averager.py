@@ -119,6 +119,7 @@ from node.averaging.compression_choice import (
     wanted_in,
 )
 from node.averaging.group_mean import GroupMean, group_sums, restore_pair
+from node.averaging.link_model import bandwidth_s
 from node.averaging.pairing import scheduled_partners
 from node.averaging.partner_misses import Attempt, PartnerMisses
 from node.averaging.report import Report
@@ -793,11 +794,23 @@ class Averager:
         else:
             return
         # Bytes over the seconds they flowed, across transfers (`FlowRate`): a probe that passed in a token
-        # bucket's burst weighs its few milliseconds, not as much as a whole exchange.
+        # bucket's burst weighs its few milliseconds, not as much as a whole exchange. The round trips of
+        # those seconds are no preset's doing and come out first (link_model.py): the same bandwidth must
+        # give the same preset at 0 and 100 ms.
         each_way = progress.bytes / 2
+        seconds = bandwidth_s(each_way, seconds, self._rtt_s(partner), floor_s=TIMED_FLOW_S)
         link = self.admission.link(partner)
         link.rate_bps = link.flow.add(each_way, seconds)
         self._rate_bps = self._flow.add(each_way, seconds)
+
+    def _rtt_s(self, partner: str) -> float | None:
+        """The round trip to `partner` as its connection measured it (None: unknown, or not to be had)."""
+        try:
+            rtt = self.swarm.rtt_s(partner)
+        except Exception:  # the view's answer is a figure for a model, never a reason to fail an exchange
+            log.debug("no round trip to %s", partner, exc_info=True)
+            return None
+        return float(rtt) if isinstance(rtt, (int, float)) and 0 < rtt < 60 else None
 
     def _outer_period_s(self) -> float:
         """Compute seconds of one of our outer steps as far as we know them (0: unknown); with streaming

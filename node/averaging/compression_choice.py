@@ -6,7 +6,8 @@ step compression only loses. Over a 0.4 Mbit/s link a bf16 exchange took 70-80 s
 per outer step, each outer step stretched over ~1,000 inner steps instead of ~100, and at equal wall time
 `medium` was 0.38 nats better (docs/benchmarks.md, "Compression" and "Over slow links"). What decides is the
 ratio of wire time to compute time, and the daemon measures both: each partner's rate while bytes flow
-(node/averaging/averager.py, `_learn_rate`) and the outer step's compute period (the pace).
+(node/averaging/averager.py, `_learn_rate`; its bandwidth, the round trips of a transfer taken out by
+link_model.py, since no preset changes them) and the outer step's compute period (the pace).
 
 The rule (`choose_compression`): the least compressed preset whose predicted transfer fits in `STRETCH` (2)
 periods. Why 2 and not 1: the worker never waits for a transfer (it overlaps the next outer step), so a

@@ -34,6 +34,10 @@ class SwarmView(Protocol):
         """Whether partners can connect to our side channel (behind a NAT they cannot: offering its port
         would cost them a connect timeout on every round before they fall back to the libp2p stream)."""
 
+    def rtt_s(self, peer: str) -> float | None:
+        """Seconds of round trip to `peer` as the connection's muxer measured it (None: not yet): what a
+        transfer's time holds besides its bytes (link_model.py)."""
+
     def pace(self) -> float:
         """The swarm's pace: seconds between two publishes (0: none)."""
 
