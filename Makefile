@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev libnetfilter-queue-dev nftables iproute2 iptables systemd
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-delayline bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-delayline bench-exchange-rtt bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -100,6 +100,11 @@ bench-wan: install
 # TCP through a 20 Mbit/s link with 50 and 100 ms of RTT against tbf alone, the line's CPU; about 2 min, root.
 bench-delayline: install
 	$(PY) bench/delayline.py --write-docs
+
+# An averaging exchange's fixed cost in round trips at 0, 100 and 300 ms of RTT (and 300 +- 50 ms with 1% loss),
+# against the tree before the cut in the same run (section "An exchange's round trips"); about 4 min, root.
+bench-exchange-rtt: install
+	$(PY) bench/exchange_rtt.py --before 53571be --write-docs
 
 # The swarm's own traffic: what 5 network-only daemons on loopback send per second, by protocol (section
 # "The swarm's own traffic"); about 2 min.

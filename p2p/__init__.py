@@ -9,6 +9,7 @@ What a node needs to reach peers and move bytes, with no knowledge of training:
     connmgr.py         ConnManager: keeps about `target` connections to members, no more than `cap` for long
     discovery.py       SwarmDiscovery: swarm members found through the Kademlia DHT
     netgroup.py        SubnetStreamLimits, group_of: per-subnet limits (Sybil bounds)
+    multiselect.py     PipelinedMultiselectClient: a new stream's protocol chosen in one round trip, not two
     limits.py          BoundedYamux, MuxerOffences, release_inbound_slots_on_close: limits py-libp2p declares
                        but does not keep (Yamux windows, inbound connection slots)
     gossip.py          send_peer_record_once, idontwant_for_large_messages_only: gossipsub without py-libp2p's

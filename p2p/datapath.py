@@ -17,7 +17,9 @@ How it is secured, in order:
    daemon, many sessions), sends ``magic || session id`` in clear so the listener can find the keys,
    then an encrypted HELLO; the listener answers with an encrypted ACK. Both frames prove knowledge of
    the session keys, so a connection that is not from the partner is dropped without consuming the
-   session.
+   session. The initiator need not wait for the ACK to go on (``await_ack=False``): it tells its partner
+   the path at once and reads the ACK before its first byte of bulk, a round trip sooner; and it may
+   dial the listener early, with the request, to the port of its last exchange (:func:`preconnect`).
 4. **Frames.** ``u32 length || u8 kind || AES-GCM(payload)`` with the 5-byte header as associated
    data and a per-direction frame counter as nonce. The receiver supplies the counter it expects, so a
    replayed, reordered, dropped, truncated or tampered frame fails authentication; a clean end of
@@ -41,7 +43,7 @@ import math
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
@@ -73,7 +75,9 @@ __all__ = [
     "Role",
     "SecureChannel",
     "SessionKeys",
+    "Preconnect",
     "connect_datapath",
+    "preconnect",
     "new_session_id",
     "open_punched",
 ]
@@ -215,11 +219,25 @@ class SecureChannel:
         self._sent_close = False
         self._got_close = False
         self._failed = False
+        self._ack_due = False  # an initiator's HELLO was sent and the listener's ACK not read yet
         self.bytes_sent = 0
         self.bytes_received = 0
         # Told the size of every piece that crosses the socket, either way (from the transfer threads too):
         # how a transfer's owner tells a slow link that is moving from a dead one (protocols/avg.py).
         self.on_bytes: Callable[[int], None] | None = None
+
+    async def await_ack(self, *, timeout: float) -> None:
+        """Read the listener's ACK that :func:`connect_datapath` left unread (``await_ack=False``): its
+        proof that it holds this session's keys, which must come before our first byte of bulk. Raises
+        ``trio.TooSlowError`` past ``timeout`` and :class:`ProtocolError` for anything but the ACK."""
+        if self._ack_due:
+            with trio.fail_after(timeout):
+                await self._recv_frame(memoryview(bytearray(0)), accept={FRAME_ACK})
+            self._ack_due = False
+
+    def _check_acked(self) -> None:
+        if self._ack_due:
+            raise RuntimeError("the listener's ACK is unread: await_ack() before the bulk")
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -228,6 +246,7 @@ class SecureChannel:
         size = memoryview(data).nbytes
         if not 0 < size <= self.max_frame_size:
             raise ValueError(f"frame payload must be 1..{self.max_frame_size} bytes, got {size}")
+        self._check_acked()
         await self._send_frame(FRAME_DATA, data)
 
     async def close_send(self) -> None:
@@ -283,6 +302,7 @@ class SecureChannel:
         A frame larger than ``buf`` is refused before it is read (``BAD_SIZE``). Plaintext is written
         into ``buf`` before the tag is checked, so on error ``buf`` holds garbage and must be discarded.
         """
+        self._check_acked()
         target = memoryview(buf).cast("B")
         kind, n = await self._recv_frame(target, accept={FRAME_DATA, FRAME_CLOSE})
         return 0 if kind == FRAME_CLOSE else n
@@ -368,6 +388,7 @@ class SecureChannel:
         keys). Cancelling the caller (its deadline) shuts the socket down, which wakes both threads; this
         returns only once both have stopped, so nothing they write into outlives the call.
         """
+        self._check_acked()
         async with self._send_lock, self._recv_lock:
             self._check_usable()
             # A second descriptor for the same connection: Python's blocking calls with a timeout poll the
@@ -557,34 +578,119 @@ async def connect_datapath(
     *,
     timeout: float,
     max_frame_size: int = DEFAULT_MAX_FRAME,
+    stream: trio.SocketStream | None = None,
+    await_ack: bool = True,
 ) -> SecureChannel:
     """Dial the partner's data-path listener and authenticate the session (initiator side).
 
     Raises ``trio.TooSlowError`` past ``timeout``, and :class:`ProtocolError` if nothing listens at
     ``address`` (``BROKEN``: fall back to the libp2p stream) or the listener does not prove knowledge of
     the session keys.
+
+    ``stream``: a connection to ``address`` opened already (:func:`preconnect`), used instead of dialling.
+    ``await_ack`` False returns once the HELLO is sent, without waiting for the listener's ACK: the caller
+    then tells its partner the path at once and awaits the ACK with :meth:`SecureChannel.await_ack` before
+    its first byte of bulk, which saves the round trip between the ACK and the partner's first byte.
     """
     if keys.role is not Role.INITIATOR:
         raise ValueError("connect_datapath needs initiator keys")
     host, port = address
     with trio.fail_after(timeout):
-        try:
-            stream = await trio.open_tcp_stream(host, port)
-        except OSError as exc:
-            raise ProtocolError(Reason.BROKEN, f"no data path at {host}:{port}: {exc}") from exc
-        return await _hello(stream, keys, max_frame_size)
+        if stream is None:
+            try:
+                stream = await trio.open_tcp_stream(host, port)
+            except OSError as exc:
+                raise ProtocolError(Reason.BROKEN, f"no data path at {host}:{port}: {exc}") from exc
+        channel = await _hello(stream, keys, max_frame_size)
+        if await_ack:
+            await channel.await_ack(timeout=math.inf)
+        return channel
 
 
 async def _hello(stream: trio.SocketStream, keys: SessionKeys, max_frame_size: int) -> SecureChannel:
-    """The initiator's half of the session handshake on a connected stream (closed on failure)."""
+    """The initiator's half of the session handshake on a connected stream: the preamble and HELLO sent,
+    the listener's ACK still to be read (:meth:`SecureChannel.await_ack`). Closed on failure."""
     try:
         await stream.send_all(MAGIC + keys.session_id)
         channel = SecureChannel(stream, keys, max_frame_size=max_frame_size)
         await channel._send_frame(FRAME_HELLO, b"")
-        await channel._recv_frame(memoryview(bytearray(0)), accept={FRAME_ACK})
+        channel._ack_due = True
         return channel
+    except trio.BrokenResourceError as exc:  # a connection the listener closed meanwhile: no path there
+        await trio.aclose_forcefully(stream)
+        raise ProtocolError(Reason.BROKEN, f"data path connection lost before the handshake: {exc}") from exc
     except BaseException:
         await trio.aclose_forcefully(stream)
+        raise
+
+
+PRECONNECT_FRESH_S = 5.0  # a pre-dialled connection older than this is not used (`Preconnect.take`)
+
+
+class Preconnect:
+    """A TCP connection to a partner's data-path listener, dialled while the exchange's handshake is under
+    way (:func:`preconnect`), so that the side channel's connect costs no round trip of its own.
+
+    Why a guess: the listener's port comes in the partner's answer, one round trip after the request; the
+    port of the last exchange with that partner is almost always the same (one listener per daemon). A
+    guess that does not match the answer is closed unused (the listener counts it as rejected)."""
+
+    def __init__(self, address: tuple[str, int] | None) -> None:
+        self.address = address
+        self.stream: trio.SocketStream | None = None
+        self.connected_at = 0.0
+        self.done = trio.Event()
+        # The dial's own scope: cancelling the nursery's instead would also swallow a cancellation of the
+        # caller's that is on its way out through the body (an inner cancelled scope catches it).
+        self._scope = trio.CancelScope()
+
+    async def _run(self, timeout: float) -> None:
+        assert self.address is not None
+        try:
+            with self._scope, trio.move_on_after(timeout):
+                self.stream = await trio.open_tcp_stream(*self.address)
+                self.connected_at = trio.current_time()
+        except OSError:
+            pass  # the exchange dials as before
+        finally:
+            self.done.set()
+
+    async def take(self, address: tuple[str, int]) -> trio.SocketStream | None:
+        """The connection if it was dialled to `address` and is up (waiting for the dial, which is
+        bounded), else None; the caller owns what it takes. One held longer than `PRECONNECT_FRESH_S`
+        is closed instead: the listener drops a connection that names no session for its handshake
+        timeout (10 s), and a long handshake (a slow partner's answer) must not meet one it dropped."""
+        if self.address != address:
+            return None
+        await self.done.wait()
+        stream, self.stream = self.stream, None
+        if stream is not None and trio.current_time() - self.connected_at > PRECONNECT_FRESH_S:
+            await trio.aclose_forcefully(stream)
+            return None
+        return stream
+
+
+@contextlib.asynccontextmanager
+async def preconnect(address: tuple[str, int] | None, *, timeout: float) -> AsyncIterator[Preconnect]:
+    """Dial `address` (None: nothing) in the background for the body; a connection not taken by then is
+    closed on the way out."""
+    early = Preconnect(address)
+    try:
+        async with trio.open_nursery() as nursery:
+            if address is not None:
+                nursery.start_soon(early._run, timeout)
+            else:
+                early.done.set()
+            try:
+                yield early
+            finally:
+                early._scope.cancel()
+                if early.stream is not None:
+                    await trio.aclose_forcefully(early.stream)
+                    early.stream = None
+    except BaseExceptionGroup as group:  # the body's own error, as it was raised (the dial raises none)
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
         raise
 
 
@@ -610,7 +716,9 @@ async def open_punched(
     closed on failure; ``trio.TooSlowError`` past ``timeout``."""
     with trio.fail_after(timeout):
         if keys.role is Role.INITIATOR:
-            return await _hello(stream, keys, max_frame_size)
+            channel = await _hello(stream, keys, max_frame_size)
+            await channel.await_ack(timeout=math.inf)
+            return channel
         try:
             if await _read_preamble(stream) != keys.session_id:
                 raise ProtocolError(Reason.AUTH, "the punched connection did not name our session")

@@ -42,6 +42,7 @@ from p2p.limits import (
     use_registered_muxers,
     yamux_with_limits,
 )
+from p2p.multiselect import PipelinedMultiselectClient
 
 log = logging.getLogger("starling.host")
 
@@ -220,6 +221,7 @@ def build_host(
     use_registered_muxers(host.get_network().upgrader)  # else a plain Yamux, whatever muxer_opt says
     drop_after_handlers(host)  # else a stream we answered buffers what the peer sends, window after window
     survive_removed_handlers(host)  # else a handler removed mid-negotiation ends the whole connection
+    host.multiselect_client = PipelinedMultiselectClient()  # else 2 round trips before a new stream's first byte
     return host
 
 

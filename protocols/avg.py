@@ -79,6 +79,7 @@ from p2p.datapath import (
     BlockingFrames,
     DataPathListener,
     KeyAgreement,
+    Preconnect,
     Role,
     SecureChannel,
     SessionKeys,
@@ -86,6 +87,7 @@ from p2p.datapath import (
     new_session_id,
     open_punched,
 )
+from p2p.datapath import preconnect as preconnect  # the initiator's caller dials early with it
 from p2p.punch import PunchSocket, simultaneous_open
 from p2p.wire import (
     Buffer,
@@ -807,6 +809,7 @@ async def initiate(
     on_accept: Callable[[AvgAnswer], bool] | None = None,
     validate: Validator | None = None,
     offer_punch: bool = False,
+    early: Preconnect | None = None,
 ) -> TransferResult:
     """The initiator's side. Raises Declined, ProtocolError or trio.TooSlowError; outputs are valid only
     when it returns. ``on_accept(answer)`` runs when the partner accepts (its outer step, samples and wait are
@@ -816,7 +819,14 @@ async def initiate(
     announces it: a responder behind a NAT, whose listener we cannot dial, may take it up (``p2p.punch``).
 
     After the handshake the transfer runs as long as it moves (``limits``); ``progress`` (the caller's,
-    so that it can read the link's rate after a failure too) counts its bytes."""
+    so that it can read the link's rate after a failure too) counts its bytes.
+
+    Round trips, with the libp2p connection up (issue #50): the stream's protocol (1, p2p/multiselect.py),
+    the request and its answer (1), the side channel's TCP connect (1, none where ``early`` dialled the
+    answer's port already, ``p2p.datapath.preconnect``), then our HELLO and the path message go together
+    and the partner's first byte comes back a round trip later with its ACK: 3 to an empty exchange's end,
+    4 without a pre-dialled connection (6 before: a second multistream round trip, and the path message
+    only after the ACK)."""
     control = LibP2PByteStream(stream)
     progress = Progress() if progress is None else progress
     mine = KeyAgreement()
@@ -850,10 +860,14 @@ async def initiate(
         async with watched(limits, progress):
             channel: FrameChannel | None = None
             if request.datapath and answer.datapath_port and remote_ip:
+                address = (remote_ip, answer.datapath_port)
                 try:
-                    channel = await connect_datapath(
-                        (remote_ip, answer.datapath_port), keys, timeout=DATAPATH_CONNECT_S
-                    )
+                    with trio.fail_after(DATAPATH_CONNECT_S):
+                        dialled = await early.take(address) if early is not None else None
+                    # The ACK is read after the path message went (below): the partner starts its bulk
+                    # as both reach it, a round trip sooner than if we waited for the ACK to send it.
+                    channel = await connect_datapath(address, keys, timeout=DATAPATH_CONNECT_S, stream=dialled,
+                                                     await_ack=False)
                 except (ProtocolError, trio.TooSlowError) as e:
                     log.debug("side channel to %s:%d unavailable (%s); using the libp2p stream", remote_ip,
                               answer.datapath_port, e)
@@ -862,6 +876,11 @@ async def initiate(
             await send_msg(control, AvgPath("datapath" if channel else "stream"), max_bytes=MAX_CONTROL_BYTES)
             if channel is not None:
                 async with channel:
+                    # The listener's proof of the session keys before our first byte of bulk. Past this
+                    # point a failure fails the exchange (the partner was told "datapath"), where a
+                    # failed ACK used to fall back to the stream: a listener that accepted the connect
+                    # and named no session of ours is not a partner's, and is rare.
+                    await channel.await_ack(timeout=DATAPATH_CONNECT_S)
                     return await run_transfer(_counted(channel, progress), tensors, plan, "datapath", validate)
             return await run_transfer(
                 PlainFrameChannel(_Counted(control, progress), max_frame_size=MAX_FRAME), tensors, plan, "stream",

@@ -22,6 +22,8 @@ Files and their main names:
 * ``adversary.py``: hostile averaging partners against a real victim (``make bench-adversary``);
 * ``report.py``: ``replace_section``, how benchmarks write their figures into docs/;
 * ``disk.py``: ``tiny_tmpfs``, a small tmpfs for tests of a full disk;
+* ``exchange_lab.py``: one averaging exchange at a time between two lab hosts, its phases timed (what
+  latency costs an exchange: ``bench/exchange_rtt.py``, tests/test_exchange_rtt.py);
 * ``swim_sim.py``: :class:`SimNet`, an in-process network (latency, loss, cuts) of SWIM membership cores.
 
 Only the network lab and the daemon helpers are imported here (they need neither torch nor libp2p); import

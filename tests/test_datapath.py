@@ -20,6 +20,7 @@ from p2p.datapath import (
     SessionKeys,
     connect_datapath,
     new_session_id,
+    preconnect,
 )
 from p2p.wire import (
     PlainFrameChannel,
@@ -686,3 +687,98 @@ async def test_an_unreachable_data_path_is_a_protocol_error_so_callers_can_fall_
     port = probe.getsockname()[1]
     probe.close()  # a port that was free a moment ago and has no listener now
     await expect_protocol_error(Reason.BROKEN, connect_datapath, ("127.0.0.1", port), ki, timeout=TIMEOUT)
+
+
+# -- the initiator's round trips: HELLO without waiting, and a connection dialled early (issue #50) ----------
+
+
+async def test_hello_can_go_without_waiting_for_the_ack_and_the_ack_is_read_before_any_bulk() -> None:
+    """`await_ack=False` returns once HELLO is sent, so the partner can be told the path at once; the
+    channel refuses to move bulk until `await_ack` has read the listener's proof of the keys."""
+    ki, kr = agree()
+    async with serving() as (listener, addr):
+        async with listener.expect(kr, timeout=TIMEOUT) as pending:
+            initiator = await connect_datapath(addr, ki, timeout=TIMEOUT, await_ack=False)
+            with pytest.raises(RuntimeError, match="await_ack"):
+                await initiator.send(b"too early")
+            with pytest.raises(RuntimeError, match="await_ack"):
+                await initiator.recv()
+            responder = await pending.wait()
+        await responder.send(b"bulk behind the ack")
+        await initiator.await_ack(timeout=TIMEOUT)
+        assert await initiator.recv() == b"bulk behind the ack"
+        await initiator.await_ack(timeout=TIMEOUT)  # once read, a no-op
+        await initiator.aclose()
+        await responder.aclose()
+
+
+async def test_a_listener_without_our_session_fails_the_ack_not_the_hello() -> None:
+    ki, _ = agree()
+    async with serving() as (listener, addr):
+        initiator = await connect_datapath(addr, ki, timeout=TIMEOUT, await_ack=False)  # nothing checked yet
+        with trio.fail_after(TIMEOUT), pytest.raises(ProtocolError):
+            await initiator.await_ack(timeout=TIMEOUT)
+        await trio.aclose_forcefully(initiator.stream)
+
+
+async def test_a_connection_dialled_early_carries_the_session_when_the_answer_names_its_port() -> None:
+    ki, kr = agree()
+    async with serving() as (listener, addr):
+        async with preconnect(addr, timeout=TIMEOUT) as early:
+            assert await early.take(("127.0.0.1", addr[1] + 1)) is None  # another port: not this connection
+            async with listener.expect(kr, timeout=TIMEOUT) as pending:
+                dialled = await early.take(addr)
+                assert dialled is not None and early.stream is None  # taken: the caller owns it
+                initiator = await connect_datapath(addr, ki, timeout=TIMEOUT, stream=dialled)
+                responder = await pending.wait()
+        await initiator.send(b"over the early connection")
+        assert await responder.recv() == b"over the early connection"
+        await initiator.aclose()
+        await responder.aclose()
+
+
+async def test_an_early_connection_not_taken_is_closed_and_the_listener_turns_it_away() -> None:
+    async with serving() as (listener, addr):
+        async with preconnect(addr, timeout=TIMEOUT) as early:
+            await early.done.wait()
+            assert early.stream is not None
+        assert early.stream is None
+        with trio.fail_after(TIMEOUT):
+            while listener.rejected < 1:
+                await trio.sleep(0.01)
+
+
+async def test_an_early_connection_held_too_long_is_not_used(autojump_clock: trio.testing.MockClock) -> None:
+    """The listener drops a connection that names no session within its handshake timeout (10 s): one
+    dialled early and held through a slow answer is closed, and the exchange dials afresh."""
+    from p2p.datapath import PRECONNECT_FRESH_S, Preconnect
+
+    a, b = socket_pair()
+    early = Preconnect(("127.0.0.1", 1))
+    early.stream, early.connected_at = a, trio.current_time()
+    early.done.set()
+    await trio.sleep(PRECONNECT_FRESH_S + 1)
+    assert await early.take(("127.0.0.1", 1)) is None
+    await assert_closed_by_peer(b)
+
+
+async def test_a_dial_that_fails_leaves_nothing_to_take() -> None:
+    with socket.socket() as s:  # a port nothing listens on: bound, not listening
+        s.bind(("127.0.0.1", 0))
+        addr = s.getsockname()
+        async with preconnect(addr, timeout=TIMEOUT) as early:
+            assert await early.take(addr) is None
+
+
+async def test_the_callers_cancellation_passes_through_an_early_dial_under_way() -> None:
+    """A cancellation of the caller's on its way out through the body comes out of the early dial's block
+    (the averager must never go on as if its exchange had returned)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(0)  # a backlog that fills: further dials hang in SYN
+        addr = s.getsockname()
+        with trio.move_on_after(0.3) as outer:
+            async with preconnect(addr, timeout=TIMEOUT):
+                await trio.sleep(5)
+            pytest.fail("the body's cancellation was swallowed")
+        assert outer.cancelled_caught

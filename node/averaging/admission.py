@@ -91,6 +91,9 @@ class Link:
     clipped: int = 0  # exchanges whose values we clipped (node/averaging/robust.py)
     ip: str | None = None  # the address its latest request or answer came from (`per_ip_key`)
     compression: str | None = None  # the preset of our latest exchange with it (`sync.compression = auto`)
+    # Where its side channel listened when it last accepted us: dialled early at the next request
+    # (protocols/avg.py `initiate`, `early`), so that the connect costs no round trip of its own.
+    datapath_addr: tuple[str, int] | None = None
 
 
 def per_ip_key(ip: str | None) -> str | None:

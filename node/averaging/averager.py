@@ -956,42 +956,51 @@ class Averager:
         fragment = preset.fragment_of(pending.request.outer_step) if preset.lossy else 0
         answered = False  # the partner's answer came: what fails after it is no handshake timeout
         deadline = self._answer_deadline_s(partner)
+        result: avg.TransferResult | None = None
         try:
-            stream = None
-            with trio.fail_after(deadline):
-                stream = await self.host.new_stream(ID.from_base58(partner), list(avg.PROTOCOL_IDS))
-            self.admission.saw(partner, avg.partner_ip(stream))
+            # The side channel's connect goes out with the request, to the port of our last exchange with
+            # this partner (one listener per daemon): the answer names it a round trip later.
+            link = self.admission.link(partner)
+            hint = link.datapath_addr if self.cfg.datapath else None
+            async with avg.preconnect(hint, timeout=avg.DATAPATH_CONNECT_S) as early:
+                stream = None
+                with trio.fail_after(deadline):
+                    stream = await self.host.new_stream(ID.from_base58(partner), list(avg.PROTOCOL_IDS))
+                self.admission.saw(partner, avg.partner_ip(stream))
 
-            def claim(answer: avg.AvgAnswer) -> bool:
-                nonlocal claimed_here, answered
-                answered = True
-                if pending.claimed_by is not None:
-                    return False  # a crossing request claimed this step meanwhile
-                pending.mark_paired(partner, trio.current_time())
-                self._note_partner(pending, answer)
-                pending.compression, pending.fragment = compression, fragment
-                pending.progress = progress
-                claimed_here = True
-                log.debug("partner %s accepted %s after %.2fs", partner, compression, trio.current_time() - began)
-                return True
+                def claim(answer: avg.AvgAnswer) -> bool:
+                    nonlocal claimed_here, answered
+                    answered = True
+                    if pending.claimed_by is not None:
+                        return False  # a crossing request claimed this step meanwhile
+                    pending.mark_paired(partner, trio.current_time())
+                    self._note_partner(pending, answer)
+                    ip = avg.partner_ip(stream)
+                    link.datapath_addr = (ip, answer.datapath_port) if ip and answer.datapath_port else None
+                    pending.compression, pending.fragment = compression, fragment
+                    pending.progress = progress
+                    claimed_here = True
+                    log.debug("partner %s accepted %s after %.2fs", partner, compression, trio.current_time() - began)
+                    return True
 
-            try:
-                result = await avg.initiate(
-                    stream,
-                    self._request_fields(pending, compression, fragment),
-                    pending.tensors,
-                    local_peer_id=self.host.get_id().to_bytes(),
-                    remote_peer_id=ID.from_base58(partner).to_bytes(),
-                    remote_ip=avg.partner_ip(stream),
-                    handshake_timeout=deadline,
-                    limits=self._transfer_limits(),
-                    progress=progress,
-                    on_accept=claim,
-                    validate=self._values_judge(pending),
-                    offer_punch=self._may_punch(partner),
-                )
-            finally:
-                await close_quietly(stream)
+                try:
+                    result = await avg.initiate(
+                        stream,
+                        self._request_fields(pending, compression, fragment),
+                        pending.tensors,
+                        local_peer_id=self.host.get_id().to_bytes(),
+                        remote_peer_id=ID.from_base58(partner).to_bytes(),
+                        remote_ip=avg.partner_ip(stream),
+                        handshake_timeout=deadline,
+                        limits=self._transfer_limits(),
+                        progress=progress,
+                        on_accept=claim,
+                        validate=self._values_judge(pending),
+                        offer_punch=self._may_punch(partner),
+                        early=early,
+                    )
+                finally:
+                    await close_quietly(stream)
         except Declined as e:
             self.report.declined()
             retry = self._retry_compression(pending, partner, compression, e)
@@ -1037,6 +1046,9 @@ class Averager:
             return Attempt.FAILED, None
         finally:
             pending.initiating_to = None
+        if result is None:  # never: each way out of the block above returns or raises; a guard, not a path
+            log.error("exchange with %s ended without a result or an error", partner)
+            return Attempt.FAILED, None
         self._learn_rate(partner, progress, completed=True)
         self._succeed(partner, result, numel, pending.compression, pending.request)
         pending.result = 2

@@ -1,0 +1,129 @@
+"""One averaging exchange at a time between two network-lab hosts, its phases timed: what latency costs it.
+
+A responder host serves protocols/avg.py's exchange (with a side-channel listener) and an initiator host
+asks it `--exchanges` times over one libp2p connection, as two daemons' averagers do once paired, with the
+early dial of the side channel to the port of the last answer (`avg.preconnect`). Each exchange prints one
+JSON line: its seconds from the stream's opening to the result, and the phases' ends (stream open,
+answer, result). `bench/exchange_rtt.py` and tests/test_exchange_rtt.py read them; at a known RTT the
+seconds over the RTT are the round trips the exchange takes.
+
+    ip netns exec A python -m starling_testing.exchange_lab respond PORT
+    ip netns exec B python -m starling_testing.exchange_lab initiate IP PORT PEER_ID NUMEL EXCHANGES
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+import multiaddr
+import numpy as np
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from p2p.datapath import DataPathListener
+from p2p.host import build_host
+from protocols import avg
+
+READY = "exchange lab ready"
+RESULT = "exchange result "
+
+
+def tensors(numel: int, seed: int) -> avg.Tensors:
+    rng = np.random.default_rng(seed)
+    return avg.Tensors(rng.standard_normal(numel, dtype=np.float32), rng.standard_normal(numel, dtype=np.float32) * 0.01,
+                       np.zeros(numel, np.float32), np.zeros(numel, np.float32))  # fmt: skip
+
+
+def request_fields(outer_step: int) -> dict[str, object]:
+    return {"outer_step": outer_step, "manifest_hash": "lab", "layout_hash": "lab", "wire_dtype": "bf16",
+            "int8_block": 4096, "datapath": True, "stage": 1, "compression": "none", "fragment": 0,
+            "inner_steps": 1, "samples": 1, "waited_ms": 0, "members": 1}  # fmt: skip
+
+
+def early_dial(hint: tuple[str, int] | None) -> contextlib.AbstractAsyncContextManager:
+    """`avg.preconnect` where this tree has it; nothing on a tree from before it (bench/exchange_rtt.py
+    `--before` runs this file against an older checkout, for the figures before and after in one run)."""
+    dial = getattr(avg, "preconnect", None)
+    return dial(hint, timeout=avg.DATAPATH_CONNECT_S) if dial is not None else contextlib.nullcontext()
+
+
+async def respond(port: int) -> None:
+    host = build_host(create_new_key_pair())
+    listener = DataPathListener("0.0.0.0", 0)
+    async with host.run([multiaddr.Multiaddr(f"/ip4/0.0.0.0/tcp/{port}")]), trio.open_nursery() as nursery:
+        await nursery.start(listener.serve)
+
+        async def handle(stream) -> None:  # type: ignore[no-untyped-def]
+            try:
+                request = await avg.read_request(stream, 10)
+                await avg.respond(stream, request, tensors(request.numel, 2), outer_step=request.outer_step,
+                                  listener=listener, local_peer_id=host.get_id().to_bytes(),
+                                  remote_peer_id=stream.muxed_conn.peer_id.to_bytes(), handshake_timeout=10,
+                                  limits=avg.TransferLimits(), inner_steps=1, samples=1)  # fmt: skip
+            except Exception as e:  # one failed exchange is a line of output, not the end of the server
+                print(f"responder: exchange failed: {e!r}", flush=True)
+            finally:
+                await stream.close()
+
+        host.set_stream_handler(avg.PROTOCOL_ID, handle)
+        print(READY, host.get_id().to_base58(), flush=True)
+        await trio.sleep_forever()
+
+
+async def initiate(ip: str, port: int, peer: str, numel: int, exchanges: int) -> None:
+    host = build_host(create_new_key_pair())
+    async with host.run([multiaddr.Multiaddr("/ip4/0.0.0.0/tcp/0")]):
+        with trio.fail_after(30):
+            await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(f"/ip4/{ip}/tcp/{port}/p2p/{peer}")))
+        print(READY, flush=True)
+        hint: tuple[str, int] | None = None
+        for i in range(exchanges):
+            await trio.sleep(0.5)  # apart, as outer steps are
+            marks: dict[str, float] = {}
+            began = trio.current_time()
+
+            def accepted(answer: avg.AvgAnswer, marks: dict[str, float] = marks, began: float = began) -> bool:
+                nonlocal hint
+                marks["answer"] = trio.current_time() - began
+                hint = (ip, answer.datapath_port) if answer.datapath_port else None
+                return True
+
+            try:
+                with trio.fail_after(60):
+                    async with early_dial(hint) as early:
+                        stream = await host.new_stream(ID.from_base58(peer), [avg.PROTOCOL_ID])
+                        marks["stream"] = trio.current_time() - began
+                        try:
+                            result = await avg.initiate(
+                                stream, request_fields(i + 1), tensors(numel, 1), local_peer_id=host.get_id().to_bytes(),
+                                remote_peer_id=ID.from_base58(peer).to_bytes(), remote_ip=ip, handshake_timeout=10,
+                                limits=avg.TransferLimits(), on_accept=accepted,
+                                **({"early": early} if early is not None else {}))  # fmt: skip
+                        finally:
+                            await stream.close()
+                marks["result"] = trio.current_time() - began
+                dialled = early is not None and early.address is not None
+                line = {"i": i, "seconds": marks["result"], "path": result.path, "preconnected": dialled,
+                        "bytes_each_way": result.bytes_sent, **{f"{k}_s": v for k, v in marks.items()}}  # fmt: skip
+            except Exception as e:
+                line = {"i": i, "error": repr(e)}
+            print(RESULT + json.dumps(line), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["respond"] and len(argv) == 2:
+        trio.run(respond, int(argv[1]))
+    elif argv[:1] == ["initiate"] and len(argv) == 6:
+        trio.run(initiate, argv[1], int(argv[2]), argv[3], int(argv[4]), int(argv[5]))
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
