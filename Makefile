@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev libnetfilter-queue-dev nftables iproute2 iptables systemd
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-delayline bench-exchange-rtt bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-delayline bench-exchange-rtt bench-swim-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -105,6 +105,11 @@ bench-delayline: install
 # against the tree before the cut in the same run (section "An exchange's round trips"); about 4 min, root.
 bench-exchange-rtt: install
 	$(PY) bench/exchange_rtt.py --before 53571be --write-docs
+
+# SWIM membership with 16 network-only daemons in lab hosts, 300 ms of RTT between members, 50 ms of jitter and
+# 1% loss each way, for 10 minutes (section "Membership over long, lossy links"); about 13 min, root.
+bench-swim-wan: install
+	$(PY) bench/swim_wan.py --write-docs
 
 # The swarm's own traffic: what 5 network-only daemons on loopback send per second, by protocol (section
 # "The swarm's own traffic"); about 2 min.

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import contextlib
 import dataclasses
 import json
@@ -106,6 +107,7 @@ HIVEMIND_SCRIPT = ROOT / "bench" / "hivemind_wan.py"
 HIVEMIND_PORT = 31337
 N = 4
 SCENARIOS = ("uniform", "one-slow")
+TWIN_ROW = "Starling defaults, zero-latency twin (same rates, no delay line)"
 SLOW_FACTOR = 5.0
 GLOO_PORT = 29500
 POLL_S = 1.0
@@ -362,6 +364,9 @@ class NodeRun:
     restarts: int
     catch_ups: int  # snapshots its worker adopted in the window (sync.catch_ups)
     follows: int = 0  # catch-ups that moved the count alone, without a download (sync.catch_up_follows)
+    # The preset of the latest exchange (sync.last_compression) at each status poll that saw new bytes
+    # averaged: what `auto` chose, sampled (one per poll, every POLL_S; exchanges between polls are not seen).
+    presets: dict[str, int] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -483,6 +488,7 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
         computed = dict.fromkeys(first, 0)
         curve = [(0.0, _mean_val(first, initial_loss))]
         sent_curve = [(0.0, 0.0)]
+        presets: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in first}
         while (now := time.monotonic()) - t0 < seconds:
             time.sleep(min(POLL_S, max(0.0, seconds - (now - t0))))
             sts = poll()
@@ -491,6 +497,8 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
             for k, st in sts.items():
                 if st is not None:
                     computed[k] += max(0, int(training(st).get("step", 0)) - int(training(last[k]).get("step", 0)))
+                    if int(sync_of(st).get("bytes_sent") or 0) > int(sync_of(last[k]).get("bytes_sent") or 0):
+                        presets[k][str(sync_of(st).get("last_compression"))] += 1
             last.update({k: st for k, st in sts.items() if st is not None})
             curve.append((t - t0, _mean_val(last, initial_loss)))
             sent_curve.append((t - t0, statistics.fmean(c[k][0] - c0[k][0] for k in c)))
@@ -511,7 +519,7 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
             quiet.seconds.get(k, 0.0),
             sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0),
             int(sy1.get("catch_ups") or 0) - int(sy0.get("catch_ups") or 0),
-            int(sy1.get("catch_up_follows") or 0) - int(sy0.get("catch_up_follows") or 0)))
+            int(sy1.get("catch_up_follows") or 0) - int(sy0.get("catch_up_follows") or 0), dict(presets[k])))
     # The uncompressed exchange's bytes only: with `auto` a trainer's last exchange may be a compressed one
     # (its first two with each link are), and the derivation is about bf16 phi and Delta.
     exchanged = [int(sync_of(st).get("last_bytes") or 0) for st in last.values()
@@ -903,7 +911,12 @@ def starling_row(run: StarlingRun, unshaped: StarlingRun | None, label: str, ref
     last = ", ".join("-" if n.last_exchange_s is None else f"{n.last_exchange_s:.1f}" for n in run.nodes)
     catch_ups = ", ".join(str(n.catch_ups) for n in run.nodes)
     follows = ", ".join(str(n.follows) for n in run.nodes)
-    note = (f"inner steps {steps}; last exchange (s) {last}" + (f"; worker restarts {restarts}" if restarts else "")
+    seen = collections.Counter[str]()
+    for n in run.nodes:
+        seen.update(n.presets)
+    chosen = ", ".join(f"{p} {c}" for p, c in seen.most_common())
+    note = (f"inner steps {steps}; last exchange (s) {last}" + (f"; presets at status polls {chosen}" if chosen else "")
+            + (f"; worker restarts {restarts}" if restarts else "")
             + (f"; catch-ups {catch_ups}" if any(n.catch_ups for n in run.nodes) else "")
             + (f"; counts followed without a download {follows}" if any(n.follows for n in run.nodes) else ""))
     averaged = [n.averaged / max(1, n.averaged + n.solo + n.failed) for n in run.nodes]
@@ -942,6 +955,11 @@ def verdicts(sc_name: str, rows: list[Row], target: float) -> list[str]:
     text = "n/a (not reached)" if r_dil is None else f"{r_dil:.2f}x"
     out.append(f"- {sc_name}: Starling reaches it {'>= 2x sooner than' if need > 1 else 'no later than'} DiLoCo: "
                f"{met(r_dil is not None and r_dil >= need)} ({_s(t_star)} vs {_s(t_dil)}: {text})")
+    twin = by.get(TWIN_ROW)
+    if twin is not None:  # issue #50: latency must not cost the swarm its model
+        end, end_twin = star.curve[-1][1], twin.curve[-1][1]
+        out.append(f"- {sc_name}: val loss at the end within 0.03 of the zero-latency twin: "
+                   f"{met(end <= end_twin + 0.03)} ({end:.3f} against {end_twin:.3f})")
     return out
 
 
@@ -1100,6 +1118,15 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                                        ddp.initial_val, plan.seconds)
                     runs.append(run)
                     rows.append(starling_row(run, unshaped, f"Starling {label}"))
+                    if label == "defaults" and not plan.path.is_flat:
+                        # Its zero-latency twin: the same rates, no delay line, in the same run (issue #50).
+                        wl.path = PathShape()
+                        try:
+                            twin = run_starling(wl, root / f"{tag}-twin", plan, f"{tag}-{label}-twin", sets, keys,
+                                                rates, ddp.initial_val, plan.seconds)
+                        finally:
+                            wl.path = plan.path
+                        rows.append(starling_row(twin, unshaped, TWIN_ROW))
                 if hm_python is not None:
                     try:
                         hm = run_hivemind(wl, root / f"{tag}-hivemind", hm_python, plan, peer_ids, rates,
