@@ -129,16 +129,34 @@ def test_queue_ms_shapes_every_trainer_link_with_a_shallow_queue_and_labels_the_
     class FakeLab:
         def __init__(self) -> None:
             self.limits: list[tuple[str, float, float | None]] = []
+            self.lines: list[tuple[float, float, float]] = []
 
         def public_host(self, name: str) -> str:
             return name
 
-        def limit(self, host: str, rate: float, *, queue_ms: float | None = None) -> None:
+        def limit(self, host: str, rate: float, *, queue_ms: float | None = None, delay_ms: float = 0.0,
+                  jitter_ms: float = 0.0, loss: float = 0.0) -> None:
             self.limits.append((host, rate, queue_ms))
+            self.lines.append((delay_ms, jitter_ms, loss))
 
     for queue_ms in (None, 300.0):
         lab = FakeLab()
         wan.WanLab(lab, queue_ms).shape([0.4, 0.4, 0.4, 0.08])
         assert lab.limits == [("t0", 0.4, queue_ms), ("t1", 0.4, queue_ms), ("t2", 0.4, queue_ms),
                               ("t3", 0.08, queue_ms)]
+        assert lab.lines == [(0.0, 0.0, 0.0)] * 4  # no latency unless asked
     assert "300 ms" in wan.queue_text(300.0) and "64 KiB" in wan.queue_text(None)
+
+
+def test_a_path_between_trainers_is_split_over_the_four_lines_a_round_trip_crosses() -> None:
+    """--rtt-ms 200 --jitter-ms 20 --loss 0.005: each trainer's link holds 50 ms +- 5 each way, and loses what
+    makes a trainer-to-trainer direction (two lines) lose 0.5%."""
+    wan = _load_wan()
+    path = wan.PathShape(200, 20, 0.005)
+    line = path.line()
+    assert line["delay_ms"] == 50 and line["jitter_ms"] == 5
+    assert 1 - (1 - line["loss"]) ** 2 == pytest.approx(0.005)
+    assert "200 ms of round trip" in path.text() and wan.PathShape().text() == "no added latency"
+    for bad in ({"rtt_ms": -1}, {"rtt_ms": 10, "jitter_ms": 20}, {"loss": 0.6}):
+        with pytest.raises(ValueError):
+            wan.PathShape(**bad)
