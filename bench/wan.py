@@ -102,6 +102,9 @@ from starling_testing.report import replace_section
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Over slow links"
+# Runs with latency, jitter or loss (`--rtt-ms`, `--jitter-ms`, `--loss`) write their own section, beside the
+# zero-latency record above (issue #50).
+LATENCY_SECTION = "## Over slow links with latency"
 HIVEMIND_VENV = ROOT / "bench" / ".venv-hivemind"
 HIVEMIND_SCRIPT = ROOT / "bench" / "hivemind_wan.py"
 HIVEMIND_PORT = 31337
@@ -250,6 +253,10 @@ class PathShape:
         """netlab `limit`'s delay_ms, jitter_ms and loss for each trainer's link."""
         return {"delay_ms": self.rtt_ms / 4, "jitter_ms": self.jitter_ms / 4, "loss": 1 - (1 - self.loss) ** 0.5}
 
+    def tag(self) -> str:
+        """What a plot's file name adds for this path ("" without latency, as before)."""
+        return "" if self.is_flat else f"-{self.rtt_ms:g}ms" + (f"-loss{self.loss:g}" if self.loss else "")
+
     def text(self) -> str:
         if self.is_flat:
             return "no added latency"
@@ -265,6 +272,10 @@ def queue_text(queue_ms: float | None) -> str:
                 "slow link, 6.6 s at 0.08 Mbit/s")
     return (f"a shallow queue: {queue_ms:g} ms of traffic at the link rate, GSO capped to one frame "
             "(`--queue-ms`)")
+
+
+def section_of(plan: Plan) -> str:
+    return SECTION if plan.path.is_flat else LATENCY_SECTION
 
 
 def lab_unavailable() -> str | None:
@@ -1147,7 +1158,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                 rows += composed_rows(ddp.curve, diloco.curve, col, bc.inner_steps)
                 target = choose_target(rows)
                 wall = runs[0].seconds if runs else plan.seconds
-                png = out_dir / f"wan-{tag}.png"
+                png = out_dir / f"wan-{tag}{plan.path.tag()}.png"
                 title = (f"{N} trainers, links {', '.join(f'{r:g}' for r in rates)} Mbit/s ({name}); "
                          f"{ddp.params / 1e6:.2f}M params, H = {bc.inner_steps}")
                 try:
@@ -1211,7 +1222,7 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
     bc = plan.bench
     cfg = ", ".join(f"{k}={v}" for k, v in plan.train().items())
     parts = [
-        SECTION,
+        section_of(plan),
         f"Command: `{command}` ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {wall / 60:.1f} min wall, on a "
         f"{os.cpu_count()}-core {platform.machine()} machine shared with other jobs, {platform.system()} "
         f"{platform.release()}; torch {torch.__version__}).",
@@ -1339,7 +1350,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(plan, derivation, results, notes, command, time.monotonic() - started, "" if writing else str(out_dir) + "/")
     print(text)
     if writing:
-        replace_section(DOCS, SECTION, text)
+        replace_section(DOCS, section_of(plan), text)
         print(f"written to {DOCS}", file=sys.stderr)
     print(f"plots: {', '.join(str(s.png) for s in results if s.png)}", file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
