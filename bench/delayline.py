@@ -23,21 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from starling_testing.netlab import Host, Lab, unavailable_reason  # noqa: E402
+from starling_testing.delayline import UDP_ECHO  # noqa: E402
+from starling_testing.netlab import Host, Lab, bench_exit_code  # noqa: E402
 from starling_testing.report import publish  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 SECTION = "## The lab's delay line"
 
-UDP_ECHO = r"""
-import socket, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind(("0.0.0.0", int(sys.argv[1])))
-print("listening", flush=True)
-while True:
-    data, addr = s.recvfrom(2048)
-    s.sendto(data, addr)
-"""
 
 PINGS = r"""
 import socket, sys, time
@@ -149,10 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each TCP flow")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"error: the network lab is unavailable: {reason}", file=sys.stderr)
-        return 2
+    if (code := bench_exit_code()) is not None:
+        return code
 
     lines = [SECTION, "",
              f"`python bench/delayline.py{' ' + ' '.join(argv or sys.argv[1:]) if (argv or sys.argv[1:]) else ''}` "

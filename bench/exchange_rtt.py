@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from starling_testing import exchange_lab  # noqa: E402
-from starling_testing.netlab import Host, Lab, unavailable_reason  # noqa: E402
+from starling_testing.netlab import Host, Lab, bench_exit_code  # noqa: E402
 from starling_testing.report import publish  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -88,10 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", default=None, metavar="REF", help="also run the harness on a checkout of REF")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"error: the network lab is unavailable: {reason}", file=sys.stderr)
-        return 2
+    if (code := bench_exit_code()) is not None:
+        return code
     if args.exchanges < 2:
         parser.error("--exchanges: at least 2 (the first one dials after the answer)")
     trees: list[tuple[str, Path]] = [("this tree", ROOT)]

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from starling_testing.daemon import PORT, LabDaemon, spawn_daemon, start_daemon  # noqa: E402
-from starling_testing.netlab import Lab, unavailable_reason  # noqa: E402
+from starling_testing.netlab import Lab, bench_exit_code  # noqa: E402
 from starling_testing.report import publish  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -71,10 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--join-timeout", type=float, default=180.0)
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"error: the network lab is unavailable: {reason}", file=sys.stderr)
-        return 2
+    if (code := bench_exit_code()) is not None:
+        return code
     if not 2 <= args.daemons <= 64:
         parser.error("--daemons: between 2 and 64")
     line = {"delay_ms": args.rtt_ms / 4, "jitter_ms": args.jitter_ms / 4, "loss": 1 - (1 - args.loss) ** 0.5}

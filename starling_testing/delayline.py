@@ -47,6 +47,19 @@ READY_LINE = "delay line ready"
 STATS_PREFIX = "delay line stats "
 
 
+# A UDP echo server, run in a lab host (`Host.spawn_python(UDP_ECHO, PORT)`; prints "listening" once bound): the
+# far end of the round trips that tests/test_delayline.py and bench/delayline.py time through a line.
+UDP_ECHO = r"""
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+print("listening", flush=True)
+while True:
+    data, addr = s.recvfrom(2048)
+    s.sendto(data, addr)
+"""
+
+
 @dataclass(frozen=True)
 class LineSpec:
     """What one direction of a link does to each packet."""

@@ -203,6 +203,15 @@ def unavailable_reason(prefix: str = DEFAULT_PREFIX) -> str | None:
     return None
 
 
+def bench_exit_code() -> int | None:
+    """For a benchmark's `main`: 2, after saying why on stderr, where this machine cannot build a lab; else None."""
+    reason = unavailable_reason()
+    if reason is None:
+        return None
+    print(f"error: the network lab is unavailable: {reason}", file=sys.stderr)
+    return 2
+
+
 # ----------------------------------------------------------------------------------------------
 # Processes and hosts
 

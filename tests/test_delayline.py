@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from starling_testing import netlab
-from starling_testing.delayline import Direction, LineSpec
+from starling_testing.delayline import UDP_ECHO, Direction, LineSpec
 from starling_testing.netlab import Host, Lab, LabError
 
 # ---------------------------------------------------------------------------------------------
@@ -88,16 +88,6 @@ def test_the_command_line_form_round_trips() -> None:
 # ---------------------------------------------------------------------------------------------
 # Real packets through real lines
 
-# Echoes every UDP datagram back to its sender.
-UDP_ECHO = r"""
-import socket, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind(("0.0.0.0", int(sys.argv[1])))
-print("listening", flush=True)
-while True:
-    data, addr = s.recvfrom(2048)
-    s.sendto(data, addr)
-"""
 
 # Sends numbered datagrams `gap` seconds apart and times each echo; prints the round trips in ms (sorted),
 # the count lost, and whether the echoes came back in the order sent.
