@@ -63,6 +63,7 @@ from p2p.wire import (
     Buffer,
     ProtocolError,
     Reason,
+    single_error,
 )
 
 __all__ = [
@@ -74,12 +75,12 @@ __all__ = [
     "KeyAgreement",
     "Role",
     "SecureChannel",
-    "SessionKeys",
     "Preconnect",
+    "SessionKeys",
     "connect_datapath",
-    "preconnect",
     "new_session_id",
     "open_punched",
+    "preconnect",
 ]
 
 PUBLIC_KEY_LEN = 32
@@ -675,7 +676,7 @@ async def preconnect(address: tuple[str, int] | None, *, timeout: float) -> Asyn
     """Dial `address` (None: nothing) in the background for the body; a connection not taken by then is
     closed on the way out."""
     early = Preconnect(address)
-    try:
+    with single_error():  # the body's own error, as it was raised (the dial raises none)
         async with trio.open_nursery() as nursery:
             if address is not None:
                 nursery.start_soon(early._run, timeout)
@@ -688,10 +689,6 @@ async def preconnect(address: tuple[str, int] | None, *, timeout: float) -> Asyn
                 if early.stream is not None:
                     await trio.aclose_forcefully(early.stream)
                     early.stream = None
-    except BaseExceptionGroup as group:  # the body's own error, as it was raised (the dial raises none)
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
 
 
 async def _read_preamble(stream: trio.SocketStream) -> bytes | None:

@@ -34,6 +34,7 @@ bounds::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -41,7 +42,7 @@ import math
 import struct
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import trio
@@ -69,6 +70,7 @@ __all__ = [
     "decode_msg",
     "encode_msg",
     "close_quietly",
+    "single_error",
     "from_map",
     "read_exactly",
     "recv_as",
@@ -610,3 +612,16 @@ async def close_quietly(stream: Any, *, reset: bool = False, timeout: float = 1.
             await (stream.reset() if reset else stream.close())
         except Exception:  # the stream or its connection is already gone
             pass
+
+
+@contextlib.contextmanager
+def single_error() -> Iterator[None]:
+    """Around a nursery: a group of one error comes out as that error. Why: trio groups even the body's own
+    exception, and callers catch `ProtocolError` or `trio.TooSlowError` by type (protocols/avg.py `watched`,
+    p2p/datapath.py `preconnect`). A group of several stays a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

@@ -99,6 +99,7 @@ from p2p.wire import (
     Reason,
     recv_as,
     send_msg,
+    single_error,
     spec,
     to_map,
 )
@@ -466,26 +467,21 @@ async def watched(limits: TransferLimits, progress: Progress) -> AsyncIterator[N
     reason) once it does not. Exceptions of the body come out as they are, not in a group."""
     began = time.monotonic()
     why: list[str] = []
-    with trio.CancelScope() as scope:
-        try:
-            async with trio.open_nursery() as nursery:
+    with trio.CancelScope() as scope, single_error():
+        async with trio.open_nursery() as nursery:
 
-                async def watch() -> None:
-                    while True:
-                        await trio.sleep(WATCH_S)
-                        reason = limits.verdict(progress, began, time.monotonic())
-                        if reason is not None:
-                            why.append(reason)
-                            scope.cancel()
-                            return
+            async def watch() -> None:
+                while True:
+                    await trio.sleep(WATCH_S)
+                    reason = limits.verdict(progress, began, time.monotonic())
+                    if reason is not None:
+                        why.append(reason)
+                        scope.cancel()
+                        return
 
-                nursery.start_soon(watch)
-                yield
-                nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+            nursery.start_soon(watch)
+            yield
+            nursery.cancel_scope.cancel()
     if scope.cancelled_caught:
         raise trio.TooSlowError(why[0] if why else "the transfer was given up")
 
