@@ -58,6 +58,7 @@ from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
 from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
+from node.swarm.circuit import short_id
 from node.swarm.crdt import Manifest, MemberState
 from node.swarm.manifest_trust import ManifestAuthority, ManifestPinError, read_manifest_pin
 from node.swarm.nat import NatConfig, NatService
@@ -297,6 +298,7 @@ class Daemon:
                 period_s=lambda: self.averager.outer_period_s() if self.averager else 0.0,
                 follow=lambda outer_step: self.averager.follow(outer_step) if self.averager else None,
                 worker_restarts=lambda: int(self._training().get("restarts") or 0),
+                may_download_from=self._may_download_from,
             )
             bind = "127.0.0.1" if all(str(a).startswith("/ip4/127.") for a in self.listen_addrs) else "0.0.0.0"
             self.averager = Averager(
@@ -324,6 +326,7 @@ class Daemon:
         self._last_progress_step = 0
         self.snapshots = SnapshotServer(snapshot_source(home), max_serving=2)
         self.join_status: dict[str, Any] = {"state": "not started"}
+        self._relay_only_donors: set[str] = set()  # trainers we said we take no snapshot from (logged once)
         # Our model as the start-up check described it (only where a late join will run): the donors'
         # snapshots are checked against it before a byte is downloaded.
         self._checked: CheckedTask | None = None
@@ -753,7 +756,8 @@ class Daemon:
             and m.record.peer_id != str(self.peer_id)
         ]
         near = set(near_the_swarm({r.peer_id: r.outer_step for r in trained}, self.cfg.sync.max_step_gap))
-        donors = [record for record in trained if record.peer_id in near]
+        donors = [record for record in trained
+                  if record.peer_id in near and self._may_download_from(record.peer_id, record.reachability)]
         # A joiner learns its donors from their records a second after it met the bootstrap node, before the
         # connection manager has dialled any of them (`_learn_member_addrs`, every 5 s): without their
         # addresses every download failed at once ("no known addresses") and the joiner started a fresh
@@ -764,6 +768,34 @@ class Daemon:
             if addrs:
                 peerstore.add_addrs(ID.from_base58(record.peer_id), addrs, DONOR_ADDR_TTL_S)
         return [record.peer_id for record in donors]
+
+    def _may_download_from(self, peer: str, reachability: str | None = None) -> bool:
+        """Whether a snapshot (bulk tensors, as an exchange's) may come from `peer`: over a direct or
+        hole-punched connection, or from a peer that is not connected at all and does not say it sits
+        behind a NAT (its record's `reachability`; None: read it from its record), so that the download
+        dials it directly. A donor reachable only through a relay would move the model over the relay,
+        which `sync.allow_relay_bulk` (off by default) forbids, as for exchanges.
+
+        Why: in the network lab a joiner behind a hostile NAT picked a trainer behind another one as a
+        donor; the download dialled that trainer's addresses for 27 s before it failed, while the joiner
+        had not started training (tests/test_nat_swarm_lab.py)."""
+        if self.cfg.sync.allow_relay_bulk:
+            return True
+        path = self.nat.path_of(peer)
+        if path in DIRECT_PATHS:
+            return True
+        if path != "none":
+            return False  # relayed: a new stream would ride the relayed connection
+        if reachability is None:
+            member = self.replicator.state.member(peer)
+            reachability = member.record.reachability if member is not None else "unknown"
+        if reachability not in ("private", "relayed"):
+            return True
+        if peer not in self._relay_only_donors:
+            self._relay_only_donors.add(peer)
+            log.info("no snapshot from %s: its record says it is %s, so it is reachable only through a relay "
+                     "until a hole punch succeeds (sync.allow_relay_bulk is off)", short_id(peer), reachability)
+        return False
 
     async def _keep_history(self) -> None:
         """Record every member's progress for `starling plot`; saved every 30 s and on stop."""

@@ -210,6 +210,33 @@ def test_late_join_donors_are_dialable_from_the_addresses_their_records_carry(tm
     assert known() == [addr]
 
 
+def test_late_join_donors_leave_out_trainers_that_say_they_sit_behind_a_nat(tmp_path: Path) -> None:
+    """A joiner behind a hostile NAT took a trainer behind another NAT as a donor: the download dialled its
+    addresses for 27 s before it failed, while the joiner did not train (tests/test_nat_swarm_lab.py). Such
+    a donor is reachable only through a relay, and bulk never crosses one unless `sync.allow_relay_bulk`."""
+    from node.config.load import load_config
+    from node.daemon import Daemon
+
+    def joiner(**overrides: object) -> tuple[Daemon, dict[str, str]]:
+        cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"],
+                                               "node.membership": "gossip", **overrides}, environ={})
+        daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
+        daemon.replicator.state.merge(SwarmState(create_new_key_pair()).set_manifest(MANIFEST) or b"")
+        ids = {}
+        for reachability in ("public", "unknown", "private", "relayed"):
+            member = SwarmState(create_new_key_pair())
+            daemon.replicator.state.merge(member.update_self(role="trainer", manifest_hash=MANIFEST.hash,
+                                                             outer_step=5, reachability=reachability))
+            ids[reachability] = member.peer_id
+        return daemon, ids
+
+    daemon, ids = joiner()
+    assert sorted(daemon._join_donors()) == sorted([ids["public"], ids["unknown"]])
+    assert daemon._may_download_from(ids["public"]) and not daemon._may_download_from(ids["private"])
+    daemon, ids = joiner(**{"sync.allow_relay_bulk": True})
+    assert sorted(daemon._join_donors()) == sorted(ids.values())
+
+
 async def test_the_start_up_check_describes_the_model_exactly_as_the_worker_will(tmp_path: Path) -> None:
     """The late join's donors are checked against what the start-up check says of our model: it must be
     what the worker's hello will say, or every honest donor would be refused."""

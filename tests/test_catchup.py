@@ -45,7 +45,8 @@ def one_thread() -> None:
 
 
 def catch_up(tmp_path: Path, own: int, others: dict[str, int], *, host: Any = None,
-             delivered: list | None = None, model: snap.ModelShape = MODEL, **cfg: Any) -> CatchUp:
+             delivered: list | None = None, model: snap.ModelShape = MODEL, relayed: tuple[str, ...] = (),
+             **cfg: Any) -> CatchUp:
     return CatchUp(
         host,
         tmp_path,
@@ -54,6 +55,7 @@ def catch_up(tmp_path: Path, own: int, others: dict[str, int], *, host: Any = No
         trainers=lambda: dict(others),
         deliver=lambda path, outer_step: (delivered if delivered is not None else []).append((path, outer_step)),
         model=lambda: model,
+        may_download_from=lambda peer: peer not in relayed,
     )
 
 
@@ -63,6 +65,13 @@ def catch_up(tmp_path: Path, own: int, others: dict[str, int], *, host: Any = No
 def test_a_node_far_behind_takes_donors_nearest_the_swarms_median(tmp_path: Path) -> None:
     plan = catch_up(tmp_path, 0, {"a": 20, "b": 22, "c": 19, "d": 40}).plan()
     assert plan == (20, ["a", "c", "b"])  # median of 0, 19, 20, 22, 40; the runaway d is no donor
+
+
+def test_a_trainer_reachable_only_through_a_relay_counts_for_the_swarms_position_but_serves_no_snapshot(
+    tmp_path: Path,
+) -> None:
+    assert catch_up(tmp_path, 0, {"a": 20, "b": 22, "c": 19}, relayed=("a",)).plan() == (20, ["c", "b"])
+    assert catch_up(tmp_path, 0, {"a": 20, "b": 22}, relayed=("a", "b")).plan() is None  # no donor: no plan
 
 
 def test_a_runaway_node_comes_back_to_the_majority_and_the_majority_stays(tmp_path: Path) -> None:

@@ -246,7 +246,7 @@ class CatchUp:
     A node at the median does nothing: the others come to it.
 
     Download: the snapshots of up to `sync.join_donors` (at least one) donors whose outer step is within
-    the gap of the median, nearest first, under the `sync.join_timeout_s` deadline; training goes on
+    the gap of the median and that we reach without a relay (`may_download_from`), nearest first, under the `sync.join_timeout_s` deadline; training goes on
     meanwhile. The mean goes to `HOME/catchup/snapshot.pt` and `deliver(path, swarm_outer_step)` hands it
     to the worker for its next outer step, where it also continues from the swarm's then-current outer
     step. A failed download is retried after another `catch_up_after` outer steps without a partner.
@@ -281,8 +281,12 @@ class CatchUp:
         period_s: Callable[[], float] = lambda: 0.0,
         follow: Callable[[int], None] | None = None,
         worker_restarts: Callable[[], int] = lambda: 0,
+        may_download_from: Callable[[str], bool] = lambda peer: True,
     ) -> None:
         self.host = host
+        # Whether a trainer may serve us a snapshot: not one we reach only through a relay (bulk never
+        # crosses a relay). It still counts towards where the swarm is.
+        self.may_download_from = may_download_from
         # For `follow_instead`: our link's measured rate each way (bytes/s, None: never measured), the
         # seconds of an outer step (0: unknown), and how to move our outer-step count (None: never).
         self.link_rate_bps = link_rate_bps
@@ -378,7 +382,8 @@ class CatchUp:
         target = statistics.median_high([own, *others.values()])
         if abs(own - target) <= gap:
             return None
-        near = sorted((abs(step - target), peer) for peer, step in others.items() if abs(step - target) <= gap)
+        near = sorted((abs(step - target), peer) for peer, step in others.items()
+                      if abs(step - target) <= gap and self.may_download_from(peer))
         donors = [peer for _, peer in near[: max(1, self.cfg.join_donors)]]
         return (target, donors) if donors else None
 
