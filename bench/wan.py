@@ -38,10 +38,16 @@ a 1B-parameter model's on 100 Mbit/s links with a modern GPU. The derivation is 
 
 Scenarios (`--scenarios`): `uniform` (4 links at the rate) and `one-slow` (one of the four 5x slower).
 
+With latency (`--rtt-ms`, `--jitter-ms`, `--loss`, or one of issue #50's named links, `--link`: 20mbit-100ms,
+2mbit-200ms-loss, 100mbit-300ms-loss, home-20-5-50ms), the shipped defaults also run on the same rates with no
+delay line (their zero-latency twin), and each trainer alone (`--alone`: the same daemons, each in a swarm of its
+own), in the same run; the verdicts read the swarm against both.
+
     sudo .venv/bin/python bench/wan.py                       # both scenarios at the derived rate (~30 min)
     sudo .venv/bin/python bench/wan.py --rate-mbit 0.4,2     # the issue's acceptance rates
     sudo .venv/bin/python bench/wan.py --write-docs          # also writes "## Over slow links" + PNGs in docs/
     sudo .venv/bin/python bench/wan.py --quick               # a smoke run (tiny model, 2 Mbit/s, ~4 min)
+    sudo .venv/bin/python bench/wan.py --link 2mbit-200ms-loss --scenarios uniform --hivemind off --write-docs
 
 Needs root, the network lab (ip netns), tc tbf and the cgroup v1 cpu controller; without one of them it says
 which and exits 2. Every namespace, daemon and cgroup is removed on the way out, also on Ctrl+C and SIGTERM.
@@ -111,6 +117,7 @@ HIVEMIND_PORT = 31337
 N = 4
 SCENARIOS = ("uniform", "one-slow")
 TWIN_ROW = "Starling defaults, zero-latency twin (same rates, no delay line)"
+ALONE_ROW = "each trainer alone (the same daemons, no swarm)"
 SLOW_FACTOR = 5.0
 GLOO_PORT = 29500
 POLL_S = 1.0
@@ -155,6 +162,9 @@ class Plan:
     hivemind: str = "auto"  # auto: run hivemind where bench/.venv-hivemind exists; off: leave it out
     queue_ms: float | None = None  # each shaped link's queue (netlab `limit`); None: tbf's deep default
     path: PathShape = field(default_factory=lambda: PathShape())  # latency, jitter and loss between trainers
+    up_factor: float = 1.0  # each shaped link's upload rate over its download rate (a home line: 0.25)
+    twin_tolerance: float = 0.03  # how far above its zero-latency twin the defaults' val loss may end
+    alone: bool = False  # run each trainer alone too (no swarm): "is joining worth it"
 
     @property
     def quota_us(self) -> int:
@@ -265,6 +275,30 @@ class PathShape:
                 f"delayline.py: {self.rtt_ms / 4:g} ms each way per link; the kernel has no netem)")
 
 
+@dataclass(frozen=True)
+class NamedLink:
+    """One of issue #50's scenarios: a trainer's link (down, and up where a home line's differs) and the path
+    between trainers, with how close to its zero-latency twin the swarm's val loss must end."""
+
+    rate_mbit: float
+    path: PathShape
+    up_factor: float = 1.0  # upload rate / download rate
+    twin_tolerance: float = 0.03
+
+    def text(self) -> str:
+        up = "" if self.up_factor == 1 else f" down / {self.rate_mbit * self.up_factor:g} up"
+        loss = f", {self.path.loss:.1%} loss" if self.path.loss else ""
+        return f"{self.rate_mbit:g} Mbit/s{up}, {self.path.rtt_ms:g} +-{self.path.jitter_ms:g} ms RTT{loss}"
+
+
+LINKS = {
+    "20mbit-100ms": NamedLink(20.0, PathShape(100.0, 10.0)),
+    "2mbit-200ms-loss": NamedLink(2.0, PathShape(200.0, 20.0, 0.005), twin_tolerance=0.05),
+    "100mbit-300ms-loss": NamedLink(100.0, PathShape(300.0, 50.0, 0.01)),
+    "home-20-5-50ms": NamedLink(20.0, PathShape(50.0, 5.0), up_factor=0.25),
+}
+
+
 def queue_text(queue_ms: float | None) -> str:
     """How deep each shaped link's queue is, for the section's text (netlab `limit`)."""
     if queue_ms is None:
@@ -303,8 +337,10 @@ def tbf_unavailable() -> str | None:
 class WanLab:
     """The lab of every run: a bootstrap host and N trainer hosts on one bridge; links reshaped per phase."""
 
-    def __init__(self, lab: Lab, queue_ms: float | None = None, path: PathShape | None = None) -> None:
+    def __init__(self, lab: Lab, queue_ms: float | None = None, path: PathShape | None = None,
+                 up_factor: float = 1.0) -> None:
         self.lab = lab
+        self.up_factor = up_factor  # upload / download of every shaped link (1: symmetric)
         self.queue_ms = queue_ms  # None: tbf's default deep queue (seconds on a slow link); else a shallow one
         self.path = path or PathShape()  # latency and loss of every shaped phase (the calibration has none)
         self.boot = lab.public_host("boot")
@@ -317,7 +353,8 @@ class WanLab:
             if rates is None:
                 self.lab.unlimit(host)
             else:
-                self.lab.limit(host, rates[i], queue_ms=self.queue_ms, **self.path.line())
+                up = None if self.up_factor == 1 else rates[i] * self.up_factor
+                self.lab.limit(host, rates[i], up_mbit=up, queue_ms=self.queue_ms, **self.path.line())
 
     def counters(self) -> dict[str, tuple[int, int]]:
         """{trainer: (bytes it sent, bytes it received)} on its link so far: the bridge-side veth end's rx/tx
@@ -442,9 +479,12 @@ class QuietMeter:
 
 
 def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str, str], keys: list[Path],
-                 rates: list[float] | None, initial_loss: float, seconds: float) -> StarlingRun:
+                 rates: list[float] | None, initial_loss: float, seconds: float, *, alone: bool = False) -> StarlingRun:
     """Bootstrap + N trainers with `sets` on top of the plan's train options; measured for `seconds` from
-    when every trainer has taken an inner step. Every daemon stops, every cgroup goes, whatever happens."""
+    when every trainer has taken an inner step. Every daemon stops, every cgroup goes, whatever happens.
+
+    `alone`: each trainer in a swarm of its own (its own swarm name, no bootstrap node): what its model would
+    be had it not joined, with the same daemon, worker, cap and outer steps (each one solo)."""
     wl.shape(rates)
     swarm = f"wan-{uuid.uuid4().hex[:8]}"
     extra = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
@@ -455,15 +495,18 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
     daemons: list[LabDaemon] = []
     with caps([h.name for h in wl.hosts], plan.quota_us) as cgroups, contextlib.ExitStack() as stop:
         stop.callback(stop_daemons, daemons)
-        boot = start_daemon(wl.boot, root / "boot", ["--swarm", swarm, "--no-train"], name=f"{label}-boot",
-                            timeout=plan.startup_s)
-        daemons.append(boot)
-        join = ["--bootstrap", f"/ip4/{wl.boot.ip}/tcp/{PORT}/p2p/{boot.peer_id}"]
+        join: list[str] = []
+        if not alone:
+            boot = start_daemon(wl.boot, root / "boot", ["--swarm", swarm, "--no-train"], name=f"{label}-boot",
+                                timeout=plan.startup_s)
+            daemons.append(boot)
+            join = ["--bootstrap", f"/ip4/{wl.boot.ip}/tcp/{PORT}/p2p/{boot.peer_id}"]
         trainers = []
-        for host, key in zip(wl.hosts, keys, strict=True):
+        for i, (host, key) in enumerate(zip(wl.hosts, keys, strict=True)):
             home = root / host.name
             seed_home(home, key)
-            trainers.append(spawn_daemon(host, home, [*join, *args], name=f"{label}-{host.name}"))
+            own = ["--swarm", f"{swarm}-{i}"] if alone else []  # the last --swarm wins
+            trainers.append(spawn_daemon(host, home, [*join, *args, *own], name=f"{label}-{host.name}"))
         daemons += trainers
 
         def poll() -> dict[str, dict[str, Any] | None]:
@@ -937,8 +980,9 @@ def starling_row(run: StarlingRun, unshaped: StarlingRun | None, label: str, ref
     return Row(label, run.curve, run.sent_curve, share, rounds, cpu, note, reference, averaged, shares, per_cpu)
 
 
-def verdicts(sc_name: str, rows: list[Row], target: float) -> list[str]:
-    """Issue #23's acceptance lines for the shipped defaults (met / NOT met, with the figures)."""
+def verdicts(sc_name: str, rows: list[Row], target: float, twin_tolerance: float = 0.03) -> list[str]:
+    """Issue #23's acceptance lines for the shipped defaults (met / NOT met, with the figures), and issue #50's
+    where the run has a zero-latency twin (a latency scenario) or a row of trainers alone."""
     by = {r.label: r for r in rows}
     star, ddp, dil = by.get("Starling defaults"), by.get(DDP_ROW), by.get(DILOCO_ROW)
     if star is None or ddp is None or dil is None:
@@ -966,11 +1010,22 @@ def verdicts(sc_name: str, rows: list[Row], target: float) -> list[str]:
     text = "n/a (not reached)" if r_dil is None else f"{r_dil:.2f}x"
     out.append(f"- {sc_name}: Starling reaches it {'>= 2x sooner than' if need > 1 else 'no later than'} DiLoCo: "
                f"{met(r_dil is not None and r_dil >= need)} ({_s(t_star)} vs {_s(t_dil)}: {text})")
+    end = star.curve[-1][1]
     twin = by.get(TWIN_ROW)
     if twin is not None:  # issue #50: latency must not cost the swarm its model
-        end, end_twin = star.curve[-1][1], twin.curve[-1][1]
-        out.append(f"- {sc_name}: val loss at the end within 0.03 of the zero-latency twin: "
-                   f"{met(end <= end_twin + 0.03)} ({end:.3f} against {end_twin:.3f})")
+        end_twin = twin.curve[-1][1]
+        out.append(f"- {sc_name}: val loss at the end within {twin_tolerance:g} of the zero-latency twin: "
+                   f"{met(end <= end_twin + twin_tolerance)} ({end:.3f} against {end_twin:.3f})")
+        out.append(f"- {sc_name}, with latency: every trainer averages >= 90% of its outer steps: "
+                   f"{met(min(star.averaged_shares) >= 0.9)} ({', '.join(f'{x:.0%}' for x in star.averaged_shares)})")
+        if star.rate_shares:
+            out.append(f"- {sc_name}, with latency: every trainer keeps >= 95% of its unshaped inner-step rate: "
+                       f"{met(min(star.rate_shares) >= 0.95)} ({', '.join(f'{x:.0%}' for x in star.rate_shares)})")
+    alone = by.get(ALONE_ROW)
+    if alone is not None:  # issue #50: joining never makes a trainer's model worse
+        end_alone = alone.curve[-1][1]
+        out.append(f"- {sc_name}: val loss at the end below that of the trainers alone: "
+                   f"{met(end < end_alone)} ({end:.3f} against {end_alone:.3f})")
     return out
 
 
@@ -1096,7 +1151,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
         notes.append(why)
     scenarios = []
     with Lab(log_dir=root / "lab-logs", env={"PYTHONPATH": str(ROOT)}) as lab:
-        wl = WanLab(lab, plan.queue_ms, plan.path)
+        wl = WanLab(lab, plan.queue_ms, plan.path, plan.up_factor)
         print("membership: network-only daemons on the same hosts", file=sys.stderr, flush=True)
         members = membership_only(wl, root / "members", plan, 15.0 if plan.quick else 30.0)
         print(f"  {statistics.fmean(members.values()):.0f} B/s sent per host", file=sys.stderr, flush=True)
@@ -1114,6 +1169,11 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                      f"{rate * 8 / 1e6 / derivation.rate_mbit:.0%} of the derived link rate). It does not shrink "
                      "with the model: on the scaled links it takes a share that it would not take on real ones "
                      f"({rate * 8 / 1e6 / REF_RATE_MBIT:.2%} of {REF_RATE_MBIT:g} Mbit/s).")
+        alone = None
+        if plan.alone:
+            print("alone: each trainer in a swarm of its own", file=sys.stderr, flush=True)
+            alone = run_starling(wl, root / "alone", plan, "alone", {}, keys, None, ddp.initial_val, plan.seconds,
+                                 alone=True)
         for rate_text in plan.rates:
             rate = round(derivation.rate_mbit, 3) if rate_text == "auto" else float(rate_text)
             for name in plan.scenarios:
@@ -1138,6 +1198,8 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                         finally:
                             wl.path = plan.path
                         rows.append(starling_row(twin, unshaped, TWIN_ROW))
+                if alone is not None:
+                    rows.append(starling_row(alone, unshaped, ALONE_ROW))
                 if hm_python is not None:
                     try:
                         hm = run_hivemind(wl, root / f"{tag}-hivemind", hm_python, plan, peer_ids, rates,
@@ -1228,7 +1290,8 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
         f"{platform.release()}; torch {torch.__version__}).",
         f"{N} trainers, each in its own network-lab namespace behind its own link shaped with tc tbf both ways "
         f"(each end of its veth; {queue_text(plan.queue_ms)}), a network-only bootstrap node on an unshaped link; "
-        f"{plan.path.text()} (the gloo all-reduces of the baselines are timed on the same links). Task stdlib-lm with "
+        + (f"each upload at {plan.up_factor:g} of the download rate (a home line); " if plan.up_factor != 1 else "")
+        + f"{plan.path.text()} (the gloo all-reduces of the baselines are timed on the same links). Task stdlib-lm with "
         f"{'the daemon default model' if plan.model == 'default' else 'bench/convergence.py model'} "
         f"({'quick: a tiny one; ' if plan.quick else ''}train options {cfg}; everything else the shipped "
         f"defaults, nothing about the link). Every worker and every gloo rank runs in its own cgroup v1 cpu "
@@ -1250,7 +1313,10 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
         "over step time." + (" hivemind: real peers for the same wall time as Starling, from a common start; "
                              "its loss and bytes measured as Starling's, its share of the unshaped rate as "
                              "Starling's (local steps per second against the unshaped Starling run's)."
-                             if any(r.label == HIVEMIND_ROW for sc in scenarios for r in sc.rows) else ""),
+                             if any(r.label == HIVEMIND_ROW for sc in scenarios for r in sc.rows) else "")
+        + (f" {ALONE_ROW}: the same {N} daemons and workers for the same time, each in a swarm of its own (no "
+           "bootstrap node, so every outer step solo), on unshaped links: what each trainer's model would be had "
+           "it not joined." if plan.alone else ""),
     ]
     for sc in scenarios:
         head = (f"### {sc.name}: links {', '.join(f'{r:g}' for r in sc.rates)} Mbit/s"
@@ -1258,7 +1324,8 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
                 + (f", queues of {plan.queue_ms:g} ms" if plan.queue_ms is not None else ""))
         body = [head, "", scenario_table(sc.rows, sc.target, sc.wall), ""]
         body += [f"- {n}" for n in sc.notes]
-        body += ["", "Targets (issue #23), shipped defaults:", "", *verdicts(sc.name, sc.rows, sc.target)]
+        body += ["", "Targets (issues #23 and #50), shipped defaults:", "",
+                 *verdicts(sc.name, sc.rows, sc.target, plan.twin_tolerance)]
         if sc.png is not None:
             body += ["", f"![loss against wall time, {sc.name}]({png_prefix}{sc.png.name})"]
         parts.append("\n".join(body))
@@ -1303,8 +1370,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="round trip between trainers, added by the lab's delay line on every shaped link (0)")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="jitter of that round trip, +- ms (0)")
     parser.add_argument("--loss", type=float, default=0.0, help="packet loss each way between trainers, 0.005 = 0.5%% (0)")
+    parser.add_argument("--link", choices=sorted(LINKS), default=None,
+                        help="one of issue #50's scenarios: sets --rate-mbit, --rtt-ms, --jitter-ms, --loss (and a "
+                             "home line's slower upload); " + "; ".join(f"{k}: {v.text()}" for k, v in LINKS.items()).replace("%", "%%"))
+    parser.add_argument("--alone", choices=("auto", "on", "off"), default="auto",
+                        help="also run each trainer alone (no swarm) for the same time: auto = with latency")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
     args = parser.parse_args(argv)
+    named = LINKS.get(args.link) if args.link else None
+    if named is not None:
+        if args.rate_mbit or args.rtt_ms or args.jitter_ms or args.loss:
+            parser.error("--link sets the rate and the path: leave out --rate-mbit, --rtt-ms, --jitter-ms and --loss")
+        args.rate_mbit = f"{named.rate_mbit:g}"
+        args.rtt_ms, args.jitter_ms, args.loss = named.path.rtt_ms, named.path.jitter_ms, named.path.loss
     try:
         path = PathShape(args.rtt_ms, args.jitter_ms, args.loss)
         scenarios = [s.strip() for s in (args.scenarios or ("uniform" if args.quick else ",".join(SCENARIOS))).split(",")]
@@ -1325,7 +1403,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args.quick, bench_for(args.model, args.quick, args.outer_steps), args.model,
                 args.seconds or (40.0 if args.quick else 240.0), args.calib_seconds or (20.0 if args.quick else 90.0),
                 240.0 if args.quick else 300.0, args.cap, rates, scenarios, variants,
-                {"join_wait_s": 2} if args.quick else {}, args.hivemind, args.queue_ms, path)
+                {"join_wait_s": 2} if args.quick else {}, args.hivemind, args.queue_ms, path,
+                named.up_factor if named else 1.0, named.twin_tolerance if named else 0.03,
+                args.alone == "on" or (args.alone == "auto" and not path.is_flat))
     reason = lab_unavailable() or tbf_unavailable()
     if reason is not None:
         print(f"bench/wan.py skipped: {reason}", file=sys.stderr)

@@ -79,7 +79,8 @@ def test_quick_wan_benchmark_prints_a_row_per_contender_and_cleans_up(tmp_path: 
 
 def test_bad_options_are_refused_with_a_message_not_a_traceback() -> None:
     for args, message in ((["--scenarios", "nope"], "--scenarios"), (["--rate-mbit", "0"], "--rate-mbit"),
-                          (["--starling", "sync.nope"], "--starling"), (["--queue-ms", "0"], "--queue-ms")):
+                          (["--starling", "sync.nope"], "--starling"), (["--queue-ms", "0"], "--queue-ms"),
+                          (["--link", "2mbit-200ms-loss", "--rtt-ms", "50"], "--link"), (["--link", "nope"], "--link")):
         r = subprocess.run([sys.executable, str(WAN), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -134,8 +135,9 @@ def test_queue_ms_shapes_every_trainer_link_with_a_shallow_queue_and_labels_the_
         def public_host(self, name: str) -> str:
             return name
 
-        def limit(self, host: str, rate: float, *, queue_ms: float | None = None, delay_ms: float = 0.0,
-                  jitter_ms: float = 0.0, loss: float = 0.0) -> None:
+        def limit(self, host: str, rate: float, *, up_mbit: float | None = None, queue_ms: float | None = None,
+                  delay_ms: float = 0.0, jitter_ms: float = 0.0, loss: float = 0.0) -> None:
+            assert up_mbit is None  # symmetric links unless a home line is asked for
             self.limits.append((host, rate, queue_ms))
             self.lines.append((delay_ms, jitter_ms, loss))
 
@@ -160,3 +162,48 @@ def test_a_path_between_trainers_is_split_over_the_four_lines_a_round_trip_cross
     for bad in ({"rtt_ms": -1}, {"rtt_ms": 10, "jitter_ms": 20}, {"loss": 0.6}):
         with pytest.raises(ValueError):
             wan.PathShape(**bad)
+
+
+def test_a_home_line_shapes_each_upload_at_its_share_of_the_download() -> None:
+    """--link home-20-5-50ms: every trainer's link 20 Mbit/s down and 5 up, 50 ms of round trip between
+    trainers (12.5 ms on each of the four lines it crosses)."""
+    wan = _load_wan()
+    home = wan.LINKS["home-20-5-50ms"]
+    shaped: list[tuple[str, float, float | None, float]] = []
+
+    class FakeLab:
+        def public_host(self, name: str) -> str:
+            return name
+
+        def limit(self, host: str, rate: float, *, up_mbit: float | None = None, queue_ms: float | None = None,
+                  delay_ms: float = 0.0, jitter_ms: float = 0.0, loss: float = 0.0) -> None:
+            shaped.append((host, rate, up_mbit, delay_ms))
+
+    wan.WanLab(FakeLab(), None, home.path, home.up_factor).shape([home.rate_mbit] * 4)
+    assert shaped == [(f"t{i}", 20.0, 5.0, 12.5) for i in range(4)]
+    assert "20 Mbit/s down / 5 up" in home.text()
+
+
+def test_latency_verdicts_read_the_swarm_against_its_twin_and_against_its_trainers_alone() -> None:
+    """Issue #50's acceptance, per scenario: within the named link's tolerance of the zero-latency twin,
+    below the trainers alone, >= 90% of outer steps averaged and >= 95% of the unshaped rate."""
+    wan = _load_wan()
+
+    def row(label: str, end: float, averaged: float = 1.0, rate: float = 1.0) -> object:
+        return wan.Row(label, [(0.0, 3.0), (240.0, end)], [(0.0, 0.0)], "-", "-", "-",
+                       averaged_shares=[averaged] * 4, rate_shares=[rate] * 4)
+
+    ddp = wan.Row(wan.DDP_ROW, [(0.0, 3.0), (1000.0, 2.0)], [(0.0, 0.0)], "1%", "-", "0.3")
+    dil = wan.Row(wan.DILOCO_ROW, [(0.0, 3.0), (200.0, 2.0)], [(0.0, 0.0)], "20%", "-", "0.3")
+
+    def lines(star: object, twin_end: float, alone_end: float, tolerance: float) -> dict[str, str]:
+        out = wan.verdicts("uniform", [star, ddp, dil, row(wan.TWIN_ROW, twin_end), row(wan.ALONE_ROW, alone_end)],
+                           2.5, tolerance)
+        return {key: next(ln for ln in out if key in ln)
+                for key in ("zero-latency twin", "trainers alone", "90% of its outer", "95% of its unshaped")}
+
+    good = lines(row("Starling defaults", 1.95), 1.91, 1.99, 0.05)
+    assert all(": met (" in ln for ln in good.values()), good
+    assert "within 0.05" in good["zero-latency twin"]
+    bad = lines(row("Starling defaults", 1.95, averaged=0.85, rate=0.93), 1.91, 1.90, 0.03)
+    assert all("NOT met" in ln for ln in bad.values()), bad
