@@ -179,6 +179,15 @@ class OutOfReachStatus(TypedDict):
     max_step_gap: int
 
 
+class AskedExchangeStatus(TypedDict):
+    """Where the time of our latest asked exchange went (node/averaging/phases.py)."""
+
+    partner: str
+    phases_s: dict[str, float]  # open, answer, connect, transfer, result
+    rtt_ms: float | None  # the connection's round trip then (None: not measured yet)
+    phases_rtt: dict[str, float] | None  # each phase in round trips
+
+
 class SyncStatus(TypedDict):
     """``sync``: averaging rounds with partners (trainers only)."""
 
@@ -201,6 +210,7 @@ class SyncStatus(TypedDict):
     wire_dtype: str
     compression: str  # sync.compression as configured: auto, or the fixed preset (protocols/compress.py)
     last_compression: str | None  # the preset the latest exchange's wire used (auto chooses per exchange)
+    last_asked: AskedExchangeStatus | None  # the phases of our latest exchange that we asked for (node/averaging/phases.py)
     datapath_port: int | None
     per_peer: dict[str, PeerLinkStatus]
     mixing: MixingStatus

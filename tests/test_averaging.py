@@ -278,6 +278,13 @@ async def test_after_an_exchange_both_partners_hold_the_larger_outer_step(steps:
         assert group_sizes(outcomes) == [2, 2]
         assert responder.status()["per_peer"][initiator.me]["rounds"] == 1
         assert [o.group_outer_step for o in outcomes] == [7, 7]
+        # Where the asker's time went (issue #50): every phase, adding up to no more than the whole exchange
+        # as the asker timed it from its request; the responder asked nothing.
+        asked = initiator.status()["last_asked"]
+        assert asked is not None and asked["partner"] == responder.me
+        assert list(asked["phases_s"]) == ["open", "answer", "connect", "transfer", "result"]
+        assert all(x >= 0 for x in asked["phases_s"].values()) and asked["phases_s"]["transfer"] > 0
+        assert responder.status()["last_asked"] is None
         nursery.cancel_scope.cancel()
 
 

@@ -379,6 +379,18 @@ def test_the_configured_compression_the_last_rounds_preset_and_its_bytes_per_par
     assert not any(name == "starling_sync_last_compression_info" for name, _ in rendered(metrics))
 
 
+def test_the_phases_of_the_latest_asked_exchange_are_a_gauge_per_phase() -> None:
+    phases = {"open": 0.1, "answer": 0.11, "connect": 0.1, "transfer": 0.7, "result": 0.01}
+    metrics = Metrics()
+    metrics.update_from_status({**SAMPLE_STATUS, "sync": {**SAMPLE_STATUS["sync"], "last_asked": {
+        "partner": "p", "phases_s": phases, "rtt_ms": 100.0, "phases_rtt": None}}})
+    s = rendered(metrics)
+    for name, seconds in phases.items():
+        assert value(s, "starling_sync_last_asked_phase_seconds", phase=name) == pytest.approx(seconds)
+    metrics.update_from_status({**SAMPLE_STATUS, "sync": {**SAMPLE_STATUS["sync"], "last_asked": None}})
+    assert not any(name == "starling_sync_last_asked_phase_seconds" for name, _ in rendered(metrics))
+
+
 async def test_a_scrape_shows_every_refusal_kind_muxer_offences_capped_clocks_and_partners_sitting_out() -> None:
     """What a node refused to peers reaches Prometheus: `refusals` as one counter family labelled by kind
     (zeros included, so an alert's rate() starts from a series), the muxer's offences, the records whose

@@ -99,6 +99,7 @@ import collections
 import functools
 import logging
 import random
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -122,6 +123,7 @@ from node.averaging.group_mean import GroupMean, group_sums, restore_pair
 from node.averaging.link_model import bandwidth_s
 from node.averaging.pairing import scheduled_partners
 from node.averaging.partner_misses import Attempt, PartnerMisses
+from node.averaging.phases import PhaseClock, asked_status
 from node.averaging.report import Report
 from node.averaging.robust import UpdateBound
 from node.averaging.swarm_view import NO_HOOKS, AveragerHooks, SwarmView
@@ -957,6 +959,7 @@ class Averager:
         answered = False  # the partner's answer came: what fails after it is no handshake timeout
         deadline = self._answer_deadline_s(partner)
         result: avg.TransferResult | None = None
+        clock = PhaseClock(time.monotonic())  # where this exchange's time goes (`sync.last_asked`)
         try:
             # The side channel's connect goes out with the request, to the port of our last exchange with
             # this partner (one listener per daemon): the answer names it a round trip later.
@@ -966,11 +969,13 @@ class Averager:
                 stream = None
                 with trio.fail_after(deadline):
                     stream = await self.host.new_stream(ID.from_base58(partner), list(avg.PROTOCOL_IDS))
+                clock.stream_open = time.monotonic()
                 self.admission.saw(partner, avg.partner_ip(stream))
 
                 def claim(answer: avg.AvgAnswer) -> bool:
                     nonlocal claimed_here, answered
                     answered = True
+                    clock.answered = time.monotonic()
                     if pending.claimed_by is not None:
                         return False  # a crossing request claimed this step meanwhile
                     pending.mark_paired(partner, trio.current_time())
@@ -1051,6 +1056,8 @@ class Averager:
             return Attempt.FAILED, None
         self._learn_rate(partner, progress, completed=True)
         self._succeed(partner, result, numel, pending.compression, pending.request)
+        self.report.stats["last_asked"] = asked_status(
+            partner, clock.phases(progress.first, progress.last, time.monotonic()), self._rtt_s(partner))
         pending.result = 2
         pending.done.set()
         return Attempt.PAIRED, None

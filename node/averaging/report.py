@@ -49,6 +49,7 @@ class Report:
             "last_bytes_per_param": None,  # payload bytes this node sent per parameter in its last exchange
             "last_compression": None,  # the sync.compression preset its wire used (auto chooses per exchange)
             "last_error": None,
+            "last_asked": None,  # the phases of our latest exchange that we asked for (node/averaging/phases.py)
         }
         self.clipped: dict[str, int] = {"delta": 0, "phi": 0}
         # Streaming fragments: each fragment's latest sync, (bytes this node sent, its parameters), by index.

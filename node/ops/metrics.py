@@ -329,6 +329,16 @@ def _sync_families(sync: SyncStatus, max_peer_labels: int) -> Iterator[Metric]:
                                  labels=["preset"])
         used.add_metric([last], 1.0)
         yield used
+    asked = sync.get("last_asked")
+    phases = asked.get("phases_s") if isinstance(asked, Mapping) else None
+    if isinstance(phases, Mapping):
+        phase = GaugeMetricFamily(f"{PREFIX}_sync_last_asked_phase_seconds", "Seconds of each phase of the latest "
+                                  "exchange this node asked for (open, answer, connect, transfer, result: "
+                                  "node/averaging/phases.py)", labels=["phase"])
+        for name, seconds in phases.items():
+            if isinstance(seconds, (int, float)) and isinstance(name, str):
+                phase.add_metric([name], float(seconds))
+        yield phase
     per_peer = sync.get("per_peer")
     if isinstance(per_peer, Mapping):
         sent = CounterMetricFamily(

@@ -158,6 +158,9 @@ def render_status(st: NodeStatus, rows: int | None = DEFAULT_ROWS) -> str:
                 f"{_fmt((transfer.get('bytes') or 0) / 1e6, '.1f')} MB in {_fmt(transfer.get('seconds'), '.0f')}s"
                 + (f" at {transfer['rate_mbps']:g} Mbit/s each way" if transfer.get("rate_mbps") is not None else "")
             )
+        asked = _asked_line(sy.get("last_asked"))
+        if asked:
+            out.append(asked)
         mixing = sy.get("mixing")
         if isinstance(mixing, dict):
             out.append(_mixing_line(mixing))
@@ -453,6 +456,20 @@ def _out_of_reach_line(sy: SyncStatus) -> str | None:
 
 def _seconds(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def _asked_line(asked: Any) -> str:
+    """Where the time of our latest asked exchange went: each phase in seconds, and in round trips where the
+    connection's RTT is known (a fixed cost near 3 RTT is the exchange working as built)."""
+    if not isinstance(asked, dict) or not isinstance(asked.get("phases_s"), dict):
+        return ""
+    rtts: dict[str, Any] = asked["phases_rtt"] if isinstance(asked.get("phases_rtt"), dict) else {}
+    parts = [f"{name} {_fmt(seconds, '.2f')}s" + (f" ({rtts[name]:g} RTT)" if isinstance(rtts.get(name), (int, float))
+                                                  else "")
+             for name, seconds in asked["phases_s"].items()]
+    rtt = asked.get("rtt_ms")
+    return (f"  last asked exchange ({short(str(asked.get('partner', '?')))}"
+            + (f", RTT {rtt:g} ms" if isinstance(rtt, (int, float)) else "") + "): " + ", ".join(parts))
 
 
 def _mixing_line(mixing: MixingStatus) -> str:
