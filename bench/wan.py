@@ -309,7 +309,13 @@ def queue_text(queue_ms: float | None) -> str:
 
 
 def section_of(plan: Plan) -> str:
-    return SECTION if plan.path.is_flat else LATENCY_SECTION
+    """The heading a run writes: one per link and path, so that each latency scenario keeps its own."""
+    if plan.path.is_flat:
+        return SECTION
+    path = plan.path
+    rates = ", ".join(plan.rates) + " Mbit/s" + (f" down, {plan.up_factor:g} of it up" if plan.up_factor != 1 else "")
+    loss = f", {path.loss:.1%} loss" if path.loss else ""
+    return f"{LATENCY_SECTION}: {rates}, {path.rtt_ms:g} +-{path.jitter_ms:g} ms RTT{loss}"
 
 
 def lab_unavailable() -> str | None:
@@ -415,6 +421,18 @@ class NodeRun:
     # The preset of the latest exchange (sync.last_compression) at each status poll that saw new bytes
     # averaged: what `auto` chose, sampled (one per poll, every POLL_S; exchanges between polls are not seen).
     presets: dict[str, int] = field(default_factory=dict)
+    # The phases of each exchange it asked for (sync.last_asked, node/averaging/phases.py) that a status poll
+    # saw: {"phases_s": {...}, "phases_rtt": {...} or None}; exchanges between polls are not seen.
+    asked: list[dict[str, Any]] = field(default_factory=list)
+
+    def phase_medians(self) -> tuple[dict[str, float], dict[str, float] | None]:
+        """The median seconds of each phase over the asked exchanges seen, and of its round trips (None where
+        no exchange had a measured RTT)."""
+        names = list(self.asked[0]["phases_s"]) if self.asked else []
+        secs = {n: statistics.median(a["phases_s"][n] for a in self.asked) for n in names}
+        with_rtt = [a["phases_rtt"] for a in self.asked if a.get("phases_rtt")]
+        rtts = {n: statistics.median(r[n] for r in with_rtt) for n in names} if with_rtt else None
+        return secs, rtts
 
     @property
     def rate(self) -> float:
@@ -543,6 +561,7 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
         curve = [(0.0, _mean_val(first, initial_loss))]
         sent_curve = [(0.0, 0.0)]
         presets: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in first}
+        asked: dict[str, list[dict[str, Any]]] = {k: [] for k in first}
         while (now := time.monotonic()) - t0 < seconds:
             time.sleep(min(POLL_S, max(0.0, seconds - (now - t0))))
             sts = poll()
@@ -553,6 +572,9 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
                     computed[k] += max(0, int(training(st).get("step", 0)) - int(training(last[k]).get("step", 0)))
                     if int(sync_of(st).get("bytes_sent") or 0) > int(sync_of(last[k]).get("bytes_sent") or 0):
                         presets[k][str(sync_of(st).get("last_compression"))] += 1
+                    seen = sync_of(st).get("last_asked")
+                    if isinstance(seen, dict) and seen != sync_of(last[k]).get("last_asked"):
+                        asked[k].append(seen)
             last.update({k: st for k, st in sts.items() if st is not None})
             curve.append((t - t0, _mean_val(last, initial_loss)))
             sent_curve.append((t - t0, statistics.fmean(c[k][0] - c0[k][0] for k in c)))
@@ -573,7 +595,8 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
             quiet.seconds.get(k, 0.0),
             sy1.get("last_duration_s"), int(training(last[k]).get("restarts") or 0),
             int(sy1.get("catch_ups") or 0) - int(sy0.get("catch_ups") or 0),
-            int(sy1.get("catch_up_follows") or 0) - int(sy0.get("catch_up_follows") or 0), dict(presets[k])))
+            int(sy1.get("catch_up_follows") or 0) - int(sy0.get("catch_up_follows") or 0), dict(presets[k]),
+            asked[k]))
     # The uncompressed exchange's bytes only: with `auto` a trainer's last exchange may be a compressed one
     # (its first two with each link are), and the derivation is about bf16 phi and Delta.
     exchanged = [int(sync_of(st).get("last_bytes") or 0) for st in last.values()
@@ -1184,6 +1207,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                 rows = [starling_row(unshaped, None, "Starling defaults, unshaped links (reference)", True)]
                 hm_notes: list[str] = []
                 runs = []
+                twins: list[StarlingRun] = []
                 for label, sets in variants:
                     run = run_starling(wl, root / f"{tag}-{len(runs)}", plan, f"{tag}-{label}", sets, keys, rates,
                                        ddp.initial_val, plan.seconds)
@@ -1197,6 +1221,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                                                 rates, ddp.initial_val, plan.seconds)
                         finally:
                             wl.path = plan.path
+                        twins.append(twin)
                         rows.append(starling_row(twin, unshaped, TWIN_ROW))
                 if alone is not None:
                     rows.append(starling_row(alone, unshaped, ALONE_ROW))
@@ -1234,6 +1259,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                             f"{derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
                             "shares the machine with its daemon)"]
                 sc_notes += [membership_note(run) for run in runs] + hm_notes
+                sc_notes += [note for note in (phases_note(run) for run in (*runs, *twins)) if note]
                 scenarios.append(Scenario(name, rates, rows, target, wall, png, sc_notes))
                 print(scenario_table(rows, target, wall), file=sys.stderr, flush=True)
     return derivation, unshaped, scenarios, notes
@@ -1260,6 +1286,25 @@ def membership_only(wl: WanLab, root: Path, plan: Plan, seconds: float) -> dict[
         time.sleep(seconds)
         c1, t1 = wl.counters(), time.monotonic()
     return {k: (c1[k][0] - c0[k][0]) / (t1 - t0) for k in c1}
+
+
+def phases_note(run: StarlingRun) -> str | None:
+    """Where each trainer's asked exchanges spent their time (median per phase, seconds and round trips):
+    issue #50's split of an exchange, from `sync.last_asked` at the status polls."""
+    parts = []
+    for n in run.nodes:
+        if not n.asked:
+            continue
+        secs, rtts = n.phase_medians()
+        fixed = sum(v for k, v in secs.items() if k != "transfer")
+        fixed_rtt = sum(v for k, v in rtts.items() if k != "transfer") if rtts else None
+        parts.append(f"{n.name} ({len(n.asked)} seen): "
+                     + ", ".join(f"{k} {v:.2f}" + (f" ({rtts[k]:.1f})" if rtts else "") for k, v in secs.items())
+                     + f"; all but the transfer {fixed:.2f} s" + (f" ({fixed_rtt:.1f} RTT)" if fixed_rtt is not None else ""))
+    if not parts:
+        return None
+    return (f"{run.label}: the phases of each trainer's asked exchanges, median s (RTT), from `sync.last_asked` at "
+            "the status polls (node/averaging/phases.py): " + "; ".join(parts))
 
 
 def membership_note(run: StarlingRun) -> str:

@@ -207,3 +207,22 @@ def test_latency_verdicts_read_the_swarm_against_its_twin_and_against_its_traine
     assert "within 0.05" in good["zero-latency twin"]
     bad = lines(row("Starling defaults", 1.95, averaged=0.85, rate=0.93), 1.91, 1.90, 0.03)
     assert all("NOT met" in ln for ln in bad.values()), bad
+
+
+def test_the_phases_note_gives_each_trainers_median_phase_in_seconds_and_round_trips() -> None:
+    wan = _load_wan()
+
+    def asked(transfer: float) -> dict[str, object]:
+        secs = {"open": 0.1, "answer": 0.1, "connect": 0.1, "transfer": transfer, "result": 0.02}
+        return {"phases_s": secs, "phases_rtt": {k: v / 0.1 for k, v in secs.items()}}
+
+    node = wan.NodeRun(name="t0", steps=10, seconds=10.0, cpu_share=0.3, averaged=3, solo=0, failed=0,
+                       link_sent=0, avg_sent=0, quiet_bytes=0, quiet_s=0.0, last_exchange_s=1.0, restarts=0,
+                       catch_ups=0, asked=[asked(0.5), asked(0.9), asked(0.7)])
+    silent = wan.NodeRun(name="t1", steps=10, seconds=10.0, cpu_share=0.3, averaged=0, solo=3, failed=0,
+                         link_sent=0, avg_sent=0, quiet_bytes=0, quiet_s=0.0, last_exchange_s=None, restarts=0,
+                         catch_ups=0)
+    note = wan.phases_note(wan.StarlingRun("run", [2.0] * 4, 10.0, [(0.0, 3.0)], [(0.0, 0.0)], [node, silent], None))
+    assert note is not None and "t0 (3 seen): open 0.10 (1.0)" in note and "transfer 0.70 (7.0)" in note
+    assert "all but the transfer 0.32 s (3.2 RTT)" in note and "t1" not in note
+    assert wan.phases_note(wan.StarlingRun("run", None, 10.0, [(0.0, 3.0)], [(0.0, 0.0)], [silent], None)) is None
