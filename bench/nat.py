@@ -25,8 +25,11 @@ bootstrap address; everything else comes from the product itself (DHT, swarm sta
 Everything shares this machine's cores, and the libp2p stream path is CPU-bound in Python: other work
 on the machine lowers the figures (the load average is printed and recorded).
 
+With `--rtt-ms 100,300` (and `--jitter-ms`, `--loss`), part 1 runs once per round trip between A and B, held by
+the lab's delay line on each NAT router's link to the internet; such a run writes "## NAT with latency".
+
 Usage: sudo .venv/bin/python bench/nat.py [--trials 3] [--rate-mbit 100] [--d-model 768] [--layers 2]
-                                          [--rounds 5] [--write-docs]
+                                          [--rounds 5] [--rtt-ms 0] [--jitter-ms 0] [--loss 0] [--write-docs]
 """
 
 from __future__ import annotations
@@ -85,13 +88,24 @@ def public_segment(lab: Lab, root: Path) -> tuple[list[str], list[LabDaemon]]:
 # ==========================================================================================================
 
 
-def bench_direct_path(root: Path, trials: int) -> dict[str, Any]:
-    print("\n1. time to a direct path: B starts behind home NAT 2, A waits behind home NAT 1", flush=True)
+def bench_direct_path(root: Path, trials: int, rtt_ms: float = 0.0, jitter_ms: float = 0.0,
+                      loss: float = 0.0) -> dict[str, Any]:
+    """Part 1, with `rtt_ms` (+- `jitter_ms`) of round trip and `loss` each way between A and B: the delay
+    line (starling_testing/delayline.py) on each NAT router's link to the internet, a quarter of the round
+    trip on each of the four lines it crosses; A's and B's round trip to a public node is half of it."""
+    shape = f" at {rtt_ms:g} +-{jitter_ms:g} ms RTT, {loss:.1%} loss each way" if rtt_ms or loss else ""
+    print(f"\n1. time to a direct path{shape}: B starts behind home NAT 2, A waits behind home NAT 1", flush=True)
     rows: list[dict[str, float]] = []
+    root = root / f"direct-{rtt_ms:g}ms"
     with Lab(log_dir=root / "logs-direct") as lab:
         join, _ = public_segment(lab, root)
-        a_host = lab.private_host("a", lab.nat("nat1", style="home"))
-        b_host = lab.private_host("b", lab.nat("nat2", style="home"))
+        nats = [lab.nat("nat1", style="home"), lab.nat("nat2", style="home")]
+        if rtt_ms or loss:
+            each_way = 1 - (1 - loss) ** 0.5  # two lines per direction between A and B
+            for nat in nats:
+                lab.limit(nat, None, delay_ms=rtt_ms / 4, jitter_ms=jitter_ms / 4, loss=each_way)
+        a_host = lab.private_host("a", nats[0])
+        b_host = lab.private_host("b", nats[1])
         a = start(a_host, root, "a", ["--no-train", *join])
         a.wait(lambda s: bool(s["nat"]["relay_addrs"]), 60, "relay slot for A")
         for trial in range(trials):
@@ -110,6 +124,7 @@ def bench_direct_path(root: Path, trials: int) -> dict[str, Any]:
     summary = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     summary["direct_max_s"] = max(r["direct_s"] for r in rows)
     summary["trials"] = len(rows)
+    summary.update(rtt_ms=rtt_ms, jitter_ms=jitter_ms, loss=loss)
     print(f"   median: hole-punched {summary['direct_s']:.1f} s after B's start"
           f" (worst {summary['direct_max_s']:.1f} s)", flush=True)
     return summary
@@ -292,22 +307,37 @@ def bench_throughput(root: Path, rate_mbit: float, d_model: int, layers: int, ro
 # ==========================================================================================================
 
 
-def write_docs(command: str, load: str, direct: dict[str, Any] | None, tput: dict[str, Any] | None) -> None:
+LATENCY_HEADING = "## NAT with latency"
+
+
+def write_docs(command: str, load: str, directs: list[dict[str, Any]], tput: dict[str, Any] | None) -> None:
+    """"## NAT" for a run without latency, "## NAT with latency" for one with (each keeps its own)."""
+    latency = any(d["rtt_ms"] or d["loss"] for d in directs)
     lines = [
-        "## NAT", "",
+        LATENCY_HEADING if latency else "## NAT", "",
         f"`{command}` on {os.cpu_count()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}; {load}.",
         "Whole daemons in the network lab (network namespaces, nftables NATs, tc shaping); every daemon is "
         "given only the bootstrap address.", "",
     ]  # fmt: skip
-    if direct is not None:
+    if directs:
+        trials = directs[0]["trials"]
         lines += [
-            f"**Time to a direct path** ({direct['trials']} trials, medians): a fresh network-only B starts "
-            "behind home NAT 2; A waits behind home NAT 1 with relay slots. Times from B's process start.", "",
-            "| B listening (s) | connected to A via a relay (s) | hole-punched (s) | worst hole-punched (s) |",
-            "|---|---|---|---|",
-            f"| {direct['listening_s']:.1f} | {direct['connected_s']:.1f} | {direct['direct_s']:.1f} "
-            f"| {direct['direct_max_s']:.1f} |", "",
+            f"**Time to a direct path** ({trials} trials per row, medians): a fresh network-only B starts "
+            "behind home NAT 2; A waits behind home NAT 1 with relay slots. Times from B's process start."
+            + (" The round trip between A and B comes from the lab's delay line on each NAT router's link to "
+               "the internet (starling_testing/delayline.py; a quarter of it on each of the four lines a round "
+               "trip crosses, so A's and B's round trip to the public nodes is half of it)." if latency else ""),
+            "",
+            "| RTT between A and B | B listening (s) | connected to A via a relay (s) | hole-punched (s) "
+            "| worst hole-punched (s) |",
+            "|---|---|---|---|---|",
         ]  # fmt: skip
+        for d in directs:
+            path = (f"{d['rtt_ms']:g} +-{d['jitter_ms']:g} ms" + (f", {d['loss']:.1%} loss each way" if d["loss"] else "")
+                    if d["rtt_ms"] or d["loss"] else "none added")
+            lines.append(f"| {path} | {d['listening_s']:.1f} | {d['connected_s']:.1f} | {d['direct_s']:.1f} "
+                         f"| {d['direct_max_s']:.1f} |")
+        lines.append("")
     if tput is not None:
         rate = tput["rate_mbit"]
         lines += [
@@ -355,7 +385,7 @@ def write_docs(command: str, load: str, direct: dict[str, Any] | None, tput: dic
             f"{nat['mbit'] / max(direct_path['mbit'], 1e-9):.2f} x its throughput.",
             "",
         ]
-    replace_section(ROOT / "docs" / "benchmarks.md", "## NAT", "\n".join(lines))
+    replace_section(ROOT / "docs" / "benchmarks.md", lines[0], "\n".join(lines))
 
 
 def main() -> int:
@@ -366,10 +396,23 @@ def main() -> int:
     p.add_argument("--d-model", type=int, default=768, help="part 2: model width (default 768)")
     p.add_argument("--layers", type=int, default=2, help="part 2: transformer blocks (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="part 2: timed rounds (default 5)")
+    p.add_argument("--rtt-ms", default="0", help="part 1: round trips between A and B to run, comma-separated "
+                   "ms (e.g. 100,300; default 0: none added)")
+    p.add_argument("--jitter-ms", type=float, default=0.0,
+                   help="part 1: +- ms of jitter on each round trip (default 0; at most the smallest --rtt-ms)")
+    p.add_argument("--loss", type=float, default=0.0, help="part 1: packet loss each way between A and B "
+                   "(0.01 = 1%%; default 0)")
     p.add_argument("--write-docs", action="store_true", help="record the results in docs/benchmarks.md")
     args = p.parse_args()
     if args.trials < 1 or args.rounds < 1 or args.rate_mbit <= 0 or args.d_model < 8 or args.layers < 1:
         p.error("--trials/--rounds/--layers >= 1, --rate-mbit > 0, --d-model >= 8")
+    try:
+        rtts = [float(x) for x in args.rtt_ms.split(",") if x.strip()]
+    except ValueError:
+        p.error("--rtt-ms: comma-separated numbers of ms")
+    if not rtts or any(not 0 <= r <= 2000 for r in rtts) or not 0 <= args.jitter_ms <= min(rtts) \
+            or not 0 <= args.loss < 0.5:
+        p.error("--rtt-ms between 0 and 2000, --jitter-ms between 0 and the smallest of them, --loss in [0, 0.5)")
     if args.d_model % 4:
         p.error("--d-model must be a multiple of 4 (the model has 4 attention heads)")
     reason = netlab.unavailable_reason()
@@ -381,10 +424,12 @@ def main() -> int:
     print(f"{os.cpu_count()} cores, load average {load_before:.1f} (other work on this machine lowers the figures)",
           flush=True)
     root = Path(tempfile.mkdtemp(prefix="starling-natbench-"))
-    direct = tput = None
+    directs: list[dict[str, Any]] = []
+    tput = None
     try:
         if "1" in args.parts:
-            direct = bench_direct_path(root, args.trials)
+            directs = [bench_direct_path(root, args.trials, rtt, args.jitter_ms if rtt else 0.0, args.loss)
+                       for rtt in rtts]
         if "2" in args.parts:
             tput = bench_throughput(root, args.rate_mbit, args.d_model, args.layers, args.rounds)
     except (BenchError, DaemonError, LabError) as e:
@@ -396,7 +441,7 @@ def main() -> int:
     load = f"1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     print(load, flush=True)
     if args.write_docs:
-        write_docs("python bench/nat.py " + " ".join(sys.argv[1:]), load, direct, tput)
+        write_docs("python bench/nat.py " + " ".join(sys.argv[1:]), load, directs, tput)
     return 0
 
 
