@@ -165,6 +165,13 @@ class Plan:
     up_factor: float = 1.0  # each shaped link's upload rate over its download rate (a home line: 0.25)
     twin_tolerance: float = 0.03  # how far above its zero-latency twin the defaults' val loss may end
     alone: bool = False  # run each trainer alone too (no swarm): "is joining worth it"
+    links: list[NamedLink] = field(default_factory=list)  # --link: each its own leg of the run (empty: one leg)
+
+    def legs(self) -> list[Plan]:
+        """One plan per named link (its rate, path, upload and tolerance), sharing everything else, or this
+        plan alone: the simulation, the calibration and the trainers-alone row are run once for all legs."""
+        return [dataclasses.replace(self, rates=[f"{link.rate_mbit:g}"], path=link.path, up_factor=link.up_factor,
+                                    twin_tolerance=link.twin_tolerance, links=[]) for link in self.links] or [self]
 
     @property
     def quota_us(self) -> int:
@@ -1150,6 +1157,7 @@ class Scenario:
     wall: float
     png: Path | None
     notes: list[str]
+    leg: Plan | None = None  # the leg of the run (Plan.legs) it belongs to
 
 
 def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, StarlingRun, list[Scenario], list[str]]:
@@ -1197,71 +1205,74 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
             print("alone: each trainer in a swarm of its own", file=sys.stderr, flush=True)
             alone = run_starling(wl, root / "alone", plan, "alone", {}, keys, None, ddp.initial_val, plan.seconds,
                                  alone=True)
-        for rate_text in plan.rates:
-            rate = round(derivation.rate_mbit, 3) if rate_text == "auto" else float(rate_text)
-            for name in plan.scenarios:
-                rates = [rate] * N if name == "uniform" else [rate] * (N - 1) + [rate / SLOW_FACTOR]
-                tag = f"{name}-{rate:g}mbit"
-                print(f"{tag}:" + (f" (queues of {plan.queue_ms:g} ms)" if plan.queue_ms is not None else ""),
-                      file=sys.stderr, flush=True)
-                rows = [starling_row(unshaped, None, "Starling defaults, unshaped links (reference)", True)]
-                hm_notes: list[str] = []
-                runs = []
-                twins: list[StarlingRun] = []
-                for label, sets in variants:
-                    run = run_starling(wl, root / f"{tag}-{len(runs)}", plan, f"{tag}-{label}", sets, keys, rates,
-                                       ddp.initial_val, plan.seconds)
-                    runs.append(run)
-                    rows.append(starling_row(run, unshaped, f"Starling {label}"))
-                    if label == "defaults" and not plan.path.is_flat:
-                        # Its zero-latency twin: the same rates, no delay line, in the same run (issue #50).
-                        wl.path = PathShape()
+        for leg in plan.legs():
+            wl.path, wl.up_factor = leg.path, leg.up_factor
+            leg_tag = leg.path.tag() + ("-home" if leg.up_factor != 1 else "")
+            for rate_text in leg.rates:
+                rate = round(derivation.rate_mbit, 3) if rate_text == "auto" else float(rate_text)
+                for name in plan.scenarios:
+                    rates = [rate] * N if name == "uniform" else [rate] * (N - 1) + [rate / SLOW_FACTOR]
+                    tag = f"{name}-{rate:g}mbit{leg_tag}"
+                    print(f"{tag}:" + (f" (queues of {plan.queue_ms:g} ms)" if plan.queue_ms is not None else ""),
+                          file=sys.stderr, flush=True)
+                    rows = [starling_row(unshaped, None, "Starling defaults, unshaped links (reference)", True)]
+                    hm_notes: list[str] = []
+                    runs = []
+                    twins: list[StarlingRun] = []
+                    for label, sets in variants:
+                        run = run_starling(wl, root / f"{tag}-{len(runs)}", plan, f"{tag}-{label}", sets, keys, rates,
+                                           ddp.initial_val, plan.seconds)
+                        runs.append(run)
+                        rows.append(starling_row(run, unshaped, f"Starling {label}"))
+                        if label == "defaults" and not leg.path.is_flat:
+                            # Its zero-latency twin: the same rates, no delay line, in the same run (issue #50).
+                            wl.path = PathShape()
+                            try:
+                                twin = run_starling(wl, root / f"{tag}-twin", plan, f"{tag}-{label}-twin", sets, keys,
+                                                    rates, ddp.initial_val, plan.seconds)
+                            finally:
+                                wl.path = leg.path
+                            twins.append(twin)
+                            rows.append(starling_row(twin, unshaped, TWIN_ROW))
+                    if alone is not None:
+                        rows.append(starling_row(alone, unshaped, ALONE_ROW))
+                    if hm_python is not None:
                         try:
-                            twin = run_starling(wl, root / f"{tag}-twin", plan, f"{tag}-{label}-twin", sets, keys,
-                                                rates, ddp.initial_val, plan.seconds)
-                        finally:
-                            wl.path = plan.path
-                        twins.append(twin)
-                        rows.append(starling_row(twin, unshaped, TWIN_ROW))
-                if alone is not None:
-                    rows.append(starling_row(alone, unshaped, ALONE_ROW))
-                if hm_python is not None:
+                            hm = run_hivemind(wl, root / f"{tag}-hivemind", hm_python, plan, peer_ids, rates,
+                                              ddp.initial_val, ddp.params, runs[0].seconds if runs else plan.seconds,
+                                              f"{tag}-hivemind")
+                        except (BenchError, LabError, OSError, ValueError, KeyError, StopIteration,
+                                subprocess.SubprocessError) as e:
+                            lines = str(e).strip().splitlines() or [type(e).__name__]
+                            print(f"  hivemind could not run: {str(e).strip()}", file=sys.stderr, flush=True)
+                            hm_notes.append(f"hivemind could not run ({tag}): {lines[0]}"
+                                            + (f" (last log line: {lines[-1].strip()})" if len(lines) > 1 else ""))
+                        else:
+                            rows.append(hivemind_row(hm, unshaped))
+                            hm_notes.append(hivemind_note(hm))
+                    estimate = 2 * (N - 1) / N * ddp.params * 4 * 8 / (min(rates) * 1e6)
+                    steps = 1 if plan.quick or estimate > 150 else 2
+                    col = time_collective(wl, plan, peer_ids, rates, steps, ddp.params)
+                    rows += composed_rows(ddp.curve, diloco.curve, col, bc.inner_steps)
+                    target = choose_target(rows)
+                    wall = runs[0].seconds if runs else plan.seconds
+                    png = out_dir / f"wan-{tag}.png"
+                    title = (f"{N} trainers, links {', '.join(f'{r:g}' for r in rates)} Mbit/s ({name}); "
+                             f"{ddp.params / 1e6:.2f}M params, H = {bc.inner_steps}")
                     try:
-                        hm = run_hivemind(wl, root / f"{tag}-hivemind", hm_python, plan, peer_ids, rates,
-                                          ddp.initial_val, ddp.params, runs[0].seconds if runs else plan.seconds,
-                                          f"{tag}-hivemind")
-                    except (BenchError, LabError, OSError, ValueError, KeyError, StopIteration,
-                            subprocess.SubprocessError) as e:
-                        lines = str(e).strip().splitlines() or [type(e).__name__]
-                        print(f"  hivemind could not run: {str(e).strip()}", file=sys.stderr, flush=True)
-                        hm_notes.append(f"hivemind could not run ({tag}): {lines[0]}"
-                                        + (f" (last log line: {lines[-1].strip()})" if len(lines) > 1 else ""))
-                    else:
-                        rows.append(hivemind_row(hm, unshaped))
-                        hm_notes.append(hivemind_note(hm))
-                estimate = 2 * (N - 1) / N * ddp.params * 4 * 8 / (min(rates) * 1e6)
-                steps = 1 if plan.quick or estimate > 150 else 2
-                col = time_collective(wl, plan, peer_ids, rates, steps, ddp.params)
-                rows += composed_rows(ddp.curve, diloco.curve, col, bc.inner_steps)
-                target = choose_target(rows)
-                wall = runs[0].seconds if runs else plan.seconds
-                png = out_dir / f"wan-{tag}{plan.path.tag()}.png"
-                title = (f"{N} trainers, links {', '.join(f'{r:g}' for r in rates)} Mbit/s ({name}); "
-                         f"{ddp.params / 1e6:.2f}M params, H = {bc.inner_steps}")
-                try:
-                    plot(rows, target, title, png)
-                except ImportError as e:
-                    notes.append(f"no plot: {e}")
-                    png = None
-                sc_notes = [f"DDP and DiLoCo: the all-reduce timed over {col.steps} step(s), "
-                            f"{col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce; an inner step of the "
-                            f"gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' unshaped "
-                            f"{derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
-                            "shares the machine with its daemon)"]
-                sc_notes += [membership_note(run) for run in runs] + hm_notes
-                sc_notes += [note for note in (phases_note(run) for run in (*runs, *twins)) if note]
-                scenarios.append(Scenario(name, rates, rows, target, wall, png, sc_notes))
-                print(scenario_table(rows, target, wall), file=sys.stderr, flush=True)
+                        plot(rows, target, title, png)
+                    except ImportError as e:
+                        notes.append(f"no plot: {e}")
+                        png = None
+                    sc_notes = [f"DDP and DiLoCo: the all-reduce timed over {col.steps} step(s), "
+                                f"{col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce; an inner step of the "
+                                f"gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' unshaped "
+                                f"{derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
+                                "shares the machine with its daemon)"]
+                    sc_notes += [membership_note(run) for run in runs] + hm_notes
+                    sc_notes += [note for note in (phases_note(run) for run in (*runs, *twins)) if note]
+                    scenarios.append(Scenario(name, rates, rows, target, wall, png, sc_notes, leg))
+                    print(scenario_table(rows, target, wall), file=sys.stderr, flush=True)
     return derivation, unshaped, scenarios, notes
 
 
@@ -1415,17 +1426,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="round trip between trainers, added by the lab's delay line on every shaped link (0)")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="jitter of that round trip, +- ms (0)")
     parser.add_argument("--loss", type=float, default=0.0, help="packet loss each way between trainers, 0.005 = 0.5%% (0)")
-    parser.add_argument("--link", choices=sorted(LINKS), default=None,
-                        help="one of issue #50's scenarios: sets --rate-mbit, --rtt-ms, --jitter-ms, --loss (and a "
-                             "home line's slower upload); " + "; ".join(f"{k}: {v.text()}" for k, v in LINKS.items()).replace("%", "%%"))
+    parser.add_argument("--link", default=None,
+                        help="issue #50's scenarios, comma-separated (each a section of its own; the simulation, "
+                             "calibration and trainers-alone row are shared): each sets the rate and the path in "
+                             "place of --rate-mbit, --rtt-ms, --jitter-ms, --loss (and a home line's slower upload); "
+                             + "; ".join(f"{k}: {v.text()}" for k, v in LINKS.items()).replace("%", "%%"))
     parser.add_argument("--alone", choices=("auto", "on", "off"), default="auto",
                         help="also run each trainer alone (no swarm) for the same time: auto = with latency")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
     args = parser.parse_args(argv)
-    named = LINKS.get(args.link) if args.link else None
-    if named is not None:
+    names = [x.strip() for x in (args.link or "").split(",") if x.strip()]
+    unknown = [x for x in names if x not in LINKS]
+    if unknown:
+        parser.error(f"--link: unknown {', '.join(unknown)}; choose from {', '.join(sorted(LINKS))}")
+    links = [LINKS[x] for x in dict.fromkeys(names)]
+    if links:
         if args.rate_mbit or args.rtt_ms or args.jitter_ms or args.loss:
             parser.error("--link sets the rate and the path: leave out --rate-mbit, --rtt-ms, --jitter-ms and --loss")
+        named = links[0]  # the plan's own fields; each leg takes its link's (Plan.legs)
         args.rate_mbit = f"{named.rate_mbit:g}"
         args.rtt_ms, args.jitter_ms, args.loss = named.path.rtt_ms, named.path.jitter_ms, named.path.loss
     try:
@@ -1449,8 +1467,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.seconds or (40.0 if args.quick else 240.0), args.calib_seconds or (20.0 if args.quick else 90.0),
                 240.0 if args.quick else 300.0, args.cap, rates, scenarios, variants,
                 {"join_wait_s": 2} if args.quick else {}, args.hivemind, args.queue_ms, path,
-                named.up_factor if named else 1.0, named.twin_tolerance if named else 0.03,
-                args.alone == "on" or (args.alone == "auto" and not path.is_flat))
+                links[0].up_factor if links else 1.0, links[0].twin_tolerance if links else 0.03,
+                args.alone == "on" or (args.alone == "auto" and not path.is_flat), links)
     reason = lab_unavailable() or tbf_unavailable()
     if reason is not None:
         print(f"bench/wan.py skipped: {reason}", file=sys.stderr)
@@ -1472,11 +1490,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: every namespace, daemon and cgroup was removed (logs in {root})", file=sys.stderr)
         return 130
     command = ("python bench/wan.py " + " ".join(argv)).strip()
-    text = render(plan, derivation, results, notes, command, time.monotonic() - started, "" if writing else str(out_dir) + "/")
-    print(text)
-    if writing:
-        replace_section(DOCS, section_of(plan), text)
-        print(f"written to {DOCS}", file=sys.stderr)
+    for leg in plan.legs():  # a section per leg (named link), each with the scenarios run on it
+        mine = [sc for sc in results if sc.leg == leg]
+        text = render(leg, derivation, mine, notes, command, time.monotonic() - started,
+                      "" if writing else str(out_dir) + "/")
+        print(text)
+        if writing:
+            replace_section(DOCS, section_of(leg), text)
+            print(f"written to {DOCS}: {section_of(leg)}", file=sys.stderr)
     print(f"plots: {', '.join(str(s.png) for s in results if s.png)}", file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -80,7 +80,8 @@ def test_quick_wan_benchmark_prints_a_row_per_contender_and_cleans_up(tmp_path: 
 def test_bad_options_are_refused_with_a_message_not_a_traceback() -> None:
     for args, message in ((["--scenarios", "nope"], "--scenarios"), (["--rate-mbit", "0"], "--rate-mbit"),
                           (["--starling", "sync.nope"], "--starling"), (["--queue-ms", "0"], "--queue-ms"),
-                          (["--link", "2mbit-200ms-loss", "--rtt-ms", "50"], "--link"), (["--link", "nope"], "--link")):
+                          (["--link", "2mbit-200ms-loss", "--rtt-ms", "50"], "--link"), (["--link", "nope"], "--link"),
+                          (["--link", "20mbit-100ms,nope"], "--link")):
         r = subprocess.run([sys.executable, str(WAN), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -226,3 +227,18 @@ def test_the_phases_note_gives_each_trainers_median_phase_in_seconds_and_round_t
     assert note is not None and "t0 (3 seen): open 0.10 (1.0)" in note and "transfer 0.70 (7.0)" in note
     assert "all but the transfer 0.32 s (3.2 RTT)" in note and "t1" not in note
     assert wan.phases_note(wan.StarlingRun("run", None, 10.0, [(0.0, 3.0)], [(0.0, 0.0)], [silent], None)) is None
+
+
+def test_named_links_are_legs_of_one_run_each_with_its_rate_path_tolerance_and_section() -> None:
+    wan = _load_wan()
+    from convergence import BenchConfig
+
+    links = [wan.LINKS["2mbit-200ms-loss"], wan.LINKS["home-20-5-50ms"]]
+    plan = wan.Plan(False, BenchConfig(), "bench", 240.0, 90.0, 300.0, 35.0, ["2"], ["uniform"], [], links=links)
+    legs = plan.legs()
+    assert [(leg.rates, leg.path, leg.up_factor, leg.twin_tolerance) for leg in legs] == [
+        (["2"], wan.PathShape(200.0, 20.0, 0.005), 1.0, 0.05), (["20"], wan.PathShape(50.0, 5.0), 0.25, 0.03)]
+    assert legs == plan.legs() and all(leg.legs() == [leg] for leg in legs)  # equal each time: sections find theirs
+    assert [wan.section_of(leg) for leg in legs] == [
+        "## Over slow links with latency: 2 Mbit/s, 200 +-20 ms RTT, 0.5% loss",
+        "## Over slow links with latency: 20 Mbit/s down, 0.25 of it up, 50 +-5 ms RTT"]
