@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev libnetfilter-queue-dev nftables iproute2 iptables systemd
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-swarm bench-wan bench-delayline bench-exchange-rtt bench-swim-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-nat-latency bench-swarm bench-wan bench-wan-latency bench-delayline bench-exchange-rtt bench-swim-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -96,6 +96,13 @@ WAN_ARGS ?=
 bench-wan: install
 	$(PY) bench/wan.py $(WAN_ARGS) --write-docs
 
+# Issue #50's latency scenarios (sections "Over slow links with latency: ..."): each named link beside its
+# zero-latency twin, and each trainer alone, in one run (the simulation, calibration and alone row shared);
+# about 20 min per link after 25 min of shared work on 2 cores, root. One link: WAN_LINKS=2mbit-200ms-loss.
+WAN_LINKS ?= 20mbit-100ms,2mbit-200ms-loss,100mbit-300ms-loss,home-20-5-50ms
+bench-wan-latency: install
+	$(PY) bench/wan.py --link $(WAN_LINKS) --scenarios uniform --starling defaults --hivemind off --write-docs
+
 # The lab's delay line against its settings (section "The lab's delay line"): ping RTT from 10 to 300 ms, loss,
 # TCP through a 20 Mbit/s link with 50 and 100 ms of RTT against tbf alone, the line's CPU; about 2 min, root.
 bench-delayline: install
@@ -151,6 +158,11 @@ bench-hivemind: install
 
 bench-nat: install
 	$(PY) bench/nat.py --write-docs
+
+# Hole punching with 100 and 300 ms of round trip between the two NATed daemons (section "NAT with latency");
+# about 5 min, root.
+bench-nat-latency: install
+	$(PY) bench/nat.py --parts 1 --rtt-ms 100,300 --jitter-ms 10 --write-docs
 
 # Long runs, outside `make test`. The chaos run ends by starting a trainer with a fresh identity that must join
 # the churned swarm (check (f)). Issue #26's acceptance run: make chaos CHAOS_ARGS="--daemons 8 --minutes 30".

@@ -61,9 +61,9 @@ from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachS
 from node.swarm.circuit import short_id
 from node.swarm.crdt import Manifest, MemberState
 from node.swarm.manifest_trust import ManifestAuthority, ManifestPinError, read_manifest_pin
-from node.swarm.nat import NatConfig, NatService
+from node.swarm.nat import NatConfig, NatService, dial_budget_s
 from node.swarm.replicator import StateReplicator, load_state
-from node.swarm.swim_service import SwimService
+from node.swarm.swim_service import REDIAL_S, SwimService
 from node.swarm.swim_service import timing as swim_timing
 from p2p.addrs import parse_bootstrap, parse_listen
 from p2p.auth import AccessControl, SwarmKeyError, read_swarm_key
@@ -265,6 +265,7 @@ class Daemon:
             # (p2p/connmgr.py, SILENT_S): SWIM's probes, answered within seconds, are what says it delivers.
             self.swim.on_heard = self.connmgr.heard_from
             self.swim.redial = self.connmgr.redial
+            self.swim.redial_s = lambda: dial_budget_s(REDIAL_S, self.nat.typical_rtt_s())
             self.replicator.on_heard = self.connmgr.heard_from
             self.connmgr.silent_after = SILENT_S
             self.connmgr.stranded = self._stranded

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from node.swarm.nat import NatConfig, NatService
+from node.swarm.nat import DIRECT_FIRST_S, NatConfig, NatService, dial_budget_s
 from p2p.connmgr import ConnManager
 from p2p.host import build_host
 from protocols.dialback import DialbackOutcome, DialStatus, helpers_wanted
@@ -43,6 +43,7 @@ async def test_a_connected_peers_rtt_is_shown_without_a_ping_stream() -> None:
                 await trio.sleep(0.1)
                 rows = [r for r in nat.peers_status() if r["peer_id"] == str(b.get_id())]
             assert rows[0]["path"] == "direct" and rows[0]["rtt_ms"] > 0
+            assert nat.typical_rtt_s() is not None and nat.typical_rtt_s() > 0  # the prior for unconnected peers
             await trio.sleep(6.0)  # past the old first ping (within 5 s of the connection)
             assert pings_at_b == 0
             nursery.cancel_scope.cancel()
@@ -86,3 +87,42 @@ async def test_no_dial_back_is_asked_in_a_nodes_first_seconds_then_one_is() -> N
     now += 2
     await nat._check_reachability()
     assert asked == [helper]
+
+
+def test_a_dials_budget_grows_with_the_round_trips_measured_never_below_the_base() -> None:
+    """Issue #50's audit: 3 s for a direct dial (6 round trips) is 1.8 s of round trips at 300 ms, and a lost
+    SYN's retry takes 1 s more: a reachable peer was given up for a relay. With 300 ms measured the budget
+    is a lost SYN and 10 round trips; on a LAN, or before anything is measured, the base as before."""
+    assert dial_budget_s(3.0, None) == 3.0 and dial_budget_s(3.0, 0.0) == 3.0
+    assert dial_budget_s(3.0, 0.01) == 3.0
+    assert dial_budget_s(3.0, 0.3) == 4.0
+    assert dial_budget_s(3.0, 0.35) == 4.5
+    assert dial_budget_s(3.0, 90.0) == 21.0  # a muxer's wild sample is capped
+
+
+async def test_a_direct_dial_slower_than_3_s_is_not_given_up_for_a_relay_where_round_trips_are_long(
+    autojump_clock: trio.abc.Clock, monkeypatch
+) -> None:
+    host = build_host(create_new_key_pair())
+    nat = NatService(host, ConnManager(host, target=2, cap=4), NatConfig())
+    peer = build_host(create_new_key_pair()).get_id()
+    tried: list[str] = []
+
+    async def slow_connect(info: PeerInfo) -> None:
+        tried.append("direct")
+        await trio.sleep(DIRECT_FIRST_S + 0.5)  # a healthy dial over 300 ms of RTT with a lost SYN
+
+    async def circuit(addr: object) -> None:
+        tried.append("circuit")
+
+    monkeypatch.setattr(host, "connect", slow_connect)
+    monkeypatch.setattr(nat, "dial_circuit", circuit)
+    addrs = [Multiaddr("/ip4/10.0.0.1/tcp/4001"),
+             Multiaddr(f"/ip4/10.0.0.2/tcp/4001/p2p/{peer}/p2p-circuit/p2p/{peer}")]
+    monkeypatch.setattr(nat, "typical_rtt_s", lambda: 0.3)
+    await nat.dial(PeerInfo(peer, addrs))
+    assert tried == ["direct"]
+    tried.clear()
+    monkeypatch.setattr(nat, "typical_rtt_s", lambda: None)  # nothing measured: 3 s, then the relay
+    await nat.dial(PeerInfo(peer, addrs))
+    assert tried == ["direct", "circuit"]

@@ -155,7 +155,7 @@ RECENT_TRANSFERS = 8  # of our own, whose longest bounds that wait
 # uplink's buffer holds seconds of it, the lab's tbf a 64 KiB bucket and as much queue (`_answer_deadline_s`).
 QUEUED_BYTES = 128 * 1024
 # However slow the partner's link, a pairing answer is never waited for longer than this many times
-# `sync.handshake_timeout_s` (20 s by default; the lab's 0.08 Mbit/s link needs 13): a peer that had itself
+# `sync.handshake_timeout_s` (4 x 5 s = 20 s by default; the lab's 0.08 Mbit/s link needs 13): a peer that had itself
 # measured slow and then sits on requests costs a round that long, not more.
 MAX_ANSWER_WAIT_FACTOR = 4.0
 

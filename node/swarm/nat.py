@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,7 +99,12 @@ Reachability = Literal["public", "private", "unknown"]
 Path = ConnectionPath  # declared with the status that reports it (node/status_schema.py)
 
 RELAY_TIMEOUT_S = 10.0  # one RESERVE or CONNECT exchange with a relay
-DIRECT_FIRST_S = 3.0  # in dial(): how long direct addresses get before the circuit addresses are tried
+DIRECT_FIRST_S = 3.0  # in dial(): how long direct addresses get before the circuits (at least: `dial_budget_s`)
+# A libp2p dial takes about 6 round trips (TCP, the security and muxer negotiations, Noise); a lost SYN is sent
+# again after Linux's initial RTO of 1 s, a lost data packet after about 200 ms + 1 RTT.
+DIAL_ROUND_TRIPS = 10  # the 6, with room for one lost data packet and jitter
+SYN_RETRY_S = 1.0
+MAX_BUDGET_RTT_S = 2.0  # a round trip read above this is no link we wait for (a muxer's stale sample)
 UNKNOWN_RESERVE_AFTER_S = 30.0  # still unknown after this long: reserve relays anyway, as insurance
 FAST_CHECK_S = 2.0  # loop period while reachability is unknown
 REASK_HELPER_S = 10.0  # never ask the same helper again sooner (helpers rate-limit us too)
@@ -114,6 +120,19 @@ MAX_RESERVATION_S = 86400.0
 # --------------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------------
+
+
+def dial_budget_s(base_s: float, rtt_s: float | None) -> float:
+    """How long a dial may take before we give up on it: `base_s`, or more where the round trips we measured
+    make a healthy dial longer (`DIAL_ROUND_TRIPS` round trips and a lost SYN's retry).
+
+    Why: the fixed 3 s that direct addresses got before a relay was tried, and that a dropped member got to be
+    dialled again before SWIM probed it, is 1.4 s of round trips at 300 ms of RTT, 3.1 s with one lost SYN:
+    a reachable peer would be reached through a relay (and then never average: bulk never crosses a relay)
+    or probed through helpers (issue #50's audit of every wait at 300 ms, 50 ms of jitter and 1% loss)."""
+    if rtt_s is None or not rtt_s > 0:
+        return base_s
+    return max(base_s, SYN_RETRY_S + DIAL_ROUND_TRIPS * min(rtt_s, MAX_BUDGET_RTT_S))
 
 
 @dataclass
@@ -275,6 +294,12 @@ class NatService:
                 return float(seconds)
         return None
 
+    def typical_rtt_s(self) -> float | None:
+        """The median round trip of our connections as their muxers measured them (None: none measured): the
+        prior for a peer we are not connected to, whose own round trip is unknown until we are."""
+        rtts = [rtt for rtt in (self.rtt_of(peer) for peer in self._connected()) if rtt is not None]
+        return statistics.median(rtts) if rtts else None
+
     def peers_status(self) -> list[PeerPathStatus]:
         """Per connected peer: path, RTT (ms) and throughput (Mbit/s) where measured."""
         self._forget_departed()
@@ -348,12 +373,13 @@ class NatService:
         circuits = [a for a in info.addrs if is_circuit_addr(a)]
         errors: list[str] = []
         if direct:
+            first_s = dial_budget_s(DIRECT_FIRST_S, self.typical_rtt_s())
             try:
-                with trio.fail_after(DIRECT_FIRST_S if circuits else float("inf")):
+                with trio.fail_after(first_s if circuits else float("inf")):
                     await self.host.connect(PeerInfo(info.peer_id, direct))
                 return
             except trio.TooSlowError:
-                errors.append(f"direct: no answer within {DIRECT_FIRST_S:.0f} s")
+                errors.append(f"direct: no answer within {first_s:.1f} s")
             except Exception as e:  # libp2p raises many types for an unreachable peer
                 errors.append(f"direct: {classify_dial_error(e)[1]}")
         random.shuffle(circuits)

@@ -218,6 +218,9 @@ class SwimService:
         #: Awaited (at most ``REDIAL_S``) before a dropped connection counts as news: dial the member again, True
         #: if connected after (the daemon wires the connection manager's ``redial``). None: probed at once.
         self.redial: Callable[[ID], Awaitable[bool]] | None = None
+        #: How long that dial may take (None: ``REDIAL_S``); the daemon wires the NAT service's budget, longer
+        #: where our connections' round trips are long (node/swarm/nat.py, ``dial_budget_s``).
+        self.redial_s: Callable[[], float] | None = None
         self._redialing: set[ID] = set()
         self._notices: dict[ID, trio.Event] = {}  # closes waiting for the peer's notice back (tell_closing)
         #: Members last turned suspect here (any accuser): peer -> wall time, the last ``RECENT_SUSPECTS``, so
@@ -695,7 +698,7 @@ class SwimService:
     async def _redial_or_probe(self, peer: ID, redial: Callable[[ID], Awaitable[bool]]) -> None:
         back = False
         try:
-            with trio.move_on_after(REDIAL_S):
+            with trio.move_on_after(self.redial_s() if self.redial_s is not None else REDIAL_S):
                 back = await redial(peer)
         except Exception as exc:  # whatever a dial raises must not end the service: the probe decides
             log.debug("redial of %s: %r", peer, exc)
