@@ -166,6 +166,7 @@ class Plan:
     twin_tolerance: float = 0.03  # how far above its zero-latency twin the defaults' val loss may end
     alone: bool = False  # run each trainer alone too (no swarm): "is joining worth it"
     links: list[NamedLink] = field(default_factory=list)  # --link: each its own leg of the run (empty: one leg)
+    composed: bool = True  # the composed DDP and DiLoCo rows (their simulation: ~15 min on 2 cores)
 
     def legs(self) -> list[Plan]:
         """One plan per named link (its rate, path, upload and tolerance), sharing everything else, or this
@@ -514,7 +515,7 @@ def run_starling(wl: WanLab, root: Path, plan: Plan, label: str, sets: dict[str,
     swarm = f"wan-{uuid.uuid4().hex[:8]}"
     extra = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     args = ["--swarm", swarm, *set_args(plan.train(), plan.sync), *extra]
-    print(f"  {label}: starting the bootstrap node and {N} trainers"
+    print(f"  {label}: starting {'' if alone else 'the bootstrap node and '}{N} trainers"
           f" ({'unshaped' if rates is None else ', '.join(f'{r:g}' for r in rates) + ' Mbit/s'})",
           file=sys.stderr, flush=True)
     daemons: list[LabDaemon] = []
@@ -1015,15 +1016,11 @@ def verdicts(sc_name: str, rows: list[Row], target: float, twin_tolerance: float
     where the run has a zero-latency twin (a latency scenario) or a row of trainers alone."""
     by = {r.label: r for r in rows}
     star, ddp, dil = by.get("Starling defaults"), by.get(DDP_ROW), by.get(DILOCO_ROW)
-    if star is None or ddp is None or dil is None:
+    if star is None:
         return []
-    t_star, t_ddp, t_dil = (time_to(r.curve, target) for r in (star, ddp, dil))
 
     def met(ok: bool) -> str:
         return "met" if ok else "NOT met"
-
-    def ratio(other: float | None) -> float | None:
-        return None if t_star is None or other is None or t_star <= 0 else other / t_star
 
     out = [f"- {sc_name}: every trainer averages in >= 80% of its outer steps: {met(min(star.averaged_shares) >= 0.8)} "
            f"({', '.join(f'{x:.0%}' for x in star.averaged_shares)})"]
@@ -1032,6 +1029,22 @@ def verdicts(sc_name: str, rows: list[Row], target: float, twin_tolerance: float
                    f"{met(min(star.rate_shares) >= 0.9)} ({', '.join(f'{x:.0%}' for x in star.rate_shares)})"
                    + (f"; per worker CPU-second, which a shared machine's load does not move: "
                       f"{', '.join(f'{x:.0%}' for x in star.cpu_rate_shares)}" if star.cpu_rate_shares else ""))
+    if ddp is not None and dil is not None:
+        out += _baseline_verdicts(sc_name, star, ddp, dil, target)
+    return out + _latency_verdicts(sc_name, by, star, twin_tolerance)
+
+
+def _baseline_verdicts(sc_name: str, star: Row, ddp: Row, dil: Row, target: float) -> list[str]:
+    """Issue #23's: the target loss sooner than DDP (5x) and DiLoCo."""
+    t_star, t_ddp, t_dil = (time_to(r.curve, target) for r in (star, ddp, dil))
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    def ratio(other: float | None) -> float | None:
+        return None if t_star is None or other is None or t_star <= 0 else other / t_star
+
+    out: list[str] = []
     r_ddp, r_dil = ratio(t_ddp), ratio(t_dil)
     text = "n/a (not reached)" if r_ddp is None else f"{r_ddp:.1f}x"
     out.append(f"- {sc_name}: Starling reaches {target:.3f} >= 5x sooner than DDP: "
@@ -1040,6 +1053,16 @@ def verdicts(sc_name: str, rows: list[Row], target: float, twin_tolerance: float
     text = "n/a (not reached)" if r_dil is None else f"{r_dil:.2f}x"
     out.append(f"- {sc_name}: Starling reaches it {'>= 2x sooner than' if need > 1 else 'no later than'} DiLoCo: "
                f"{met(r_dil is not None and r_dil >= need)} ({_s(t_star)} vs {_s(t_dil)}: {text})")
+    return out
+
+
+def _latency_verdicts(sc_name: str, by: dict[str, Row], star: Row, twin_tolerance: float) -> list[str]:
+    """Issue #50's, where the run has a zero-latency twin or a row of the trainers alone."""
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    out: list[str] = []
     end = star.curve[-1][1]
     twin = by.get(TWIN_ROW)
     if twin is not None:  # issue #50: latency must not cost the swarm its model
@@ -1160,16 +1183,33 @@ class Scenario:
     leg: Plan | None = None  # the leg of the run (Plan.legs) it belongs to
 
 
+def initial_model(bc: BenchConfig, peer_id: str) -> tuple[float, int]:
+    """The validation loss of the freshly built model and its parameter count, without the simulation: the
+    curves' starting point where the composed rows are left out (`run_ddp` gives both otherwise)."""
+    from node.worker.task import TaskContext, load_task
+
+    cfg = bc.train_config("noloco")
+    task = load_task(cfg.task, TaskContext(cfg, peer_id, torch.device("cpu")))
+    model = task.build_model()
+    return float(task.evaluate(model)), sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, StarlingRun, list[Scenario], list[str]]:
     notes: list[str] = []
     keys, peer_ids = make_identities(root / "keys", N)
     bc = plan.bench
-    print(f"simulation: DDP and DiLoCo, {N} replicas on the trainers' shards, {bc.total_steps} inner steps...",
-          file=sys.stderr, flush=True)
-    ddp = run_ddp(bc, N, ids=peer_ids, curve_every=max(1, bc.inner_steps // 5))
-    diloco = run_outer(bc, N, "diloco", root / "sim-diloco", ids=peer_ids, curve=True)
-    print(f"  DDP val {ddp.val_mean:.4f}, DiLoCo val {diloco.val_mean:.4f} ({ddp.params / 1e6:.2f}M parameters)",
-          file=sys.stderr, flush=True)
+    if plan.composed:
+        print(f"simulation: DDP and DiLoCo, {N} replicas on the trainers' shards, {bc.total_steps} inner steps...",
+              file=sys.stderr, flush=True)
+        ddp = run_ddp(bc, N, ids=peer_ids, curve_every=max(1, bc.inner_steps // 5))
+        diloco = run_outer(bc, N, "diloco", root / "sim-diloco", ids=peer_ids, curve=True)
+        initial_val, params = ddp.initial_val, ddp.params
+        print(f"  DDP val {ddp.val_mean:.4f}, DiLoCo val {diloco.val_mean:.4f} ({params / 1e6:.2f}M parameters)",
+              file=sys.stderr, flush=True)
+    else:
+        initial_val, params = initial_model(bc, peer_ids[0])
+        notes.append("DDP and DiLoCo left out (--composed off): this run judges Starling against itself (its "
+                     "zero-latency twin, its trainers alone), not against the baselines")
     variants = []
     for label, sets in plan.variants:
         why = unknown_option(sets)
@@ -1187,10 +1227,10 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
         members = membership_only(wl, root / "members", plan, 15.0 if plan.quick else 30.0)
         print(f"  {statistics.fmean(members.values()):.0f} B/s sent per host", file=sys.stderr, flush=True)
         print("calibration: Starling on unshaped links", file=sys.stderr, flush=True)
-        unshaped = run_starling(wl, root / "calib", plan, "unshaped", {}, keys, None, ddp.initial_val, plan.calib_s)
+        unshaped = run_starling(wl, root / "calib", plan, "unshaped", {}, keys, None, initial_val, plan.calib_s)
         step_s = 1 / unshaped.mean("rate")
         measured = unshaped.bytes_per_outer is not None
-        derivation = Derivation(ddp.params, step_s, unshaped.bytes_per_outer if measured else 4.0 * ddp.params,
+        derivation = Derivation(params, step_s, unshaped.bytes_per_outer if measured else 4.0 * params,
                                 measured, bc.inner_steps)
         print(derivation.text(), file=sys.stderr, flush=True)
         notes.append(membership_note(unshaped))
@@ -1203,7 +1243,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
         alone = None
         if plan.alone:
             print("alone: each trainer in a swarm of its own", file=sys.stderr, flush=True)
-            alone = run_starling(wl, root / "alone", plan, "alone", {}, keys, None, ddp.initial_val, plan.seconds,
+            alone = run_starling(wl, root / "alone", plan, "alone", {}, keys, None, initial_val, plan.seconds,
                                  alone=True)
         for leg in plan.legs():
             wl.path, wl.up_factor = leg.path, leg.up_factor
@@ -1221,7 +1261,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                     twins: list[StarlingRun] = []
                     for label, sets in variants:
                         run = run_starling(wl, root / f"{tag}-{len(runs)}", plan, f"{tag}-{label}", sets, keys, rates,
-                                           ddp.initial_val, plan.seconds)
+                                           initial_val, plan.seconds)
                         runs.append(run)
                         rows.append(starling_row(run, unshaped, f"Starling {label}"))
                         if label == "defaults" and not leg.path.is_flat:
@@ -1229,7 +1269,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                             wl.path = PathShape()
                             try:
                                 twin = run_starling(wl, root / f"{tag}-twin", plan, f"{tag}-{label}-twin", sets, keys,
-                                                    rates, ddp.initial_val, plan.seconds)
+                                                    rates, initial_val, plan.seconds)
                             finally:
                                 wl.path = leg.path
                             twins.append(twin)
@@ -1239,7 +1279,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                     if hm_python is not None:
                         try:
                             hm = run_hivemind(wl, root / f"{tag}-hivemind", hm_python, plan, peer_ids, rates,
-                                              ddp.initial_val, ddp.params, runs[0].seconds if runs else plan.seconds,
+                                              initial_val, params, runs[0].seconds if runs else plan.seconds,
                                               f"{tag}-hivemind")
                         except (BenchError, LabError, OSError, ValueError, KeyError, StopIteration,
                                 subprocess.SubprocessError) as e:
@@ -1250,25 +1290,28 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                         else:
                             rows.append(hivemind_row(hm, unshaped))
                             hm_notes.append(hivemind_note(hm))
-                    estimate = 2 * (N - 1) / N * ddp.params * 4 * 8 / (min(rates) * 1e6)
-                    steps = 1 if plan.quick or estimate > 150 else 2
-                    col = time_collective(wl, plan, peer_ids, rates, steps, ddp.params)
-                    rows += composed_rows(ddp.curve, diloco.curve, col, bc.inner_steps)
+                    col = None
+                    if plan.composed:
+                        estimate = 2 * (N - 1) / N * params * 4 * 8 / (min(rates) * 1e6)
+                        steps = 1 if plan.quick or estimate > 150 else 2
+                        col = time_collective(wl, plan, peer_ids, rates, steps, params)
+                        rows += composed_rows(ddp.curve, diloco.curve, col, bc.inner_steps)
                     target = choose_target(rows)
                     wall = runs[0].seconds if runs else plan.seconds
                     png = out_dir / f"wan-{tag}.png"
                     title = (f"{N} trainers, links {', '.join(f'{r:g}' for r in rates)} Mbit/s ({name}); "
-                             f"{ddp.params / 1e6:.2f}M params, H = {bc.inner_steps}")
+                             f"{params / 1e6:.2f}M params, H = {bc.inner_steps}")
                     try:
                         plot(rows, target, title, png)
                     except ImportError as e:
                         notes.append(f"no plot: {e}")
                         png = None
-                    sc_notes = [f"DDP and DiLoCo: the all-reduce timed over {col.steps} step(s), "
-                                f"{col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce; an inner step of the "
-                                f"gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' unshaped "
-                                f"{derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
-                                "shares the machine with its daemon)"]
+                    sc_notes = [] if col is None else [
+                        f"DDP and DiLoCo: the all-reduce timed over {col.steps} step(s), "
+                        f"{col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce; an inner step of the "
+                        f"gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' unshaped "
+                        f"{derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
+                        "shares the machine with its daemon)"]
                     sc_notes += [membership_note(run) for run in runs] + hm_notes
                     sc_notes += [note for note in (phases_note(run) for run in (*runs, *twins)) if note]
                     scenarios.append(Scenario(name, rates, rows, target, wall, png, sc_notes, leg))
@@ -1431,6 +1474,9 @@ def main(argv: list[str] | None = None) -> int:
                              "calibration and trainers-alone row are shared): each sets the rate and the path in "
                              "place of --rate-mbit, --rtt-ms, --jitter-ms, --loss (and a home line's slower upload); "
                              + "; ".join(f"{k}: {v.text()}" for k, v in LINKS.items()).replace("%", "%%"))
+    parser.add_argument("--composed", choices=("on", "off"), default="on",
+                        help="the composed DDP and DiLoCo rows (their simulation takes ~15 min on 2 cores); off: "
+                             "Starling against its twin and its trainers alone only")
     parser.add_argument("--alone", choices=("auto", "on", "off"), default="auto",
                         help="also run each trainer alone (no swarm) for the same time: auto = with latency")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
@@ -1468,7 +1514,7 @@ def main(argv: list[str] | None = None) -> int:
                 240.0 if args.quick else 300.0, args.cap, rates, scenarios, variants,
                 {"join_wait_s": 2} if args.quick else {}, args.hivemind, args.queue_ms, path,
                 links[0].up_factor if links else 1.0, links[0].twin_tolerance if links else 0.03,
-                args.alone == "on" or (args.alone == "auto" and not path.is_flat), links)
+                args.alone == "on" or (args.alone == "auto" and not path.is_flat), links, args.composed == "on")
     reason = lab_unavailable() or tbf_unavailable()
     if reason is not None:
         print(f"bench/wan.py skipped: {reason}", file=sys.stderr)

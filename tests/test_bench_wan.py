@@ -242,3 +242,20 @@ def test_named_links_are_legs_of_one_run_each_with_its_rate_path_tolerance_and_s
     assert [wan.section_of(leg) for leg in legs] == [
         "## Over slow links with latency: 2 Mbit/s, 200 +-20 ms RTT, 0.5% loss",
         "## Over slow links with latency: 20 Mbit/s down, 0.25 of it up, 50 +-5 ms RTT"]
+
+
+def test_without_the_composed_rows_the_latency_verdicts_stand_alone_and_the_start_is_the_fresh_models_loss() -> None:
+    """--composed off (no 15-minute simulation): no DDP or DiLoCo line, every one of issue #50's lines; the
+    curves start from the freshly built model's validation loss, as `run_ddp` gives it."""
+    wan = _load_wan()
+
+    def row(label: str, end: float) -> object:
+        return wan.Row(label, [(0.0, 3.0), (240.0, end)], [(0.0, 0.0)], "-", "-", "-",
+                       averaged_shares=[1.0] * 4, rate_shares=[1.0] * 4)
+
+    lines = wan.verdicts("uniform", [row("Starling defaults", 1.9), row(wan.TWIN_ROW, 1.89),
+                                     row(wan.ALONE_ROW, 2.0)], 2.0, 0.05)
+    assert not any("DDP" in ln or "DiLoCo" in ln for ln in lines)
+    assert sum("met (" in ln for ln in lines) == 6, lines
+    initial, params = wan.initial_model(wan.QUICK_BENCH, "12D3KooWtest")
+    assert 0 < initial < 10 and params > 1000
