@@ -97,11 +97,12 @@ bench-wan: install
 	$(PY) bench/wan.py $(WAN_ARGS) --write-docs
 
 # Issue #50's latency scenarios (sections "Over slow links with latency: ..."): each named link beside its
-# zero-latency twin, and each trainer alone, in one run (the simulation, calibration and alone row shared);
-# about 20 min per link after 25 min of shared work on 2 cores, root. One link: WAN_LINKS=2mbit-200ms-loss.
+# zero-latency twin, and each trainer alone, in one run (the calibration and the alone row shared; no DDP or
+# DiLoCo rows: `make bench-wan WAN_ARGS="--link ..."` has them); about 10 min per link after 7 min of shared
+# work on 2 cores, root. One link: WAN_LINKS=2mbit-200ms-loss.
 WAN_LINKS ?= 20mbit-100ms,2mbit-200ms-loss,100mbit-300ms-loss,home-20-5-50ms
 bench-wan-latency: install
-	$(PY) bench/wan.py --link $(WAN_LINKS) --scenarios uniform --starling defaults --hivemind off --write-docs
+	$(PY) bench/wan.py --link $(WAN_LINKS) --scenarios uniform --starling defaults --hivemind off --composed off --write-docs
 
 # The lab's delay line against its settings (section "The lab's delay line"): ping RTT from 10 to 300 ms, loss,
 # TCP through a 20 Mbit/s link with 50 and 100 ms of RTT against tbf alone, the line's CPU; about 2 min, root.
