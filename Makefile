@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev libnetfilter-queue-dev nftables iproute2 iptables systemd
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-nat-latency bench-swarm bench-wan bench-wan-latency bench-delayline bench-exchange-rtt bench-swim-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-nat-latency bench-swarm bench-wan bench-wan-latency bench-delayline bench-congestion bench-exchange-rtt bench-swim-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -159,6 +159,11 @@ bench-hivemind: install
 
 bench-nat: install
 	$(PY) bench/nat.py --write-docs
+
+# One TCP flow over 100 ms (no loss, 0.5%) and 300 ms (1%) paths, its sender on CUBIC then on BBR, which the side
+# channel asks for (section "Congestion control over long, lossy paths"); about 3 min, root.
+bench-congestion: install
+	$(PY) bench/congestion.py --write-docs
 
 # Hole punching with 100 and 300 ms of round trip between the two NATed daemons (section "NAT with latency");
 # about 5 min, root.

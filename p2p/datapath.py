@@ -97,6 +97,11 @@ _NONCE_PREFIX = bytes(4)
 #: A blocking transfer thread gives up when its socket moves no byte for this long. The caller's deadline
 #: (trio cancellation, which shuts the socket down) normally ends a stuck transfer long before.
 BLOCKING_STALL_S = 60.0
+# The TCP congestion control the side channel asks its socket for (`prefer_congestion`): BBR paces by the
+# bandwidth and round trip it measures, where a loss-based one (CUBIC, most hosts' default) halves its window
+# at each loss; over a long path that loses 1% of its packets that is a few hundred kbit/s whatever the link.
+CONGESTION = b"bbr"
+_TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)  # Linux's option number where Python does not name it
 T = TypeVar("T")
 U = TypeVar("U")
 _MAX_COUNTER = (1 << 64) - 1
@@ -192,6 +197,28 @@ def _nonce(counter: int) -> bytes:
     return _NONCE_PREFIX + counter.to_bytes(8, "big")
 
 
+def prefer_congestion(sock: Any, name: bytes = CONGESTION) -> str | None:
+    """Ask for congestion control `name` on `sock` and return the one the socket uses (None: not a TCP
+    socket of this kernel's kind). A kernel without it, or a process that may not choose it (outside
+    `net.ipv4.tcp_allowed_congestion_control` without CAP_NET_ADMIN), keeps the host's default: a channel
+    is never refused for it. Both ends ask: each direction's sender decides how it paces.
+
+    `sock`: a stdlib or trio socket (both have these calls, and trio's are synchronous).
+
+    Why: bulk tensors cross long paths that lose packets, and a loss-based congestion control turns 1% loss
+    at 300 ms of round trip into a few hundred kbit/s, whatever the link's rate (issue #50;
+    bench/congestion.py measures it in the network lab)."""
+    if not hasattr(sock, "getsockopt"):
+        return None
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, name)
+    try:
+        used = sock.getsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, 16)
+    except OSError:
+        return None
+    return used.split(b"\0", 1)[0].decode("ascii", "replace") or None
+
+
 class SecureChannel:
     """An AES-256-GCM framed channel over a TCP stream (implements ``p2p.wire.FrameChannel``).
 
@@ -208,6 +235,8 @@ class SecureChannel:
         self.stream = stream
         self.session_id = keys.session_id
         self.max_frame_size = max_frame_size
+        # The congestion control its socket paces the bulk with (None: not a kernel TCP socket, as in tests).
+        self.congestion = prefer_congestion(getattr(stream, "socket", None))
         self._seal_key = AESGCM(keys.send_key)
         self._open_key = AESGCM(keys.recv_key)
         self._send_counter = 0

@@ -6,11 +6,13 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
 
+from p2p import datapath
 from p2p.datapath import (
     MAGIC,
     DataPathListener,
@@ -337,6 +339,34 @@ async def test_a_threaded_bulk_transfer_lifts_trios_unsent_data_limit_and_puts_i
         assert limit(initiator.stream.socket) == before
         await initiator.aclose()
         await responder.aclose()
+
+
+def _available_congestion() -> set[str]:
+    try:
+        return set(Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif("bbr" not in _available_congestion(), reason="this kernel offers no bbr congestion control")
+async def test_both_ends_of_a_side_channel_pace_their_bulk_with_bbr() -> None:
+    """A loss-based congestion control (CUBIC, most hosts' default) turns 1% loss at 300 ms into a few hundred
+    kbit/s whatever the link (bench/congestion.py); the side channel asks its socket for BBR."""
+    ki, kr = agree()
+    async with serving() as (listener, addr):
+        initiator, responder = await connect_both(listener, addr, ki, kr)
+        for channel in (initiator, responder):
+            assert channel.congestion == "bbr"
+            assert channel.stream.socket.getsockopt(socket.IPPROTO_TCP, datapath._TCP_CONGESTION, 16).rstrip(b"\0") == b"bbr"
+        await initiator.aclose()
+        await responder.aclose()
+
+
+def test_a_congestion_control_the_kernel_does_not_offer_leaves_the_hosts_default() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as sock:
+        before = sock.getsockopt(socket.IPPROTO_TCP, datapath._TCP_CONGESTION, 16).rstrip(b"\0").decode()
+        assert datapath.prefer_congestion(sock, b"no-such-algorithm") == before
+    assert datapath.prefer_congestion(object()) is None  # no TCP socket at all: nothing to say
 
 
 async def test_int8_transfer_accumulates_into_an_fp32_sum() -> None:
