@@ -237,7 +237,7 @@ def test_named_links_are_legs_of_one_run_each_with_its_rate_path_tolerance_and_s
     plan = wan.Plan(False, BenchConfig(), "bench", 240.0, 90.0, 300.0, 35.0, ["2"], ["uniform"], [], links=links)
     legs = plan.legs()
     assert [(leg.rates, leg.path, leg.up_factor, leg.twin_tolerance) for leg in legs] == [
-        (["2"], wan.PathShape(200.0, 20.0, 0.005), 1.0, 0.05), (["20"], wan.PathShape(50.0, 5.0), 0.25, 0.03)]
+        (["2"], wan.PathShape(200.0, 20.0, 0.005), 1.0, 0.05), (["20"], wan.PathShape(50.0, 5.0), 0.25, None)]
     assert legs == plan.legs() and all(leg.legs() == [leg] for leg in legs)  # equal each time: sections find theirs
     assert [wan.section_of(leg) for leg in legs] == [
         "## Over slow links with latency: 2 Mbit/s, 200 +-20 ms RTT, 0.5% loss",
@@ -259,3 +259,15 @@ def test_without_the_composed_rows_the_latency_verdicts_stand_alone_and_the_star
     assert sum("met (" in ln for ln in lines) == 6, lines
     initial, params = wan.initial_model(wan.QUICK_BENCH, "12D3KooWtest")
     assert 0 < initial < 10 and params > 1000
+
+
+def test_a_link_the_issue_sets_no_twin_bound_for_shows_the_distance_without_a_verdict() -> None:
+    wan = _load_wan()
+
+    def row(label: str, end: float) -> object:
+        return wan.Row(label, [(0.0, 3.0), (240.0, end)], [(0.0, 0.0)], "-", "-", "-",
+                       averaged_shares=[1.0] * 4, rate_shares=[1.0] * 4)
+
+    lines = wan.verdicts("uniform", [row("Starling defaults", 1.963), row(wan.TWIN_ROW, 1.904)], 2.0, None)
+    twin = next(ln for ln in lines if "zero-latency twin" in ln)
+    assert "+0.059; issue #50 sets no bound" in twin and "met" not in twin
