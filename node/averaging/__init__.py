@@ -3,6 +3,7 @@
     averager.py            Averager: the round state machine (pair and average, or step solo; answer partners)
     admission.py           Admission: whom it listens to and asks (the link table, per-IP caps, bans, back-offs)
     report.py              Report: its counters, mixing window and refusals for status and the log
+    phases.py              PhaseClock: where an asked exchange's time goes (open, answer, connect, transfer, result)
     swarm_view.py          SwarmView, AveragerHooks: what it asks of the rest of the node, and tells it
     group_mean.py          weighted_mean: a group of four's sample-weighted means from a pair's sums
     stepping.py            group_outer_step, follow_the_swarm, phase_shift: the counter and the phase after a round
