@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
+from delayline import TCP_SINK  # noqa: E402  # bench/delayline.py, beside this script
+
 from starling_testing.netlab import Host, Lab, bench_exit_code  # noqa: E402
 from starling_testing.report import publish  # noqa: E402
 
@@ -30,23 +32,6 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 SECTION = "## Congestion control over long, lossy paths"
 ALGORITHMS = ("cubic", "bbr")
 TCP_CONGESTION = 13  # Linux's socket option
-
-SINK = r"""
-import socket, sys, time
-srv = socket.create_server(("0.0.0.0", int(sys.argv[1])))
-print("listening", flush=True)
-conn, _ = srv.accept()
-n, first, last = 0, None, None
-while True:
-    b = conn.recv(1 << 16)
-    if not b:
-        break
-    now = time.monotonic()
-    first = now if first is None else first
-    last = now
-    n += len(b)
-print("received", n, "seconds", (last - first) if first is not None else 0.0, flush=True)
-"""
 
 SOURCE = r"""
 import socket, sys, time
@@ -68,7 +53,7 @@ PATHS = ((100.0, 0.0), (100.0, 0.005), (300.0, 0.01))  # (RTT ms, loss each way)
 
 def flow(a: Host, b: Host, algorithm: str, seconds: float, port: int) -> float:
     """Mbit/s of one flow a -> b whose sender paces with `algorithm` (a sink of its own on `port`)."""
-    sink = b.spawn_python(SINK, str(port))
+    sink = b.spawn_python(TCP_SINK, str(port))
     sink.wait_for("listening", timeout=10)
     done = a.python(SOURCE, str(b.ip), str(port), str(seconds), algorithm, timeout=seconds + 120)
     used = done.stdout.split()[-1]
