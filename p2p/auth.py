@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import trio
 from libp2p.transport.exceptions import SecurityUpgradeFailure
 
 from p2p.status import AuthorizationStatus
@@ -242,6 +243,7 @@ class AccessControl:
         control.own_peer_id = str(host.get_id())
 
         async def counted_upgrade(raw_conn: Any, is_initiator: bool, peer_id: Any = None) -> Any:
+            deadline = trio.current_effective_deadline()
             try:
                 secured = await upgrade_security(raw_conn, is_initiator, peer_id)
             except BaseException as e:  # trio.Cancelled too: the dial's deadline fired mid-handshake
@@ -249,7 +251,12 @@ class AccessControl:
                     actual = _answering_peer(e)
                     kind = "wrong_peer" if actual else ("refused" if isinstance(e, Exception) else "stalled")
                     control._note_dial_failure(peer_id, DialFailure(_addr_text(raw_conn), kind, actual or ""))
-                if not is_initiator and isinstance(e, Exception):
+                # An inbound handshake cut by py-libp2p's upgrade deadline (10 s) is refused as surely as one that
+                # failed: a peer with another swarm key sends bytes that decrypt to a huge length prefix, and
+                # whether its own 10 s dial timeout or our deadline comes first is a race. A cancellation
+                # before the deadline (this node stopping) is not a refusal.
+                timed_out = isinstance(e, trio.Cancelled) and trio.current_time() >= deadline
+                if not is_initiator and (isinstance(e, Exception) or timed_out):
                     control.refused_handshakes += 1
                     addr = raw_conn.get_remote_address() if hasattr(raw_conn, "get_remote_address") else None
                     who = f"{addr[0]}:{addr[1]}" if addr else "an unknown address"

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import trio
 
-from p2p.auth import SwarmKeyError, format_swarm_key, generate_swarm_key, read_swarm_key
+from p2p.auth import AccessControl, SwarmKeyError, format_swarm_key, generate_swarm_key, read_swarm_key
 from starling_testing.daemon import TINY, DaemonGroup, starling
 
 LOOPBACK = ["--no-train", "--listen", "/ip4/127.0.0.1/tcp/0"]
@@ -168,3 +171,44 @@ def test_allowlisted_swarm_refuses_and_disconnects_other_peers(group: DaemonGrou
     time.sleep(2)
     connected = a.wait_status()["connected_peers"]
     assert c2_id not in connected and c_id not in connected
+
+
+class _FakeHost:
+    """What AccessControl.install touches of a host: its id, its upgrader, its stream handlers."""
+
+    def __init__(self, upgrade_security: Callable[..., Awaitable[object]]) -> None:
+        self.upgrader = SimpleNamespace(upgrade_security=upgrade_security, upgrade_connection=None)
+
+    def get_network(self) -> SimpleNamespace:
+        return SimpleNamespace(upgrader=self.upgrader)
+
+    def get_id(self) -> str:
+        return "12D3KooWSelf"
+
+    def set_stream_handler(self, protocol_id: object, handler: object) -> None:
+        pass
+
+
+def test_an_inbound_handshake_cut_by_the_upgrade_deadline_counts_as_refused_but_not_one_cut_by_stopping() -> None:
+    """CI failed: a peer with another swarm key stalls the handshake, and when our 10 s inbound deadline fired
+    before its 10 s dial timeout the refusal went uncounted (status said 1 refused of 8 attempts)."""
+
+    async def stalls(raw_conn: object, is_initiator: bool, peer_id: object = None) -> object:
+        await trio.sleep_forever()
+
+    raw = SimpleNamespace(get_remote_address=lambda: ("127.0.0.1", 4321))
+    access = AccessControl(keyed=True)
+    host = _FakeHost(stalls)
+    access.install(host)
+
+    async def main() -> None:
+        with trio.move_on_after(0.05):  # py-libp2p's inbound_upgrade_timeout, shortened
+            await host.upgrader.upgrade_security(raw, False)
+        assert access.refused_handshakes == 1
+        async with trio.open_nursery() as nursery:  # the node stopping mid-handshake
+            nursery.start_soon(host.upgrader.upgrade_security, raw, False)
+            await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        assert access.refused_handshakes == 1
+
+    trio.run(main)
