@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev libnetfilter-queue-dev nftables iproute2 iptables systemd
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-sync bench-hivemind bench-nat bench-nat-latency bench-swarm bench-wan bench-wan-latency bench-delayline bench-congestion bench-exchange-rtt bench-swim-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-compression-long bench-sync bench-hivemind bench-nat bench-nat-latency bench-swarm bench-wan bench-wan-latency bench-delayline bench-congestion bench-exchange-rtt bench-swim-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -80,6 +80,14 @@ bench-convergence: install
 
 bench-sync: install
 	$(PY) bench/sync.py --write-docs
+
+# Compression over the long run (issue #51; section "Compression over the long run"): each preset against bf16
+# NoLoCo, DiLoCo in bf16 and DiLoCo with the same Delta compressor, 200 outer steps x 3 seeds, two runs at a
+# time; about 25 min per run on a core, so hours: it resumes from bench/results/compression_long.jsonl, which
+# keeps every finished run. COMPRESSION_ARGS="--variants noloco:none,noloco:high --seeds 0" narrows it.
+COMPRESSION_ARGS ?=
+bench-compression-long: install
+	$(PY) bench/compression_long.py $(COMPRESSION_ARGS) --write-docs
 
 # Real daemons on 127.0.0.1 (mixing, a throttled half via cgroup v1, convergence beside the simulation);
 # about 30 min on 2 cores. Throttling needs root. --fast-cap 50 caps the hetero scenario's fast workers at half

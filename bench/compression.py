@@ -55,6 +55,7 @@ class CompressionResult:
     spread: float
     pull_error: float  # mean over pairs and outer steps of |pull - exact| / |exact|
     seconds: float
+    curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (inner steps, mean val loss)
 
 
 def wire(x: torch.Tensor, codec: object) -> torch.Tensor:
@@ -66,25 +67,48 @@ def wire(x: torch.Tensor, codec: object) -> torch.Tensor:
 
 def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str = "bf16",
                first: tuple[str, ...] = (), first_own_exact: bool = False) -> CompressionResult:
-    """`first`: the presets of the first outer steps, `name` after them (what `auto` does on a fast link: a
+    """NoLoCo under preset `name` (see `run_method`)."""
+    return run_method(bc, n, "noloco", name, home, wire_dtype, first, first_own_exact)
+
+
+def run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wire_dtype: str = "bf16",
+               first: tuple[str, ...] = (), first_own_exact: bool = False, curve_every: int = 0) -> CompressionResult:
+    """`method` ("noloco": random pairs; "diloco": all N in one group, the mean of their Deltas as the wire
+    carried them, each trainer's own error feedback: SparseLoCo's setting) under preset `name`.
+
+    `first`: the presets of the first outer steps, `name` after them (what `auto` does on a fast link: a
     `high` probe, then `medium`, then `none`); `first_own_exact`: those steps apply each trainer's own Delta
-    in full (`apply_result(own_exact=True)`, what the daemon does on `auto`'s ramp)."""
+    in full (`apply_result(own_exact=True)`, what the daemon does on `auto`'s ramp). `curve_every`: the mean
+    validation loss every that many outer steps (and at the end) into `curve`. Presets are looked up as the worker
+    looks them up (`get_compression`): a bench's experimental preset is added to `PRESETS` in its process."""
+    if method not in ("noloco", "diloco"):
+        raise ValueError(f"unknown method {method!r}")
     started = time.monotonic()
-    cfg = bc.train_config("noloco")
+    cfg = bc.train_config(method)
     trainers = [Trainer(cfg, home / pid, pid) for pid in replica_ids(n)]
     numel = trainers[0].numel
     phis = [torch.empty(numel) for _ in trainers]
     deltas = [torch.empty(numel) for _ in trainers]
     pairing = torch.Generator().manual_seed(bc.seed + 1)
     errors: list[float] = []
+    curve: list[tuple[int, float]] = []
     for outer in range(bc.outer_steps):
         step_name = first[outer] if outer < len(first) else name
         preset = get_compression(step_name)
         dcodec, pcodec = preset.delta_codec(wire_dtype), preset.phi_codec(wire_dtype)
         publish_all(trainers, phis, deltas)
-        for group in random_groups(n, pairing):
+        groups = [list(range(n))] if method == "diloco" else random_groups(n, pairing)
+        for group in groups:
             if len(group) == 1:  # an odd one out: a solo step, nothing on the wire
                 trainers[group[0]].apply_result(1, compression=step_name)
+                continue
+            if method == "diloco":
+                # All-gather of the compressed Deltas (a top-k sum is no top-k, so no ring all-reduce): every
+                # replica sums what the wire carried of each; phi is not exchanged (one shared phi).
+                sum_delta = torch.stack([wire(deltas[i], dcodec) for i in group]).sum(0)
+                for i in group:
+                    trainers[i].apply_result(len(group), phis[i].clone(), sum_delta.clone(), compression=step_name,
+                                             own_exact=first_own_exact and outer < len(first))
                 continue
             a, b = group
             lo, hi = preset.fragment_range(numel, preset.fragment_of(outer)) if preset.lossy else (0, numel)
@@ -103,12 +127,19 @@ def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str =
                 norm = float(exact.norm())
                 if norm > 0:
                     errors.append(float((pull - exact).norm()) / norm)
+        if curve_every and (outer + 1) % curve_every == 0 and outer + 1 < bc.outer_steps:
+            curve.append(((outer + 1) * bc.inner_steps, sum(t.evaluate() for t in trainers) / n))
     vals = [t.evaluate() for t in trainers]
+    if curve_every:
+        curve.append((bc.total_steps, sum(vals) / n))
     val_avg = averaged_model_loss(trainers)
     label = "+".join([*first, name]) + (" (own exact first)" if first_own_exact else "") if first else name
-    return CompressionResult(label, bc.seed, get_compression(name).bytes_per_param(numel, wire_dtype), sum(vals) / n, val_avg,
+    final = get_compression(name)
+    per_param = final.delta_codec(wire_dtype).encoded_size(numel) / numel if method == "diloco" \
+        else final.bytes_per_param(numel, wire_dtype)
+    return CompressionResult(label, bc.seed, per_param, sum(vals) / n, val_avg,
                              relative_spread([t.phi for t in trainers]), float(np.mean(errors)) if errors else 0.0,
-                             time.monotonic() - started)
+                             time.monotonic() - started, curve)
 
 
 def table(results: list[CompressionResult]) -> str:
