@@ -13,7 +13,8 @@ A *variant* is ``method:preset[:name=value,...]``:
   what SparseLoCo and its production descendants compress, the strongest fair peer);
 - ``preset``: a `sync.compression` preset (protocols/compress.py): ``none`` is bf16 on the wire; a lossy one's
   Delta codec (top-k with error feedback) is applied to DiLoCo's Deltas too, so both methods get the same
-  compressor, and its phi fragments to NoLoCo's phi;
+  compressor, and its phi fragments to NoLoCo's phi. A preset on trial (`EXPERIMENTAL` there: SparseLoCo's
+  2-bit top-k, protocols/lowbit.py) is added to the presets of the run's own process only;
 - options: ``alpha``, ``beta``, ``gamma`` replace the outer step's (e.g. ``alpha=0``: error feedback alone in
   place of outer momentum, as SparseLoCo has it).
 
@@ -55,7 +56,7 @@ if str(ROOT) not in sys.path:  # `python bench/compression_long.py` as well as `
 
 from bench.compression import run_method  # noqa: E402
 from bench.convergence import QUICK, BenchConfig  # noqa: E402
-from protocols.compress import PRESETS  # noqa: E402
+from protocols.compress import EXPERIMENTAL, PRESETS  # noqa: E402
 from starling_testing.report import publish  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -90,8 +91,9 @@ class Variant:
         method, preset = parts[0], parts[1]
         if method not in METHODS:
             raise VariantError(f"{spec!r}: unknown method {method!r}; expected one of {', '.join(METHODS)}")
-        if preset not in PRESETS:
-            raise VariantError(f"{spec!r}: unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+        if preset not in PRESETS and preset not in EXPERIMENTAL:
+            raise VariantError(f"{spec!r}: unknown preset {preset!r}; expected one of "
+                               f"{', '.join([*PRESETS, *EXPERIMENTAL])}")
         options: dict[str, float] = {}
         for item in (parts[2].split(",") if len(parts) == 3 else []):
             name, _, value = item.partition("=")
@@ -151,6 +153,8 @@ def run_one(variant: Variant, seed: int, bc: BenchConfig, replicas: int, curve_e
             command: str = "") -> dict:
     """One run in this process; its JSON record (`command`: the campaign's command line)."""
     torch.set_num_threads(1)
+    if variant.preset in EXPERIMENTAL:  # on trial: a preset of this process only (the worker looks it up there)
+        PRESETS.setdefault(variant.preset, EXPERIMENTAL[variant.preset])
     cfg = dataclasses.replace(variant.config(bc), seed=seed)
     with tempfile.TemporaryDirectory(prefix="starling-compression-long-") as tmp:
         r = run_method(cfg, replicas, variant.method, variant.preset, Path(tmp), curve_every=curve_every)

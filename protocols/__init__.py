@@ -5,6 +5,7 @@ used as a module (``from protocols import avg``; ``avg.initiate``, ``avg.respond
 
     avg.py       /starling/avg: one pairwise averaging exchange of (phi, Delta); AvgRequest, TransferResult
     codec.py     get_codec, WireDtype, TensorCodec: how a flat fp32 array travels (fp32, bf16, int8 blocks)
+    lowbit.py    TopKLowBitCodec: top-k with packed indices and 2-bit values (SparseLoCo's class), for Delta
     compress.py  get_compression, Compression: the `sync.compression` presets (top-k Delta, phi fragments)
     state.py     /starling/state: anti-entropy of the swarm state; Replica, LocalInfo, SessionResult
     record.py    MemberRecord, CounterRecord, ManifestRecord, Manifest, SignedRecord: the state's signed records

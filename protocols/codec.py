@@ -11,7 +11,8 @@ Four wire dtypes, chosen per run:
 * ``topk`` -- blockwise top-k sparsification (:class:`TopKCodec`): per block, the ``k`` entries of
   largest magnitude as uint16 indices plus int8 codes with one fp32 scale; ``3k + 4`` bytes per block.
   Lossy by design: it is meant for Delta with an error-feedback buffer in the worker (node/worker/trainer.py),
-  which adds what was not sent to the next outer step's Delta.
+  which adds what was not sent to the next outer step's Delta. ``topkq`` is its low-bit sibling
+  (protocols/lowbit.py: 12-bit indices, 2-bit values by default).
 
 Everything works on *slices* so that neither side ever holds more than one chunk of encoded bytes:
 the sender encodes ``flat[start:stop]`` into a reusable buffer and sends it as one frame; the receiver
@@ -89,6 +90,7 @@ class WireDtype(enum.StrEnum):
     BF16 = "bf16"
     INT8 = "int8"
     TOPK = "topk"
+    TOPK_LOWBIT = "topkq"  # protocols/lowbit.py
 
 
 def flat_fp32(x: Any, what: str = "array", *, writable: bool = False) -> Flat:
@@ -478,6 +480,10 @@ def get_codec(dtype: WireDtype | str, *, int8_block: int = DEFAULT_INT8_BLOCK, t
         return Bf16Codec()
     if wire is WireDtype.TOPK:
         return TopKCodec(int8_block, topk_keep)
+    if wire is WireDtype.TOPK_LOWBIT:
+        from protocols.lowbit import TopKLowBitCodec  # it builds on this module
+
+        return TopKLowBitCodec(int8_block, topk_keep)
     return Int8BlockCodec(int8_block)
 
 

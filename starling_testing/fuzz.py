@@ -559,8 +559,9 @@ def _codec_header(dtype: int, accumulate: bool, numel: int) -> bytes:
 
 
 DTYPES = ("fp32", "bf16", "int8")
-#: The codecs' fuzz targets also cover top-k (Delta under sync.compression): 8 of every 64 entries kept.
-CODEC_DTYPES = (*DTYPES, "topk")
+#: The codecs' fuzz targets also cover top-k (Delta under sync.compression): 8 of every 64 entries kept, with int8
+#: values and with 2-bit ones (protocols/lowbit.py, on trial under issue #51).
+CODEC_DTYPES = (*DTYPES, "topk", "topkq")
 
 
 def _fuzz_codec(index: int) -> Any:

@@ -29,6 +29,7 @@ TINY = BenchConfig(outer_steps=3, inner_steps=4, batch_size=4, seq_len=32, d_mod
 
 def test_variants_are_parsed_with_their_options_and_a_comma_inside_options_stays_with_its_variant() -> None:
     assert parse_variants("noloco:none,diloco:high") == [Variant("noloco", "none"), Variant("diloco", "high")]
+    assert parse_variants("diloco:k64q2") == [Variant("diloco", "k64q2")]  # a preset on trial
     two = parse_variants("noloco:medium:alpha=0,beta=1,diloco:none")
     assert two == [Variant("noloco", "medium", (("alpha", 0.0), ("beta", 1.0))), Variant("diloco", "none")]
     assert two[0].name == "noloco:medium:alpha=0,beta=1"
@@ -124,15 +125,16 @@ def test_records_of_another_configuration_are_not_mixed_in_and_a_cut_line_is_ski
 def test_a_campaign_appends_one_record_per_run_and_a_rerun_skips_them(tmp_path: Path) -> None:
     path = tmp_path / "runs.jsonl"
     cmd = [sys.executable, str(ROOT / "bench" / "compression_long.py"), "--quick", "--outer-steps", "2",
-           "--curve-every", "1", "--variants", "diloco:medium", "--seeds", "0", "--jsonl", str(path)]
+           "--curve-every", "1", "--variants", "diloco:k64q2", "--seeds", "0", "--jsonl", str(path)]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert first.returncode == 0, first.stderr
     [record] = [json.loads(line) for line in path.read_text().splitlines()]
-    assert record["variant"] == "diloco:medium" and record["config"]["outer_steps"] == 2
-    assert len(record["curve"]) == 2 and record["tree"] and "--variants diloco:medium" in record["command"]
+    assert record["variant"] == "diloco:k64q2" and record["config"]["outer_steps"] == 2
+    assert record["bytes_per_param"] < 0.05  # the trial preset's Delta codec, run in the child's own process
+    assert len(record["curve"]) == 2 and record["tree"] and "--variants diloco:k64q2" in record["command"]
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert again.returncode == 0 and "0 run(s) to do, 1 already in" in again.stderr
-    assert len(path.read_text().splitlines()) == 1 and "| diloco:medium |" in again.stdout
+    assert len(path.read_text().splitlines()) == 1 and "| diloco:k64q2 |" in again.stdout
 
 
 def test_a_bad_variant_on_the_command_line_is_one_line_not_a_traceback() -> None:
