@@ -40,7 +40,7 @@ run: install
 	$(PY) -m node.ops.localswarm --peers 3 --seconds $(RUN_SECONDS)
 
 test: install
-	$(PY) -m pytest -q -m "not long" --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -m "not long" --durations=20 $(PYTEST_ARGS)
 
 # Unit and property tests only (no multi-process, no lab): a quick loop while editing.
 test-fast: install

@@ -12,6 +12,7 @@ import pytest
 
 from starling_testing import netlab
 from starling_testing.daemon import DaemonGroup
+from starling_testing.skips import pytest_runtest_makereport  # noqa: F401  (CI: a lab test that skips as root fails)
 
 
 @pytest.fixture
