@@ -21,6 +21,11 @@ FIGURES = [
      "averaging is {}x as fast per call as hivemind"),
     ("throughput while averaging", "## Sync", r"\*\*averaging / alone = ([0-9.]+)\*\*",
      "training keeps {} of its throughput while averaging"),
+    ("real daemons against the simulation", "## Swarm",
+     r"convergence, swarm \(real daemons\): gap share closed [0-9.]+ vs the simulation's [0-9.]+, ratio ([0-9.]+)",
+     "4 daemons close {}x the share"),
+    ("fast with slow", "## Swarm", r"fast-slow exchanges >= 30% of all exchanges: [a-zA-Z ]+ \(([0-9]+)%",
+     "{}% of exchanges fast with slow"),
 ]
 
 
