@@ -400,6 +400,23 @@ def failures(junit: str | None) -> list[str]:
             if case.find("failure") is not None or case.find("error") is not None]
 
 
+def memory_gpu(src: Path) -> str:
+    """The GPU that memory.json's rows were measured on: that of the run whose results hold a `memory` step.
+
+    Why not simply gpu.json's: a lease runs some steps, and a later lease on another kind of GPU may run others
+    into the same folder; the memory rows of 2026-11-26 came from an H200 and were labelled with the H100 of the
+    later gpu.json (issue #52)."""
+    for path in [src / "gpu.json", *sorted(src.glob("gpu-*.json"))]:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        gpu = data.get("env", {}).get("nvidia_smi") if isinstance(data, dict) else None
+        if isinstance(data, dict) and "memory" in data and gpu:
+            return str(gpu)
+    return "a GPU the run's files do not name"
+
+
 def write_docs(src: Path) -> None:
     import memory
 
@@ -411,8 +428,7 @@ def write_docs(src: Path) -> None:
         rows = memory.load_rows(rows_file)
         if rows:
             mem_command = "python bench/memory.py --device cuda --sizes " + ",".join(r.size for r in rows)
-            gpu = results.get("env", {}).get("nvidia_smi") or "GPU"
-            replace_section(DOCS, memory.GPU_SECTION, memory.render_gpu(rows, mem_command, gpu))
+            replace_section(DOCS, memory.GPU_SECTION, memory.render_gpu(rows, mem_command, memory_gpu(src)))
     print(f"written to {DOCS}")
 
 

@@ -58,3 +58,15 @@ def test_a_step_that_overruns_its_limit_is_killed_with_its_whole_process_group(t
 def test_a_missing_program_is_an_exit_status_not_an_exception(missing: str) -> None:
     code, text = gpu.run([missing], timeout=5.0)
     assert code == 127 and missing in text
+
+
+def test_memory_rows_carry_the_gpu_of_the_run_that_measured_them(tmp_path: Path) -> None:
+    """The stored memory rows came from the H200 lease; gpu.json is the later H100's, which ran no memory step.
+    They were labelled H100 (issue #52)."""
+    assert gpu.memory_gpu(ROOT / "bench" / "gpu_run").startswith("NVIDIA H200")
+    (tmp_path / "gpu.json").write_text(json.dumps({"env": {"nvidia_smi": "NVIDIA H100 80GB HBM3"}, "memory": {}}))
+    (tmp_path / "gpu-h200.json").write_text(json.dumps({"env": {"nvidia_smi": "NVIDIA H200"}, "memory": {}}))
+    assert gpu.memory_gpu(tmp_path) == "NVIDIA H100 80GB HBM3"  # this run measured memory itself
+    (tmp_path / "gpu.json").write_text(json.dumps({"env": {"nvidia_smi": "NVIDIA H100 80GB HBM3"}}))
+    (tmp_path / "gpu-h200.json").unlink()
+    assert gpu.memory_gpu(tmp_path) == "a GPU the run's files do not name"
