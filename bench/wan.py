@@ -61,6 +61,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import shutil
@@ -121,8 +122,12 @@ ALONE_ROW = "each trainer alone (the same daemons, no swarm)"
 SLOW_FACTOR = 5.0
 GLOO_PORT = 29500
 POLL_S = 1.0
-DDP_ROW = "DDP (gloo, composed)"
+DDP_ROW = "DDP (gloo, composed)"  # fp32 all-reduce
 DILOCO_ROW = "DiLoCo (gloo, composed)"
+DDP_BF16_ROW = "DDP bf16 (gloo, composed)"  # the same, all-reducing bf16 (issue #52: the fair baseline)
+DILOCO_BF16_ROW = "DiLoCo bf16 (gloo, composed)"
+#: The all-reduce's dtype per composed row pair, and its bytes per element.
+ALLREDUCE_DTYPES = {"fp32": 4, "bf16": 2}
 HIVEMIND_ROW = "hivemind (Optimizer, local updates)"
 
 # The regime to reproduce (docs/benchmarks.md, "Over slow links"): a 1B-parameter model on one modern GPU
@@ -167,6 +172,7 @@ class Plan:
     alone: bool = False  # run each trainer alone too (no swarm): "is joining worth it"
     links: list[NamedLink] = field(default_factory=list)  # --link: each its own leg of the run (empty: one leg)
     composed: bool = True  # the composed DDP and DiLoCo rows (their simulation: ~15 min on 2 cores)
+    allreduce: tuple[str, ...] = ("fp32", "bf16")  # the composed rows' all-reduce dtypes, each timed in the lab
 
     def legs(self) -> list[Plan]:
         """One plan per named link (its rate, path, upload and tolerance), sharing everything else, or this
@@ -641,10 +647,11 @@ class Collective:
     """Seconds per DDP step and per DiLoCo outer step on the scenario's links, from gloo in the lab."""
 
     compute_s: float  # one inner step of one rank (median over ranks and steps)
-    allreduce_s: float  # one all-reduce of the fp32 parameter-sized vector (median over steps, slowest rank)
+    allreduce_s: float  # one all-reduce of the parameter-sized vector (median over steps, slowest rank)
     allreduce_bytes: float  # bytes each rank sent per all-reduce (link counters, mean over ranks)
     steps: int
     cpu_share: list[float]  # each rank's CPU time / its wall time
+    dtype: str = "fp32"  # what the all-reduce moves: fp32, or bf16 (the gradient rounded, summed, back to fp32)
 
     def ddp_step_s(self) -> float:
         return self.compute_s + self.allreduce_s
@@ -655,7 +662,8 @@ class Collective:
 
 def collective_rank(spec: dict[str, Any]) -> None:
     """One gloo rank (run inside a lab namespace by `time_collective`): `steps` DDP steps of the plan's model,
-    each one inner step on this rank's shard and an all-reduce of the flat fp32 gradient; prints RESULT json."""
+    each one inner step on this rank's shard and an all-reduce of the flat gradient (fp32, or rounded to bf16 with
+    `spec["dtype"]`: gloo sums bf16 as it sends it); prints RESULT json."""
     import torch.distributed as dist
 
     from node.worker.task import TaskContext, load_task
@@ -681,7 +689,12 @@ def collective_rank(spec: dict[str, Any]) -> None:
         task.loss(model, stream.next_batch()).backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         t1 = time.monotonic()
-        dist.all_reduce(flat)
+        if spec.get("dtype") == "bf16":
+            wire = flat.to(torch.bfloat16)
+            dist.all_reduce(wire)
+            flat = wire.float()
+        else:
+            dist.all_reduce(flat)
         t2 = time.monotonic()
         flat /= n
         offset = 0
@@ -698,12 +711,13 @@ def collective_rank(spec: dict[str, Any]) -> None:
 
 
 def time_collective(wl: WanLab, plan: Plan, peer_ids: list[str], rates: list[float], steps: int,
-                    numel: int) -> Collective:
+                    numel: int, dtype: str = "fp32") -> Collective:
     wl.shape(rates)
     # gloo's ring moves about 2(N-1)/N of the vector per rank; the slowest link sets the pace.
-    estimate = steps * 2 * (N - 1) / N * numel * 4 * 8 / (min(rates) * 1e6)
+    size = ALLREDUCE_DTYPES[dtype]
+    estimate = steps * 2 * (N - 1) / N * numel * size * 8 / (min(rates) * 1e6)
     timeout = 120 + 2 * estimate
-    print(f"  gloo all-reduce of {numel * 4 / 1e6:.2f} MB on {', '.join(f'{r:g}' for r in rates)} Mbit/s: "
+    print(f"  gloo {dtype} all-reduce of {numel * size / 1e6:.2f} MB on {', '.join(f'{r:g}' for r in rates)} Mbit/s: "
           f"{steps} DDP step(s), about {estimate:.0f} s", file=sys.stderr, flush=True)
     procs: list[Proc] = []
     with caps([h.name for h in wl.hosts], plan.quota_us) as cgroups:
@@ -711,7 +725,7 @@ def time_collective(wl: WanLab, plan: Plan, peer_ids: list[str], rates: list[flo
             c0 = wl.counters()
             for rank, (host, pid) in enumerate(zip(wl.hosts, peer_ids, strict=True)):
                 spec = {"rank": rank, "world": N, "master": wl.hosts[0].ip, "train": plan.train(),
-                        "peer_id": pid, "steps": steps, "timeout_s": timeout}
+                        "peer_id": pid, "steps": steps, "timeout_s": timeout, "dtype": dtype}
                 p = host.spawn([PYTHON, str(Path(__file__).resolve()), "--collective-rank", json.dumps(spec)],
                                log=f"gloo-{uuid.uuid4().hex[:6]}-{host.name}.log", env={"GLOO_SOCKET_IFNAME": "eth0"},
                                cwd=ROOT)
@@ -725,8 +739,9 @@ def time_collective(wl: WanLab, plan: Plan, peer_ids: list[str], rates: list[flo
     comm = [max(r["comm"][i] for r in results) for i in range(steps)]
     compute = [x for r in results for x in r["compute"]]
     sent = statistics.fmean(c1[h.name][0] - c0[h.name][0] for h in wl.hosts) / steps
-    out = Collective(statistics.median(compute), statistics.median(comm), sent, steps, [r["cpu"] for r in results])
-    print(f"  gloo: inner step {out.compute_s:.3f} s, all-reduce {out.allreduce_s:.1f} s, "
+    out = Collective(statistics.median(compute), statistics.median(comm), sent, steps, [r["cpu"] for r in results],
+                     dtype)
+    print(f"  gloo {dtype}: inner step {out.compute_s:.3f} s, all-reduce {out.allreduce_s:.1f} s, "
           f"{out.allreduce_bytes / 1e6:.2f} MB sent per rank", file=sys.stderr, flush=True)
     return out
 
@@ -971,13 +986,17 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
 
 def composed_rows(ddp: list[tuple[int, float]], diloco: list[tuple[int, float]], col: Collective,
                   h: int) -> list[Row]:
+    """DDP's and DiLoCo's rows: the simulation's loss per inner step at `col`'s seconds per step. With a bf16
+    all-reduce the loss is still the fp32 simulation's: bf16 rounding of an averaged update costs within 0.005
+    of fp32 here (docs/benchmarks.md, "Compression": bf16 NoLoCo against the Convergence section's fp32)."""
     step_s, outer_s = col.ddp_step_s(), col.diloco_outer_s(h)
     cpu = ", ".join(f"{c:.2f}" for c in col.cpu_share)
+    ddp_label, dil_label = (DDP_BF16_ROW, DILOCO_BF16_ROW) if col.dtype == "bf16" else (DDP_ROW, DILOCO_ROW)
     return [
-        Row(DDP_ROW, [(s * step_s, v) for s, v in ddp], [(s * step_s, s * col.allreduce_bytes) for s, v in ddp],
+        Row(ddp_label, [(s * step_s, v) for s, v in ddp], [(s * step_s, s * col.allreduce_bytes) for s, v in ddp],
             f"{col.compute_s / step_s:.1%}", "every step all-reduced", cpu,
             f"{step_s:.1f} s per step ({col.compute_s:.3f} compute + {col.allreduce_s:.1f} all-reduce)"),
-        Row(DILOCO_ROW, [(s / h * outer_s, v) for s, v in diloco],
+        Row(dil_label, [(s / h * outer_s, v) for s, v in diloco],
             [(s / h * outer_s, s / h * col.allreduce_bytes) for s, v in diloco],
             f"{h * col.compute_s / outer_s:.1%}", "every outer step all-reduced", cpu,
             f"{outer_s:.1f} s per outer step ({h} x {col.compute_s:.3f} + {col.allreduce_s:.1f})"),
@@ -1015,7 +1034,9 @@ def verdicts(sc_name: str, rows: list[Row], target: float, twin_tolerance: float
     """Issue #23's acceptance lines for the shipped defaults (met / NOT met, with the figures), and issue #50's
     where the run has a zero-latency twin (a latency scenario) or a row of trainers alone."""
     by = {r.label: r for r in rows}
-    star, ddp, dil = by.get("Starling defaults"), by.get(DDP_ROW), by.get(DILOCO_ROW)
+    star = by.get("Starling defaults")
+    ddp = strongest([by[k] for k in (DDP_ROW, DDP_BF16_ROW) if k in by], target)
+    dil = strongest([by[k] for k in (DILOCO_ROW, DILOCO_BF16_ROW) if k in by], target)
     if star is None:
         return []
 
@@ -1034,8 +1055,18 @@ def verdicts(sc_name: str, rows: list[Row], target: float, twin_tolerance: float
     return out + _latency_verdicts(sc_name, by, star, twin_tolerance)
 
 
+def strongest(rows: list[Row], target: float) -> Row | None:
+    """Of a baseline's rows (fp32 and bf16 all-reduce), the one that reaches `target` first (issue #52: the
+    targets read against the strongest baseline); one that never reaches it only where none does."""
+    def when(row: Row) -> float:
+        t = time_to(row.curve, target)
+        return math.inf if t is None else t
+
+    return min(rows, key=when) if rows else None
+
+
 def _baseline_verdicts(sc_name: str, star: Row, ddp: Row, dil: Row, target: float) -> list[str]:
-    """Issue #23's: the target loss sooner than DDP (5x) and DiLoCo."""
+    """Issue #23's: the target loss sooner than DDP (5x) and DiLoCo, each the strongest of its rows."""
     t_star, t_ddp, t_dil = (time_to(r.curve, target) for r in (star, ddp, dil))
 
     def met(ok: bool) -> str:
@@ -1047,13 +1078,20 @@ def _baseline_verdicts(sc_name: str, star: Row, ddp: Row, dil: Row, target: floa
     out: list[str] = []
     r_ddp, r_dil = ratio(t_ddp), ratio(t_dil)
     text = "n/a (not reached)" if r_ddp is None else f"{r_ddp:.1f}x"
-    out.append(f"- {sc_name}: Starling reaches {target:.3f} >= 5x sooner than DDP: "
+    out.append(f"- {sc_name}: Starling reaches {target:.3f} >= 5x sooner than {_baseline_name(ddp)}: "
                f"{met(r_ddp is not None and r_ddp >= 5)} ({_s(t_star)} vs {_s(t_ddp)}: {text})")
     need = 2.0 if sc_name == "one-slow" else 1.0
     text = "n/a (not reached)" if r_dil is None else f"{r_dil:.2f}x"
-    out.append(f"- {sc_name}: Starling reaches it {'>= 2x sooner than' if need > 1 else 'no later than'} DiLoCo: "
+    out.append(f"- {sc_name}: Starling reaches it {'>= 2x sooner than' if need > 1 else 'no later than'} "
+               f"{_baseline_name(dil)}: "
                f"{met(r_dil is not None and r_dil >= need)} ({_s(t_star)} vs {_s(t_dil)}: {text})")
     return out
+
+
+def _baseline_name(row: Row) -> str:
+    """'DDP (fp32 all-reduce)' or 'DiLoCo (bf16 all-reduce)': which of a baseline's rows a verdict reads."""
+    kind = "DDP" if row.label in (DDP_ROW, DDP_BF16_ROW) else "DiLoCo"
+    return f"{kind} ({'bf16' if row.label in (DDP_BF16_ROW, DILOCO_BF16_ROW) else 'fp32'} all-reduce)"
 
 
 def _latency_verdicts(sc_name: str, by: dict[str, Row], star: Row, twin_tolerance: float | None) -> list[str]:
@@ -1294,12 +1332,12 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                         else:
                             rows.append(hivemind_row(hm, unshaped))
                             hm_notes.append(hivemind_note(hm))
-                    col = None
-                    if plan.composed:
-                        estimate = 2 * (N - 1) / N * params * 4 * 8 / (min(rates) * 1e6)
+                    cols: list[Collective] = []
+                    for dtype in plan.allreduce if plan.composed else ():
+                        estimate = 2 * (N - 1) / N * params * ALLREDUCE_DTYPES[dtype] * 8 / (min(rates) * 1e6)
                         steps = 1 if plan.quick or estimate > 150 else 2
-                        col = time_collective(wl, plan, peer_ids, rates, steps, params)
-                        rows += composed_rows(ddp.curve, diloco.curve, col, bc.inner_steps)
+                        cols.append(time_collective(wl, plan, peer_ids, rates, steps, params, dtype))
+                        rows += composed_rows(ddp.curve, diloco.curve, cols[-1], bc.inner_steps)
                     target = choose_target(rows)
                     wall = runs[0].seconds if runs else plan.seconds
                     png = out_dir / f"wan-{tag}.png"
@@ -1310,12 +1348,12 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                     except ImportError as e:
                         notes.append(f"no plot: {e}")
                         png = None
-                    sc_notes = [] if col is None else [
-                        f"DDP and DiLoCo: the all-reduce timed over {col.steps} step(s), "
-                        f"{col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce; an inner step of the "
-                        f"gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' unshaped "
-                        f"{derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
-                        "shares the machine with its daemon)"]
+                    sc_notes = [
+                        f"DDP and DiLoCo, {col.dtype} all-reduce: timed over {col.steps} step(s) and extrapolated "
+                        f"to the run, {col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce; an inner "
+                        f"step of the gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' "
+                        f"unshaped {derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
+                        "shares the machine with its daemon)" for col in cols]
                     sc_notes += [membership_note(run) for run in runs] + hm_notes
                     sc_notes += [note for note in (phases_note(run) for run in (*runs, *twins)) if note]
                     scenarios.append(Scenario(name, rates, rows, target, wall, png, sc_notes, leg))
@@ -1406,8 +1444,10 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
         "each outer step). DDP and DiLoCo are composed: their loss against the inner step comes from "
         f"bench/convergence.py's simulation (same shards, model, schedule, H; {bc.total_steps} inner steps), their "
         "seconds per step from 4 gloo ranks in the same namespaces, links and caps, each training the model "
-        "and all-reducing its fp32 gradient vector (DDP: one inner step + one all-reduce per step; DiLoCo: H "
-        "inner steps + one all-reduce of the same size per outer step). Bytes: each host's link counters "
+        f"and all-reducing its gradient vector in {' and in '.join(plan.allreduce)} (a row pair each; the bf16 rows "
+        "take the fp32 simulation's loss, which bf16 rounding moves by less than 0.005 here; DDP: one inner step "
+        "+ one all-reduce per step; DiLoCo: H inner steps + one all-reduce of the same size per outer step), "
+        "timed over 1-2 steps and extrapolated to the whole run. Bytes: each host's link counters "
         "(Starling), bytes per all-reduce x all-reduces (the others). Target loss: the lowest loss every "
         "contender reaches (the highest of their best losses), so that each has a time to it; the loss at "
         "equal wall time is the other view (both interpolated linearly between evaluations: DDP's every "
@@ -1481,6 +1521,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--composed", choices=("on", "off"), default="on",
                         help="the composed DDP and DiLoCo rows (their simulation takes ~15 min on 2 cores); off: "
                              "Starling against its twin and its trainers alone only")
+    parser.add_argument("--allreduce", default="fp32,bf16",
+                        help="the composed rows' all-reduce dtypes, comma-separated (fp32, bf16): a DDP and a DiLoCo "
+                             "row for each, each timed in the lab; the verdicts read the strongest")
     parser.add_argument("--alone", choices=("auto", "on", "off"), default="auto",
                         help="also run each trainer alone (no swarm) for the same time: auto = with latency")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
@@ -1507,6 +1550,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = parse_variants(args.starling or default_variants())
         if not variants:
             raise ValueError("--starling: no variant")
+        allreduce = tuple(dict.fromkeys(x.strip() for x in args.allreduce.split(",") if x.strip()))
+        if not allreduce or any(x not in ALLREDUCE_DTYPES for x in allreduce):
+            raise ValueError(f"--allreduce: one or more of {', '.join(ALLREDUCE_DTYPES)}")
     except ValueError as e:
         parser.error(str(e))
     if not 1 <= args.cap <= 100:
@@ -1518,7 +1564,8 @@ def main(argv: list[str] | None = None) -> int:
                 240.0 if args.quick else 300.0, args.cap, rates, scenarios, variants,
                 {"join_wait_s": 2} if args.quick else {}, args.hivemind, args.queue_ms, path,
                 links[0].up_factor if links else 1.0, links[0].twin_tolerance if links else 0.03,
-                args.alone == "on" or (args.alone == "auto" and not path.is_flat), links, args.composed == "on")
+                args.alone == "on" or (args.alone == "auto" and not path.is_flat), links, args.composed == "on",
+                allreduce)
     reason = lab_unavailable() or tbf_unavailable()
     if reason is not None:
         print(f"bench/wan.py skipped: {reason}", file=sys.stderr)

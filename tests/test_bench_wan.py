@@ -271,3 +271,28 @@ def test_a_link_the_issue_sets_no_twin_bound_for_shows_the_distance_without_a_ve
     lines = wan.verdicts("uniform", [row("Starling defaults", 1.963), row(wan.TWIN_ROW, 1.904)], 2.0, None)
     twin = next(ln for ln in lines if "zero-latency twin" in ln)
     assert "+0.059; issue #50 sets no bound" in twin and "met" not in twin
+
+
+def test_the_baseline_verdicts_read_the_strongest_of_the_fp32_and_bf16_all_reduce_rows() -> None:
+    """Issue #52: DDP and DiLoCo all-reducing bf16 beside fp32, in the same run; the targets name the stronger."""
+    wan = _load_wan()
+    star = wan.Row("Starling defaults", [(0.0, 3.0), (100.0, 2.0)], [(0.0, 0.0)], "-", "-", "-",
+                   averaged_shares=[1.0] * 4, rate_shares=[1.0] * 4)
+    fp32 = wan.Collective(0.01, 9.99, 1e6, 2, [0.3] * 4, "fp32")
+    bf16 = wan.Collective(0.01, 4.99, 5e5, 2, [0.3] * 4, "bf16")
+    curve = [(0, 3.0), (50, 2.5), (100, 2.0)]
+    rows = [star, *wan.composed_rows(curve, curve, fp32, 50), *wan.composed_rows(curve, curve, bf16, 50)]
+    assert [r.label for r in rows[1:]] == [wan.DDP_ROW, wan.DILOCO_ROW, wan.DDP_BF16_ROW, wan.DILOCO_BF16_ROW]
+    lines = wan.verdicts("uniform", rows, 2.0)
+    ddp = next(ln for ln in lines if "sooner than DDP" in ln)
+    assert "DDP (bf16 all-reduce)" in ddp and "5.0x" in ddp  # 100 steps x 5.0 s against Starling's 100 s
+    dil = next(ln for ln in lines if "DiLoCo" in ln)
+    assert "DiLoCo (bf16 all-reduce)" in dil
+    only_fp32 = wan.verdicts("uniform", rows[:3], 2.0)
+    assert any("DDP (fp32 all-reduce)" in ln and "10.0x" in ln for ln in only_fp32)
+
+
+def test_an_unknown_all_reduce_dtype_is_refused_with_a_message() -> None:
+    r = subprocess.run([sys.executable, str(WAN), "--allreduce", "fp16"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "--allreduce" in r.stderr and "Traceback" not in r.stderr, r.stderr
