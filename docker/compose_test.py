@@ -4,7 +4,8 @@
 1. Docker: uses a running engine; else, as root, starts `dockerd` (installing Debian's docker.io first if it
    is missing) with `--iptables=false --ip-forward=false`, so that the host's firewall and forwarding stay as
    they are (containers then reach each other on their bridge and nothing else), and stops it at the end.
-2. Builds the image offline (`make image OFFLINE=1`: a debootstrapped base, the local wheelhouse).
+2. Builds the image offline (`make image OFFLINE=1`: a debootstrapped base, the local wheelhouse), installing
+   Debian's debootstrap first where the base image is still to be made and it is missing (issue #56).
 3. `up` bootstrap + 3 trainers (a tiny model through STARLING_* variables in an override file; ports
    published on the host's loopback only, on free ports), then checks, through `starling status --json` run
    inside the containers (`exec`), that every trainer averaged with >= 2 distinct partners, that every
@@ -131,6 +132,13 @@ class Engine:
             self.proc.wait()
         if not self.had_docker0 and Path("/sys/class/net/docker0").exists() and shutil.which("ip"):
             run(["ip", "link", "delete", "docker0"], check=False)
+
+
+def ensure_build_tools(base_missing: bool) -> None:
+    """docker/base-image.sh makes the offline base image with debootstrap: install it where the base image is
+    still to be made and it is missing (a fresh machine had only what `make install` gets)."""
+    if base_missing and shutil.which("debootstrap") is None:
+        apt_install("debootstrap")
 
 
 def compose_command() -> list[str]:
@@ -368,6 +376,7 @@ def main() -> int:
         made["wheelhouse"] = not any(WHEELHOUSE.glob("*.whl"))
         made["image"] = run(["docker", "image", "inspect", args.image], check=False, quiet=True).returncode != 0
         if not args.no_build:
+            ensure_build_tools(base_missing=made["base"])
             log(f"building {args.image} offline (make image OFFLINE=1)")
             t0 = time.monotonic()
             make = ["make", "--no-print-directory", "image", "OFFLINE=1", f"IMAGE={args.image}",

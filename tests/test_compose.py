@@ -36,3 +36,21 @@ def test_the_compose_swarm_averages_and_stops_gracefully() -> None:
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     assert "PASSED" in out.stdout
     print(out.stdout[-4000:])  # the timings, the image's size and layers: shown with `pytest -rP`
+
+
+def test_the_offline_build_installs_debootstrap_where_the_base_image_is_to_be_made(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #56: on a fresh machine `make test-compose` stopped at `debootstrap is missing`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compose_test", ROOT / "docker" / "compose_test.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    installed: list[str] = []
+    monkeypatch.setattr(mod, "apt_install", lambda *pkgs: installed.extend(pkgs))
+    monkeypatch.setattr(mod.shutil, "which", lambda name: None)
+    mod.ensure_build_tools(base_missing=False)
+    assert installed == []  # the base image exists: nothing to debootstrap
+    mod.ensure_build_tools(base_missing=True)
+    assert installed == ["debootstrap"]
