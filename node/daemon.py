@@ -57,6 +57,7 @@ from node.ops.history import HistoryError, LossHistory, series_of
 from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
+from node.ops.tensorboard import TensorBoardLog
 from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
 from node.swarm.circuit import short_id
 from node.swarm.crdt import Manifest, MemberState
@@ -104,6 +105,7 @@ SUBNET_REFUSAL_KINDS = {
 }
 
 HISTORY_SAVE_S = 30.0
+TENSORBOARD_POLL_S = 1.0  # the status is read this often; a point is written only when the outer step moved
 DONOR_ADDR_TTL_S = 600  # how long a late-join donor's addresses (from its record) stay in the peerstore
 
 
@@ -666,6 +668,8 @@ class Daemon:
             await nursery.start(self.discovery.run)
             await nursery.start(self.replicator.run)
             nursery.start_soon(self._keep_history)
+            if self.train and self.cfg.train.tensorboard_dir:
+                nursery.start_soon(self._keep_tensorboard)
             if node.allow_peers:
                 nursery.start_soon(self._enforce_allowlist)
             if node.metrics_port:
@@ -816,6 +820,21 @@ class Daemon:
                 atomic_write_bytes(self.layout.history, self.history.to_bytes())
             except OSError as e:
                 log.warning("could not save the loss history: %s", e)
+
+    async def _keep_tensorboard(self) -> None:
+        """TensorBoard event files from this node's status, one point per outer step (node/ops/tensorboard.py)."""
+        directory = Path(self.cfg.train.tensorboard_dir).expanduser()
+        board = TensorBoardLog(directory if directory.is_absolute() else self.layout.root / directory)
+        try:
+            if not await trio.to_thread.run_sync(board.open):  # the package's import takes ~0.5 s
+                return
+            log.info("TensorBoard files in %s (tensorboard --logdir %s)", board.directory, board.directory)
+            while True:
+                board.observe(self.status())
+                await trio.sleep(TENSORBOARD_POLL_S)
+        finally:
+            with trio.move_on_after(5, shield=True):
+                await trio.to_thread.run_sync(board.close, abandon_on_cancel=True)
 
     async def _refresh_metrics(self) -> None:
         """Gauges follow the status once a second; events (rounds) are observed where they happen."""

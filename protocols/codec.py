@@ -480,10 +480,8 @@ def get_codec(dtype: WireDtype | str, *, int8_block: int = DEFAULT_INT8_BLOCK, t
         return Bf16Codec()
     if wire is WireDtype.TOPK:
         return TopKCodec(int8_block, topk_keep)
-    if wire is WireDtype.TOPK_LOWBIT:
-        from protocols.lowbit import TopKLowBitCodec  # it builds on this module
-
-        return TopKLowBitCodec(int8_block, topk_keep)
+    if wire is WireDtype.TOPK_LOWBIT:  # it builds on this module: made by its preset (protocols/compress.py)
+        raise ValueError("the topkq codec is protocols.lowbit.TopKLowBitCodec, made by its compression preset")
     return Int8BlockCodec(int8_block)
 
 

@@ -108,6 +108,7 @@ from p2p.wire import (
 )
 from protocols import avg, dialback, state
 from protocols.codec import ChunkPlan, get_codec, recv_tensor
+from protocols.lowbit import TopKLowBitCodec
 from starling_testing.averaging import FakeSwarm
 from starling_testing.fakes import FakeHost, FakeNetStream, RefusingProber, ScriptedStream
 
@@ -565,7 +566,10 @@ CODEC_DTYPES = (*DTYPES, "topk", "topkq")
 
 
 def _fuzz_codec(index: int) -> Any:
-    return get_codec(CODEC_DTYPES[index % len(CODEC_DTYPES)], int8_block=64, topk_keep=8)
+    name = CODEC_DTYPES[index % len(CODEC_DTYPES)]
+    if name == "topkq":
+        return TopKLowBitCodec(64, 8, 2)
+    return get_codec(name, int8_block=64, topk_keep=8)
 
 
 class CodecDecodeInto(Target):

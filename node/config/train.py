@@ -75,9 +75,13 @@ class TrainConfig:
     checkpoint_min_s: float = opt(30.0, "least seconds between two checkpoints, whatever checkpoint_every says "
                                   "(outer steps of a tiny model take well under a second; 0 = no floor)")
     checkpoints_keep: int = opt(3, "checkpoints kept on disk (older ones are deleted)")
+    tensorboard_dir: str = opt("", "TensorBoard event files of this node's training and averaging, one point per "
+                               "outer step ('' = off; a relative path is under HOME): `tensorboard --logdir` it")
 
     def validate(self) -> None:
         """Raise ValueError("train.<field>: why") for the first bad option."""
+        if "\0" in self.tensorboard_dir:
+            raise ValueError("train.tensorboard_dir: a path cannot hold a NUL character")
         if not _TASK_SPEC.match(self.task):
             raise ValueError("train.task: expected module:function, e.g. node.tasks.stdlib_lm:make_task")
         if not _DEVICE.match(self.device):

@@ -15,6 +15,7 @@
     doctor_status.py    the checks of the running daemon's status: reachability, clocks, training, pairing
     sdnotify.py     Notifier, summarize_status: systemd's notify protocol and watchdog
     history.py      LossHistory: every member's loss curve;  plot.py  plot_history: it as a PNG
+    tensorboard.py  TensorBoardLog: this node's training and averaging as TensorBoard event files
     launcher.py     DaemonProcess: starts a `starling run` process and watches its status
     localswarm.py   main: `make run`, a local swarm with a live view
 
