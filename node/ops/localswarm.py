@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bootstrap node: {boot_addr}")
         print(f"starting {args.peers} {'training' if train else 'network-only'} peers; logs in {root}/*/daemon.log")
         extra = ["--bootstrap", boot_addr, *founder] + ([] if train else ["--no-train"])
-        for s in args.set:
+        if train:  # each trainer's curve under its home: `tensorboard --logdir ROOT` shows them side by side
+            extra += ["--set", "train.tensorboard_dir=tensorboard"]
+            print(f"TensorBoard: tensorboard --logdir {root}")
+        for s in args.set:  # the user's own --set come last, and win
             extra += ["--set", s]
         for home in homes[1:]:
             spawn(home, extra)
