@@ -91,8 +91,11 @@ def test_a_training_daemon_writes_its_curve_under_home_and_one_with_a_bad_direct
     a = group.start("a", *TINY, "--set", "train.tensorboard_dir=tb")
     (tmp_path / "blocker").write_text("a file where the directory would go")
     b = group.start("b", *TINY, "--set", f"train.tensorboard_dir={tmp_path / 'blocker' / 'tb'}")
-    for d in (a, b):
-        d.wait_status(lambda s: (s.get("training") or {}).get("outer_step", 0) >= 3, timeout=120)
+    for d in (a, b):  # the status is read once a second: a few seconds of TINY's quick outer steps
+        d.wait(lambda s, d=d: "TensorBoard files in" in d.log() or "cannot write TensorBoard" in d.log(), timeout=120)
+        first = (d.wait_status(lambda s: (s.get("training") or {}).get("outer_step", 0) >= 1, timeout=120)
+                 ["training"]["outer_step"])
+        d.wait_status(lambda s, first=first: s["training"]["outer_step"] >= first + 10, timeout=120)
     group.close()  # graceful stop: the writer flushes
     scalars = _read(tmp_path / "a" / "tb")
     assert len(scalars["train/loss"]) >= 2 and "sync/exchanges" in scalars
