@@ -7,6 +7,7 @@ The event files are read back with tensorboard's own reader (EventAccumulator), 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +94,8 @@ def test_a_training_daemon_writes_its_curve_under_home_and_one_with_a_bad_direct
     b = group.start("b", *TINY, "--set", f"train.tensorboard_dir={tmp_path / 'blocker' / 'tb'}")
     for d in (a, b):  # the status is read once a second: a few seconds of TINY's quick outer steps
         d.wait(lambda s, d=d: "TensorBoard files in" in d.log() or "cannot write TensorBoard" in d.log(), timeout=120)
-        first = (d.wait_status(lambda s: (s.get("training") or {}).get("outer_step", 0) >= 1, timeout=120)
-                 ["training"]["outer_step"])
-        d.wait_status(lambda s, first=first: s["training"]["outer_step"] >= first + 10, timeout=120)
+        d.wait_status(lambda s: (s.get("training") or {}).get("outer_step", 0) >= 1, timeout=120)
+    time.sleep(6)  # about six reads of the status, each at a later outer step (TINY's take well under a second)
     group.close()  # graceful stop: the writer flushes
     scalars = _read(tmp_path / "a" / "tb")
     assert len(scalars["train/loss"]) >= 2 and "sync/exchanges" in scalars
