@@ -42,7 +42,7 @@ from bench.convergence import (
 )
 from node.worker.trainer import Trainer
 from protocols.codec import round_trip
-from protocols.compress import PRESETS, get_compression
+from protocols.compress import EXPERIMENTAL, PRESETS, get_compression
 
 
 @dataclass
@@ -165,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the --first steps apply each trainer's own Delta in full (the daemon's rule on auto's ramp)")
     args = parser.parse_args(argv)
     first = tuple(p.strip() for p in args.first.split(",") if p.strip())
-    unknown = [p for p in (*first, *args.presets.split(",")) if p not in PRESETS]
+    unknown = [p for p in (*first, *args.presets.split(",")) if p not in PRESETS and p not in EXPERIMENTAL]
     if unknown:
-        parser.error(f"unknown preset(s) {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
+        parser.error(f"unknown preset(s) {', '.join(unknown)}; choose from {', '.join([*PRESETS, *EXPERIMENTAL])}")
+    for name in (*first, *args.presets.split(",")):  # a preset on trial: this process's own (protocols/compress.py)
+        if name in EXPERIMENTAL:
+            PRESETS.setdefault(name, EXPERIMENTAL[name])
     bc = QUICK if args.quick else BenchConfig()
     if args.outer_steps is not None:
         bc = dataclasses.replace(bc, outer_steps=args.outer_steps)

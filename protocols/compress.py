@@ -95,9 +95,12 @@ PRESETS: dict[str, Compression] = {
 #: any becomes a `sync.compression` choice; a daemon neither offers nor accepts them. SparseLoCo's Delta (the
 #: top 64 or 128 of every 4096 entries, 1.6% or 3.1%, at 2 bits with 12-bit indices: 0.029 or 0.057 B/param)
 #: with `high`'s phi (int8 on 1 of 32 fragments, 0.031): 0.060 and 0.088 B/param each way in all.
+#: `topk-only` and `frag-only` are the two halves of `medium` (docs/benchmarks.md, "Compression": its ablation).
 EXPERIMENTAL: dict[str, Compression] = {
     "k64q2": Compression("k64q2", delta_keep=64, fragments=32, delta_bits=2),
     "k128q2": Compression("k128q2", delta_keep=128, fragments=32, delta_bits=2),
+    "topk-only": Compression("topk-only", delta_keep=256, fragments=1),
+    "frag-only": Compression("frag-only", delta_keep=0, fragments=4),
 }
 
 
