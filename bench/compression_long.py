@@ -156,6 +156,7 @@ def run_one(variant: Variant, seed: int, bc: BenchConfig, replicas: int, curve_e
     if variant.preset in EXPERIMENTAL:  # on trial: a preset of this process only (the worker looks it up there)
         PRESETS.setdefault(variant.preset, EXPERIMENTAL[variant.preset])
     cfg = dataclasses.replace(variant.config(bc), seed=seed)
+    tree = tree_id()  # the code that runs: read before the hour the run takes, in which HEAD may move
     with tempfile.TemporaryDirectory(prefix="starling-compression-long-") as tmp:
         r = run_method(cfg, replicas, variant.method, variant.preset, Path(tmp), curve_every=curve_every)
     return {
@@ -163,7 +164,7 @@ def run_one(variant: Variant, seed: int, bc: BenchConfig, replicas: int, curve_e
         "replicas": replicas, "config": dataclasses.asdict(dataclasses.replace(bc, seed=0)),  # options: in the name
         "bytes_per_param": r.bytes_per_param, "val_mean": r.val_mean, "val_avg_model": r.val_avg_model,
         "spread": r.spread, "pull_error": r.pull_error, "curve": r.curve, "seconds": round(r.seconds, 1),
-        "tree": tree_id(), "command": command,
+        "tree": tree, "command": command,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.node()}",
         "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
