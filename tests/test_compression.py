@@ -24,6 +24,7 @@ from node.worker.trainer import Trainer
 from p2p.wire import PlainFrameChannel, ProtocolError, Reason, TrioByteStream
 from protocols.codec import ChunkPlan, TopKCodec, get_codec, recv_tensor, round_trip, send_tensor
 from protocols.compress import BLOCK, PRESETS, get_compression
+from protocols.lowbit import TopKLowBitCodec
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
                    eval_batches=1, warmup=2, lr=3e-3, inner_steps=5, max_lag=2, checkpoint_every=1)
@@ -140,9 +141,12 @@ def test_topk_index_beyond_a_short_tail_block_is_refused() -> None:
         codec.decode_into(bytes(data), np.zeros(100, np.float32))
 
 
+TOPK_CODECS = [TopKCodec(64, 8), TopKLowBitCodec(64, 8, 2)]  # int8 values; 2-bit ones (protocols/lowbit.py)
+
+
+@pytest.mark.parametrize("codec", TOPK_CODECS, ids=["int8", "2-bit"])
 @pytest.mark.parametrize("size", [-1, 1])
-def test_topk_frames_of_the_wrong_size_are_refused(size: int) -> None:
-    codec = TopKCodec(64, 8)
+def test_topk_frames_of_the_wrong_size_are_refused(size: int, codec: TopKCodec | TopKLowBitCodec) -> None:
     data = codec.encode(randn(100))
     bad = data[:size] if size < 0 else data + b"\0"
     with pytest.raises(ProtocolError) as info:
@@ -150,12 +154,12 @@ def test_topk_frames_of_the_wrong_size_are_refused(size: int) -> None:
     assert info.value.reason is Reason.BAD_SIZE
 
 
-def test_topk_decode_accumulates_onto_a_sum() -> None:
-    codec = TopKCodec(64, 8)
+@pytest.mark.parametrize("codec", TOPK_CODECS, ids=["int8", "2-bit"])
+def test_topk_decode_accumulates_onto_a_sum(codec: TopKCodec | TopKLowBitCodec) -> None:
     x, base = randn(300, 1), randn(300, 2)
     out = base.copy()
     codec.decode_into(codec.encode(x), out, accumulate=True)
-    assert np.allclose(out, base + decode(codec, codec.encode(x), 300), atol=1e-6)
+    assert np.allclose(out, base + decode(codec, codec.encode(x), 300), atol=1e-6)  # type: ignore[arg-type]
 
 
 def test_topk_refuses_to_encode_non_finite_values() -> None:

@@ -3,8 +3,9 @@
 What these prove: the packed layout round-trips what it keeps (the right positions, the right signs, each
 group's mean as its magnitude, so a block's kept mass per group is exact); the encoded size depends on the
 element count only and is far below the int8 top-k's; any chunking of whole blocks decodes the same values (the
-worker's error feedback rests on it); error feedback over the codec loses nothing, only defers; a malformed or
-mis-sized frame is a ProtocolError that writes nothing; and the trial presets stay out of `sync.compression`.
+worker's error feedback rests on it); error feedback over the codec loses nothing, only defers; a malformed
+frame is a ProtocolError that writes nothing (a mis-sized one, and accumulating decodes: tests/test_compression.py,
+with the int8 top-k's); and the trial presets stay out of `sync.compression`.
 """
 
 from __future__ import annotations
@@ -105,16 +106,6 @@ def test_error_feedback_through_the_codec_defers_and_loses_nothing() -> None:
     assert np.abs(residual).max() < np.abs(true_sum).max()  # deferred, bounded: nothing piles up unsent
 
 
-def test_decode_accumulates_onto_a_sum() -> None:
-    codec = TopKLowBitCodec(64, 8, 2)
-    x, base = randn(300, 1), randn(300, 2)
-    alone = np.zeros(300, np.float32)
-    codec.decode_into(codec.encode(x), alone)
-    out = base.copy()
-    codec.decode_into(codec.encode(x), out, accumulate=True)
-    assert np.allclose(out, base + alone, atol=1e-6)
-
-
 def _index_bytes_at(codec: TopKLowBitCodec, numel: int) -> int:
     blocks = -(-numel // codec.block)
     return 4 * codec.levels * blocks
@@ -151,16 +142,6 @@ def test_malformed_frames_are_protocol_errors_and_write_nothing(mutate: object) 
         codec.decode_into(bad, out)
     assert info.value.reason is Reason.MALFORMED
     assert (out == 7.0).all()
-
-
-@pytest.mark.parametrize("size", [-1, 1])
-def test_frames_of_the_wrong_size_are_refused(size: int) -> None:
-    codec = TopKLowBitCodec(64, 8, 2)
-    data = codec.encode(randn(100))
-    bad = data[:size] if size < 0 else data + b"\0"
-    with pytest.raises(ProtocolError) as info:
-        codec.decode_into(bad, np.zeros(100, np.float32))
-    assert info.value.reason is Reason.BAD_SIZE
 
 
 def test_non_finite_values_are_not_encoded_and_bad_parameters_are_named() -> None:
