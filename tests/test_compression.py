@@ -169,7 +169,8 @@ def test_topk_refuses_to_encode_non_finite_values() -> None:
         TopKCodec(64, 8).encode(x)
 
 
-@pytest.mark.parametrize("codec", [TopKCodec(64, 8), TopKCodec(BLOCK, 256), get_codec("int8", int8_block=64)],
+@pytest.mark.parametrize("codec", [TopKCodec(64, 8), TopKCodec(BLOCK, 256), get_codec("int8", int8_block=64),
+                                   TopKLowBitCodec(BLOCK, 64, 2)],
                          ids=lambda c: f"{c.dtype}-{c.align}")
 async def test_round_trip_is_bit_for_bit_what_a_chunked_transfer_decodes(codec: object) -> None:
     """The worker's error feedback rests on this: its own `round_trip` of D is what the daemon's partner

@@ -4,21 +4,19 @@ What these prove: the packed layout round-trips what it keeps (the right positio
 group's mean as its magnitude, so a block's kept mass per group is exact); the encoded size depends on the
 element count only and is far below the int8 top-k's; any chunking of whole blocks decodes the same values (the
 worker's error feedback rests on it); error feedback over the codec loses nothing, only defers; a malformed
-frame is a ProtocolError that writes nothing (a mis-sized one, and accumulating decodes: tests/test_compression.py,
-with the int8 top-k's); and the trial presets stay out of `sync.compression`.
+frame is a ProtocolError that writes nothing (a mis-sized one, accumulating decodes and chunked transfers:
+tests/test_compression.py, beside the int8 top-k's); and the trial presets stay out of `sync.compression`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import trio
-import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p.wire import PlainFrameChannel, ProtocolError, Reason, TrioByteStream
-from protocols.codec import ChunkPlan, TopKCodec, recv_tensor, round_trip, send_tensor
+from p2p.wire import ProtocolError, Reason
+from protocols.codec import TopKCodec, round_trip
 from protocols.compress import BLOCK, EXPERIMENTAL, PRESETS, get_compression
 from protocols.lowbit import TopKLowBitCodec, pack_bits, unpack_bits
 
@@ -71,21 +69,6 @@ def test_the_encoded_size_depends_on_the_element_count_only_and_is_a_fraction_of
     assert per_block < 0.62 * TopKCodec(BLOCK, 64).encoded_size(BLOCK)
     assert EXPERIMENTAL["k64q2"].bytes_per_param(10_000_000) <= 0.1
     assert EXPERIMENTAL["k128q2"].bytes_per_param(10_000_000) <= 0.1
-
-
-async def test_round_trip_is_bit_for_bit_what_a_chunked_transfer_decodes() -> None:
-    codec = TopKLowBitCodec(BLOCK, 64, 2)
-    x = randn(3 * BLOCK + 1000, seed=5)
-    carried = np.empty_like(x)
-    round_trip(codec, x, carried)
-    for chunk in (codec.align, 2 * codec.align):
-        plan = ChunkPlan(x.size, codec, chunk)
-        a, b = trio.testing.memory_stream_pair()
-        out = np.empty_like(x)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_tensor, PlainFrameChannel(TrioByteStream(a)), x, plan)
-            await recv_tensor(PlainFrameChannel(TrioByteStream(b)), out, plan)
-        assert np.array_equal(out, carried)
 
 
 def test_error_feedback_through_the_codec_defers_and_loses_nothing() -> None:
