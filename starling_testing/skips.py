@@ -2,7 +2,7 @@
 
 Why: the network-lab and disk tests skip, saying why, where this machine cannot run them (not root, no network
 namespaces, no tmpfs mounts). On CI the machine can (root, the lab's packages installed by `make test`), so a skip
-there hides a broken install step or a broken fixture behind a green run. With ``STARLING_STRICT_SKIPS=1`` (what
+there hides a broken install step or a broken fixture behind a green run. With ``STRICT_LAB_SKIPS=1`` (what
 `.ci/run` sets) and root, such a skip is reported as a failure carrying the skip's reason. Other skips (no CUDA
 device, an optional extra not installed, compose tests left to `make test-compose`) stay skips.
 
@@ -19,7 +19,7 @@ import pytest
 
 __all__ = ["ENVIRONMENT_SKIPS", "STRICT_ENV", "pytest_runtest_makereport", "strict_failure"]
 
-STRICT_ENV = "STARLING_STRICT_SKIPS"
+STRICT_ENV = "STRICT_LAB_SKIPS"
 #: Skip reasons (their starts) that mean "this machine lacks what the test needs": starling_testing's lab fixture
 #: and tmpfs helper word them so.
 ENVIRONMENT_SKIPS = ("network lab unavailable", "cannot mount a tmpfs here")
