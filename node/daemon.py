@@ -49,6 +49,7 @@ from node.averaging.latejoin import (
 )
 from node.averaging.stepping import outer_period_s, swarm_pace
 from node.averaging.swarm_view import AveragerHooks
+from node.bridge.livephi import LivePhi, hold_for
 from node.config.home import Home
 from node.config.load import Config, write_run_config
 from node.ops import refusals
@@ -327,7 +328,10 @@ class Daemon:
         self._components_scope: trio.CancelScope | None = None
         self._stop_requested = False
         self._last_progress_step = 0
-        self.snapshots = SnapshotServer(snapshot_source(home), max_serving=2)
+        # What joiners download: the worker's current slow weights (the shared slot, while still), else the
+        # newest checkpoint's (node/bridge/livephi.py).
+        self.live_phi = LivePhi(hold_s=hold_for(cfg.train.overlap))
+        self.snapshots = SnapshotServer(snapshot_source(home), live=self.live_phi.snapshot, max_serving=2)
         self.join_status: dict[str, Any] = {"state": "not started"}
         self._relay_only_donors: set[str] = set()  # trainers we said we take no snapshot from (logged once)
         # Our model as the start-up check described it (only where a late join will run): the donors'
@@ -597,6 +601,9 @@ class Daemon:
             join: JoinStatus = {**progress_view(self.join_status)}
             join["serving"] = self.snapshots.serving
             join["served"] = self.snapshots.served
+            join["served_live"] = self.live_phi.served
+            join["results_held_s"] = round(self.live_phi.held_s, 3)
+            join["live_cut"] = self.live_phi.cut
             st["join"] = join
         return st
 
@@ -905,7 +912,8 @@ class Daemon:
         assert self.averager is not None
         hooks = SupervisorHooks(on_metrics=self._record_own_progress, on_adopted=self._on_adopted, pace=self._pace)
         return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange,
-                                task_options=self._task_options(), hooks=hooks, fragments=self.cfg.sync.fragments)
+                                task_options=self._task_options(), hooks=hooks, fragments=self.cfg.sync.fragments,
+                                live=self.live_phi)
 
     def _task_options(self) -> dict[str, Any]:
         """The `[task]` section for the worker's task (empty for a Config built without one)."""

@@ -136,6 +136,9 @@ class JoinStatus(ProgressStatus, total=False):
 
     serving: int  # downloads being served now
     served: int
+    served_live: int  # of those, the worker's current weights (node/bridge/livephi.py), not a checkpoint's
+    results_held_s: float  # seconds this worker's outer results waited for such downloads to end
+    live_cut: int  # live downloads cut because the weights changed first (the joiner then gets a checkpoint)
 
 
 class TransferStatus(TypedDict):

@@ -10,8 +10,16 @@ The joiner checks the meta against its own model (`ModelShape`: layout hash and 
 it allocates or writes a byte: a donor that claims another model is refused (`DonorRefused`), so a
 download's file never grows past the joiner's own model. Every chunk is checked against its hash before
 it is written, so a download can stop at any point and resume later from the first missing chunk (`snapshot_id` pins the version; a donor that has moved on
-answers with its new meta and the joiner starts that donor over). Donors serve from their newest verified
-checkpoint and limit how many downloads they serve at once (`busy` beyond that).
+answers with its new meta and the joiner starts that donor over). Donors limit how many downloads they serve
+at once (`busy` beyond that).
+
+What a donor serves: its current slow weights where its `live` source has them (the daemon reads them from the
+worker's shared slot: node/bridge/livephi.py), else its newest verified checkpoint. A live snapshot is read
+from memory the worker will change at its next outer step, so it carries a lease (`Snapshot.lease`): the
+server copies each chunk out before it checks the lease, and ends the download at the first chunk the lease
+no longer covers (what was sent matched its hash; the joiner keeps it and asks again). A joiner whose live
+download was cut that way gets the checkpoint next, if there is one: over a link too slow for one version
+the current weights would be cut every time.
 """
 
 from __future__ import annotations
@@ -22,10 +30,11 @@ import json
 import logging
 import os
 import statistics
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import trio
@@ -86,9 +95,18 @@ class SnapMeta:
 # --- the donor ------------------------------------------------------------------------------------------------
 
 
+class Lease(Protocol):
+    """A live snapshot's hold on the memory it is read from."""
+
+    def valid(self) -> bool: ...  # the memory still holds this snapshot
+
+    def release(self) -> None: ...  # the download is over (idempotent)
+
+
 @dataclass
 class Snapshot:
-    """Slow weights and counters, in memory, with the hash of every chunk (``phi``: flat float32)."""
+    """Slow weights and counters, in memory, with the hash of every chunk (``phi``: flat float32).
+    ``lease``: None for a snapshot that stays as it is (read from a checkpoint file); a live one's hold."""
 
     phi: Flat
     step: int
@@ -96,6 +114,7 @@ class Snapshot:
     layout_hash: str
     chunk_hashes: list[bytes]
     snapshot_id: str
+    lease: Lease | None = None
 
     @classmethod
     def of(cls, phi: Any, step: int, outer_step: int, layout_hash: str) -> Snapshot:
@@ -128,8 +147,19 @@ def _flat_float32(phi: Any) -> Flat:
     return np.ascontiguousarray(np.asarray(phi), dtype=np.float32).reshape(-1)
 
 
+class _Moved(Exception):
+    """A live snapshot's memory changed under its download."""
+
+
+NO_SNAPSHOT = "no checkpoint yet, and the current weights were not still in time (an outer step being applied)"
+MAX_CUT_PEERS = 256  # joiners remembered as having had a live download cut (bounded: peer ids are free)
+
+
 class SnapshotServer:
     """Serves this node's newest snapshot; at most `max_serving` downloads at once.
+
+    `live()`: the current weights (a leased snapshot) or None; `source()`: the newest checkpoint's, or None.
+    A joiner whose live download was cut gets the checkpoint's from then on (`cut_peers`, bounded).
 
     Admission takes a slot of a `trio.CapacityLimiter` without waiting (`acquire_nowait`) as soon as the
     request has arrived and holds it until the download ends, loading the checkpoint included. Checking a
@@ -137,8 +167,11 @@ class SnapshotServer:
     pass a limit of 2: each saw the count before any had raised it.
     """
 
-    def __init__(self, source: Callable[[], Snapshot | None], *, max_serving: int = 2, timeout_s: float = 600.0) -> None:
+    def __init__(self, source: Callable[[], Snapshot | None], *, live: Callable[[], Awaitable[Snapshot | None]] | None = None,
+                 max_serving: int = 2, timeout_s: float = 600.0) -> None:
         self.source = source
+        self.live = live
+        self.cut_peers: OrderedDict[str, None] = OrderedDict()
         self.max_serving = max_serving
         self.timeout_s = timeout_s
         # trio's limiter needs at least one token; max_serving = 0 (serve nobody) is handled before it.
@@ -169,25 +202,53 @@ class SnapshotServer:
                 with trio.fail_after(10):
                     await send_msg(control, SnapMeta(verdict="busy", reason="serving other joiners"))
                 return
-            snap = await trio.to_thread.run_sync(self.source)
+            peer = str(stream.muxed_conn.peer_id)
+            snap = await self._snapshot(peer)
             if snap is None:
                 with trio.fail_after(10):
-                    await send_msg(control, SnapMeta(verdict="none", reason="no checkpoint yet"))
+                    await send_msg(control, SnapMeta(verdict="none", reason=NO_SNAPSHOT if self.live else "no checkpoint yet"))
                 return
-            with trio.fail_after(self.timeout_s):
-                await send_msg(control, snap.meta(), max_bytes=MAX_META_BYTES)
-                start = req.from_chunk if req.snapshot_id == snap.snapshot_id else 0
-                channel = PlainFrameChannel(control, max_frame_size=FRAME)
-                raw = tensor_bytes(snap.phi)
-                for i in range(start, len(snap.chunk_hashes)):
-                    await channel.send(raw[i * FRAME : (i + 1) * FRAME])
+            try:
+                with trio.fail_after(self.timeout_s):
+                    await send_msg(control, snap.meta(), max_bytes=MAX_META_BYTES)
+                    start = req.from_chunk if req.snapshot_id == snap.snapshot_id else 0
+                    channel = PlainFrameChannel(control, max_frame_size=FRAME)
+                    raw = tensor_bytes(snap.phi)
+                    for i in range(start, len(snap.chunk_hashes)):
+                        # Copied, then checked: a copy made while the lease held is what the hash says.
+                        chunk = bytes(raw[i * FRAME : (i + 1) * FRAME])
+                        if snap.lease is not None and not snap.lease.valid():
+                            raise _Moved(f"the weights changed after {i} of {len(snap.chunk_hashes)} chunks")
+                        await channel.send(chunk)
+            finally:
+                if snap.lease is not None:
+                    snap.lease.release()
             self.served += 1
+        except _Moved as e:
+            self._remember_cut(str(stream.muxed_conn.peer_id))
+            log.info("live snapshot download by %s cut: %s", stream.muxed_conn.peer_id, e)
         except (ProtocolError, trio.TooSlowError) as e:
             log.debug("snapshot download by %s ended: %s", stream.muxed_conn.peer_id, e)
         finally:
             if admitted:
                 self._slots.release_on_behalf_of(token)
             await close_quietly(stream)
+
+
+    async def _snapshot(self, peer: str) -> Snapshot | None:
+        """The live weights, else the checkpoint's; the checkpoint's first for a joiner whose live download
+        was cut before (the live weights still where there is no checkpoint: nothing else could serve it)."""
+        if self.live is not None and peer not in self.cut_peers and (snap := await self.live()) is not None:
+            return snap
+        if (snap := await trio.to_thread.run_sync(self.source)) is not None:
+            return snap
+        return await self.live() if self.live is not None and peer in self.cut_peers else None
+
+    def _remember_cut(self, peer: str) -> None:
+        self.cut_peers[peer] = None
+        self.cut_peers.move_to_end(peer)
+        while len(self.cut_peers) > MAX_CUT_PEERS:
+            self.cut_peers.popitem(last=False)
 
 
 # --- the joiner -----------------------------------------------------------------------------------------------

@@ -127,6 +127,63 @@ async def test_a_donor_serving_its_limit_answers_busy(tmp_path: Path) -> None:
     assert not p.done and p.error.startswith("busy") and server.refused_busy == 1
 
 
+class ChunksLease:
+    """A live snapshot's lease that holds for `chunks` checks (chunks sent), then the weights "change"."""
+
+    def __init__(self, chunks: int) -> None:
+        self.left, self.released = chunks, 0
+
+    def valid(self) -> bool:
+        self.left -= 1
+        return self.left >= 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+async def test_live_weights_are_served_first_and_a_cut_download_gets_the_checkpoint_next(tmp_path: Path) -> None:
+    live_phi, ckpt_phi = randn(NUMEL, 6), randn(NUMEL, 7)
+    checkpoint = snap.Snapshot.of(ckpt_phi, 10, 1, "L")
+    leases: list[ChunksLease] = []
+    has_checkpoint = True
+
+    async def live() -> snap.Snapshot:
+        leases.append(ChunksLease(2 if len(leases) == 0 else 99))
+        s = snap.Snapshot.of(live_phi, 90, 9, "L")
+        return snap.Snapshot(s.phi, s.step, s.outer_step, s.layout_hash, s.chunk_hashes, s.snapshot_id, lease=leases[-1])
+
+    server = snap.SnapshotServer(lambda: checkpoint if has_checkpoint else None, live=live)
+    async with AsyncExitStack() as stack:
+        joiner, donor = await hosts(stack, 2)
+        donor.set_stream_handler(snap.PROTOCOL_ID, server.handle)
+        cut = await snap.JoinDownload(tmp_path / "dl", OURS).fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+        # Two chunks copied while the lease held went out (and matched their hashes); the third did not.
+        assert not cut.done and cut.have == 2 and cut.meta["outer_step"] == 9
+        assert leases[0].released == 1 and str(joiner.get_id()) in server.cut_peers
+        dl = snap.JoinDownload(tmp_path / "dl", OURS)
+        second = await dl.fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+        assert second.done and second.meta["outer_step"] == 1  # the checkpoint, which no outer step cuts
+        assert np.array_equal(snap.combine(dl.complete())["phi"], ckpt_phi)
+        has_checkpoint = False  # with nothing else to serve, a cut joiner gets the live weights again
+        dl = snap.JoinDownload(tmp_path / "dl2", OURS)
+        third = await dl.fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+        assert third.done and third.meta["outer_step"] == 9 and leases[-1].released == 1
+        assert np.array_equal(snap.combine(dl.complete())["phi"], live_phi)
+    assert server.served == 2
+
+
+async def test_with_no_checkpoint_and_no_still_weights_a_donor_says_why(tmp_path: Path) -> None:
+    async def live() -> None:
+        return None
+
+    server = snap.SnapshotServer(lambda: None, live=live)
+    async with AsyncExitStack() as stack:
+        joiner, donor = await hosts(stack, 2)
+        donor.set_stream_handler(snap.PROTOCOL_ID, server.handle)
+        p = await snap.JoinDownload(tmp_path / "dl", OURS).fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
+    assert not p.done and p.error == f"none: {snap.NO_SNAPSHOT}"
+
+
 def test_a_snapshot_of_a_tensor_is_the_snapshot_of_its_values_as_flat_float32() -> None:
     """The worker's checkpoint may hold a torch tensor of any shape (or one that requires grad): it is
     served as the same flat float32 values, with the same chunk hashes, as the numpy array would be."""

@@ -597,6 +597,39 @@ async def test_failed_and_hung_exchanges_become_solo_steps_and_group_sums_reach_
 
 
 @pytest.mark.slow
+async def test_a_donor_serves_the_weights_its_worker_publishes_and_holds_the_result_not_training(
+    tmp_path: Path,
+) -> None:
+    """Issue #55: the daemon serves the worker's current phi from the shared slot (no checkpoint needed), exactly
+    what the worker publishes at that outer step; a result that would change it waits for the download while
+    the worker keeps training, and goes out when the download ends."""
+    published: dict[int, np.ndarray] = {}
+
+    async def exchange(req: ExchangeRequest) -> ExchangeOutcome:
+        published[req.outer_step] = req.phi.copy()
+        return await solo_exchange(req)
+
+    sup = supervisor(tmp_path, exchange, max_lag=0, checkpoint_every=100_000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await wait_until(lambda: sup.status()["outer_step"] >= 2)
+        assert newest_checkpoint_step(tmp_path) == 0  # nothing on disk to serve
+        with trio.fail_after(30):
+            snap = await sup.live.snapshot()
+        assert snap is not None and snap.lease is not None
+        served = np.array(snap.phi)
+        step, outer = sup.status()["step"], snap.outer_step
+        await wait_until(lambda: outer in published and sup.status()["step"] >= step + 10)
+        assert sup.status()["outer_step"] == outer  # its result is held while the download runs ...
+        assert snap.lease.valid()
+        snap.lease.release()
+        await wait_until(lambda: sup.status()["outer_step"] > outer)  # ... and goes out when it ends
+        nursery.cancel_scope.cancel()
+    assert np.array_equal(served, published[outer])
+    assert sup.live.cut == 0 and sup.live.held_s > 0
+
+
+@pytest.mark.slow
 async def test_a_task_that_cannot_load_fails_once_with_its_reason_and_is_not_restarted(tmp_path: Path) -> None:
     sup = supervisor(tmp_path, task="no_such_module_xyz:make_task")
     async with trio.open_nursery() as nursery:

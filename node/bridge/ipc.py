@@ -117,6 +117,9 @@ class Metrics:
     val_loss: float | None
     samples_per_s: float
     lr: float
+    # Results (outer steps, snapshots to adopt) this worker has handled since it started: when it equals the
+    # number the daemon sent, the phi slot is still until the next one (node/bridge/livephi.py).
+    results: int = 0
 
 
 @dataclass

@@ -76,6 +76,7 @@ from node.bridge.ipc import (
     Stopped,
     encode_message,
 )
+from node.bridge.livephi import LivePhi, hold_for
 from node.bridge.shm import ExchangeSlots, sweep_orphans
 from node.config.train import TrainConfig
 from node.status_schema import TrainingStatus
@@ -248,8 +249,11 @@ class WorkerSupervisor:
         lifetimes: Lifetimes | None = None,
         python: str = sys.executable,
         fragments: int = 1,
+        live: LivePhi | None = None,
     ) -> None:
         self.cfg = cfg
+        # The phi slot as joiners' snapshot source: told of every worker life, report and result.
+        self.live = live or LivePhi(hold_s=hold_for(cfg.overlap))
         self.fragments = fragments  # sync.fragments: streaming fragments (1: the whole vector at once)
         self.task_options = dict(task_options or {})  # the [task] section, handed to the worker's task
         self.home = home
@@ -390,6 +394,7 @@ class WorkerSupervisor:
                 nursery.cancel_scope.cancel()  # an exchange still running belongs to the dead worker
             return ended
         finally:
+            self.live.detached()
             with trio.CancelScope(shield=True):
                 await self._stop_process(proc, chan)
                 await chan.aclose()
@@ -446,6 +451,7 @@ class WorkerSupervisor:
             if self._slots is not None:
                 self._slots.close()
             self._slots = ExchangeSlots.create(hello.numel)
+        self.live.attached(self._slots.phi.array, hello.layout_hash)
         self._status.update({
             "state": "training",
             "task": hello.task,
@@ -471,6 +477,7 @@ class WorkerSupervisor:
             try:
                 async with turn:
                     result = await self._run_exchange(publish)
+                await self.live.before_result()  # the worker changes phi on it: a download of phi ends first
                 # Cleared before the answer goes out: the worker may publish again the moment it has it.
                 in_flight.discard(publish.fragment)
                 await chan.send(result)
@@ -496,6 +503,7 @@ class WorkerSupervisor:
                     self._status["last_inner_steps"] = msg.inner_steps
                     adoption = self._adoption
                     if adoption is not None and proc.pid not in adoption.sent_to and not in_flight:
+                        await self.live.before_result()
                         await chan.send(self._adoption_result(msg, adoption, proc.pid))
                         continue
                     in_flight.add(msg.fragment)
@@ -517,6 +525,7 @@ class WorkerSupervisor:
                 "samples_per_s": round(msg.samples_per_s, 2),
                 "lr": msg.lr,
             })
+            self.live.metrics(msg.results, msg.step, msg.outer_step)
             if msg.loss is not None:
                 self._status["loss"] = msg.loss
             try:

@@ -17,7 +17,8 @@ Conversation with the daemon (msgpack maps, length-prefixed, over the socketpair
                                  when n >= 2), the outer step to continue from, the partner's samples,
                                  the swarm's pace and a phase shift, or a swarm snapshot to adopt instead
     worker -> daemon   adopted   the snapshot was adopted (counters before and after) or why not
-    worker -> daemon   metrics   step, loss, val_loss, samples/s ... about once a second
+    worker -> daemon   metrics   step, loss, val_loss, samples/s ... about once a second, and how many
+                                 results it has handled (phi changes only then: node/bridge/livephi.py)
     worker -> daemon   checkpoint  a checkpoint was written
     daemon -> worker   stop      checkpoint and exit
     worker -> daemon   stopped   the final checkpoint is on disk
@@ -101,6 +102,7 @@ class _Meter:
     def __init__(self) -> None:
         self.reset()
         self.first = True
+        self.results = 0  # results handled in this worker's life (not reset: a count, reported in metrics)
 
     def reset(self) -> None:
         self.started = time.monotonic()
@@ -216,6 +218,7 @@ def train_loop(chan: WorkerChannel, trainer: Trainer, slots: ExchangeSlots, stop
                     _on_result(chan, trainer, slots, msg)
                 else:
                     _on_fragment_result(chan, trainer, slots, msg)
+                meter.results += 1  # phi is written only here: the daemon serves it live in between
             elif msg is not None:
                 log.warning("ignoring unexpected %s from the daemon", type(msg).__name__)
             elif trainer.fragments is not None and (f := trainer.fragment_due()) is not None:
@@ -392,6 +395,7 @@ def _send_metrics(chan: WorkerChannel, trainer: Trainer, meter: _Meter) -> None:
             # paces outer steps by (node/daemon.py).
             samples_per_s=trainer.samples_per_s(),
             lr=trainer.lr_at(trainer.step),
+            results=meter.results,
         )
     )
     meter.reset()
