@@ -134,6 +134,31 @@ def test_a_late_joiner_starts_from_the_swarms_weights_not_a_fresh_model(group: D
         assert "libtorch" not in Path(f"/proc/{d.proc.pid}/maps").read_text(), f"{d.home.name}'s daemon loaded torch"
 
 
+@pytest.mark.parametrize("checkpoints", [
+    pytest.param(["--set", "train.checkpoint_every=100000"], id="checkpoints-off"),
+    pytest.param(["--set", "train.checkpoint_every=5", "--set", "train.checkpoint_min_s=30"], id="default-pace"),
+])  # fmt: skip
+def test_a_joiner_starts_from_the_founders_live_weights_and_averages_within_5_of_its_outer_steps(
+    group: DaemonGroup, checkpoints: list[str]
+) -> None:
+    """Issue #55's scenario: a founder runs ahead alone (H = 2) with no checkpoint to serve, or one a period old;
+    a second trainer started seconds later joins from the founder's current weights, lands within the
+    shipped sync.max_step_gap (4) of it, and averages within 5 of its own outer steps after its first.
+    Before, with checkpoints off it got "no checkpoint yet" from every catch-up and averaged 0 times."""
+    opts = [*TINY, "--set", "train.inner_steps=2", "--set", "sync.max_step_gap=4", *checkpoints, "--swarm", "live"]
+    founder = group.start("founder", *opts)
+    founder.wait_status(lambda s: s["training"]["outer_step"] >= 3, timeout=120)
+    joiner = group.start("joiner", *opts, "--bootstrap", founder.addr())
+    seen = joiner.wait_status(lambda s: s.get("join", {}).get("state") not in (None, "not started", "looking for donors",
+                                                                               "downloading"), timeout=120)
+    assert seen["join"]["state"] == "done", seen["join"]
+    st = joiner.wait_status(lambda s: s["training"]["exchanges"]["group"] >= 1, timeout=120, interval=0.2)
+    own = st["training"]["exchanges"]
+    assert own["solo"] + own["failed"] <= 5, own  # outer steps taken before the first averaged one
+    served = founder.wait_status()["join"]
+    assert served["served_live"] >= 1 and served["live_cut"] == 0, served
+
+
 def swarm_val_loss_at(node: DaemonProc, peer_ids: list[str], outer_step: int) -> float:
     """Mean over ``peer_ids`` of the last validation loss ``node``'s loss history holds for each of them at or
     before ``outer_step``."""

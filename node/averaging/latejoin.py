@@ -4,8 +4,9 @@ Late join: before the worker's first inner step, a daemon with no checkpoint loo
 that have made outer steps, downloads the slow weights and step counters of up to `sync.join_donors` of
 them at once (chunked, hashed, resumable: `protocols/snapshot.py`), and leaves their mean in
 `HOME/join/snapshot.pt` (a hashed checkpoint file). The worker starts from it when it has no checkpoint
-of its own, keeping its own data shard and a fresh inner optimizer. Donors serve from their newest
-verified checkpoint.
+of its own, keeping its own data shard and a fresh inner optimizer. Donors serve their worker's current
+slow weights from the shared phi slot while they are still (node/bridge/livephi.py), else their newest
+verified checkpoint (`snapshot_source`).
 
 Catch-up (`CatchUp`): a trainer that has drifted more than `sync.max_step_gap` outer steps from the
 swarm has nobody to average with, and averaging is what would bring it back. After
@@ -62,7 +63,8 @@ def has_checkpoint(home: Path) -> bool:
 
 
 def snapshot_source(home: Path) -> Callable[[], Snapshot | None]:
-    """What a donor serves: its newest checkpoint's slow weights, cached until a newer one appears.
+    """What a donor serves when its live weights are not to be had (protocols/snapshot.py `SnapshotServer`):
+    its newest checkpoint's slow weights, cached until a newer one appears.
 
     Called in a worker thread (reading and hashing a checkpoint takes a while for a large model).
     """
