@@ -21,6 +21,7 @@ and what would move out with the answers is the state they read.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -58,7 +59,7 @@ from node.ops.history import HistoryError, LossHistory, series_of
 from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
-from node.ops.tensorboard import TensorBoardLog
+from node.ops.tensorboard import board_directory, open_board
 from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
 from node.swarm.circuit import short_id
 from node.swarm.crdt import Manifest, MemberState
@@ -106,7 +107,7 @@ SUBNET_REFUSAL_KINDS = {
 }
 
 HISTORY_SAVE_S = 30.0
-TENSORBOARD_POLL_S = 1.0  # the status is read this often; a point is written only when the outer step moved
+STATUS_FOLLOW_S = 1.0  # the status's readers (gauges, TensorBoard) see it this often; a point per new outer step
 DONOR_ADDR_TTL_S = 600  # how long a late-join donor's addresses (from its record) stay in the peerstore
 
 
@@ -675,8 +676,6 @@ class Daemon:
             await nursery.start(self.discovery.run)
             await nursery.start(self.replicator.run)
             nursery.start_soon(self._keep_history)
-            if self.train and self.cfg.train.tensorboard_dir:
-                nursery.start_soon(self._keep_tensorboard)
             if node.allow_peers:
                 nursery.start_soon(self._enforce_allowlist)
             if node.metrics_port:
@@ -687,7 +686,9 @@ class Daemon:
                         f"cannot serve metrics on {node.metrics_host}:{node.metrics_port}: {e.strerror or e}"
                     ) from None
                 log.info("metrics on http://%s:%d/metrics", node.metrics_host, node.metrics_port)
-                nursery.start_soon(self._refresh_metrics)
+            tensorboard = self.train and bool(self.cfg.train.tensorboard_dir)
+            if node.metrics_port or tensorboard:
+                nursery.start_soon(self._follow_status, bool(node.metrics_port), tensorboard)
             if self.train:
                 self.host.set_stream_handler(SNAPSHOT_PROTOCOL, self.snapshots.handle)
                 self.supervisor = self._make_supervisor()
@@ -828,26 +829,18 @@ class Daemon:
             except OSError as e:
                 log.warning("could not save the loss history: %s", e)
 
-    async def _keep_tensorboard(self) -> None:
-        """TensorBoard event files from this node's status, one point per outer step (node/ops/tensorboard.py)."""
-        directory = Path(self.cfg.train.tensorboard_dir).expanduser()
-        board = TensorBoardLog(directory if directory.is_absolute() else self.layout.root / directory)
-        try:
-            if not await trio.to_thread.run_sync(board.open):  # the package's import takes ~0.5 s
-                return
-            log.info("TensorBoard files in %s (tensorboard --logdir %s)", board.directory, board.directory)
+    async def _follow_status(self, gauges: bool, tensorboard: bool) -> None:
+        """The status, built once a second for all its readers: the Prometheus gauges (events such as rounds
+        are observed where they happen) and the TensorBoard files (node/ops/tensorboard.py)."""
+        where = board_directory(self.cfg.train.tensorboard_dir, self.layout.root) if tensorboard else None
+        async with open_board(where) if where is not None else contextlib.nullcontext() as board:
             while True:
-                board.observe(self.status())
-                await trio.sleep(TENSORBOARD_POLL_S)
-        finally:
-            with trio.move_on_after(5, shield=True):
-                await trio.to_thread.run_sync(board.close, abandon_on_cancel=True)
-
-    async def _refresh_metrics(self) -> None:
-        """Gauges follow the status once a second; events (rounds) are observed where they happen."""
-        while True:
-            self.metrics.update_from_status(self.status())
-            await trio.sleep(1.0)
+                st = self.status()
+                if gauges:
+                    self.metrics.update_from_status(st)
+                if board is not None:
+                    board.observe(st)
+                await trio.sleep(STATUS_FOLLOW_S)
 
     def _datapath_error(self, exc: BaseException) -> StartupError | None:
         """The averager's start failed: if its side-channel listener could not bind (sync.datapath_port busy

@@ -26,6 +26,7 @@ async def test_nothing_is_served_until_the_worker_reports_every_sent_result_hand
     assert snap is not None and snap.lease is not None
     assert (snap.step, snap.outer_step, snap.layout_hash) == (40, 4, "L")
     assert np.array_equal(snap.phi, phi) and snap.chunk_hashes == Snapshot.of(phi.copy(), 40, 4, "L").chunk_hashes
+    assert np.shares_memory(snap.phi, phi)  # served from the slot itself: no model-sized copy for joiners
     snap.lease.release()
     await live.before_result()  # a result goes out: the worker may change phi from now on
     phi += 1

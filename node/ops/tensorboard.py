@@ -25,13 +25,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import trio
+
 log = logging.getLogger("starling.tensorboard")
 
-__all__ = ["TensorBoardLog", "scalars_of"]
+__all__ = ["TensorBoardLog", "board_directory", "open_board", "scalars_of"]
 
 
 def _number(value: Any) -> float | None:
@@ -147,3 +150,26 @@ class TensorBoardLog:
             except Exception as e:  # as in observe: a failed flush is a log line
                 log.warning("could not flush the TensorBoard files in %s: %s", self.directory, e)
             self._writer = None
+
+
+def board_directory(setting: str, home: Path) -> Path:
+    """Where `train.tensorboard_dir` puts the files: a relative path lives under HOME."""
+    directory = Path(setting).expanduser()
+    return directory if directory.is_absolute() else home / directory
+
+
+@asynccontextmanager
+async def open_board(directory: Path) -> AsyncIterator[TensorBoardLog | None]:
+    """The daemon's TensorBoard files for as long as it runs: the board, or None (one warning said why) where
+    the directory cannot be written. Opened in a thread (the package's import takes about half a second) and
+    flushed on the way out, within 5 s even when the daemon is being cancelled."""
+    board = TensorBoardLog(directory)
+    try:
+        if not await trio.to_thread.run_sync(board.open):
+            yield None
+            return
+        log.info("TensorBoard files in %s (tensorboard --logdir %s)", board.directory, board.directory)
+        yield board
+    finally:
+        with trio.move_on_after(5, shield=True):
+            await trio.to_thread.run_sync(board.close, abandon_on_cancel=True)
