@@ -36,6 +36,12 @@ What it checks (exit code 1 if any check fails):
     .venv/bin/python bench/chaos.py --write-docs     # also record the figures in docs/reliability.md
     .venv/bin/python bench/chaos.py --target daemon  # kill only the daemon; its worker checkpoints and exits
     .venv/bin/python bench/chaos.py --set node.heartbeat_s=0.5   # any daemon setting, for every node
+    .venv/bin/python bench/chaos.py --wipe --nodes 4 --interval 60 --minutes 10   # issue #55's rejoin run
+
+`--wipe`: every killed trainer comes back with its HOME wiped (a new identity, no checkpoint: a machine
+replaced), so it must late-join from the swarm's live weights. Check (b) then reads "(b) wiped nodes rejoin":
+each restart's late join ended "done" (it started from donors, not a fresh model) and its first averaged
+outer step came within `REJOIN_WITHIN` of its own outer steps (issue #55's acceptance: 5).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 DOCS = ROOT / "docs" / "reliability.md"
 SECTION = "## Chaos run"
+REJOIN_SECTION = "## Rejoin run (wiped HOMEs)"  # --wipe's figures (issue #55)
 SWARM = "chaos"
 
 # A tiny model (the one tests/test_swarm.py uses) so that six trainers and their daemons share two cores;
@@ -84,6 +91,7 @@ TRAIN = {
 # the swarm tests overload gossip with seven daemons on two busy cores: records arrive ever later and every
 # member turns "gone" on most nodes within a minute, even with no training and no kills at all
 # (docs/reliability.md, "Chaos run: what did not hold").
+REJOIN_WITHIN = 5  # --wipe: a rejoin's own outer steps before its first averaged one, at most (issue #55)
 CLOSE_GRACE_S = 1.5  # the initiator's shielded stream close (1 s) and its short sleeps between tries
 
 # node/averaging/averager.py: "outer step K: averaged in a group of N after X s" | "outer step K: solo after X s"
@@ -106,6 +114,7 @@ class ChaosPlan:
     startup_timeout_s: float = 240.0
     newcomer_within_s: float = 120.0  # (f): connected, listed alive by all and averaged by then
     extra: tuple[str, ...] = ()  # more SECTION.OPTION=VALUE settings for every daemon (--set)
+    wipe: bool = False  # a killed trainer restarts with an empty HOME (new identity, no checkpoint)
 
     @property
     def window_s(self) -> float:
@@ -140,6 +149,14 @@ class Kill:
     rejected: list[str] = field(default_factory=list)  # checkpoints its worker set aside as corrupt
     seen_alive_s: float | None = None  # until every other node listed it alive again
     seen_down: bool = False  # some other node listed it suspect or gone meanwhile
+    wiped: bool = False  # its HOME was wiped: it came back as a new identity that must late-join
+    join: str | None = None  # its late join's state once it trained (wiped restarts)
+    steps_before_averaging: int | None = None  # its own outer steps (solo, failed) before its first averaged one
+
+    def rejoined_ok(self) -> bool:
+        """A wiped restart started from the swarm's weights and averaged within REJOIN_WITHIN of its outer steps."""
+        return (self.join == "done" and self.steps_before_averaging is not None
+                and self.steps_before_averaging <= REJOIN_WITHIN)
 
     def resumed_ok(self, target: str) -> bool:
         """Resumed from the newest checkpoint at the kill (or later, when its orphaned worker wrote a
@@ -449,11 +466,15 @@ class ChaosRun:
             return
         victim = self.rng.choice(ready)
         pids = victim.kill(self.plan.target)
-        kill = Kill(at_s=now, node=victim.name, pids=pids, disk_step=victim.newest_checkpoint_on_disk())
+        kill = Kill(at_s=now, node=victim.name, pids=pids, disk_step=victim.newest_checkpoint_on_disk(),
+                    wiped=self.plan.wipe)
+        if kill.wiped:  # a replaced machine: no identity, no checkpoint (the log goes with the HOME)
+            shutil.rmtree(victim.home)
+            victim.peer_id = None
         victim.start()
         self.kills.append(kill)
         print(f"{now:6.1f}s  killed {victim.name} (pids {', '.join(map(str, pids))}); newest checkpoint on "
-              f"disk: step {kill.disk_step}; restarted", flush=True)
+              f"disk: step {kill.disk_step}; restarted" + (" with its HOME wiped" if kill.wiped else ""), flush=True)
 
     def follow_restarts(self, now: float, statuses: dict[str, dict[str, Any] | None]) -> None:
         """Fill in each recent kill's recovery: daemon back, worker resumed, seen alive by the others."""
@@ -473,6 +494,13 @@ class ChaosRun:
                 kill.rejected = list(tr.get("checkpoint_rejected") or [])
                 print(f"{now:6.1f}s  {node.name} is training again after {since:.1f} s, resumed at step "
                       f"{kill.resumed_step}", flush=True)
+            if kill.wiped and kill.training_s is not None and kill.steps_before_averaging is None and st is not None:
+                own = tr.get("exchanges") or {}
+                kill.join = (st.get("join") or {}).get("state")
+                if own.get("group", 0) >= 1:
+                    kill.steps_before_averaging = int(own.get("solo", 0)) + int(own.get("failed", 0))
+                    print(f"{now:6.1f}s  {node.name} (wiped) averaged after {kill.steps_before_averaging} outer "
+                          f"steps of its own; late join: {kill.join}", flush=True)
             if kill.seen_alive_s is None and node.peer_id is not None and any(
                 node.peer_id in listed(o) and node.peer_id not in alive_set(o)
                 for n, o in statuses.items() if n != node.name
@@ -520,7 +548,8 @@ class ChaosRun:
     def wait_for_restarts(self, timeout: float = 60.0) -> None:
         """Give the nodes killed last the time to train again, so that check (b) judges every restart."""
         deadline = time.monotonic() + timeout
-        while any(k.training_s is None for k in self.kills) and time.monotonic() < deadline:
+        while any(k.training_s is None or (k.wiped and k.steps_before_averaging is None) for k in self.kills) \
+                and time.monotonic() < deadline:
             statuses = {n.name: n.status() for n in self.nodes}
             self.follow_restarts(time.monotonic() - self.t0, statuses)
             time.sleep(0.5)
@@ -665,7 +694,8 @@ class ChaosRun:
                   f"{ex['count']} exchanges ({ex['averaged']} averaged, {ex['solo']} solo, {ex['failures']} failed "
                   f"transfers); longest {ex['longest_s']:.2f} s ({ex['longest_node']}), median {ex['median_s']:.2f} s, "
                   f"bound {ex['bound_s']:.1f} s; hard-cap time-outs: {ex['hard_caps']}"),
-            Check("(b) restarted nodes resumed from their checkpoint",
+            self.rejoin_check() if plan.wipe else Check(
+                  "(b) restarted nodes resumed from their checkpoint",
                   bool(self.kills) and len(resumed) == len(self.kills),
                   f"{len(resumed)}/{len(self.kills)} restarts resumed ({exact} at exactly the newest file on disk): "
                   f"{steps}"),
@@ -690,6 +720,15 @@ class ChaosRun:
         ]
         return Outcome(plan, checks, self.kills, self.skipped_kills, ex, loss, ck, converge_s, phases, self.cpu,
                        admission)
+
+
+    def rejoin_check(self) -> Check:
+        """(b) with --wipe: every wiped restart late-joined and averaged within REJOIN_WITHIN outer steps."""
+        ok = [k for k in self.kills if k.rejoined_ok()]
+        each = ", ".join(f"{k.node}: {fmt(k.steps_before_averaging)} ({k.join or '-'})" for k in self.kills)
+        return Check("(b) wiped nodes rejoin from the swarm's weights", bool(self.kills) and len(ok) == len(self.kills),
+                     f"{len(ok)}/{len(self.kills)} rejoins late-joined and averaged within {REJOIN_WITHIN} of their "
+                     f"outer steps; outer steps before the first averaged one (late join): {each}")
 
 
 def remove_leaked_shm(kills: list[Kill]) -> int:
@@ -732,9 +771,37 @@ def fmt_s(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f} s"
 
 
+def write_rejoin_docs(out: Outcome, command: str) -> None:
+    """Replace the `## Rejoin run (wiped HOMEs)` section of docs/reliability.md with a --wipe run's figures."""
+    plan = out.plan
+    body = [
+        REJOIN_SECTION, "",
+        f"`{command}` on {os.cpu_count()} cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}: "
+        f"{plan.nodes} trainers and a network-only bootstrap node on 127.0.0.1, the tiny model of the chaos run. "
+        f"For {plan.seconds:g} s, every {plan.interval:g} s a random trainer was killed with SIGKILL and restarted "
+        f"at once with its HOME wiped (a new identity, no checkpoint: a replaced machine): {len(out.kills)} "
+        "kills. Each must late-join from the swarm's current weights (issue #55: donors serve them from their "
+        "worker's shared memory, no checkpoint needed) and average within "
+        f"{REJOIN_WITHIN} of its own outer steps (`training.exchanges`: solo and failed steps before the first "
+        f"group one). Time per phase: {fmt_phases(out.phases)}. CPU at the end: {fmt_cpu(out.cpu)}.",
+        "",
+        "| check | result | figures |", "|---|---|---|",
+    ]
+    body += [f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.figures} |" for c in out.checks]
+    body += ["", "| kill at | node | training after | late join | own outer steps before the first averaged one |",
+             "|---|---|---|---|---|"]
+    body += [f"| {k.at_s:.0f} s | {k.node} | {fmt_s(k.training_s)} | {k.join or '-'} | "
+             f"{fmt(k.steps_before_averaging)} |" for k in out.kills]
+    replace_section(DOCS, REJOIN_SECTION, "\n".join(body) + "\n")
+    print(f"\nwrote the {REJOIN_SECTION} section of {DOCS.relative_to(ROOT)}", flush=True)
+
+
 def write_docs(out: Outcome, command: str) -> None:
     """Replace the `## Chaos run` section of docs/reliability.md with this run's figures."""
     plan = out.plan
+    if plan.wipe:
+        write_rejoin_docs(out, command)
+        return
     ck = out.checkpoints
     down = [k.training_s for k in out.kills if k.training_s is not None]
     seen = [k.seen_alive_s for k in out.kills if k.seen_alive_s is not None]
@@ -832,6 +899,8 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosPlan, argparse.Namespace]:
     p.add_argument("--target", choices=["node", "daemon"], default="node",
                    help="kill the whole node (daemon + worker, default) or only the daemon")
     p.add_argument("--seed", type=int, default=0, help="seed for the choice of victims")
+    p.add_argument("--wipe", action="store_true",
+                   help="restart every killed trainer with its HOME wiped (a new identity that must late-join)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
                    help="one more setting for every daemon, e.g. --set node.heartbeat_s=0.5 (repeatable)")
     p.add_argument("--root", type=Path, help="keep the nodes' HOMEs here (default: a temp dir, removed on success)")
@@ -841,7 +910,8 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosPlan, argparse.Namespace]:
     seconds = args.minutes * 60 if args.minutes is not None else args.seconds
     changes = {k: v for k, v in (("nodes", args.nodes), ("seconds", seconds), ("interval", args.interval))
                if v is not None}
-    plan = dataclasses.replace(plan, target=args.target, seed=args.seed, extra=tuple(args.set), **changes)
+    plan = dataclasses.replace(plan, target=args.target, seed=args.seed, extra=tuple(args.set), wipe=args.wipe,
+                               **changes)
     if any("=" not in setting or "." not in setting.split("=", 1)[0] for setting in args.set):
         p.error("--set: expected SECTION.OPTION=VALUE")
     if plan.nodes < 2:
