@@ -129,6 +129,7 @@ class ProgressStatus(TypedDict, total=False):
     step: int
     downloads: dict[str, DownloadStatus]
     refused: list[str]  # donors whose snapshot was not our model: dropped before a byte was written
+    attempt: int  # a late join's download attempt (a failed one looks for donors again, up to 3)
 
 
 class JoinStatus(ProgressStatus, total=False):

@@ -28,6 +28,7 @@ from node.swarm.crdt import Manifest, MemberRecord, SwarmState, peer_id_of, sign
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, PlainFrameChannel, close_quietly, recv_as, send_msg
 from protocols import snapshot as snap
+from protocols.codec import tensor_bytes
 from protocols.hlc import MAX_LEAD_S, Timestamp
 
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
@@ -146,6 +147,34 @@ async def test_a_join_whose_only_donor_lies_about_the_model_starts_a_fresh_model
     assert not joined and "fresh model" in status["state"] and status["refused"] == ids
     assert watch.largest == 0 and not Home(tmp_path).join.snapshot.exists()
     assert not any(Home(tmp_path).join.partial.glob("*.bin"))
+
+
+async def test_a_late_join_whose_donor_stops_mid_download_looks_again_and_starts_from_another(
+    tmp_path: Path,
+) -> None:
+    """Issue #55: donors are trainers, and one can stop mid-download. Before, the join then started a fresh
+    model at once (seen in `bench/chaos.py --wipe`: a wiped node trained alone for 280 outer steps)."""
+    b = randn(NUMEL, 2)
+    dying = snap.Snapshot.of(randn(NUMEL, 1), 100, 10, "L")
+
+    async def stops_after_one_chunk(stream: Any) -> None:
+        control = LibP2PByteStream(stream)
+        await recv_as(control, snap.SnapRequest)
+        await send_msg(control, dying.meta(), max_bytes=snap.MAX_META_BYTES)
+        await PlainFrameChannel(control, max_frame_size=snap.FRAME).send(tensor_bytes(dying.phi)[: snap.FRAME])
+        await stream.close()
+
+    status: dict[str, Any] = {}
+    async with AsyncExitStack() as stack:
+        joiner, ids = await serve(stack, [stops_after_one_chunk,
+                                          snap.SnapshotServer(lambda: snap.Snapshot.of(b, 120, 12, "L")).handle])
+        # The first look finds the donor that stops; the second, the one left.
+        with trio.fail_after(60):
+            joined = await latejoin.late_join(
+                joiner, tmp_path, lambda: ids[:1] if "attempt" not in status else ids[1:], model=OURS,
+                max_donors=3, wait_s=1, timeout_s=20, status=status)
+    assert joined and status["state"] == "done" and status["attempt"] == 2 and status["donors"] == ids[1:]
+    assert np.array_equal(np.asarray(read_phi(Home(tmp_path).join.snapshot).phi), b)
 
 
 async def test_a_resumed_download_of_another_model_is_not_resumed(tmp_path: Path) -> None:

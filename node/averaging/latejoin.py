@@ -50,6 +50,10 @@ CATCH_UP_INTERVAL_S = 30.0  # the least time between two catch-up attempts
 SNAPSHOT_BYTES_PER_PARAM = 4  # a donor serves its slow weights as float32 (protocols/snapshot.py)
 ALONE_GRACE_S = 1.0  # a late join's wait for donors when this node knows of no one at all
 DONOR_SETTLE_S = 3.0  # after the first donor appears, how long the wait goes on for more (none new: done)
+# Downloads tried before a late join gives up and starts a fresh model: donors are trainers, and a trainer can
+# stop mid-download (a replaced machine, a chaos run), while others still could serve.
+JOIN_ATTEMPTS = 3
+RETRY_PAUSE_S = 2.0
 
 
 def _checkpoint_files(home: Path) -> list[Path]:
@@ -142,7 +146,11 @@ async def late_join(
 
     `model`: our own model (the start-up check's); a donor's snapshot must be exactly that. None (the
     check did not say in time) starts a fresh model: without our size, a donor's claim would decide how
-    much we write to disk. `on_refused(donor)`: a donor whose snapshot was not our model (an offence)."""
+    much we write to disk. `on_refused(donor)`: a donor whose snapshot was not our model (an offence).
+
+    A download that no chosen donor completed (they stopped, were busy, or had nothing still to serve) looks
+    for donors again, up to `JOIN_ATTEMPTS` in all, keeping what arrived: a restarted machine whose donors
+    were themselves restarting started a fresh model and trained alone, hundreds of outer steps."""
     folder = Home(home).join
     target = folder.snapshot
     if has_checkpoint(home) or target.exists():
@@ -153,40 +161,60 @@ async def late_join(
         log.warning("the start-up check did not say this node's model in time: no late join, starting from a "
                     "fresh model")
         return False
-    status["state"] = "looking for donors"
+    for attempt in range(1, JOIN_ATTEMPTS + 1):
+        status["state"] = "looking for donors"
+        # Donors that lied about the model are not asked again.
+        honest = functools.partial(_without, donors, frozenset(status.get("refused") or ()))
+        found = await _find_donors(honest, max_donors, wait_s, alone)
+        if isinstance(found, str):  # alone, or nobody within wait_s
+            if attempt > 1:
+                found = "no donors left after a failed download: starting a fresh model"
+            status["state"] = found
+            log.info("late join: %s", found)
+            return False
+        chosen = random.sample(found, min(max_donors, len(found)))
+        status.update(state="downloading", donors=chosen, attempt=attempt)
+        try:
+            state = await fetch_swarm_snapshot(host, folder.partial, chosen, target, model=model,
+                                               timeout_s=timeout_s, status=status, on_refused=on_refused)
+        except (OSError, ValueError) as e:  # a full disk, or donors whose snapshots cannot be combined
+            status["state"] = f"download failed ({e}): starting a fresh model"
+            log.warning("late join failed: %s; starting from a fresh model", e)
+            return False
+        if state is not None:
+            status.update(state="done", step=state["step"], outer_step=state["outer_step"], donors=state["donors"])
+            log.info("joined the swarm at outer step %d from the mean of %d donors", state["outer_step"],
+                     len(state["donors"]))
+            return True
+        # Every chosen donor left, was busy or had nothing still to serve: others may (what arrived is kept).
+        log.info("late join: no download from %s completed (attempt %d of %d)", ", ".join(chosen), attempt,
+                 JOIN_ATTEMPTS)
+        await trio.sleep(RETRY_PAUSE_S)  # a busy donor is not asked again the same instant
+    status["state"] = f"download failed {JOIN_ATTEMPTS} times: starting a fresh model (will resume the download next start)"
+    return False
+
+
+def _without(donors: Callable[[], list[str]], refused: frozenset[str]) -> list[str]:
+    return [d for d in donors() if d not in refused]
+
+
+async def _find_donors(donors: Callable[[], list[str]], max_donors: int, wait_s: float,
+                       alone: Callable[[], bool] | None) -> list[str] | str:
+    """The donors to download from, once some are known (and the others given `DONOR_SETTLE_S`), or why none:
+    this node knows of no one at all (after `ALONE_GRACE_S`), or nobody trained within `wait_s`."""
     deadline = trio.current_time() + wait_s
-    found: list[str] = []
     alone_after = trio.current_time() + min(ALONE_GRACE_S, wait_s)
     while trio.current_time() < deadline:
         found = donors()
         if found:
-            found = await _more_donors(donors, found, max_donors, deadline)
-            break
+            return await _more_donors(donors, found, max_donors, deadline)
         if alone is not None and trio.current_time() >= alone_after and alone():
-            status["state"] = "alone: starting a fresh model"
             log.info("no bootstrap peer configured and no swarm member known: starting from a fresh model "
                      "without waiting sync.join_wait_s for donors")
-            return False
+            return "alone: starting a fresh model"
         await trio.sleep(0.5)
-    if not found:
-        status["state"] = "no donors: starting a fresh model"
-        log.info("no trained swarm members found within %.0fs; starting from a fresh model", wait_s)
-        return False
-    chosen = random.sample(found, min(max_donors, len(found)))
-    status.update(state="downloading", donors=chosen)
-    try:
-        state = await fetch_swarm_snapshot(host, folder.partial, chosen, target, model=model,
-                                           timeout_s=timeout_s, status=status, on_refused=on_refused)
-    except (OSError, ValueError) as e:  # a full disk, or donors whose snapshots cannot be combined
-        status["state"] = f"download failed ({e}): starting a fresh model"
-        log.warning("late join failed: %s; starting from a fresh model", e)
-        return False
-    if state is None:
-        status["state"] = "download failed: starting a fresh model (will resume the download next start)"
-        return False
-    status.update(state="done", step=state["step"], outer_step=state["outer_step"], donors=state["donors"])
-    log.info("joined the swarm at outer step %d from the mean of %d donors", state["outer_step"], len(state["donors"]))
-    return True
+    log.info("no trained swarm members found within %.0fs; starting from a fresh model", wait_s)
+    return "no donors: starting a fresh model"
 
 
 async def fetch_swarm_snapshot(
