@@ -161,6 +161,7 @@ bench-adversary: install
 bench-memory: install
 	$(PY) bench/memory.py --before bench/memory_before.json --write-docs
 	$(PY) bench/memory.py --group --before bench/memory_group_before.json --write-docs
+	$(PY) bench/donor_memory.py --write-docs
 
 bench-hivemind: install
 	$(PY) bench/sync.py --parts 3
