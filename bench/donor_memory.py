@@ -31,12 +31,9 @@ import tracemalloc
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-import multiaddr
 import numpy as np
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import info_from_p2p_addr
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -44,14 +41,13 @@ sys.path.insert(0, str(ROOT))
 from node.averaging.latejoin import snapshot_source  # noqa: E402
 from node.bridge.ckptfile import write_phi  # noqa: E402
 from node.bridge.livephi import LivePhi  # noqa: E402
-from p2p.host import build_host  # noqa: E402
 from protocols import snapshot as snap  # noqa: E402
+from starling_testing.hosts import connected_pair  # noqa: E402
 from starling_testing.report import replace_section  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Donor memory"
 
-LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 
 
 def parse_count(text: str) -> int:
@@ -63,11 +59,7 @@ async def download_peak(server: snap.SnapshotServer, numel: int, work: Path) -> 
     """Bytes allocated at the peak of one whole download from `server` (above the start), and whether it
     completed."""
     async with AsyncExitStack() as stack:
-        donor, joiner = build_host(create_new_key_pair()), build_host(create_new_key_pair())
-        for h in (donor, joiner):
-            await stack.enter_async_context(h.run(LISTEN))
-        donor.set_stream_handler(snap.PROTOCOL_ID, server.handle)
-        await joiner.connect(info_from_p2p_addr(donor.get_addrs()[0]))
+        donor, joiner = await connected_pair(stack, {snap.PROTOCOL_ID: server.handle})
 
         async def open_stream(peer: str):  # type: ignore[no-untyped-def]
             return await joiner.new_stream(ID.from_base58(peer), [snap.PROTOCOL_ID])

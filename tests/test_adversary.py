@@ -56,6 +56,7 @@ from protocols import state as protocol
 from protocols.hlc import Timestamp
 from protocols.state import LocalInfo
 from starling_testing.fakes import FakeHost
+from starling_testing.hosts import connected_pair
 
 SWARM = "adversary"
 MANIFEST = Manifest("stdlib-lm", "a" * 64, "b" * 64, 1)
@@ -498,11 +499,7 @@ async def test_max_serving_holds_under_eight_simultaneous_snapshot_requests() ->
     server = snap.SnapshotServer(slow_source, max_serving=2)
     verdicts: list[str] = []
     async with AsyncExitStack() as stack:
-        donor, joiner = build_host(create_new_key_pair()), build_host(create_new_key_pair())
-        for h in (donor, joiner):
-            await stack.enter_async_context(h.run(LOOPBACK))
-        donor.set_stream_handler(snap.PROTOCOL_ID, server.handle)
-        await joiner.connect(info_from_p2p_addr(donor.get_addrs()[0]))
+        donor, joiner = await connected_pair(stack, {snap.PROTOCOL_ID: server.handle})
 
         async def request() -> None:
             stream = await joiner.new_stream(donor.get_id(), [snap.PROTOCOL_ID])

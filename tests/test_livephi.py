@@ -17,6 +17,16 @@ def slot() -> np.ndarray:
     return np.random.default_rng(0).standard_normal(NUMEL, dtype=np.float32)
 
 
+async def leased(**options: float) -> tuple[LivePhi, Snapshot]:
+    """A LivePhi over a slot whose worker has reported it still, and one leased snapshot of it."""
+    live = LivePhi(**options)
+    live.attached(slot(), "L")
+    live.metrics(0, step=1, outer_step=1)
+    snap = await live.snapshot()
+    assert snap is not None and snap.lease is not None
+    return live, snap
+
+
 async def test_nothing_is_served_until_the_worker_reports_every_sent_result_handled() -> None:
     live, phi = LivePhi(wait_s=0.2), slot()
     live.attached(phi, "L")
@@ -55,20 +65,14 @@ async def test_a_request_waits_for_the_weights_to_be_still_instead_of_failing() 
 
 
 async def test_one_version_is_hashed_once_however_many_joiners_ask() -> None:
-    live = LivePhi()
-    live.attached(slot(), "L")
-    live.metrics(0, step=1, outer_step=1)
-    a, b = await live.snapshot(), await live.snapshot()
-    assert a is not None and b is not None
-    assert a.chunk_hashes is b.chunk_hashes and live.served == 2
+    live, a = await leased()
+    b = await live.snapshot()
+    assert b is not None and a.chunk_hashes is b.chunk_hashes and live.served == 2
 
 
 async def test_a_result_waits_for_a_download_of_the_weights_it_changes_then_goes_out() -> None:
-    live = LivePhi(hold_s=10)
-    live.attached(slot(), "L")
-    live.metrics(0, step=1, outer_step=1)
-    snap = await live.snapshot()
-    assert snap is not None and snap.lease is not None
+    live, snap = await leased(hold_s=10)
+    assert snap.lease is not None
     sent_at: list[float] = []
 
     async def result() -> None:
@@ -86,11 +90,8 @@ async def test_a_result_waits_for_a_download_of_the_weights_it_changes_then_goes
 
 
 async def test_a_download_slower_than_the_hold_is_cut_and_the_result_goes_out_anyway() -> None:
-    live = LivePhi(hold_s=0.3)
-    live.attached(slot(), "L")
-    live.metrics(0, step=1, outer_step=1)
-    snap = await live.snapshot()
-    assert snap is not None and snap.lease is not None
+    live, snap = await leased(hold_s=0.3)
+    assert snap.lease is not None
     with trio.fail_after(2):
         await live.before_result()
     assert not snap.lease.valid() and live.cut == 1
@@ -101,11 +102,8 @@ async def test_a_download_slower_than_the_hold_is_cut_and_the_result_goes_out_an
 
 @pytest.mark.parametrize("event", ["attached", "detached"])
 async def test_a_worker_that_starts_or_ends_invalidates_every_lease(event: str) -> None:
-    live = LivePhi(wait_s=0.2)
-    live.attached(slot(), "L")
-    live.metrics(0, step=1, outer_step=1)
-    snap = await live.snapshot()
-    assert snap is not None and snap.lease is not None
+    live, snap = await leased(wait_s=0.2)
+    assert snap.lease is not None
     if event == "attached":
         live.attached(slot(), "L")  # a restarted worker copies its checkpoint into the slot
     else:
