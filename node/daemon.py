@@ -332,7 +332,8 @@ class Daemon:
         # What joiners download: the worker's current slow weights (the shared slot, while still), else the
         # newest checkpoint's (node/bridge/livephi.py).
         self.live_phi = LivePhi(hold_s=hold_for(cfg.train.overlap))
-        self.snapshots = SnapshotServer(snapshot_source(home), live=self.live_phi.snapshot, max_serving=2)
+        self.snapshots = SnapshotServer(snapshot_source(home), live=self.live_phi.snapshot, max_serving=2,
+                                        bytes_per_s=cfg.sync.serve_mbps * 125_000)
         self.join_status: dict[str, Any] = {"state": "not started"}
         self._relay_only_donors: set[str] = set()  # trainers we said we take no snapshot from (logged once)
         # Our model as the start-up check described it (only where a late join will run): the donors'

@@ -147,6 +147,22 @@ def _flat_float32(phi: Any) -> Flat:
     return np.ascontiguousarray(np.asarray(phi), dtype=np.float32).reshape(-1)
 
 
+class Pacer:
+    """Spaces the chunks of every download a donor serves so that together they stay under `bytes_per_s`
+    (0: no limit). Each chunk reserves its slot before it waits, so concurrent downloads take turns."""
+
+    def __init__(self, bytes_per_s: float = 0.0) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._free_at = 0.0
+
+    async def take(self, nbytes: int) -> None:
+        if self.bytes_per_s <= 0:
+            return
+        start = max(trio.current_time(), self._free_at)
+        self._free_at = start + nbytes / self.bytes_per_s
+        await trio.sleep_until(start)
+
+
 class _Moved(Exception):
     """A live snapshot's memory changed under its download."""
 
@@ -160,6 +176,7 @@ class SnapshotServer:
 
     `live()`: the current weights (a leased snapshot) or None; `source()`: the newest checkpoint's, or None.
     A joiner whose live download was cut gets the checkpoint's from then on (`cut_peers`, bounded).
+    `bytes_per_s`: what all downloads together may send (`sync.serve_mbps`; 0: as fast as the link goes).
 
     Admission takes a slot of a `trio.CapacityLimiter` without waiting (`acquire_nowait`) as soon as the
     request has arrived and holds it until the download ends, loading the checkpoint included. Checking a
@@ -168,8 +185,9 @@ class SnapshotServer:
     """
 
     def __init__(self, source: Callable[[], Snapshot | None], *, live: Callable[[], Awaitable[Snapshot | None]] | None = None,
-                 max_serving: int = 2, timeout_s: float = 600.0) -> None:
+                 max_serving: int = 2, timeout_s: float = 600.0, bytes_per_s: float = 0.0) -> None:
         self.source = source
+        self.pacer = Pacer(bytes_per_s)
         self.live = live
         self.cut_peers: OrderedDict[str, None] = OrderedDict()
         self.max_serving = max_serving
@@ -215,6 +233,7 @@ class SnapshotServer:
                     channel = PlainFrameChannel(control, max_frame_size=FRAME)
                     raw = tensor_bytes(snap.phi)
                     for i in range(start, len(snap.chunk_hashes)):
+                        await self.pacer.take(len(raw[i * FRAME : (i + 1) * FRAME]))
                         # Copied, then checked: a copy made while the lease held is what the hash says.
                         chunk = bytes(raw[i * FRAME : (i + 1) * FRAME])
                         if snap.lease is not None and not snap.lease.valid():

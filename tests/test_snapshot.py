@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import multiaddr
 import numpy as np
@@ -262,3 +263,26 @@ def test_one_lying_donor_of_three_moves_no_weight_and_no_counter_outside_the_hon
     assert np.array_equal(state["phi"], np.maximum(a, b))  # the median of {a, b, +huge}
     assert (state["step"], state["outer_step"]) == (50, 5)
     assert state["donors"] == ["liar", "a", "b"]
+
+
+async def test_a_donors_pacer_keeps_all_its_downloads_together_under_its_rate(autojump_clock: Any) -> None:
+    """sync.serve_mbps: two downloads of 10 chunks each at 1 MB/s take 20 s together (the trio clock's), and
+    take turns; without a limit the pacer never waits."""
+    pacer = snap.Pacer(bytes_per_s=1_000_000)
+    done: dict[str, float] = {}
+    began = trio.current_time()
+
+    async def download(name: str) -> None:
+        for _ in range(10):
+            await pacer.take(1_000_000)
+        done[name] = trio.current_time() - began
+
+    async with trio.open_nursery() as n:
+        n.start_soon(download, "a")
+        n.start_soon(download, "b")
+    assert 19 <= max(done.values()) < 20.5 and min(done.values()) >= 18  # interleaved, not one after the other
+    unlimited = snap.Pacer()
+    before = trio.current_time()
+    for _ in range(100):
+        await unlimited.take(1 << 20)
+    assert trio.current_time() == before

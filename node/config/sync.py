@@ -54,6 +54,8 @@ class SyncConfig:
     join_donors: int = opt(3, "late join: download the swarm's weights from up to this many donors at once (0 = off)")
     join_wait_s: float = opt(10.0, "late join: seconds to wait for trained members before starting a fresh model")
     join_timeout_s: float = opt(600.0, "late join and catch-up: seconds the download may take before it is given up")
+    serve_mbps: float = opt(0.0, "late join and catch-up donors: the most this node sends to joiners, in Mbit/s over "
+                                 "all their downloads together (0 = no limit)")
     catch_up_after: int = opt(3, "outer steps in a row not averaged before a node far from the swarm's median re-syncs from it (0 = never)")
     backoff_s: float = opt(10.0, "first back-off after a failed exchange with a partner (doubles, max 5 min)")
 
@@ -104,6 +106,8 @@ class SyncConfig:
             raise ValueError("sync.join_wait_s: must be between 0 and 3600 seconds")
         if not 1 <= self.join_timeout_s <= 86400:
             raise ValueError("sync.join_timeout_s: must be between 1 and 86400 seconds")
+        if not 0 <= self.serve_mbps <= 100_000:
+            raise ValueError("sync.serve_mbps: must be between 0 (no limit) and 100000 Mbit/s")
         if not 0 <= self.catch_up_after <= 1000:
             raise ValueError("sync.catch_up_after: must be between 0 and 1000 (0 = never)")
         if not 0.1 <= self.backoff_s <= 3600:
