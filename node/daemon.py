@@ -603,7 +603,7 @@ class Daemon:
             join: JoinStatus = {**progress_view(self.join_status)}
             join["serving"] = self.snapshots.serving
             join["served"] = self.snapshots.served
-            join["served_live"] = self.live_phi.served
+            join["served_live"] = self.snapshots.served_live
             join["results_held_s"] = round(self.live_phi.held_s, 3)
             join["live_cut"] = self.live_phi.cut
             st["join"] = join

@@ -194,7 +194,8 @@ class SnapshotServer:
         self.timeout_s = timeout_s
         # trio's limiter needs at least one token; max_serving = 0 (serve nobody) is handled before it.
         self._slots = trio.CapacityLimiter(max(1, max_serving))
-        self.served = 0
+        self.served = 0  # downloads served whole
+        self.served_live = 0  # of those, live weights (a leased snapshot)
         self.refused_busy = 0
 
     @property
@@ -243,6 +244,7 @@ class SnapshotServer:
                 if snap.lease is not None:
                     snap.lease.release()
             self.served += 1
+            self.served_live += snap.lease is not None
         except _Moved as e:
             self._remember_cut(str(stream.muxed_conn.peer_id))
             log.info("live snapshot download by %s cut: %s", stream.muxed_conn.peer_id, e)

@@ -170,7 +170,7 @@ async def test_live_weights_are_served_first_and_a_cut_download_gets_the_checkpo
         third = await dl.fetch(opener(joiner), str(donor.get_id()), timeout_s=10)
         assert third.done and third.meta["outer_step"] == 9 and leases[-1].released == 1
         assert np.array_equal(snap.combine(dl.complete())["phi"], live_phi)
-    assert server.served == 2
+    assert (server.served, server.served_live) == (2, 1)  # the checkpoint, then the live weights whole
 
 
 async def test_with_no_checkpoint_and_no_still_weights_a_donor_says_why(tmp_path: Path) -> None:

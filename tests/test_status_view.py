@@ -349,3 +349,14 @@ def test_a_limit_below_one_row_is_a_one_line_usage_error(tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert err.strip().endswith("--members: at least 1 row; got 0 (--all shows every member)")
     assert "Traceback" not in err
+
+
+def test_a_donor_says_what_it_served_joiners_and_what_it_cost_its_own_outer_steps() -> None:
+    st = captured()
+    st["join"] = {"state": "not needed", "serving": 1, "served": 3, "served_live": 2, "results_held_s": 1.25,
+                  "live_cut": 1}
+    assert line(render_status(st), "donor:") == (
+        "donor: served 3 snapshot download(s), 2 of live weights; serving 1 now; outer results held 1.2s for them; "
+        "1 cut (the weights changed first; those joiners get a checkpoint next)")
+    st["join"] = {"state": "not needed", "serving": 0, "served": 0}
+    assert not [x for x in render_status(st).splitlines() if x.startswith("donor:")]  # nothing served: no line

@@ -178,6 +178,9 @@ def render_status(st: NodeStatus, rows: int | None = DEFAULT_ROWS) -> str:
             out.append(reach)
     if tr and (tr.get("period_s") is not None or tr.get("last_inner_steps") is not None):
         out.append(_pace_line(tr))
+    donor = _donor_line(st.get("join"))
+    if donor:
+        out.append(donor)
     incompatible = _incompatible_lines(st)
     if rows is not None and len(incompatible) > rows:
         incompatible = [*incompatible[:rows], _more_line(len(incompatible) - rows, "incompatible peers")]
@@ -506,6 +509,20 @@ def _count(value: Any) -> int:
 def _secs(seconds: float) -> str:
     """Seconds for humans: sub-second paces (tiny test models) in ms, so they do not read as 0.0 s."""
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def _donor_line(join: Any) -> str | None:
+    """What this node served joiners (issue #55): only once it served one, or is serving, or was cut."""
+    if not isinstance(join, dict) or not (join.get("served") or join.get("serving") or join.get("live_cut")):
+        return None
+    line = f"donor: served {join.get('served', 0)} snapshot download(s), {join.get('served_live', 0)} of live weights"
+    if join.get("serving"):
+        line += f"; serving {join['serving']} now"
+    if join.get("results_held_s"):
+        line += f"; outer results held {_fmt(join['results_held_s'], '.1f')}s for them"
+    if join.get("live_cut"):
+        line += f"; {join['live_cut']} cut (the weights changed first; those joiners get a checkpoint next)"
+    return line
 
 
 def _pace_line(tr: TrainingStatus) -> str:
