@@ -30,8 +30,9 @@ $(STAMP): pyproject.toml | sysdeps
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the local CPU wheel; an unpinned torch would pull GBs of CUDA packages.
 	$(PIP) install -q torch==2.13.0
-	# hf: transformers for the Hugging Face task (node/tasks/hf_causal_lm.py), whose tests run too.
-	$(PIP) install -q -e '.[dev,hf]'
+	# hf: transformers for the Hugging Face task (node/tasks/hf_causal_lm.py); wandb: the offline W&B run
+	# (node/ops/wandb_log.py). Both optional extras for users, installed here so that their tests run.
+	$(PIP) install -q -e '.[dev,hf,wandb]'
 	$(PIP) check
 	@touch $(STAMP)
 

@@ -55,11 +55,13 @@ from node.config.home import Home
 from node.config.load import Config, write_run_config
 from node.ops import refusals
 from node.ops.control import serve_control
+from node.ops.dashboards import StatusLog, log_directory, open_log
 from node.ops.history import HistoryError, LossHistory, series_of
 from node.ops.logs import log_summary_loop
 from node.ops.metrics import Metrics, serve_metrics
 from node.ops.sdnotify import Notifier, summarize_status, watchdog_loop
-from node.ops.tensorboard import board_directory, open_board
+from node.ops.tensorboard import TensorBoardLog
+from node.ops.wandb_log import WandbLog
 from node.status_schema import DIRECT_PATHS, JoinStatus, NodeStatus, OutOfReachStatus
 from node.swarm.circuit import short_id
 from node.swarm.crdt import Manifest, MemberState
@@ -687,9 +689,9 @@ class Daemon:
                         f"cannot serve metrics on {node.metrics_host}:{node.metrics_port}: {e.strerror or e}"
                     ) from None
                 log.info("metrics on http://%s:%d/metrics", node.metrics_host, node.metrics_port)
-            tensorboard = self.train and bool(self.cfg.train.tensorboard_dir)
-            if node.metrics_port or tensorboard:
-                nursery.start_soon(self._follow_status, bool(node.metrics_port), tensorboard)
+            boards = self._dashboards() if self.train else []
+            if node.metrics_port or boards:
+                nursery.start_soon(self._follow_status, bool(node.metrics_port), boards)
             if self.train:
                 self.host.set_stream_handler(SNAPSHOT_PROTOCOL, self.snapshots.handle)
                 self.supervisor = self._make_supervisor()
@@ -830,16 +832,29 @@ class Daemon:
             except OSError as e:
                 log.warning("could not save the loss history: %s", e)
 
-    async def _follow_status(self, gauges: bool, tensorboard: bool) -> None:
+    def _dashboards(self) -> list[tuple[StatusLog, str]]:
+        """The dashboards' writers the config turns on (node/ops/dashboards.py), each with its line once open."""
+        t, root = self.cfg.train, self.layout.root
+        out: list[tuple[StatusLog, str]] = []
+        if t.tensorboard_dir:
+            where = log_directory(t.tensorboard_dir, root)
+            out.append((TensorBoardLog(where), f"TensorBoard files in {where} (tensorboard --logdir {where})"))
+        if t.wandb_dir:
+            where = log_directory(t.wandb_dir, root)
+            out.append((WandbLog(where, short_id(str(self.peer_id)), self.cfg.node.swarm),
+                        f"offline W&B run in {where}/wandb (wandb sync {where}/wandb/offline-run-*)"))
+        return out
+
+    async def _follow_status(self, gauges: bool, boards: list[tuple[StatusLog, str]]) -> None:
         """The status, built once a second for all its readers: the Prometheus gauges (events such as rounds
-        are observed where they happen) and the TensorBoard files (node/ops/tensorboard.py)."""
-        where = board_directory(self.cfg.train.tensorboard_dir, self.layout.root) if tensorboard else None
-        async with open_board(where) if where is not None else contextlib.nullcontext() as board:
+        are observed where they happen) and the dashboards' files (node/ops/dashboards.py)."""
+        async with contextlib.AsyncExitStack() as stack:
+            opened = [b for board, ready in boards if (b := await stack.enter_async_context(open_log(board, ready)))]
             while True:
                 st = self.status()
                 if gauges:
                     self.metrics.update_from_status(st)
-                if board is not None:
+                for board in opened:
                     board.observe(st)
                 await trio.sleep(STATUS_FOLLOW_S)
 

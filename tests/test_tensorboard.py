@@ -15,6 +15,7 @@ import pytest
 
 from node.ops.tensorboard import TensorBoardLog, scalars_of
 from starling_testing.daemon import TINY, DaemonGroup
+from starling_testing.dashboards import wandb_history
 
 
 def _status(outer: int, step: int, loss: float | None = 2.5, **sync: Any) -> dict[str, Any]:
@@ -87,16 +88,23 @@ def test_a_writer_that_fails_mid_run_is_dropped_with_one_warning(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_a_training_daemon_writes_its_curve_under_home_and_one_with_a_bad_directory_trains_on(
+def test_a_training_daemon_writes_its_curves_under_home_and_one_with_a_bad_directory_trains_on(
         group: DaemonGroup, tmp_path: Path) -> None:
-    a = group.start("a", *TINY, "--set", "train.tensorboard_dir=tb")
+    """Both dashboards at once (the status is built once a second for both): TensorBoard files and an offline
+    W&B run under HOME; a node whose directories cannot be made trains on with one line for each."""
+    a = group.start("a", *TINY, "--set", "train.tensorboard_dir=tb", "--set", "train.wandb_dir=wb")
     (tmp_path / "blocker").write_text("a file where the directory would go")
-    b = group.start("b", *TINY, "--set", f"train.tensorboard_dir={tmp_path / 'blocker' / 'tb'}")
+    b = group.start("b", *TINY, "--set", f"train.tensorboard_dir={tmp_path / 'blocker' / 'tb'}",
+                    "--set", f"train.wandb_dir={tmp_path / 'blocker' / 'wb'}")
     for d in (a, b):  # the status is read once a second: a few seconds of TINY's quick outer steps
-        d.wait(lambda s, d=d: "TensorBoard files in" in d.log() or "cannot write TensorBoard" in d.log(), timeout=120)
+        d.wait(lambda s, d=d: "W&B run in" in d.log() or "cannot write W&B" in d.log(), timeout=120)
         d.wait_status(lambda s: (s.get("training") or {}).get("outer_step", 0) >= 1, timeout=120)
     time.sleep(6)  # about six reads of the status, each at a later outer step (TINY's take well under a second)
-    group.close()  # graceful stop: the writer flushes
+    group.close()  # graceful stop: the writers flush
     scalars = _read(tmp_path / "a" / "tb")
     assert len(scalars["train/loss"]) >= 2 and "sync/exchanges" in scalars
-    assert "cannot write TensorBoard files" in b.log() and "training goes on without them" in b.log()
+    history = wandb_history(tmp_path / "a" / "wb")
+    assert len(history) >= 2 and all("train/outer_step" in values for _, values in history)
+    for what in ("TensorBoard", "W&B"):
+        assert f"cannot write {what} files" in b.log(), what
+    assert b.log().count("training goes on without them") == 2

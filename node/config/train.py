@@ -77,11 +77,16 @@ class TrainConfig:
     checkpoints_keep: int = opt(3, "checkpoints kept on disk (older ones are deleted)")
     tensorboard_dir: str = opt("", "TensorBoard event files of this node's training and averaging, one point per "
                                "outer step ('' = off; a relative path is under HOME): `tensorboard --logdir` it")
+    wandb_dir: str = opt("", "an offline Weights & Biases run of this node's training and averaging, one point per outer "
+                         "step ('' = off; a relative path is under HOME; needs `pip install 'starling[wandb]'`; "
+                         "nothing is sent: `wandb sync` it)")
 
     def validate(self) -> None:
         """Raise ValueError("train.<field>: why") for the first bad option."""
         if "\0" in self.tensorboard_dir:
             raise ValueError("train.tensorboard_dir: a path cannot hold a NUL character")
+        if "\0" in self.wandb_dir:
+            raise ValueError("train.wandb_dir: a path cannot hold a NUL character")
         if not _TASK_SPEC.match(self.task):
             raise ValueError("train.task: expected module:function, e.g. node.tasks.stdlib_lm:make_task")
         if not _DEVICE.match(self.device):
