@@ -6,6 +6,7 @@
     exchange.py     ExchangeRequest, ExchangeOutcome, ExchangeFn, Layout: what the supervisor and averager trade
     ckptfile.py     read_phi, write_phi, CheckpointError: the checkpoint file format, phi without torch
     group_procs.py  FollowerProcs, Rendezvous: a multi-GPU worker group's ranks as processes
+    livephi.py      LivePhi: the worker's phi slot served to joiners while it is still (issue #55)
 
 Both processes import these modules, so none of them imports torch: the worker (node/worker/) builds on
 them, the daemon drives the worker through them. Imports the config and the status contract only.

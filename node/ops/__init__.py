@@ -15,7 +15,9 @@
     doctor_status.py    the checks of the running daemon's status: reachability, clocks, training, pairing
     sdnotify.py     Notifier, summarize_status: systemd's notify protocol and watchdog
     history.py      LossHistory: every member's loss curve;  plot.py  plot_history: it as a PNG
+    dashboards.py   StatusLog, scalars_of: one point per outer step of the status, for the dashboards below
     tensorboard.py  TensorBoardLog: this node's training and averaging as TensorBoard event files
+    wandb_log.py    WandbLog: the same points as an offline Weights & Biases run
     launcher.py     DaemonProcess: starts a `starling run` process and watches its status
     localswarm.py   main: `make run`, a local swarm with a live view
 
