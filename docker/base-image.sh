@@ -4,7 +4,9 @@
 # `docker import` it. Needs root, debootstrap and a reachable Debian mirror (apt's, not Docker Hub).
 #   docker/base-image.sh [TAG]        TAG defaults to starling-base:<release>
 # Env: DEBIAN_RELEASE (default: this machine's VERSION_CODENAME, else bookworm), DEBIAN_MIRROR
-# (default http://deb.debian.org/debian), ROOTFS_DIR (default: a temporary directory, removed after).
+# (default http://deb.debian.org/debian), ROOTFS_DIR (default: a temporary directory, removed after),
+# BASE_PACKAGES (comma-separated; default: what the Starling image needs, below). The compose swarm's offline
+# Prometheus image is this script with BASE_PACKAGES=prometheus (docker/compose_test.py).
 set -eu
 release=${DEBIAN_RELEASE:-$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")}
 release=${release:-bookworm}
@@ -12,7 +14,7 @@ mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 tag=${1:-starling-base:$release}
 # python3 (3.11 on bookworm) with venv and `python`, tini (PID 1), libgmp10 (fastecdsa's runtime library),
 # ca-certificates; nothing to compile: the wheelhouse holds built wheels.
-pkgs=python3,python3-venv,python-is-python3,tini,libgmp10,ca-certificates
+pkgs=${BASE_PACKAGES:-python3,python3-venv,python-is-python3,tini,libgmp10,ca-certificates}
 [ "$(id -u)" = 0 ] || { echo "base-image.sh: debootstrap needs root" >&2; exit 2; }
 command -v debootstrap >/dev/null || { echo "base-image.sh: debootstrap is missing (apt-get install debootstrap)" >&2; exit 2; }
 if [ -n "${ROOTFS_DIR:-}" ]; then rootfs=$ROOTFS_DIR; mkdir -p "$rootfs"; else rootfs=$(mktemp -d /var/tmp/starling-rootfs.XXXXXX); fi

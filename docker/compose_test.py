@@ -12,9 +12,14 @@
    container turns healthy (the HEALTHCHECK is `starling status`, whose exit code says it), and that the
    metrics endpoint answers: in each container, from the bootstrap to each trainer over the compose
    network, and from the host through the bootstrap's loopback-published port.
-4. `down`: every node must exit 0 on SIGTERM after a graceful drain, each trainer after writing its final
+4. Monitoring (profile "monitoring", issue #56): the compose file's Prometheus, from Debian's `prometheus` package in
+   an offline image (docker/base-image.sh with BASE_PACKAGES=prometheus), published on the host's loopback.
+   Through its HTTP API: every node is a target that is up, every recording rule of deploy/prometheus/rules.yml
+   returns a series, and so does every query of every panel of the Grafana dashboard
+   (deploy/grafana/dashboards/starling.json).
+5. `down`: every node must exit 0 on SIGTERM after a graceful drain, each trainer after writing its final
    checkpoint (its log line, and the file in its volume), with no container restarted during the run.
-5. Removes what it made: containers, network, volumes, the image (unless --keep-image), the build stage's
+6. Removes what it made: containers, network, volumes, the image (unless --keep-image), the build stage's
    intermediate image, the base image and the wheelhouse if it made them; stops dockerd if it started it.
 
 Stdlib only: it runs with the system python3. Exit 0 when every check passed; prints the timings and the
@@ -32,10 +37,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+RULES = REPO / "deploy" / "prometheus" / "rules.yml"
+DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "starling.json"
 COMPOSE_FILE = REPO / "docker" / "docker-compose.yml"
 WHEELHOUSE = REPO / "docker" / "wheelhouse"
 PROJECT = "starling-compose-test"
@@ -150,13 +158,14 @@ def compose_command() -> list[str]:
 
 
 class Swarm:
-    def __init__(self, compose: list[str], image: str, workdir: Path) -> None:
+    def __init__(self, compose: list[str], image: str, prometheus_image: str, workdir: Path) -> None:
         override = workdir / "compose.test.yml"
         env_lines = "".join(f"      {k}: \"{v}\"\n" for k, v in TINY_ENV.items())
         override.write_text(f"services:\n  trainer:\n    environment:\n{env_lines}")
-        self.cmd = [*compose, "-p", PROJECT, "-f", str(COMPOSE_FILE), "-f", str(override)]
+        self.cmd = [*compose, "-p", PROJECT, "-f", str(COMPOSE_FILE), "-f", str(override), "--profile", "monitoring"]
         self.env = {**os.environ, "STARLING_IMAGE": image, "STARLING_SWARM": PROJECT,
-                    "STARLING_P2P_PUBLISH": "127.0.0.1:", "STARLING_METRICS_PUBLISH": "127.0.0.1:"}
+                    "STARLING_P2P_PUBLISH": "127.0.0.1:", "STARLING_METRICS_PUBLISH": "127.0.0.1:",
+                    "STARLING_PROMETHEUS_IMAGE": prometheus_image, "STARLING_PROMETHEUS_PUBLISH": "127.0.0.1:"}
 
     def __call__(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return run([*self.cmd, *args], check=check, env=self.env, timeout=timeout)
@@ -168,6 +177,10 @@ class Swarm:
         p = run(["docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}", "--format", fmt])
         rows = [line.split() for line in p.stdout.splitlines() if line.strip()]
         return {f"{service}_{number}": cid for cid, service, number in rows}
+
+    def nodes(self) -> dict[str, str]:
+        """The Starling nodes among `containers` (not the monitoring services)."""
+        return {name: cid for name, cid in self.containers().items() if name.startswith(("bootstrap_", "trainer_"))}
 
     def exec(self, service: str, index: int, *cmd: str, check: bool = False) -> subprocess.CompletedProcess[str]:
         return run([*self.cmd, "exec", "-T", "--index", str(index), service, *cmd], check=check, env=self.env,
@@ -209,7 +222,7 @@ def check_swarm(swarm: Swarm, timeout: float) -> dict:
             partners.append(((st.get("sync") or {}).get("distinct_partners")) or 0)
             states.append(((st.get("training") or {}).get("state")) or st.get("error", "?"))
         health = {name: (inspect(cid)["State"].get("Health") or {}).get("Status")
-                  for name, cid in swarm.containers().items()}
+                  for name, cid in swarm.nodes().items()}
         line = f"partners {partners}, training {states}, health {sorted(health.values())}"
         if line != last:
             log(line)
@@ -245,6 +258,46 @@ def check_metrics(swarm: Swarm) -> dict:
             raise Failed(f"metrics from {where}: no starling_ series")
     log("metrics answer: " + ", ".join(f"{k}: {v} lines" for k, v in found.items()))
     return found
+
+
+def prometheus_query(base: str, expr: str) -> list[dict]:
+    """The result vector of an instant query through Prometheus's HTTP API."""
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        answer = json.loads(r.read().decode())
+    if answer.get("status") != "success":
+        raise Failed(f"Prometheus refused {expr!r}: {answer}")
+    return answer["data"]["result"]
+
+
+def check_monitoring(swarm: Swarm, timeout: float = 240) -> dict:
+    """Prometheus scrapes every node; every recording rule and every dashboard panel's query returns data."""
+    hostport = swarm("port", "prometheus", "9090").stdout.strip()
+    if not hostport.startswith("127.0.0.1:"):
+        raise Failed(f"Prometheus is published on {hostport!r}, not on the host's loopback")
+    base = f"http://{hostport}"
+    records = re.findall(r"record: (\S+)", RULES.read_text())
+    panels = {f"{p['title']} [{t['refId']}]": t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"]
+              for t in p["targets"]}
+    queries = {**{f"rule {r}": r for r in records}, **panels}
+    t0 = time.monotonic()
+    empty: list[str] = []
+    while True:
+        try:
+            up = prometheus_query(base, 'up{job="starling"}')
+            empty = [name for name, expr in queries.items() if not prometheus_query(base, expr)]
+        except OSError as e:  # not listening yet
+            up, empty = [], [f"the API: {e}"]
+        targets_up = sum(1 for s in up if s["value"][1] == "1")
+        if targets_up == TRAINERS + 1 and not empty:
+            break
+        if time.monotonic() - t0 > timeout:
+            raise Failed(f"Prometheus after {timeout:.0f}s: {targets_up} of {TRAINERS + 1} nodes up; "
+                         f"queries with no data: {empty}")
+        time.sleep(5)
+    log(f"Prometheus ({base}): {targets_up} nodes up; {len(records)} recording rules and {len(panels)} dashboard "
+        f"queries return data after {time.monotonic() - t0:.0f}s")
+    return {"prometheus_targets": targets_up, "prometheus_queries": len(queries)}
 
 
 KILL_DAEMON = ("import os, signal; os.kill(next(int(p) for p in os.listdir('/proc') if p.isdigit() and p != '1' "
@@ -286,9 +339,9 @@ def check_restart(swarm: Swarm, timeout: float = 180) -> dict:
 
 def check_down(swarm: Swarm, image: str, workdir: Path, restarted: str) -> dict:
     """`down`; every node exits 0 after draining, every trainer with a final checkpoint on its volume."""
-    containers = swarm.containers()
-    restarts = {name: inspect(cid)["RestartCount"] for name, cid in containers.items()}
-    if restarts != {name: int(name == restarted) for name in containers}:
+    containers = swarm.nodes()
+    restarts = {name: inspect(cid)["RestartCount"] for name, cid in swarm.containers().items()}
+    if restarts != {name: int(name == restarted) for name in swarm.containers()}:
         raise Failed(f"containers restarted during the run: {restarts}")
     homes = {}
     for name, cid in containers.items():
@@ -375,6 +428,9 @@ def main() -> int:
         made["base"] = run(["docker", "image", "inspect", base], check=False, quiet=True).returncode != 0
         made["wheelhouse"] = not any(WHEELHOUSE.glob("*.whl"))
         made["image"] = run(["docker", "image", "inspect", args.image], check=False, quiet=True).returncode != 0
+        prometheus_image = f"starling-prometheus:{release}"
+        made["prometheus"] = run(["docker", "image", "inspect", prometheus_image], check=False,
+                                 quiet=True).returncode != 0
         if not args.no_build:
             ensure_build_tools(base_missing=made["base"])
             log(f"building {args.image} offline (make image OFFLINE=1)")
@@ -383,6 +439,13 @@ def main() -> int:
                     f"BASE_IMAGE_OFFLINE={base}"]
             run(make, timeout=3600)
             result["build_s"] = time.monotonic() - t0
+        if made["prometheus"]:
+            ensure_build_tools(base_missing=True)
+            log(f"building {prometheus_image} offline (docker/base-image.sh with Debian's prometheus)")
+            t0 = time.monotonic()
+            run(["docker/base-image.sh", prometheus_image], env={**os.environ, "DEBIAN_RELEASE": release,
+                                                                "BASE_PACKAGES": "prometheus"}, timeout=1800)
+            result["prometheus_build_s"] = time.monotonic() - t0
         result["image_bytes"] = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", args.image]).stdout)
         hist = run(["docker", "history", "--no-trunc", "--format", "{{.Size}}\t{{.CreatedBy}}", args.image]).stdout
         layers = [(size, " ".join(by.split())[-70:]) for size, _, by in (ln.partition("\t") for ln in hist.splitlines())
@@ -391,7 +454,7 @@ def main() -> int:
             (f", built in {result['build_s']:.0f}s" if "build_s" in result else "") +
             "; layers: " + "; ".join(f"{size} {by}" for size, by in layers))
 
-        swarm = Swarm(compose, args.image, workdir)
+        swarm = Swarm(compose, args.image, prometheus_image, workdir)
         swarm("down", "-v", check=False)  # leftovers of an interrupted run
         t0 = time.monotonic()
         swarm("up", "-d", "--no-build", "--scale", f"trainer={TRAINERS}")
@@ -399,6 +462,7 @@ def main() -> int:
         result.update(check_swarm(swarm, args.timeout))
         result["up_to_checks_s"] = time.monotonic() - t0
         result["metrics"] = check_metrics(swarm)
+        result.update(check_monitoring(swarm))
         result.update(check_restart(swarm))
         result.update(check_down(swarm, args.image, workdir, result["restarted"]))
         ok = True
@@ -419,6 +483,8 @@ def main() -> int:
                     run(["docker", "image", "rm", args.image], check=False)
                 if made.get("base"):
                     run(["docker", "image", "rm", f"starling-base:{release}"], check=False)
+                if made.get("prometheus"):
+                    run(["docker", "image", "rm", f"starling-prometheus:{release}"], check=False)
         if made.get("wheelhouse") and not args.keep_image:
             for whl in WHEELHOUSE.glob("*.whl"):
                 whl.unlink()

@@ -6,6 +6,7 @@ Each test is skipped (with the reason) when its tool is missing; `make install` 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -127,7 +128,8 @@ def test_compose_has_bootstrap_and_trainer_sharing_the_bootstrap_address_file() 
     def flag_values(flag: str) -> set[str]:
         return {line.split(f"{flag}=", 1)[1].strip() for line in rendered.stdout.splitlines() if f"{flag}=" in line}
 
-    assert set(services.stdout.split()) == {"bootstrap", "trainer"}
+    # Monitoring is in profiles (not started by a plain `up`): compose v1 lists their services, v2 does not.
+    assert {"bootstrap", "trainer"} <= set(services.stdout.split()) <= {"bootstrap", "trainer", "prometheus", "grafana"}
     assert {"bootstrap-home", "bootstrap-addr"} <= set(volumes.stdout.split())
     written, read = flag_values("--addr-file"), flag_values("--bootstrap-file")
     assert len(written) == 1
@@ -238,3 +240,24 @@ def test_make_swarm_up_without_any_compose_says_so(tmp_path: Path) -> None:
 
     assert r.returncode != 0
     assert "neither 'docker compose' nor 'docker-compose' is installed" in r.stderr
+
+
+DEPLOY = REPO / "deploy"
+
+
+def test_the_dashboard_reads_the_provisioned_prometheus_and_every_recorded_series_is_shown() -> None:
+    """The Grafana dashboard's panels query the data source Grafana is provisioned with, and every recording
+    rule of deploy/prometheus feeds a panel; `make test-compose` runs each panel's query against the compose
+    swarm's Prometheus (docker/compose_test.py)."""
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "starling.json").read_text())
+    provisioned = (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    exprs = []
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert f"uid: {target['datasource']['uid']}" in provisioned, panel["title"]
+            exprs.append(target["expr"])
+    records = re.findall(r"record: (\S+)", (DEPLOY / "prometheus" / "rules.yml").read_text())
+    assert records and all(any(r in e for e in exprs) for r in records), records
+    config = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
+    assert "/etc/starling/prometheus/rules.yml" in config and "names: [bootstrap, trainer]" in config
