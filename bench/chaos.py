@@ -783,7 +783,9 @@ def write_rejoin_docs(out: Outcome, command: str) -> None:
         "kills. Each must late-join from the swarm's current weights (issue #55: donors serve them from their "
         "worker's shared memory, no checkpoint needed) and average within "
         f"{REJOIN_WITHIN} of its own outer steps (`training.exchanges`: solo and failed steps before the first "
-        f"group one). Time per phase: {fmt_phases(out.phases)}. CPU at the end: {fmt_cpu(out.cpu)}.",
+        f"group one). Sync settings: the chaos run's ({', '.join(f'{k} {v:g}' for k, v in SYNC.items())})"
+        + (f", then `--set` {', '.join(plan.extra)}" if plan.extra else "")
+        + f". Time per phase: {fmt_phases(out.phases)}. CPU at the end: {fmt_cpu(out.cpu)}.",
         "",
         "| check | result | figures |", "|---|---|---|",
     ]
