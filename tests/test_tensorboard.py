@@ -7,6 +7,8 @@ The event files are read back with tensorboard's own reader (EventAccumulator), 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,8 +16,10 @@ from typing import Any
 import pytest
 
 from node.ops.tensorboard import TensorBoardLog, scalars_of
-from starling_testing.daemon import TINY, DaemonGroup
+from starling_testing.daemon import TINY, TINY_TRAIN, DaemonGroup
 from starling_testing.dashboards import wandb_history
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _status(outer: int, step: int, loss: float | None = 2.5, **sync: Any) -> dict[str, Any]:
@@ -108,3 +112,21 @@ def test_a_training_daemon_writes_its_curves_under_home_and_one_with_a_bad_direc
     for what in ("TensorBoard", "W&B"):
         assert f"cannot write {what} files" in b.log(), what
     assert b.log().count("training goes on without them") == 2
+
+
+@pytest.mark.slow
+def test_make_runs_local_swarm_leaves_every_trainers_curves_for_one_tensorboard_command(tmp_path: Path) -> None:
+    """Issue #56: `make run` (node/ops/localswarm.py) turns TensorBoard on for its trainers and prints the one
+    `tensorboard --logdir` that shows them side by side; every trainer's files hold training and averaging."""
+    sets = [arg for arg in TINY_TRAIN if arg != "--set"]
+    root = tmp_path / "run"
+    cmd = [sys.executable, "-m", "node.ops.localswarm", "--peers", "2", "--seconds", "50", "--root", str(root),
+           "--fresh", *[x for s in sets for x in ("--set", s)]]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"TensorBoard: tensorboard --logdir {root}" in out.stdout
+    boards = sorted(root.glob("*/tensorboard"))
+    assert len(boards) == 2, boards  # the trainers', not the network-only bootstrap node's
+    for board in boards:
+        scalars = _read(board)
+        assert scalars.get("train/loss") and "train/lr" in scalars and "sync/exchanges" in scalars, (board, sorted(scalars))
