@@ -112,8 +112,10 @@ def test_a_late_joiner_starts_from_the_swarms_weights_not_a_fresh_model(group: D
     # Trained, and together: a founder starts at once and runs ahead alone while the second node's worker
     # loads; until that node has caught up, the joiner's donors would be the founder alone.
     for d in nodes:
-        d.wait_status(lambda s: s["training"]["outer_step"] >= 8 and s["training"].get("checkpoint_step")
-                      and s["sync"]["rounds"] >= 1, timeout=200)
+        # A status read while the daemon starts has no training or sync section yet.
+        d.wait_status(lambda s: (s.get("training") or {}).get("outer_step", 0) >= 8
+                      and (s.get("training") or {}).get("checkpoint_step")
+                      and (s.get("sync") or {}).get("rounds", 0) >= 1, timeout=200)
     joiner = group.start("late", *TINY, *steady, "--swarm", "late", "--bootstrap", boot.addr(),
                          "--set", "sync.join_wait_s=30")
     st = joiner.wait_status(lambda s: s.get("join", {}).get("state") == "done", timeout=90)
