@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -73,7 +74,7 @@ def scalars_of(status: Mapping[str, Any]) -> tuple[int, int, dict[str, float]] |
     return step, outer, {k: v for k, v in values.items() if v is not None}
 
 
-class StatusLog:
+class StatusLog(ABC):
     """Writes one point per new outer step of the statuses it is shown (`observe`); `close` flushes.
 
     `open` creates the directory and the writer (`writer_factory`, which imports its package: the daemon calls
@@ -136,8 +137,9 @@ class StatusLog:
                 self._log.warning("could not flush the %s in %s: %s", self.what, self.directory, e)
             self._writer = None
 
+    @abstractmethod
     def _write(self, writer: Any, step: int, values: dict[str, float]) -> None:
-        raise NotImplementedError
+        """Write one point: `values` by tag, at inner step `step`."""
 
     def _close(self, writer: Any) -> None:
         writer.close()
