@@ -9,7 +9,7 @@ APT_PKGS := libgmp-dev libnetfilter-queue-dev nftables iproute2 iptables systemd
 RUN_SECONDS ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-compression-long bench-sync bench-hivemind bench-nat bench-nat-latency bench-swarm bench-wan bench-wan-latency bench-delayline bench-congestion bench-exchange-rtt bench-swim-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
+.PHONY: install sysdeps run test test-fast test-long lint bench bench-convergence bench-compression-long bench-phi-schemes bench-sync bench-hivemind bench-nat bench-nat-latency bench-swarm bench-wan bench-wan-latency bench-delayline bench-congestion bench-exchange-rtt bench-swim-wan bench-membership bench-scale-sim bench-scale bench-swim-transport bench-adversary bench-memory bench-gpu test-gpu chaos fuzz swarm-up swarm-down image test-compose clean
 
 install: $(STAMP)
 
@@ -89,6 +89,12 @@ bench-sync: install
 COMPRESSION_ARGS ?=
 bench-compression-long: install
 	$(PY) bench/compression_long.py $(COMPRESSION_ARGS) --write-docs
+
+# Ways to send phi for compressed NoLoCo, screened over the first 40 outer steps of the long run's schedule
+# (issue #51, item 3): about 15 min of a core per scheme; PHI_ARGS="--schemes ..." picks them.
+PHI_ARGS ?=
+bench-phi-schemes: install
+	$(PY) bench/phi_schemes.py $(PHI_ARGS) --write-docs
 
 # Real daemons on 127.0.0.1 (mixing, a throttled half via cgroup v1, convergence beside the simulation);
 # about 30 min on 2 cores. Throttling needs root. --fast-cap 50 caps the hetero scenario's fast workers at half
