@@ -43,6 +43,10 @@ class Compression:
     fragments: int = 1  # phi crosses the wire for one of this many fragments per outer step
     phi_dtype: str = "int8"  # phi's encoding when compressed (fragments > 1 or delta_keep > 0)
     delta_bits: int = 8  # bits per kept Delta value: 8, int8 (TopKCodec); fewer, protocols/lowbit.py's codec
+    # The worker applies its own Delta in full and the partner's as the wire carried it; error feedback still
+    # keeps what the wire has not carried yet, for the next partner (node/worker/trainer.py,
+    # `_feed_back_own_in_full`). Nothing on the wire changes: a worker-side rule.
+    own_in_full: bool = False
 
     @property
     def lossy(self) -> bool:
@@ -96,11 +100,15 @@ PRESETS: dict[str, Compression] = {
 #: top 64 or 128 of every 4096 entries, 1.6% or 3.1%, at 2 bits with 12-bit indices: 0.029 or 0.057 B/param)
 #: with `high`'s phi (int8 on 1 of 32 fragments, 0.031): 0.060 and 0.088 B/param each way in all.
 #: `topk-only` and `frag-only` are the two halves of `medium` (docs/benchmarks.md, "Compression": its ablation).
+#: `high-own` and `k64q2-own` send what `high` and `k64q2` send, and the worker applies its own Delta in full
+#: (`Compression.own_in_full`; bench/phi_schemes.py's `+own`).
 EXPERIMENTAL: dict[str, Compression] = {
     "k64q2": Compression("k64q2", delta_keep=64, fragments=32, delta_bits=2),
     "k128q2": Compression("k128q2", delta_keep=128, fragments=32, delta_bits=2),
     "topk-only": Compression("topk-only", delta_keep=256, fragments=1),
     "frag-only": Compression("frag-only", delta_keep=0, fragments=4),
+    "high-own": Compression("high-own", delta_keep=64, fragments=32, own_in_full=True),
+    "k64q2-own": Compression("k64q2-own", delta_keep=64, fragments=32, delta_bits=2, own_in_full=True),
 }
 
 

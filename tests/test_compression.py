@@ -23,7 +23,7 @@ from node.worker.outer import OuterHyper, noloco_step
 from node.worker.trainer import Trainer
 from p2p.wire import PlainFrameChannel, ProtocolError, Reason, TrioByteStream
 from protocols.codec import ChunkPlan, TopKCodec, get_codec, recv_tensor, round_trip, send_tensor
-from protocols.compress import BLOCK, PRESETS, get_compression
+from protocols.compress import BLOCK, EXPERIMENTAL, PRESETS, get_compression
 from protocols.lowbit import TopKLowBitCodec
 
 TINY = TrainConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, data_bytes=100_000,
@@ -414,3 +414,60 @@ def test_an_own_exact_lossy_step_applies_our_whole_delta_and_keeps_no_residual(t
     y.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi))
     assert y.residual is not None and y.residual.abs().sum() > 0
     assert not torch.allclose(y.phi, x.phi, atol=1e-6)
+
+
+def test_own_in_full_keeps_plain_error_feedbacks_residual_but_takes_its_own_delta_whole(tmp_path: Path) -> None:
+    """`Compression.own_in_full` (presets `high-own`, `k64q2-own`): with a residual e from earlier steps, the
+    published D + e crossed the wire as Q(D + e). The residual becomes (D + e) - Q(D + e), the bits plain error
+    feedback keeps (the partner gets the rest later), while our own term of the sum becomes D: not Q(D + e),
+    which deferred most of our own update, and not D + e, whose e was applied when it was learnt. Over several
+    codec passes (more than PASS_ELEMS entries), so the piecewise loop is covered."""
+    preset = get_compression("high")
+    own_preset = EXPERIMENTAL["high-own"]
+    codec = preset.delta_codec("bf16")
+    g = torch.Generator().manual_seed(3)
+    n = 3 * 65_536 + 5 * BLOCK + 17
+    delta, e, partner = (torch.randn(n, generator=g) for _ in range(3))
+    e.mul_(0.3)
+    published = delta + e
+    carried = wire(published, codec)
+    t = Trainer(TINY, tmp_path / "x", "peer-a")
+    own, residual, sum_delta = published.clone(), e.clone(), carried + partner
+    t._feed_back_own_in_full(own, residual, sum_delta, own_preset)
+    assert torch.equal(residual, published - carried)  # plain error feedback's residual, bit for bit
+    assert torch.allclose(own, delta, atol=1e-6)
+    assert torch.allclose(sum_delta, delta + partner, atol=1e-5)
+
+
+def test_a_step_of_an_own_in_full_preset_is_our_delta_whole_and_the_partners_as_carried(tmp_path: Path) -> None:
+    """Through `apply_result`: the same step outright (our D plus the partner's Q(D_p), the lossy pull) gives the
+    same phi and momentum, and the residual is the one plain `high` keeps from the same state."""
+    PRESETS.setdefault("high-own", EXPERIMENTAL["high-own"])
+    try:
+        preset = get_compression("high")
+        dcodec, pcodec = preset.delta_codec("bf16"), preset.phi_codec("bf16")
+        x, ref, y = (Trainer(TINY, tmp_path / name, "peer-a") for name in ("x", "ref", "y"))
+        partner = Trainer(TINY, tmp_path / "p", "peer-b")
+        slots = {}
+        for t in (x, ref, y, partner):
+            while not t.publish_due():
+                t.inner_step()
+            slots[t] = (torch.empty(t.numel), torch.empty(t.numel))
+            t.publish(*slots[t])
+        own_phi, own_d = slots[x]
+        lo, hi = preset.fragment_range(x.numel, preset.fragment_of(0))
+        sum_phi = torch.full((x.numel,), float("nan"))
+        sum_phi[lo:hi] = wire(own_phi[lo:hi], pcodec) + wire(slots[partner][0][lo:hi], pcodec)
+        sum_delta = wire(own_d, dcodec) + wire(slots[partner][1], dcodec)
+        x.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high-own", phi_range=(lo, hi))
+        y.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi))
+        exact_phi = sum_phi.clone()
+        exact_phi[lo:hi] += 2 * (own_phi[lo:hi] - wire(own_phi[lo:hi], pcodec))
+        ref.apply_result(2, exact_phi, own_d + wire(slots[partner][1], dcodec), compression="none",
+                         phi_range=(lo, hi))
+        assert torch.allclose(x.phi, ref.phi, atol=1e-6)
+        assert torch.allclose(x.outer.momentum, ref.outer.momentum, atol=1e-6)
+        assert x.residual is not None and y.residual is not None and torch.equal(x.residual, y.residual)
+        assert not torch.allclose(x.phi, y.phi, atol=1e-6)  # plain `high` deferred most of our own D
+    finally:
+        PRESETS.pop("high-own", None)
