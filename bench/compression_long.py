@@ -180,8 +180,12 @@ def append_record(path: Path, record: dict) -> None:
         fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def read_records(path: Path) -> list[dict]:
-    """Every well-formed record of `path` (a line cut by a killed run is skipped, not fatal)."""
+RECORD_KEYS = frozenset({"variant", "seed", "config", "replicas", "val_mean"})
+
+
+def read_records(path: Path, keys: frozenset[str] = RECORD_KEYS) -> list[dict]:
+    """Every well-formed record of `path`, one with all of `keys` (a line cut by a killed run is skipped, not
+    fatal; bench/phi_schemes.py reads its own records with its own keys)."""
     if not path.exists():
         return []
     records = []
@@ -190,7 +194,7 @@ def read_records(path: Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and {"variant", "seed", "config", "replicas", "val_mean"} <= record.keys():
+        if isinstance(record, dict) and keys <= record.keys():
             records.append(record)
     return records
 

@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:  # `python bench/phi_schemes.py` as well as `-m be
     sys.path.insert(0, str(ROOT))
 
 from bench.compression import wire  # noqa: E402
-from bench.compression_long import _shown, append_record, tree_id  # noqa: E402
+from bench.compression_long import _shown, append_record, read_records, tree_id  # noqa: E402
 from bench.convergence import QUICK, BenchConfig, publish_all, random_groups, relative_spread, replica_ids  # noqa: E402
 from node.worker.trainer import Trainer  # noqa: E402
 from protocols.compress import BLOCK, EXPERIMENTAL, PRESETS, Compression  # noqa: E402
@@ -73,6 +73,7 @@ DELTA_PRESET = "k64q2"
 KEEP = 64  # entries per BLOCK that `oracle`, `mom` and `moveacc` pull on (as k64q2 keeps of Delta)
 BASES = ("none", "alone", "frag", "diloco", "oracle", "mom", "moveacc")
 MOVE_DECAY = 0.9
+RECORD_KEYS = frozenset({"scheme", "seed", "outer_steps", "schedule_outer_steps", "val"})
 EDGE_SHARE = 0.05  # `wz`: the share of a block decoded near its range's edge that doubles the step
 FIRST_SIGMA = 4.0  # `wz`: before any measurement, the partner distance is taken as this x RMS(own Delta)
 
@@ -435,21 +436,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def read_phi_records(path: Path) -> list[dict]:
-    """This bench's well-formed records in `path` (bench/compression_long.py's reader checks other keys)."""
-    import json
-
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(r, dict) and {"scheme", "seed", "outer_steps", "schedule_outer_steps", "val"} <= r.keys():
-            out.append(r)
-    return out
-
+    """This bench's well-formed records in `path`."""
+    return read_records(path, RECORD_KEYS)
 
 if __name__ == "__main__":
     sys.exit(main())
