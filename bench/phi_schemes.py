@@ -244,10 +244,21 @@ class WzState:
 
 def run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home: Path,
                curve_every: int = 10) -> dict:
-    """`outer_steps` outer steps of `bc`'s schedule under `scheme`; the figures as a dict."""
+    """`outer_steps` outer steps of `bc`'s schedule under `scheme`; the figures as a dict. The Delta preset on
+    trial is a preset (the worker looks presets up by name) for the run only: a daemon in the same process, or a
+    test after this one, must not find it."""
+    added = DELTA_PRESET not in PRESETS
+    PRESETS.setdefault(DELTA_PRESET, EXPERIMENTAL[DELTA_PRESET])
+    try:
+        return _run_scheme(scheme, bc, outer_steps, n, home, curve_every)
+    finally:
+        if added:
+            PRESETS.pop(DELTA_PRESET, None)
+
+
+def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home: Path, curve_every: int) -> dict:
     started = time.monotonic()
     torch.set_num_threads(1)
-    PRESETS.setdefault(DELTA_PRESET, EXPERIMENTAL[DELTA_PRESET])
     trainers = [Trainer(bc.train_config(scheme.method), home / pid, pid) for pid in replica_ids(n)]
     custom = scheme.base in ("oracle", "mom", "moveacc", "wz")
     if custom:  # the scheme gives the pull it means in sum_phi: no int8 own-term rewrite

@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT))
 from bench import phi_schemes  # noqa: E402
 from bench.convergence import QUICK  # noqa: E402
 from bench.phi_schemes import Scheme, SchemeError, parse_schemes  # noqa: E402
+from protocols.compress import PRESETS  # noqa: E402
 
 
 def test_side_information_decodes_within_half_a_step_inside_its_range_and_a_whole_period_off_outside() -> None:
@@ -72,6 +73,7 @@ def test_every_scheme_runs_and_the_oracle_pulls_less_far_than_no_exchange_of_phi
     assert figures["wz:2,3,1"]["wraps"] is not None
     assert figures["oracle"]["spread"] != figures["frag"]["spread"]
     assert figures["frag+own"]["spread"] != figures["frag"]["spread"]  # the own Delta in full: other steps
+    assert "k64q2" not in PRESETS  # the preset on trial was the runs' only: no other test or daemon finds it
 
 
 def test_a_run_appends_its_record_and_the_report_renders_it_beside_the_yardstick(tmp_path: Path) -> None:
