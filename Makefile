@@ -41,7 +41,7 @@ run: install
 	$(PY) -m node.ops.localswarm --peers 3 --seconds $(RUN_SECONDS)
 
 test: install
-	$(PY) -m pytest -q -rs -m "not long" --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rfEs -m "not long" --durations=20 $(PYTEST_ARGS)
 
 # Unit and property tests only (no multi-process, no lab): a quick loop while editing.
 test-fast: install
@@ -56,7 +56,7 @@ test-long: install
 # its own time limit, into bench-gpu-out/ (then: $(PY) bench/gpu.py --write-docs --from bench-gpu-out).
 GPU_PY ?= $(PY)
 test-gpu:
-	$(GPU_PY) -m pytest -q -m gpu -rs tests/test_gpu.py
+	$(GPU_PY) -m pytest -q -m gpu -rfEs tests/test_gpu.py
 
 bench-gpu:
 	$(GPU_PY) bench/gpu.py --out bench-gpu-out

@@ -49,4 +49,11 @@ class WandbLog(StatusLog):
         writer.log(values, step=step)
 
     def _close(self, writer: Any) -> None:
+        """Finish the run, then stop wandb's service process: `finish` returns before that service has written
+        the run's file (read at once, it held only its header in about one run of three), and the service writes
+        it whole only as it stops. The daemon has one run and closes it as it shuts down, so nothing else in the
+        process needs the service afterwards."""
+        import wandb
+
         writer.finish()
+        wandb.teardown()
