@@ -45,7 +45,7 @@ class Compression:
     delta_bits: int = 8  # bits per kept Delta value: 8, int8 (TopKCodec); fewer, protocols/lowbit.py's codec
     # The worker applies its own Delta in full and the partner's as the wire carried it; error feedback still
     # keeps what the wire has not carried yet, for the next partner (node/worker/trainer.py,
-    # `_feed_back_own_in_full`). Nothing on the wire changes: a worker-side rule.
+    # `feed_back_own_in_full`). Nothing on the wire changes: a worker-side rule.
     own_in_full: bool = False
 
     @property

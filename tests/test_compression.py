@@ -20,7 +20,7 @@ import trio.testing
 from node.bridge.ckptfile import CheckpointError
 from node.config.train import TrainConfig
 from node.worker.outer import OuterHyper, noloco_step
-from node.worker.trainer import Trainer
+from node.worker.trainer import Trainer, feed_back_own_in_full
 from p2p.wire import PlainFrameChannel, ProtocolError, Reason, TrioByteStream
 from protocols.codec import ChunkPlan, TopKCodec, get_codec, recv_tensor, round_trip, send_tensor
 from protocols.compress import BLOCK, EXPERIMENTAL, PRESETS, get_compression
@@ -431,9 +431,8 @@ def test_own_in_full_keeps_plain_error_feedbacks_residual_but_takes_its_own_delt
     e.mul_(0.3)
     published = delta + e
     carried = wire(published, codec)
-    t = Trainer(TINY, tmp_path / "x", "peer-a")
     own, residual, sum_delta = published.clone(), e.clone(), carried + partner
-    t._feed_back_own_in_full(own, residual, sum_delta, own_preset)
+    feed_back_own_in_full(own, residual, sum_delta, own_preset)
     assert torch.equal(residual, published - carried)  # plain error feedback's residual, bit for bit
     assert torch.allclose(own, delta, atol=1e-6)
     assert torch.allclose(sum_delta, delta + partner, atol=1e-5)

@@ -158,6 +158,33 @@ class InFlight:
     samples: int  # sequences the fragment's Delta covers (its weight in a pair's mean)
 
 
+def feed_back_own_in_full(own: torch.Tensor, residual: torch.Tensor, sum_delta: torch.Tensor,
+                          compression: Compression) -> None:
+    """Error feedback for a preset that applies our own Delta in full (`Compression.own_in_full`).
+
+    On entry ``own = Delta + e`` (what was published), ``residual = e`` and ``sum_delta = Q(Delta + e) +
+    partner's``, as the wire carried them. On return ``residual = (Delta + e) - Q(Delta + e)``, the same
+    bits as plain error feedback (the partner still gets, later, what the wire has not carried yet), but
+    ``own = Delta`` and ``sum_delta = Delta + partner's``: this replica's step takes its own update whole
+    and at once, where plain error feedback deferred all but the top entries of it (e was applied here
+    when it was learnt, so it is not applied again). Why: bench/phi_schemes.py, `+own`: a replica that
+    waited for its own progress to come back through the wire trained worse than one that never joined.
+
+    In pieces of whole codec blocks (as `round_trip` cuts them, so Q has the wire's bits): a piece-sized
+    temporary, no model-sized one."""
+    codec = compression.delta_codec("bf16")
+    step = max(1, PASS_ELEMS // codec.align) * codec.align
+    wire = torch.empty(min(step, own.numel()), dtype=torch.float32)
+    for lo in range(0, own.numel(), step):
+        hi = min(lo + step, own.numel())
+        o, e, s, q = own[lo:hi], residual[lo:hi], sum_delta[lo:hi], wire[: hi - lo]
+        round_trip(codec, o, q)  # Q(Delta + e): our term of the sum, as the wire carried it
+        s.add_(o).sub_(q).sub_(e)  # Q + partner + (Delta + e) - Q - e = Delta + partner
+        q.neg_().add_(o)  # (Delta + e) - Q(Delta + e): plain error feedback's residual, bit for bit
+        o.sub_(e)  # Delta
+        e.copy_(q)
+
+
 class Trainer:
     """Model, inner optimizer, slow weights, outer optimizer and counters of one replica; no I/O policy.
 
@@ -615,7 +642,7 @@ class Trainer:
                 self.residual = torch.zeros(self.numel, dtype=torch.float32)
             residual = self.residual if span is None else self.residual[span[0] : span[1]]
             if compression.own_in_full and not own_exact and sum_delta is not None:
-                self._feed_back_own_in_full(own, residual, sum_delta, compression)
+                feed_back_own_in_full(own, residual, sum_delta, compression)
                 return
             residual.copy_(own)
             round_trip(compression.delta_codec("bf16"), own, own)
@@ -629,32 +656,6 @@ class Trainer:
                     residual.zero_()
         elif self.residual is not None:
             (self.residual if span is None else self.residual[span[0] : span[1]]).zero_()
-
-    def _feed_back_own_in_full(self, own: torch.Tensor, residual: torch.Tensor, sum_delta: torch.Tensor,
-                               compression: Compression) -> None:
-        """Error feedback for a preset that applies our own Delta in full (`Compression.own_in_full`).
-
-        On entry ``own = Delta + e`` (what was published), ``residual = e`` and ``sum_delta = Q(Delta + e) +
-        partner's``, as the wire carried them. On return ``residual = (Delta + e) - Q(Delta + e)``, the same
-        bits as plain error feedback (the partner still gets, later, what the wire has not carried yet), but
-        ``own = Delta`` and ``sum_delta = Delta + partner's``: this replica's step takes its own update whole
-        and at once, where plain error feedback deferred all but the top entries of it (e was applied here
-        when it was learnt, so it is not applied again). Why: bench/phi_schemes.py, `+own`: a replica that
-        waited for its own progress to come back through the wire trained worse than one that never joined.
-
-        In pieces of whole codec blocks (as `round_trip` cuts them, so Q has the wire's bits): a piece-sized
-        temporary, no model-sized one."""
-        codec = compression.delta_codec("bf16")
-        step = max(1, PASS_ELEMS // codec.align) * codec.align
-        wire = torch.empty(min(step, own.numel()), dtype=torch.float32)
-        for lo in range(0, own.numel(), step):
-            hi = min(lo + step, own.numel())
-            o, e, s, q = own[lo:hi], residual[lo:hi], sum_delta[lo:hi], wire[: hi - lo]
-            round_trip(codec, o, q)  # Q(Delta + e): our term of the sum, as the wire carried it
-            s.add_(o).sub_(q).sub_(e)  # Q + partner + (Delta + e) - Q - e = Delta + partner
-            q.neg_().add_(o)  # (Delta + e) - Q(Delta + e): plain error feedback's residual, bit for bit
-            o.sub_(e)  # Delta
-            e.copy_(q)
 
     def _own_phi_on_wire(self, sum_phi: torch.Tensor, phi_range: tuple[int, int], compression: Compression,
                          offset: int = 0) -> None:
