@@ -20,11 +20,13 @@ pull is gamma/2 * (phi_partner - phi_own) on every coordinate in fp32, beside th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +85,36 @@ def run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wire
     looks them up (`get_compression`): a bench's experimental preset is added to `PRESETS` in its process."""
     if method not in ("noloco", "diloco"):
         raise ValueError(f"unknown method {method!r}")
+    label = "+".join([*first, name]) + (" (own exact first)" if first_own_exact else "") if first else name
+    if method == "diloco":
+        # One shared phi needs every replica to apply the same sum: each one's own Delta in full
+        # (`own_in_full`, a NoLoCo rule: every replica there has its own phi) would make them drift apart.
+        # DiLoCo therefore runs a preset's plain-error-feedback twin, the same codec and bytes.
+        with _plain_twins((*first, name)) as twin:
+            return _run_method(bc, n, method, twin(name), home, wire_dtype, tuple(twin(p) for p in first),
+                               first_own_exact, curve_every, label)
+    return _run_method(bc, n, method, name, home, wire_dtype, first, first_own_exact, curve_every, label)
+
+
+@contextlib.contextmanager
+def _plain_twins(names: tuple[str, ...]) -> Iterator[Callable[[str], str]]:
+    """Within the block, each preset of `names` that applies its own Delta in full has a twin in `PRESETS` with
+    plain error feedback (``<name>~plain``); the callable maps a name to what DiLoCo runs."""
+    added = []
+    for name in names:
+        preset = get_compression(name)
+        if preset.own_in_full and f"{name}~plain" not in PRESETS:
+            PRESETS[f"{name}~plain"] = dataclasses.replace(preset, name=f"{name}~plain", own_in_full=False)
+            added.append(f"{name}~plain")
+    try:
+        yield lambda name: f"{name}~plain" if get_compression(name).own_in_full else name
+    finally:
+        for twin in added:
+            PRESETS.pop(twin, None)
+
+
+def _run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wire_dtype: str,
+                first: tuple[str, ...], first_own_exact: bool, curve_every: int, label: str) -> CompressionResult:
     started = time.monotonic()
     cfg = bc.train_config(method)
     trainers = [Trainer(cfg, home / pid, pid) for pid in replica_ids(n)]
@@ -133,7 +165,6 @@ def run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wire
     if curve_every:
         curve.append((bc.total_steps, sum(vals) / n))
     val_avg = averaged_model_loss(trainers)
-    label = "+".join([*first, name]) + (" (own exact first)" if first_own_exact else "") if first else name
     final = get_compression(name)
     per_param = final.delta_codec(wire_dtype).encoded_size(numel) / numel if method == "diloco" \
         else final.bytes_per_param(numel, wire_dtype)

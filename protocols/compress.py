@@ -88,27 +88,32 @@ class Compression:
 
 #: The presets: ``none`` is the exchange as it was (both tensors in ``sync.wire_dtype``, bf16 by default, 4 B/param);
 #: ``medium`` sends the top 1/16 of Delta and a quarter of phi (0.44 B/param); ``high`` the top 1/64 of Delta and
-#: a 32nd of phi (0.08 B/param). docs/benchmarks.md ("Compression") has the losses they reach.
+#: a 32nd of phi (0.08 B/param). Both apply our own Delta in full (`Compression.own_in_full`): plain error
+#: feedback, which deferred all but the top entries of it, trained worse than a replica alone (docs/benchmarks.md,
+#: "phi for compressed NoLoCo"). docs/benchmarks.md ("Compression") has the losses they reach.
 PRESETS: dict[str, Compression] = {
     "none": Compression("none"),
-    "medium": Compression("medium", delta_keep=256, fragments=4),
-    "high": Compression("high", delta_keep=64, fragments=32),
+    "medium": Compression("medium", delta_keep=256, fragments=4, own_in_full=True),
+    "high": Compression("high", delta_keep=64, fragments=32, own_in_full=True),
 }
 
 #: Presets on trial: judged by bench/compression_long.py (which adds one to PRESETS in its own process) before
 #: any becomes a `sync.compression` choice; a daemon neither offers nor accepts them. SparseLoCo's Delta (the
 #: top 64 or 128 of every 4096 entries, 1.6% or 3.1%, at 2 bits with 12-bit indices: 0.029 or 0.057 B/param)
-#: with `high`'s phi (int8 on 1 of 32 fragments, 0.031): 0.060 and 0.088 B/param each way in all.
+#: with `high`'s phi (int8 on 1 of 32 fragments, 0.031): 0.060 and 0.088 B/param each way in all; `k64q2` and
+#: `k128q2` with plain error feedback, the `-own` ones applying our own Delta in full as `medium` and `high` do.
 #: `topk-only` and `frag-only` are the two halves of `medium` (docs/benchmarks.md, "Compression": its ablation).
-#: `high-own` and `k64q2-own` send what `high` and `k64q2` send, and the worker applies its own Delta in full
-#: (`Compression.own_in_full`; bench/phi_schemes.py's `+own`).
+#: `medium-deferred` and `high-deferred` are `medium` and `high` as they were until the own Delta in full
+#: became theirs (plain error feedback): the rows recorded before it, kept so that they can be rerun.
 EXPERIMENTAL: dict[str, Compression] = {
     "k64q2": Compression("k64q2", delta_keep=64, fragments=32, delta_bits=2),
     "k128q2": Compression("k128q2", delta_keep=128, fragments=32, delta_bits=2),
+    "k64q2-own": Compression("k64q2-own", delta_keep=64, fragments=32, delta_bits=2, own_in_full=True),
+    "k128q2-own": Compression("k128q2-own", delta_keep=128, fragments=32, delta_bits=2, own_in_full=True),
     "topk-only": Compression("topk-only", delta_keep=256, fragments=1),
     "frag-only": Compression("frag-only", delta_keep=0, fragments=4),
-    "high-own": Compression("high-own", delta_keep=64, fragments=32, own_in_full=True),
-    "k64q2-own": Compression("k64q2-own", delta_keep=64, fragments=32, delta_bits=2, own_in_full=True),
+    "medium-deferred": Compression("medium-deferred", delta_keep=256, fragments=4),
+    "high-deferred": Compression("high-deferred", delta_keep=64, fragments=32),
 }
 
 

@@ -53,8 +53,9 @@ def test_a_bad_variant_is_refused_naming_what_is_wrong(spec: str, says: str) -> 
 @pytest.mark.parametrize("preset", ["none", "medium"])
 def test_diloco_keeps_one_phi_and_under_a_lossy_preset_each_replicas_error_feedback_holds_what_the_wire_dropped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preset: str) -> None:
-    """All N in one group: the same sum for everyone, so phi stays shared; with top-k each replica's residual is
-    its own D - Q(D), nonzero (what SparseLoCo feeds back), and the bytes are the Delta codec's alone."""
+    """All N in one group: the same sum for everyone, so phi stays shared (though `medium` applies its own Delta
+    in full in pairs); with top-k each replica's residual is its own D - Q(D), nonzero (what SparseLoCo feeds
+    back), and the bytes are the Delta codec's alone."""
     seen: list[Trainer] = []
 
     def recording(*args: object, **kwargs: object) -> Trainer:
@@ -71,6 +72,8 @@ def test_diloco_keeps_one_phi_and_under_a_lossy_preset_each_replicas_error_feedb
         codec = compression.get_compression(preset).delta_codec("bf16")
         assert r.bytes_per_param == pytest.approx(codec.encoded_size(numel) / numel)
         assert all(t.residual is not None and float(t.residual.abs().sum()) > 0 for t in seen)
+    # `medium` applies its own Delta in full, a NoLoCo rule: DiLoCo ran its plain twin, registered for the run only.
+    assert not [name for name in compression.PRESETS if name.endswith("~plain")]
 
 
 def test_noloco_through_run_method_is_run_preset_and_the_curve_ends_at_the_final_loss(tmp_path: Path) -> None:

@@ -359,7 +359,8 @@ def test_the_fragment_pull_is_the_exact_pull_there_and_nothing_elsewhere() -> No
 
 def test_equal_replicas_feel_no_pull_through_a_lossy_wire(tmp_path: Path) -> None:
     """Both phis crossed the wire in int8: the worker's pull is gamma/2 * (Q(phi_p) - Q(phi)), zero for equal
-    replicas (without the rewrite it would drag phi towards the int8 grid)."""
+    replicas (without the rewrite it would drag phi towards the int8 grid). `medium` applies our own Delta in
+    full and the partner's as carried: the step is beta * (D + Q(D)) / 2."""
     preset = get_compression("medium")
     tr = Trainer(TINY, tmp_path, "peer-a")
     while not tr.publish_due():
@@ -372,8 +373,9 @@ def test_equal_replicas_feel_no_pull_through_a_lossy_wire(tmp_path: Path) -> Non
     sum_phi[lo:hi] = 2 * wire(phi[lo:hi], preset.phi_codec("bf16"))
     before = tr.phi.clone()
     tr.apply_result(2, sum_phi, 2 * carried, compression="medium", phi_range=(lo, hi))
-    # First step (zero momentum): phi moves by exactly beta * mean Delta as carried, pull 0.
-    assert torch.allclose(tr.phi, before + TINY.beta * carried, atol=1e-7)
+    # First step (zero momentum): phi moves by exactly beta * mean Delta (ours whole, the partner's as carried),
+    # pull 0.
+    assert torch.allclose(tr.phi, before + TINY.beta * (delta + carried) / 2, atol=1e-6)
 
 
 def test_an_own_exact_lossy_step_applies_our_whole_delta_and_keeps_no_residual(tmp_path: Path) -> None:
@@ -406,25 +408,34 @@ def test_an_own_exact_lossy_step_applies_our_whole_delta_and_keeps_no_residual(t
     assert torch.allclose(x.phi, ref.phi, atol=1e-6)
     assert torch.allclose(x.outer.momentum, ref.outer.momentum, atol=1e-6)
     assert x.residual is None  # nothing delayed, and no residual buffer kept
-    # Without own_exact the same step keeps the top-k's remainder for later: the difference is real.
-    y = Trainer(TINY, tmp_path / "y", "peer-a")
-    while not y.publish_due():
-        y.inner_step()
-    y.publish(torch.empty(y.numel), torch.empty(y.numel))
-    y.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi))
+    # Without own_exact `high` takes the same step (our own Delta in full), but keeps the top-k's remainder for
+    # the next partner; plain error feedback (`high-deferred`) also defers most of our own Delta: a real difference.
+    PRESETS.setdefault("high-deferred", EXPERIMENTAL["high-deferred"])
+    try:
+        y, z = (Trainer(TINY, tmp_path / name, "peer-a") for name in ("y", "z"))
+        for t in (y, z):
+            while not t.publish_due():
+                t.inner_step()
+            t.publish(torch.empty(t.numel), torch.empty(t.numel))
+        y.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi))
+        z.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high-deferred", phi_range=(lo, hi))
+    finally:
+        PRESETS.pop("high-deferred", None)
     assert y.residual is not None and y.residual.abs().sum() > 0
-    assert not torch.allclose(y.phi, x.phi, atol=1e-6)
+    assert torch.allclose(y.phi, x.phi, atol=1e-6)
+    assert z.residual is not None and torch.equal(z.residual, y.residual)
+    assert not torch.allclose(z.phi, x.phi, atol=1e-6)
 
 
 def test_own_in_full_keeps_plain_error_feedbacks_residual_but_takes_its_own_delta_whole(tmp_path: Path) -> None:
-    """`Compression.own_in_full` (presets `high-own`, `k64q2-own`): with a residual e from earlier steps, the
+    """`Compression.own_in_full` (presets `medium`, `high`, `k64q2-own`): with a residual e from earlier steps, the
     published D + e crossed the wire as Q(D + e). The residual becomes (D + e) - Q(D + e), the bits plain error
     feedback keeps (the partner gets the rest later), while our own term of the sum becomes D: not Q(D + e),
     which deferred most of our own update, and not D + e, whose e was applied when it was learnt. Over several
     codec passes (more than PASS_ELEMS entries), so the piecewise loop is covered."""
-    preset = get_compression("high")
-    own_preset = EXPERIMENTAL["high-own"]
-    codec = preset.delta_codec("bf16")
+    own_preset = get_compression("high")
+    assert own_preset.own_in_full
+    codec = own_preset.delta_codec("bf16")
     g = torch.Generator().manual_seed(3)
     n = 3 * 65_536 + 5 * BLOCK + 17
     delta, e, partner = (torch.randn(n, generator=g) for _ in range(3))
@@ -440,8 +451,9 @@ def test_own_in_full_keeps_plain_error_feedbacks_residual_but_takes_its_own_delt
 
 def test_a_step_of_an_own_in_full_preset_is_our_delta_whole_and_the_partners_as_carried(tmp_path: Path) -> None:
     """Through `apply_result`: the same step outright (our D plus the partner's Q(D_p), the lossy pull) gives the
-    same phi and momentum, and the residual is the one plain `high` keeps from the same state."""
-    PRESETS.setdefault("high-own", EXPERIMENTAL["high-own"])
+    same phi and momentum, and the residual is the one plain error feedback (`high-deferred`, `high` until the
+    own Delta in full became its rule) keeps from the same state."""
+    PRESETS.setdefault("high-deferred", EXPERIMENTAL["high-deferred"])
     try:
         preset = get_compression("high")
         dcodec, pcodec = preset.delta_codec("bf16"), preset.phi_codec("bf16")
@@ -458,8 +470,8 @@ def test_a_step_of_an_own_in_full_preset_is_our_delta_whole_and_the_partners_as_
         sum_phi = torch.full((x.numel,), float("nan"))
         sum_phi[lo:hi] = wire(own_phi[lo:hi], pcodec) + wire(slots[partner][0][lo:hi], pcodec)
         sum_delta = wire(own_d, dcodec) + wire(slots[partner][1], dcodec)
-        x.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high-own", phi_range=(lo, hi))
-        y.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi))
+        x.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi))
+        y.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high-deferred", phi_range=(lo, hi))
         exact_phi = sum_phi.clone()
         exact_phi[lo:hi] += 2 * (own_phi[lo:hi] - wire(own_phi[lo:hi], pcodec))
         ref.apply_result(2, exact_phi, own_d + wire(slots[partner][1], dcodec), compression="none",
@@ -467,6 +479,6 @@ def test_a_step_of_an_own_in_full_preset_is_our_delta_whole_and_the_partners_as_
         assert torch.allclose(x.phi, ref.phi, atol=1e-6)
         assert torch.allclose(x.outer.momentum, ref.outer.momentum, atol=1e-6)
         assert x.residual is not None and y.residual is not None and torch.equal(x.residual, y.residual)
-        assert not torch.allclose(x.phi, y.phi, atol=1e-6)  # plain `high` deferred most of our own D
+        assert not torch.allclose(x.phi, y.phi, atol=1e-6)  # plain error feedback deferred most of our own D
     finally:
-        PRESETS.pop("high-own", None)
+        PRESETS.pop("high-deferred", None)
