@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import json
 import math
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,6 +53,8 @@ if str(ROOT) not in sys.path:  # `python bench/compression_long.py` as well as `
 
 from bench.compression import run_method  # noqa: E402
 from bench.convergence import QUICK, BenchConfig  # noqa: E402
+from bench.records import append_record, provenance, tree_id  # noqa: E402
+from bench.records import read_records as _read_records  # noqa: E402
 from protocols.compress import EXPERIMENTAL, PRESETS  # noqa: E402
 from starling_testing.report import publish  # noqa: E402
 
@@ -132,18 +131,6 @@ def parse_variants(text: str) -> list[Variant]:
     return [Variant.parse(s) for s in specs]
 
 
-def tree_id() -> str:
-    """HEAD's short hash, with "+changes" when the working tree differs from it."""
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=20).stdout
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no").strip()
-    return head + ("+changes" if dirty else "")
-
-
 def run_key(record: dict) -> tuple:
     """What makes two records the same run: the variant, the seed and the whole bench configuration."""
     return record["variant"], record["seed"], json.dumps(record["config"], sort_keys=True), record["replicas"]
@@ -164,39 +151,16 @@ def run_one(variant: Variant, seed: int, bc: BenchConfig, replicas: int, curve_e
         "replicas": replicas, "config": dataclasses.asdict(dataclasses.replace(bc, seed=0)),  # options: in the name
         "bytes_per_param": r.bytes_per_param, "val_mean": r.val_mean, "val_avg_model": r.val_avg_model,
         "spread": r.spread, "pull_error": r.pull_error, "curve": r.curve, "seconds": round(r.seconds, 1),
-        "tree": tree, "command": command,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.node()}",
-        "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        **provenance(command, tree),
     }
-
-
-def append_record(path: Path, record: dict) -> None:
-    """One line, written whole under an exclusive lock: concurrent runs never interleave."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(json.dumps(record, sort_keys=True) + "\n")
-        f.flush()
-        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 RECORD_KEYS = frozenset({"variant", "seed", "config", "replicas", "val_mean"})
 
 
 def read_records(path: Path, keys: frozenset[str] = RECORD_KEYS) -> list[dict]:
-    """Every well-formed record of `path`, one with all of `keys` (a line cut by a killed run is skipped, not
-    fatal; bench/phi_schemes.py reads its own records with its own keys)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and keys <= record.keys():
-            records.append(record)
-    return records
+    """Every well-formed record of `path` with all of `keys` (bench/phi_schemes.py reads its own with its own)."""
+    return _read_records(path, keys)
 
 
 @dataclass

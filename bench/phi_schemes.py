@@ -44,8 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -60,8 +58,9 @@ if str(ROOT) not in sys.path:  # `python bench/phi_schemes.py` as well as `-m be
     sys.path.insert(0, str(ROOT))
 
 from bench.compression import wire  # noqa: E402
-from bench.compression_long import _shown, append_record, read_records, tree_id  # noqa: E402
+from bench.compression_long import _shown, read_records  # noqa: E402
 from bench.convergence import QUICK, BenchConfig, publish_all, random_groups, relative_spread, replica_ids  # noqa: E402
+from bench.records import append_record, provenance, tree_id  # noqa: E402
 from node.worker.trainer import Trainer  # noqa: E402
 from protocols.compress import BLOCK, EXPERIMENTAL, PRESETS, Compression  # noqa: E402
 from starling_testing.report import publish  # noqa: E402
@@ -416,9 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             figures = run_scheme(schemes[0], bc, args.outer_steps, 4, Path(tmp))
         append_record(args.jsonl, {
             **figures, "seed": args.seed, "outer_steps": args.outer_steps,
-            "schedule_outer_steps": args.schedule_outer_steps, "quick": args.quick, "tree": tree,
-            "command": args.command or command, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+            "schedule_outer_steps": args.schedule_outer_steps, "quick": args.quick,
+            **provenance(args.command or command, tree)})
         print(f"{figures['scheme']}: val {figures['val']:.4f} spread {figures['spread']:.3f} "
               f"({figures['seconds']:.0f} s)", file=sys.stderr)
         return 0 if math.isfinite(figures["val"]) else 1

@@ -85,6 +85,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from convergence import QUICK as QUICK_BENCH  # noqa: E402  # bench/convergence.py, beside this script
 from convergence import BenchConfig, run_ddp, run_outer
+from records import RESULTS_DIR, append_record, provenance, tree_id
 from swarm import (
     CGROUP_CPU,
     SLOW_PERIOD_US,
@@ -112,6 +113,7 @@ SECTION = "## Over slow links"
 # Runs with latency, jitter or loss (`--rtt-ms`, `--jitter-ms`, `--loss`) write their own section, beside the
 # zero-latency record above (issue #50).
 LATENCY_SECTION = "## Over slow links with latency"
+RESULTS = RESULTS_DIR / "wan.jsonl"  # every full run's raw rows (issue #52): what the sections are rendered from
 HIVEMIND_VENV = ROOT / "bench" / ".venv-hivemind"
 HIVEMIND_SCRIPT = ROOT / "bench" / "hivemind_wan.py"
 HIVEMIND_PORT = 31337
@@ -1477,6 +1479,19 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
     return "\n\n".join(parts) + "\n"
 
 
+def scenario_record(sc: Scenario, plan: Plan, derivation: Derivation, command: str, tree: str) -> dict[str, Any]:
+    """One scenario's raw results as a JSON record: every row whole (curves, bytes, shares), the link and path it
+    ran on, the target, and where it came from."""
+    leg = sc.leg or plan
+    return {
+        "bench": "wan", "section": section_of(leg), "scenario": sc.name, "rates_mbit": sc.rates,
+        "path": dataclasses.asdict(leg.path), "up_factor": leg.up_factor, "seconds": plan.seconds,
+        "cap_pct": plan.cap_pct, "model": plan.model, "config": dataclasses.asdict(plan.bench),
+        "target": sc.target, "wall": sc.wall, "notes": sc.notes, "rows": [dataclasses.asdict(r) for r in sc.rows],
+        "derivation": dataclasses.asdict(derivation), **provenance(command, tree),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--collective-rank"]:
@@ -1527,6 +1542,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alone", choices=("auto", "on", "off"), default="auto",
                         help="also run each trainer alone (no swarm) for the same time: auto = with latency")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
+    parser.add_argument("--jsonl", type=Path, default=None,
+                        help=f"append each scenario's raw rows here (default {RESULTS.relative_to(ROOT)}; a --quick "
+                             "run writes none unless given)")
     args = parser.parse_args(argv)
     names = [x.strip() for x in (args.link or "").split(",") if x.strip()]
     unknown = [x for x in names if x not in LINKS]
@@ -1573,6 +1591,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     sweep_stale_caps()
     started = time.monotonic()
+    tree = tree_id()  # the code that runs: read before the half hour the run takes, in which HEAD may move
     root = Path(tempfile.mkdtemp(prefix="starling-wan-"))
     writing = args.write_docs and not args.quick
     out_dir = DOCS.parent if writing else (args.out or Path(tempfile.mkdtemp(prefix="starling-wan-plots-")))
@@ -1587,6 +1606,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: every namespace, daemon and cgroup was removed (logs in {root})", file=sys.stderr)
         return 130
     command = ("python bench/wan.py " + " ".join(argv)).strip()
+    jsonl = args.jsonl or (None if args.quick else RESULTS)
+    if jsonl is not None:
+        for sc in results:
+            append_record(jsonl, scenario_record(sc, plan, derivation, command, tree))
+        print(f"raw rows appended to {jsonl}", file=sys.stderr)
     for leg in plan.legs():  # a section per leg (named link), each with the scenarios run on it
         mine = [sc for sc in results if sc.leg == leg]
         text = render(leg, derivation, mine, notes, command, time.monotonic() - started,

@@ -9,6 +9,7 @@ row whose cells parse, the plot exists, and nothing is left behind (no namespace
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -303,3 +304,26 @@ def test_an_unknown_all_reduce_dtype_is_refused_with_a_message() -> None:
     r = subprocess.run([sys.executable, str(WAN), "--allreduce", "fp16"], capture_output=True, text=True, timeout=120,
                        cwd=ROOT)
     assert r.returncode == 2 and "--allreduce" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_each_scenario_is_kept_as_a_raw_record_with_its_rows_link_and_provenance(tmp_path: Path) -> None:
+    """Issue #52: the raw results are kept (bench/results/wan.jsonl), not only the rendered section: one JSON line
+    per scenario, each row whole, the leg's path and section, and the tree, command, machine and time."""
+    wan = _load_wan()
+    from convergence import BenchConfig
+
+    links = [wan.LINKS["2mbit-200ms-loss"]]
+    plan = wan.Plan(False, BenchConfig(), "bench", 240.0, 90.0, 300.0, 35.0, ["2"], ["uniform"], [], links=links)
+    leg = plan.legs()[0]
+    row = wan.Row("Starling defaults", [(0.0, 3.0), (240.0, 1.9)], [(0.0, 0.0), (240.0, 5e6)], "101%", "10/0",
+                  "0.35", averaged_shares=[1.0])
+    sc = wan.Scenario("uniform", [2.0] * 4, [row], 2.0, 240.0, None, ["a note"], leg=leg)
+    derivation = wan.Derivation(470_000, 0.07, 1.88e6, True, 50)
+    path = tmp_path / "wan.jsonl"
+    wan.append_record(path, wan.scenario_record(sc, plan, derivation, "python bench/wan.py --link x", "abc1234"))
+    (record,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert record["section"] == "## Over slow links with latency: 2 Mbit/s, 200 +-20 ms RTT, 0.5% loss"
+    assert record["path"] == {"rtt_ms": 200.0, "jitter_ms": 20.0, "loss": 0.005}
+    assert record["rows"][0]["curve"] == [[0.0, 3.0], [240.0, 1.9]] and record["rows"][0]["averaged_shares"] == [1.0]
+    assert (record["tree"], record["command"]) == ("abc1234", "python bench/wan.py --link x")
+    assert record["machine"] and record["utc"] and record["derivation"]["params"] == 470_000

@@ -1,0 +1,64 @@
+"""Raw bench results as JSON lines under bench/results/ (issue #52, item 2): each finished run appends one
+record with its figures and where they came from (the tree, the command, the machine, the time), and the docs
+render from the file, so a figure in docs/benchmarks.md can be traced to the run that made it and rerun.
+
+Shared by the benches that keep their results (compression_long, phi_schemes, wan)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
+
+
+def tree_id() -> str:
+    """HEAD's short hash, with "+changes" when the working tree differs from it."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    return head + ("+changes" if dirty else "")
+
+
+def provenance(command: str, tree: str | None = None) -> dict[str, str]:
+    """Where a record comes from: the tree (`tree`: read when the run started, HEAD may move during it), the
+    command line, the machine and the time it finished."""
+    return {"tree": tree or tree_id(), "command": command,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.node()}",
+            "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One line, written whole under an exclusive lock: concurrent runs never interleave."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_records(path: Path, keys: frozenset[str]) -> list[dict]:
+    """Every well-formed record of `path`, one with all of `keys` (a line cut by a killed run is skipped, not
+    fatal)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and keys <= record.keys():
+            records.append(record)
+    return records
