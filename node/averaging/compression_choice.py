@@ -136,9 +136,10 @@ def keeps_own_exact(compression: str, used: str, *, rate_bps: float | None, peri
     2.026 against 1.941 and 1.943), and the real daemons' convergence row no better than no communication.
     With the own Delta applied in full on the ramp's exchanges (`--first-own-exact`; the partner still
     gets the compressed copy, as the wire carried it), 1.933 and 1.940: the ramp costs nothing. On a link
-    slow enough that the lossy preset stays (`choose_compression` keeps it), error feedback is what keeps
-    the steady compressed exchanges unbiased, so it stays. A fixed preset is the operator's choice of a
-    steady lossy wire: error feedback as before."""
+    slow enough that the lossy preset stays (`choose_compression` keeps it), and with a fixed preset (the
+    operator's choice of a steady lossy wire), error feedback keeps what the wire has not carried yet for
+    the next partner, so the residual stays; the own Delta is applied in full there too, by the presets'
+    own rule (`Compression.own_in_full`, since 2026-12-07). What `own_exact` adds is no residual at all."""
     if compression != AUTO or used not in ORDER or used == ORDER[0]:
         return False
     if rate_bps is None or rate_bps <= 0 or period_s <= 0:
