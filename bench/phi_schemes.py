@@ -14,7 +14,7 @@ delivers it (`Trainer.apply_result`), so only what crosses the wire is simulated
 
 - ``none``: bf16 NoLoCo (4 B/param), the yardstick; ``alone``: no exchange at all, each replica's solo steps
   (what a trainer gets by not joining: a scheme worse than it makes joining harmful); ``frag``: the preset's own
-  phi, int8 on 1 of 32 fragments;
+  phi, int8 on 1 of 32 fragments; ``frag:F``: the same on 1 of F fragments (more of phi's bytes, the same Delta);
   ``diloco``: all replicas in one group, one shared phi, the same Delta codec (the strongest fair peer).
 - ``oracle``: the pull on the top 64 of every 4096 entries of |phi_partner - phi_own|, exact. Not buildable (it
   needs the partner's phi to choose), it bounds every scheme that sends phi on 1.6% of the entries.
@@ -62,7 +62,7 @@ from bench.compression_long import _shown, read_records  # noqa: E402
 from bench.convergence import QUICK, BenchConfig, publish_all, random_groups, relative_spread, replica_ids  # noqa: E402
 from bench.records import append_record, provenance, tree_id  # noqa: E402
 from node.worker.trainer import Trainer  # noqa: E402
-from protocols.compress import BLOCK, EXPERIMENTAL, PRESETS, Compression  # noqa: E402
+from protocols.compress import BLOCK, EXPERIMENTAL, MAX_FRAGMENTS, PRESETS, Compression  # noqa: E402
 from starling_testing.report import publish  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -87,6 +87,7 @@ class Scheme:
     smean: bool = False
     wz: tuple[int, int, float] | None = None  # (fragments F, bits B, scale C) of `wz`
     own: bool = False
+    fragments: int | None = None  # `frag:F`: phi on 1 of F fragments (None: the Delta preset's own, 32)
 
     @classmethod
     def parse(cls, spec: str) -> Scheme:
@@ -103,6 +104,16 @@ class Scheme:
             if not (1 <= wz[0] <= 64 and 1 <= wz[1] <= 8 and math.isfinite(wz[2]) and wz[2] > 0):
                 raise SchemeError(f"{spec!r}: wz needs 1 <= F <= 64, 1 <= B <= 8 and C > 0")
             return cls("wz", smean, wz, own)
+        if text.startswith("frag:"):
+            try:
+                fragments = int(text[5:])
+            except ValueError:
+                raise SchemeError(f"{spec!r}: frag:F takes a whole number of fragments, e.g. frag:16") from None
+            if not 1 <= fragments <= MAX_FRAGMENTS:
+                raise SchemeError(f"{spec!r}: frag:F needs 1 <= F <= {MAX_FRAGMENTS}")
+            if smean and own:
+                raise SchemeError(f"{spec!r}: +smean and +own do not combine here")
+            return cls("frag", smean, None, own, fragments)
         if text not in BASES:
             raise SchemeError(f"{spec!r}: unknown scheme; expected one of {', '.join(BASES)}, wz:F,B,C "
                               "(each with an optional +smean)")
@@ -117,6 +128,7 @@ class Scheme:
     @property
     def name(self) -> str:
         base = f"wz:{self.wz[0]},{self.wz[1]},{self.wz[2]:g}" if self.wz else self.base
+        base += f":{self.fragments}" if self.fragments is not None else ""
         return base + ("+smean" if self.smean else "") + ("+own" if self.own else "")
 
     @property
@@ -125,7 +137,17 @@ class Scheme:
 
     @property
     def preset(self) -> str:
-        return "none" if self.base in ("none", "alone") else DELTA_PRESET
+        if self.base in ("none", "alone"):
+            return "none"
+        return DELTA_PRESET if self.fragments is None else f"{DELTA_PRESET}-f{self.fragments}"
+
+    def compression(self) -> Compression:
+        """The preset the worker applies under this scheme: the Delta preset's, with `frag:F`'s fragments."""
+        if self.preset in PRESETS:
+            return PRESETS[self.preset]
+        base = EXPERIMENTAL[DELTA_PRESET]
+        return base if self.fragments is None else dataclasses.replace(base, name=self.preset,
+                                                                      fragments=self.fragments)
 
 
 def parse_schemes(text: str) -> list[Scheme]:
@@ -149,7 +171,7 @@ def parse_schemes(text: str) -> list[Scheme]:
 
 def bytes_per_param(scheme: Scheme, numel: int) -> float:
     """What one side sends per outer step, phi and Delta (framing excluded); `oracle` counts Delta only."""
-    preset = PRESETS.get(scheme.preset) or EXPERIMENTAL[scheme.preset]
+    preset = scheme.compression()
     if scheme.base == "alone":
         return 0.0
     if scheme.base in ("none", "frag"):
@@ -246,13 +268,13 @@ def run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home: 
     """`outer_steps` outer steps of `bc`'s schedule under `scheme`; the figures as a dict. The Delta preset on
     trial is a preset (the worker looks presets up by name) for the run only: a daemon in the same process, or a
     test after this one, must not find it."""
-    added = DELTA_PRESET not in PRESETS
-    PRESETS.setdefault(DELTA_PRESET, EXPERIMENTAL[DELTA_PRESET])
+    added = scheme.preset not in PRESETS
+    PRESETS.setdefault(scheme.preset, scheme.compression())
     try:
         return _run_scheme(scheme, bc, outer_steps, n, home, curve_every)
     finally:
         if added:
-            PRESETS.pop(DELTA_PRESET, None)
+            PRESETS.pop(scheme.preset, None)
 
 
 def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home: Path, curve_every: int) -> dict:

@@ -92,3 +92,22 @@ def test_a_bad_scheme_on_the_command_line_is_one_line_not_a_traceback() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "phi_schemes.py"), "--schemes", "nope"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2 and "unknown scheme" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_frag_f_pulls_on_1_of_f_fragments_with_the_same_delta_and_its_preset_lives_for_the_run_only(
+        tmp_path: Path) -> None:
+    """`frag:F` spends more bytes on phi (1 of F fragments in int8) with `k64q2`'s Delta: F = 4 sends 8x the phi
+    bytes of the default 32 and pulls on 8x the coordinates, so the replicas end closer."""
+    s = Scheme.parse("frag:4+own")
+    assert (s.name, s.preset, s.compression().fragments) == ("frag:4+own", "k64q2-f4", 4)
+    numel = 1_000_000
+    default = phi_schemes.bytes_per_param(Scheme.parse("frag"), numel)
+    delta = s.compression().delta_codec("bf16").encoded_size(numel) / numel
+    assert phi_schemes.bytes_per_param(s, numel) - delta == pytest.approx(8 * (default - delta), rel=0.01)
+    four = phi_schemes.run_scheme(s, QUICK, 4, 4, tmp_path / "f4", curve_every=0)
+    many = phi_schemes.run_scheme(Scheme.parse("frag:64+own"), QUICK, 4, 4, tmp_path / "f64", curve_every=0)
+    assert four["spread"] < many["spread"]
+    assert not [name for name in PRESETS if name.startswith("k64q2")]
+    for spec, says in (("frag:x", "whole number"), ("frag:0", "1 <= F"), ("frag:65", "1 <= F")):
+        with pytest.raises(SchemeError, match=says):
+            Scheme.parse(spec)
