@@ -101,7 +101,8 @@ PRESETS: dict[str, Compression] = {
 #: any becomes a `sync.compression` choice; a daemon neither offers nor accepts them. SparseLoCo's Delta (the
 #: top 64 or 128 of every 4096 entries, 1.6% or 3.1%, at 2 bits with 12-bit indices: 0.029 or 0.057 B/param)
 #: with `high`'s phi (int8 on 1 of 32 fragments, 0.031): 0.060 and 0.088 B/param each way in all; `k64q2` and
-#: `k128q2` with plain error feedback, the `-own` ones applying our own Delta in full as `medium` and `high` do.
+#: `k128q2` with plain error feedback, the `-own` ones applying our own Delta in full as `medium` and `high` do;
+#: `-f16` and `-f8` spend more of the bytes on phi's pull (1 of 16 or 8 fragments: 0.092 and 0.154 B/param).
 #: `topk-only` and `frag-only` are the two halves of `medium` (docs/benchmarks.md, "Compression": its ablation).
 #: `medium-deferred` and `high-deferred` are `medium` and `high` as they were until the own Delta in full
 #: became theirs (plain error feedback): the rows recorded before it, kept so that they can be rerun.
@@ -110,6 +111,8 @@ EXPERIMENTAL: dict[str, Compression] = {
     "k128q2": Compression("k128q2", delta_keep=128, fragments=32, delta_bits=2),
     "k64q2-own": Compression("k64q2-own", delta_keep=64, fragments=32, delta_bits=2, own_in_full=True),
     "k128q2-own": Compression("k128q2-own", delta_keep=128, fragments=32, delta_bits=2, own_in_full=True),
+    "k64q2-own-f16": Compression("k64q2-own-f16", delta_keep=64, fragments=16, delta_bits=2, own_in_full=True),
+    "k64q2-own-f8": Compression("k64q2-own-f8", delta_keep=64, fragments=8, delta_bits=2, own_in_full=True),
     "topk-only": Compression("topk-only", delta_keep=256, fragments=1),
     "frag-only": Compression("frag-only", delta_keep=0, fragments=4),
     "medium-deferred": Compression("medium-deferred", delta_keep=256, fragments=4),
