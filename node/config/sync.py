@@ -20,8 +20,9 @@ class SyncConfig:
                            "the least compressed preset whose transfer, at the partner's measured rate, fits in an "
                            "outer step's compute; none before a rate is measured or with group_size 4) | none (phi "
                            "and Delta in wire_dtype, 4 B/param in bf16) | medium (top 1/16 of Delta + a quarter of "
-                           "phi in int8, 0.44 B/param) | high (top 1/64 + a 32nd, 0.08 B/param); error feedback keeps "
-                           "what is not sent. Every trainer of a swarm must use the same")
+                           "phi in int8, 0.44 B/param) | high (top 1/64 + a 32nd, 0.08 B/param); a trainer applies its own "
+                           "Delta in full and error feedback keeps what is not sent yet for the next partner. Every "
+                           "trainer of a swarm must use the same")
     fragments: int = opt(1, "streaming fragments (issue #23): 1 syncs the whole model at each outer step | F (2..64) "
                          "cuts it into F contiguous fragments, fragment f synced at inner step (f+1)H/F of each "
                          "outer step with its own partner: a transfer F times shorter, so a result that comes late "
