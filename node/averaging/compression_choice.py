@@ -1,7 +1,8 @@
 """`sync.compression = "auto"`: which preset (protocols/compress.py) an exchange uses; the slower side's view wins.
 
 Why a choice at all: no preset is best everywhere. At equal outer steps `medium` (0.44 B/param) costs
-about 0.21 nats against bf16 `none` (4 B/param), so on a link that moves a bf16 exchange within an outer
+about 0.21 nats against bf16 `none` (4 B/param; measured with the deferred error feedback it had before
+2026-12-07, `medium-deferred` now), so on a link that moves a bf16 exchange within an outer
 step compression only loses. Over a 0.4 Mbit/s link a bf16 exchange took 70-80 s against 4.6 s of compute
 per outer step, each outer step stretched over ~1,000 inner steps instead of ~100, and at equal wall time
 `medium` was 0.38 nats better (docs/benchmarks.md, "Compression" and "Over slow links"). What decides is the
