@@ -66,6 +66,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import membership  # noqa: E402  (bench/membership.py, beside this script)
 from membership import LoopbackSwarm  # noqa: E402
+from records import RESULTS_DIR, keep_results, tree_id  # noqa: E402
 
 from starling_testing.report import publish  # noqa: E402
 
@@ -681,6 +682,8 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.OPTION=VALUE",
                    help="a config option for every daemon, as `starling run --set`")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--jsonl", type=Path, default=None,
+                   help="append the raw results, one record per run, here (default bench/results/scale.jsonl)")
     p.add_argument("--trace", action="store_true",
                    help="keep every status round of the join in the JSON (per daemon: view, why members are missing, "
                         "connections, state sessions, SWIM counters)")
@@ -694,7 +697,7 @@ def main() -> int:
         if skip or a == "--write-docs":
             skip = False
             continue
-        skip = a in ("--json", "--profile", "--keep-logs")
+        skip = a in ("--json", "--jsonl", "--profile", "--keep-logs")
         if not skip:
             argv.append(a)
     args.command = " ".join(["python bench/scale.py", *argv])
@@ -704,11 +707,14 @@ def main() -> int:
         if min(args.sizes) < 2 or args.window <= 0:
             p.error("need sizes >= 2 and --window > 0")
         results = []
+        tree = tree_id()  # read at the start: HEAD may move during a long run
         for n in args.sizes:
             with tempfile.TemporaryDirectory(prefix=f"starling-scale{n}-") as tmp:
                 results.append(run_size(n, args, Path(tmp)))
             if args.json:
                 args.json.write_text(json.dumps(results, indent=1))
+        keep_results(args.jsonl or RESULTS_DIR / "scale.jsonl", "scale", results, args.command, tree,
+                     sizes=args.sizes, join=args.join, settings=args.set)
     text = render(results, ("python bench/scale.py " + " ".join(sys.argv[1:])).strip())
     publish(text, DOCS, SECTION, write=args.write_docs)
     return 0

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from convergence import QUICK as QUICK_BENCH  # bench/convergence.py, beside this script
 from convergence import BenchConfig, relative_spread, run_ddp, run_outer
+from records import RESULTS_DIR, keep_results, tree_id
 
 from node.config.home import Home
 from node.config.sync import SyncConfig
@@ -76,6 +77,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Swarm"
+RESULTS = RESULTS_DIR / "swarm.jsonl"  # every full run's raw results (issue #52): figures traceable to a run
 SCENARIOS = ("mixing3", "hetero", "convergence")
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 SLOW_QUOTA_US, SLOW_PERIOD_US = 25_000, 100_000  # a slow worker: 25 % of one core
@@ -986,6 +988,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="convergence: leave out the row with half the workers throttled")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
                         help="run in DIR (new or empty) and keep it: the daemons' homes and logs")
+    parser.add_argument("--jsonl", type=Path, default=None,
+                        help=f"append the raw results here (default {RESULTS.relative_to(RESULTS_DIR.parent.parent)}; "
+                        "a --quick run keeps none unless given)")
     args = parser.parse_args(argv)
     sync_overrides = parse_sync_overrides(parser, args.sync)
     if args.write_docs and (sync_overrides or args.no_throttled_row):
@@ -1011,6 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = dataclasses.replace(plan, sync={**plan.sync, **sync_overrides}, throttled_row=not args.no_throttled_row)
     res = Results()
     started = time.monotonic()
+    tree = tree_id()  # read at the start: HEAD may move during a long run
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
     workdir = (contextlib.nullcontext(str(args.keep)) if args.keep is not None
@@ -1029,6 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
     command = ("python bench/swarm.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     text = render(plan, res, command, time.monotonic() - started, scenarios)
     print(text)
+    keep_results(args.jsonl or (None if args.quick else RESULTS), "swarm", res, command, tree,
+                 scenarios=scenarios, plan=plan, seconds=round(time.monotonic() - started, 1))
     if args.write_docs and not args.quick:
         replace_section(DOCS, SECTION, text)
         print(f"written to {DOCS}", file=sys.stderr)

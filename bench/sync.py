@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 import trio
+from records import RESULTS_DIR, keep_results, tree_id  # bench/records.py, beside this script
 
 from node.bridge.exchange import ExchangeRequest
 from node.worker.task import layout_hash
@@ -1003,6 +1004,8 @@ def main() -> int:
     p.add_argument("--window", type=float, default=None,
                    help="part 4 window per phase in seconds (default 60; quick 10)")
     p.add_argument("--write-docs", action="store_true", help="record the results in docs/benchmarks.md")
+    p.add_argument("--jsonl", type=Path, default=None, help="append the raw results here (default "
+                   "bench/results/sync.jsonl; a --quick run keeps none unless given)")
     args = p.parse_args()
     q = args.quick
     args.big_params = int(args.big_params or (2e6 if q else 100e6))
@@ -1018,6 +1021,7 @@ def main() -> int:
         p.error("--sizes: even numbers >= 2 (every node needs a partner)")
 
     began = time.monotonic()
+    tree = tree_id()  # read at the start: HEAD may move during a long run
     load_before = os.getloadavg()[0]
     print(f"{os.cpu_count()} cores, load average {load_before:.1f} (other work on this machine skews every number)",
           flush=True)
@@ -1049,6 +1053,11 @@ def main() -> int:
     load = (f"1-minute load average {' / '.join(f'{x:.1f}' for x in loads)} at the start and after each part "
             f"(other sessions' work on this machine: {os.cpu_count()} cores)")
     print(f"\ndone in {elapsed / 60:.1f} min; {load}", flush=True)
+    keep_results(args.jsonl or (None if q else RESULTS_DIR / "sync.jsonl"), "sync", results,
+                 "python bench/sync.py " + " ".join(sys.argv[1:]), tree, parts=args.parts, loads=loads,
+                 seconds=round(elapsed, 1), settings={k: getattr(args, k) for k in
+                                                      ("big_params", "stream_params", "repeat", "params", "sizes",
+                                                       "rounds", "window")})
     if args.write_docs:
         write_docs("python bench/sync.py " + " ".join(sys.argv[1:]), elapsed, load, results, args)
     return 0

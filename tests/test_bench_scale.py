@@ -20,11 +20,15 @@ def test_the_scale_bench_reports_join_idle_cost_and_churn_of_real_daemons(tmp_pa
         [sys.executable, str(ROOT / "bench" / "scale.py"), "--sizes", "3", "--timeout", "60", "--settle", "2",
          "--window", "5", "--churn-rounds", "1", "--churn-every", "15", "--poll", "1",
          "--json", str(tmp_path / "r.json"), "--profile", str(tmp_path / "prof"), "--trace",
-         "--keep-logs", str(tmp_path / "logs")],
+         "--keep-logs", str(tmp_path / "logs"), "--jsonl", str(tmp_path / "scale.jsonl")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     [r] = json.loads((tmp_path / "r.json").read_text())
+    # The raw results are kept too (issue #52): one record, the same results, with where they came from.
+    [kept] = [json.loads(line) for line in (tmp_path / "scale.jsonl").read_text().splitlines()]
+    assert kept["bench"] == "scale" and kept["results"] == [r] and kept["sizes"] == [3]
+    assert {"tree", "command", "machine", "utc"} <= kept.keys() and "--jsonl" not in kept["command"]
     assert r["n"] == 3 and r["join_mode"] == "bootstrap"
     settled = r["settled"]
     assert settled["cpu_s_per_min"]["min"] > 0 and settled["rss_mib"]["min"] > 0

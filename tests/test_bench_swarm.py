@@ -8,6 +8,7 @@ and every trainer of the mixing table is there, with finite losses and shares, a
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -32,10 +33,11 @@ def _cgroups() -> set[str]:
 @pytest.mark.slow
 @pytest.mark.long  # a benchmark smoke run: `make test-long`
 @pytest.mark.timeout(400)
-def test_quick_swarm_benchmark_prints_the_convergence_and_mixing_rows() -> None:
+def test_quick_swarm_benchmark_prints_the_convergence_and_mixing_rows(tmp_path: Path) -> None:
     before = _cgroups()
+    kept = tmp_path / "swarm.jsonl"
     r = subprocess.run(
-        [sys.executable, str(SWARM), "--quick", "--scenarios", "convergence,mixing3"],
+        [sys.executable, str(SWARM), "--quick", "--scenarios", "convergence,mixing3", "--jsonl", str(kept)],
         capture_output=True, text=True, timeout=380, cwd=ROOT,
     )
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
@@ -58,6 +60,11 @@ def test_quick_swarm_benchmark_prints_the_convergence_and_mixing_rows() -> None:
     assert "- mixing3, averaged share >= 60% for every trainer: " in out
     assert "- mixing3, distinct partners >= 2 for every trainer: " in out
     assert _cgroups() <= before, "a cgroup was left behind"
+    # The raw results are kept too (issue #52): the rows the tables were rendered from, with their provenance.
+    [record] = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert record["bench"] == "swarm" and record["scenarios"] == ["convergence", "mixing3"]
+    assert {row["label"] for row in record["results"]["convergence"]} >= {"DDP (simulation)"}
+    assert len(record["results"]["mixing3"]["trainers"]) == 3 and record["command"].startswith("python bench/swarm.py")
 
 
 def test_an_unknown_scenario_is_refused_with_a_message_not_a_traceback() -> None:
