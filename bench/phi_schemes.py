@@ -95,6 +95,8 @@ class Scheme:
         if unknown := set(mods) - {"smean", "own"}:
             raise SchemeError(f"{spec!r}: unknown modifier {sorted(unknown)[0]!r}; expected +smean or +own")
         smean, own = "smean" in mods, "own" in mods
+        if smean and own:
+            raise SchemeError(f"{spec!r}: +smean and +own do not combine here")
         if text.startswith("wz:"):
             try:
                 f, b, c = text[3:].split(",")
@@ -111,16 +113,12 @@ class Scheme:
                 raise SchemeError(f"{spec!r}: frag:F takes a whole number of fragments, e.g. frag:16") from None
             if not 1 <= fragments <= MAX_FRAGMENTS:
                 raise SchemeError(f"{spec!r}: frag:F needs 1 <= F <= {MAX_FRAGMENTS}")
-            if smean and own:
-                raise SchemeError(f"{spec!r}: +smean and +own do not combine here")
             return cls("frag", smean, None, own, fragments)
         if text not in BASES:
             raise SchemeError(f"{spec!r}: unknown scheme; expected one of {', '.join(BASES)}, wz:F,B,C "
                               "(each with an optional +smean)")
         if text in ("none", "alone") and (smean or own):
             raise SchemeError(f"{spec!r}: +smean and +own need a lossy Delta (none sends all of it)")
-        if smean and own:
-            raise SchemeError(f"{spec!r}: +smean and +own do not combine here")
         if own and text == "diloco":
             raise SchemeError(f"{spec!r}: +own is a pair's (the worker applies its own Delta in full in pairs only)")
         return cls(text, smean, None, own)

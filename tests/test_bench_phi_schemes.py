@@ -54,7 +54,8 @@ def test_schemes_are_parsed_with_the_commas_of_wz_and_bad_ones_are_refused_namin
     assert schemes[1] == Scheme("wz", False, (4, 2, 2.5)) and schemes[2].smean
     for spec, says in (("nope", "unknown scheme"), ("wz:4,2", "wz takes F,B,C"), ("wz:0,2,1", "1 <= F"),
                        ("none+smean", "lossy Delta"), ("frag+nope", "unknown modifier"),
-                       ("diloco+own", "pair's")):
+                       ("diloco+own", "pair's"), ("frag+smean+own", "do not combine"),
+                       ("frag:16+own+smean", "do not combine"), ("wz:4,2,2.5+smean+own", "do not combine")):
         with pytest.raises(SchemeError, match=says):
             Scheme.parse(spec)
 
