@@ -74,7 +74,8 @@ def run_preset(bc: BenchConfig, n: int, name: str, home: Path, wire_dtype: str =
 
 
 def run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wire_dtype: str = "bf16",
-               first: tuple[str, ...] = (), first_own_exact: bool = False, curve_every: int = 0) -> CompressionResult:
+               first: tuple[str, ...] = (), first_own_exact: bool = False, curve_every: int = 0,
+               ids: list[str] | None = None) -> CompressionResult:
     """`method` ("noloco": random pairs; "diloco": all N in one group, the mean of their Deltas as the wire
     carried them, each trainer's own error feedback: SparseLoCo's setting) under preset `name`.
 
@@ -82,7 +83,9 @@ def run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wire
     `high` probe, then `medium`, then `none`); `first_own_exact`: those steps apply each trainer's own Delta
     in full (`apply_result(own_exact=True)`, what the daemon does on `auto`'s ramp). `curve_every`: the mean
     validation loss every that many outer steps (and at the end) into `curve`. Presets are looked up as the worker
-    looks them up (`get_compression`): a bench's experimental preset is added to `PRESETS` in its process."""
+    looks them up (`get_compression`): a bench's experimental preset is added to `PRESETS` in its process.
+    `ids`: the replicas' PeerIDs (e.g. real daemons', whose data shards they then train on; default
+    `replica_ids(n)`)."""
     if method not in ("noloco", "diloco"):
         raise ValueError(f"unknown method {method!r}")
     label = "+".join([*first, name]) + (" (own exact first)" if first_own_exact else "") if first else name
@@ -92,8 +95,8 @@ def run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wire
         # DiLoCo therefore runs a preset's plain-error-feedback twin, the same codec and bytes.
         with _plain_twins((*first, name)) as twin:
             return _run_method(bc, n, method, twin(name), home, wire_dtype, tuple(twin(p) for p in first),
-                               first_own_exact, curve_every, label)
-    return _run_method(bc, n, method, name, home, wire_dtype, first, first_own_exact, curve_every, label)
+                               first_own_exact, curve_every, label, ids)
+    return _run_method(bc, n, method, name, home, wire_dtype, first, first_own_exact, curve_every, label, ids)
 
 
 @contextlib.contextmanager
@@ -114,10 +117,14 @@ def _plain_twins(names: tuple[str, ...]) -> Iterator[Callable[[str], str]]:
 
 
 def _run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wire_dtype: str,
-                first: tuple[str, ...], first_own_exact: bool, curve_every: int, label: str) -> CompressionResult:
+                first: tuple[str, ...], first_own_exact: bool, curve_every: int, label: str,
+                ids: list[str] | None = None) -> CompressionResult:
     started = time.monotonic()
     cfg = bc.train_config(method)
-    trainers = [Trainer(cfg, home / pid, pid) for pid in replica_ids(n)]
+    names = ids if ids is not None else replica_ids(n)
+    if len(names) != n:
+        raise ValueError(f"{len(names)} replica ids for {n} replicas")
+    trainers = [Trainer(cfg, home / pid, pid) for pid in names]
     numel = trainers[0].numel
     phis = [torch.empty(numel) for _ in trainers]
     deltas = [torch.empty(numel) for _ in trainers]

@@ -83,6 +83,7 @@ from typing import Any
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from compression import run_method  # noqa: E402  # bench/compression.py: DiLoCo under a preset's Delta codec
 from convergence import QUICK as QUICK_BENCH  # noqa: E402  # bench/convergence.py, beside this script
 from convergence import BenchConfig, run_ddp, run_outer
 from records import RESULTS_DIR, append_record, provenance, tree_id
@@ -102,6 +103,7 @@ from swarm import (
 
 from node.config.load import ConfigError, load_config
 from node.config.train import TrainConfig
+from protocols.compress import EXPERIMENTAL, PRESETS, Compression, get_compression
 from starling_testing import netlab
 from starling_testing.daemon import PORT, PYTHON, DaemonError, LabDaemon, spawn_daemon, start_daemon
 from starling_testing.netlab import Lab, LabError, Proc
@@ -130,6 +132,15 @@ DDP_BF16_ROW = "DDP bf16 (gloo, composed)"  # the same, all-reducing bf16 (issue
 DILOCO_BF16_ROW = "DiLoCo bf16 (gloo, composed)"
 #: The all-reduce's dtype per composed row pair, and its bytes per element.
 ALLREDUCE_DTYPES = {"fp32": 4, "bf16": 2}
+#: DiLoCo with a compressed Delta (issue #52: "DiLoCo with the same Delta compressor"): SparseLoCo's setting, top-k
+#: of each chunk with low-bit values and error feedback; the compressed Deltas are all-gathered, not all-reduced (a
+#: sum of top-k vectors is no top-k vector). The default is the long-run judge's SparseLoCo-like preset.
+DILOCO_COMPRESSION = "k64q2"
+
+
+def diloco_compressed_row(preset: str) -> str:
+    """The label of DiLoCo's row under `preset`'s Delta codec."""
+    return f"DiLoCo + {preset} (gloo all-gather, composed)"
 HIVEMIND_ROW = "hivemind (Optimizer, local updates)"
 
 # The regime to reproduce (docs/benchmarks.md, "Over slow links"): a 1B-parameter model on one modern GPU
@@ -175,6 +186,7 @@ class Plan:
     links: list[NamedLink] = field(default_factory=list)  # --link: each its own leg of the run (empty: one leg)
     composed: bool = True  # the composed DDP and DiLoCo rows (their simulation: ~15 min on 2 cores)
     allreduce: tuple[str, ...] = ("fp32", "bf16")  # the composed rows' all-reduce dtypes, each timed in the lab
+    diloco_compression: str | None = DILOCO_COMPRESSION  # DiLoCo's compressed row (None: left out)
 
     def legs(self) -> list[Plan]:
         """One plan per named link (its rate, path, upload and tolerance), sharing everything else, or this
@@ -654,6 +666,7 @@ class Collective:
     steps: int
     cpu_share: list[float]  # each rank's CPU time / its wall time
     dtype: str = "fp32"  # what the all-reduce moves: fp32, or bf16 (the gradient rounded, summed, back to fp32)
+    compressed: bool = False  # `dtype` is a sync.compression preset: its encoded Delta all-gathered, then decoded
 
     def ddp_step_s(self) -> float:
         return self.compute_s + self.allreduce_s
@@ -662,10 +675,20 @@ class Collective:
         return h * self.compute_s + self.allreduce_s
 
 
+def compression_preset(name: str) -> Compression:
+    """A `sync.compression` preset by name, one on trial (`EXPERIMENTAL`) included: added to this process's
+    `PRESETS` as bench/compression_long.py does, so the codec is the one the judge ran."""
+    if name in EXPERIMENTAL:
+        PRESETS.setdefault(name, EXPERIMENTAL[name])
+    return get_compression(name)
+
+
 def collective_rank(spec: dict[str, Any]) -> None:
     """One gloo rank (run inside a lab namespace by `time_collective`): `steps` DDP steps of the plan's model,
     each one inner step on this rank's shard and an all-reduce of the flat gradient (fp32, or rounded to bf16 with
-    `spec["dtype"]`: gloo sums bf16 as it sends it); prints RESULT json."""
+    `spec["dtype"]`: gloo sums bf16 as it sends it); with `spec["compressed"]`, `dtype` names a preset whose Delta
+    codec encodes the vector, every rank's bytes are all-gathered and their sum decoded (DiLoCo + compression: the
+    codec's time counts as communication); prints RESULT json."""
     import torch.distributed as dist
 
     from node.worker.task import TaskContext, load_task
@@ -681,6 +704,11 @@ def collective_rank(spec: dict[str, Any]) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = default_optimizer(model, cfg)
     stream = task.train_stream()
+    codec, encoded = None, bytearray()
+    if spec.get("compressed"):
+        codec = compression_preset(spec["dtype"]).delta_codec("bf16")
+        numel = sum(p.numel() for p in params)
+        encoded = bytearray(codec.encoded_size(numel))
     dist.all_reduce(torch.zeros(1))  # connects every pair before the clock starts
     dist.barrier()
     compute, comm = [], []
@@ -691,7 +719,15 @@ def collective_rank(spec: dict[str, Any]) -> None:
         task.loss(model, stream.next_batch()).backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         t1 = time.monotonic()
-        if spec.get("dtype") == "bf16":
+        if codec is not None:  # DiLoCo + compression: encode, all-gather every rank's bytes, decode their sum
+            size = codec.encode_into(flat.numpy(), encoded)
+            sent = torch.frombuffer(encoded, dtype=torch.uint8)[:size]
+            gathered = [torch.empty_like(sent) for _ in range(n)]
+            dist.all_gather(gathered, sent)
+            flat.zero_()
+            for part in gathered:
+                codec.decode_into(memoryview(part.numpy()), flat.numpy(), accumulate=True)
+        elif spec.get("dtype") == "bf16":
             wire = flat.to(torch.bfloat16)
             dist.all_reduce(wire)
             flat = wire.float()
@@ -712,22 +748,32 @@ def collective_rank(spec: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
+def collective_bytes(numel: int, dtype: str, compressed: bool = False) -> float:
+    """Bytes one rank sends per collective: a ring all-reduce moves about 2(N-1)/N of the vector per rank; an
+    all-gather of encoded Deltas (N-1)/N of N encodings, one of its own size each."""
+    if compressed:
+        return (N - 1) * compression_preset(dtype).delta_codec("bf16").encoded_size(numel)
+    return 2 * (N - 1) / N * numel * ALLREDUCE_DTYPES[dtype]
+
+
 def time_collective(wl: WanLab, plan: Plan, peer_ids: list[str], rates: list[float], steps: int,
-                    numel: int, dtype: str = "fp32") -> Collective:
+                    numel: int, dtype: str = "fp32", compressed: bool = False) -> Collective:
     wl.shape(rates)
-    # gloo's ring moves about 2(N-1)/N of the vector per rank; the slowest link sets the pace.
-    size = ALLREDUCE_DTYPES[dtype]
-    estimate = steps * 2 * (N - 1) / N * numel * size * 8 / (min(rates) * 1e6)
+    # The slowest link sets the pace.
+    estimate = steps * collective_bytes(numel, dtype, compressed) * 8 / (min(rates) * 1e6)
     timeout = 120 + 2 * estimate
-    print(f"  gloo {dtype} all-reduce of {numel * size / 1e6:.2f} MB on {', '.join(f'{r:g}' for r in rates)} Mbit/s: "
-          f"{steps} DDP step(s), about {estimate:.0f} s", file=sys.stderr, flush=True)
+    what = (f"all-gather of {dtype}-encoded Deltas ({collective_bytes(numel, dtype, True) / (N - 1) / 1e6:.3f} MB each)"
+            if compressed else f"{dtype} all-reduce of {numel * ALLREDUCE_DTYPES[dtype] / 1e6:.2f} MB")
+    print(f"  gloo {what} on {', '.join(f'{r:g}' for r in rates)} Mbit/s: "
+          f"{steps} step(s), about {estimate:.0f} s", file=sys.stderr, flush=True)
     procs: list[Proc] = []
     with caps([h.name for h in wl.hosts], plan.quota_us) as cgroups:
         try:
             c0 = wl.counters()
             for rank, (host, pid) in enumerate(zip(wl.hosts, peer_ids, strict=True)):
                 spec = {"rank": rank, "world": N, "master": wl.hosts[0].ip, "train": plan.train(),
-                        "peer_id": pid, "steps": steps, "timeout_s": timeout, "dtype": dtype}
+                        "peer_id": pid, "steps": steps, "timeout_s": timeout, "dtype": dtype,
+                        "compressed": compressed}
                 p = host.spawn([PYTHON, str(Path(__file__).resolve()), "--collective-rank", json.dumps(spec)],
                                log=f"gloo-{uuid.uuid4().hex[:6]}-{host.name}.log", env={"GLOO_SOCKET_IFNAME": "eth0"},
                                cwd=ROOT)
@@ -742,9 +788,9 @@ def time_collective(wl: WanLab, plan: Plan, peer_ids: list[str], rates: list[flo
     compute = [x for r in results for x in r["compute"]]
     sent = statistics.fmean(c1[h.name][0] - c0[h.name][0] for h in wl.hosts) / steps
     out = Collective(statistics.median(compute), statistics.median(comm), sent, steps, [r["cpu"] for r in results],
-                     dtype)
-    print(f"  gloo {dtype}: inner step {out.compute_s:.3f} s, all-reduce {out.allreduce_s:.1f} s, "
-          f"{out.allreduce_bytes / 1e6:.2f} MB sent per rank", file=sys.stderr, flush=True)
+                     dtype, compressed)
+    print(f"  gloo {dtype}: inner step {out.compute_s:.3f} s, {'all-gather' if compressed else 'all-reduce'} "
+          f"{out.allreduce_s:.1f} s, {out.allreduce_bytes / 1e6:.2f} MB sent per rank", file=sys.stderr, flush=True)
     return out
 
 
@@ -990,9 +1036,16 @@ def composed_rows(ddp: list[tuple[int, float]], diloco: list[tuple[int, float]],
                   h: int) -> list[Row]:
     """DDP's and DiLoCo's rows: the simulation's loss per inner step at `col`'s seconds per step. With a bf16
     all-reduce the loss is still the fp32 simulation's: bf16 rounding of an averaged update costs within 0.005
-    of fp32 here (docs/benchmarks.md, "Compression": bf16 NoLoCo against the Convergence section's fp32)."""
+    of fp32 here (docs/benchmarks.md, "Compression": bf16 NoLoCo against the Convergence section's fp32). A
+    compressed collective gives DiLoCo's row only, with `diloco` the simulation under that preset (`ddp` unused)."""
     step_s, outer_s = col.ddp_step_s(), col.diloco_outer_s(h)
     cpu = ", ".join(f"{c:.2f}" for c in col.cpu_share)
+    if col.compressed:  # DiLoCo alone: its curve is the simulation under the preset (`diloco` is that one)
+        return [Row(diloco_compressed_row(col.dtype), [(s / h * outer_s, v) for s, v in diloco],
+                    [(s / h * outer_s, s / h * col.allreduce_bytes) for s, v in diloco],
+                    f"{h * col.compute_s / outer_s:.1%}", "every outer step all-gathered", cpu,
+                    f"{outer_s:.1f} s per outer step ({h} x {col.compute_s:.3f} + {col.allreduce_s:.1f} encode, "
+                    "all-gather, decode)")]
     ddp_label, dil_label = (DDP_BF16_ROW, DILOCO_BF16_ROW) if col.dtype == "bf16" else (DDP_ROW, DILOCO_ROW)
     return [
         Row(ddp_label, [(s * step_s, v) for s, v in ddp], [(s * step_s, s * col.allreduce_bytes) for s, v in ddp],
@@ -1038,7 +1091,8 @@ def verdicts(sc_name: str, rows: list[Row], target: float, twin_tolerance: float
     by = {r.label: r for r in rows}
     star = by.get("Starling defaults")
     ddp = strongest([by[k] for k in (DDP_ROW, DDP_BF16_ROW) if k in by], target)
-    dil = strongest([by[k] for k in (DILOCO_ROW, DILOCO_BF16_ROW) if k in by], target)
+    dil = strongest([r for r in rows if r.label in (DILOCO_ROW, DILOCO_BF16_ROW) or r.label.startswith("DiLoCo + ")],
+                    target)
     if star is None:
         return []
 
@@ -1091,7 +1145,10 @@ def _baseline_verdicts(sc_name: str, star: Row, ddp: Row, dil: Row, target: floa
 
 
 def _baseline_name(row: Row) -> str:
-    """'DDP (fp32 all-reduce)' or 'DiLoCo (bf16 all-reduce)': which of a baseline's rows a verdict reads."""
+    """'DDP (fp32 all-reduce)', 'DiLoCo (bf16 all-reduce)' or 'DiLoCo + k64q2 (all-gather)': which of a
+    baseline's rows a verdict reads."""
+    if row.label.startswith("DiLoCo + "):
+        return row.label.split(" (")[0] + " (all-gather)"
     kind = "DDP" if row.label in (DDP_ROW, DDP_BF16_ROW) else "DiLoCo"
     return f"{kind} ({'bf16' if row.label in (DDP_BF16_ROW, DILOCO_BF16_ROW) else 'fp32'} all-reduce)"
 
@@ -1242,6 +1299,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
     notes: list[str] = []
     keys, peer_ids = make_identities(root / "keys", N)
     bc = plan.bench
+    diloco_c: list[tuple[int, float]] | None = None  # DiLoCo under plan.diloco_compression: loss per inner step
     if plan.composed:
         print(f"simulation: DDP and DiLoCo, {N} replicas on the trainers' shards, {bc.total_steps} inner steps...",
               file=sys.stderr, flush=True)
@@ -1250,6 +1308,13 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
         initial_val, params = ddp.initial_val, ddp.params
         print(f"  DDP val {ddp.val_mean:.4f}, DiLoCo val {diloco.val_mean:.4f} ({params / 1e6:.2f}M parameters)",
               file=sys.stderr, flush=True)
+        if plan.diloco_compression:
+            compression_preset(plan.diloco_compression)  # one on trial: known to this process's PRESETS
+            sim = run_method(bc, N, "diloco", plan.diloco_compression, root / "sim-diloco-c", curve_every=1,
+                             ids=peer_ids)
+            diloco_c = [(0, initial_val), *sim.curve]
+            print(f"  DiLoCo + {plan.diloco_compression} val {sim.val_mean:.4f} ({sim.bytes_per_param:.3f} B/param "
+                  "per outer step)", file=sys.stderr, flush=True)
     else:
         initial_val, params = initial_model(bc, peer_ids[0])
         notes.append("DDP and DiLoCo left out (--composed off): this run judges Starling against itself (its "
@@ -1335,11 +1400,14 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                             rows.append(hivemind_row(hm, unshaped))
                             hm_notes.append(hivemind_note(hm))
                     cols: list[Collective] = []
-                    for dtype in plan.allreduce if plan.composed else ():
-                        estimate = 2 * (N - 1) / N * params * ALLREDUCE_DTYPES[dtype] * 8 / (min(rates) * 1e6)
+                    kinds = [(dtype, False) for dtype in plan.allreduce] if plan.composed else []
+                    kinds += [(plan.diloco_compression, True)] if diloco_c is not None and plan.diloco_compression else []
+                    for dtype, compressed in kinds:
+                        estimate = collective_bytes(params, dtype, compressed) * 8 / (min(rates) * 1e6)
                         steps = 1 if plan.quick or estimate > 150 else 2
-                        cols.append(time_collective(wl, plan, peer_ids, rates, steps, params, dtype))
-                        rows += composed_rows(ddp.curve, diloco.curve, cols[-1], bc.inner_steps)
+                        cols.append(time_collective(wl, plan, peer_ids, rates, steps, params, dtype, compressed))
+                        rows += composed_rows(ddp.curve, diloco_c if compressed else diloco.curve, cols[-1],
+                                              bc.inner_steps)
                     target = choose_target(rows)
                     wall = runs[0].seconds if runs else plan.seconds
                     png = out_dir / f"wan-{tag}.png"
@@ -1351,8 +1419,11 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
                         notes.append(f"no plot: {e}")
                         png = None
                     sc_notes = [
-                        f"DDP and DiLoCo, {col.dtype} all-reduce: timed over {col.steps} step(s) and extrapolated "
-                        f"to the run, {col.allreduce_bytes / 1e6:.2f} MB sent per rank per all-reduce; an inner "
+                        (f"DiLoCo + {col.dtype}, all-gather of the encoded Deltas" if col.compressed
+                         else f"DDP and DiLoCo, {col.dtype} all-reduce")
+                        + f": timed over {col.steps} step(s) and extrapolated "
+                        f"to the run, {col.allreduce_bytes / 1e6:.2f} MB sent per rank per "
+                        f"{'all-gather' if col.compressed else 'all-reduce'}; an inner "
                         f"step of the gloo ranks took {col.compute_s:.3f} s of compute, the Starling workers' "
                         f"unshaped {derivation.step_s:.3f} s (the worker also evaluates after each outer step and "
                         "shares the machine with its daemon)" for col in cols]
@@ -1449,7 +1520,12 @@ def render(plan: Plan, derivation: Derivation, scenarios: list[Scenario], notes:
         f"and all-reducing its gradient vector in {' and in '.join(plan.allreduce)} (a row pair each; the bf16 rows "
         "take the fp32 simulation's loss, which bf16 rounding moves by less than 0.005 here; DDP: one inner step "
         "+ one all-reduce per step; DiLoCo: H inner steps + one all-reduce of the same size per outer step), "
-        "timed over 1-2 steps and extrapolated to the whole run. Bytes: each host's link counters "
+        "timed over 1-2 steps and extrapolated to the whole run"
+        + (f"; DiLoCo + {plan.diloco_compression}: DiLoCo under that preset's Delta codec with error feedback "
+           "(SparseLoCo's setting; bench/compression.py's simulation, same shards and schedule), each rank's encoded "
+           "Delta all-gathered by gloo and the sum decoded, the codec's time counted with the all-gather"
+           if plan.composed and plan.diloco_compression else "")
+        + ". Bytes: each host's link counters "
         "(Starling), bytes per all-reduce x all-reduces (the others). Target loss: the lowest loss every "
         "contender reaches (the highest of their best losses), so that each has a time to it; the loss at "
         "equal wall time is the other view (both interpolated linearly between evaluations: DDP's every "
@@ -1539,6 +1615,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allreduce", default="fp32,bf16",
                         help="the composed rows' all-reduce dtypes, comma-separated (fp32, bf16): a DDP and a DiLoCo "
                              "row for each, each timed in the lab; the verdicts read the strongest")
+    parser.add_argument("--diloco-compression", default=DILOCO_COMPRESSION, metavar="PRESET",
+                        help="DiLoCo's compressed row: a lossy sync.compression preset (one on trial included) whose "
+                             "Delta codec DiLoCo all-gathers, simulated and timed in the lab as the others "
+                             f"(default {DILOCO_COMPRESSION}, SparseLoCo-like); off: left out")
     parser.add_argument("--alone", choices=("auto", "on", "off"), default="auto",
                         help="also run each trainer alone (no swarm) for the same time: auto = with latency")
     parser.add_argument("--write-docs", action="store_true", help=f"write `{SECTION}` of {DOCS.name} and its PNGs")
@@ -1571,6 +1651,12 @@ def main(argv: list[str] | None = None) -> int:
         allreduce = tuple(dict.fromkeys(x.strip() for x in args.allreduce.split(",") if x.strip()))
         if not allreduce or any(x not in ALLREDUCE_DTYPES for x in allreduce):
             raise ValueError(f"--allreduce: one or more of {', '.join(ALLREDUCE_DTYPES)}")
+        diloco_compression = None if args.diloco_compression == "off" else args.diloco_compression
+        if diloco_compression is not None:
+            known = [*PRESETS, *EXPERIMENTAL]
+            if diloco_compression not in known or not compression_preset(diloco_compression).lossy:
+                raise ValueError(f"--diloco-compression: a lossy preset ({', '.join(k for k in known if k != 'none')}) "
+                                 "or off")
     except ValueError as e:
         parser.error(str(e))
     if not 1 <= args.cap <= 100:
@@ -1583,7 +1669,7 @@ def main(argv: list[str] | None = None) -> int:
                 {"join_wait_s": 2} if args.quick else {}, args.hivemind, args.queue_ms, path,
                 links[0].up_factor if links else 1.0, links[0].twin_tolerance if links else 0.03,
                 args.alone == "on" or (args.alone == "auto" and not path.is_flat), links, args.composed == "on",
-                allreduce)
+                allreduce, diloco_compression)
     reason = lab_unavailable() or tbf_unavailable()
     if reason is not None:
         print(f"bench/wan.py skipped: {reason}", file=sys.stderr)

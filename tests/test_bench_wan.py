@@ -25,7 +25,8 @@ WAN = ROOT / "bench" / "wan.py"
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 HIVEMIND_PYTHON = ROOT / "bench" / ".venv-hivemind" / "bin" / "python"
 CONTENDERS = ["Starling defaults, unshaped links (reference)", "Starling defaults", "DDP (gloo, composed)",
-              "DiLoCo (gloo, composed)"]
+              "DiLoCo (gloo, composed)", "DDP bf16 (gloo, composed)", "DiLoCo bf16 (gloo, composed)",
+              "DiLoCo + k64q2 (gloo all-gather, composed)"]
 
 
 def _row(stdout: str, label: str) -> list[str]:
@@ -298,6 +299,39 @@ def test_the_baseline_verdicts_read_the_strongest_of_the_fp32_and_bf16_all_reduc
     assert "DiLoCo (bf16 all-reduce)" in dil
     only_fp32 = wan.verdicts("uniform", rows[:3], 2.0)
     assert any("DDP (fp32 all-reduce)" in ln and "10.0x" in ln for ln in only_fp32)
+
+
+def test_diloco_with_a_compressed_delta_is_a_baseline_row_of_its_own_and_the_verdict_reads_it_when_strongest() -> None:
+    """Issue #52: DiLoCo with the same Delta compressor (SparseLoCo's setting) beside DiLoCo all-reducing fp32 and
+    bf16; its encoded Deltas are all-gathered, so a rank sends N-1 encodings of its own size, and the DiLoCo
+    verdict names it where it reaches the target first."""
+    wan = _load_wan()
+    star = wan.Row("Starling defaults", [(0.0, 3.0), (100.0, 2.0)], [(0.0, 0.0)], "-", "-", "-",
+                   averaged_shares=[1.0] * 4, rate_shares=[1.0] * 4)
+    bf16 = wan.Collective(0.01, 4.99, 5e5, 2, [0.3] * 4, "bf16")
+    gathered = wan.Collective(0.01, 0.49, 3e4, 2, [0.3] * 4, "k64q2", compressed=True)
+    curve = [(0, 3.0), (50, 2.5), (100, 2.0)]
+    compressed_curve = [(0, 3.0), (50, 2.6), (100, 2.1), (150, 2.0)]  # a worse loss per step, far fewer bytes
+    rows = [star, *wan.composed_rows(curve, curve, bf16, 50), *wan.composed_rows([], compressed_curve, gathered, 50)]
+    assert [r.label for r in rows[1:]] == [wan.DDP_BF16_ROW, wan.DILOCO_BF16_ROW,
+                                           "DiLoCo + k64q2 (gloo all-gather, composed)"]
+    row = rows[-1]
+    assert row.curve[-1] == (150 / 50 * (50 * 0.01 + 0.49), 2.0)  # 3 outer steps of 0.99 s
+    assert row.sent[-1] == (row.curve[-1][0], 3 * 3e4)
+    dil = next(ln for ln in wan.verdicts("uniform", rows, 2.0) if "DiLoCo" in ln)
+    assert "DiLoCo + k64q2 (all-gather)" in dil  # 2.97 s against bf16's 10 s
+    numel = 1_000_000
+    encoded = wan.compression_preset("k64q2").delta_codec("bf16").encoded_size(numel)
+    assert wan.collective_bytes(numel, "k64q2", compressed=True) == (wan.N - 1) * encoded
+    assert wan.collective_bytes(numel, "bf16") == 2 * (wan.N - 1) / wan.N * numel * 2
+
+
+def test_a_bad_diloco_compression_is_refused_with_a_message() -> None:
+    for value in ("nope", "none"):
+        r = subprocess.run([sys.executable, str(WAN), "--diloco-compression", value], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
+        assert r.returncode == 2 and "--diloco-compression: a lossy preset" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
 
 
 def test_an_unknown_all_reduce_dtype_is_refused_with_a_message() -> None:
