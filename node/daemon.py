@@ -14,9 +14,9 @@ departure only by suspicion.)
 
 Why one module, though long: its one job is the node's lifetime, building the components in order,
 running them in the nursery and answering their questions from the state that only the daemon holds (the
-worker's status, the replica, the connections); the answers are thin filters (`AveragerSwarm` at the
-end), a rule that is more than a filter lives beside what uses it (the pace in node/averaging/stepping.py),
-and what would move out with the answers is the state they read.
+worker's status, the replica, the connections). Policy lives in the room that owns it, built here from
+the components it reads: partner choice and the swarm's pace in node/averaging/partners.py (`Partners`),
+which the averager's view (`AveragerSwarm` at the end) and the catch-up read.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from node.averaging.latejoin import (
     progress_view,
     snapshot_source,
 )
-from node.averaging.stepping import outer_period_s, swarm_pace
+from node.averaging.partners import Partners
 from node.averaging.swarm_view import AveragerHooks
 from node.bridge.livephi import LivePhi, hold_for
 from node.config.home import Home
@@ -290,13 +290,19 @@ class Daemon:
         self.supervisor: Any = None
         self.averager: Averager | None = None
         self.catch_up: CatchUp | None = None
+        self.partners = Partners(
+            str(self.peer_id), cfg.sync, cfg.train, candidates=self.replicator.partner_candidates,
+            alive=self.replicator.alive_members, path_of=self.nat.path_of,
+            sits_out=lambda peer: self.averager is not None and self.averager.sits_out(peer),
+            training=self._training,
+        )
         if train:
             self.catch_up = CatchUp(
                 self.host,
                 home,
                 cfg.sync,
-                own_outer_step=lambda: int(self._training().get("outer_step") or 0),
-                trainers=self._trainer_steps,
+                own_outer_step=self.partners.own_outer_step,
+                trainers=self.partners.swarm_steps,
                 deliver=lambda path, outer_step: self.supervisor.adopt_at_next_outer_step(path, outer_step),
                 model=self._worker_model,
                 on_refused=self._donor_lied,
@@ -311,7 +317,7 @@ class Daemon:
             self.averager = Averager(
                 self.host,
                 cfg.sync,
-                AveragerSwarm(self),
+                AveragerSwarm(self.partners, self.nat, self._averaging_manifest_hash, self._training),
                 hooks=AveragerHooks(
                     on_transfer=lambda peer, nbytes, seconds: self.nat.record_throughput(peer, nbytes, seconds),
                     on_outer_step=self.catch_up.note_outer_step,
@@ -424,21 +430,14 @@ class Daemon:
         swarm = self.replicator.state.manifest
         return swarm.hash if swarm is not None else None
 
-    def _eligible_partners(self) -> list[str]:
-        """Possible partners (below) whose outer step is within the allowed gap (plus one: a record is a
-        heartbeat old)."""
-        ours = int(self._training().get("outer_step") or 0)
-        gap = self.cfg.sync.max_step_gap
-        return [m.record.peer_id for m in self._possible_partners() if abs(m.record.outer_step - ours) <= gap + 1]
-
     def _out_of_reach(self) -> OutOfReachStatus | None:
         """Possible partners exist and none is eligible because of the outer-step gap: what status says
         instead of nothing. After a worker restarted from an older checkpoint, the two trainers stepped solo
         side by side while status showed their old pairing as "one island of 2 trainers" (issue #27)."""
-        if self.supervisor is None or self._eligible_partners():
+        if self.supervisor is None or self.partners.eligible():
             return None
-        ours = int(self._training().get("outer_step") or 0)
-        steps = [m.record.outer_step for m in self._possible_partners()]
+        ours = self.partners.own_outer_step()
+        steps = [m.record.outer_step for m in self.partners.possible()]
         if not steps:
             return None
         nearest = min(steps, key=lambda step: abs(step - ours))
@@ -448,53 +447,6 @@ class Daemon:
         return {"trainers": len(steps), "nearest_steps": abs(nearest - ours), "behind": nearest > ours,
                 "catches_up": swarm is not None and abs(ours - swarm) > gap,
                 "catch_up_off": not self.cfg.sync.catch_up_after, "max_step_gap": gap}
-
-    def _possible_partners(self) -> list[Any]:
-        """Alive or suspect trainers (`partner_candidates` says why) with our manifest (it checks it) and
-        (unless the config allows bulk over relays) a direct or hole-punched path: bulk tensors never cross
-        a relay. None at all makes the outer step solo at once. A trainer the averager says sits out
-        (banned, or it missed round after round: node/averaging/partner_misses.py) does not count: a record
-        that claims the trainer role from a peer that never averages made every outer step wait out the
-        whole pairing window."""
-        allow_relay = self.cfg.sync.allow_relay_bulk
-        averager = self.averager
-        return [
-            m
-            for m in self.replicator.partner_candidates()
-            if m.record.role == "trainer"
-            and m.record.manifest_hash  # a trainer whose task is not loaded yet can only refuse
-            and m.record.peer_id != str(self.peer_id)
-            and (allow_relay or self.nat.path_of(m.record.peer_id) in DIRECT_PATHS)
-            and (averager is None or not averager.sits_out(m.record.peer_id))
-        ]
-
-    def _pace(self) -> float:
-        """Seconds between two outer steps for every trainer of the swarm (`stepping.swarm_pace`, from the
-        speeds of the possible partners' records and ours); 0 (every H inner steps of this machine) with
-        `sync.pace = steps`. A worker group's inner step covers `local_ranks` batches, and its samples/s
-        counts them all."""
-        if self.cfg.sync.pace != "swarm":
-            return 0.0
-        train = self.cfg.train
-        return swarm_pace(float(self._training().get("samples_per_s") or 0.0),
-                          [m.record.samples_per_s for m in self._possible_partners()],
-                          train.inner_steps * train.batch_size * train.local_ranks)
-
-    def _outer_period_s(self) -> float:
-        """Compute seconds of one of our outer steps, for `sync.compression = auto` (`stepping.outer_period_s`)."""
-        train = self.cfg.train
-        return outer_period_s(self._pace(), float(self._training().get("samples_per_s") or 0.0),
-                              train.inner_steps * train.batch_size * train.local_ranks)
-
-    def _trainer_speeds(self) -> dict[str, float]:
-        """Samples/s of the trainers we could pair with, and ours (for the pairing schedule's speed tiers)."""
-        speeds = {m.record.peer_id: m.record.samples_per_s for m in self._possible_partners()}
-        speeds[str(self.peer_id)] = float(self._training().get("samples_per_s") or 0.0)
-        return speeds
-
-    def _trainer_steps(self) -> dict[str, int]:
-        """Outer step of every alive trainer of our run (for the catch-up's swarm median)."""
-        return {m.record.peer_id: m.record.outer_step for m in self.replicator.alive_members() if m.record.role == "trainer"}
 
     def _on_adopted(self, report: Adopted) -> None:
         """The worker took (or refused) a catch-up snapshot."""
@@ -919,7 +871,8 @@ class Daemon:
         from node.bridge.supervisor import SupervisorHooks, WorkerSupervisor
 
         assert self.averager is not None
-        hooks = SupervisorHooks(on_metrics=self._record_own_progress, on_adopted=self._on_adopted, pace=self._pace)
+        hooks = SupervisorHooks(on_metrics=self._record_own_progress, on_adopted=self._on_adopted,
+                                pace=self.partners.pace)
         return WorkerSupervisor(self.cfg.train, self.home, str(self.peer_id), self.averager.exchange,
                                 task_options=self._task_options(), hooks=hooks, fragments=self.cfg.sync.fragments,
                                 live=self.live_phi)
@@ -962,42 +915,46 @@ class Daemon:
 
 
 class AveragerSwarm:
-    """The swarm as this daemon's averager sees it (node/averaging/swarm_view.py, `SwarmView`): each answer
-    computed from the daemon's state when the averager asks (the member records, the NAT service, the
-    supervisor's status)."""
+    """The swarm as this daemon's averager sees it (node/averaging/swarm_view.py, `SwarmView`): the partner
+    policy (node/averaging/partners.py) and the NAT service's paths and round trips, each answer computed when
+    the averager asks. Built from those components, not from the daemon."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self._daemon = daemon
+    def __init__(self, partners: Partners, nat: NatService, manifest_hash: Callable[[], str | None],
+                 training: Callable[[], dict[str, Any]]) -> None:
+        self._partners = partners
+        self._nat = nat
+        self._manifest_hash = manifest_hash
+        self._training = training
 
     def manifest_hash(self) -> str | None:
-        return self._daemon._averaging_manifest_hash()
+        return self._manifest_hash()
 
     def eligible_partners(self) -> list[str]:
-        return self._daemon._eligible_partners()
+        return self._partners.eligible()
 
     def anyone_else(self) -> bool:
-        return bool(self._daemon._possible_partners())
+        return bool(self._partners.possible())
 
     def path_of(self, peer: str) -> str:
-        return self._daemon.nat.path_of(peer)
+        return self._nat.path_of(peer)
 
     def reachable(self) -> bool:
-        return self._daemon.nat.reachability != "private"
+        return self._nat.reachability != "private"
 
     def rtt_s(self, peer: str) -> float | None:
         try:
-            return self._daemon.nat.rtt_of(ID.from_base58(peer))
+            return self._nat.rtt_of(ID.from_base58(peer))
         except Exception:  # a malformed id or a connection closing under us: no round trip known
             return None
 
     def pace(self) -> float:
-        return float(self._daemon._training().get("period_s") or 0.0)
+        return float(self._training().get("period_s") or 0.0)
 
     def outer_period(self) -> float:
-        return self._daemon._outer_period_s()
+        return self._partners.outer_period_s()
 
     def swarm_steps(self) -> dict[str, int]:
-        return self._daemon._trainer_steps()
+        return self._partners.swarm_steps()
 
     def speeds(self) -> dict[str, float]:
-        return self._daemon._trainer_speeds()
+        return self._partners.speeds()

@@ -588,5 +588,5 @@ async def test_a_joining_trainer_answers_busy_without_a_false_manifest_error(
     loading, ready = SwarmState(create_new_key_pair()), SwarmState(create_new_key_pair())
     daemon.replicator.state.merge(loading.update_self(role="trainer"))
     daemon.replicator.state.merge(ready.update_self(role="trainer", manifest_hash=MANIFEST.hash))
-    daemon.nat.path_of = lambda peer: "direct"  # type: ignore[method-assign]
-    assert [m.peer_id for m in daemon._possible_partners()] == [ready.peer_id]
+    daemon.partners.path_of = lambda peer: "direct"  # the policy's path seam: every member direct
+    assert [m.peer_id for m in daemon.partners.possible()] == [ready.peer_id]

@@ -467,12 +467,12 @@ async def test_a_banned_trainer_is_not_a_possible_partner(tmp_path: Path) -> Non
     daemon.replicator.state.merge(founder.set_manifest(MANIFEST) or b"")
     poisoner = SwarmState(create_new_key_pair())
     daemon.replicator.state.merge(poisoner.update_self(role="trainer", manifest_hash=MANIFEST.hash, outer_step=5))
-    daemon.nat.path_of = lambda peer: "direct"  # type: ignore[method-assign]
-    assert [m.peer_id for m in daemon._possible_partners()] == [poisoner.peer_id]
+    daemon.partners.path_of = lambda peer: "direct"  # the policy's path seam: every member direct
+    assert [m.peer_id for m in daemon.partners.possible()] == [poisoner.peer_id]
     for _ in range(cfg.sync.ban_after):
         daemon.averager.note_offence(poisoner.peer_id, "delta_too_large")
     assert daemon.averager.status()["banned"] == [poisoner.peer_id]
-    assert daemon._possible_partners() == [] and daemon._eligible_partners() == []
+    assert daemon.partners.possible() == [] and daemon.partners.eligible() == []
 
 
 async def test_the_daemons_status_view_and_metrics_show_a_capped_clock_and_a_fake_trainer_sitting_out(
@@ -582,7 +582,7 @@ def test_status_counts_the_peers_sitting_out_and_names_the_longest_back_offs_fir
 
 async def _victim_of(stack: AsyncExitStack, honest: Any, fake: Any, window: float) -> tuple[Any, trio.Nursery]:
     """An honest averager on `honest`, connected to `fake`, whose only possible partner is the fake until it
-    sits out (as the daemon's _possible_partners filters its member records); running in a nursery of
+    sits out (as the daemon's `Partners.possible` filters its member records); running in a nursery of
     `stack` (returned, to cancel)."""
     from node.averaging.averager import Averager
     from node.config.sync import SyncConfig

@@ -2,7 +2,7 @@
 
 Why: a member record is a claim. A record with the trainer role and the swarm's manifest, from a peer
 with no averaging handler (or one that is always busy, banned, or of another model), was counted by
-`anyone_else` / `_possible_partners`, so every outer step of a real trainer waited out the whole pairing
+`anyone_else` / `Partners.possible`, so every outer step of a real trainer waited out the whole pairing
 window for it: a victim fell from 95 to 2.5 inner steps/s (issue #26 item 3).
 
 A round of an outer step *misses* a peer when we asked it (or the schedule gave it to us) and it neither
