@@ -817,12 +817,13 @@ async def initiate(
     After the handshake the transfer runs as long as it moves (``limits``); ``progress`` (the caller's,
     so that it can read the link's rate after a failure too) counts its bytes.
 
-    Round trips, with the libp2p connection up (issue #50): the stream's protocol (1, p2p/multiselect.py),
-    the request and its answer (1), the side channel's TCP connect (1, none where ``early`` dialled the
-    answer's port already, ``p2p.datapath.preconnect``), then our HELLO and the path message go together
-    and the partner's first byte comes back a round trip later with its ACK: 3 to an empty exchange's end,
-    4 without a pre-dialled connection (6 before: a second multistream round trip, and the path message
-    only after the ACK)."""
+    Round trips, with the libp2p connection up (issue #50): the stream's protocol (1, p2p/multiselect.py;
+    none where the partner confirmed the protocol before and the stream is optimistic, `open_optimistic`:
+    the request rides with the proposal), the request and its answer (1), the side channel's TCP connect
+    (1, none where ``early`` dialled the answer's port already, ``p2p.datapath.preconnect``), then our HELLO
+    and the path message go together and the partner's first byte comes back a round trip later with its
+    ACK: 2 to an empty exchange's end with a partner we exchanged with before, 4 the first time (6 before
+    issue #50: a second multistream round trip, and the path message only after the ACK)."""
     control = LibP2PByteStream(stream)
     progress = Progress() if progress is None else progress
     mine = KeyAgreement()

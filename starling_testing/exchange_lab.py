@@ -2,7 +2,9 @@
 
 A responder host serves protocols/avg.py's exchange (with a side-channel listener) and an initiator host
 asks it `--exchanges` times over one libp2p connection, as two daemons' averagers do once paired, with the
-early dial of the side channel to the port of the last answer (`avg.preconnect`). Each exchange prints one
+early dial of the side channel to the port of the last answer (`avg.preconnect`) and, once the responder
+confirmed the protocol, the request written with the stream's proposal (`p2p.multiselect.open_optimistic`),
+as the averager does. Each exchange prints one
 JSON line: its seconds from the stream's opening to the result, and the phases' ends (stream open,
 answer, result). `bench/exchange_rtt.py` and tests/test_exchange_rtt.py read them; at a known RTT the
 seconds over the RTT are the round trips the exchange takes.
@@ -27,6 +29,11 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from p2p.datapath import DataPathListener
 from p2p.host import build_host
 from protocols import avg
+
+try:  # the request written with the stream's proposal (a tree before it, `bench/exchange_rtt.py --before`, has none)
+    from p2p.multiselect import open_optimistic, speaks
+except ImportError:
+    open_optimistic = speaks = None  # type: ignore[assignment]
 
 READY = "exchange lab ready"
 RESULT = "exchange result "
@@ -81,6 +88,7 @@ async def initiate(ip: str, port: int, peer: str, numel: int, exchanges: int) ->
             await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(f"/ip4/{ip}/tcp/{port}/p2p/{peer}")))
         print(READY, flush=True)
         hint: tuple[str, int] | None = None
+        speaks_latest = False
         for i in range(exchanges):
             await trio.sleep(0.5)  # apart, as outer steps are
             marks: dict[str, float] = {}
@@ -95,7 +103,10 @@ async def initiate(ip: str, port: int, peer: str, numel: int, exchanges: int) ->
             try:
                 with trio.fail_after(60):
                     async with early_dial(hint) as early:
-                        stream = await host.new_stream(ID.from_base58(peer), [avg.PROTOCOL_ID])
+                        if speaks_latest and open_optimistic is not None:
+                            stream = await open_optimistic(host, ID.from_base58(peer), avg.PROTOCOL_ID)
+                        else:
+                            stream = await host.new_stream(ID.from_base58(peer), [avg.PROTOCOL_ID])
                         marks["stream"] = trio.current_time() - began
                         try:
                             result = await avg.initiate(
@@ -104,6 +115,7 @@ async def initiate(ip: str, port: int, peer: str, numel: int, exchanges: int) ->
                                 limits=avg.TransferLimits(), on_accept=accepted,
                                 **({"early": early} if early is not None else {}))  # fmt: skip
                         finally:
+                            speaks_latest = speaks is not None and speaks(stream, avg.PROTOCOL_ID)
                             await stream.close()
                 marks["result"] = trio.current_time() - began
                 dialled = early is not None and early.address is not None

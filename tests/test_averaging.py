@@ -288,6 +288,54 @@ async def test_after_an_exchange_both_partners_hold_the_larger_outer_step(steps:
         nursery.cancel_scope.cancel()
 
 
+async def test_a_partner_that_confirmed_the_protocol_gets_the_next_request_with_the_streams_proposal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #50: after a partner confirmed the averaging protocol's latest version, the next request rides
+    with the stream's proposal (p2p/multiselect.py, `open_optimistic`): no round trip for the protocol. A
+    partner that no longer speaks it (an older daemon since) costs one failed exchange, and the next one
+    negotiates the usual way, in the version it has."""
+    import node.averaging.averager as averager_module
+
+    optimistic: list[str] = []
+    real_open = averager_module.open_optimistic
+
+    async def counting_open(host, peer, protocol):  # type: ignore[no-untyped-def]
+        optimistic.append(protocol)
+        return await real_open(host, peer, protocol)
+
+    monkeypatch.setattr(averager_module, "open_optimistic", counting_open)
+    cfg = SyncConfig(wire_dtype="fp32", pair_window_s=4, compression="none")
+    async with AsyncExitStack() as stack:
+        hosts = [build_host(create_new_key_pair()) for _ in range(2)]
+        for h in hosts:
+            await stack.enter_async_context(h.run(LISTEN))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        elsewhere = str(ID.from_pubkey(create_new_key_pair().public_key))  # the responder never asks
+        initiator = Averager(hosts[0], cfg, FakeSwarm(hosts[0]))
+        responder = Averager(hosts[1], cfg, FakeSwarm(hosts[1], partners=[elsewhere]))
+        for a in (initiator, responder):
+            await nursery.start(a.run)
+        await hosts[0].connect(info_from_p2p_addr(hosts[1].get_addrs()[0]))
+        link = initiator.admission.link(responder.me)
+        assert not link.speaks_latest
+        for step in (3, 4):
+            outcomes = await exchange_both([initiator, responder], [request(1, step), request(2, step)])
+            assert group_sizes(outcomes) == [2, 2]
+            assert link.speaks_latest
+        assert optimistic == [avg.PROTOCOL_ID]  # the first exchange negotiated; the second did not wait
+        # The responder now speaks only the older version: one exchange fails on the optimistic stream...
+        hosts[1].remove_stream_handler(avg.PROTOCOL_ID)
+        initiator.admission.link(responder.me).next_try = 0.0
+        outcomes = await exchange_both([initiator, responder], [request(1, 5), request(2, 5)])
+        assert not link.speaks_latest and optimistic == [avg.PROTOCOL_ID] * 2
+        # ...and the next negotiates, in the version it has.
+        link.next_try = link.banned_until = 0.0
+        link.failures = 0
+        outcomes = await exchange_both([initiator, responder], [request(1, 6), request(2, 6)])
+        assert group_sizes(outcomes) == [2, 2] and optimistic == [avg.PROTOCOL_ID] * 2
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize(
     ("tensor", "value"),
     [("delta", float("nan")), ("delta", float("-inf")), ("delta", 1e30), ("phi", float("inf")), ("phi", float("nan"))],

@@ -20,7 +20,13 @@ from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicat
 from libp2p.utils import encode_delim
 
 from p2p.host import build_host
-from p2p.multiselect import PipelinedMultiselectClient
+from p2p.multiselect import (
+    OptimisticRefused,
+    OptimisticStream,
+    PipelinedMultiselectClient,
+    open_optimistic,
+    speaks,
+)
 
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 OURS, OLD, UNKNOWN = TProtocol("/test/2.0.0"), TProtocol("/test/1.0.0"), TProtocol("/test/unknown")
@@ -119,3 +125,71 @@ async def test_hosts_built_here_open_streams_to_each_other_with_it() -> None:
                 causes.append(str(e))
                 e = e.__cause__ or e.__context__
             assert any("not supported" in c for c in causes), causes
+
+
+# --- open_optimistic: the first message written with the proposal --------------------------------------------
+
+
+async def test_an_optimistic_stream_carries_its_request_with_the_proposal_and_the_listener_hands_it_over() -> None:
+    """Real py-libp2p hosts: the listener reads the header, the proposal and then gives the handler our
+    request, written before any reply came; the first read confirms the protocol and returns the answer."""
+    async with AsyncExitStack() as stack:
+        a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
+        for h in (a, b):
+            await stack.enter_async_context(h.run(LISTEN))
+        await a.connect(info_from_p2p_addr(b.get_addrs()[0]))
+
+        async def echo(stream) -> None:  # type: ignore[no-untyped-def]
+            await stream.write(await stream.read(5))
+            await stream.close()
+
+        b.set_stream_handler(OURS, echo)
+        with trio.fail_after(20):
+            stream = await open_optimistic(a, b.get_id(), OURS)
+            assert not stream.confirmed and not speaks(stream, OURS)
+            await stream.write(b"hello")  # before any reply: no round trip of its own
+            assert await stream.read(5) == b"hello"
+            assert stream.confirmed and speaks(stream, OURS) and stream.get_protocol() == OURS
+            await stream.close()
+            # A listener without the protocol answers "na": the first read says so, and the listener serves on.
+            refused = await open_optimistic(a, b.get_id(), UNKNOWN)
+            await refused.write(b"hello")
+            with pytest.raises(OptimisticRefused, match="na"):
+                await refused.read(5)
+            assert not speaks(refused, UNKNOWN)
+            await refused.reset()
+            again = await a.new_stream(b.get_id(), [OURS])
+            await again.write(b"again")
+            assert await again.read(5) == b"again"
+
+
+class _Replies:
+    """A stream whose peer's replies are given bytes (what a hostile or confused listener sends)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = bytearray(data)
+        self.asked = 0
+
+    async def read(self, n: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        take = len(self.data) if n is None or n < 0 else min(n, len(self.data))
+        self.asked += take
+        out = bytes(self.data[:take])
+        del self.data[:take]
+        return out
+
+
+@pytest.mark.parametrize(("replies", "says"), [
+    (encode_delim(b"/multistream/9.9.9") + encode_delim(OURS.encode()), "protocol ID mismatch"),
+    (encode_delim(b"/multistream/1.0.0") + encode_delim(b"/something/else"), "answered"),
+    (b"\xff\xff\xff\xff\x0f" + b"x" * 64, "MessageTooLarge"),  # claims 4 GiB: refused before it is read
+    (encode_delim(b"/multistream/1.0.0") + b"\x09/test", "IncompleteReadError"),  # cut short: the stream ended
+    (encode_delim(b"/multistream/1.0.0") + b"\x04abcd", "not delimited"),
+])
+async def test_an_optimistic_streams_replies_are_bounded_and_checked_before_anything_is_read(
+        replies: bytes, says: str) -> None:
+    far = _Replies(replies)
+    stream = OptimisticStream(far, OURS)
+    with pytest.raises(OptimisticRefused, match=says):
+        await stream.read(5)
+    assert not stream.confirmed and far.asked <= len(replies)

@@ -94,6 +94,9 @@ class Link:
     # Where its side channel listened when it last accepted us: dialled early at the next request
     # (protocols/avg.py `initiate`, `early`), so that the connect costs no round trip of its own.
     datapath_addr: tuple[str, int] | None = None
+    # It confirmed the averaging protocol's latest version on our last stream to it: the next request is
+    # written with the stream's proposal, not a round trip after it (p2p/multiselect.py, `open_optimistic`).
+    speaks_latest: bool = False
 
 
 def per_ip_key(ip: str | None) -> str | None:
