@@ -136,7 +136,7 @@ bench-delayline: install
 # An averaging exchange's fixed cost in round trips at 0, 100 and 300 ms of RTT (and 300 +- 50 ms with 1% loss),
 # against the tree before the cut in the same run (section "An exchange's round trips"); about 4 min, root.
 bench-exchange-rtt: install
-	$(PY) bench/exchange_rtt.py --before 53571be --write-docs
+	$(PY) bench/exchange_rtt.py --before 407b0ea --write-docs
 
 # SWIM membership with 16 network-only daemons in lab hosts, 300 ms of RTT between members, 50 ms of jitter and
 # 1% loss each way, for 10 minutes (section "Membership over long, lossy links"); about 13 min, root.
