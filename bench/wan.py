@@ -676,11 +676,16 @@ class Collective:
 
 
 def compression_preset(name: str) -> Compression:
-    """A `sync.compression` preset by name, one on trial (`EXPERIMENTAL`) included: added to this process's
-    `PRESETS` as bench/compression_long.py does, so the codec is the one the judge ran."""
+    """A `sync.compression` preset by name, one on trial (`EXPERIMENTAL`) included; the process's `PRESETS` are
+    left as they are (a test importing this module must not find a trial preset shipped)."""
+    return EXPERIMENTAL[name] if name in EXPERIMENTAL else get_compression(name)
+
+
+def register_trial_preset(name: str) -> None:
+    """Make a preset on trial known to this bench process's `PRESETS`, as bench/compression_long.py does: the
+    simulation looks presets up as the worker does (`get_compression`)."""
     if name in EXPERIMENTAL:
         PRESETS.setdefault(name, EXPERIMENTAL[name])
-    return get_compression(name)
 
 
 def collective_rank(spec: dict[str, Any]) -> None:
@@ -1309,7 +1314,7 @@ def run_scenarios(plan: Plan, root: Path, out_dir: Path) -> tuple[Derivation, St
         print(f"  DDP val {ddp.val_mean:.4f}, DiLoCo val {diloco.val_mean:.4f} ({params / 1e6:.2f}M parameters)",
               file=sys.stderr, flush=True)
         if plan.diloco_compression:
-            compression_preset(plan.diloco_compression)  # one on trial: known to this process's PRESETS
+            register_trial_preset(plan.diloco_compression)
             sim = run_method(bc, N, "diloco", plan.diloco_compression, root / "sim-diloco-c", curve_every=1,
                              ids=peer_ids)
             diloco_c = [(0, initial_val), *sim.curve]

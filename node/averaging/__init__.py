@@ -10,6 +10,7 @@
     pairing.py             schedule, scheduled_partners: who averages with whom at each outer step, from each
                            node's own member list (local: views a few members apart still agree); agreement: how
                            many nodes' partners name them back
+    partners.py            Partners: who could pair with us now, and the swarm's pace, from the member records
     partner_misses.py      PartnerMisses, Attempt: trainers that miss round after round stop counting as partners
     robust.py              UpdateBound: how far one partner's values may move us
     compression_choice.py  choose_compression: `sync.compression = auto`'s preset for each exchange
