@@ -6,7 +6,9 @@ the reply, so the turns from writing to reading are the round trips it took.
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import multiaddr
 import pytest
@@ -100,10 +102,11 @@ async def test_a_reply_that_is_neither_the_protocol_nor_na_is_an_error() -> None
         await PipelinedMultiselectClient().select_one_of([OURS], MultiselectCommunicator(Confused({OURS})), 5)
 
 
-async def test_hosts_built_here_open_streams_to_each_other_with_it() -> None:
+@asynccontextmanager
+async def echo_pair(protocol: TProtocol) -> AsyncIterator[tuple[Any, Any]]:
+    """Two connected hosts built here; the second echoes 5 bytes on `protocol`."""
     async with AsyncExitStack() as stack:
         a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
-        assert isinstance(a.multiselect_client, PipelinedMultiselectClient)
         for h in (a, b):
             await stack.enter_async_context(h.run(LISTEN))
         await a.connect(info_from_p2p_addr(b.get_addrs()[0]))
@@ -112,7 +115,13 @@ async def test_hosts_built_here_open_streams_to_each_other_with_it() -> None:
             await stream.write(await stream.read(5))
             await stream.close()
 
-        b.set_stream_handler(OLD, echo)
+        b.set_stream_handler(protocol, echo)
+        yield a, b
+
+
+async def test_hosts_built_here_open_streams_to_each_other_with_it() -> None:
+    async with echo_pair(OLD) as (a, b):
+        assert isinstance(a.multiselect_client, PipelinedMultiselectClient)
         with trio.fail_after(20):
             stream = await a.new_stream(b.get_id(), [OURS, OLD])  # b has only the older version
             assert stream.get_protocol() == OLD
@@ -133,17 +142,7 @@ async def test_hosts_built_here_open_streams_to_each_other_with_it() -> None:
 async def test_an_optimistic_stream_carries_its_request_with_the_proposal_and_the_listener_hands_it_over() -> None:
     """Real py-libp2p hosts: the listener reads the header, the proposal and then gives the handler our
     request, written before any reply came; the first read confirms the protocol and returns the answer."""
-    async with AsyncExitStack() as stack:
-        a, b = build_host(create_new_key_pair()), build_host(create_new_key_pair())
-        for h in (a, b):
-            await stack.enter_async_context(h.run(LISTEN))
-        await a.connect(info_from_p2p_addr(b.get_addrs()[0]))
-
-        async def echo(stream) -> None:  # type: ignore[no-untyped-def]
-            await stream.write(await stream.read(5))
-            await stream.close()
-
-        b.set_stream_handler(OURS, echo)
+    async with echo_pair(OURS) as (a, b):
         with trio.fail_after(20):
             stream = await open_optimistic(a, b.get_id(), OURS)
             assert not stream.confirmed and not speaks(stream, OURS)
