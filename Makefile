@@ -53,7 +53,7 @@ test-long: install
 
 # The smoke runs of the benches that write docs sections and are too long for `make test` (issue #52, item 4:
 # CI runs the code that writes the figures): sync, scale, membership, swarm and wan, each `--quick` or tiny,
-# about 15 minutes on 2 cores; `.ci/run` runs them after `make test`. (The other benches' smokes are in
+# about 12 minutes on 2 cores; `.ci/run` runs them after `make test`. (The other benches' smokes are in
 # `make test`; the chaos run and the compose test stay in `make test-long`.)
 BENCH_SMOKES = tests/test_bench_sync.py tests/test_bench_scale.py tests/test_bench_membership.py \
 	tests/test_bench_swarm.py tests/test_bench_wan.py
