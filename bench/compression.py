@@ -60,6 +60,13 @@ class CompressionResult:
     curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (inner steps, mean val loss)
 
 
+def register_trial_preset(name: str) -> None:
+    """Make a preset on trial (`EXPERIMENTAL`) known to this bench process's `PRESETS`: the simulation looks
+    presets up as the worker does (`get_compression`). A shipped preset's name changes nothing."""
+    if name in EXPERIMENTAL:
+        PRESETS.setdefault(name, EXPERIMENTAL[name])
+
+
 def wire(x: torch.Tensor, codec: object) -> torch.Tensor:
     """What the wire carries of `x` under `codec`."""
     out = torch.empty_like(x)
@@ -207,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown preset(s) {', '.join(unknown)}; choose from {', '.join([*PRESETS, *EXPERIMENTAL])}")
     for name in (*first, *args.presets.split(",")):  # a preset on trial: this process's own (protocols/compress.py)
-        if name in EXPERIMENTAL:
-            PRESETS.setdefault(name, EXPERIMENTAL[name])
+        register_trial_preset(name)
     bc = QUICK if args.quick else BenchConfig()
     if args.outer_steps is not None:
         bc = dataclasses.replace(bc, outer_steps=args.outer_steps)

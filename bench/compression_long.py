@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/compression_long.py` as well as `-m bench.compression_long`
     sys.path.insert(0, str(ROOT))
 
-from bench.compression import run_method  # noqa: E402
+from bench.compression import register_trial_preset, run_method  # noqa: E402
 from bench.convergence import QUICK, BenchConfig  # noqa: E402
 from bench.records import append_record, provenance, tree_id  # noqa: E402
 from bench.records import read_records as _read_records  # noqa: E402
@@ -140,8 +140,7 @@ def run_one(variant: Variant, seed: int, bc: BenchConfig, replicas: int, curve_e
             command: str = "") -> dict:
     """One run in this process; its JSON record (`command`: the campaign's command line)."""
     torch.set_num_threads(1)
-    if variant.preset in EXPERIMENTAL:  # on trial: a preset of this process only (the worker looks it up there)
-        PRESETS.setdefault(variant.preset, EXPERIMENTAL[variant.preset])
+    register_trial_preset(variant.preset)  # on trial: a preset of this process only (the worker looks it up there)
     cfg = dataclasses.replace(variant.config(bc), seed=seed)
     tree = tree_id()  # the code that runs: read before the hour the run takes, in which HEAD may move
     with tempfile.TemporaryDirectory(prefix="starling-compression-long-") as tmp:

@@ -83,7 +83,7 @@ from typing import Any
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from compression import run_method  # noqa: E402  # bench/compression.py: DiLoCo under a preset's Delta codec
+from compression import register_trial_preset, run_method  # noqa: E402  # bench/compression.py: DiLoCo under a preset's Delta codec
 from convergence import QUICK as QUICK_BENCH  # noqa: E402  # bench/convergence.py, beside this script
 from convergence import BenchConfig, run_ddp, run_outer
 from records import RESULTS_DIR, append_record, provenance, tree_id
@@ -680,12 +680,6 @@ def compression_preset(name: str) -> Compression:
     left as they are (a test importing this module must not find a trial preset shipped)."""
     return EXPERIMENTAL[name] if name in EXPERIMENTAL else get_compression(name)
 
-
-def register_trial_preset(name: str) -> None:
-    """Make a preset on trial known to this bench process's `PRESETS`, as bench/compression_long.py does: the
-    simulation looks presets up as the worker does (`get_compression`)."""
-    if name in EXPERIMENTAL:
-        PRESETS.setdefault(name, EXPERIMENTAL[name])
 
 
 def collective_rank(spec: dict[str, Any]) -> None:

@@ -43,7 +43,8 @@ from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicat
 from libp2p.utils import encode_delim
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
-__all__ = ["OptimisticRefused", "OptimisticStream", "PipelinedMultiselectClient", "open_optimistic", "speaks"]
+__all__ = ["OptimisticRefused", "OptimisticStream", "PipelinedMultiselectClient", "open_optimistic", "open_stream",
+           "speaks"]
 
 
 class PipelinedMultiselectClient(MultiselectClient):
@@ -167,6 +168,14 @@ async def open_optimistic(host: Any, peer_id: Any, protocol: TProtocol) -> Optim
         raise
     stream.set_protocol(protocol)
     return OptimisticStream(stream, protocol)
+
+
+async def open_stream(host: Any, peer_id: Any, protocols: Sequence[TProtocol], *, optimistic: bool) -> Any:
+    """A new stream to `peer_id`: optimistic in the first of `protocols` (`open_optimistic`) for a peer known to
+    speak it, else negotiated among them (the host's `new_stream`)."""
+    if optimistic:
+        return await open_optimistic(host, peer_id, protocols[0])
+    return await host.new_stream(peer_id, list(protocols))
 
 
 def speaks(stream: Any, protocol: TProtocol) -> bool:

@@ -294,16 +294,16 @@ async def test_a_partner_that_confirmed_the_protocol_gets_the_next_request_with_
     with the stream's proposal (p2p/multiselect.py, `open_optimistic`): no round trip for the protocol. A
     partner that no longer speaks it (an older daemon since) costs one failed exchange, and the next one
     negotiates the usual way, in the version it has."""
-    import node.averaging.averager as averager_module
+    import p2p.multiselect as multiselect_module
 
     optimistic: list[str] = []
-    real_open = averager_module.open_optimistic
+    real_open = multiselect_module.open_optimistic
 
     async def counting_open(host, peer, protocol):  # type: ignore[no-untyped-def]
         optimistic.append(protocol)
         return await real_open(host, peer, protocol)
 
-    monkeypatch.setattr(averager_module, "open_optimistic", counting_open)
+    monkeypatch.setattr(multiselect_module, "open_optimistic", counting_open)
     cfg = SyncConfig(wire_dtype="fp32", pair_window_s=4, compression="none")
     async with AsyncExitStack() as stack:
         hosts = [build_host(create_new_key_pair()) for _ in range(2)]

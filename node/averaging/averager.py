@@ -131,7 +131,7 @@ from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
 from node.config.sync import SyncConfig
 from node.status_schema import DIRECT_PATHS, MixingStatus, SyncStatus
 from p2p.datapath import DataPathListener
-from p2p.multiselect import open_optimistic, speaks
+from p2p.multiselect import open_stream, speaks
 from p2p.wire import ProtocolError, close_quietly
 from protocols import avg
 from protocols.avg import AnswerCode, Declined, Rejected, Tensors
@@ -969,10 +969,8 @@ class Averager:
             async with avg.preconnect(hint, timeout=avg.DATAPATH_CONNECT_S) as early:
                 stream = None
                 with trio.fail_after(deadline):
-                    if link.speaks_latest:  # the request goes out with the stream's proposal: no round trip
-                        stream = await open_optimistic(self.host, ID.from_base58(partner), avg.PROTOCOL_ID)
-                    else:
-                        stream = await self.host.new_stream(ID.from_base58(partner), list(avg.PROTOCOL_IDS))
+                    stream = await open_stream(self.host, ID.from_base58(partner), avg.PROTOCOL_IDS,
+                                               optimistic=link.speaks_latest)  # the request rides with it
                 clock.stream_open = time.monotonic()
                 self.admission.saw(partner, avg.partner_ip(stream))
 
@@ -1009,9 +1007,7 @@ class Averager:
                         early=early,
                     )
                 finally:
-                    # A partner that refused an optimistic stream (it runs an older version since) negotiates
-                    # the usual way next time.
-                    link.speaks_latest = speaks(stream, avg.PROTOCOL_ID)
+                    link.speaks_latest = speaks(stream, avg.PROTOCOL_ID)  # refused: negotiate next time
                     await close_quietly(stream)
         except Declined as e:
             self.report.declined()
