@@ -712,6 +712,55 @@ async def _swap(channel: FrameChannel, t: Tensors, plans: Plans, seen: Received)
 
 
 Validator = Callable[[Received], Clip]
+
+
+@dataclass(frozen=True)
+class Session:
+    """One exchange's two ends and the bounds it runs under, the same for the asker and the answerer: the
+    peer ids bind the session keys to this pair, `handshake_timeout` bounds the request and its answer,
+    `limits` the transfer (it runs as long as it moves); `progress` (the caller's, so that it can read the
+    link's rate after a failure too) counts its bytes, and `validate` judges the partner's values as they
+    arrive (node/averaging/robust.py)."""
+
+    local_peer_id: bytes
+    remote_peer_id: bytes
+    handshake_timeout: float
+    limits: TransferLimits
+    progress: Progress | None = None
+    validate: Validator | None = None
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What one side's values cover and where it stands, as its request or its accept says it: the partner
+    weighs a pair's mean by `samples` and checks the Delta's norm against `inner_steps`, meets halfway in
+    phase by `waited_ms`, and reads `members` as how many trainers' mean the tensors carry (a group's second
+    round). Bounds are the messages' (`AvgRequest`, `AvgAnswer`)."""
+
+    outer_step: int
+    inner_steps: int = 0
+    samples: int = 0
+    waited_ms: int = 0
+    members: int = 1
+
+
+@dataclass(frozen=True)
+class Ask:
+    """An asker's request before the transfer is planned: its contribution, the model it trains and the wire
+    it proposes. `initiate` adds what it decides itself: the element count and chunking (from the tensors),
+    the session key and a punch port (`AvgRequest`)."""
+
+    contribution: Contribution
+    manifest_hash: str
+    layout_hash: str
+    wire_dtype: str
+    int8_block: int = 4096
+    datapath: bool = True
+    stage: int = 1
+    compression: str = "none"
+    fragment: int = 0
+    stream_fragment: int = 0
+    stream_fragments: int = 1
 """``judge(seen)``: what to keep of the partner's values (a :class:`Clip`), or raises :class:`Rejected`."""
 
 
@@ -793,17 +842,12 @@ async def run_transfer(
 
 async def initiate(
     stream: object,
-    request_fields: dict,
+    ask: Ask,
     tensors: Tensors,
+    session: Session,
     *,
-    local_peer_id: bytes,
-    remote_peer_id: bytes,
     remote_ip: str | None,
-    handshake_timeout: float,
-    limits: TransferLimits,
-    progress: Progress | None = None,
     on_accept: Callable[[AvgAnswer], bool] | None = None,
-    validate: Validator | None = None,
     offer_punch: bool = False,
     early: Preconnect | None = None,
 ) -> TransferResult:
@@ -814,8 +858,7 @@ async def initiate(
     With ``offer_punch`` (and the side channel enabled) it binds a port for a punched side channel and
     announces it: a responder behind a NAT, whose listener we cannot dial, may take it up (``p2p.punch``).
 
-    After the handshake the transfer runs as long as it moves (``limits``); ``progress`` (the caller's,
-    so that it can read the link's rate after a failure too) counts its bytes.
+    ``session`` (:class:`Session`) bounds the handshake and the transfer and counts its bytes.
 
     Round trips, with the libp2p connection up (issue #50): the stream's protocol (1, p2p/multiselect.py;
     none where the partner confirmed the protocol before and the stream is optimistic, `open_optimistic`:
@@ -825,20 +868,27 @@ async def initiate(
     ACK: 2 to an empty exchange's end with a partner we exchanged with before, 4 the first time (6 before
     issue #50: a second multistream round trip, and the path message only after the ACK)."""
     control = LibP2PByteStream(stream)
-    progress = Progress() if progress is None else progress
+    progress = Progress() if session.progress is None else session.progress
+    validate = session.validate
     mine = KeyAgreement()
     tensors = tensors.as_arrays()
     numel = tensors.phi.size
-    plan = make_plans(numel, request_fields["wire_dtype"], request_fields["int8_block"],
-                      request_fields.get("compression", "none"), request_fields.get("fragment", 0))
+    plan = make_plans(numel, ask.wire_dtype, ask.int8_block, ask.compression, ask.fragment)
     with contextlib.ExitStack() as cleanup:
         punch = None
-        if offer_punch and request_fields.get("datapath", True) and remote_ip:
+        if offer_punch and ask.datapath and remote_ip:
             punch = cleanup.enter_context(PunchSocket())
-        request = AvgRequest(numel=numel, chunk_elems=plan.delta.chunk_elems, phi_chunk_elems=plan.phi.chunk_elems,
-                             pubkey=mine.public_key,
-                             punch_port=punch.port if punch else 0, **request_fields)
-        with trio.fail_after(handshake_timeout):
+        c = ask.contribution
+        request = AvgRequest(
+            outer_step=c.outer_step, manifest_hash=ask.manifest_hash, layout_hash=ask.layout_hash, numel=numel,
+            wire_dtype=ask.wire_dtype, int8_block=ask.int8_block, chunk_elems=plan.delta.chunk_elems,
+            pubkey=mine.public_key, datapath=ask.datapath, punch_port=punch.port if punch else 0,
+            inner_steps=c.inner_steps, samples=c.samples, waited_ms=c.waited_ms, stage=ask.stage,
+            members=c.members, compression=ask.compression, fragment=ask.fragment,
+            phi_chunk_elems=plan.phi.chunk_elems, stream_fragment=ask.stream_fragment,
+            stream_fragments=ask.stream_fragments,
+        )
+        with trio.fail_after(session.handshake_timeout):
             await send_msg(control, request_map(request), max_bytes=MAX_CONTROL_BYTES)
             answer = await recv_as(control, AvgAnswer, max_bytes=MAX_CONTROL_BYTES)
         if answer.verdict != "accept":
@@ -850,11 +900,11 @@ async def initiate(
             role=Role.INITIATOR,
             peer_public_key=answer.pubkey,
             session_id=answer.session_id,
-            local_peer_id=local_peer_id,
-            remote_peer_id=remote_peer_id,
+            local_peer_id=session.local_peer_id,
+            remote_peer_id=session.remote_peer_id,
             protocol_id=KEYS_PROTOCOL_ID,
         )
-        async with watched(limits, progress):
+        async with watched(session.limits, progress):
             channel: FrameChannel | None = None
             if request.datapath and answer.datapath_port and remote_ip:
                 address = (remote_ip, answer.datapath_port)
@@ -938,28 +988,20 @@ async def respond(
     stream: object,
     request: AvgRequest,
     tensors: Tensors,
+    session: Session,
+    ours: Contribution,
     *,
-    outer_step: int,
     listener: DataPathListener | None,
-    local_peer_id: bytes,
-    remote_peer_id: bytes,
-    handshake_timeout: float,
-    limits: TransferLimits,
-    progress: Progress | None = None,
-    validate: Validator | None = None,
     allow_punch: bool = False,
-    inner_steps: int = 0,
-    samples: int = 0,
-    waited_ms: int = 0,
-    members: int = 1,
 ) -> TransferResult:
-    """The responder's side, after the caller decided to accept `request`.
+    """The responder's side, after the caller decided to accept `request`; `ours` goes in the accept.
 
     Where it offers no listener (``listener`` None: we are not publicly reachable) but the initiator
-    offered a punch port, both open a punched side channel at once; else the libp2p stream. ``limits`` and
-    ``progress`` as in :func:`initiate`."""
+    offered a punch port, both open a punched side channel at once; else the libp2p stream. ``session`` as
+    in :func:`initiate`."""
     control = LibP2PByteStream(stream)
-    progress = Progress() if progress is None else progress
+    progress = Progress() if session.progress is None else session.progress
+    validate, handshake_timeout = session.validate, session.handshake_timeout
     tensors = tensors.as_arrays()
     if request.numel != tensors.phi.size:
         raise ProtocolError(Reason.BAD_FIELD, f"numel {request.numel} != ours {tensors.phi.size}")
@@ -974,8 +1016,8 @@ async def respond(
         role=Role.RESPONDER,
         peer_public_key=request.pubkey,
         session_id=session_id,
-        local_peer_id=local_peer_id,
-        remote_peer_id=remote_peer_id,
+        local_peer_id=session.local_peer_id,
+        remote_peer_id=session.remote_peer_id,
         protocol_id=KEYS_PROTOCOL_ID,
     )
     offer_listener = listener is not None and request.datapath
@@ -986,18 +1028,18 @@ async def respond(
             punch = cleanup.enter_context(PunchSocket())
         accept = AvgAnswer(
             verdict="accept",
-            outer_step=outer_step,
+            outer_step=ours.outer_step,
             pubkey=mine.public_key,
             session_id=session_id,
             datapath_port=listener.port if (listener is not None and offer_listener) else 0,
             punch_port=punch.port if punch else 0,
-            inner_steps=inner_steps,
-            samples=samples,
-            waited_ms=waited_ms,
-            members=members,
+            inner_steps=ours.inner_steps,
+            samples=ours.samples,
+            waited_ms=ours.waited_ms,
+            members=ours.members,
         )
         accept_fields = _on_the_wire(accept, coded=False)  # an accept carries no code, in either version
-        async with watched(limits, progress):
+        async with watched(session.limits, progress):
             if accept.datapath_port and listener is not None:
                 async with listener.expect(keys, timeout=handshake_timeout + DATAPATH_CONNECT_S) as pending:
                     await send_msg(control, accept_fields, max_bytes=MAX_CONTROL_BYTES)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 
 import multiaddr
 import numpy as np
@@ -51,6 +52,36 @@ def request_fields(outer_step: int) -> dict[str, object]:
             "inner_steps": 1, "samples": 1, "waited_ms": 0, "members": 1}  # fmt: skip
 
 
+# This tree's `avg.initiate` / `avg.respond` take an `Ask`, a `Session` and a `Contribution` (issue #53); a tree
+# from before them took loose keywords. Both are called here, for bench/exchange_rtt.py's `--before`.
+TYPED = hasattr(avg, "Session")
+
+
+async def initiate_one(stream: object, outer_step: int, data: avg.Tensors, local: bytes, remote: bytes, ip: str,
+                       on_accept: Callable[[avg.AvgAnswer], bool], early: object) -> avg.TransferResult:
+    extra = {"early": early} if early is not None else {}
+    if TYPED:
+        ask = avg.Ask(avg.Contribution(outer_step, inner_steps=1, samples=1), manifest_hash="lab", layout_hash="lab",
+                      wire_dtype="bf16")  # fmt: skip
+        session = avg.Session(local, remote, 10, avg.TransferLimits())
+        return await avg.initiate(stream, ask, data, session, remote_ip=ip, on_accept=on_accept, **extra)
+    return await avg.initiate(stream, request_fields(outer_step), data, local_peer_id=local, remote_peer_id=remote,
+                              remote_ip=ip, handshake_timeout=10, limits=avg.TransferLimits(), on_accept=on_accept,
+                              **extra)  # type: ignore[call-arg]  # fmt: skip
+
+
+async def respond_one(stream: object, request: avg.AvgRequest, listener: DataPathListener, local: bytes,
+                      remote: bytes) -> avg.TransferResult:
+    data = tensors(request.numel, 2)
+    if TYPED:
+        session = avg.Session(local, remote, 10, avg.TransferLimits())
+        ours = avg.Contribution(request.outer_step, inner_steps=1, samples=1)
+        return await avg.respond(stream, request, data, session, ours, listener=listener)
+    return await avg.respond(stream, request, data, outer_step=request.outer_step, listener=listener,  # type: ignore[call-arg]
+                             local_peer_id=local, remote_peer_id=remote, handshake_timeout=10,
+                             limits=avg.TransferLimits(), inner_steps=1, samples=1)  # fmt: skip
+
+
 def early_dial(hint: tuple[str, int] | None) -> contextlib.AbstractAsyncContextManager:
     """`avg.preconnect` where this tree has it; nothing on a tree from before it (bench/exchange_rtt.py
     `--before` runs this file against an older checkout, for the figures before and after in one run)."""
@@ -67,10 +98,8 @@ async def respond(port: int) -> None:
         async def handle(stream) -> None:  # type: ignore[no-untyped-def]
             try:
                 request = await avg.read_request(stream, 10)
-                await avg.respond(stream, request, tensors(request.numel, 2), outer_step=request.outer_step,
-                                  listener=listener, local_peer_id=host.get_id().to_bytes(),
-                                  remote_peer_id=stream.muxed_conn.peer_id.to_bytes(), handshake_timeout=10,
-                                  limits=avg.TransferLimits(), inner_steps=1, samples=1)  # fmt: skip
+                await respond_one(stream, request, listener, host.get_id().to_bytes(),
+                                  stream.muxed_conn.peer_id.to_bytes())
             except Exception as e:  # one failed exchange is a line of output, not the end of the server
                 print(f"responder: exchange failed: {e!r}", flush=True)
             finally:
@@ -109,11 +138,8 @@ async def initiate(ip: str, port: int, peer: str, numel: int, exchanges: int) ->
                             stream = await host.new_stream(ID.from_base58(peer), [avg.PROTOCOL_ID])
                         marks["stream"] = trio.current_time() - began
                         try:
-                            result = await avg.initiate(
-                                stream, request_fields(i + 1), tensors(numel, 1), local_peer_id=host.get_id().to_bytes(),
-                                remote_peer_id=ID.from_base58(peer).to_bytes(), remote_ip=ip, handshake_timeout=10,
-                                limits=avg.TransferLimits(), on_accept=accepted,
-                                **({"early": early} if early is not None else {}))  # fmt: skip
+                            result = await initiate_one(stream, i + 1, tensors(numel, 1), host.get_id().to_bytes(),
+                                                        ID.from_base58(peer).to_bytes(), ip, accepted, early)
                         finally:
                             speaks_latest = speaks is not None and speaks(stream, avg.PROTOCOL_ID)
                             await stream.close()

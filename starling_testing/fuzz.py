@@ -780,12 +780,11 @@ class AvgInitiator(Target):
 
     async def feed(self, data: bytes) -> str:
         dtype = DTYPES[data[0] % 3] if data else "fp32"
-        fields = {"outer_step": 3, "manifest_hash": AVG_MANIFEST, "layout_hash": layout_hash(AVG_LAYOUT),
-                  "wire_dtype": dtype, "int8_block": 64, "datapath": True}
-        await avg.initiate(FakeNetStream(data[1:], PEERS[1]), fields, avg_tensors(2),
-                           local_peer_id=PEERS[0].to_bytes(), remote_peer_id=PEERS[1].to_bytes(),
-                           remote_ip=None, handshake_timeout=HANG_S,
-                           limits=avg.TransferLimits(stall_s=HANG_S, max_s=HANG_S))
+        ask = avg.Ask(avg.Contribution(outer_step=3), manifest_hash=AVG_MANIFEST, layout_hash=layout_hash(AVG_LAYOUT),
+                      wire_dtype=dtype, int8_block=64)
+        session = avg.Session(PEERS[0].to_bytes(), PEERS[1].to_bytes(), HANG_S,
+                              avg.TransferLimits(stall_s=HANG_S, max_s=HANG_S))
+        await avg.initiate(FakeNetStream(data[1:], PEERS[1]), ask, avg_tensors(2), session, remote_ip=None)
         return "accepted"
 
 

@@ -891,33 +891,38 @@ class Averager:
             ends = max(ends, pending.began + self._busy_wait_s())
         return ends
 
-    def _request_fields(self, pending: _Pending, compression: str, fragment: int) -> dict[str, Any]:
-        return {
-            "outer_step": pending.request.outer_step,
-            "manifest_hash": self.swarm.manifest_hash() or "none",
-            "layout_hash": pending.request.layout_hash,
-            "wire_dtype": self.cfg.wire_dtype,
-            "int8_block": 4096,
-            "datapath": self.listener is not None,
-            "stage": pending.stage,
-            "compression": compression,
-            "fragment": fragment,
-            "stream_fragment": pending.request.fragment,
-            "stream_fragments": pending.request.fragments,
-            **self._contribution(pending),
-        }
+    def _request_of(self, pending: _Pending, compression: str, fragment: int) -> avg.Ask:
+        return avg.Ask(
+            self._contribution(pending),
+            manifest_hash=self.swarm.manifest_hash() or "none",
+            layout_hash=pending.request.layout_hash,
+            wire_dtype=self.cfg.wire_dtype,
+            datapath=self.listener is not None,
+            stage=pending.stage,
+            compression=compression,
+            fragment=fragment,
+            stream_fragment=pending.request.fragment,
+            stream_fragments=pending.request.fragments,
+        )
 
     @staticmethod
-    def _contribution(pending: _Pending) -> dict[str, int]:
+    def _contribution(pending: _Pending) -> avg.Contribution:
         """What our values cover and how long we have waited: the partner's weights and phase."""
         waited = max(0.0, trio.current_time() - pending.began)
         samples = pending.request.samples if pending.samples is None else pending.samples
-        return {
-            "inner_steps": min(max(0, pending.own_steps), 1 << 30),
-            "samples": min(max(0, samples), 1 << 40),
-            "waited_ms": min(int(waited * 1000), 1 << 30),
-            "members": pending.members,
-        }
+        return avg.Contribution(
+            outer_step=pending.request.outer_step,
+            inner_steps=min(max(0, pending.own_steps), 1 << 30),
+            samples=min(max(0, samples), 1 << 40),
+            waited_ms=min(int(waited * 1000), 1 << 30),
+            members=pending.members,
+        )
+
+    def _session(self, pending: _Pending, remote_peer_id: bytes, handshake_timeout: float,
+                 progress: avg.Progress) -> avg.Session:
+        """One exchange's ends and bounds (protocols/avg.py, `Session`), either side."""
+        return avg.Session(self.host.get_id().to_bytes(), remote_peer_id, handshake_timeout,
+                           self._transfer_limits(), progress, self._values_judge(pending))
 
     def _note_partner(self, pending: _Pending, message: avg.AvgRequest | avg.AvgAnswer) -> None:
         if isinstance(message, avg.AvgRequest):
@@ -993,16 +998,11 @@ class Averager:
                 try:
                     result = await avg.initiate(
                         stream,
-                        self._request_fields(pending, compression, fragment),
+                        self._request_of(pending, compression, fragment),
                         pending.tensors,
-                        local_peer_id=self.host.get_id().to_bytes(),
-                        remote_peer_id=ID.from_base58(partner).to_bytes(),
+                        self._session(pending, ID.from_base58(partner).to_bytes(), deadline, progress),
                         remote_ip=avg.partner_ip(stream),
-                        handshake_timeout=deadline,
-                        limits=self._transfer_limits(),
-                        progress=progress,
                         on_accept=claim,
-                        validate=self._values_judge(pending),
                         offer_punch=self._may_punch(partner),
                         early=early,
                     )
@@ -1159,16 +1159,11 @@ class Averager:
                     stream,
                     request,
                     pending.tensors,
-                    outer_step=pending.request.outer_step,
+                    self._session(pending, stream.muxed_conn.peer_id.to_bytes(), self.cfg.handshake_timeout_s,
+                                  progress),
+                    self._contribution(pending),
                     listener=self.listener if self.swarm.reachable() else None,
-                    local_peer_id=self.host.get_id().to_bytes(),
-                    remote_peer_id=stream.muxed_conn.peer_id.to_bytes(),
-                    handshake_timeout=self.cfg.handshake_timeout_s,
-                    limits=self._transfer_limits(),
-                    progress=progress,
-                    validate=self._values_judge(pending),
                     allow_punch=self._may_punch(partner),
-                    **self._contribution(pending),
                 )
             if scope.cancelled_caught:
                 raise trio.TooSlowError("cancelled by shutdown")
