@@ -42,6 +42,7 @@ from bench.convergence import (
     relative_spread,
     replica_ids,
 )
+from node.bridge.exchange import ExchangeOutcome
 from node.worker.trainer import Trainer
 from protocols.codec import round_trip
 from protocols.compress import EXPERIMENTAL, PRESETS, get_compression
@@ -88,7 +89,7 @@ def run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wire
 
     `first`: the presets of the first outer steps, `name` after them (what `auto` does on a fast link: a
     `high` probe, then `medium`, then `none`); `first_own_exact`: those steps apply each trainer's own Delta
-    in full (`apply_result(own_exact=True)`, what the daemon does on `auto`'s ramp). `curve_every`: the mean
+    in full (`ExchangeOutcome(own_exact=True)`, what the daemon does on `auto`'s ramp). `curve_every`: the mean
     validation loss every that many outer steps (and at the end) into `curve`. Presets are looked up as the worker
     looks them up (`get_compression`): a bench's experimental preset is added to `PRESETS` in its process.
     `ids`: the replicas' PeerIDs (e.g. real daemons', whose data shards they then train on; default
@@ -146,15 +147,16 @@ def _run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wir
         groups = [list(range(n))] if method == "diloco" else random_groups(n, pairing)
         for group in groups:
             if len(group) == 1:  # an odd one out: a solo step, nothing on the wire
-                trainers[group[0]].apply_result(1, compression=step_name)
+                trainers[group[0]].apply_result(ExchangeOutcome(1, compression=step_name))
                 continue
             if method == "diloco":
                 # All-gather of the compressed Deltas (a top-k sum is no top-k, so no ring all-reduce): every
                 # replica sums what the wire carried of each; phi is not exchanged (one shared phi).
                 sum_delta = torch.stack([wire(deltas[i], dcodec) for i in group]).sum(0)
                 for i in group:
-                    trainers[i].apply_result(len(group), phis[i].clone(), sum_delta.clone(), compression=step_name,
-                                             own_exact=first_own_exact and outer < len(first))
+                    outcome = ExchangeOutcome(len(group), compression=step_name,
+                                              own_exact=first_own_exact and outer < len(first))
+                    trainers[i].apply_result(outcome, phis[i].clone(), sum_delta.clone())
                 continue
             a, b = group
             lo, hi = preset.fragment_range(numel, preset.fragment_of(outer)) if preset.lossy else (0, numel)
@@ -165,9 +167,9 @@ def _run_method(bc: BenchConfig, n: int, method: str, name: str, home: Path, wir
                 t = trainers[me]
                 exact = (phis[other] - phis[me]) * (bc.gamma / 2)
                 before = t.outer.momentum.clone()
-                t.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression=step_name,
-                               phi_range=(lo, hi) if preset.lossy else None,
-                               own_exact=first_own_exact and outer < len(first))
+                outcome = ExchangeOutcome(2, compression=step_name, phi_range=(lo, hi) if preset.lossy else None,
+                                          own_exact=first_own_exact and outer < len(first))
+                t.apply_result(outcome, sum_phi.clone(), sum_delta.clone())
                 # The pull is what the momentum got beyond alpha*m + beta*mean(Delta as the wire carried it).
                 pull = t.outer.momentum - (before * bc.alpha + sum_delta * (bc.beta / 2))
                 norm = float(exact.norm())

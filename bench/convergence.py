@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from node.bridge.exchange import ExchangeOutcome
 from node.config.train import TrainConfig
 from node.worker.task import TaskContext, autocast, load_task
 from node.worker.trainer import Trainer, default_optimizer, lr_at
@@ -221,7 +222,7 @@ def run_outer(bc: BenchConfig, n: int, method: str, home: Path, prefix: str = "r
             sum_phi = torch.stack([phis[i] for i in group]).sum(0)  # what the daemon leaves: the group's sums
             sum_delta = torch.stack([deltas[i] for i in group]).sum(0)
             for i in group:
-                trainers[i].apply_result(len(group), sum_phi, sum_delta)
+                trainers[i].apply_result(ExchangeOutcome(len(group)), sum_phi, sum_delta)
         if curve and outer + 1 < bc.outer_steps:
             points.append(((outer + 1) * bc.inner_steps, sum(t.evaluate() for t in trainers) / n))
     vals = [t.evaluate() for t in trainers]

@@ -45,6 +45,7 @@ from bench.convergence import (
     relative_spread,
     replica_ids,
 )
+from node.bridge.exchange import ExchangeOutcome
 from node.worker.outer import OuterHyper, OuterOptimizer
 from node.worker.trainer import Trainer
 from protocols.codec import TensorCodec, round_trip
@@ -150,8 +151,8 @@ class Replica:
 
         `sum_phi` and `sum_delta` are the group's fragment-sized sums; `phi_range` (relative to the fragment)
         is where phi crossed the wire (None: all of it)."""
-        self.trainer.apply_result(group_size, sum_phi, sum_delta, compression=preset.name, phi_range=phi_range,
-                                  fragment=(lo, hi))
+        self.trainer.apply_result(ExchangeOutcome(group_size, compression=preset.name, phi_range=phi_range),
+                                  sum_phi, sum_delta, fragment=(lo, hi))
 
 
 def fragment_step(phi: torch.Tensor, momentum: torch.Tensor, lo: int, hi: int, hyper: OuterHyper, group_size: int,

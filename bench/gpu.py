@@ -45,6 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from node.bridge.exchange import ExchangeOutcome  # noqa: E402
 from starling_testing.report import replace_section  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -248,7 +249,7 @@ def measure_copies(path: Path) -> None:
             while not tr.publish_due():
                 tr.inner_step()
             tr.publish(*slots)
-            tr.apply_result(1)
+            tr.apply_result(ExchangeOutcome(1))
 
         outer_step()
 
@@ -265,7 +266,7 @@ def measure_copies(path: Path) -> None:
                 sync()
                 publish_times.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                tr.apply_result(1)
+                tr.apply_result(ExchangeOutcome(1))
                 sync()
                 apply_times.append(time.perf_counter() - t)
             for _ in range(3):
@@ -275,7 +276,7 @@ def measure_copies(path: Path) -> None:
                 sum_phi, sum_delta = slots[0] * 2, slots[1] * 2
                 sync()
                 t = time.perf_counter()
-                tr.apply_result(2, sum_phi, sum_delta, partner_samples=tr.published_samples)
+                tr.apply_result(ExchangeOutcome(2, partner_samples=tr.published_samples), sum_phi, sum_delta)
                 sync()
                 group_times.append(time.perf_counter() - t)
             return {"publish_s": statistics.median(publish_times), "apply_solo_s": statistics.median(apply_times),

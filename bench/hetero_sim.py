@@ -33,6 +33,7 @@ import torch
 from convergence import BenchConfig  # bench/convergence.py, beside this script (run as `python bench/...`)
 
 from node.averaging.pairing import BYE, matching
+from node.bridge.exchange import ExchangeOutcome
 from node.bridge.ipc import Publish
 from node.worker.trainer import Trainer
 
@@ -96,14 +97,15 @@ def run(mode: str, seed: int) -> tuple[list[float], list[float], int, int]:
             mean_delta = sum(deltas[k] * (pubs[k].samples / weight) for k in range(len(trainers)))  # type: ignore[union-attr]
             sum_phi = torch.stack(phis).sum(0)
             for t in trainers:
-                t.apply_result(len(trainers), sum_phi, mean_delta * len(trainers))
+                t.apply_result(ExchangeOutcome(len(trainers)), sum_phi, mean_delta * len(trainers))
             continue
         for a, b in _pairs(mode, names, speeds, step, gen):
             total += 1
             mixed += roles[a][0] != roles[b][0]
             sum_phi, sum_delta = phis[a] + phis[b], deltas[a] + deltas[b]
             for me, other in ((a, b), (b, a)):
-                trainers[me].apply_result(2, sum_phi, sum_delta, partner_samples=pubs[other].samples)  # type: ignore[union-attr]
+                outcome = ExchangeOutcome(2, partner_samples=pubs[other].samples)  # type: ignore[union-attr]
+                trainers[me].apply_result(outcome, sum_phi, sum_delta)
     losses = [t.evaluate() for t in trainers]
     fast = [v for v, (role, _) in zip(losses, roles, strict=True) if role == "fast"]
     slow = [v for v, (role, _) in zip(losses, roles, strict=True) if role == "slow"]

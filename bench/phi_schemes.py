@@ -61,6 +61,7 @@ from bench.compression import wire  # noqa: E402
 from bench.compression_long import _shown, read_records  # noqa: E402
 from bench.convergence import QUICK, BenchConfig, publish_all, random_groups, relative_spread, replica_ids  # noqa: E402
 from bench.records import append_record, provenance, tree_id  # noqa: E402
+from node.bridge.exchange import ExchangeOutcome  # noqa: E402
 from node.worker.trainer import Trainer  # noqa: E402
 from protocols.compress import BLOCK, EXPERIMENTAL, MAX_FRAGMENTS, PRESETS, Compression  # noqa: E402
 from starling_testing.report import publish  # noqa: E402
@@ -305,7 +306,7 @@ def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home:
             groups = [[i] for i in range(n)]
         for group in groups:
             if len(group) == 1:
-                trainers[group[0]].apply_result(1, compression=scheme.preset)
+                trainers[group[0]].apply_result(ExchangeOutcome(1, compression=scheme.preset))
                 continue
             sum_delta = aggregate([wire(deltas[i], dcodec) for i in group])
             sums = {i: sum_delta for i in group}
@@ -319,8 +320,8 @@ def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home:
                 sums = {i: wire(deltas[i], dcodec) + sum(sent[j] for j in group if j != i) for i in group}
             if scheme.method == "diloco":
                 for i in group:
-                    trainers[i].apply_result(len(group), phis[i].clone(), sums[i].clone(),
-                                             compression=scheme.preset, own_exact=scheme.own)
+                    outcome = ExchangeOutcome(len(group), compression=scheme.preset, own_exact=scheme.own)
+                    trainers[i].apply_result(outcome, phis[i].clone(), sums[i].clone())
                 continue
             a, b = group
             if not custom:
@@ -328,8 +329,9 @@ def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home:
                 sum_phi = torch.zeros(numel)
                 sum_phi[lo:hi] = wire(phis[a][lo:hi], pcodec) + wire(phis[b][lo:hi], pcodec)
                 for me in (a, b):
-                    trainers[me].apply_result(2, sum_phi.clone(), sums[me].clone(), compression=scheme.preset,
-                                              phi_range=(lo, hi) if preset.lossy else None, own_exact=scheme.own)
+                    outcome = ExchangeOutcome(2, compression=scheme.preset, own_exact=scheme.own,
+                                              phi_range=(lo, hi) if preset.lossy else None)
+                    trainers[me].apply_result(outcome, sum_phi.clone(), sums[me].clone())
                 continue
             seen: dict[int, torch.Tensor] = {}  # what each side pulls towards: the partner's phi as delivered
             if scheme.base == "oracle":
@@ -356,8 +358,8 @@ def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home:
                     wraps.append(wrapped)
             for me in (a, b):
                 before = trainers[me].phi.clone() if moved else None
-                trainers[me].apply_result(2, phis[me] + seen[me], sums[me].clone(), compression=scheme.preset,
-                                          phi_range=(0, numel), own_exact=scheme.own)
+                outcome = ExchangeOutcome(2, compression=scheme.preset, phi_range=(0, numel), own_exact=scheme.own)
+                trainers[me].apply_result(outcome, phis[me] + seen[me], sums[me].clone())
                 if before is not None:
                     moved[me].mul_(MOVE_DECAY).add_((trainers[me].phi - before).abs())
         if curve_every and ((outer + 1) % curve_every == 0 or outer + 1 == outer_steps):

@@ -103,6 +103,8 @@ PRESETS: dict[str, Compression] = {
 #: with `high`'s phi (int8 on 1 of 32 fragments, 0.031): 0.060 and 0.088 B/param each way in all; `k64q2` and
 #: `k128q2` with plain error feedback, the `-own` ones applying our own Delta in full as `medium` and `high` do;
 #: `-f16` and `-f8` spend more of the bytes on phi's pull (1 of 16 or 8 fragments: 0.092 and 0.154 B/param).
+#: `k64q2-own-f1` and `frag16-only` are `k64q2-own-f16`'s two halves apart (its Delta with phi whole in int8; its
+#: phi with Delta whole in the wire dtype), to tell what each costs over the long run.
 #: `topk-only` and `frag-only` are the two halves of `medium` (docs/benchmarks.md, "Compression": its ablation).
 #: `medium-deferred` and `high-deferred` are `medium` and `high` as they were until the own Delta in full
 #: became theirs (plain error feedback): the rows recorded before it, kept so that they can be rerun.
@@ -113,6 +115,8 @@ EXPERIMENTAL: dict[str, Compression] = {
     "k128q2-own": Compression("k128q2-own", delta_keep=128, fragments=32, delta_bits=2, own_in_full=True),
     "k64q2-own-f16": Compression("k64q2-own-f16", delta_keep=64, fragments=16, delta_bits=2, own_in_full=True),
     "k64q2-own-f8": Compression("k64q2-own-f8", delta_keep=64, fragments=8, delta_bits=2, own_in_full=True),
+    "k64q2-own-f1": Compression("k64q2-own-f1", delta_keep=64, fragments=1, delta_bits=2, own_in_full=True),
+    "frag16-only": Compression("frag16-only", delta_keep=0, fragments=16),
     "topk-only": Compression("topk-only", delta_keep=256, fragments=1),
     "frag-only": Compression("frag-only", delta_keep=0, fragments=4),
     "medium-deferred": Compression("medium-deferred", delta_keep=256, fragments=4),

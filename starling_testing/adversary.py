@@ -47,7 +47,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averaging.averager import Averager
-from node.bridge.exchange import ExchangeRequest
+from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
 from node.config.sync import SyncConfig
 from node.config.train import TrainConfig
 from node.worker.trainer import Trainer
@@ -154,7 +154,7 @@ def _train_alone(trainer: Trainer, outer_steps: int) -> None:
             trainer.inner_step()
         req = _request(trainer, r)
         trainer.publish(req.phi, req.delta)
-        trainer.apply_result(1)
+        trainer.apply_result(ExchangeOutcome(1))
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -228,8 +228,8 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
                                    _cos(sent[0], before[0]), _cos(sent[1], before[1])))
             before = sent
             v = reqs[0]
-            used = victim.apply_result(results[0].group_size, v.phi_out, v.delta_out,
-                                       partner_samples=results[0].partner_samples)
+            # The victim's outcome as its daemon's averager returned it (an ExchangeOutcome), whole.
+            used = victim.apply_result(results[0], v.phi_out, v.delta_out)
             averaged += used >= 2
             if r + 1 == HONEST_ROUNDS:
                 moved_honest_span = float((victim.phi - start).norm())
@@ -238,9 +238,10 @@ async def duel(home: Path, attack: Attack | None, rounds: int, name: str = "hone
                 p = reqs[1]
                 p.phi_out.sub_(p.phi).add_(honest_phi)
                 p.delta_out.sub_(p.delta).add_(honest_delta)
-                partner.apply_result(2, p.phi_out, p.delta_out, partner_samples=reqs[0].samples)
+                partner.apply_result(ExchangeOutcome(2, partner_samples=reqs[0].samples), p.phi_out,
+                                     p.delta_out)
             else:
-                partner.apply_result(1)
+                partner.apply_result(ExchangeOutcome(1))
         st = avs[0].status()
         nursery.cancel_scope.cancel()
     moved = victim.phi - start

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import compression, fragments  # noqa: E402
 from bench.convergence import BenchConfig  # noqa: E402
+from node.bridge.exchange import ExchangeOutcome  # noqa: E402
 from node.worker.outer import OuterHyper, noloco_step  # noqa: E402
 from node.worker.trainer import Trainer  # noqa: E402
 from protocols.compress import BLOCK, get_compression  # noqa: E402
@@ -84,7 +85,8 @@ def test_one_fragment_is_the_workers_publish_and_result_bit_for_bit(tmp_path: Pa
         sum_phi = torch.zeros(numel)
         sum_phi[plo:phi_hi] = fragments.wire_sum([phi_w[plo:phi_hi], partner_phi[plo:phi_hi]], pcodec)
         sum_delta = fragments.wire_sum([delta_w, partner_delta], dcodec)
-        worker.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression=preset, phi_range=phi_range)
+        worker.apply_result(ExchangeOutcome(2, compression=preset, phi_range=phi_range), sum_phi.clone(),
+                            sum_delta.clone())
         replica.apply(lo, hi, 2, sum_phi.clone(), sum_delta.clone(), comp, phi_range)
         assert torch.equal(plain.phi, worker.phi)
         assert torch.equal(plain.outer.momentum, worker.outer.momentum)

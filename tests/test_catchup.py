@@ -20,6 +20,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averaging import latejoin
 from node.averaging.latejoin import CatchUp
+from node.bridge.exchange import ExchangeOutcome
 from node.bridge.ipc import Adopted, CheckpointSaved, Publish, Result, Stop
 from node.bridge.shm import ExchangeSlots
 from node.config.sync import SyncConfig
@@ -338,7 +339,7 @@ def trained(home: Path, outer_steps: int) -> Trainer:
         while not tr.publish_due():
             tr.inner_step()
         tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
-        tr.apply_result(1)
+        tr.apply_result(ExchangeOutcome(1))
     return tr
 
 
@@ -400,7 +401,7 @@ def test_a_solo_result_with_an_exact_count_sets_the_workers_outer_step_back(tmp_
         tr.inner_step()
     tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
     step = tr.step
-    assert tr.apply_result(1, exact_outer_step=1) == 1
+    assert tr.apply_result(ExchangeOutcome(1, exact_outer_step=1)) == 1
     assert (tr.outer_step, tr.step) == (2, step)
 
 

@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 from node.bridge.ckptfile import CheckpointError
+from node.bridge.exchange import ExchangeOutcome
 from node.config.train import TrainConfig
 from node.worker.outer import OuterHyper, noloco_step
 from node.worker.trainer import Trainer, feed_back_own_in_full
@@ -255,7 +256,7 @@ def test_error_feedback_conserves_the_update(tmp_path: Path) -> None:
         if solo:
             sent_sum += slots[a][1].double()  # a solo step applies D in full
             for t in (a, b):
-                t.apply_result(1)
+                t.apply_result(ExchangeOutcome(1))
             assert a.residual is not None and not a.residual.any()
             continue
         carried = {t: wire(slots[t][1], codec) for t in (a, b)}
@@ -266,8 +267,8 @@ def test_error_feedback_conserves_the_update(tmp_path: Path) -> None:
                                                                                    preset.phi_codec("bf16"))
         sum_delta = carried[a] + carried[b]
         for t in (a, b):
-            assert t.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="medium",
-                                  phi_range=(lo, hi)) == 2
+            assert t.apply_result(ExchangeOutcome(2, compression="medium", phi_range=(lo, hi)),
+                                  sum_phi.clone(), sum_delta.clone()) == 2
             assert bool(torch.isfinite(t.phi).all())
         assert a.residual is not None and a.residual.abs().sum() > 0  # top-k left something behind
     assert a.residual is not None
@@ -288,7 +289,8 @@ def _one_lossy_pair_step(a: Trainer, b: Trainer, outer: int) -> None:
     sum_phi[lo:hi] = sum(wire(slots[t][0][lo:hi], preset.phi_codec("bf16")) for t in (a, b))
     sum_delta = sum(wire(slots[t][1], preset.delta_codec("bf16")) for t in (a, b))
     for t in (a, b):
-        t.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="medium", phi_range=(lo, hi))
+        t.apply_result(ExchangeOutcome(2, compression="medium", phi_range=(lo, hi)), sum_phi.clone(),
+                       sum_delta.clone())
 
 
 def test_a_restart_keeps_the_error_feedback_residual_so_nothing_of_the_update_is_lost(tmp_path: Path) -> None:
@@ -318,7 +320,7 @@ def test_a_checkpoint_with_an_empty_residual_stores_none_and_a_bad_one_is_refuse
     while not a.publish_due():
         a.inner_step()
     a.publish(torch.empty(a.numel), torch.empty(a.numel))
-    a.apply_result(1)  # a solo step applies D in full: the residual is emptied
+    a.apply_result(ExchangeOutcome(1))  # a solo step applies D in full: the residual is emptied
     assert a.residual is not None and not a.residual.any()
     assert "residual" not in a.state_dict()
     state = a.state_dict()
@@ -333,7 +335,7 @@ def test_uncompressed_results_keep_no_residual(tmp_path: Path) -> None:
         tr.inner_step()
     phi, delta = torch.empty(tr.numel), torch.empty(tr.numel)
     tr.publish(phi, delta)
-    tr.apply_result(2, phi + phi, delta + delta)
+    tr.apply_result(ExchangeOutcome(2), phi + phi, delta + delta)
     assert tr.residual is None  # `none`: no model-sized buffer, and the step is the one it always was
 
 
@@ -372,7 +374,7 @@ def test_equal_replicas_feel_no_pull_through_a_lossy_wire(tmp_path: Path) -> Non
     sum_phi = torch.zeros(tr.numel)
     sum_phi[lo:hi] = 2 * wire(phi[lo:hi], preset.phi_codec("bf16"))
     before = tr.phi.clone()
-    tr.apply_result(2, sum_phi, 2 * carried, compression="medium", phi_range=(lo, hi))
+    tr.apply_result(ExchangeOutcome(2, compression="medium", phi_range=(lo, hi)), sum_phi, 2 * carried)
     # First step (zero momentum): phi moves by exactly beta * mean Delta (ours whole, the partner's as carried),
     # pull 0.
     assert torch.allclose(tr.phi, before + TINY.beta * (delta + carried) / 2, atol=1e-6)
@@ -399,12 +401,13 @@ def test_an_own_exact_lossy_step_applies_our_whole_delta_and_keeps_no_residual(t
     sum_phi = torch.full((x.numel,), float("nan"))
     sum_phi[lo:hi] = wire(own_phi[lo:hi], pcodec) + wire(slots[partner][0][lo:hi], pcodec)
     sum_delta = wire(own_d, dcodec) + wire(slots[partner][1], dcodec)
-    assert x.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi),
-                          own_exact=True) == 2
+    assert x.apply_result(ExchangeOutcome(2, compression="high", phi_range=(lo, hi), own_exact=True),
+                          sum_phi.clone(), sum_delta.clone()) == 2
     # The same step outright: our D plus the partner's Q(D_p), and the lossy pull gamma/2 (Q(phi_p) - Q(phi)).
     exact_phi = sum_phi.clone()
     exact_phi[lo:hi] += 2 * (own_phi[lo:hi] - wire(own_phi[lo:hi], pcodec))
-    ref.apply_result(2, exact_phi, own_d + wire(slots[partner][1], dcodec), compression="none", phi_range=(lo, hi))
+    ref.apply_result(ExchangeOutcome(2, compression="none", phi_range=(lo, hi)), exact_phi,
+                     own_d + wire(slots[partner][1], dcodec))
     assert torch.allclose(x.phi, ref.phi, atol=1e-6)
     assert torch.allclose(x.outer.momentum, ref.outer.momentum, atol=1e-6)
     assert x.residual is None  # nothing delayed, and no residual buffer kept
@@ -417,8 +420,10 @@ def test_an_own_exact_lossy_step_applies_our_whole_delta_and_keeps_no_residual(t
             while not t.publish_due():
                 t.inner_step()
             t.publish(torch.empty(t.numel), torch.empty(t.numel))
-        y.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi))
-        z.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high-deferred", phi_range=(lo, hi))
+        y.apply_result(ExchangeOutcome(2, compression="high", phi_range=(lo, hi)), sum_phi.clone(),
+                       sum_delta.clone())
+        z.apply_result(ExchangeOutcome(2, compression="high-deferred", phi_range=(lo, hi)), sum_phi.clone(),
+                       sum_delta.clone())
     finally:
         PRESETS.pop("high-deferred", None)
     assert y.residual is not None and y.residual.abs().sum() > 0
@@ -470,12 +475,14 @@ def test_a_step_of_an_own_in_full_preset_is_our_delta_whole_and_the_partners_as_
         sum_phi = torch.full((x.numel,), float("nan"))
         sum_phi[lo:hi] = wire(own_phi[lo:hi], pcodec) + wire(slots[partner][0][lo:hi], pcodec)
         sum_delta = wire(own_d, dcodec) + wire(slots[partner][1], dcodec)
-        x.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high", phi_range=(lo, hi))
-        y.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="high-deferred", phi_range=(lo, hi))
+        x.apply_result(ExchangeOutcome(2, compression="high", phi_range=(lo, hi)), sum_phi.clone(),
+                       sum_delta.clone())
+        y.apply_result(ExchangeOutcome(2, compression="high-deferred", phi_range=(lo, hi)), sum_phi.clone(),
+                       sum_delta.clone())
         exact_phi = sum_phi.clone()
         exact_phi[lo:hi] += 2 * (own_phi[lo:hi] - wire(own_phi[lo:hi], pcodec))
-        ref.apply_result(2, exact_phi, own_d + wire(slots[partner][1], dcodec), compression="none",
-                         phi_range=(lo, hi))
+        ref.apply_result(ExchangeOutcome(2, compression="none", phi_range=(lo, hi)), exact_phi,
+                         own_d + wire(slots[partner][1], dcodec))
         assert torch.allclose(x.phi, ref.phi, atol=1e-6)
         assert torch.allclose(x.outer.momentum, ref.outer.momentum, atol=1e-6)
         assert x.residual is not None and y.residual is not None and torch.equal(x.residual, y.residual)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from node.bridge.exchange import ExchangeOutcome
 from node.cli import main
 from node.config.load import load_config
 from node.worker.trainer import Trainer
@@ -43,7 +44,7 @@ def train_and_checkpoint(home: Path) -> Trainer:
         while not tr.publish_due():
             tr.inner_step()
         tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
-        tr.apply_result(1)
+        tr.apply_result(ExchangeOutcome(1))
     tr.evaluate()
     tr.inner_step()
     tr.save_checkpoint()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from node.bridge.ckptfile import CheckpointError
+from node.bridge.exchange import ExchangeOutcome
 from node.config.train import TrainConfig
 from node.worker.outer import OuterHyper, noloco_step
 from node.worker.trainer import Trainer
@@ -73,11 +74,10 @@ def test_one_fragment_is_the_whole_vector_path_bit_for_bit(tmp_path: Path) -> No
         assert torch.equal(f_phi, w_phi) and torch.equal(f_delta, w_delta)
         partner = (w_phi + 0.01 * (sync + 1), w_delta * 0.5 + 0.001)
         sum_phi, sum_delta, phi_range = lossy_sums(lo, hi, sync, (w_phi, w_delta), partner)
-        kwargs = {"compression": "medium", "phi_range": phi_range, "partner_samples": partner_samples,
-                  "group_outer_step": sync + 3} if group == 2 else {}
-        whole.apply_result(group, sum_phi.clone(), sum_delta.clone(), **kwargs)  # type: ignore[arg-type]
-        got = frag.apply_result(group, sum_phi.clone(), sum_delta.clone(), fragment=(lo, hi),
-                                **kwargs)  # type: ignore[arg-type]
+        outcome = ExchangeOutcome(group, compression="medium", phi_range=phi_range, partner_samples=partner_samples,
+                                  group_outer_step=sync + 3) if group == 2 else ExchangeOutcome(group)
+        whole.apply_result(outcome, sum_phi.clone(), sum_delta.clone())
+        got = frag.apply_result(outcome, sum_phi.clone(), sum_delta.clone(), fragment=(lo, hi))
         assert got == group
         assert torch.equal(frag.phi, whole.phi) and torch.equal(frag.outer.momentum, whole.outer.momentum)
         assert frag.residual is not None and whole.residual is not None
@@ -110,7 +110,7 @@ def test_two_fragments_in_flight_applied_late_and_out_of_order_touch_their_own_s
         theta_now, phi_before, m_before = flat(t), t.phi.clone(), t.outer.momentum.clone()
         want_phi, want_m = phi_before.clone(), m_before.clone()
         noloco_step(want_phi[lo:hi], want_m[lo:hi], sums[1].clone(), sums[0].clone(), HYPER, 2)
-        t.apply_result(2, sums[0].clone(), sums[1].clone(), fragment=(lo, hi))
+        t.apply_result(ExchangeOutcome(2), sums[0].clone(), sums[1].clone(), fragment=(lo, hi))
         assert torch.equal(t.phi, want_phi) and torch.equal(t.outer.momentum, want_m)
         theta = flat(t)
         outside = torch.ones(t.numel, dtype=torch.bool)
@@ -126,7 +126,7 @@ def test_two_fragments_in_flight_applied_late_and_out_of_order_touch_their_own_s
     assert t.in_flight == {}
     assert t.fragment_outer_steps == [1, 0, 1] and t.outer_step == 0  # the middle fragment has not synced
     m_phi, m_delta = publish(t, m_lo, m_hi)
-    t.apply_result(2, m_phi * 2, m_delta * 2, fragment=(m_lo, m_hi))
+    t.apply_result(ExchangeOutcome(2), m_phi * 2, m_delta * 2, fragment=(m_lo, m_hi))
     assert t.outer_step == 1
 
 
@@ -139,7 +139,7 @@ def test_one_publish_per_fragment_and_only_fragments_of_the_partition(tmp_path: 
     with pytest.raises(ValueError):
         publish(t, lo, hi - 1)  # not a fragment of the partition: it would overlap another's slice
     with pytest.raises(RuntimeError):
-        t.apply_result(1, fragment=(lo, hi))  # nothing in flight for it
+        t.apply_result(ExchangeOutcome(1), fragment=(lo, hi))  # nothing in flight for it
     publish(t, lo, hi)
     with pytest.raises(RuntimeError):
         publish(t, lo, hi)  # its result is still to come
@@ -148,10 +148,11 @@ def test_one_publish_per_fragment_and_only_fragments_of_the_partition(tmp_path: 
     with pytest.raises(RuntimeError):
         t.set_fragments(4)  # a publish was made on this cut
     with pytest.raises(ValueError):
-        t.apply_result(1, scratch=torch.empty(t.numel), fragment=(lo, hi))  # the fragment's size, not the model's
+        # the fragment's size, not the model's
+        t.apply_result(ExchangeOutcome(1), scratch=torch.empty(t.numel), fragment=(lo, hi))
     publish(t, lo2, hi2)  # another fragment may be in flight at once
-    t.apply_result(1, fragment=(lo, hi))
-    t.apply_result(1, fragment=(lo2, hi2))
+    t.apply_result(ExchangeOutcome(1), fragment=(lo, hi))
+    t.apply_result(ExchangeOutcome(1), fragment=(lo2, hi2))
     assert t.in_flight == {} and t.fragment_outer_steps == [1, 1] and t.outer_step == 1
 
 
@@ -161,9 +162,9 @@ def test_a_fragments_count_continues_its_groups_and_the_outer_step_is_the_lowest
     steps(t, 2)
     phi, delta = publish(t, lo, hi)
     publish(t, lo2, hi2)
-    t.apply_result(2, phi * 2, delta * 2, group_outer_step=6, fragment=(lo, hi))
+    t.apply_result(ExchangeOutcome(2, group_outer_step=6), phi * 2, delta * 2, fragment=(lo, hi))
     assert t.fragment_outer_steps == [7, 0] and t.outer_step == 0
-    t.apply_result(1, fragment=(lo2, hi2))
+    t.apply_result(ExchangeOutcome(1), fragment=(lo2, hi2))
     assert t.fragment_outer_steps == [7, 1] and t.outer_step == 1
     steps(t, 3)
     again = t.publish_fragment(lo2, hi2, torch.empty(hi2 - lo2), torch.empty(hi2 - lo2))
@@ -185,13 +186,13 @@ def test_error_feedback_conserves_the_update_across_fragment_steps(tmp_path: Pat
         if solo:
             sent_sum[lo:hi] += published[a][1].double()  # a solo step applies D in full
             for t in (a, b):
-                t.apply_result(1, fragment=(lo, hi))
+                t.apply_result(ExchangeOutcome(1), fragment=(lo, hi))
             return
         sum_phi, sum_delta, phi_range = lossy_sums(lo, hi, sync, published[a], published[b])
         sent_sum[lo:hi] += wire(published[a][1], MEDIUM.delta_codec("bf16")).double()
         for t in (a, b):
-            assert t.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="medium", phi_range=phi_range,
-                                  fragment=(lo, hi)) == 2
+            assert t.apply_result(ExchangeOutcome(2, compression="medium", phi_range=phi_range),
+                                  sum_phi.clone(), sum_delta.clone(), fragment=(lo, hi)) == 2
 
     slot = 0
     for period in range(3):
@@ -227,8 +228,8 @@ def test_a_checkpoint_with_fragments_in_flight_resumes_as_if_those_publishes_nev
         published = [publish(t, flo, fhi) for t in (a, b)]
         sum_phi, sum_delta, phi_range = lossy_sums(flo, fhi, sync, *published)
         for t in (a, b):
-            t.apply_result(2, sum_phi.clone(), sum_delta.clone(), compression="medium", phi_range=phi_range,
-                           fragment=(flo, fhi))
+            t.apply_result(ExchangeOutcome(2, compression="medium", phi_range=phi_range), sum_phi.clone(),
+                           sum_delta.clone(), fragment=(flo, fhi))
     assert a.fragment_outer_steps == [2, 1] and a.residual is not None and a.residual.abs().sum() > 0
     steps(a, 2)
     before = a.state_dict()
@@ -279,8 +280,8 @@ def test_fragment_syncs_allocate_no_model_sized_buffer_when_the_caller_lends_the
     for flo, fhi in ((lo, hi), (lo2, hi2)):
         phi, delta = publish(t, flo, fhi)
         sum_phi, sum_delta, phi_range = lossy_sums(flo, fhi, 0, (phi, delta), (phi, delta))
-        t.apply_result(2, sum_phi, sum_delta, scratch=delta, compression="medium", phi_range=phi_range,
-                       fragment=(flo, fhi), sum_phi_is_scratch=True)
+        t.apply_result(ExchangeOutcome(2, compression="medium", phi_range=phi_range), sum_phi, sum_delta,
+                       scratch=delta, sum_phi_is_scratch=True, fragment=(flo, fhi))
     assert t._scratch_buf is None
     assert t.residual is not None and t.residual.shape == (t.numel,)
 
@@ -297,7 +298,8 @@ def test_equal_replicas_feel_no_pull_through_a_lossy_wire_on_a_fragment(tmp_path
     assert phi_range[0] > 0
     carried = wire(delta, MEDIUM.delta_codec("bf16"))
     before = t.phi.clone()
-    t.apply_result(2, sum_phi, 2 * carried, compression="medium", phi_range=phi_range, fragment=(lo, hi))
+    t.apply_result(ExchangeOutcome(2, compression="medium", phi_range=phi_range), sum_phi, 2 * carried,
+                   fragment=(lo, hi))
     want = before.clone()
     want[lo:hi] += TINY.beta * (delta + carried) / 2  # first step (zero momentum)
     assert torch.allclose(t.phi, want, atol=1e-6)
@@ -313,7 +315,8 @@ def test_an_own_exact_fragment_step_applies_its_whole_delta_and_empties_its_own_
     for flo, fhi in ((lo, hi), (lo2, hi2)):  # a top-k step on each: both slices hold something
         phi, delta = publish(t, flo, fhi)
         sum_phi, sum_delta, phi_range = lossy_sums(flo, fhi, 0, (phi, delta), (phi, delta))
-        t.apply_result(2, sum_phi, sum_delta, compression="medium", phi_range=phi_range, fragment=(flo, fhi))
+        t.apply_result(ExchangeOutcome(2, compression="medium", phi_range=phi_range), sum_phi, sum_delta,
+                       fragment=(flo, fhi))
     assert t.residual is not None and t.residual[lo:hi].abs().sum() > 0 and t.residual[lo2:hi2].abs().sum() > 0
     kept = t.residual[lo:hi].clone()
     steps(t, 2)
@@ -322,8 +325,8 @@ def test_an_own_exact_fragment_step_applies_its_whole_delta_and_empties_its_own_
     sum_phi, sum_delta, phi_range = lossy_sums(lo2, hi2, 1, (phi, delta), (phi, partner))
     want_sum = wire(partner, MEDIUM.delta_codec("bf16")) + delta
     m_before, before = t.outer.momentum.clone(), t.phi.clone()
-    t.apply_result(2, sum_phi, sum_delta, compression="medium", phi_range=phi_range, fragment=(lo2, hi2),
-                   own_exact=True)
+    t.apply_result(ExchangeOutcome(2, compression="medium", phi_range=phi_range, own_exact=True), sum_phi,
+                   sum_delta, fragment=(lo2, hi2))
     assert torch.allclose(sum_delta, want_sum, atol=1e-6)  # the sum's own term is D, in full
     assert t.residual is not None and not t.residual[lo2:hi2].any() and torch.equal(t.residual[lo:hi], kept)
     assert torch.equal(t.phi[lo:hi], before[lo:hi]) and torch.equal(t.outer.momentum[lo:hi], m_before[lo:hi])

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from node.bridge.exchange import ExchangeOutcome
 from node.config.train import TrainConfig
 from node.worker.trainer import Trainer
 from starling_testing.daemon import TINY, TINY_TRAIN, DaemonGroup
@@ -47,7 +48,7 @@ def averaged_outer_step(a: Trainer, b: Trainer) -> None:
     sum_phi = slots[id(a)][0] + slots[id(b)][0]
     sum_delta = slots[id(a)][1] + slots[id(b)][1]
     for t in (a, b):
-        assert t.apply_result(2, sum_phi.clone(), sum_delta.clone()) == 2
+        assert t.apply_result(ExchangeOutcome(2), sum_phi.clone(), sum_delta.clone()) == 2
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]') is not installed")
 
+from node.bridge.exchange import ExchangeOutcome
 from node.cli import main  # noqa: E402
 from node.config.load import load_config  # noqa: E402
 from node.config.train import TrainConfig  # noqa: E402
@@ -132,7 +133,7 @@ def test_export_hf_and_safetensors_load_and_give_the_recorded_validation_loss(tm
     while not tr.publish_due():
         tr.inner_step()
     tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
-    tr.apply_result(1)
+    tr.apply_result(ExchangeOutcome(1))
     tr.evaluate()
     tr.save_checkpoint()
 

@@ -21,7 +21,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from node.averaging.averager import Averager
-from node.bridge.exchange import ExchangeRequest
+from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
 from node.config.sync import SyncConfig
 from node.config.train import TrainConfig
 from node.worker.task import layout_hash
@@ -244,7 +244,7 @@ def test_a_result_applied_outer_steps_late_keeps_everything_learnt_meanwhile(tmp
     partner_delta = torch.randn(trainer.numel) * 1e-3
     sum_delta = slot_delta + partner_delta
     sum_phi = phi_before * 2
-    trainer.apply_result(2, sum_phi, sum_delta)
+    trainer.apply_result(ExchangeOutcome(2), sum_phi, sum_delta)
     theta_after = torch.empty(trainer.numel)
     trainer.gather_theta(theta_after)
     assert not torch.equal(trainer.phi, phi_before)  # the outer step moved phi

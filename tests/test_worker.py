@@ -106,6 +106,22 @@ def test_messages_round_trip_through_frames_split_anywhere() -> None:
     assert got == msgs
 
 
+def test_a_result_gives_the_worker_the_exchanges_outcome_whole_after_a_trip_through_frames() -> None:
+    """Every field of an `ExchangeOutcome` (the worker's outer step takes it whole, `Trainer.apply_result`)
+    survives the supervisor's `Result` and its frame: one that `Result.outcome` dropped or mixed up fails."""
+    outcome = ExchangeOutcome(2, group_outer_step=41, partner_samples=96, shift_s=-1.5, compression="medium",
+                              phi_range=(4096, 8192), exact_outer_step=39, own_exact=True)
+    msg = Result(outer_step=40, group_size=outcome.group_size, group_outer_step=outcome.group_outer_step,
+                 partner_samples=outcome.partner_samples, shift_s=outcome.shift_s,
+                 compression=outcome.compression, phi_range=list(outcome.phi_range or ()),
+                 exact_outer_step=outcome.exact_outer_step, own_exact=outcome.own_exact)
+    frames = FrameBuffer()
+    frames.feed(encode_message(msg))
+    got = frames.next_message()
+    assert isinstance(got, Result) and got.outcome() == outcome
+    assert Result(outer_step=1, group_size=1).outcome() == ExchangeOutcome(1)
+
+
 def test_an_oversized_or_malformed_frame_is_a_protocol_error() -> None:
     frames = FrameBuffer()
     frames.feed((MAX_FRAME + 1).to_bytes(4, "big"))
@@ -207,7 +223,7 @@ def test_the_outer_result_keeps_the_progress_made_while_the_exchange_ran(tmp_pat
     tr.inner_step()
     theta_now = flat(tr)
     assert tr.lag() == 2
-    tr.apply_result(1)
+    tr.apply_result(ExchangeOutcome(1))
     expected_phi = phi_old + TINY.beta * (theta_pub - phi_old)  # first step: zero momentum
     assert torch.allclose(tr.phi, expected_phi, atol=1e-6)
     assert torch.allclose(flat(tr), expected_phi + (theta_now - theta_pub), atol=1e-6)
@@ -222,7 +238,7 @@ def test_a_group_result_uses_the_group_sums_and_non_finite_sums_fall_back_to_sol
     phi_old = tr.phi.clone()
     mean_phi, mean_delta = phi_old + 0.01, torch.full((tr.numel,), 0.02)
     # The daemon leaves the pair's sums: ours plus a partner whose phi is 0.02 higher.
-    assert tr.apply_result(2, phi_old + (phi_old + 0.02), torch.full((tr.numel,), 0.04)) == 2
+    assert tr.apply_result(ExchangeOutcome(2), phi_old + (phi_old + 0.02), torch.full((tr.numel,), 0.04)) == 2
     expected = phi_old + TINY.beta * mean_delta - TINY.gamma * (phi_old - mean_phi)
     assert torch.allclose(tr.phi, expected, atol=1e-6)
     assert torch.allclose(flat(tr), tr.phi)  # no steps while in flight: theta restarts at phi
@@ -231,7 +247,7 @@ def test_a_group_result_uses_the_group_sums_and_non_finite_sums_fall_back_to_sol
         tr.inner_step()
     tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
     poisoned = torch.full((tr.numel,), float("nan"))
-    assert tr.apply_result(2, poisoned, poisoned) == 1
+    assert tr.apply_result(ExchangeOutcome(2), poisoned, poisoned) == 1
     assert bool(torch.isfinite(tr.phi).all())
 
 
@@ -242,7 +258,8 @@ def test_a_group_step_continues_from_the_groups_largest_outer_step_and_keeps_the
         while not tr.publish_due():
             tr.inner_step()
         tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
-        tr.apply_result(group_size, tr.phi * group_size, torch.zeros(tr.numel), group_outer_step)
+        tr.apply_result(ExchangeOutcome(group_size, group_outer_step=group_outer_step), tr.phi * group_size,
+                        torch.zeros(tr.numel))
 
     one_outer_step(2, 6)  # published at 0, the partner was at 6: both continue from 7
     assert (tr.outer_step, tr.step) == (7, TINY.inner_steps)
@@ -341,7 +358,7 @@ def test_a_resumed_trainer_continues_exactly_where_the_checkpoint_was(tmp_path: 
     while not a.publish_due():
         a.inner_step()
     a.publish(torch.empty(a.numel), torch.empty(a.numel))
-    a.apply_result(1)
+    a.apply_result(ExchangeOutcome(1))
     a.inner_step()
     a.save_checkpoint()
     b = Trainer(TINY, tmp_path, "peer-a")
@@ -360,7 +377,7 @@ def test_a_late_joiner_starts_from_the_swarm_snapshot_and_reports_its_loss_befor
         while not donor.publish_due():
             donor.inner_step()
         donor.publish(torch.empty(donor.numel), torch.empty(donor.numel))
-        donor.apply_result(1)
+        donor.apply_result(ExchangeOutcome(1))
     snapshot = {"phi": donor.phi.clone(), "step": donor.step, "outer_step": donor.outer_step,
                 "layout_hash": donor.layout_hash, "donors": ["peer-a"]}
     (tmp_path / "joiner" / "join").mkdir(parents=True)
@@ -663,7 +680,7 @@ def test_with_the_swarms_pace_a_slow_machine_publishes_on_time_with_fewer_inner_
         tr.inner_step()
     msg = tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
     assert (msg.inner_steps, msg.samples) == (TINY.inner_steps, TINY.inner_steps * TINY.batch_size)
-    tr.apply_result(1)
+    tr.apply_result(ExchangeOutcome(1))
     tr.set_pace(period_s=10.0)
     assert tr.next_publish_at is not None
     start = tr.next_publish_at - 10.0
@@ -710,7 +727,7 @@ def test_a_weighted_pair_result_reaches_the_outer_step(tmp_path: Path) -> None:
     phi_old = tr.phi.clone()
     their_delta = torch.full((tr.numel,), 0.05)
     partner_samples = 3 * tr.published_samples
-    tr.apply_result(2, 2 * phi_old, own_delta + their_delta, partner_samples=partner_samples)
+    tr.apply_result(ExchangeOutcome(2, partner_samples=partner_samples), 2 * phi_old, own_delta + their_delta)
     expected = phi_old + TINY.beta * (0.25 * own_delta + 0.75 * their_delta)
     assert torch.allclose(tr.phi, expected, atol=1e-5)
 
@@ -738,9 +755,10 @@ def test_phi_in_the_slot_and_a_lent_scratch_give_the_same_bits_without_a_private
         theta_now = torch.cat([p.detach().reshape(-1).cpu() for p in plain.params])  # the device's, on the host
         theta_pub = plain.theta_published.clone()
         sum_phi, sum_delta = plain.phi + partner_phi, slot_delta + 0.02
-        plain.apply_result(2, sum_phi.clone(), sum_delta.clone(), partner_samples=plain.published_samples)
-        lean.apply_result(2, sum_phi.clone(), sum_delta.clone(), partner_samples=lean.published_samples,
-                          scratch=slot_delta)
+        plain.apply_result(ExchangeOutcome(2, partner_samples=plain.published_samples), sum_phi.clone(),
+                           sum_delta.clone())
+        lean.apply_result(ExchangeOutcome(2, partner_samples=lean.published_samples), sum_phi.clone(),
+                          sum_delta.clone(), scratch=slot_delta)
         assert torch.equal(plain.phi, lean.phi) and lean.phi.data_ptr() == slot_phi.data_ptr()
         for a, b in zip(plain.params, lean.params, strict=True):
             assert torch.equal(a, b)
@@ -782,7 +800,7 @@ def test_publish_and_the_outer_step_run_on_the_host_threads_and_training_keeps_i
             tr.inner_step()
         tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
         assert torch.get_num_threads() == 1
-        tr.apply_result(1)
+        tr.apply_result(ExchangeOutcome(1))
         assert seen == [3] and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(1)
@@ -819,7 +837,7 @@ def test_the_reported_speed_follows_the_last_outer_steps_not_a_slow_first_one(tm
             tr.inner_step()
         clock[0] += seconds_per_step * h
         tr.publish(torch.empty(tr.numel), torch.empty(tr.numel))
-        tr.apply_result(1)
+        tr.apply_result(ExchangeOutcome(1))
 
     outer_step(1.0)  # the first publish only starts the clock
     outer_step(1.0)  # the slow first timed outer step

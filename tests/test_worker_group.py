@@ -117,7 +117,7 @@ def _rank(rank: int, directory: str, out: str) -> None:
         torch.save({"delta": delta.clone(), "samples": published.samples}, Path(out) / "published.pt")
         # A partner whose slow weights are 1 higher everywhere: the outer step moves phi, and both ranks
         # must go on from the result. The Delta buffer is lent as scratch, as the worker lends its slot.
-        trainer.apply_result(2, sum_phi=2 * phi + 1, sum_delta=2 * delta, scratch=delta)
+        trainer.apply_result(ExchangeOutcome(2), 2 * phi + 1, 2 * delta, scratch=delta)
         trainer.inner_step()
         trainer.save_checkpoint()  # gathers rank 1's data position too
         theta = _flat(trainer)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from node.bridge.exchange import ExchangeOutcome
 from p2p.framing import FrameSplitter, ProtocolError, Reason, pack_map
 
 PROTOCOL_VERSION = 1
@@ -94,6 +95,13 @@ class Result:
     # slice of the output slots, `phi_range` is relative to it.
     fragment: int = 0
     fragments: int = 1
+
+    def outcome(self) -> ExchangeOutcome:
+        """The exchange's outcome as the worker's outer step takes it (`Trainer.apply_result`): one typed value,
+        the same the daemon's exchange returned, less what only the daemon acts on."""
+        phi_range = (int(self.phi_range[0]), int(self.phi_range[1])) if self.phi_range else None
+        return ExchangeOutcome(self.group_size, self.group_outer_step, self.partner_samples, self.shift_s,
+                               self.compression, phi_range, self.exact_outer_step, self.own_exact)
 
 
 @dataclass

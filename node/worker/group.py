@@ -53,6 +53,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from node.bridge.exchange import ExchangeOutcome
 from node.bridge.group_procs import Rendezvous
 from node.bridge.ipc import Adopted, Init
 from node.config.train import TrainConfig
@@ -255,8 +256,11 @@ class GroupTrainer(Trainer):
 
     # -- rank 0 decides; the others take its weights --
 
-    def apply_result(self, *args: Any, **kwargs: Any) -> int:
-        used = super().apply_result(*args, **kwargs)
+    def apply_result(self, outcome: ExchangeOutcome, sum_phi: torch.Tensor | None = None,
+                     sum_delta: torch.Tensor | None = None, *, scratch: torch.Tensor | None = None,
+                     sum_phi_is_scratch: bool = False, fragment: tuple[int, int] | None = None) -> int:
+        used = super().apply_result(outcome, sum_phi, sum_delta, scratch=scratch,
+                                    sum_phi_is_scratch=sum_phi_is_scratch, fragment=fragment)
         self._share_weights()
         return used
 

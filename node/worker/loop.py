@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from node.bridge.exchange import ExchangeOutcome
 from node.bridge.ipc import (
     Adopted,
     Attach,
@@ -258,12 +259,8 @@ def _apply(trainer: Trainer, slots: ExchangeSlots, msg: Result, span: tuple[int,
     """Apply `msg`'s outer step from the slots (their `span` slice for a streaming fragment); returns the
     group size used. The Delta slot is lent for our own Delta: the exchange is over (Trainer.apply_result)."""
     lo, hi = span if span is not None else (0, trainer.numel)
-    phi_range = (int(msg.phi_range[0]), int(msg.phi_range[1])) if msg.phi_range else None
-    return trainer.apply_result(msg.group_size, _view(slots.phi_out)[lo:hi], _view(slots.delta_out)[lo:hi],
-                                msg.group_outer_step, partner_samples=msg.partner_samples,
-                                scratch=_view(slots.delta)[lo:hi], compression=msg.compression,
-                                phi_range=phi_range, sum_phi_is_scratch=True, exact_outer_step=msg.exact_outer_step,
-                                own_exact=msg.own_exact, fragment=span)
+    return trainer.apply_result(msg.outcome(), _view(slots.phi_out)[lo:hi], _view(slots.delta_out)[lo:hi],
+                                scratch=_view(slots.delta)[lo:hi], sum_phi_is_scratch=True, fragment=span)
 
 
 def _after_outer_step(chan: WorkerChannel, trainer: Trainer) -> None:
@@ -321,7 +318,7 @@ def _adopt(chan: WorkerChannel, trainer: Trainer, msg: Result, fragment: tuple[i
         adopted = trainer.adopt_snapshot(Path(msg.adopt), msg.adopt_outer_step)
     except CheckpointError as e:
         log.warning("not adopting the swarm snapshot %s: %s; taking a solo step", msg.adopt, e)
-        trainer.apply_result(1, fragment=fragment)
+        trainer.apply_result(ExchangeOutcome(1), fragment=fragment)
         chan.send(Adopted(previous_step=previous[0], previous_outer_step=previous[1], step=trainer.step,
                           outer_step=trainer.outer_step, error=str(e)[:300]))
         return

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from node.bridge.exchange import ExchangeOutcome
 from node.bridge.ipc import (
     Adopted,
     Publish,
@@ -145,6 +146,17 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _continued_count(published_at: int, outcome: ExchangeOutcome, group_size: int) -> int:
+    """The outer step an applied result counts from: the publish's, or the group's largest where that is
+    further (`group_outer_step`: paired counters stay together); a solo step's `exact_outer_step` sets it
+    outright, lower too (a catch-up, node/averaging/latejoin.py). `group_size`: the size actually used."""
+    if outcome.group_outer_step is not None:
+        published_at = max(published_at, outcome.group_outer_step)
+    if outcome.exact_outer_step is not None and group_size < 2:
+        published_at = max(0, outcome.exact_outer_step)
+    return published_at
 
 
 @dataclass(frozen=True)
@@ -702,22 +714,22 @@ class Trainer:
 
     def apply_result(
         self,
-        group_size: int,
+        outcome: ExchangeOutcome,
         sum_phi: torch.Tensor | None = None,
         sum_delta: torch.Tensor | None = None,
-        group_outer_step: int | None = None,
-        partner_samples: int = 0,
+        *,
         scratch: torch.Tensor | None = None,
-        compression: str = "none",
-        phi_range: tuple[int, int] | None = None,
         sum_phi_is_scratch: bool = False,
-        exact_outer_step: int | None = None,
-        own_exact: bool = False,
         fragment: tuple[int, int] | None = None,
     ) -> int:
         """Apply the outer step for the pending publish and rebase the fast weights; returns the group
-        size actually used (a group result with non-finite sums falls back to a solo step). `sum_phi` and
-        `sum_delta` are the group's sums over its `group_size` members, this one included.
+        size actually used (a group result with non-finite sums falls back to a solo step).
+
+        `outcome` is what the exchange decided (node/bridge/exchange.py, `ExchangeOutcome`: the group size n,
+        the counts to continue from, the partner's samples, the preset the wire used, the phi fragment it
+        carried, `own_exact`), taken whole: one typed value from the daemon's exchange to this step. `sum_phi`
+        and `sum_delta` are where the exchange left the group's sums over its n members, this one included;
+        the keywords say what the caller lends beside them and which fragment's publish this answers.
 
         `scratch`: a flat fp32 tensor of `numel` elements that the caller lends for our own Delta (the
         worker lends its Delta slot, which holds that very Delta since the publish and which the daemon
@@ -726,21 +738,21 @@ class Trainer:
         publish).
 
         After a group step the outer-step counter continues from the group's largest one
-        (`group_outer_step`), as the partner's does: counters of paired nodes stay together. A solo step
+        (`outcome.group_outer_step`), as the partner's does: counters of paired nodes stay together. A solo step
         follows a `group_outer_step` too (the largest the daemon saw among ready trainers), so that a node
         that sat out keeps the counter that keys the pairing schedule. The inner
         `step` (and so the learning rate) is this node's own and does not change. `exact_outer_step` (a solo
         step's only) sets the counter outright, lower too: a catch-up that moves the count alone because
         this node's weights are the swarm's but its count ran away from it (node/averaging/latejoin.py).
 
-        `compression` (a `sync.compression` preset) says what the wire carried: with a lossy one the
-        error-feedback residual is updated (`_feed_back`), and `phi_range` = [lo, hi) is the fragment whose
+        `outcome.compression` (a `sync.compression` preset) says what the wire carried: with a lossy one the
+        error-feedback residual is updated (`_feed_back`), and `outcome.phi_range` = [lo, hi) is the fragment whose
         phi was exchanged: the pull applies there only (`sum_phi` outside it is not read).
 
         `sum_phi_is_scratch`: `sum_phi` may be overwritten (the worker's phi_out slot, which nobody reads once
         the exchange is over): the NoLoCo pull then needs no model-sized temporary (node/worker/outer.py).
 
-        `own_exact`: after a lossy pair step, apply our own Delta in full instead of the wire's copy plus
+        `outcome.own_exact`: after a lossy pair step, apply our own Delta in full instead of the wire's copy plus
         error feedback (`_feed_back`; the daemon says when: `auto`'s probe and its way back to `none`).
 
         `fragment` = (lo, hi): the result of that fragment's publish (`publish_fragment`), however late and
@@ -748,28 +760,19 @@ class Trainer:
         fragment's (hi - lo elements) and `phi_range` is relative to it; the outer step, the error feedback
         and the rebase act on [lo, hi) alone, and the counters are the fragment's (`_apply_fragment`)."""
         if fragment is not None:
-            return self._apply_fragment(fragment, group_size, sum_phi, sum_delta, group_outer_step,
-                                        partner_samples, scratch, compression, phi_range, sum_phi_is_scratch,
-                                        exact_outer_step, own_exact)
+            return self._apply_fragment(fragment, outcome, sum_phi, sum_delta, scratch, sum_phi_is_scratch)
         if self.pending is None:
             raise RuntimeError("apply_result without a pending publish")
         with torch_threads(self.host_threads):
-            group_size = self._outer_step(group_size, sum_phi, sum_delta, partner_samples, scratch, compression,
-                                          phi_range, sum_phi_is_scratch, own_exact)
-        published_at = self.pending
+            group_size = self._outer_step(outcome, sum_phi, sum_delta, scratch, sum_phi_is_scratch)
+        published_at = _continued_count(self.pending, outcome, group_size)
         self.pending = None
-        if group_outer_step is not None:
-            published_at = max(published_at, group_outer_step)
-        if exact_outer_step is not None and group_size < 2:
-            published_at = max(0, exact_outer_step)
         self.outer_step = published_at + 1
         return group_size
 
     def _apply_fragment(
-        self, fragment: tuple[int, int], group_size: int, sum_phi: torch.Tensor | None,
-        sum_delta: torch.Tensor | None, group_outer_step: int | None, partner_samples: int,
-        scratch: torch.Tensor | None, compression: str, phi_range: tuple[int, int] | None,
-        sum_phi_is_scratch: bool, exact_outer_step: int | None, own_exact: bool,
+        self, fragment: tuple[int, int], outcome: ExchangeOutcome, sum_phi: torch.Tensor | None,
+        sum_delta: torch.Tensor | None, scratch: torch.Tensor | None, sum_phi_is_scratch: bool,
     ) -> int:
         """`apply_result` for fragment [lo, hi): the outer step on the slices, the rebase of the slice, and
         the fragment's count continued from the group's as the whole vector's is; `outer_step` becomes the
@@ -783,15 +786,10 @@ class Trainer:
             if t is not None and t.shape != (hi - lo,):
                 raise ValueError(f"{name} must be a flat tensor of the fragment's size ({hi - lo})")
         with torch_threads(self.host_threads):
-            group_size = self._outer_step(group_size, sum_phi, sum_delta, partner_samples, scratch, compression,
-                                          phi_range, sum_phi_is_scratch, own_exact, fragment, flight.samples)
+            group_size = self._outer_step(outcome, sum_phi, sum_delta, scratch, sum_phi_is_scratch, fragment,
+                                          flight.samples)
         del self.in_flight[f]
-        published_at = flight.outer_step
-        if group_outer_step is not None:
-            published_at = max(published_at, group_outer_step)
-        if exact_outer_step is not None and group_size < 2:
-            published_at = max(0, exact_outer_step)
-        self.fragment_outer_steps[f] = published_at + 1
+        self.fragment_outer_steps[f] = _continued_count(flight.outer_step, outcome, group_size) + 1
         self.outer_step = self._fragments_outer_step()
         return group_size
 
@@ -802,14 +800,14 @@ class Trainer:
         counts = [c for c, (lo, hi) in zip(self.fragment_outer_steps, self.fragments, strict=True) if hi > lo]
         return min(counts) if counts else self.outer_step
 
-    def _outer_step(self, group_size: int, sum_phi: torch.Tensor | None, sum_delta: torch.Tensor | None,
-                    partner_samples: int, scratch: torch.Tensor | None, compression: str,
-                    phi_range: tuple[int, int] | None, sum_phi_is_scratch: bool, own_exact: bool = False,
+    def _outer_step(self, outcome: ExchangeOutcome, sum_phi: torch.Tensor | None, sum_delta: torch.Tensor | None,
+                    scratch: torch.Tensor | None, sum_phi_is_scratch: bool,
                     span: tuple[int, int] | None = None, published_samples: int | None = None) -> int:
         """`apply_result`'s host work: the checks, the outer step on phi and the rebase; returns the group
-        size used. `span`: a fragment's (its sums, scratch and `phi_range` are the fragment's, and
+        size used. `span`: a fragment's (its sums, scratch and `outcome.phi_range` are the fragment's, and
         `published_samples` its publish's); None: the whole vector, as it always was."""
         lo, hi = span if span is not None else (0, self.numel)
+        group_size, phi_range, partner_samples = outcome.group_size, outcome.phi_range, outcome.partner_samples
         if group_size >= 2:
             if sum_phi is None or sum_delta is None:
                 raise ValueError("a group result needs sum_phi and sum_delta")
@@ -817,11 +815,11 @@ class Trainer:
             if not (all_finite(sum_phi[plo:phi_hi]) and all_finite(sum_delta)):
                 log.warning("outer step %d: group sums are not finite; taking a solo step", self.outer_step)
                 group_size = 1
-        preset = get_compression(compression)
+        preset = get_compression(outcome.compression)
         if scratch is None:
             scratch = self._scratch if span is None else self._scratch[: hi - lo]
         own_delta = self._own_delta(scratch, span)
-        self._feed_back(own_delta, group_size, preset, sum_delta, own_exact and group_size == 2, span)
+        self._feed_back(own_delta, group_size, preset, sum_delta, outcome.own_exact and group_size == 2, span)
         if group_size >= 2 and preset.lossy and sum_phi is not None:
             phi_range = phi_range if phi_range is not None else (0, hi - lo)
             self._own_phi_on_wire(sum_phi, phi_range, preset, lo)
