@@ -4,6 +4,7 @@ Each module is one protocol (its messages, both sides of its exchange), or what 
 used as a module (``from protocols import avg``; ``avg.initiate``, ``avg.respond``):
 
     avg.py       /starling/avg: one pairwise averaging exchange of (phi, Delta); AvgRequest, TransferResult
+    avg_call.py  Ask, Session, Contribution, TransferLimits: what a caller hands avg.initiate and avg.respond
     codec.py     get_codec, WireDtype, TensorCodec: how a flat fp32 array travels (fp32, bf16, int8 blocks)
     lowbit.py    TopKLowBitCodec: top-k with packed indices and 2-bit values (SparseLoCo's class), for Delta
     compress.py  get_compression, Compression: the `sync.compression` presets (top-k Delta, phi fragments)

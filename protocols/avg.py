@@ -103,6 +103,14 @@ from p2p.wire import (
     spec,
     to_map,
 )
+
+# What a caller hands initiate and respond; named here too (`avg.Session`, `avg.TransferLimits`, ...).
+from protocols.avg_call import Ask as Ask
+from protocols.avg_call import Contribution as Contribution
+from protocols.avg_call import Progress as Progress
+from protocols.avg_call import Session as Session
+from protocols.avg_call import TransferLimits as TransferLimits
+from protocols.avg_call import Wire as Wire
 from protocols.codec import (
     PASS_ELEMS,
     ChunkPlan,
@@ -399,65 +407,6 @@ def _plan_for(numel: int, codec: TensorCodec, chunk_elems: int | None) -> ChunkP
     return ChunkPlan.from_header(numel, codec, chunk_elems, MAX_FRAME)
 
 
-@dataclass(frozen=True)
-class TransferLimits:
-    """When a transfer is given up. Never for being slow while it moves: a deadline computed from an
-    assumed or remembered link rate ruled out every exchange on links slower than the guess, and an
-    exchange that was cut taught nothing about the link (on 0.4 Mbit/s links no exchange ever completed).
-    So a transfer ends only when it is dead or absurd:
-
-    - ``stall_s``: no byte crossed the connection, either way, for this long (a dead link or partner);
-    - ``floor_bps``: after ``stall_s``, its mean rate since it began is below this (bytes/s): a partner
-      that trickles a byte now and then to hold our outer step, or a link no training could use;
-    - ``max_s``: the whole transfer, however it flows (the last resort against a patient trickler).
-    """
-
-    stall_s: float = 30.0
-    floor_bps: float = 2_000.0
-    max_s: float = 3600.0
-
-    def verdict(self, progress: Progress, began: float, now: float) -> str | None:
-        """Why the transfer must end now (None: let it run). Times on the ``time.monotonic`` clock."""
-        elapsed = now - began
-        if elapsed >= self.max_s:
-            return f"the transfer took longer than {self.max_s:g}s"
-        if now - (progress.last or began) >= self.stall_s:
-            return f"no byte moved for {self.stall_s:g}s"
-        if elapsed >= self.stall_s and progress.bytes < self.floor_bps * elapsed:
-            return (f"{progress.bytes} bytes in {elapsed:.0f}s is below the floor of "
-                    f"{self.floor_bps * 8 / 1000:g} kbit/s")
-        return None
-
-
-class Progress:
-    """The bytes one transfer moved and when, counted where they cross the connection (from the side
-    channel's threads too: plain attribute updates under the GIL, and a lost count would only make a
-    stall look a moment older).
-
-    Why a partner's rate is measured from here: the rate while bytes flow is what the link can do. The
-    wall time of a whole exchange also holds the handshake and a side channel's connect, and a failed
-    exchange used to teach nothing; this is known after a failure too."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.first: float | None = None  # time.monotonic() of the first and latest byte
-        self.last: float | None = None
-
-    def moved(self, n: int) -> None:
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.bytes += n
-
-    def rate_bps(self, min_flow_s: float = 0.01) -> float | None:
-        """Bytes/s while data flowed (both directions together), or None where it flowed for less than
-        ``min_flow_s`` (too short to say anything about the link)."""
-        if self.first is None or self.last is None or self.last - self.first < min_flow_s:
-            return None
-        return self.bytes / (self.last - self.first)
-
-
 WATCH_S = 0.5  # how often a transfer's progress is looked at
 
 
@@ -713,54 +662,6 @@ async def _swap(channel: FrameChannel, t: Tensors, plans: Plans, seen: Received)
 
 Validator = Callable[[Received], Clip]
 
-
-@dataclass(frozen=True)
-class Session:
-    """One exchange's two ends and the bounds it runs under, the same for the asker and the answerer: the
-    peer ids bind the session keys to this pair, `handshake_timeout` bounds the request and its answer,
-    `limits` the transfer (it runs as long as it moves); `progress` (the caller's, so that it can read the
-    link's rate after a failure too) counts its bytes, and `validate` judges the partner's values as they
-    arrive (node/averaging/robust.py)."""
-
-    local_peer_id: bytes
-    remote_peer_id: bytes
-    handshake_timeout: float
-    limits: TransferLimits
-    progress: Progress | None = None
-    validate: Validator | None = None
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """What one side's values cover and where it stands, as its request or its accept says it: the partner
-    weighs a pair's mean by `samples` and checks the Delta's norm against `inner_steps`, meets halfway in
-    phase by `waited_ms`, and reads `members` as how many trainers' mean the tensors carry (a group's second
-    round). Bounds are the messages' (`AvgRequest`, `AvgAnswer`)."""
-
-    outer_step: int
-    inner_steps: int = 0
-    samples: int = 0
-    waited_ms: int = 0
-    members: int = 1
-
-
-@dataclass(frozen=True)
-class Ask:
-    """An asker's request before the transfer is planned: its contribution, the model it trains and the wire
-    it proposes. `initiate` adds what it decides itself: the element count and chunking (from the tensors),
-    the session key and a punch port (`AvgRequest`)."""
-
-    contribution: Contribution
-    manifest_hash: str
-    layout_hash: str
-    wire_dtype: str
-    int8_block: int = 4096
-    datapath: bool = True
-    stage: int = 1
-    compression: str = "none"
-    fragment: int = 0
-    stream_fragment: int = 0
-    stream_fragments: int = 1
 """``judge(seen)``: what to keep of the partner's values (a :class:`Clip`), or raises :class:`Rejected`."""
 
 
@@ -848,6 +749,7 @@ async def initiate(
     *,
     remote_ip: str | None,
     on_accept: Callable[[AvgAnswer], bool] | None = None,
+    validate: Validator | None = None,
     offer_punch: bool = False,
     early: Preconnect | None = None,
 ) -> TransferResult:
@@ -858,7 +760,8 @@ async def initiate(
     With ``offer_punch`` (and the side channel enabled) it binds a port for a punched side channel and
     announces it: a responder behind a NAT, whose listener we cannot dial, may take it up (``p2p.punch``).
 
-    ``session`` (:class:`Session`) bounds the handshake and the transfer and counts its bytes.
+    ``session`` (:class:`Session`) bounds the handshake and the transfer and counts its bytes; ``validate``
+    judges the partner's values as they arrive (node/averaging/robust.py).
 
     Round trips, with the libp2p connection up (issue #50): the stream's protocol (1, p2p/multiselect.py;
     none where the partner confirmed the protocol before and the stream is optimistic, `open_optimistic`:
@@ -869,11 +772,11 @@ async def initiate(
     issue #50: a second multistream round trip, and the path message only after the ACK)."""
     control = LibP2PByteStream(stream)
     progress = Progress() if session.progress is None else session.progress
-    validate = session.validate
     mine = KeyAgreement()
     tensors = tensors.as_arrays()
     numel = tensors.phi.size
-    plan = make_plans(numel, ask.wire_dtype, ask.int8_block, ask.compression, ask.fragment)
+    wire = ask.wire
+    plan = make_plans(numel, wire.dtype, wire.int8_block, wire.compression, wire.fragment)
     with contextlib.ExitStack() as cleanup:
         punch = None
         if offer_punch and ask.datapath and remote_ip:
@@ -881,10 +784,10 @@ async def initiate(
         c = ask.contribution
         request = AvgRequest(
             outer_step=c.outer_step, manifest_hash=ask.manifest_hash, layout_hash=ask.layout_hash, numel=numel,
-            wire_dtype=ask.wire_dtype, int8_block=ask.int8_block, chunk_elems=plan.delta.chunk_elems,
+            wire_dtype=wire.dtype, int8_block=wire.int8_block, chunk_elems=plan.delta.chunk_elems,
             pubkey=mine.public_key, datapath=ask.datapath, punch_port=punch.port if punch else 0,
             inner_steps=c.inner_steps, samples=c.samples, waited_ms=c.waited_ms, stage=ask.stage,
-            members=c.members, compression=ask.compression, fragment=ask.fragment,
+            members=c.members, compression=wire.compression, fragment=wire.fragment,
             phi_chunk_elems=plan.phi.chunk_elems, stream_fragment=ask.stream_fragment,
             stream_fragments=ask.stream_fragments,
         )
@@ -992,6 +895,7 @@ async def respond(
     ours: Contribution,
     *,
     listener: DataPathListener | None,
+    validate: Validator | None = None,
     allow_punch: bool = False,
 ) -> TransferResult:
     """The responder's side, after the caller decided to accept `request`; `ours` goes in the accept.
@@ -1001,7 +905,7 @@ async def respond(
     in :func:`initiate`."""
     control = LibP2PByteStream(stream)
     progress = Progress() if session.progress is None else session.progress
-    validate, handshake_timeout = session.validate, session.handshake_timeout
+    handshake_timeout = session.handshake_timeout
     tensors = tensors.as_arrays()
     if request.numel != tensors.phi.size:
         raise ProtocolError(Reason.BAD_FIELD, f"numel {request.numel} != ours {tensors.phi.size}")

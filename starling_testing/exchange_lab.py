@@ -62,7 +62,7 @@ async def initiate_one(stream: object, outer_step: int, data: avg.Tensors, local
     extra = {"early": early} if early is not None else {}
     if TYPED:
         ask = avg.Ask(avg.Contribution(outer_step, inner_steps=1, samples=1), manifest_hash="lab", layout_hash="lab",
-                      wire_dtype="bf16")  # fmt: skip
+                      wire=avg.Wire("bf16"))  # fmt: skip
         session = avg.Session(local, remote, 10, avg.TransferLimits())
         return await avg.initiate(stream, ask, data, session, remote_ip=ip, on_accept=on_accept, **extra)
     return await avg.initiate(stream, request_fields(outer_step), data, local_peer_id=local, remote_peer_id=remote,

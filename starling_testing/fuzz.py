@@ -781,7 +781,7 @@ class AvgInitiator(Target):
     async def feed(self, data: bytes) -> str:
         dtype = DTYPES[data[0] % 3] if data else "fp32"
         ask = avg.Ask(avg.Contribution(outer_step=3), manifest_hash=AVG_MANIFEST, layout_hash=layout_hash(AVG_LAYOUT),
-                      wire_dtype=dtype, int8_block=64)
+                      wire=avg.Wire(dtype, int8_block=64))
         session = avg.Session(PEERS[0].to_bytes(), PEERS[1].to_bytes(), HANG_S,
                               avg.TransferLimits(stall_s=HANG_S, max_s=HANG_S))
         await avg.initiate(FakeNetStream(data[1:], PEERS[1]), ask, avg_tensors(2), session, remote_ip=None)

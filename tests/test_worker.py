@@ -28,6 +28,7 @@ from node.bridge.ipc import (
     Result,
     Stop,
     encode_message,
+    outcome_of,
 )
 from node.bridge.shm import ExchangeSlots, SharedTensor
 from node.bridge.supervisor import Lifetimes, WorkerSupervisor
@@ -108,7 +109,7 @@ def test_messages_round_trip_through_frames_split_anywhere() -> None:
 
 def test_a_result_gives_the_worker_the_exchanges_outcome_whole_after_a_trip_through_frames() -> None:
     """Every field of an `ExchangeOutcome` (the worker's outer step takes it whole, `Trainer.apply_result`)
-    survives the supervisor's `Result` and its frame: one that `Result.outcome` dropped or mixed up fails."""
+    survives the supervisor's `Result` and its frame: one that `outcome_of` dropped or mixed up fails."""
     outcome = ExchangeOutcome(2, group_outer_step=41, partner_samples=96, shift_s=-1.5, compression="medium",
                               phi_range=(4096, 8192), exact_outer_step=39, own_exact=True)
     msg = Result(outer_step=40, group_size=outcome.group_size, group_outer_step=outcome.group_outer_step,
@@ -118,8 +119,8 @@ def test_a_result_gives_the_worker_the_exchanges_outcome_whole_after_a_trip_thro
     frames = FrameBuffer()
     frames.feed(encode_message(msg))
     got = frames.next_message()
-    assert isinstance(got, Result) and got.outcome() == outcome
-    assert Result(outer_step=1, group_size=1).outcome() == ExchangeOutcome(1)
+    assert isinstance(got, Result) and outcome_of(got) == outcome
+    assert outcome_of(Result(outer_step=1, group_size=1)) == ExchangeOutcome(1)
 
 
 def test_an_oversized_or_malformed_frame_is_a_protocol_error() -> None:

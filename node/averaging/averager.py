@@ -896,11 +896,9 @@ class Averager:
             self._contribution(pending),
             manifest_hash=self.swarm.manifest_hash() or "none",
             layout_hash=pending.request.layout_hash,
-            wire_dtype=self.cfg.wire_dtype,
+            wire=avg.Wire(self.cfg.wire_dtype, compression=compression, fragment=fragment),
             datapath=self.listener is not None,
             stage=pending.stage,
-            compression=compression,
-            fragment=fragment,
             stream_fragment=pending.request.fragment,
             stream_fragments=pending.request.fragments,
         )
@@ -918,11 +916,10 @@ class Averager:
             members=pending.members,
         )
 
-    def _session(self, pending: _Pending, remote_peer_id: bytes, handshake_timeout: float,
-                 progress: avg.Progress) -> avg.Session:
-        """One exchange's ends and bounds (protocols/avg.py, `Session`), either side."""
+    def _session(self, remote_peer_id: bytes, handshake_timeout: float, progress: avg.Progress) -> avg.Session:
+        """One exchange's ends and bounds (protocols/avg_call.py, `Session`), either side."""
         return avg.Session(self.host.get_id().to_bytes(), remote_peer_id, handshake_timeout,
-                           self._transfer_limits(), progress, self._values_judge(pending))
+                           self._transfer_limits(), progress)
 
     def _note_partner(self, pending: _Pending, message: avg.AvgRequest | avg.AvgAnswer) -> None:
         if isinstance(message, avg.AvgRequest):
@@ -1000,9 +997,10 @@ class Averager:
                         stream,
                         self._request_of(pending, compression, fragment),
                         pending.tensors,
-                        self._session(pending, ID.from_base58(partner).to_bytes(), deadline, progress),
+                        self._session(ID.from_base58(partner).to_bytes(), deadline, progress),
                         remote_ip=avg.partner_ip(stream),
                         on_accept=claim,
+                        validate=self._values_judge(pending),
                         offer_punch=self._may_punch(partner),
                         early=early,
                     )
@@ -1159,10 +1157,10 @@ class Averager:
                     stream,
                     request,
                     pending.tensors,
-                    self._session(pending, stream.muxed_conn.peer_id.to_bytes(), self.cfg.handshake_timeout_s,
-                                  progress),
+                    self._session(stream.muxed_conn.peer_id.to_bytes(), self.cfg.handshake_timeout_s, progress),
                     self._contribution(pending),
                     listener=self.listener if self.swarm.reachable() else None,
+                    validate=self._values_judge(pending),
                     allow_punch=self._may_punch(partner),
                 )
             if scope.cancelled_caught:

@@ -96,12 +96,13 @@ class Result:
     fragment: int = 0
     fragments: int = 1
 
-    def outcome(self) -> ExchangeOutcome:
-        """The exchange's outcome as the worker's outer step takes it (`Trainer.apply_result`): one typed value,
-        the same the daemon's exchange returned, less what only the daemon acts on."""
-        phi_range = (int(self.phi_range[0]), int(self.phi_range[1])) if self.phi_range else None
-        return ExchangeOutcome(self.group_size, self.group_outer_step, self.partner_samples, self.shift_s,
-                               self.compression, phi_range, self.exact_outer_step, self.own_exact)
+
+def outcome_of(result: Result) -> ExchangeOutcome:
+    """The exchange's outcome as the worker's outer step takes it (`Trainer.apply_result`): one typed value,
+    the one the daemon's exchange returned, as the supervisor's `Result` carried it."""
+    phi_range = (int(result.phi_range[0]), int(result.phi_range[1])) if result.phi_range else None
+    return ExchangeOutcome(result.group_size, result.group_outer_step, result.partner_samples, result.shift_s,
+                           result.compression, phi_range, result.exact_outer_step, result.own_exact)
 
 
 @dataclass

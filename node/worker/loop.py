@@ -74,6 +74,7 @@ from node.bridge.ipc import (
     Stop,
     Stopped,
     WorkerChannel,
+    outcome_of,
 )
 from node.bridge.shm import ExchangeSlots, SharedTensor
 from node.config.train import TrainConfig
@@ -259,7 +260,7 @@ def _apply(trainer: Trainer, slots: ExchangeSlots, msg: Result, span: tuple[int,
     """Apply `msg`'s outer step from the slots (their `span` slice for a streaming fragment); returns the
     group size used. The Delta slot is lent for our own Delta: the exchange is over (Trainer.apply_result)."""
     lo, hi = span if span is not None else (0, trainer.numel)
-    return trainer.apply_result(msg.outcome(), _view(slots.phi_out)[lo:hi], _view(slots.delta_out)[lo:hi],
+    return trainer.apply_result(outcome_of(msg), _view(slots.phi_out)[lo:hi], _view(slots.delta_out)[lo:hi],
                                 scratch=_view(slots.delta)[lo:hi], sum_phi_is_scratch=True, fragment=span)
 
 
