@@ -218,7 +218,7 @@ class SyncStatus(TypedDict):
     datapath_port: int | None
     per_peer: dict[str, PeerLinkStatus]
     mixing: MixingStatus
-    state: str  # idle | pairing | exchanging
+    state: str  # idle | pairing | exchanging | solo (the window closed without a partner: a solo step)
     transfer: NotRequired[TransferStatus]  # while exchanging
     # Streaming fragments (sync.fragments > 1 only): the count, and the fragment the round in progress syncs
     # (None while idle); `last_*` and `rounds` count fragment syncs then.

@@ -473,15 +473,16 @@ async def test_a_partner_exchanging_with_someone_else_is_asked_again_after_half_
     transfer; its answer sat seconds in its link's queue while the asker turned away its own scheduled
     partner ("asking someone else"). The hold is half an exchange with that partner (its mean bytes over
     the rate measured with it); with nothing measured, the usual second."""
-    from node.averaging.averager import _arrays, _Pending
+    from node.averaging.averager import _arrays
     from node.averaging.partner_misses import Attempt
+    from node.averaging.round import Round
 
     host, averager, _, old, request = _asking_a_busy_partner(1.0)  # every partner answers "exchanging"
     assert averager._busy_hold_s(str(old)) == 0.0
     link = averager.admission.link(str(old))
     link.rate_bps, link.rounds, link.bytes_sent = 1e4, 2, 200_000  # 100 kB per exchange at 10 kB/s
     assert averager._busy_hold_s(str(old)) == pytest.approx(5.0)
-    assert await averager._try_partner(_Pending(request, _arrays(request)), str(old)) is Attempt.EXCHANGING
+    assert await averager._try_partner(Round(request, _arrays(request)), str(old)) is Attempt.EXCHANGING
     await trio.sleep(4.9)
     assert not averager.admission.may_ask(str(old))
     await trio.sleep(0.2)

@@ -1,6 +1,7 @@
 """node.averaging: the daemon's side of an outer step, and how a trainer catches up (no torch).
 
-    averager.py            Averager: the round state machine (pair and average, or step solo; answer partners)
+    averager.py            Averager: runs the rounds (pair and average, or step solo; answer partners)
+    round.py               Round, RoundState: one published outer step's round, its explicit state and its partner
     admission.py           Admission: whom it listens to and asks (the link table, per-IP caps, bans, back-offs)
     report.py              Report: its counters, mixing window and refusals for status and the log
     phases.py              PhaseClock: where an asked exchange's time goes (open, answer, connect, transfer, result)

@@ -100,7 +100,7 @@ import functools
 import logging
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import trio
@@ -126,6 +126,7 @@ from node.averaging.partner_misses import Attempt, PartnerMisses
 from node.averaging.phases import PhaseClock, asked_status
 from node.averaging.report import Report
 from node.averaging.robust import UpdateBound
+from node.averaging.round import Round, RoundState
 from node.averaging.swarm_view import NO_HOOKS, AveragerHooks, SwarmView
 from node.bridge.exchange import ExchangeOutcome, ExchangeRequest
 from node.config.sync import SyncConfig
@@ -180,60 +181,6 @@ def busy_wait_s(window_s: float, transfer_s: float | None, max_transfer_s: float
     return max(window_s, min(BUSY_WAIT_FACTOR * transfer_s, max_transfer_s))
 
 
-@dataclass
-class _Pending:
-    """One round of this node's published outer step while it looks for a partner."""
-
-    request: ExchangeRequest  # its `layout_hash` is what partners compare
-    tensors: Tensors
-    stage: int = 1  # the round of the outer step (node/averaging/pairing.py, `schedule`)
-    members: int = 1  # trainers whose (mean) values `tensors` carries: 2 in a second round after a pair
-    samples: int | None = None  # the samples those values stand for (None: the request's own)
-    inner_steps: int | None = None  # the most inner steps among them (None: the request's own)
-    window_s: float | None = None  # how long this round looks for a partner (None: sync.pair_window_s)
-    open_phase: bool = True  # whether anyone may be asked once the scheduled partner is out of reach
-    claimed_by: str | None = None  # partner peer id once an exchange owns the outputs; "solo" when closed
-    progress: avg.Progress | None = None  # the claiming exchange's bytes, while its transfer runs (status)
-    initiating_to: str | None = None
-    result: int = 1
-    done: trio.Event = field(default_factory=trio.Event)
-    transfer_finished: trio.Event = field(default_factory=trio.Event)
-    transfer_scope: trio.CancelScope | None = None
-    partner_outer_step: int | None = None  # the partner's, from its request or its answer
-    partner_samples: int = 0
-    partner_inner_steps: int = 0
-    partner_members: int = 1
-    partner_waited_s: float = 0.0
-    began: float = 0.0  # when the worker published (trio clock)
-    waited_s: float = 0.0  # from the publish to the pairing
-    scheduled: str | None = None  # this outer step's partner by the schedule (None: a bye, or no schedule)
-    next_partner: str | None = None  # the schedule's partner for the outer step's next round (groups of four)
-    scheduled_until: float = 0.0  # end of the scheduled phase
-    scheduled_busy: bool = False  # the scheduled partner answered "exchanging": its phase was stretched
-    busy_until: float | None = None  # the end of that wait (an open phase follows it: `_round_ends`)
-    probed: bool = False  # the larger PeerID asked its scheduled partner once, its request not having come
-    saw_ready: bool = False  # some partner was ready (busy with someone else counts) during the window
-    # Between-steps answers: how far (s) each asked trainer's publish was from ours (theirs - ours), and
-    # whether its last outer step was averaged.
-    phase_gaps: list[tuple[float, bool]] = field(default_factory=list)
-    largest_seen: int = 0  # the largest outer step a ready partner showed us in this window
-    # The exchange's `sync.compression` preset and phi fragment: the initiator's choice (protocols/compress.py,
-    # node/averaging/compression_choice.py), set when the round is paired.
-    compression: str = "none"
-    fragment: int = 0
-
-    @property
-    def own_steps(self) -> int:
-        return self.request.inner_steps if self.inner_steps is None else self.inner_steps
-
-    def in_scheduled_phase(self, now: float) -> bool:
-        return self.scheduled is not None and now < self.scheduled_until
-
-    def mark_paired(self, partner: str, now: float) -> None:
-        self.claimed_by = partner
-        self.waited_s = now - self.began
-
-
 class Averager:
     """One trainer's averaging: `exchange` (the supervisor's call, once per outer step) and the responder
     for partners' requests (`run` serves them)."""
@@ -264,7 +211,7 @@ class Averager:
         # (node/averaging/robust.py).
         self.bound = UpdateBound(cfg.clip_ratio, cfg.max_delta_ratio, max_inner_steps, cfg.clip_phi_ratio)
         self._group_mean = GroupMean()
-        self._pending: _Pending | None = None
+        self._pending: Round | None = None
         self._round_begun = trio.Event()  # set (and replaced) whenever a round of an outer step begins
         self._last_publish_at: float | None = None  # trio clock: our latest publish
         self._last_paired: dict[str, int] = {}  # partner -> our exchange count when we last averaged with it
@@ -313,7 +260,7 @@ class Averager:
             "datapath_port": self.listener.port if self.listener is not None else None,
             "per_peer": self.admission.per_peer(),
             "mixing": self.report.mixing(),
-            "state": "idle" if pending is None else ("pairing" if pending.claimed_by is None else "exchanging"),
+            "state": "idle" if pending is None else pending.state.value,
             "rejections": dict(self.admission.rejections),
             "clipped": dict(self.report.clipped),
             "banned": self.admission.banned_peers(),
@@ -323,11 +270,11 @@ class Averager:
         if self.cfg.fragments > 1:
             st["fragments"] = self.cfg.fragments
             st["fragment"] = None if pending is None else pending.request.fragment
-        if pending is not None and pending.progress is not None and pending.claimed_by not in (None, "solo"):
+        if pending is not None and pending.progress is not None and pending.state is RoundState.EXCHANGING:
             # What a slow link's operator wants to see: the transfer is moving, and how fast.
             moved = pending.progress
             rate = moved.rate_bps()
-            st["transfer"] = {"partner": str(pending.claimed_by), "bytes": moved.bytes,
+            st["transfer"] = {"partner": str(pending.partner), "bytes": moved.bytes,
                               "seconds": round(trio.current_time() - pending.began - pending.waited_s, 1),
                               "rate_mbps": None if rate is None else round(rate * 8 / 2 / 1e6, 3)}
         return st
@@ -365,16 +312,15 @@ class Averager:
 
     # --- validation of what partners send ------------------------------------------------------------------
 
-    def _credit(self, pending: _Pending) -> tuple[int, int]:
+    def _credit(self, pending: Round) -> tuple[int, int]:
         """The partner's inner steps and samples as we believe them (node/averaging/robust.py, `credit`); a side
         that carries the mean of `members` trainers is credited up to that many trainers' samples."""
-        own = pending.request
-        members = max(1, pending.partner_members)
-        credited = self.bound.credit(own.inner_steps, own.samples, pending.partner_inner_steps,
-                                     pending.partner_samples // members)
+        own, theirs = pending.request, _stated(pending)
+        members = max(1, theirs.members)
+        credited = self.bound.credit(own.inner_steps, own.samples, theirs.inner_steps, theirs.samples // members)
         return credited.inner_steps, credited.samples * members
 
-    def _values_judge(self, pending: _Pending) -> avg.Validator:
+    def _values_judge(self, pending: Round) -> avg.Validator:
         """What the transfer asks once the partner's values are in: how much of them to keep
         (`UpdateBound.judge`). The partner's steps are known only once it has answered, so they are read
         when the values arrive."""
@@ -412,7 +358,7 @@ class Averager:
         if self.cfg.group_size < 4:
             second = None
         arrays = _arrays(request)
-        pending = _Pending(
+        pending = Round(
             request,
             arrays,
             began=began,
@@ -439,14 +385,14 @@ class Averager:
             group_outer_step = stepping.group_outer_step(request.outer_step, pending.largest_seen or None,
                                                          self.cfg.max_step_gap)
         else:
-            group_outer_step = stepping.group_outer_step(request.outer_step, pending.partner_outer_step,
+            group_outer_step = stepping.group_outer_step(request.outer_step, _stated(pending).outer_step,
                                                          self.cfg.max_step_gap)
             group_outer_step = stepping.meet_the_waiting(group_outer_step, request.outer_step,
                                                          pending.largest_seen or None, self.cfg.max_step_gap)
             partner_samples = self._credit(pending)[1]
             # Meet halfway: the one that waited longer published earlier and moves its next publish later.
-            shift_s = (pending.waited_s - pending.partner_waited_s) / 2
-            partners.append(str(pending.claimed_by))
+            shift_s = (pending.waited_s - _stated(pending).waited_ms / 1000) / 2
+            partners.append(str(pending.partner))
         if second is not None:
             size, group_outer_step = await self._second_round(request, arrays, pending if size >= 2 else None,
                                                               second, size, partners, group_outer_step)
@@ -464,7 +410,7 @@ class Averager:
         preset = get_compression(pending.compression if size >= 2 else "none")
         phi_range = preset.fragment_range(arrays.phi.size, pending.fragment) if preset.lossy else None
         # (A lossy preset needs pairs, so a group of four's exchange is never one: size 2 says it all.)
-        own_exact = size == 2 and self._own_exact(str(pending.claimed_by), preset.name, arrays.phi.size)
+        own_exact = size == 2 and self._own_exact(str(pending.partner), preset.name, arrays.phi.size)
         return self._asked_count(request, ExchangeOutcome(
             size, continue_from, partner_samples, shift_s, preset.name, phi_range, own_exact=own_exact))
 
@@ -493,7 +439,7 @@ class Averager:
             self._since_averaged += 1
         self.hooks.on_outer_step(averaged)
 
-    async def _run_round(self, pending: _Pending) -> None:
+    async def _run_round(self, pending: Round) -> None:
         """Look for a partner and exchange with it, for one round; `pending.result` says how it went."""
         self._pending = pending
         self._round_begun.set()  # wakes requests held for this round (`_await_round`)
@@ -515,7 +461,7 @@ class Averager:
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     await pending.transfer_finished.wait()
 
-    async def _second_round(self, request: ExchangeRequest, arrays: Tensors, first: _Pending | None, partner: str,
+    async def _second_round(self, request: ExchangeRequest, arrays: Tensors, first: Round | None, partner: str,
                             size: int, partners: list[str], group_outer_step: int) -> tuple[int, int]:
         """The second round of a group step (node/averaging/pairing.py, `schedule`): send what the first round gave
         (the pair's sample-weighted means, or our own values after a bye or a failed first round) to the
@@ -535,7 +481,7 @@ class Averager:
         began = trio.current_time()
         # A bye's partner is still in its first round: it gets that round's window as well.
         window = self.cfg.pair_window_s * (2 if first is None and not partners else 1)
-        pending = _Pending(request, mine, stage=2, members=members, samples=samples, inner_steps=steps,
+        pending = Round(request, mine, stage=2, members=members, samples=samples, inner_steps=steps,
                            window_s=window, open_phase=False, began=began, scheduled=partner,
                            scheduled_until=began + window)
         await self._run_round(pending)
@@ -547,13 +493,13 @@ class Averager:
             restore_pair(arrays, mine)
             return 2, group_outer_step
         partners.append(partner)
-        theirs = self._credit(pending)[1]
-        group = members + pending.partner_members
+        theirs, stated = self._credit(pending)[1], _stated(pending)
+        group = members + stated.members
         # The outputs hold the plain sum of the two sides' means; weight each side by its samples (by its
         # members where samples are unknown) and scale by the group size for the worker.
-        weights = (samples, theirs) if samples > 0 and theirs > 0 else (members, pending.partner_members)
+        weights = (samples, theirs) if samples > 0 and theirs > 0 else (members, stated.members)
         group_sums(arrays, mine, *weights, group)
-        return group, stepping.group_outer_step(group_outer_step, pending.partner_outer_step, self.cfg.max_step_gap)
+        return group, stepping.group_outer_step(group_outer_step, stated.outer_step, self.cfg.max_step_gap)
 
     def _follow_the_swarm(self, outer_step: int, group_outer_step: int | None) -> int | None:
         """The outer step to continue from: the exchange's, or the swarm's where we fell far behind it
@@ -614,11 +560,11 @@ class Averager:
     def _busy_wait_s(self) -> float:
         return busy_wait_s(self.cfg.pair_window_s, max(self._transfers_s, default=None), self.cfg.max_transfer_s)
 
-    async def _pair(self, pending: _Pending) -> None:
-        while pending.claimed_by is None and trio.current_time() < self._round_ends(pending):
+    async def _pair(self, pending: Round) -> None:
+        while pending.open and trio.current_time() < self._round_ends(pending):
             if pending.in_scheduled_phase(trio.current_time()):
                 await self._meet_scheduled(pending)
-                if pending.claimed_by is None and self._wait_outlasted_window(pending):
+                if pending.open and self._wait_outlasted_window(pending):
                     await self._ask_another(pending)
                 continue
             if not pending.open_phase:
@@ -628,14 +574,12 @@ class Averager:
                 await trio.sleep(random.uniform(0.1, 0.4))
                 continue
             self.misses.note(partner, await self._try_partner(pending, partner))
-            if pending.claimed_by is None:
+            if pending.open:
                 await trio.sleep(random.uniform(0.05, 0.2))
-        if pending.claimed_by is None:
-            pending.claimed_by = "solo"  # close the door to late requests
-            pending.result = 1
-            pending.done.set()
+        if pending.open:
+            pending.close()
 
-    async def _meet_scheduled(self, pending: _Pending) -> None:
+    async def _meet_scheduled(self, pending: Round) -> None:
         """One try at the scheduled partner: the smaller PeerID asks, the other waits for its request."""
         partner = pending.scheduled
         assert partner is not None
@@ -652,7 +596,7 @@ class Averager:
             pending.probed = True
         outcome = await self._try_partner(pending, partner, scheduled=True)
         self.misses.note(partner, outcome, scheduled=True)
-        if pending.claimed_by is not None:
+        if not pending.open:
             return
         if partner < self.me and outcome in (Attempt.NOT_READY, Attempt.BUSY):
             await trio.sleep(0.1)  # the probe: it will ask us (or its crossing request is on its way)
@@ -677,7 +621,7 @@ class Averager:
         else:
             pending.scheduled_until = 0.0  # it refused, failed, or pairs with someone else: open phase
 
-    def _wait_outlasted_window(self, pending: _Pending) -> bool:
+    def _wait_outlasted_window(self, pending: Round) -> bool:
         """Whether this round is in a wait for a busy scheduled partner (`_meet_scheduled`) that has run
         past the round's own pairing window: the stretch a slow link's transfer adds.
 
@@ -703,7 +647,7 @@ class Averager:
         wait gains only a pairing with its last partner, which the open phase allows anyway."""
         return req.stage == 1 and req.waited_ms / 1000 >= self.cfg.pair_window_s
 
-    async def _ask_another(self, pending: _Pending) -> None:
+    async def _ask_another(self, pending: Round) -> None:
         """In a wait for a busy scheduled partner that outlasted the window: ask one other ready partner
         (the open phase's choice, the last partner included) between the asks of the scheduled one; the
         responder side of the same rule is in `_judge`."""
@@ -828,7 +772,7 @@ class Averager:
             return 0.0
         return period / self.cfg.fragments if period > 0 and period != float("inf") else 0.0
 
-    def _compression_for(self, partner: str, pending: _Pending) -> str:
+    def _compression_for(self, partner: str, pending: Round) -> str:
         """The preset we ask `partner` to exchange this round with (node/averaging/compression_choice.py)."""
         link = self.admission.link(partner)
         return preset_for(self.cfg.compression, stage=pending.stage, link_rate_bps=link.rate_bps,
@@ -874,7 +818,7 @@ class Averager:
                           period_s=self._outer_period_s(), numel=req.numel, previous=self._previous(partner),
                           group_size=self.cfg.group_size, wire_dtype=req.wire_dtype)
 
-    def _round_ends(self, pending: _Pending) -> float:
+    def _round_ends(self, pending: Round) -> float:
         """When this round stops looking for a partner (trio clock): its window, or its scheduled phase
         where a wait for a busy scheduled partner stretched it."""
         window = self.cfg.pair_window_s if pending.window_s is None else pending.window_s
@@ -891,7 +835,7 @@ class Averager:
             ends = max(ends, pending.began + self._busy_wait_s())
         return ends
 
-    def _request_of(self, pending: _Pending, compression: str, fragment: int) -> avg.Ask:
+    def _request_of(self, pending: Round, compression: str, fragment: int) -> avg.Ask:
         return avg.Ask(
             self._contribution(pending),
             manifest_hash=self.swarm.manifest_hash() or "none",
@@ -904,7 +848,7 @@ class Averager:
         )
 
     @staticmethod
-    def _contribution(pending: _Pending) -> avg.Contribution:
+    def _contribution(pending: Round) -> avg.Contribution:
         """What our values cover and how long we have waited: the partner's weights and phase."""
         waited = max(0.0, trio.current_time() - pending.began)
         samples = pending.request.samples if pending.samples is None else pending.samples
@@ -921,19 +865,16 @@ class Averager:
         return avg.Session(self.host.get_id().to_bytes(), remote_peer_id, handshake_timeout,
                            self._transfer_limits(), progress)
 
-    def _note_partner(self, pending: _Pending, message: avg.AvgRequest | avg.AvgAnswer) -> None:
+    def _note_partner(self, pending: Round, message: avg.AvgRequest | avg.AvgAnswer) -> None:
         if isinstance(message, avg.AvgRequest):
             # The initiator chooses the preset and phi's fragment (`_judge` accepted the preset).
             pending.compression = message.compression
             pending.fragment = message.fragment
-        pending.partner_outer_step = message.outer_step
-        pending.partner_samples = message.samples
-        pending.partner_inner_steps = message.inner_steps
-        pending.partner_members = message.members
         # A partner cannot have waited longer than our window allows (its figure only moves our phase).
-        pending.partner_waited_s = min(message.waited_ms / 1000, self.cfg.pair_window_s)
+        pending.theirs = avg.Contribution(message.outer_step, message.inner_steps, message.samples,
+                                          min(message.waited_ms, int(self.cfg.pair_window_s * 1000)), message.members)
 
-    async def _try_partner(self, pending: _Pending, partner: str, *, scheduled: bool = False) -> Attempt:
+    async def _try_partner(self, pending: Round, partner: str, *, scheduled: bool = False) -> Attempt:
         """Ask `partner` (`Attempt` says what came of it); the partner's answer is acted on by its code
         (protocols/avg.py, `AnswerCode`), never by its words, with one exception: an `auto` partner that
         refuses our preset as too little compressed for its link names the one it wants, and we ask again
@@ -948,7 +889,7 @@ class Averager:
             compression = retry
         return outcome
 
-    async def _ask(self, pending: _Pending, partner: str, compression: str, *,
+    async def _ask(self, pending: Round, partner: str, compression: str, *,
                    scheduled: bool) -> tuple[Attempt, str | None]:
         """One request to `partner` for preset `compression`: what came of it, and the preset to ask again
         with at once (None: none; `_try_partner`)."""
@@ -980,9 +921,9 @@ class Averager:
                     nonlocal claimed_here, answered
                     answered = True
                     clock.answered = time.monotonic()
-                    if pending.claimed_by is not None:
+                    if not pending.open:
                         return False  # a crossing request claimed this step meanwhile
-                    pending.mark_paired(partner, trio.current_time())
+                    pending.claim(partner, trio.current_time())
                     self._note_partner(pending, answer)
                     ip = avg.partner_ip(stream)
                     link.datapath_addr = (ip, answer.datapath_port) if ip and answer.datapath_port else None
@@ -1063,7 +1004,7 @@ class Averager:
         pending.done.set()
         return Attempt.PAIRED, None
 
-    def _retry_compression(self, pending: _Pending, partner: str, asked: str, refusal: Declined) -> str | None:
+    def _retry_compression(self, pending: Round, partner: str, asked: str, refusal: Declined) -> str | None:
         """The preset to ask `partner` again with after its refusal (None: no retry): only an `auto`
         initiator's first round, refused for compression, with a more compressed preset to go to
         (`after_refusal`) and time left in the round. A preset the refusal named is kept as the partner's
@@ -1084,7 +1025,7 @@ class Averager:
             # is a floor till then (`preset_for`). Without this a fast trainer asked the 0.08 Mbit/s one
             # for `medium` at every exchange, each a refusal and a retry through that link's queue.
             link.rate_bps = None
-        if pending.claimed_by is not None or trio.current_time() >= self._round_ends(pending):
+        if not pending.open or trio.current_time() >= self._round_ends(pending):
             return None
         return retry
 
@@ -1146,7 +1087,7 @@ class Averager:
         assert pending is not None
         log.debug("accepting %s's request for %s (read in %.2fs)", partner, request.compression,
                   trio.current_time() - arrived)
-        pending.mark_paired(partner, trio.current_time())
+        pending.claim(partner, trio.current_time())
         self._note_partner(pending, request)
         began = trio.current_time()
         progress = pending.progress = avg.Progress()
@@ -1180,7 +1121,7 @@ class Averager:
         pending.done.set()
         await close_quietly(stream)
 
-    async def _await_round(self, stage: int, current: _Pending, arrived: float) -> _Pending | None:
+    async def _await_round(self, stage: int, current: Round, arrived: float) -> Round | None:
         """Wait for round `stage` of this outer step to begin and return its pending round (or whatever
         round is on when the wait ends; None between outer steps).
 
@@ -1202,7 +1143,7 @@ class Averager:
                 await self._round_begun.wait()
         return self._pending
 
-    def _judge(self, req: avg.AvgRequest, pending: _Pending | None, partner: str) -> tuple[AnswerCode, str] | None:
+    def _judge(self, req: avg.AvgRequest, pending: Round | None, partner: str) -> tuple[AnswerCode, str] | None:
         """None to accept, else why not: the code the asker acts on (its verdict, busy or refuse, goes with
         it) and the words it logs and shows."""
         if not self.cfg.allow_relay_bulk and self.swarm.path_of(partner) not in DIRECT_PATHS:
@@ -1245,7 +1186,7 @@ class Averager:
         if not accepts(self.cfg.compression, self.cfg.group_size, req.compression, wants):
             return (AnswerCode.COMPRESSION, refusal_reason(self.cfg.compression, self.cfg.group_size,
                                                            req.compression, wants))
-        if pending.claimed_by is not None:
+        if not pending.open:
             return (AnswerCode.EXCHANGING, "already exchanging")
         if (pending.in_scheduled_phase(trio.current_time()) and partner != pending.scheduled
                 and not (pending.scheduled_busy and (partner != self._last_partner()
@@ -1302,6 +1243,12 @@ class Averager:
         if count and self.metrics is not None:
             self.metrics.observe_round(duration, 0, partner, False)
         log.warning("exchange with %s failed: %s", partner, text)
+
+
+def _stated(pending: Round) -> avg.Contribution:
+    """What the round's partner stated of its values (`_note_partner`); read once paired, when it has."""
+    assert pending.theirs is not None, "the partner's request or answer has not come"
+    return pending.theirs
 
 
 def _arrays(request: ExchangeRequest) -> Tensors:
