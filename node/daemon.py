@@ -42,9 +42,9 @@ from libp2p.peer.peerinfo import PeerInfo
 from node.averaging.averager import Averager
 from node.averaging.latejoin import (
     CatchUp,
+    choose_donors,
     has_checkpoint,
     late_join,
-    near_the_swarm,
     progress_view,
     snapshot_source,
 )
@@ -705,27 +705,15 @@ class Daemon:
             self.averager.note_offence(peer, "snapshot_mismatch")
 
     def _join_donors(self) -> list[str]:
-        """Alive trainers that have made outer steps and whose signed member record carries our run
-        manifest: ours as the start-up check described it, else the swarm's. A member of another run (or
-        one that claims no run) trains another model, and its snapshot would be refused at its meta. Of
-        those, the ones near the swarm's position (`near_the_swarm`): not a mean of far-apart models."""
+        """The late join's donors (node/averaging/latejoin.py, `choose_donors`) among the members this node
+        shows, for our run manifest: ours as the start-up check described it, else the swarm's."""
         c = self._checked
         wanted = self._manifest_of(c.name, c.model_hash).hash if c is not None and c.model_hash else None
         if wanted is None:
             swarm = self.replicator.state.manifest
             wanted = swarm.hash if swarm is not None else None
-        if wanted is None:
-            return []
-        trained = [
-            m.record
-            for m in self.replicator.members()
-            if m.state == "alive" and m.record.role == "trainer" and m.record.outer_step > 0
-            and m.record.manifest_hash == wanted
-            and m.record.peer_id != str(self.peer_id)
-        ]
-        near = set(near_the_swarm({r.peer_id: r.outer_step for r in trained}, self.cfg.sync.max_step_gap))
-        donors = [record for record in trained
-                  if record.peer_id in near and self._may_download_from(record.peer_id, record.reachability)]
+        donors = choose_donors(((m.state, m.record) for m in self.replicator.members()), str(self.peer_id), wanted,
+                               self.cfg.sync.max_step_gap, self._may_download_from)
         # A joiner learns its donors from their records a second after it met the bootstrap node, before the
         # connection manager has dialled any of them (`_learn_member_addrs`, every 5 s): without their
         # addresses every download failed at once ("no known addresses") and the joiner started a fresh

@@ -188,23 +188,23 @@ async def test_a_resumed_download_of_another_model_is_not_resumed(tmp_path: Path
     assert snap.JoinDownload(directory, OURS)._load("donor").meta is None
 
 
-def test_late_join_donors_are_the_members_whose_record_carries_our_manifest(tmp_path: Path) -> None:
+def test_late_join_donors_are_the_members_whose_record_carries_our_manifest() -> None:
     """Donors were chosen without a manifest check: any member that claimed the trainer role and an outer
-    step was asked for a snapshot. Now only members whose signed record carries our run's manifest are."""
-    from node.config.load import load_config
-    from node.daemon import Daemon
+    step was asked for a snapshot. Now only members whose signed record carries our run's manifest are
+    (node/averaging/latejoin.py, `choose_donors`); with no run known, none is."""
+    from node.averaging.latejoin import choose_donors
 
-    # gossip membership: the records injected below are alive by their age (with swim, SWIM's probes decide)
-    cfg = load_config(tmp_path, overrides={"node.listen": ["/ip4/127.0.0.1/tcp/0"], "node.membership": "gossip"},
-                      environ={})
-    daemon = Daemon(cfg, tmp_path, create_new_key_pair(), train=True)
-    founder = SwarmState(create_new_key_pair())
-    daemon.replicator.state.merge(founder.set_manifest(MANIFEST) or b"")
-    ours, foreign, unloaded = (SwarmState(create_new_key_pair()) for _ in range(3))
-    daemon.replicator.state.merge(ours.update_self(role="trainer", manifest_hash=MANIFEST.hash, outer_step=5))
-    daemon.replicator.state.merge(foreign.update_self(role="trainer", manifest_hash="f" * 64, outer_step=5))
-    daemon.replicator.state.merge(unloaded.update_self(role="trainer", outer_step=5))
-    assert daemon._join_donors() == [ours.peer_id]
+    view = SwarmState(create_new_key_pair())
+    ours, foreign, unloaded, fresh = (SwarmState(create_new_key_pair()) for _ in range(4))
+    view.merge(ours.update_self(role="trainer", manifest_hash=MANIFEST.hash, outer_step=5))
+    view.merge(foreign.update_self(role="trainer", manifest_hash="f" * 64, outer_step=5))
+    view.merge(unloaded.update_self(role="trainer", outer_step=5))
+    view.merge(fresh.update_self(role="trainer", manifest_hash=MANIFEST.hash, outer_step=0))  # nothing to give
+    members = [(m.state, m.record) for m in view.members()]
+    anyone = lambda peer, reachability: True  # noqa: E731
+    assert [r.peer_id for r in choose_donors(members, view.peer_id, MANIFEST.hash, 5, anyone)] == [ours.peer_id]
+    assert choose_donors(members, ours.peer_id, MANIFEST.hash, 5, anyone) == []  # never itself
+    assert choose_donors(members, view.peer_id, None, 5, anyone) == []
 
 
 def test_late_join_donors_are_dialable_from_the_addresses_their_records_carry(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import logging
 import math
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,6 +39,7 @@ from node.config.home import Home
 from node.config.sync import SyncConfig
 from node.status_schema import ProgressStatus
 from p2p.fsutil import private_dir
+from protocols.record import MemberRecord
 from protocols.snapshot import PROTOCOL_ID, JoinDownload, ModelShape, Snapshot, combine
 
 if TYPE_CHECKING:
@@ -104,6 +105,23 @@ def near_the_swarm(steps: dict[str, int], gap: int) -> list[str]:
         return []
     target = statistics.median_high(steps.values())
     return [peer for peer, step in steps.items() if abs(step - target) <= gap]
+
+
+def choose_donors(members: Iterable[tuple[str, MemberRecord]], me: str, manifest_hash: str | None, max_gap: int,
+                  may_download_from: Callable[[str, str | None], bool]) -> list[MemberRecord]:
+    """A late join's donors among `members` ((state, signed record) as this node shows them): alive trainers
+    other than `me` that have made outer steps and whose record carries `manifest_hash`, the run the joiner
+    checked at start-up or else the swarm's (None: no run known, no donor). A member of another run (or one
+    that claims none) trains another model, and its snapshot would be refused at its meta. Of those, the ones
+    near the swarm's position (`near_the_swarm`: not a mean of far-apart models) that a snapshot may come
+    from (`may_download_from(peer, reachability)`: the daemon's rule for bulk tensors over a relay)."""
+    if manifest_hash is None:
+        return []
+    trained = [record for state, record in members
+               if state == "alive" and record.role == "trainer" and record.outer_step > 0
+               and record.manifest_hash == manifest_hash and record.peer_id != me]
+    near = set(near_the_swarm({r.peer_id: r.outer_step for r in trained}, max_gap))
+    return [r for r in trained if r.peer_id in near and may_download_from(r.peer_id, r.reachability)]
 
 
 async def _more_donors(donors: Callable[[], list[str]], found: list[str], max_donors: int, deadline: float) -> list[str]:
