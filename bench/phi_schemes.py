@@ -28,6 +28,19 @@ delivers it (`Trainer.apply_result`), so only what crosses the wire is simulated
   where many decoded near the range's edge, a sign of wraps; before any, 4 x the RMS of its own Delta), so one
   outlier does not set a block's step (the prototype of "phi with side information" took the block's maximum,
   and failed).
+- ``choco:P`` / ``chocox:P``: CHOCO-gossip's public copies, one per ordered pair (every replica starts from the
+  same phi, so every copy starts there): at a meeting each side sends its phi's move from the copy the pair keeps
+  of it through P (a preset's Delta codec, e.g. ``k64q2``, or ``lrR``: each weight matrix's move at rank R, its
+  factors in bf16, vectors whole in bf16), and both add what arrived. ``choco`` pulls on the copies' difference
+  (x_i + x^_j - x^_i, CHOCO's rule), ``chocox`` towards the partner's copy itself.
+- ``lrdiff:R``: the pull on the pair's difference phi_b - phi_a at rank R per weight matrix (vectors whole).
+  A power iteration on that difference is linear in each side's phi, so two round trips (each side's phi Q, then
+  its phi^T P, in fp32: differences of large values) give both sides the same factors, as PowerSGD all-reduces
+  them; here the truncated SVD, the bound that iteration approaches. ``lrpi:R``: the same through one power
+  iteration warm-started from the asker's last Q, what a wire would do.
+- a ``+gG`` suffix: the pull's gamma G instead of bench/convergence.py's 0.7 (the pull enters the outer momentum,
+  alpha 0.5, so one pull moves a pair's difference by gamma / (1 - alpha) of it in all: 0.5 closes it, 0.7
+  overshoots; matters where a coordinate is pulled rarely, as on fragments).
 - a ``+smean`` suffix: the pair's Delta sum as SparseLoCo aggregates it (the reference CCLoco decompresses with
   ``scatter_reduce(..., reduce="mean")``): an entry kept by one sender counts at its value, not half of it.
 - a ``+own`` suffix: each replica applies its own Delta in full and the others' as the wire carried them, and
@@ -89,12 +102,28 @@ class Scheme:
     wz: tuple[int, int, float] | None = None  # (fragments F, bits B, scale C) of `wz`
     own: bool = False
     fragments: int | None = None  # `frag:F`: phi on 1 of F fragments (None: the Delta preset's own, 32)
+    copies: str | None = None  # `choco:P` / `chocox:P`: the preset whose Delta codec carries phi's move
+    gamma: float | None = None  # `+gG`: the pull's gamma instead of bench/convergence.py's (0.7)
 
     @classmethod
     def parse(cls, spec: str) -> Scheme:
         text, *mods = spec.strip().split("+")
+        gammas = [m for m in mods if m.startswith("g")]
+        mods = [m for m in mods if not m.startswith("g")]
         if unknown := set(mods) - {"smean", "own"}:
-            raise SchemeError(f"{spec!r}: unknown modifier {sorted(unknown)[0]!r}; expected +smean or +own")
+            raise SchemeError(f"{spec!r}: unknown modifier {sorted(unknown)[0]!r}; expected +smean, +own or +gG")
+        gamma = None
+        if gammas:
+            try:
+                gamma = float(gammas[-1][1:])
+            except ValueError:
+                raise SchemeError(f"{spec!r}: +gG takes the pull's gamma, e.g. +g0.5") from None
+            if not (math.isfinite(gamma) and 0 <= gamma <= 2):
+                raise SchemeError(f"{spec!r}: +gG needs 0 <= G <= 2")
+        return dataclasses.replace(cls._parse(spec, text, mods), gamma=gamma)
+
+    @classmethod
+    def _parse(cls, spec: str, text: str, mods: list[str]) -> Scheme:
         smean, own = "smean" in mods, "own" in mods
         if smean and own:
             raise SchemeError(f"{spec!r}: +smean and +own do not combine here")
@@ -107,6 +136,18 @@ class Scheme:
             if not (1 <= wz[0] <= 64 and 1 <= wz[1] <= 8 and math.isfinite(wz[2]) and wz[2] > 0):
                 raise SchemeError(f"{spec!r}: wz needs 1 <= F <= 64, 1 <= B <= 8 and C > 0")
             return cls("wz", smean, wz, own)
+        if text.startswith(("lrdiff:", "lrpi:")):
+            base, _, rank = text.partition(":")
+            if not (rank.isdigit() and 1 <= int(rank) <= 64):
+                raise SchemeError(f"{spec!r}: {base}:R takes the rank, 1 to 64, e.g. {base}:2")
+            return cls(base, smean, None, own, None, f"lr{rank}")
+        if text.startswith(("choco:", "chocox:")):
+            base, _, codec = text.partition(":")
+            lowrank = codec.startswith("lr") and codec[2:].isdigit() and 1 <= int(codec[2:]) <= 64
+            if not lowrank and (codec not in PRESETS and codec not in EXPERIMENTAL or codec == "none"):
+                raise SchemeError(f"{spec!r}: {base}:P takes a lossy preset's name (e.g. {base}:k64q2) or lrR "
+                                  "(rank R of each weight matrix's move, e.g. {base}:lr4)")
+            return cls(base, smean, None, own, None, codec)
         if text.startswith("frag:"):
             try:
                 fragments = int(text[5:])
@@ -127,8 +168,11 @@ class Scheme:
     @property
     def name(self) -> str:
         base = f"wz:{self.wz[0]},{self.wz[1]},{self.wz[2]:g}" if self.wz else self.base
+        if self.copies is not None:
+            base += f":{self.copies[2:]}" if self.base in ("lrdiff", "lrpi") else f":{self.copies}"
         base += f":{self.fragments}" if self.fragments is not None else ""
-        return base + ("+smean" if self.smean else "") + ("+own" if self.own else "")
+        return (base + ("+smean" if self.smean else "") + ("+own" if self.own else "")
+                + (f"+g{self.gamma:g}" if self.gamma is not None else ""))
 
     @property
     def method(self) -> str:
@@ -168,7 +212,7 @@ def parse_schemes(text: str) -> list[Scheme]:
     return out
 
 
-def bytes_per_param(scheme: Scheme, numel: int) -> float:
+def bytes_per_param(scheme: Scheme, numel: int, shapes: list[tuple[int, ...]] = ()) -> float:
     """What one side sends per outer step, phi and Delta (framing excluded); `oracle` counts Delta only."""
     preset = scheme.compression()
     if scheme.base == "alone":
@@ -180,9 +224,100 @@ def bytes_per_param(scheme: Scheme, numel: int) -> float:
         return delta
     if scheme.base in ("mom", "moveacc"):
         return delta + KEEP / BLOCK * (2 + 1.5)  # bf16 value and a 12-bit index per entry
+    if scheme.base in ("lrdiff", "lrpi"):  # each side's phi times the factors, in fp32 (a difference of large values)
+        assert scheme.copies is not None
+        return delta + 2 * LowRank(int(scheme.copies[2:]), shapes).size_bytes() / numel
+    if scheme.copies is not None and scheme.copies.startswith("lr"):
+        return delta + LowRank(int(scheme.copies[2:]), shapes).size_bytes() / numel
+    if scheme.copies is not None:
+        return delta + copies_codec(scheme).encoded_size(numel) / numel
     assert scheme.wz is not None
     f, b, _ = scheme.wz
     return delta + (b / 8 + 4 / BLOCK) / f  # B bits per entry and an fp32 step per block, on 1 of F
+
+
+class LowRank:
+    """PowerSGD's idea for a public copy's move: each weight matrix's move as its best rank-R approximation
+    (truncated SVD here: the bound a power iteration approaches), its two factors in bf16; vectors (biases,
+    norms) whole in bf16. `shapes`: the model's parameters, in the flat vector's order."""
+
+    def __init__(self, rank: int, shapes: list[tuple[int, ...]]) -> None:
+        self.rank, self.shapes = rank, list(shapes)
+
+    def size_bytes(self) -> int:
+        total = 0
+        for shape in self.shapes:
+            if len(shape) == 2 and min(shape) > self.rank:
+                total += 2 * self.rank * (shape[0] + shape[1])
+            else:
+                total += 2 * math.prod(shape)
+        return total
+
+    def power_step(self, move: torch.Tensor, warm: dict[int, torch.Tensor], seed: int) -> torch.Tensor:
+        """PowerSGD's one power iteration per matrix, warm-started from `warm` (matrix index -> Q, updated in
+        place; a seeded Gaussian the first time): P = orth(M Q), Q <- M^T P, M ~ P Q^T. M Q and M^T P are
+        linear in M, so for M = phi_b - phi_a each side sends phi Q and then phi^T P, and both get the same
+        factors without either knowing the other's phi (two round trips)."""
+        out = torch.empty_like(move)
+        at = 0
+        for index, shape in enumerate(self.shapes):
+            size = math.prod(shape)
+            part = move[at:at + size]
+            if len(shape) == 2 and min(shape) > self.rank:
+                m = part.view(shape)
+                q = warm.get(index)
+                if q is None:
+                    q = torch.randn(shape[1], self.rank, generator=torch.Generator().manual_seed(seed + index))
+                pmat = torch.linalg.qr(m @ q).Q
+                q = m.T @ pmat
+                warm[index] = q
+                out[at:at + size] = (pmat @ q.T).view(-1)
+            else:
+                out[at:at + size] = part
+            at += size
+        return out
+
+    def __call__(self, move: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(move)
+        at = 0
+        for shape in self.shapes:
+            size = math.prod(shape)
+            part = move[at:at + size]
+            if len(shape) == 2 and min(shape) > self.rank:
+                u, sv, vh = torch.linalg.svd(part.view(shape), full_matrices=False)
+                left = (u[:, :self.rank] * sv[:self.rank]).bfloat16().float()
+                right = vh[:self.rank].bfloat16().float()
+                out[at:at + size] = (left @ right).view(-1)
+            else:
+                out[at:at + size] = part.bfloat16().float()
+            at += size
+        assert at == move.numel(), "the shapes do not cover the flat vector"
+        return out
+
+
+def copies_codec(scheme: Scheme) -> object:
+    """The codec that carries phi's move from the pair's public copy under `choco:P` / `chocox:P`."""
+    assert scheme.copies is not None
+    preset = PRESETS.get(scheme.copies) or EXPERIMENTAL[scheme.copies]
+    return preset.delta_codec("bf16")
+
+
+class PublicCopies:
+    """CHOCO-gossip's public copies, one per ordered pair: `copy[(i, j)]` is replica i's phi as pair (i, j) both
+    know it. Every replica starts from the same phi, so every copy starts there and the first meeting sends no
+    whole model. At a meeting, i sends its phi's move from that copy through the codec and both add what
+    arrived, so the copy trails phi by what the codec has not carried yet (error feedback by construction)."""
+
+    def __init__(self, start: torch.Tensor, carry: object) -> None:
+        self.start, self.carry = start, carry  # carry(move) -> what the wire delivers of it
+        self.copy: dict[tuple[int, int], torch.Tensor] = {}
+
+    def meet(self, phis: list[torch.Tensor], i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pair (i, j) meets; the copies of i's and of j's phi after the exchange."""
+        for a, b in ((i, j), (j, i)):
+            c = self.copy.setdefault((a, b), self.start.clone())
+            c.add_(self.carry(phis[a] - c))  # type: ignore[operator]
+        return self.copy[(i, j)], self.copy[(j, i)]
 
 
 def block_topk_mask(score: torch.Tensor, keep: int = KEEP) -> torch.Tensor:
@@ -279,8 +414,10 @@ def run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home: 
 def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home: Path, curve_every: int) -> dict:
     started = time.monotonic()
     torch.set_num_threads(1)
+    if scheme.gamma is not None:
+        bc = dataclasses.replace(bc, gamma=scheme.gamma)
     trainers = [Trainer(bc.train_config(scheme.method), home / pid, pid) for pid in replica_ids(n)]
-    custom = scheme.base in ("oracle", "mom", "moveacc", "wz")
+    custom = scheme.base in ("oracle", "mom", "moveacc", "wz", "choco", "chocox", "lrdiff", "lrpi")
     if custom:  # the scheme gives the pull it means in sum_phi: no int8 own-term rewrite
         for t in trainers:
             t._own_phi_on_wire = lambda *args, **kwargs: None  # type: ignore[method-assign]
@@ -292,6 +429,19 @@ def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home:
     pairing = torch.Generator().manual_seed(bc.seed + 1)
     moved = [torch.zeros(numel) for _ in trainers] if scheme.base == "moveacc" else []
     wz = WzState(n, numel) if scheme.wz else None
+    warm_q: dict[int, dict[int, torch.Tensor]] = {}  # `lrpi`: each asker's Q per matrix
+    shapes = [tuple(p.shape) for p in trainers[0].model.parameters()]
+    copies = None
+    lowrank = LowRank(int(scheme.copies[2:]), shapes) if scheme.copies and scheme.copies.startswith("lr") else None
+    if scheme.copies is not None and scheme.base not in ("lrdiff", "lrpi"):
+        if lowrank is not None:
+            carry: object = lowrank
+        else:
+            codec = copies_codec(scheme)
+            carry = lambda move: wire(move, codec)  # noqa: E731
+        copies = PublicCopies(trainers[0].phi.clone(), carry)
+    if copies is not None and any(not torch.equal(t.phi, copies.start) for t in trainers):
+        raise SystemExit("choco: the replicas do not start from the same phi; public copies need a shared start")
     unsent = [torch.zeros(numel) for _ in trainers] if scheme.own else []  # +own: error feedback, kept here
     wraps: list[float] = []
     curve: list[tuple[int, float, float]] = []
@@ -346,6 +496,25 @@ def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home:
                 if scheme.base == "moveacc":
                     for i in (a, b):
                         moved[i][masks[i]] = 0  # sent: the partner has it now
+            elif scheme.base == "lrdiff":
+                # The pair's difference itself at rank R per matrix: linear in each side's phi, so two rounds
+                # of a power iteration (PowerSGD's, on phi_a - phi_b) give both sides the same factors without
+                # either knowing the other's phi. Here: the truncated SVD, the bound that iteration approaches.
+                assert lowrank is not None
+                diff = lowrank(phis[b] - phis[a])
+                seen[a], seen[b] = phis[a] + diff, phis[b] - diff
+            elif scheme.base == "lrpi":
+                # The same with what a wire would do: one power iteration, warm-started from the asker's last Q.
+                assert lowrank is not None
+                diff = lowrank.power_step(phis[b] - phis[a], warm_q.setdefault(min(a, b), {}), bc.seed)
+                seen[a], seen[b] = phis[a] + diff, phis[b] - diff
+            elif copies is not None:
+                # choco: the pull acts on the copies' difference (CHOCO-gossip's x_i + (x^_j - x^_i)), so
+                # what the codec has not carried yet of either side does not enter it; chocox pulls towards
+                # the partner's copy itself.
+                ca, cb = copies.meet(phis, a, b)
+                for me, mine, theirs in ((a, ca, cb), (b, cb, ca)):
+                    seen[me] = theirs.clone() if scheme.base == "chocox" else phis[me] + theirs - mine
             else:
                 assert wz is not None and scheme.wz is not None
                 fragments, bits, scale = scheme.wz
@@ -367,7 +536,7 @@ def _run_scheme(scheme: Scheme, bc: BenchConfig, outer_steps: int, n: int, home:
             curve.append((outer + 1, val, relative_spread([t.phi for t in trainers])))
     final = curve[-1] if curve else (outer_steps, sum(t.evaluate() for t in trainers) / n,
                                      relative_spread([t.phi for t in trainers]))
-    return {"scheme": scheme.name, "bytes_per_param": bytes_per_param(scheme, numel), "val": final[1],
+    return {"scheme": scheme.name, "bytes_per_param": bytes_per_param(scheme, numel, shapes), "val": final[1],
             "spread": final[2], "wraps": sum(wraps) / len(wraps) if wraps else None, "curve": curve,
             "seconds": round(time.monotonic() - started, 1)}
 

@@ -112,3 +112,62 @@ def test_frag_f_pulls_on_1_of_f_fragments_with_the_same_delta_and_its_preset_liv
     for spec, says in (("frag:x", "whole number"), ("frag:0", "1 <= F"), ("frag:65", "1 <= F")):
         with pytest.raises(SchemeError, match=says):
             Scheme.parse(spec)
+
+
+SHAPES = [(48, 16), (16,), (32, 32)]
+
+
+def _low_rank_flat(rank: int, g: torch.Generator) -> torch.Tensor:
+    """A flat vector whose matrices (SHAPES) have rank `rank`, its vector any values."""
+    parts = []
+    for shape in SHAPES:
+        if len(shape) == 2:
+            parts.append((torch.randn(shape[0], rank, generator=g) @ torch.randn(rank, shape[1], generator=g)).view(-1))
+        else:
+            parts.append(torch.randn(shape, generator=g))
+    return torch.cat(parts)
+
+
+def test_the_low_rank_carry_is_exact_on_rank_r_moves_and_one_warm_power_step_recovers_them() -> None:
+    """`lrdiff` and `choco:lrR` send each matrix at rank R: a move of rank <= R crosses whole (to bf16 for the
+    SVD's factors); `lrpi`'s one power iteration spans a rank-R matrix's columns from any generic Q, so it too
+    gives it back, and the warm Q it keeps is the next step's start."""
+    g = torch.Generator().manual_seed(3)
+    low = phi_schemes.LowRank(2, SHAPES)
+    move = _low_rank_flat(2, g)
+    assert torch.allclose(low(move), move, atol=0.05 * float(move.abs().max()))
+    warm: dict[int, torch.Tensor] = {}
+    assert torch.allclose(low.power_step(move, warm, seed=0), move, atol=1e-4)
+    assert sorted(warm) == [0, 2] and warm[0].shape == (16, 2)
+    higher = _low_rank_flat(6, g)
+    assert float((low(higher) - higher).norm()) > 0.1 * float(higher.norm())  # rank 6 does not cross at rank 2
+    assert low.size_bytes() == 2 * 2 * (48 + 16) + 2 * 16 + 2 * 2 * (32 + 32)
+
+
+def test_public_copies_start_shared_and_trail_phi_by_what_the_carry_has_not_delivered() -> None:
+    start = torch.zeros(8)
+    phis = [torch.arange(8.0), torch.ones(8)]
+    exact = phi_schemes.PublicCopies(start, lambda move: move)
+    mine, theirs = exact.meet(phis, 0, 1)
+    assert torch.equal(mine, phis[0]) and torch.equal(theirs, phis[1])
+    half = phi_schemes.PublicCopies(start, lambda move: move / 2)  # a carry that delivers half each meeting
+    half.meet(phis, 0, 1)
+    mine, _ = half.meet(phis, 0, 1)
+    assert torch.allclose(mine, 0.75 * phis[0])  # what is not delivered yet is sent again: error feedback
+
+
+def test_the_new_schemes_parse_run_and_set_the_pull_s_gamma(tmp_path: Path) -> None:
+    schemes = parse_schemes("choco:k64q2+own;chocox:lr2+own;lrdiff:2+own;lrpi:1+own;frag:16+own+g0.5")
+    assert [s.name for s in schemes] == ["choco:k64q2+own", "chocox:lr2+own", "lrdiff:2+own", "lrpi:1+own",
+                                         "frag:16+own+g0.5"]
+    assert schemes[-1].gamma == 0.5 and schemes[0].gamma is None
+    for spec, says in (("choco:nope", "lossy preset"), ("lrdiff:0", "rank"), ("frag+gx", r"\+gG"),
+                       ("frag+g3", "G <= 2")):
+        with pytest.raises(SchemeError, match=says):
+            Scheme.parse(spec)
+    figures = {s.name: phi_schemes.run_scheme(s, QUICK, 3, 4, tmp_path / str(i), curve_every=0)
+               for i, s in enumerate(schemes)}
+    frag = phi_schemes.run_scheme(Scheme.parse("frag:16+own"), QUICK, 3, 4, tmp_path / "frag", curve_every=0)
+    assert all(f["val"] > 0 and f["bytes_per_param"] > 0 for f in figures.values())
+    assert figures["frag:16+own+g0.5"]["spread"] != frag["spread"]  # gamma reached the worker's pull
+    assert figures["lrdiff:2+own"]["bytes_per_param"] > figures["lrpi:1+own"]["bytes_per_param"]
