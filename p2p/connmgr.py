@@ -162,29 +162,31 @@ class ConnManager:
     silent_after: float | None = None
     #: Whether this node is stranded: connected, yet knowing no member to dial (see the module docstring).
     stranded: Callable[[], bool] | None = None
-    candidates: dict[ID, Candidate] = field(default_factory=dict)
-    subnet_pruned: int = 0  # connections closed because their group was over max_per_subnet
-    cap_pruned: int = 0  # connections closed because we were over the cap
-    silent_closed: int = 0  # connections closed because every connection was silent (silent_after)
+    # Runtime state, not configuration: none of it is a constructor parameter (issue #53: a component's
+    # state is its own, set up here, read through its methods and counters).
+    candidates: dict[ID, Candidate] = field(init=False, default_factory=dict)
+    subnet_pruned: int = field(init=False, default=0)  # connections closed: their group was over max_per_subnet
+    cap_pruned: int = field(init=False, default=0)  # connections closed because we were over the cap
+    silent_closed: int = field(init=False, default=0)  # closed because every connection was silent (silent_after)
     #: When a protocol last received something from each peer (``heard_from``); only connected peers' count.
-    _heard: dict[ID, float] = field(default_factory=dict)
-    _last_tick: float | None = None
+    _heard: dict[ID, float] = field(init=False, default_factory=dict)
+    _last_tick: float | None = field(init=False, default=None)
     #: Connected peers this node has served what a newcomer needs (a state session, or a referral: ``served``):
     #: over the cap, their connections need no grace period.
-    _served: set[ID] = field(default_factory=set)
+    _served: set[ID] = field(init=False, default_factory=set)
     #: Connections whose close is under way (it waits up to `CLOSING_WAIT_S` for ``on_closing``): not closed
     #: again, nor counted, meanwhile. Closing one twice closed it before the peer had been told.
-    _disconnecting: set[ID] = field(default_factory=set)
-    _dialing: set[ID] = field(default_factory=set)
+    _disconnecting: set[ID] = field(init=False, default_factory=set)
+    _dialing: set[ID] = field(init=False, default_factory=set)
     #: Dials under way that a ``redial`` waits for (set when the dial ends): one per peer being dialled.
-    _dial_ended: dict[ID, trio.Event] = field(default_factory=dict)
-    _wake: trio.Event = field(default_factory=trio.Event)
-    _known_connected: set[ID] = field(default_factory=set)
+    _dial_ended: dict[ID, trio.Event] = field(init=False, default_factory=dict)
+    _wake: trio.Event = field(init=False, default_factory=trio.Event)
+    _known_connected: set[ID] = field(init=False, default_factory=set)
     #: When each connected peer's connection was first seen (any direction, candidate or not).
-    _since: dict[ID, float] = field(default_factory=dict)
+    _since: dict[ID, float] = field(init=False, default_factory=dict)
     #: Each connected peer's network group, read once per connection: reading every connection's address
     #: on every tick (twice a second) was most of an idle manager's CPU.
-    _groups: dict[ID, str] = field(default_factory=dict)
+    _groups: dict[ID, str] = field(init=False, default_factory=dict)
 
     # --- inputs ------------------------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ CLASSES = {
     "node/swarm/nat.py:NatService": (564, 5), "node/swarm/replicator.py:ReplicationStats": (28, 20),
     "node/swarm/replicator.py:StateReplicator": (1027, 20), "node/swarm/swim_service.py:SwimService": (694, 5),
     "node/worker/trainer.py:Trainer": (937, 7), "p2p/connmgr.py:Candidate": (13, 10),
-    "p2p/connmgr.py:ConnManager": (417, 28), "protocols/avg.py:AvgRequest": (30, 22),
+    "p2p/connmgr.py:ConnManager": (419, 14), "protocols/avg.py:AvgRequest": (30, 22),
     "protocols/avg.py:AvgAnswer": (27, 16), "protocols/record.py:MemberRecord": (26, 16),
     "protocols/snapshot.py:SnapMeta": (20, 10),
 }
@@ -55,8 +55,16 @@ def _ctor_params(node: ast.ClassDef) -> int:
             a = item.args
             return len(a.posonlyargs) + len(a.args) - 1 + len(a.kwonlyargs)  # self does not count
     if _is_dataclass(node):
-        return sum(1 for item in node.body if isinstance(item, ast.AnnAssign))
+        return sum(1 for item in node.body if isinstance(item, ast.AnnAssign) and not _init_false(item))
     return 0
+
+
+def _init_false(item: ast.AnnAssign) -> bool:
+    """A dataclass field declared ``field(init=False, ...)``: runtime state, not a constructor parameter."""
+    value = item.value
+    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "field"
+            and any(k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False
+                    for k in value.keywords))
 
 
 def shape() -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
