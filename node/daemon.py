@@ -134,11 +134,6 @@ def starling_version() -> str:
         return "0+unknown"
 
 
-
-def _unheard_of(swim: SwimService) -> Callable[[str], bool]:
-    """Whether SWIM never heard of a member (not: holds it dead), for the replicator's members to dial."""
-    return lambda peer: swim.state_name(peer) == "unknown"
-
 class StartupError(Exception):
     """The daemon cannot start for a reason the operator must fix (exit code 2)."""
 
@@ -253,9 +248,7 @@ class Daemon:
             self_fields=self._member_fields,
             local_manifest=self._local_manifest,
             heartbeat_s=node.heartbeat_s,
-            liveness=self.swim.member_state if self.swim is not None else None,
-            last_heard=self.swim.last_heard if self.swim is not None else None,
-            unheard_of=_unheard_of(self.swim) if self.swim is not None else None,
+            liveness=self.swim,  # SWIM mode: members' states from its probes (None: from heartbeats)
             # Swim mode: records by anti-entropy alone (pushed on change), no gossipsub; see the replicator.
             gossip=self.swim is None,
             # Over its cap, a newcomer is referred on rather than sent the whole table (the replicator's _hands_on).

@@ -38,6 +38,7 @@ from node.swarm.crdt import (
     SwarmState,
     encode_body,
 )
+from node.swarm.liveness import CallableLiveness
 from node.swarm.replicator import (
     INTRODUCED_FRESH_S,
     MAX_INBOUND_SESSIONS,
@@ -1330,7 +1331,7 @@ def test_a_referral_looks_at_a_bounded_sample_of_members_and_holds_only_valid_al
         asked.append(peer_id)
         return MemberState.SUSPECT if peer_id in suspect else MemberState.ALIVE
 
-    replicator.liveness = liveness
+    replicator.liveness = CallableLiveness(liveness)
     asker = members[1][0].peer_id
     for _ in range(5):
         asked.clear()
@@ -1575,7 +1576,7 @@ async def test_in_swim_mode_a_newcomer_that_introduced_itself_is_referred_to_bef
     streams with the newcomers are still being negotiated) names, in its referrals, the newcomers whose own
     hellos brought it their records within INTRODUCED_FRESH_S; not those it learnt otherwise, nor after that."""
     replicator = crowded_replicator_with_members()
-    replicator.liveness = lambda peer_id: MemberState.GONE
+    replicator.liveness = CallableLiveness(lambda peer_id: MemberState.GONE)
     replicator._inbound = MAX_INBOUND_SESSIONS  # every session slot taken: refused, with what it can name
     assert replicator._referral("someone else") == []  # the members it holds came another way
     newcomer_key = create_new_key_pair()

@@ -24,6 +24,7 @@ from multiaddr import Multiaddr
 
 from node.config.load import NodeConfig
 from node.swarm.crdt import MemberState, SwarmState, peer_id_of
+from node.swarm.liveness import CallableLiveness
 from node.swarm.membership import MembershipConfig
 from node.swarm.replicator import StateReplicator
 from node.swarm.swim_service import PROTOCOL_ID, REDIAL_S, SwimService
@@ -523,7 +524,7 @@ def swim_replicator(fields: dict[str, Any], liveness: Callable[[str], MemberStat
     key = create_new_key_pair()
     state = SwarmState(key, clock=clock)
     return StateReplicator(build_host(key), state, "s", path=None, self_fields=lambda: dict(fields),
-                           clock=clock, liveness=liveness, progress_every_s=30.0)
+                           clock=clock, liveness=CallableLiveness(liveness), progress_every_s=30.0)
 
 
 def add_trainers(rep: StateReplicator, clock: Clock, count: int) -> list[str]:
@@ -605,7 +606,8 @@ def test_swim_mode_dials_members_whose_records_are_held_but_swim_never_heard_of(
     held: dict[str, MemberState] = {}
     dead: set[str] = set()
     rep = swim_replicator({"role": "trainer"}, lambda peer: held.get(peer, MemberState.GONE), clock)
-    rep.unheard_of = lambda peer: peer not in held and peer not in dead
+    rep.liveness = CallableLiveness(lambda peer: held.get(peer, MemberState.GONE),
+                                    unheard=lambda peer: peer not in held and peer not in dead)
     rep.refresh()
     others = add_trainers(rep, clock, 3)
     held[others[0]] = MemberState.ALIVE
@@ -618,7 +620,7 @@ def test_swim_mode_shows_last_seen_from_swims_evidence_not_from_the_records_age(
     clock = Clock()
     heard: dict[str, float] = {}
     rep = swim_replicator({"role": "trainer"}, lambda peer: MemberState.ALIVE, clock)
-    rep.last_heard = heard.get
+    rep.liveness = CallableLiveness(lambda peer: MemberState.ALIVE, heard=heard.get)
     rep.refresh()
     other = SwarmState(create_new_key_pair(), clock=clock)
     assert rep.state.apply([other.update_self(role="trainer").data]).changed
@@ -749,8 +751,7 @@ async def test_three_daemons_in_swim_mode_show_each_other_alive_in_status_withou
         if i:
             overrides["node.bootstrap"] = [boot]
         daemon = Daemon(load_config(home, overrides=overrides, environ={}), home, key, train=False)
-        assert daemon.swim is not None and daemon.replicator.liveness == daemon.swim.member_state
-        assert daemon.replicator.last_heard == daemon.swim.last_heard
+        assert daemon.swim is not None and daemon.replicator.liveness is daemon.swim
         daemons.append(daemon)
     ids = {str(d.peer_id) for d in daemons}
 

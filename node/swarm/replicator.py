@@ -104,6 +104,7 @@ from node.swarm.crdt import (
     StateFileError,
     SwarmState,
 )
+from node.swarm.liveness import Liveness
 from node.swarm.manifest_trust import ManifestMismatch, ManifestRefused, write_manifest_pin
 from p2p.gossip import idontwant_for_large_messages_only, send_peer_record_once
 from p2p.host import dialed_by_us
@@ -285,10 +286,8 @@ class StateReplicator:
         gossip: bool = True,
         clock: Callable[[], float] = time.time,
         pin_path: Path | None = None,
-        liveness: Callable[[str], MemberState] | None = None,
+        liveness: Liveness | None = None,
         progress_every_s: float = PROGRESS_EVERY_S,
-        last_heard: Callable[[str], float | None] | None = None,
-        unheard_of: Callable[[str], bool] | None = None,
         crowded: Callable[[], bool] | None = None,
         on_new_members: Callable[[], None] | None = None,
         on_served: Callable[[ID], None] | None = None,
@@ -313,15 +312,11 @@ class StateReplicator:
         self.save_s = save_s
         self.gossip = gossip
         self._clock = clock
-        #: SWIM mode: a member's state (alive, suspect, gone) from the SWIM service; None: from heartbeats.
+        #: SWIM mode: members' states (alive, suspect, gone) from the SWIM service, when it last heard from each
+        #: (``last_seen`` in the status: a record re-signed only on change is no measure of it) and whom it
+        #: never heard of (worth a dial, :meth:`members_to_dial`); None: gossip mode, states from heartbeats.
         self.liveness = liveness
         self.progress_every_s = progress_every_s
-        #: SWIM mode: when (wall time) SWIM last had evidence that a member lives, for ``last_seen`` in the
-        #: status (a record re-signed only on change is no measure of it); None where SWIM has none.
-        self.last_heard = last_heard
-        #: SWIM mode: whether SWIM has never heard of a member (not the same as holding it dead); such a
-        #: member, whose record this node holds, is worth a dial (see :meth:`members_to_dial`).
-        self.unheard_of = unheard_of
         #: Whether this node holds more connections than it keeps (its connection manager's cap): it then hands
         #: a newcomer on (see :meth:`_hands_on`) rather than serving it the whole table.
         self.crowded = crowded
@@ -449,14 +444,14 @@ class StateReplicator:
         suspect, was given nobody to dial and stayed with the connections it had.
         """
         dial = self._compatible_members(MemberState.ALIVE, MemberState.SUSPECT)
-        if self.unheard_of is None:
+        if self.liveness is None:
             return dial
         # SWIM mode: SWIM hears of members only through connections (its seed's table at the join, then
         # news along connections), so members whose records came by a state session but whom SWIM never
         # heard of showed as gone and were never dialled: at a 64-daemon join most nodes held one or two
         # connections for a minute. A connection is how SWIM meets them; one it holds dead is not dialled.
         unheard = self._compatible_members(MemberState.GONE)
-        return dial + [view for view in unheard if self.unheard_of(view.peer_id)]
+        return dial + [view for view in unheard if self.liveness.unheard_of(view.peer_id)]
 
     def members(self, now: float | None = None) -> list[MemberView]:
         """Every member held, with its state as this node shows it (:meth:`_shown`)."""
@@ -468,7 +463,7 @@ class StateReplicator:
         if self.liveness is None or view.state is MemberState.LEFT:
             return view
         me = view.peer_id == self.state.peer_id
-        return dataclasses.replace(view, state=MemberState.ALIVE if me else self.liveness(view.peer_id))
+        return dataclasses.replace(view, state=MemberState.ALIVE if me else self.liveness.member_state(view.peer_id))
 
     def _compatible(self, view: MemberView, ours: str) -> bool:
         """Whether ``view`` is another member that may average with us: not this node, not known to be
@@ -528,8 +523,8 @@ class StateReplicator:
     def _member_status(self, view: MemberView, now: float) -> MemberStatus:
         r = view.record
         last_seen = view.last_seen
-        if self.last_heard is not None:
-            heard = self.last_heard(r.peer_id)
+        if self.liveness is not None:
+            heard = self.liveness.last_heard(r.peer_id)
             last_seen = heard if heard is not None else last_seen
         return {
             "peer_id": r.peer_id,

@@ -297,6 +297,11 @@ class SwimService:
         heard = self._heard.get(pid)
         return None if heard is None else time.time() - (trio.current_time() - heard)
 
+    def unheard_of(self, peer_id: str) -> bool:
+        """Whether SWIM never heard of a member (not: holds it dead), for the replicator's members to dial
+        (node/swarm/liveness.py)."""
+        return self.state_name(peer_id) == "unknown"
+
     def state_name(self, peer_id: str) -> str:
         """The core's own word for a member (alive, suspect, dead, unknown)."""
         pid = self._by_name.get(peer_id)
