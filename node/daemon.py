@@ -251,10 +251,10 @@ class Daemon:
             liveness=self.swim,  # SWIM mode: members' states from its probes (None: from heartbeats)
             # Swim mode: records by anti-entropy alone (pushed on change), no gossipsub; see the replicator.
             gossip=self.swim is None,
-            # Over its cap, a newcomer is referred on rather than sent the whole table (the replicator's _hands_on).
-            crowded=lambda: len(self.connmgr.connected()) > self.connmgr.cap,
+            # Over its cap, a newcomer is referred on rather than sent the whole table (the replicator's _hands_on);
+            # a newcomer served may be closed without its grace; a session's answer says the connection delivers.
+            connections=self.connmgr,
             on_new_members=self._new_members,
-            on_served=self.connmgr.served,
         )
         self.nat = NatService(self.host, self.connmgr, NatConfig(), psk=psk)  # dial-back probes need the key
         self.connmgr.dial = self.nat.dial
@@ -265,7 +265,6 @@ class Daemon:
             self.swim.on_heard = self.connmgr.heard_from
             self.swim.redial = self.connmgr.redial
             self.swim.redial_s = lambda: dial_budget_s(REDIAL_S, self.nat.typical_rtt_s())
-            self.replicator.on_heard = self.connmgr.heard_from
             self.connmgr.silent_after = SILENT_S
             self.connmgr.stranded = self._stranded
         self.connmgr.on_connected = make_on_connected(

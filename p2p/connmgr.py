@@ -241,6 +241,10 @@ class ConnManager:
     def connected(self) -> list[ID]:
         return [p for p in self.host.get_connected_peers() if p != self.host.get_id()]
 
+    def crowded(self) -> bool:
+        """Whether more peers are connected than the cap keeps (node/swarm/replicator.py refers newcomers on)."""
+        return len(self.connected()) > self.cap
+
     def served(self, peer_id: ID) -> None:
         """This node has given ``peer_id`` what a newcomer needs from it (the swarm state's records, with the
         members' addresses, in a session; or a referral to members): over the cap its connection may be

@@ -783,6 +783,25 @@ async def cluster() -> AsyncIterator[Cluster]:
         nursery.cancel_scope.cancel()
 
 
+@dataclass
+class RecordedConnections:
+    """The replicator's view of a connection manager (node/swarm/replicator.py `Connections`), recording what it
+    is told: `is_crowded` is what it answers."""
+
+    is_crowded: bool = False
+    served_peers: list[ID] = field(default_factory=list)
+    heard: list[ID] = field(default_factory=list)
+
+    def crowded(self) -> bool:
+        return self.is_crowded
+
+    def served(self, peer_id: ID) -> None:
+        self.served_peers.append(peer_id)
+
+    def heard_from(self, peer_id: ID) -> None:
+        self.heard.append(peer_id)
+
+
 def idle_replicator() -> StateReplicator:
     """A replicator that is never run: for its scheduling decisions and its pubsub set-up."""
     key = create_new_key_pair()
@@ -1349,8 +1368,7 @@ async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serv
     session slots are free; a member whose record it holds still gets a session, and so does a newcomer
     when the node is not crowded."""
     replicator = idle_replicator()
-    crowded = True
-    replicator.crowded = lambda: crowded
+    conns = replicator.connections = RecordedConnections(is_crowded=True)  # the daemon's connection manager
     sessions: list[ID] = []
 
     async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False,
@@ -1365,20 +1383,18 @@ async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serv
     member = ID.from_pubkey(member_key.public_key)
     newcomer = ID.from_pubkey(create_new_key_pair().public_key)
 
-    served: list[ID] = []
-    replicator.on_served = served.append  # the daemon's connection manager: no grace needed any more
     handed_on = WrittenStateStream(newcomer)
     await replicator._handle_stream(handed_on)
     error = await written_error(handed_on, protocol.Error)
     assert error.code == protocol.BUSY and len(error.referral) == protocol.MAX_REFERRAL_RECORDS
-    assert served == [newcomer]
+    assert conns.served_peers == [newcomer]  # no grace needed any more
     assert sessions == [] and replicator.stats.newcomers_handed_on == 1 and replicator.stats.peer_share_refusals == 0
     await replicator._handle_stream(WrittenStateStream(member))
-    crowded = False
+    conns.is_crowded = False
     await replicator._handle_stream(WrittenStateStream(newcomer))
     assert sessions == [member, newcomer] and replicator.stats.busy_refusals == 1
     # A 1.0.0 refusal carries no referral, so a 1.0.0 newcomer is served as before.
-    crowded = True
+    conns.is_crowded = True
     await replicator._handle_stream(WrittenStateStream(newcomer), legacy=True)
     assert sessions[-1] == newcomer and replicator.stats.newcomers_handed_on == 1
     # The side referred on is told when a referral brought members new to it (the daemon dials them at once).
@@ -1392,7 +1408,7 @@ async def test_a_crowded_replicator_hands_a_newcomer_on_with_a_referral_and_serv
 def crowded_replicator_recording_sessions() -> tuple[StateReplicator, list[ID]]:
     """A replicator over its connection cap whose sessions only record the peer they would be with."""
     replicator = idle_replicator()
-    replicator.crowded = lambda: True
+    replicator.connections = RecordedConnections(is_crowded=True)
     sessions: list[ID] = []
 
     async def session(peer: ID, stream: Any, *, initiator: bool, legacy: bool = False,
@@ -1517,13 +1533,12 @@ def test_a_session_that_brought_new_records_is_told_to_the_daemon_and_marks_its_
     connection for its cap without waiting out the newcomer's grace (issue #24, the 64-daemon join)."""
     replicator = idle_replicator()
     told: list[bool] = []
-    served: list[ID] = []
+    conns = replicator.connections = RecordedConnections()
     replicator.on_new_members = lambda: told.append(True)
-    replicator.on_served = served.append
     peer = ID.from_pubkey(create_new_key_pair().public_key)
     replicator._synced(peer.to_base58(), protocol.SessionResult(0, 3, 0, 0, "", ""))  # nothing new here
     replicator._synced(peer.to_base58(), protocol.SessionResult(0, 3, 2, 0, "", ""))
-    assert told == [True] and served == [peer, peer]
+    assert told == [True] and conns.served_peers == [peer, peer]
 
 
 def intro_hello(record: bytes, swarm: str = SWARM) -> bytes:
@@ -1536,7 +1551,7 @@ def intro_hello(record: bytes, swarm: str = SWARM) -> bytes:
 def crowded_replicator_with_members(n: int = protocol.MAX_REFERRAL_RECORDS + 2) -> StateReplicator:
     """A replicator over its connection cap that holds enough members with addresses to refer newcomers on."""
     replicator = idle_replicator()
-    replicator.crowded = lambda: True
+    replicator.connections = RecordedConnections(is_crowded=True)
     for _, data in [member_record(addrs=(f"/ip4/10.0.1.{i}/tcp/4001",)) for i in range(n)]:
         replicator.state.merge(data)
     return replicator

@@ -92,6 +92,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
 from node.status_schema import MemberStatus, ReplicaStatus, ReplicationStatus
+from node.swarm.connections import Connections
 from node.swarm.crdt import (
     Delivery,
     Manifest,
@@ -288,10 +289,8 @@ class StateReplicator:
         pin_path: Path | None = None,
         liveness: Liveness | None = None,
         progress_every_s: float = PROGRESS_EVERY_S,
-        crowded: Callable[[], bool] | None = None,
+        connections: Connections | None = None,
         on_new_members: Callable[[], None] | None = None,
-        on_served: Callable[[ID], None] | None = None,
-        on_heard: Callable[[ID], None] | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_s", heartbeat_s),
@@ -317,20 +316,13 @@ class StateReplicator:
         #: never heard of (worth a dial, :meth:`members_to_dial`); None: gossip mode, states from heartbeats.
         self.liveness = liveness
         self.progress_every_s = progress_every_s
-        #: Whether this node holds more connections than it keeps (its connection manager's cap): it then hands
-        #: a newcomer on (see :meth:`_hands_on`) rather than serving it the whole table.
-        self.crowded = crowded
+        #: The node's connection manager, as this replicator tells and asks it (`Connections`; None: no
+        #: manager, as in tests that exercise a replicator alone).
+        self.connections = connections
         #: Called when a session or a busy refusal's referral brought records new to this node: the daemon
         #: hands members' addresses to its connection manager at once rather than at its next 5 s look
         #: (while it is short of connections: a newcomer whose first session gave it the members).
         self.on_new_members = on_new_members
-        #: Called with a peer that has what a newcomer needs from this node: a session completed with it, or
-        #: a referral handed to it. The connection manager may then close it for its cap without waiting out
-        #: the newcomer's grace period (p2p/connmgr.py ``served``).
-        self.on_served = on_served
-        #: Called with a peer whose session ended with its answer (synced, or refused): its connection delivers
-        #: (the connection manager's ``heard_from``, which drops connections that deliver nothing).
-        self.on_heard = on_heard
         self._last_fields: dict[str, Any] | None = None  # what the last record signed here said
         self._last_signed = -math.inf
         #: Heartbeats that re-signed the record, and those that found nothing worth a signature (SWIM mode).
@@ -1028,8 +1020,8 @@ class StateReplicator:
             except ProtocolError:
                 pass
             else:
-                if handed_on and self.on_served is not None:
-                    self.on_served(peer)
+                if handed_on and self.connections is not None:
+                    self.connections.served(peer)
             finally:
                 if replica is not None:
                     self._count_introduced(replica)
@@ -1067,8 +1059,8 @@ class StateReplicator:
         refer than a referral carries, the whole table is that small, so the session costs little, and it
         brings this node the newcomer's record, which the next newcomers are referred to. On 2.1.0 the
         refusal brings it too (the newcomer's hello carries it), so a shorter referral is enough there."""
-        return (not legacy and self.crowded is not None and not self.state.holds(peer.to_base58())
-                and self.crowded())
+        return (not legacy and self.connections is not None and not self.state.holds(peer.to_base58())
+                and self.connections.crowded())
 
     def _referral(self, asker: str) -> list[bytes]:
         """Records for a busy refusal's referral (protocols/state.py): alive members other than this node
@@ -1193,13 +1185,13 @@ class StateReplicator:
         self.stats.records_changed += replica.introduced
 
     def _heard(self, peer: ID) -> None:
-        if self.on_heard is not None:
-            self.on_heard(peer)
+        if self.connections is not None:
+            self.connections.heard_from(peer)
 
     def _synced(self, peer: str, result: protocol.SessionResult) -> None:
         self.stats.sessions_ok += 1
-        if self.on_served is not None:
-            self.on_served(ID.from_base58(peer))
+        if self.connections is not None:
+            self.connections.served(ID.from_base58(peer))
         self.stats.records_sent += result.sent
         self.stats.records_received += result.received
         self.stats.records_changed += result.changed
