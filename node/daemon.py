@@ -67,7 +67,7 @@ from node.swarm.circuit import short_id
 from node.swarm.crdt import Manifest, MemberState
 from node.swarm.manifest_trust import ManifestAuthority, ManifestPinError, read_manifest_pin
 from node.swarm.nat import NatConfig, NatService, dial_budget_s
-from node.swarm.replicator import StateReplicator, load_state
+from node.swarm.replicator import ReplicationTiming, StateReplicator, load_state
 from node.swarm.swim_service import REDIAL_S, SwimService
 from node.swarm.swim_service import timing as swim_timing
 from p2p.addrs import parse_bootstrap, parse_listen
@@ -247,7 +247,7 @@ class Daemon:
             pin_path=self.layout.manifest_pin,
             self_fields=self._member_fields,
             local_manifest=self._local_manifest,
-            heartbeat_s=node.heartbeat_s,
+            timing=ReplicationTiming(heartbeat_s=node.heartbeat_s),
             liveness=self.swim,  # SWIM mode: members' states from its probes (None: from heartbeats)
             # Swim mode: records by anti-entropy alone (pushed on change), no gossipsub; see the replicator.
             gossip=self.swim is None,

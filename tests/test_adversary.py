@@ -44,7 +44,7 @@ from node.swarm.crdt import (
     sign_record,
 )
 from node.swarm.manifest_trust import ManifestAuthority, read_manifest_pin, write_manifest_pin
-from node.swarm.replicator import DeliveredReplica, StateReplicator
+from node.swarm.replicator import DeliveredReplica, ReplicationTiming, StateReplicator
 from node.worker.checkpoint import CheckpointStore
 from p2p.connmgr import PRUNE_GRACE_S, ConnManager
 from p2p.fsutil import tighten_private_folders
@@ -145,7 +145,7 @@ async def start_node(nursery: trio.Nursery, tmp_path: Path, name: str, *, manife
               "manifest_hash": manifest.hash if manifest else ""}
     rep = StateReplicator(host, state, SWARM, path=tmp_path / f"{name}.state", pin_path=tmp_path / f"{name}.pin",
                           self_fields=lambda: dict(fields), local_manifest=lambda: manifest,
-                          heartbeat_s=60.0, anti_entropy_s=0.5)
+                          timing=ReplicationTiming(heartbeat_s=60.0, anti_entropy_s=0.5))
 
     async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with host.run(LOOPBACK):
@@ -257,7 +257,8 @@ async def test_a_trainer_whose_manifest_differs_from_the_pinned_one_reports_it_a
     state = SwarmState(key, authority=ManifestAuthority(pinned=MANIFEST.hash))
     mine = dataclasses.replace(MANIFEST, task="changed")
     rep = StateReplicator(build_host(key), state, SWARM, path=None, pin_path=tmp_path / "manifest.pin",
-                          self_fields=dict, local_manifest=lambda: mine, anti_entropy_s=0.01)
+                          self_fields=dict, local_manifest=lambda: mine,
+                          timing=ReplicationTiming(anti_entropy_s=0.01))
     await trio.sleep(0.05)  # past the lone node's grace period
     rep._check_manifest()
     assert state.manifest is None

@@ -49,6 +49,7 @@ from node.swarm.replicator import (
     REFERRALS_COUNTED,
     REFUSED_RETRY_S,
     DeliveredReplica,
+    ReplicationTiming,
     StateReplicator,
     load_state,
 )
@@ -700,9 +701,7 @@ def make_replicator(
         path=path,
         self_fields=lambda: dict(fields),
         local_manifest=lambda: manifest,
-        heartbeat_s=heartbeat_s,
-        anti_entropy_s=anti_entropy_s,
-        save_s=save_s,
+        timing=ReplicationTiming(heartbeat_s=heartbeat_s, anti_entropy_s=anti_entropy_s, save_s=save_s),
         gossip=gossip,
     )
 
@@ -1748,3 +1747,10 @@ async def test_the_side_that_dialled_a_connection_opens_its_first_session() -> N
         await dialler.host.connect(info_from_p2p_addr(acceptor.host.get_addrs()[0]))
         assert dialler.rep._opens_first_session(acceptor.host.get_id())
         assert not acceptor.rep._opens_first_session(dialler.host.get_id())
+
+
+def test_replication_timing_refuses_a_period_that_is_not_positive_naming_it() -> None:
+    for name in ("heartbeat_s", "anti_entropy_s", "save_s", "progress_every_s"):
+        with pytest.raises(ValueError, match=f"{name} must be positive"):
+            ReplicationTiming(**{name: 0.0})
+    assert ReplicationTiming(heartbeat_s=0.5).anti_entropy_s == 5.0  # the others keep their defaults

@@ -26,7 +26,7 @@ from node.config.load import NodeConfig
 from node.swarm.crdt import MemberState, SwarmState, peer_id_of
 from node.swarm.liveness import CallableLiveness
 from node.swarm.membership import MembershipConfig
-from node.swarm.replicator import StateReplicator
+from node.swarm.replicator import ReplicationTiming, StateReplicator
 from node.swarm.swim_service import PROTOCOL_ID, REDIAL_S, SwimService
 from p2p.connmgr import ConnManager
 from p2p.host import build_host
@@ -524,7 +524,8 @@ def swim_replicator(fields: dict[str, Any], liveness: Callable[[str], MemberStat
     key = create_new_key_pair()
     state = SwarmState(key, clock=clock)
     return StateReplicator(build_host(key), state, "s", path=None, self_fields=lambda: dict(fields),
-                           clock=clock, liveness=CallableLiveness(liveness), progress_every_s=30.0)
+                           clock=clock, liveness=CallableLiveness(liveness),
+                           timing=ReplicationTiming(progress_every_s=30.0))
 
 
 def add_trainers(rep: StateReplicator, clock: Clock, count: int) -> list[str]:

@@ -261,6 +261,22 @@ class ReplicationStats:
         return cast("ReplicationStatus", out)
 
 
+@dataclass(frozen=True)
+class ReplicationTiming:
+    """How often a replicator heartbeats, runs anti-entropy and saves (see the module docstring), and how often
+    SWIM mode re-signs a record for progress alone (``progress_every_s``). Each must be positive."""
+
+    heartbeat_s: float = 2.0
+    anti_entropy_s: float = 5.0
+    save_s: float = 10.0
+    progress_every_s: float = PROGRESS_EVERY_S
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
 class StateReplicator:
     """Keeps one node's :class:`SwarmState` replicated with its peers (see the module docstring).
 
@@ -281,24 +297,14 @@ class StateReplicator:
         path: Path | None,
         self_fields: Callable[[], dict[str, Any]],
         local_manifest: Callable[[], Manifest | None] = lambda: None,
-        heartbeat_s: float = 2.0,
-        anti_entropy_s: float = 5.0,
-        save_s: float = 10.0,
+        timing: ReplicationTiming = ReplicationTiming(),
         gossip: bool = True,
         clock: Callable[[], float] = time.time,
         pin_path: Path | None = None,
         liveness: Liveness | None = None,
-        progress_every_s: float = PROGRESS_EVERY_S,
         connections: Connections | None = None,
         on_new_members: Callable[[], None] | None = None,
     ) -> None:
-        for name, value in (
-            ("heartbeat_s", heartbeat_s),
-            ("anti_entropy_s", anti_entropy_s),
-            ("save_s", save_s),
-        ):
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, got {value}")
         self.host = host
         self.state = state
         self.swarm = swarm
@@ -306,16 +312,16 @@ class StateReplicator:
         self.path = path
         self.self_fields = self_fields
         self.local_manifest = local_manifest
-        self.heartbeat_s = heartbeat_s
-        self.anti_entropy_s = anti_entropy_s
-        self.save_s = save_s
+        self.heartbeat_s = timing.heartbeat_s
+        self.anti_entropy_s = timing.anti_entropy_s
+        self.save_s = timing.save_s
         self.gossip = gossip
         self._clock = clock
         #: SWIM mode: members' states (alive, suspect, gone) from the SWIM service, when it last heard from each
         #: (``last_seen`` in the status: a record re-signed only on change is no measure of it) and whom it
         #: never heard of (worth a dial, :meth:`members_to_dial`); None: gossip mode, states from heartbeats.
         self.liveness = liveness
-        self.progress_every_s = progress_every_s
+        self.progress_every_s = timing.progress_every_s
         #: The node's connection manager, as this replicator tells and asks it (`Connections`; None: no
         #: manager, as in tests that exercise a replicator alone).
         self.connections = connections
