@@ -237,8 +237,14 @@ class Daemon:
             authority=authority,
         )
         # node.membership = "swim": liveness from SWIM's probes, records re-signed only when they change.
-        self.swim = SwimService(self.host, key_pair, config=swim_timing(
-            node.swim_period_s, node.swim_ack_timeout_s, node.swim_suspicion_mult)) if node.membership == "swim" else None
+        # A connection that delivers nothing is dropped and redialed once every connection is silent
+        # (p2p/connmgr.py, SILENT_S): SWIM's probes, answered within seconds, are what says it delivers; a dropped
+        # member is dialled again within the NAT service's budget before its drop counts as news.
+        self.swim = SwimService(
+            self.host, key_pair,
+            config=swim_timing(node.swim_period_s, node.swim_ack_timeout_s, node.swim_suspicion_mult),
+            connections=self.connmgr, redial_s=lambda: dial_budget_s(REDIAL_S, self.nat.typical_rtt_s()),
+        ) if node.membership == "swim" else None
         self.replicator = StateReplicator(
             self.host,
             state,
@@ -260,11 +266,6 @@ class Daemon:
         self.connmgr.dial = self.nat.dial
         if self.swim is not None:
             self.connmgr.on_closing = self.swim.tell_closing
-            # A connection that delivers nothing is dropped and redialed once every connection is silent
-            # (p2p/connmgr.py, SILENT_S): SWIM's probes, answered within seconds, are what says it delivers.
-            self.swim.on_heard = self.connmgr.heard_from
-            self.swim.redial = self.connmgr.redial
-            self.swim.redial_s = lambda: dial_budget_s(REDIAL_S, self.nat.typical_rtt_s())
             self.connmgr.silent_after = SILENT_S
             self.connmgr.stranded = self._stranded
         self.connmgr.on_connected = make_on_connected(

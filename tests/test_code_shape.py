@@ -19,9 +19,9 @@ CLASS_LINES, CTOR_PARAMS, MODULE_LINES = 500, 8, 700
 
 #: module -> its ceiling in lines
 MODULES = {
-    "node/averaging/averager.py": 1258, "node/daemon.py": 940, "node/swarm/crdt.py": 947,
+    "node/averaging/averager.py": 1258, "node/daemon.py": 941, "node/swarm/crdt.py": 947,
     "node/swarm/membership.py": 1436, "node/swarm/nat.py": 790, "node/swarm/replicator.py": 1310,
-    "node/swarm/swim_service.py": 889, "node/worker/trainer.py": 1136, "p2p/datapath.py": 929,
+    "node/swarm/swim_service.py": 891, "node/worker/trainer.py": 1136, "p2p/datapath.py": 929,
     "protocols/avg.py": 1006, "protocols/state.py": 778,
 }
 #: module:class -> its ceilings (lines, constructor parameters)
@@ -31,11 +31,11 @@ CLASSES = {
     "node/bridge/exchange.py:ExchangeRequest": (29, 11), "node/bridge/ipc.py:Hello": (12, 11),
     "node/bridge/ipc.py:Result": (21, 14), "node/bridge/supervisor.py:WorkerSupervisor": (420, 10),
     "node/config/load.py:NodeConfig": (95, 26), "node/config/sync.py:SyncConfig": (99, 26),
-    "node/config/train.py:TrainConfig": (104, 37), "node/daemon.py:Daemon": (726, 4),
+    "node/config/train.py:TrainConfig": (104, 37), "node/daemon.py:Daemon": (727, 4),
     "node/swarm/crdt.py:SwarmState": (632, 10), "node/swarm/membership.py:MembershipConfig": (38, 32),
     "node/swarm/membership.py:Membership": (1025, 6), "node/swarm/nat.py:NatConfig": (52, 11),
     "node/swarm/nat.py:NatService": (564, 5), "node/swarm/replicator.py:ReplicationStats": (28, 20),
-    "node/swarm/replicator.py:StateReplicator": (1002, 13), "node/swarm/swim_service.py:SwimService": (699, 5),
+    "node/swarm/replicator.py:StateReplicator": (1002, 13), "node/swarm/swim_service.py:SwimService": (700, 7),
     "node/worker/trainer.py:Trainer": (937, 7), "p2p/connmgr.py:Candidate": (13, 10),
     "p2p/connmgr.py:ConnManager": (423, 14), "protocols/avg.py:AvgRequest": (30, 22),
     "protocols/avg.py:AvgAnswer": (27, 16), "protocols/record.py:MemberRecord": (26, 16),

@@ -701,7 +701,8 @@ def test_in_swim_mode_the_daemon_drops_connections_that_deliver_nothing_in_gossi
     for mode, daemon in _daemons_in_each_mode(tmp_path):
         silent_after[mode] = daemon.connmgr.silent_after
         if daemon.swim is not None:
-            assert daemon.swim.on_heard == daemon.connmgr.heard_from
+            assert daemon.swim.on_heard == daemon.connmgr.heard_from  # given at construction, not patched in
+            assert daemon.swim.redial == daemon.connmgr.redial and daemon.swim.redial_s is not None
         assert daemon.replicator.connections is daemon.connmgr  # a session's answer: heard from, in both modes
     assert silent_after == {"swim": SILENT_S, "gossip": None}
 

@@ -5,7 +5,8 @@
                    read_manifest_pin, write_manifest_pin: HOME/manifest.pin, what first use remembers
     replicator.py  StateReplicator: that state replicated by gossip and anti-entropy
     liveness.py    Liveness: what the replicator asks of SWIM (states, last heard, never heard of)
-    connections.py Connections: what the replicator tells and asks of the connection manager
+    connections.py Connections, SwimConnections: what the replicator and SWIM tell and ask of the
+                   connection manager
     nat.py         NatService: reachability, circuit relays, hole punching, the path to each peer
     circuit.py     parse_circuit_addr, connection_is_relayed: circuit relay v2's addresses and answers
     holepunch.py   ReportingDCUtR: py-libp2p's DCUtR, with each punch's outcome and why it failed

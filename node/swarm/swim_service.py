@@ -92,6 +92,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from node.status_schema import SwimStatus
+from node.swarm.connections import SwimConnections
 from node.swarm.crdt import MemberState
 from node.swarm.membership import (
     ALIVE,
@@ -187,7 +188,8 @@ class SwimService:
     or not known to SWIM at all). ``counters`` counts what happened (for tests and diagnostics)."""
 
     def __init__(self, host: IHost, key_pair: KeyPair, *, config: MembershipConfig | None = None,
-                 max_members: int = MAX_MEMBERS, rng: random.Random | None = None) -> None:
+                 max_members: int = MAX_MEMBERS, rng: random.Random | None = None,
+                 connections: SwimConnections | None = None, redial_s: Callable[[], float] | None = None) -> None:
         self.host = host
         self._me = host.get_id()
         self._private = Ed25519PrivateKey.from_private_bytes(key_pair.private_key.to_bytes()[:32])
@@ -212,15 +214,15 @@ class SwimService:
         self.max_lag_s = 0.0
         self._disconnected_at: dict[int, float] = {}
         self._closing: dict[ID, float] = {}  # peers whose connection is closing (here, or at their notice), since when
-        #: Called with each peer a message arrived from: its connection delivers (the daemon wires the
-        #: connection manager's ``heard_from``, which drops connections that deliver nothing).
-        self.on_heard: Callable[[ID], None] | None = None
+        #: Called with each peer a message arrived from: its connection delivers (`connections`' ``heard_from``,
+        #: which drops connections that deliver nothing).
+        self.on_heard: Callable[[ID], None] | None = connections.heard_from if connections is not None else None
         #: Awaited (at most ``REDIAL_S``) before a dropped connection counts as news: dial the member again, True
-        #: if connected after (the daemon wires the connection manager's ``redial``). None: probed at once.
-        self.redial: Callable[[ID], Awaitable[bool]] | None = None
-        #: How long that dial may take (None: ``REDIAL_S``); the daemon wires the NAT service's budget, longer
+        #: if connected after (`connections`' ``redial``). None: probed at once.
+        self.redial: Callable[[ID], Awaitable[bool]] | None = connections.redial if connections is not None else None
+        #: How long that dial may take (None: ``REDIAL_S``); the daemon gives the NAT service's budget, longer
         #: where our connections' round trips are long (node/swarm/nat.py, ``dial_budget_s``).
-        self.redial_s: Callable[[], float] | None = None
+        self.redial_s = redial_s
         self._redialing: set[ID] = set()
         self._notices: dict[ID, trio.Event] = {}  # closes waiting for the peer's notice back (tell_closing)
         #: Members last turned suspect here (any accuser): peer -> wall time, the last ``RECENT_SUSPECTS``, so
