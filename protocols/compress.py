@@ -102,7 +102,8 @@ PRESETS: dict[str, Compression] = {
 #: top 64 or 128 of every 4096 entries, 1.6% or 3.1%, at 2 bits with 12-bit indices: 0.029 or 0.057 B/param)
 #: with `high`'s phi (int8 on 1 of 32 fragments, 0.031): 0.060 and 0.088 B/param each way in all; `k64q2` and
 #: `k128q2` with plain error feedback, the `-own` ones applying our own Delta in full as `medium` and `high` do;
-#: `-f16` and `-f8` spend more of the bytes on phi's pull (1 of 16 or 8 fragments: 0.092 and 0.154 B/param).
+#: `-f16`, `-f8` and `-f4` spend more of the bytes on phi's pull (1 of 16, 8 or 4 fragments: 0.092, 0.154 and
+#: 0.279 B/param; `-f4` to read beside `medium`'s 0.44).
 #: `k64q2-own-f1` and `frag16-only` are `k64q2-own-f16`'s two halves apart (its Delta with phi whole in int8; its
 #: phi with Delta whole in the wire dtype), to tell what each costs over the long run.
 #: `topk-only` and `frag-only` are the two halves of `medium` (docs/benchmarks.md, "Compression": its ablation).
@@ -115,6 +116,7 @@ EXPERIMENTAL: dict[str, Compression] = {
     "k128q2-own": Compression("k128q2-own", delta_keep=128, fragments=32, delta_bits=2, own_in_full=True),
     "k64q2-own-f16": Compression("k64q2-own-f16", delta_keep=64, fragments=16, delta_bits=2, own_in_full=True),
     "k64q2-own-f8": Compression("k64q2-own-f8", delta_keep=64, fragments=8, delta_bits=2, own_in_full=True),
+    "k64q2-own-f4": Compression("k64q2-own-f4", delta_keep=64, fragments=4, delta_bits=2, own_in_full=True),
     "k64q2-own-f1": Compression("k64q2-own-f1", delta_keep=64, fragments=1, delta_bits=2, own_in_full=True),
     "frag16-only": Compression("frag16-only", delta_keep=0, fragments=16),
     "topk-only": Compression("topk-only", delta_keep=256, fragments=1),
