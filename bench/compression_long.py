@@ -256,8 +256,8 @@ def render(records: list[dict], path: Path = RESULTS) -> str:
         base_curve = base.curve_mean()
         marks = _marks(sorted(base_curve))
         if marks:
-            lines += ["", "The gap to bf16 NoLoCo along the run (mean over the seeds both have; a gap that shrinks "
-                      "is error feedback's deferral, one that stays is a loss):", "",
+            lines += ["", "The gap to bf16 NoLoCo along the run (each row's mean over its own seeds against bf16's over "
+                      "all of its seeds; a gap that shrinks is error feedback's deferral, one that stays is a loss):", "",
                       "| variant | " + " | ".join(f"at {s:,} inner steps" for s in marks) + " |",
                       "|---|" + "---|" * len(marks)]
             for r in table_rows:
