@@ -38,7 +38,6 @@ from node.swarm.crdt import (
     SwarmState,
     encode_body,
 )
-from node.swarm.liveness import CallableLiveness
 from node.swarm.replicator import (
     INTRODUCED_FRESH_S,
     MAX_INBOUND_SESSIONS,
@@ -67,6 +66,7 @@ from p2p.wire import (
 from protocols import state as protocol
 from protocols.hlc import Timestamp
 from protocols.state import LocalInfo, SyncRefused
+from starling_testing.liveness import CallableLiveness
 
 SWARM = "test-swarm"
 MANIFEST_A = Manifest("stdlib-lm", "a" * 64, "b" * 64, 1)

@@ -24,13 +24,13 @@ from multiaddr import Multiaddr
 
 from node.config.load import NodeConfig
 from node.swarm.crdt import MemberState, SwarmState, peer_id_of
-from node.swarm.liveness import CallableLiveness
 from node.swarm.membership import MembershipConfig
 from node.swarm.replicator import ReplicationTiming, StateReplicator
 from node.swarm.swim_service import PROTOCOL_ID, REDIAL_S, SwimService
 from p2p.connmgr import ConnManager
 from p2p.host import build_host
 from p2p.wire import LibP2PByteStream, PlainFrameChannel
+from starling_testing.liveness import CallableLiveness
 
 # Half-second periods: a dead member is suspect within probe_timeout_s of its connection closing, and gone
 # within the suspicion timeout after that, at most suspicion_max_mult x suspicion_mult x period_s = 12 s.

@@ -8,13 +8,11 @@ mode switch, and `SwimService` is that object as it stands.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from node.swarm.crdt import MemberState
 
-__all__ = ["CallableLiveness", "Liveness"]
+__all__ = ["Liveness"]
 
 
 class Liveness(Protocol):
@@ -31,22 +29,3 @@ class Liveness(Protocol):
     def unheard_of(self, peer_id: str) -> bool:
         """Whether it never heard of the member (not the same as holding it dead): worth a dial."""
         ...
-
-
-@dataclass
-class CallableLiveness:
-    """A `Liveness` from plain functions: for a caller whose answers come from elsewhere (tests, a simulation).
-    Unless given, nobody was ever heard from and nobody is unheard of."""
-
-    state: Callable[[str], MemberState]
-    heard: Callable[[str], float | None] = lambda peer_id: None
-    unheard: Callable[[str], bool] = lambda peer_id: False
-
-    def member_state(self, peer_id: str) -> MemberState:
-        return self.state(peer_id)
-
-    def last_heard(self, peer_id: str) -> float | None:
-        return self.heard(peer_id)
-
-    def unheard_of(self, peer_id: str) -> bool:
-        return self.unheard(peer_id)
